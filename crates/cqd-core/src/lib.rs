@@ -1,0 +1,2 @@
+//! cqd-core: the backend-agnostic heart of cqd.
+pub mod sink;

@@ -1,0 +1,1 @@
+//! cqd-sim: a software RDMA NIC for cqd.

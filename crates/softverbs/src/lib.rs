@@ -1,0 +1,1 @@
+//! softverbs: a userspace libibverbs provider (work in progress, see issue 5).
