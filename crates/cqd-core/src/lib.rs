@@ -1,2 +1,4 @@
 //! cqd-core: the backend-agnostic heart of cqd.
 pub mod sink;
+#[doc(hidden)]
+pub mod sync;
