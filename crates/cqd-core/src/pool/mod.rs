@@ -1,0 +1,241 @@
+//! Worker pools: the lock-free hand-off from pollers to worker threads.
+//!
+//! Handlers run on a poller thread and must not block, so heavy work goes to
+//! a pool. A pool of `n` workers fed by `p` pollers has `p × n` bounded SPSC
+//! rings: each [`PoolSink`] (one per poller, a [`WorkSink`](crate::sink::WorkSink))
+//! owns one ring to every worker, so every ring has exactly one producer and
+//! one consumer. The poller offers each drained batch at once: one
+//! publication per ring per offer, and a wake-up only when a ring goes from
+//! empty to non-empty while its worker sleeps (see the `park` protocol in
+//! this module's source, model-checked by `tests/loom_worker.rs`).
+//!
+//! Routing: [`Route::Key`](crate::sink::Route::Key) hashes to a fixed worker
+//! ([`worker_for_key`]), so per-key order holds; `Route::LeastLoaded` goes to
+//! the shallowest ring. A full ring refuses; the refused items stay in the
+//! poller's spill queue, in order, and are offered again next loop.
+//!
+//! Panics in the work function are caught and counted; the worker goes on.
+//!
+//! Stop sequence (nothing handed over is lost):
+//!
+//! 1. Each poller stops polling, hands over its spill with
+//!    [`PoolSink::flush`], and drops its sink.
+//! 2. Dropping a sink publishes anything staged, lowers the pool's count of
+//!    live producers (`Release`), and unparks every worker.
+//! 3. A worker that finds no producer left and all its rings empty exits
+//!    (park step 4); until then it keeps serving, so it finishes everything
+//!    handed to it.
+//! 4. [`Pool::join`] joins every worker and returns the final snapshot.
+//!
+//! Pools are spawned from a validated topology:
+//! [`PoolPlan::spawn`](crate::topology::PoolPlan::spawn).
+
+mod feed;
+mod metrics;
+mod park;
+mod ring;
+mod worker;
+
+use std::marker::PhantomData;
+use std::time::Duration;
+
+use crossbeam_utils::CachePadded;
+
+pub use feed::{worker_for_key, PoolSink};
+pub use metrics::{PoolSnapshot, SinkSnapshot, WorkerSnapshot};
+pub use worker::{Work, MAX_BATCH};
+
+use crate::sync::{Arc, AtomicUsize, Ordering};
+use crate::topology::{PoolPlan, SpawnError, ThreadHandle};
+use metrics::{PoolCounters, SinkCounters, WorkerCounters};
+use park::Bell;
+use worker::Worker;
+
+/// What can go wrong running or stopping a pool.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PoolError {
+    /// [`PoolSink::flush`] gave up with items left (workers stuck).
+    #[error("flush gave up after {waited:?} with {left} items not handed over")]
+    FlushTimeout {
+        /// Items still in the caller's queue.
+        left: usize,
+        /// How long it tried.
+        waited: Duration,
+    },
+    /// A worker thread died outside the work function (a bug in cqd).
+    #[error("worker thread {worker} panicked outside the work function")]
+    WorkerPanicked {
+        /// The thread name.
+        worker: String,
+    },
+}
+
+/// State shared by a pool's workers, sinks and monitors.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    /// Live producers (sinks); the workers exit when it reaches zero and
+    /// their rings are empty.
+    pub(crate) open: CachePadded<AtomicUsize>,
+    pub(crate) counters: PoolCounters,
+}
+
+/// A running pool: its worker threads and counters. Stop it by dropping
+/// every [`PoolSink`], then [`join`](Pool::join).
+#[derive(Debug)]
+pub struct Pool {
+    workers: Vec<ThreadHandle<()>>,
+    shared: Arc<Shared>,
+}
+
+impl Pool {
+    /// The pool's name.
+    pub fn name(&self) -> &str {
+        &self.shared.counters.name
+    }
+
+    /// Worker threads.
+    pub fn workers(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// The counters now.
+    pub fn snapshot(&self) -> PoolSnapshot {
+        self.shared.counters.snapshot()
+    }
+
+    /// A cloneable, `Sync` handle to the counters, for a metrics thread.
+    pub fn monitor(&self) -> PoolMonitor {
+        PoolMonitor {
+            shared: self.shared.clone(),
+        }
+    }
+
+    /// Waits until every sink is dropped and every worker has drained its
+    /// rings and exited (stop steps 3 and 4), then returns the final counters.
+    /// Blocks for as long as a sink is alive.
+    ///
+    /// # Errors
+    ///
+    /// [`PoolError::WorkerPanicked`] naming the first worker thread that died
+    /// outside the work function; the others are still joined.
+    pub fn join(self) -> Result<PoolSnapshot, PoolError> {
+        let mut failed = None;
+        for handle in self.workers {
+            let name = handle.name().to_owned();
+            if handle.join().is_err() && failed.is_none() {
+                failed = Some(name);
+            }
+        }
+        match failed {
+            Some(worker) => Err(PoolError::WorkerPanicked { worker }),
+            None => Ok(self.shared.counters.snapshot()),
+        }
+    }
+}
+
+/// A read-only handle to a pool's counters; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct PoolMonitor {
+    shared: Arc<Shared>,
+}
+
+impl PoolMonitor {
+    /// The counters now.
+    pub fn snapshot(&self) -> PoolSnapshot {
+        self.shared.counters.snapshot()
+    }
+}
+
+/// Builds rings, starts workers, hands out sinks (for [`PoolPlan::spawn`]).
+pub(crate) fn spawn<W, H, M>(
+    plan: PoolPlan,
+    producers: usize,
+    mut make: M,
+    _items: PhantomData<W>,
+) -> Result<(Pool, Vec<PoolSink<W>>), SpawnError>
+where
+    W: Send + 'static,
+    H: Work<W>,
+    M: FnMut(usize) -> H,
+{
+    if producers == 0 {
+        return Err(SpawnError::NoProducers {
+            pool: plan.name().to_owned(),
+        });
+    }
+    let threads = plan.threads();
+    let capacity = plan.capacity().max(1).next_power_of_two();
+    let specs: Vec<_> = (0..threads).map(|w| plan.spec(w)).collect();
+    let shared = Arc::new(Shared {
+        open: CachePadded::new(AtomicUsize::new(producers)),
+        counters: PoolCounters {
+            name: plan.name().to_owned(),
+            capacity,
+            workers: (0..threads)
+                .map(|_| CachePadded::new(WorkerCounters::default()))
+                .collect(),
+            worker_names: specs.iter().map(|s| s.name.clone()).collect(),
+            sinks: (0..producers)
+                .map(|_| CachePadded::new(SinkCounters::default()))
+                .collect(),
+        },
+    });
+    // rings[p][w] is producer p's ring to worker w.
+    let mut producer_ends: Vec<Vec<_>> = (0..producers)
+        .map(|_| Vec::with_capacity(threads))
+        .collect();
+    let mut consumer_ends: Vec<Vec<_>> = (0..threads)
+        .map(|_| Vec::with_capacity(producers))
+        .collect();
+    for ends in producer_ends.iter_mut() {
+        for consumers in consumer_ends.iter_mut() {
+            let (tx, rx) = ring::ring(capacity);
+            ends.push(tx);
+            consumers.push(rx);
+        }
+    }
+    let mut handles: Vec<ThreadHandle<()>> = Vec::with_capacity(threads);
+    let mut bells = Vec::with_capacity(threads);
+    for ((index, rings), spec) in consumer_ends.into_iter().enumerate().zip(specs) {
+        let bell = Arc::new(Bell::default());
+        let worker = Worker {
+            index,
+            rings,
+            bell: bell.clone(),
+            shared: shared.clone(),
+            work: make(index),
+        };
+        match crate::topology::spawn_thread(spec, move || worker.run()) {
+            Ok(handle) => {
+                bells.push((bell, handle.thread().clone()));
+                handles.push(handle);
+            }
+            Err(e) => {
+                // No sink will ever exist: let the started workers exit.
+                shared.open.store(0, Ordering::Release);
+                for handle in &handles {
+                    handle.thread().unpark();
+                }
+                for handle in handles {
+                    let _ = handle.join();
+                }
+                return Err(e);
+            }
+        }
+    }
+    let sinks = producer_ends
+        .into_iter()
+        .enumerate()
+        .map(|(index, rings)| {
+            PoolSink::new(index, rings, bells.clone(), plan.routing(), shared.clone())
+        })
+        .collect();
+    Ok((
+        Pool {
+            workers: handles,
+            shared,
+        },
+        sinks,
+    ))
+}

@@ -1,0 +1,109 @@
+//! The worker park/unpark protocol: no lost wake-up, and no wake-up unless a
+//! ring went from empty to non-empty while its worker was (about to be) parked.
+//!
+//! Each worker has one [`Bell`] (a `sleeping` flag on its own cache line) and
+//! one ring per producer. All flag and ring-position accesses are `Relaxed`,
+//! `Acquire` or `Release`; the two `SeqCst` fences below (one per side) order
+//! the store-then-load pairs, Dekker style.
+//!
+//! Worker, when a pass over its rings found nothing:
+//!
+//! 1. Spin: re-check the rings a few times with a spin hint.
+//! 2. Announce: store `sleeping = true`, then `fence(SeqCst)`.
+//! 3. Read `open` (the number of producers still alive) with `Acquire`, then
+//!    re-check every ring. Work found: store `sleeping = false` and serve it.
+//! 4. No producer left and every ring empty: store `sleeping = false` and
+//!    exit; nothing can arrive any more.
+//! 5. Park. On return (a wake-up, or a spurious return) store
+//!    `sleeping = false` and serve the rings again.
+//!
+//! Producer, per offer:
+//!
+//! 1. Stage and publish a batch per ring (`Release` store of the tail; see
+//!    `ring`), remembering each ring's old tail.
+//! 2. `fence(SeqCst)`, once for the whole offer.
+//! 3. For each ring published to: if the consumer's position equals the old
+//!    tail (the ring was empty, so this publication is the empty→non-empty
+//!    transition) and the worker's `sleeping` flag is set, unpark it.
+//!
+//! Why no wake-up is lost: take the producer's fence P (step 2) and the
+//! worker's fence W (its step 2). If P precedes W, the worker's re-check in
+//! its step 3 sees the new tail and does not park. If W precedes P, the
+//! producer's loads in its step 3 see `sleeping = true`, and the consumer's
+//! position that the worker stored before W, which equals the old tail
+//! because the worker saw the ring empty; so it unparks, and the park token
+//! makes a later `park` return at once. A producer going away (drop) lowers
+//! `open` and then unparks every worker unconditionally, so step 4 is reached.
+//! `tests/loom_worker.rs` checks this exhaustively on small rings.
+
+use crossbeam_utils::CachePadded;
+
+use crate::sync::{fence, thread, AtomicBool, AtomicUsize, Ordering};
+
+/// How many times a worker re-checks its rings before parking (step 1).
+/// Under loom every check is a branch of the model, so it does not spin.
+#[cfg(not(loom))]
+pub(crate) const SPINS: u32 = 128;
+#[cfg(loom)]
+pub(crate) const SPINS: u32 = 0;
+
+/// A worker's sleeping flag.
+#[derive(Debug, Default)]
+pub(crate) struct Bell {
+    sleeping: CachePadded<AtomicBool>,
+}
+
+/// What a worker found when it had nothing to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Idle {
+    /// Work arrived while spinning or announcing; nothing was parked.
+    Work,
+    /// The worker parked and was woken (or returned spuriously).
+    Parked,
+    /// No producer is left and every ring is empty.
+    Closed,
+}
+
+impl Bell {
+    /// The worker side, steps 1 to 5. `has_work` re-checks every ring.
+    pub(crate) fn idle(&self, open: &AtomicUsize, mut has_work: impl FnMut() -> bool) -> Idle {
+        // 1. Spin.
+        for _ in 0..SPINS {
+            std::hint::spin_loop();
+            if has_work() {
+                return Idle::Work;
+            }
+        }
+        // 2. Announce.
+        self.sleeping.store(true, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        // 3. Re-check, reading `open` first so that a zero makes every
+        //    publication of the departed producers visible to the re-check.
+        let closed = open.load(Ordering::Acquire) == 0;
+        if has_work() {
+            self.sleeping.store(false, Ordering::Relaxed);
+            return Idle::Work;
+        }
+        // 4. Nothing can arrive any more.
+        if closed {
+            self.sleeping.store(false, Ordering::Relaxed);
+            return Idle::Closed;
+        }
+        // 5. Park.
+        thread::park();
+        self.sleeping.store(false, Ordering::Relaxed);
+        Idle::Parked
+    }
+
+    /// The producer side, step 3 (after the caller's publication and
+    /// [`producer_fence`]): whether the worker must be unparked.
+    pub(crate) fn needs_wake(&self, was_empty: bool) -> bool {
+        was_empty && self.sleeping.load(Ordering::Relaxed)
+    }
+}
+
+/// The producer side, step 2: one fence per offer, between publication and
+/// the loads of step 3.
+pub(crate) fn producer_fence() {
+    fence(Ordering::SeqCst);
+}

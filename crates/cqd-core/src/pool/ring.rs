@@ -1,0 +1,339 @@
+//! The bounded single-producer single-consumer ring behind each hand-off.
+//!
+//! This is the only module of the pool with `unsafe` code: it moves values in
+//! and out of uninitialised slots. Everything else uses its safe API.
+//!
+//! Layout: a power-of-two array of slots and two free-running counters, `tail`
+//! (written only by the producer) and `head` (written only by the consumer),
+//! each on its own cache line. Slot `i` lives at `i & mask`. The ring holds
+//! `tail - head` values, never more than the capacity.
+//!
+//! Protocol, in the order the code follows it:
+//!
+//! 1. The producer *stages* values: it writes them into free slots at
+//!    `staged, staged + 1, ...` without telling anyone. Free means
+//!    `staged - head < capacity`, checked against a cached copy of `head`
+//!    that [`Producer::refresh`] reloads with `Acquire` (pairing with step 4).
+//! 2. The producer *publishes* the whole staged batch with one `Release`
+//!    store of `tail` (one publication per batch, not per value).
+//! 3. The consumer loads `tail` with `Acquire` (pairing with step 2), so the
+//!    slot writes of step 1 are visible, and moves values out of
+//!    `head .. tail`.
+//! 4. The consumer frees the batch with one `Release` store of `head`, so the
+//!    producer's next writes into those slots happen after the reads.
+//!
+//! Values still in the ring when both ends are gone are dropped by the ring.
+
+use std::marker::PhantomData;
+use std::mem::MaybeUninit;
+
+use crossbeam_utils::CachePadded;
+
+use crate::sync::{Arc, AtomicUsize, Ordering};
+
+/// A cell that loom can check for data races; a thin wrapper over the std
+/// cell otherwise. (The `sync` shim has no cell; this is the only user.)
+#[cfg(loom)]
+use loom::cell::UnsafeCell;
+
+#[cfg(not(loom))]
+#[derive(Debug)]
+struct UnsafeCell<T>(std::cell::UnsafeCell<T>);
+
+#[cfg(not(loom))]
+impl<T> UnsafeCell<T> {
+    fn new(value: T) -> Self {
+        Self(std::cell::UnsafeCell::new(value))
+    }
+
+    fn with_mut<R>(&self, f: impl FnOnce(*mut T) -> R) -> R {
+        f(self.0.get())
+    }
+}
+
+struct Ring<T> {
+    slots: Box<[UnsafeCell<MaybeUninit<T>>]>,
+    mask: usize,
+    /// Next slot the consumer reads; written only by the consumer.
+    head: CachePadded<AtomicUsize>,
+    /// One past the last published slot; written only by the producer.
+    tail: CachePadded<AtomicUsize>,
+}
+
+// SAFETY: the ring hands each value from exactly one producer thread to exactly
+// one consumer thread (the split into `Producer` and `Consumer`, neither of which
+// is `Clone`, upholds this), so sharing the ring needs only `T: Send`. Slot
+// accesses never overlap: the producer touches only `head+cap .. ` free slots and
+// the consumer only `head .. tail`, ordered by the Release/Acquire pairs of
+// protocol steps 2-3 and 4-1.
+unsafe impl<T: Send> Sync for Ring<T> {}
+// SAFETY: as above; the values themselves are `Send`.
+unsafe impl<T: Send> Send for Ring<T> {}
+
+impl<T> Drop for Ring<T> {
+    fn drop(&mut self) {
+        // Both ends are gone (this is the last `Arc`), so nobody else touches
+        // the slots; the Arc's release/acquire makes their last writes visible.
+        let head = self.head.load(Ordering::Acquire);
+        let tail = self.tail.load(Ordering::Acquire);
+        for i in head..tail {
+            self.slots[i & self.mask].with_mut(|slot| {
+                // SAFETY: slots `head .. tail` hold published, not yet consumed
+                // values (invariant of steps 2 and 4); nobody reads them again.
+                unsafe { (*slot).assume_init_drop() }
+            });
+        }
+    }
+}
+
+/// Creates a ring of at least `capacity` slots (rounded up to a power of two,
+/// at least 1) and returns its two ends.
+pub(crate) fn ring<T>(capacity: usize) -> (Producer<T>, Consumer<T>) {
+    let capacity = capacity.max(1).next_power_of_two();
+    let slots = (0..capacity)
+        .map(|_| UnsafeCell::new(MaybeUninit::uninit()))
+        .collect();
+    let ring = Arc::new(Ring {
+        slots,
+        mask: capacity - 1,
+        head: CachePadded::new(AtomicUsize::new(0)),
+        tail: CachePadded::new(AtomicUsize::new(0)),
+    });
+    let producer = Producer {
+        ring: ring.clone(),
+        published: 0,
+        staged: 0,
+        cached_head: 0,
+        _not_sync: PhantomData,
+    };
+    let consumer = Consumer {
+        ring,
+        head: 0,
+        cached_tail: 0,
+        _not_sync: PhantomData,
+    };
+    (producer, consumer)
+}
+
+/// The writing end. `Send`, not `Sync`, not `Clone`.
+pub(crate) struct Producer<T> {
+    ring: Arc<Ring<T>>,
+    published: usize,
+    staged: usize,
+    cached_head: usize,
+    _not_sync: PhantomData<std::cell::Cell<()>>,
+}
+
+impl<T> Producer<T> {
+    /// Slots in the ring.
+    pub(crate) fn capacity(&self) -> usize {
+        self.ring.mask + 1
+    }
+
+    /// Reloads the consumer's position (step 1) and returns the free slots.
+    pub(crate) fn refresh(&mut self) -> usize {
+        self.cached_head = self.ring.head.load(Ordering::Acquire);
+        self.free()
+    }
+
+    /// Free slots as of the last [`refresh`](Self::refresh), minus staged values.
+    pub(crate) fn free(&self) -> usize {
+        self.capacity() - (self.staged - self.cached_head)
+    }
+
+    /// Writes `value` into the next free slot without publishing it (step 1);
+    /// a full ring returns the value.
+    pub(crate) fn stage(&mut self, value: T) -> Result<(), T> {
+        if self.free() == 0 {
+            return Err(value);
+        }
+        let slot = &self.ring.slots[self.staged & self.ring.mask];
+        slot.with_mut(|slot| {
+            // SAFETY: `staged - cached_head < capacity`, and the consumer never
+            // reads past the published tail, which is <= staged, so this slot is
+            // free and only this producer (the single owner) touches it until
+            // it is published in step 2.
+            unsafe { (*slot).write(value) };
+        });
+        self.staged += 1;
+        Ok(())
+    }
+
+    /// Publishes every staged value with one `Release` store (step 2).
+    /// Returns the tail before publication when there was anything to publish.
+    pub(crate) fn publish(&mut self) -> Option<usize> {
+        if self.staged == self.published {
+            return None;
+        }
+        let old = self.published;
+        self.ring.tail.store(self.staged, Ordering::Release);
+        self.published = self.staged;
+        Some(old)
+    }
+
+    /// The consumer's position, loaded `Relaxed`; the wake-up protocol orders
+    /// this load with a `SeqCst` fence of its own.
+    pub(crate) fn consumer_position(&self) -> usize {
+        self.ring.head.load(Ordering::Relaxed)
+    }
+}
+
+impl<T> Drop for Producer<T> {
+    fn drop(&mut self) {
+        // Staged values are never abandoned: publish them so that the consumer
+        // (or the ring's own drop) takes care of them.
+        self.publish();
+    }
+}
+
+impl<T> std::fmt::Debug for Producer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Producer")
+            .field("capacity", &self.capacity())
+            .field("published", &self.published)
+            .field("staged", &self.staged)
+            .finish()
+    }
+}
+
+/// The reading end. `Send`, not `Sync`, not `Clone`.
+pub(crate) struct Consumer<T> {
+    ring: Arc<Ring<T>>,
+    head: usize,
+    cached_tail: usize,
+    _not_sync: PhantomData<std::cell::Cell<()>>,
+}
+
+impl<T> Consumer<T> {
+    /// Values ready to read, reloading the producer's tail (step 3).
+    pub(crate) fn ready(&mut self) -> usize {
+        self.cached_tail = self.ring.tail.load(Ordering::Acquire);
+        self.cached_tail - self.head
+    }
+
+    /// Whether the ring is empty, reloading the tail only when the cached
+    /// copy says so.
+    pub(crate) fn is_empty(&mut self) -> bool {
+        self.head == self.cached_tail && self.ready() == 0
+    }
+
+    /// Moves up to `max` published values out, front first, handing each to
+    /// `f`, then frees their slots with one `Release` store (steps 3 and 4).
+    /// Returns how many were moved. Should `f` unwind, the values already
+    /// moved out are freed and the rest stay in the ring.
+    pub(crate) fn pop_batch(&mut self, max: usize, mut f: impl FnMut(T)) -> usize {
+        let mut ready = self.cached_tail - self.head;
+        if ready < max {
+            ready = self.ready();
+        }
+        let n = ready.min(max);
+        if n == 0 {
+            return 0;
+        }
+        let mut guard = Release {
+            consumer: self,
+            next: 0,
+        };
+        guard.next = guard.consumer.head;
+        let end = guard.next + n;
+        while guard.next < end {
+            let slot = &guard.consumer.ring.slots[guard.next & guard.consumer.ring.mask];
+            let value = slot.with_mut(|slot| {
+                // SAFETY: `next < tail` as loaded with Acquire in step 3, so the
+                // producer wrote and published this slot; the producer does not
+                // write it again until `head` moves past it (step 4), and this
+                // single consumer reads it exactly once because `next` advances
+                // before anything can unwind.
+                unsafe { (*slot).assume_init_read() }
+            });
+            guard.next += 1;
+            f(value);
+        }
+        n
+    }
+}
+
+/// Stores the consumer's new position on drop, so that an unwinding `f` in
+/// [`Consumer::pop_batch`] never leaves read slots marked as full.
+struct Release<'a, T> {
+    consumer: &'a mut Consumer<T>,
+    next: usize,
+}
+
+impl<T> Drop for Release<'_, T> {
+    fn drop(&mut self) {
+        self.consumer.head = self.next;
+        self.consumer.ring.head.store(self.next, Ordering::Release);
+    }
+}
+
+impl<T> std::fmt::Debug for Consumer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Consumer")
+            .field("capacity", &(self.ring.mask + 1))
+            .field("head", &self.head)
+            .finish()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn full_ring_returns_the_value_and_order_holds() {
+        let (mut p, mut c) = ring::<u32>(3);
+        assert_eq!(p.capacity(), 4);
+        for i in 0..4 {
+            p.stage(i).unwrap();
+        }
+        assert_eq!(p.stage(9), Err(9));
+        assert!(c.is_empty(), "nothing is visible before publication");
+        assert_eq!(p.publish(), Some(0));
+        let mut seen = Vec::new();
+        assert_eq!(c.pop_batch(3, |v| seen.push(v)), 3);
+        assert_eq!(p.free(), 0, "stale head until refresh");
+        assert_eq!(p.refresh(), 3);
+        p.stage(4).unwrap();
+        p.publish();
+        c.pop_batch(usize::MAX, |v| seen.push(v));
+        assert_eq!(seen, [0, 1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn leftovers_are_dropped_once() {
+        let marker = std::sync::Arc::new(());
+        let (mut p, mut c) = ring(8);
+        for _ in 0..5 {
+            p.stage(marker.clone()).unwrap();
+        }
+        p.publish();
+        c.pop_batch(2, drop);
+        drop(p);
+        drop(c);
+        assert_eq!(std::sync::Arc::strong_count(&marker), 1);
+    }
+
+    #[test]
+    fn unwinding_consumer_frees_what_it_took() {
+        let marker = std::sync::Arc::new(());
+        let (mut p, mut c) = ring(8);
+        for _ in 0..4 {
+            p.stage(marker.clone()).unwrap();
+        }
+        p.publish();
+        let mut n = 0;
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            c.pop_batch(4, |_v| {
+                n += 1;
+                if n == 2 {
+                    panic!("boom");
+                }
+            })
+        }));
+        assert!(r.is_err());
+        assert_eq!(c.ready(), 2);
+        drop((p, c));
+        assert_eq!(std::sync::Arc::strong_count(&marker), 1);
+    }
+}

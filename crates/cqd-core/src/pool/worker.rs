@@ -1,0 +1,110 @@
+//! The worker thread: serve the rings, catch panics, park when idle.
+//!
+//! Loop (the park/unpark steps are those of [`park`](super::park)):
+//!
+//! 1. One pass over the worker's rings (one per producer): from each
+//!    non-empty ring take up to [`MAX_BATCH`] items, run each under
+//!    `catch_unwind`, and free the batch's slots with one store.
+//! 2. If the pass found work, call [`Work::batch_done`] and go to 1.
+//! 3. Otherwise go idle: spin, announce, re-check, park (park steps 1–5).
+//!    Work found: go to 1. Every producer gone and every ring empty: return.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use super::park::{Bell, Idle};
+use super::ring::Consumer;
+use super::Shared;
+use crate::sync::Arc;
+
+/// The most items a worker takes from one ring before looking at the next.
+pub const MAX_BATCH: usize = 256;
+
+/// What a worker does with each item. Implemented for every
+/// `FnMut(W) + Send + 'static` closure; implement it on a struct to keep
+/// per-worker state (a buffer pool, a queue pair, a batch of replies to post)
+/// and to use [`batch_done`](Work::batch_done).
+///
+/// A panic in `run` or `batch_done` is caught and counted in the worker's
+/// `panics`; the worker goes on with the same value, so state that a panic
+/// can leave half-updated must tolerate it (as with `AssertUnwindSafe`).
+pub trait Work<W>: Send + 'static {
+    /// Handles one item.
+    fn run(&mut self, item: W);
+
+    /// Called after each pass that handled at least one item, before the
+    /// worker looks for more or parks: the place to flush what `run`
+    /// batched (for instance post all replies with one doorbell).
+    fn batch_done(&mut self) {}
+}
+
+impl<W, F> Work<W> for F
+where
+    F: FnMut(W) + Send + 'static,
+{
+    fn run(&mut self, item: W) {
+        self(item)
+    }
+}
+
+/// One worker's state, moved onto its thread.
+pub(crate) struct Worker<W, H> {
+    pub(crate) index: usize,
+    pub(crate) rings: Vec<Consumer<W>>,
+    pub(crate) bell: Arc<Bell>,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) work: H,
+}
+
+impl<W, H: Work<W>> Worker<W, H> {
+    /// The worker loop, steps 1 to 3.
+    pub(crate) fn run(mut self) {
+        let shared = self.shared.clone();
+        let counters = &shared.counters.workers[self.index];
+        let name = &shared.counters.worker_names[self.index];
+        let mut woken = false;
+        loop {
+            // 1. One pass over the rings.
+            let mut found = 0;
+            for ring in &mut self.rings {
+                let depth = ring.ready();
+                if depth == 0 {
+                    continue;
+                }
+                let work = &mut self.work;
+                let taken = ring.pop_batch(MAX_BATCH, |item| {
+                    if catch_unwind(AssertUnwindSafe(|| work.run(item))).is_err() {
+                        counters.panic();
+                        tracing::error!(target: "cqd::pool", worker = %name, "work panicked; caught, worker goes on");
+                    }
+                });
+                counters.batch(taken, depth);
+                found += taken;
+            }
+            // 2. Work done: let the work function flush, then look again.
+            if found > 0 {
+                if woken {
+                    counters.wakeup();
+                    woken = false;
+                }
+                if catch_unwind(AssertUnwindSafe(|| self.work.batch_done())).is_err() {
+                    counters.panic();
+                    tracing::error!(target: "cqd::pool", worker = %name, "batch_done panicked; caught, worker goes on");
+                }
+                continue;
+            }
+            // 3. Idle.
+            let rings = &mut self.rings;
+            match self
+                .bell
+                .idle(&shared.open, || rings.iter_mut().any(|r| !r.is_empty()))
+            {
+                Idle::Work => {}
+                Idle::Parked => {
+                    counters.park();
+                    woken = true;
+                }
+                Idle::Closed => return,
+            }
+        }
+    }
+}

@@ -1,0 +1,212 @@
+//! The plain-data topology: what the TOML file says, field by field.
+//!
+//! Nothing here spawns a thread; [`TopologyConfig::validate`] checks the whole
+//! thing once and returns the [`Topology`](super::Topology) that can.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// The whole thread topology of a dispatcher: every poller thread and every
+/// worker pool.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TopologyConfig {
+    /// What to do when a priority cannot be applied (no privilege):
+    /// `"error"` (the default) fails the spawn; `"warn"` logs and goes on.
+    #[serde(default)]
+    pub on_priority_error: OnPriorityError,
+    /// Poller threads, one `[[poller]]` table each; thread `i` is named
+    /// `cqd-poller-<i>`.
+    #[serde(default, rename = "poller")]
+    pub pollers: Vec<PollerConfig>,
+    /// Worker pools, one `[[pool]]` table each; worker `i` of pool `io` is
+    /// named `cqd-worker-io-<i>`.
+    #[serde(default, rename = "pool")]
+    pub pools: Vec<PoolConfig>,
+}
+
+/// One poller thread.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PollerConfig {
+    /// The poller's name, unique among pollers.
+    pub name: String,
+    /// The completion queues this poller owns, by name. A CQ has one poller.
+    pub cqs: Vec<String>,
+    /// How the poller waits for completions.
+    #[serde(default)]
+    pub mode: ModeConfig,
+    /// Completions taken per poll call.
+    #[serde(default = "default_batch")]
+    pub batch: u32,
+    /// Where the thread may run.
+    #[serde(default)]
+    pub placement: Placement,
+    /// Scheduling priority applied at spawn; absent keeps the inherited one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<Priority>,
+}
+
+/// One worker pool.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// The pool's name, unique among pools; part of the thread names.
+    pub name: String,
+    /// Worker threads.
+    pub threads: usize,
+    /// Where the workers may run (every worker gets the same placement).
+    #[serde(default)]
+    pub placement: Placement,
+    /// Slots per ring (one ring per worker and producer), rounded up to a
+    /// power of two.
+    #[serde(default = "default_capacity")]
+    pub capacity: usize,
+    /// How items are spread over the workers.
+    #[serde(default)]
+    pub routing: Routing,
+    /// Scheduling priority applied at spawn; absent keeps the inherited one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<Priority>,
+}
+
+fn default_batch() -> u32 {
+    32
+}
+
+fn default_capacity() -> usize {
+    1024
+}
+
+/// Where a thread may run.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Placement {
+    /// Anywhere the process may run (`"unpinned"`).
+    #[default]
+    Unpinned,
+    /// Pinned to one CPU (`{ fixed = 3 }`).
+    Fixed(usize),
+    /// Confined to a set of CPUs (`{ fenced = [2, 3] }`).
+    Fenced(BTreeSet<usize>),
+}
+
+impl Placement {
+    /// The CPUs this placement names (empty when unpinned).
+    pub fn cpus(&self) -> BTreeSet<usize> {
+        match self {
+            Placement::Unpinned => BTreeSet::new(),
+            Placement::Fixed(cpu) => BTreeSet::from([*cpu]),
+            Placement::Fenced(set) => set.clone(),
+        }
+    }
+}
+
+/// How a worker pool spreads items over its workers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
+pub enum Routing {
+    /// Honour each item's [`Route`](crate::sink::Route), as the handler chose
+    /// it: keys to fixed workers, the rest to the shallowest ring.
+    #[default]
+    AsRouted,
+    /// Send every item to the shallowest ring, ignoring keys: for work whose
+    /// order does not matter.
+    LeastLoaded,
+}
+
+/// A thread's scheduling priority.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Priority {
+    /// A nice value, -20 (highest) to 19 (lowest); below the current value
+    /// needs `CAP_SYS_NICE` (`{ nice = -5 }`).
+    Nice(i8),
+    /// Real-time `SCHED_FIFO` at 1 to 99; needs `CAP_SYS_NICE` or an
+    /// `RLIMIT_RTPRIO` grant (`{ fifo = 50 }`). For a latency-critical poller
+    /// on an isolated core only: a spinning FIFO thread starves its CPU.
+    Fifo(u8),
+}
+
+/// What happens when a priority cannot be applied.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnPriorityError {
+    /// The spawn fails with [`SpawnError::Priority`](super::SpawnError::Priority).
+    #[default]
+    Error,
+    /// A `tracing` warning names the thread and the errno; the thread runs
+    /// with the priority it inherited.
+    Warn,
+}
+
+/// How a poller waits for completions; the poller's own mode type is built
+/// from this. Durations are whole microseconds or milliseconds, as named.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum ModeConfig {
+    /// Poll without sleeping: lowest latency, one whole CPU.
+    Busy,
+    /// Arm, re-poll, sleep on the completion channel.
+    Event {
+        /// Safety-net wake-up when no event arrives, in milliseconds.
+        #[serde(default = "default_timeout_ms")]
+        timeout_ms: u64,
+    },
+    /// Busy for a window after the last completion, then Event.
+    Hybrid {
+        /// How long to keep polling after the last completion, in µs.
+        spin_window_us: u64,
+        /// Safety-net wake-up when sleeping, in milliseconds.
+        #[serde(default = "default_timeout_ms")]
+        timeout_ms: u64,
+    },
+    /// Hybrid whose window follows the measured inter-arrival time.
+    Adaptive {
+        /// Smallest spin window, in µs.
+        min_window_us: u64,
+        /// Largest spin window, in µs.
+        max_window_us: u64,
+        /// Most of one CPU the spinning may use, in percent (1 to 100).
+        cpu_budget_percent: u8,
+        /// Safety-net wake-up when sleeping, in milliseconds.
+        #[serde(default = "default_timeout_ms")]
+        timeout_ms: u64,
+    },
+}
+
+fn default_timeout_ms() -> u64 {
+    100
+}
+
+impl Default for ModeConfig {
+    /// Adaptive, the recommended mode: 0–50 µs window, 25% CPU, 100 ms.
+    fn default() -> Self {
+        ModeConfig::Adaptive {
+            min_window_us: 0,
+            max_window_us: 50,
+            cpu_budget_percent: 25,
+            timeout_ms: default_timeout_ms(),
+        }
+    }
+}
+
+impl ModeConfig {
+    /// Whether the poller spins without ever sleeping, and so claims a CPU.
+    pub fn is_busy(&self) -> bool {
+        matches!(self, ModeConfig::Busy)
+    }
+
+    /// The safety-net timeout, if the mode sleeps.
+    pub fn timeout(&self) -> Option<Duration> {
+        match *self {
+            ModeConfig::Busy => None,
+            ModeConfig::Event { timeout_ms }
+            | ModeConfig::Hybrid { timeout_ms, .. }
+            | ModeConfig::Adaptive { timeout_ms, .. } => Some(Duration::from_millis(timeout_ms)),
+        }
+    }
+}

@@ -1,0 +1,203 @@
+//! What can go wrong reading, validating and spawning a topology.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+/// A topology that cannot be used as written. Every variant names the field
+/// (`poller[1].placement`, `pool[0].threads`, ...) and the values involved.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TopologyError {
+    /// The TOML text does not parse or does not match the format.
+    #[error("topology TOML, line {line} column {column}: {message}")]
+    Parse {
+        /// 1-based line of the offending text.
+        line: usize,
+        /// 1-based column (in characters) of the offending text.
+        column: usize,
+        /// What the parser said.
+        message: String,
+    },
+    /// The topology file could not be read.
+    #[error("cannot read topology file {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The config could not be written as TOML.
+    #[error("cannot write topology as TOML: {message}")]
+    Serialize {
+        /// What the serializer said.
+        message: String,
+    },
+    /// The process's CPU affinity mask could not be read.
+    #[error("cannot read the process CPU affinity mask (errno {errno})")]
+    Affinity {
+        /// The errno of `sched_getaffinity`.
+        errno: i32,
+    },
+    /// A placement names a CPU outside the process's affinity mask.
+    #[error("{field}: CPU {cpu} is not in the process affinity mask {allowed:?}")]
+    CpuNotAllowed {
+        /// The field, e.g. `poller[0].placement`.
+        field: String,
+        /// The CPU.
+        cpu: usize,
+        /// The CPUs the process may use.
+        allowed: BTreeSet<usize>,
+    },
+    /// Two busy-polling threads are pinned to the same CPU.
+    #[error("{field}: CPU {cpu} is already claimed by the busy poller at {claimed_by}")]
+    CpuClaimedTwice {
+        /// The field of the second claim.
+        field: String,
+        /// The CPU.
+        cpu: usize,
+        /// The field of the first claim.
+        claimed_by: String,
+    },
+    /// Two pollers own the same completion queue.
+    #[error("{field}: CQ {cq:?} is already owned by {owned_by}")]
+    CqOwnedTwice {
+        /// The field of the second owner, e.g. `poller[1].cqs[0]`.
+        field: String,
+        /// The CQ's name.
+        cq: String,
+        /// The field of the first owner.
+        owned_by: String,
+    },
+    /// A pool with no threads.
+    #[error("{field}: a pool needs at least one thread")]
+    ZeroThreads {
+        /// The field, e.g. `pool[0].threads`.
+        field: String,
+    },
+    /// A ring with no slots.
+    #[error("{field}: ring capacity must be at least 1")]
+    ZeroCapacity {
+        /// The field, e.g. `pool[0].capacity`.
+        field: String,
+    },
+    /// A number out of its range (batch size, fence set, mode parameters,
+    /// priority, capacity too large).
+    #[error("{field}: {value} is out of range: {expected}")]
+    OutOfRange {
+        /// The field.
+        field: String,
+        /// The value given.
+        value: String,
+        /// What is accepted.
+        expected: &'static str,
+    },
+    /// Two pollers or two pools share a name, or a name is empty.
+    #[error("{field}: name {name:?} is empty or already used")]
+    BadName {
+        /// The field.
+        field: String,
+        /// The name.
+        name: String,
+    },
+    /// A poller owns no CQ.
+    #[error("{field}: a poller needs at least one CQ")]
+    NoCq {
+        /// The field, e.g. `poller[0].cqs`.
+        field: String,
+    },
+}
+
+/// A thread that could not be started as the topology says.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SpawnError {
+    /// The OS refused to create the thread.
+    #[error("cannot spawn thread {thread}: {source}")]
+    Thread {
+        /// The thread name.
+        thread: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Pinning to one CPU failed.
+    #[error("thread {thread}: cannot pin to CPU {cpu}")]
+    Pin {
+        /// The thread name.
+        thread: String,
+        /// The CPU.
+        cpu: usize,
+    },
+    /// Confining to a CPU set failed.
+    #[error("thread {thread}: cannot confine to CPUs {cpus:?} (errno {errno})")]
+    Fence {
+        /// The thread name.
+        thread: String,
+        /// The CPU set.
+        cpus: BTreeSet<usize>,
+        /// The errno of `sched_setaffinity`.
+        errno: i32,
+    },
+    /// The priority could not be applied (typically no `CAP_SYS_NICE`);
+    /// set `on_priority_error = "warn"` to run without it.
+    #[error("thread {thread}: cannot apply priority {priority} (errno {errno}); needs CAP_SYS_NICE or an RLIMIT_RTPRIO/RLIMIT_NICE grant")]
+    Priority {
+        /// The thread name.
+        thread: String,
+        /// The priority, as written in the config.
+        priority: String,
+        /// The errno of the failed call.
+        errno: i32,
+    },
+    /// A pool was spawned with no producer, so nothing could ever reach it.
+    #[error("pool {pool}: spawn needs at least one producer (one per poller feeding it)")]
+    NoProducers {
+        /// The pool name.
+        pool: String,
+    },
+}
+
+/// A topology that works but is probably not what was meant; each is also
+/// logged with `tracing::warn!` by `validate`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Warning {
+    /// A busy poller may run on CPU 0, where most interrupts land.
+    BusyOnCpu0 {
+        /// The field, e.g. `poller[0].placement`.
+        field: String,
+    },
+    /// Busy pollers would take more than half of the allowed CPUs.
+    BusyOverHalf {
+        /// Busy pollers.
+        busy: usize,
+        /// CPUs the process may use.
+        allowed: usize,
+    },
+    /// A pool pins several workers to one CPU; they will share it.
+    WorkersShareCpu {
+        /// The field, e.g. `pool[0].placement`.
+        field: String,
+        /// Workers in the pool.
+        threads: usize,
+    },
+}
+
+impl std::fmt::Display for Warning {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Warning::BusyOnCpu0 { field } => write!(
+                f,
+                "{field}: a busy poller may run on CPU 0, where interrupts land"
+            ),
+            Warning::BusyOverHalf { busy, allowed } => write!(
+                f,
+                "{busy} busy pollers take more than half of the {allowed} allowed CPUs"
+            ),
+            Warning::WorkersShareCpu { field, threads } => {
+                write!(f, "{field}: {threads} workers pinned to one CPU share it")
+            }
+        }
+    }
+}

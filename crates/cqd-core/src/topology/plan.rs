@@ -1,0 +1,228 @@
+//! The validated topology: the only values that can spawn threads.
+
+use std::marker::PhantomData;
+
+use super::config::{ModeConfig, OnPriorityError, Placement, PollerConfig, PoolConfig, Routing};
+use super::error::{SpawnError, Warning};
+use super::thread::{self, ThreadHandle, ThreadSpec};
+use crate::pool::{Pool, PoolSink, Work};
+
+/// A checked topology, made only by
+/// [`TopologyConfig::validate`](super::TopologyConfig::validate). Each
+/// poller and pool plan can be taken once and spawned once, so a validated
+/// CPU claim cannot be spawned twice.
+#[derive(Debug)]
+pub struct Topology {
+    pollers: Vec<Option<PollerPlan>>,
+    pools: Vec<Option<PoolPlan>>,
+    warnings: Vec<Warning>,
+}
+
+impl Topology {
+    pub(crate) fn new(
+        pollers: Vec<PollerPlan>,
+        pools: Vec<PoolPlan>,
+        warnings: Vec<Warning>,
+    ) -> Self {
+        Self {
+            pollers: pollers.into_iter().map(Some).collect(),
+            pools: pools.into_iter().map(Some).collect(),
+            warnings,
+        }
+    }
+
+    /// What `validate` warned about (also logged).
+    pub fn warnings(&self) -> &[Warning] {
+        &self.warnings
+    }
+
+    /// Takes the plan of the poller named `name`; `None` when there is no
+    /// such poller or it was already taken.
+    pub fn take_poller(&mut self, name: &str) -> Option<PollerPlan> {
+        self.pollers
+            .iter_mut()
+            .find(|p| p.as_ref().is_some_and(|p| p.config.name == name))?
+            .take()
+    }
+
+    /// Takes every poller plan not yet taken, in config order.
+    pub fn take_pollers(&mut self) -> Vec<PollerPlan> {
+        self.pollers.iter_mut().filter_map(Option::take).collect()
+    }
+
+    /// Takes the plan of the pool named `name`; `None` when there is no such
+    /// pool or it was already taken.
+    pub fn take_pool(&mut self, name: &str) -> Option<PoolPlan> {
+        self.pools
+            .iter_mut()
+            .find(|p| p.as_ref().is_some_and(|p| p.config.name == name))?
+            .take()
+    }
+}
+
+/// One validated poller thread, ready to spawn.
+#[derive(Debug)]
+pub struct PollerPlan {
+    index: usize,
+    config: PollerConfig,
+    on_priority_error: OnPriorityError,
+}
+
+impl PollerPlan {
+    pub(crate) fn new(
+        index: usize,
+        config: PollerConfig,
+        on_priority_error: OnPriorityError,
+    ) -> Self {
+        Self {
+            index,
+            config,
+            on_priority_error,
+        }
+    }
+
+    /// The poller's name in the config.
+    pub fn name(&self) -> &str {
+        &self.config.name
+    }
+
+    /// The names of the CQs this poller owns.
+    pub fn cqs(&self) -> &[String] {
+        &self.config.cqs
+    }
+
+    /// The poll mode, for the poller to turn into its own mode type.
+    pub fn mode(&self) -> ModeConfig {
+        self.config.mode
+    }
+
+    /// Completions per poll call.
+    pub fn batch(&self) -> u32 {
+        self.config.batch
+    }
+
+    /// Where the thread will run.
+    pub fn placement(&self) -> &Placement {
+        &self.config.placement
+    }
+
+    /// The thread name, `cqd-poller-<index>`.
+    pub fn thread_name(&self) -> String {
+        format!("cqd-poller-{}", self.index)
+    }
+
+    /// Starts the poller thread: named, placed, prioritised, then `body`.
+    ///
+    /// # Errors
+    ///
+    /// [`SpawnError`] when the thread cannot be created, pinned, fenced or
+    /// given its priority (unless `on_priority_error = "warn"`).
+    pub fn spawn<T, F>(self, body: F) -> Result<ThreadHandle<T>, SpawnError>
+    where
+        T: Send + 'static,
+        F: FnOnce() -> T + Send + 'static,
+    {
+        let spec = ThreadSpec {
+            name: self.thread_name(),
+            placement: self.config.placement,
+            priority: self.config.priority,
+            on_priority_error: self.on_priority_error,
+        };
+        thread::spawn(spec, body)
+    }
+}
+
+/// One validated worker pool, ready to spawn.
+#[derive(Debug)]
+pub struct PoolPlan {
+    config: PoolConfig,
+    on_priority_error: OnPriorityError,
+}
+
+impl PoolPlan {
+    pub(crate) fn new(config: PoolConfig, on_priority_error: OnPriorityError) -> Self {
+        Self {
+            config,
+            on_priority_error,
+        }
+    }
+
+    /// The pool's name.
+    pub fn name(&self) -> &str {
+        &self.config.name
+    }
+
+    /// Worker threads.
+    pub fn threads(&self) -> usize {
+        self.config.threads
+    }
+
+    /// Slots per ring as configured (rounded up to a power of two at spawn).
+    pub fn capacity(&self) -> usize {
+        self.config.capacity
+    }
+
+    /// The pool's routing.
+    pub fn routing(&self) -> Routing {
+        self.config.routing
+    }
+
+    pub(crate) fn spec(&self, worker: usize) -> ThreadSpec {
+        ThreadSpec {
+            name: format!("cqd-worker-{}-{worker}", self.config.name),
+            placement: self.config.placement.clone(),
+            priority: self.config.priority,
+            on_priority_error: self.on_priority_error,
+        }
+    }
+
+    /// Starts the workers and returns the pool with one [`PoolSink`] per
+    /// producer (one per poller that feeds the pool; each sink has its own
+    /// ring to every worker, so every ring keeps a single producer).
+    ///
+    /// `make` is called once per worker, on the calling thread, with the
+    /// worker's index; what it returns runs every item that worker takes.
+    ///
+    /// ```
+    /// use cqd_core::pool::Pool;
+    /// use cqd_core::sink::{Route, Routed, WorkSink};
+    /// use cqd_core::topology::{PoolConfig, TopologyConfig};
+    /// use std::collections::VecDeque;
+    /// use std::sync::atomic::{AtomicU64, Ordering};
+    /// use std::sync::Arc;
+    ///
+    /// let mut topology = TopologyConfig::new()
+    ///     .pool(PoolConfig::new("io", 2).capacity(64))
+    ///     .validate()?;
+    /// let sum = Arc::new(AtomicU64::new(0));
+    /// let (pool, mut sinks) = topology.take_pool("io").unwrap().spawn(1, |_worker| {
+    ///     let sum = sum.clone();
+    ///     move |item: u64| { sum.fetch_add(item, Ordering::Relaxed); }
+    /// })?;
+    /// let mut spill: VecDeque<_> = (1..=10).map(|i| Routed { route: Route::Key(i), item: i }).collect();
+    /// sinks[0].offer(&mut spill);
+    /// sinks[0].flush(&mut spill, std::time::Duration::from_secs(5))?;
+    /// drop(sinks); // the pollers stop first ...
+    /// let snapshot = pool.join()?; // ... then the workers drain and join
+    /// assert_eq!(sum.load(Ordering::Relaxed), 55);
+    /// assert_eq!(snapshot.items(), 10);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`SpawnError`] when a worker cannot be started as configured, or
+    /// `producers` is zero; workers already started are stopped and joined.
+    pub fn spawn<W, H, M>(
+        self,
+        producers: usize,
+        make: M,
+    ) -> Result<(Pool, Vec<PoolSink<W>>), SpawnError>
+    where
+        W: Send + 'static,
+        H: Work<W>,
+        M: FnMut(usize) -> H,
+    {
+        crate::pool::spawn(self, producers, make, PhantomData)
+    }
+}

@@ -1,0 +1,240 @@
+//! `validate()`: the one check between plain data and threads.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::config::{ModeConfig, Placement, PoolConfig, Priority, TopologyConfig};
+use super::error::{TopologyError, Warning};
+use super::plan::{PollerPlan, PoolPlan, Topology};
+
+/// The largest ring capacity accepted (2^24 slots per ring).
+pub const MAX_CAPACITY: usize = 1 << 24;
+
+impl TopologyConfig {
+    /// Checks the whole topology against the CPUs this process may use
+    /// (`sched_getaffinity`) and returns the only type that can spawn its
+    /// threads. Warnings are logged with `tracing::warn!` and kept in
+    /// [`Topology::warnings`].
+    ///
+    /// # Errors
+    ///
+    /// The first problem found, naming its field: see [`TopologyError`].
+    pub fn validate(&self) -> Result<Topology, TopologyError> {
+        let allowed = super::thread::allowed_cpus()?;
+        self.validate_for(&allowed)
+    }
+
+    /// [`validate`](Self::validate) against a given set of allowed CPUs, for
+    /// planning a machine other than this one (and for tests).
+    ///
+    /// # Errors
+    ///
+    /// As [`validate`](Self::validate).
+    pub fn validate_for(&self, allowed: &BTreeSet<usize>) -> Result<Topology, TopologyError> {
+        let mut warnings = Vec::new();
+        let mut names = BTreeSet::new();
+        let mut cq_owner: BTreeMap<&str, String> = BTreeMap::new();
+        let mut claimed: BTreeMap<usize, String> = BTreeMap::new();
+        let mut busy = 0;
+
+        for (i, p) in self.pollers.iter().enumerate() {
+            let at = format!("poller[{i}]");
+            check_name(&format!("{at}.name"), &p.name, &mut names)?;
+            if p.cqs.is_empty() {
+                return Err(TopologyError::NoCq {
+                    field: format!("{at}.cqs"),
+                });
+            }
+            for (j, cq) in p.cqs.iter().enumerate() {
+                let field = format!("{at}.cqs[{j}]");
+                if let Some(owner) = cq_owner.get(cq.as_str()) {
+                    return Err(TopologyError::CqOwnedTwice {
+                        field,
+                        cq: cq.clone(),
+                        owned_by: owner.clone(),
+                    });
+                }
+                cq_owner.insert(cq, field);
+            }
+            if p.batch == 0 || p.batch > 4096 {
+                return Err(out_of_range(&format!("{at}.batch"), p.batch, "1 to 4096"));
+            }
+            check_mode(&format!("{at}.mode"), &p.mode)?;
+            let field = format!("{at}.placement");
+            check_placement(&field, &p.placement, allowed)?;
+            check_priority(&format!("{at}.priority"), p.priority)?;
+            if p.mode.is_busy() {
+                busy += 1;
+                if let Placement::Fixed(cpu) = p.placement {
+                    if let Some(first) = claimed.insert(cpu, field.clone()) {
+                        return Err(TopologyError::CpuClaimedTwice {
+                            field,
+                            cpu,
+                            claimed_by: first,
+                        });
+                    }
+                }
+                let may_use_0 = match &p.placement {
+                    Placement::Unpinned => allowed.contains(&0),
+                    placement => placement.cpus().contains(&0),
+                };
+                if may_use_0 {
+                    warnings.push(Warning::BusyOnCpu0 { field });
+                }
+            }
+        }
+        if busy * 2 > allowed.len() {
+            warnings.push(Warning::BusyOverHalf {
+                busy,
+                allowed: allowed.len(),
+            });
+        }
+
+        let mut names = BTreeSet::new();
+        for (i, p) in self.pools.iter().enumerate() {
+            check_pool(&format!("pool[{i}]"), p, allowed, &mut names, &mut warnings)?;
+        }
+
+        for w in &warnings {
+            tracing::warn!(target: "cqd::topology", "{w}");
+        }
+        let pollers = self
+            .pollers
+            .iter()
+            .enumerate()
+            .map(|(i, p)| PollerPlan::new(i, p.clone(), self.on_priority_error))
+            .collect();
+        let pools = self
+            .pools
+            .iter()
+            .map(|p| PoolPlan::new(p.clone(), self.on_priority_error))
+            .collect();
+        Ok(Topology::new(pollers, pools, warnings))
+    }
+}
+
+fn check_pool<'a>(
+    at: &str,
+    p: &'a PoolConfig,
+    allowed: &BTreeSet<usize>,
+    names: &mut BTreeSet<&'a str>,
+    warnings: &mut Vec<Warning>,
+) -> Result<(), TopologyError> {
+    check_name(&format!("{at}.name"), &p.name, names)?;
+    if p.threads == 0 {
+        return Err(TopologyError::ZeroThreads {
+            field: format!("{at}.threads"),
+        });
+    }
+    if p.capacity == 0 {
+        return Err(TopologyError::ZeroCapacity {
+            field: format!("{at}.capacity"),
+        });
+    }
+    if p.capacity > MAX_CAPACITY {
+        return Err(out_of_range(
+            &format!("{at}.capacity"),
+            p.capacity,
+            "at most 16777216 slots per ring",
+        ));
+    }
+    let field = format!("{at}.placement");
+    check_placement(&field, &p.placement, allowed)?;
+    if matches!(p.placement, Placement::Fixed(_)) && p.threads > 1 {
+        warnings.push(Warning::WorkersShareCpu {
+            field,
+            threads: p.threads,
+        });
+    }
+    check_priority(&format!("{at}.priority"), p.priority)
+}
+
+fn check_name<'a>(
+    field: &str,
+    name: &'a str,
+    names: &mut BTreeSet<&'a str>,
+) -> Result<(), TopologyError> {
+    if name.is_empty() || !names.insert(name) {
+        return Err(TopologyError::BadName {
+            field: field.to_owned(),
+            name: name.to_owned(),
+        });
+    }
+    Ok(())
+}
+
+fn check_placement(
+    field: &str,
+    placement: &Placement,
+    allowed: &BTreeSet<usize>,
+) -> Result<(), TopologyError> {
+    if let Placement::Fenced(set) = placement {
+        if set.is_empty() {
+            return Err(out_of_range(field, "[]", "a fence names at least one CPU"));
+        }
+    }
+    for cpu in placement.cpus() {
+        if !allowed.contains(&cpu) {
+            return Err(TopologyError::CpuNotAllowed {
+                field: field.to_owned(),
+                cpu,
+                allowed: allowed.clone(),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn check_mode(field: &str, mode: &ModeConfig) -> Result<(), TopologyError> {
+    if let Some(timeout) = mode.timeout() {
+        if timeout.is_zero() {
+            return Err(out_of_range(
+                &format!("{field}.timeout_ms"),
+                0,
+                "at least 1 ms",
+            ));
+        }
+    }
+    if let ModeConfig::Adaptive {
+        min_window_us,
+        max_window_us,
+        cpu_budget_percent,
+        ..
+    } = *mode
+    {
+        if min_window_us > max_window_us {
+            return Err(out_of_range(
+                &format!("{field}.min_window_us"),
+                min_window_us,
+                "at most max_window_us",
+            ));
+        }
+        if cpu_budget_percent == 0 || cpu_budget_percent > 100 {
+            return Err(out_of_range(
+                &format!("{field}.cpu_budget_percent"),
+                cpu_budget_percent,
+                "1 to 100",
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn check_priority(field: &str, priority: Option<Priority>) -> Result<(), TopologyError> {
+    match priority {
+        Some(Priority::Nice(n)) if !(-20..=19).contains(&n) => {
+            Err(out_of_range(&format!("{field}.nice"), n, "-20 to 19"))
+        }
+        Some(Priority::Fifo(p)) if !(1..=99).contains(&p) => {
+            Err(out_of_range(&format!("{field}.fifo"), p, "1 to 99"))
+        }
+        _ => Ok(()),
+    }
+}
+
+fn out_of_range(field: &str, value: impl ToString, expected: &'static str) -> TopologyError {
+    TopologyError::OutOfRange {
+        field: field.to_owned(),
+        value: value.to_string(),
+        expected,
+    }
+}
