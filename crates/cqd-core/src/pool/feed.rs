@@ -57,6 +57,27 @@ const NOT_PUBLISHED: usize = usize::MAX;
 /// the poller that feeds the pool; `Send`, not `Sync`, not `Clone`.
 /// Dropping it tells the workers this producer is gone; once every sink is
 /// dropped the workers drain their rings and exit.
+///
+/// A sink cannot be shared between threads (each ring has one producer) ...
+///
+/// ```compile_fail
+/// fn shared<T: Sync>() {}
+/// shared::<cqd_core::pool::PoolSink<u64>>();
+/// ```
+///
+/// ... nor cloned:
+///
+/// ```compile_fail
+/// fn cloned<T: Clone>() {}
+/// cloned::<cqd_core::pool::PoolSink<u64>>();
+/// ```
+///
+/// but it can move to the poller thread:
+///
+/// ```
+/// fn moved<T: Send>() {}
+/// moved::<cqd_core::pool::PoolSink<u64>>();
+/// ```
 pub struct PoolSink<W> {
     index: usize,
     rings: Box<[Producer<W>]>,
