@@ -1,0 +1,299 @@
+//! Topology config: the example file, TOML errors, one test per rejection,
+//! the warnings, and what `validate` hands to spawning.
+#![cfg(not(loom))]
+
+use std::collections::BTreeSet;
+
+use cqd_core::topology::{
+    ModeConfig, OnPriorityError, Placement, PollerConfig, PoolConfig, Priority, Routing,
+    TopologyConfig, TopologyError, Warning,
+};
+
+const EXAMPLE: &str = include_str!("../../../examples/topology.toml");
+
+fn cpus(n: usize) -> BTreeSet<usize> {
+    (0..n).collect()
+}
+
+fn poller(name: &str, cq: &str) -> PollerConfig {
+    PollerConfig::new(name).cq(cq)
+}
+
+fn busy(name: &str, cq: &str, cpu: usize) -> PollerConfig {
+    poller(name, cq)
+        .mode(ModeConfig::Busy)
+        .placement(Placement::Fixed(cpu))
+}
+
+#[test]
+fn example_file_round_trips_and_matches_the_builder() {
+    let parsed = TopologyConfig::from_toml(EXAMPLE).unwrap();
+    let again = TopologyConfig::from_toml(&parsed.to_toml().unwrap()).unwrap();
+    assert_eq!(parsed, again);
+
+    let built = TopologyConfig::new()
+        .on_priority_error(OnPriorityError::Error)
+        .poller(busy("rx", "rx0", 1).batch(32).priority(Priority::Fifo(10)))
+        .poller(
+            PollerConfig::new("tx")
+                .cq("tx0")
+                .cq("tx1")
+                .batch(64)
+                .placement(Placement::fenced([2, 3]))
+                .priority(Priority::Nice(-5))
+                .mode(ModeConfig::Adaptive {
+                    min_window_us: 0,
+                    max_window_us: 50,
+                    cpu_budget_percent: 25,
+                    timeout_ms: 100,
+                }),
+        )
+        .poller(poller("ctl", "ctl").mode(ModeConfig::Event { timeout_ms: 100 }))
+        .pool(
+            PoolConfig::new("io", 4)
+                .placement(Placement::fenced(4..8))
+                .capacity(1024),
+        )
+        .pool(
+            PoolConfig::new("bg", 2)
+                .capacity(256)
+                .routing(Routing::LeastLoaded)
+                .priority(Priority::Nice(10)),
+        );
+    assert_eq!(parsed, built);
+
+    let mut topology = parsed.validate_for(&cpus(8)).unwrap();
+    assert!(topology.warnings().is_empty(), "{:?}", topology.warnings());
+    let names: Vec<_> = topology
+        .take_pollers()
+        .iter()
+        .map(|p| (p.name().to_owned(), p.thread_name()))
+        .collect();
+    assert_eq!(
+        names,
+        [
+            ("rx".into(), "cqd-poller-0".into()),
+            ("tx".into(), "cqd-poller-1".into()),
+            ("ctl".into(), "cqd-poller-2".into())
+        ]
+    );
+    let io = topology.take_pool("io").unwrap();
+    assert_eq!((io.threads(), io.capacity()), (4, 1024));
+    assert!(topology.take_pool("io").is_none(), "a plan is taken once");
+}
+
+#[test]
+fn parse_errors_report_line_and_column() {
+    let text = "[[pool]]\nname = \"io\"\nthreads = \"four\"\n";
+    match TopologyConfig::from_toml(text) {
+        Err(TopologyError::Parse {
+            line,
+            column,
+            message,
+        }) => {
+            assert_eq!((line, column), (3, 11), "{message}");
+            assert!(
+                message.contains("usize") || message.contains("integer"),
+                "{message}"
+            );
+        }
+        other => panic!("expected a parse error, got {other:?}"),
+    }
+    let e = TopologyConfig::from_toml("[[poller]]\nname = \"a\"\ncqs = [\"x\"]\nbogus = 1\n")
+        .unwrap_err();
+    assert!(e.to_string().contains("line 4"), "{e}");
+    let e = TopologyConfig::from_toml("[[pool]\n").unwrap_err();
+    assert!(e.to_string().contains("line 1"), "{e}");
+}
+
+#[test]
+fn missing_file_names_the_path() {
+    let e = TopologyConfig::from_file("/nonexistent/topology.toml").unwrap_err();
+    assert!(matches!(e, TopologyError::Io { .. }));
+    assert!(e.to_string().contains("/nonexistent/topology.toml"));
+}
+
+#[test]
+fn rejects_cpu_outside_the_affinity_mask() {
+    let config = TopologyConfig::new().poller(poller("a", "x").placement(Placement::Fixed(5)));
+    let e = config.validate_for(&cpus(4)).unwrap_err();
+    assert!(
+        matches!(&e, TopologyError::CpuNotAllowed { field, cpu: 5, .. } if field == "poller[0].placement"),
+        "{e}"
+    );
+    let config =
+        TopologyConfig::new().pool(PoolConfig::new("io", 2).placement(Placement::fenced([1, 9])));
+    let e = config.validate_for(&cpus(4)).unwrap_err();
+    assert!(
+        matches!(&e, TopologyError::CpuNotAllowed { field, cpu: 9, .. } if field == "pool[0].placement"),
+        "{e}"
+    );
+    // Against the real mask of this process.
+    let config =
+        TopologyConfig::new().poller(poller("a", "x").placement(Placement::Fixed(100_000)));
+    assert!(matches!(
+        config.validate(),
+        Err(TopologyError::CpuNotAllowed { cpu: 100_000, .. })
+    ));
+}
+
+#[test]
+fn rejects_a_cpu_claimed_by_two_busy_pollers() {
+    let config = TopologyConfig::new()
+        .poller(busy("a", "x", 2))
+        .poller(busy("b", "y", 2));
+    let e = config.validate_for(&cpus(4)).unwrap_err();
+    assert!(
+        matches!(&e, TopologyError::CpuClaimedTwice { field, cpu: 2, claimed_by }
+            if field == "poller[1].placement" && claimed_by == "poller[0].placement"),
+        "{e}"
+    );
+    // Sharing a CPU is fine when at most one of them spins.
+    let config = TopologyConfig::new()
+        .poller(busy("a", "x", 2))
+        .poller(poller("b", "y").placement(Placement::Fixed(2)));
+    config.validate_for(&cpus(4)).unwrap();
+}
+
+#[test]
+fn rejects_a_cq_owned_by_two_pollers() {
+    let config = TopologyConfig::new()
+        .poller(poller("a", "rx0"))
+        .poller(poller("b", "tx0").cq("rx0"));
+    let e = config.validate_for(&cpus(4)).unwrap_err();
+    assert!(
+        matches!(&e, TopologyError::CqOwnedTwice { field, cq, owned_by }
+            if field == "poller[1].cqs[1]" && cq == "rx0" && owned_by == "poller[0].cqs[0]"),
+        "{e}"
+    );
+}
+
+#[test]
+fn rejects_zero_threads() {
+    let config = TopologyConfig::new().pool(PoolConfig::new("io", 0));
+    let e = config.validate_for(&cpus(4)).unwrap_err();
+    assert!(
+        matches!(&e, TopologyError::ZeroThreads { field } if field == "pool[0].threads"),
+        "{e}"
+    );
+}
+
+#[test]
+fn rejects_zero_capacity() {
+    let config = TopologyConfig::new()
+        .pool(PoolConfig::new("a", 1))
+        .pool(PoolConfig::new("b", 1).capacity(0));
+    let e = config.validate_for(&cpus(4)).unwrap_err();
+    assert!(
+        matches!(&e, TopologyError::ZeroCapacity { field } if field == "pool[1].capacity"),
+        "{e}"
+    );
+    assert_eq!(
+        e.to_string(),
+        "pool[1].capacity: ring capacity must be at least 1"
+    );
+}
+
+#[test]
+fn rejects_other_nonsense_naming_the_field() {
+    let check = |config: TopologyConfig, want: &str| {
+        let e = config.validate_for(&cpus(4)).unwrap_err();
+        assert!(e.to_string().starts_with(want), "{e} (wanted {want})");
+    };
+    check(
+        TopologyConfig::new().poller(PollerConfig::new("a")),
+        "poller[0].cqs",
+    );
+    check(
+        TopologyConfig::new().poller(poller("a", "x").batch(0)),
+        "poller[0].batch",
+    );
+    check(
+        TopologyConfig::new()
+            .poller(poller("a", "x"))
+            .poller(poller("a", "y")),
+        "poller[1].name",
+    );
+    check(
+        TopologyConfig::new().pool(PoolConfig::new("", 1)),
+        "pool[0].name",
+    );
+    check(
+        TopologyConfig::new().pool(PoolConfig::new("io", 1).placement(Placement::fenced([]))),
+        "pool[0].placement",
+    );
+    check(
+        TopologyConfig::new().pool(PoolConfig::new("io", 1).priority(Priority::Nice(30))),
+        "pool[0].priority.nice",
+    );
+    check(
+        TopologyConfig::new().poller(poller("a", "x").priority(Priority::Fifo(0))),
+        "poller[0].priority.fifo",
+    );
+    check(
+        TopologyConfig::new().poller(poller("a", "x").mode(ModeConfig::Adaptive {
+            min_window_us: 10,
+            max_window_us: 5,
+            cpu_budget_percent: 50,
+            timeout_ms: 100,
+        })),
+        "poller[0].mode.min_window_us",
+    );
+    check(
+        TopologyConfig::new().poller(poller("a", "x").mode(ModeConfig::Event { timeout_ms: 0 })),
+        "poller[0].mode.timeout_ms",
+    );
+    check(
+        TopologyConfig::new().pool(PoolConfig::new("io", 1).capacity(usize::MAX)),
+        "pool[0].capacity",
+    );
+}
+
+#[test]
+fn warns_for_busy_poller_on_cpu0() {
+    let topology = TopologyConfig::new()
+        .poller(busy("a", "x", 0))
+        .validate_for(&cpus(8))
+        .unwrap();
+    assert_eq!(
+        topology.warnings(),
+        [Warning::BusyOnCpu0 {
+            field: "poller[0].placement".into()
+        }]
+    );
+    // An unpinned busy poller may land on CPU 0 too.
+    let topology = TopologyConfig::new()
+        .poller(poller("a", "x").mode(ModeConfig::Busy))
+        .validate_for(&cpus(8))
+        .unwrap();
+    assert!(matches!(topology.warnings(), [Warning::BusyOnCpu0 { .. }]));
+    // Not when CPU 0 is out of reach.
+    let topology = TopologyConfig::new()
+        .poller(poller("a", "x").mode(ModeConfig::Busy))
+        .validate_for(&(1..8).collect())
+        .unwrap();
+    assert!(topology.warnings().is_empty());
+}
+
+#[test]
+fn warns_when_busy_pollers_take_more_than_half_the_cpus() {
+    let topology = TopologyConfig::new()
+        .poller(busy("a", "x", 1))
+        .poller(busy("b", "y", 2))
+        .poller(busy("c", "z", 3))
+        .validate_for(&cpus(4))
+        .unwrap();
+    assert_eq!(
+        topology.warnings(),
+        [Warning::BusyOverHalf {
+            busy: 3,
+            allowed: 4
+        }]
+    );
+    let topology = TopologyConfig::new()
+        .poller(busy("a", "x", 1))
+        .poller(busy("b", "y", 2))
+        .validate_for(&cpus(4))
+        .unwrap();
+    assert!(topology.warnings().is_empty(), "exactly half is allowed");
+}
