@@ -116,9 +116,13 @@ impl<W> PoolSink<W> {
     /// starting the search at a rotating worker so ties spread out.
     fn shallowest(&self) -> usize {
         let n = self.free.len();
-        let mut best = self.start % n;
-        for i in 1..n {
-            let w = (self.start + i) % n;
+        let mut best = self.start;
+        let mut w = self.start;
+        for _ in 1..n {
+            w += 1;
+            if w == n {
+                w = 0;
+            }
             if self.free[w] > self.free[best] {
                 best = w;
             }
@@ -200,7 +204,10 @@ impl<W: Send> WorkSink<W> for PoolSink<W> {
             }
         }
         items.rotate_left(n - visited);
-        self.start = self.start.wrapping_add(1);
+        self.start += 1;
+        if self.start == workers {
+            self.start = 0;
+        }
         // 3. Publish.
         let mut published = false;
         for (ring, old) in self.rings.iter_mut().zip(self.old_tail.iter_mut()) {

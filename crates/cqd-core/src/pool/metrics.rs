@@ -31,9 +31,12 @@ pub(crate) struct WorkerCounters {
 }
 
 impl WorkerCounters {
-    pub(crate) fn batch(&self, items: usize, depth: usize) {
+    pub(crate) fn batch(&self, items: usize) {
         add(&self.items, items as u64);
         add(&self.batches, 1);
+    }
+
+    pub(crate) fn depth(&self, depth: usize) {
         if depth as u64 > self.depth_high_water.load(Relaxed) {
             self.depth_high_water.store(depth as u64, Relaxed);
         }

@@ -8,7 +8,9 @@
 //!
 //! Worker, when a pass over its rings found nothing:
 //!
-//! 1. Spin: re-check the rings a few times with a spin hint.
+//! 1. Back off: re-check the rings between exponentially growing spins,
+//!    then between `yield`s (crossbeam's `Backoff::snooze`), so that a
+//!    worker sharing its CPU lets the producer run before it parks.
 //! 2. Announce: store `sleeping = true`, then `fence(SeqCst)`.
 //! 3. Read `open` (the number of producers still alive) with `Acquire`, then
 //!    re-check every ring. Work found: store `sleeping = false` and serve it.
@@ -40,12 +42,10 @@ use crossbeam_utils::CachePadded;
 
 use crate::sync::{fence, thread, AtomicBool, AtomicUsize, Ordering};
 
-/// How many times a worker re-checks its rings before parking (step 1).
-/// Under loom every check is a branch of the model, so it does not spin.
-#[cfg(not(loom))]
-pub(crate) const SPINS: u32 = 128;
-#[cfg(loom)]
-pub(crate) const SPINS: u32 = 0;
+/// Whether a worker backs off before parking (step 1). Under loom every
+/// check is a branch of the model and a yield is not a loom yield, so the
+/// model goes straight to step 2, which is the step that matters there.
+const BACK_OFF: bool = cfg!(not(loom));
 
 /// A worker's sleeping flag.
 #[derive(Debug, Default)]
@@ -67,11 +67,14 @@ pub(crate) enum Idle {
 impl Bell {
     /// The worker side, steps 1 to 5. `has_work` re-checks every ring.
     pub(crate) fn idle(&self, open: &AtomicUsize, mut has_work: impl FnMut() -> bool) -> Idle {
-        // 1. Spin.
-        for _ in 0..SPINS {
-            std::hint::spin_loop();
-            if has_work() {
-                return Idle::Work;
+        // 1. Back off.
+        if BACK_OFF {
+            let backoff = crossbeam_utils::Backoff::new();
+            while !backoff.is_completed() {
+                backoff.snooze();
+                if has_work() {
+                    return Idle::Work;
+                }
             }
         }
         // 2. Announce.

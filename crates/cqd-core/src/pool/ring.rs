@@ -219,11 +219,13 @@ impl<T> Consumer<T> {
 
     /// Moves up to `max` published values out, front first, handing each to
     /// `f`, then frees their slots with one `Release` store (steps 3 and 4).
+    /// Uses the tail seen by the last [`ready`](Self::ready) unless that
+    /// showed nothing, so a caller that just called `ready` pays no reload.
     /// Returns how many were moved. Should `f` unwind, the values already
     /// moved out are freed and the rest stay in the ring.
     pub(crate) fn pop_batch(&mut self, max: usize, mut f: impl FnMut(T)) -> usize {
         let mut ready = self.cached_tail - self.head;
-        if ready < max {
+        if ready == 0 {
             ready = self.ready();
         }
         let n = ready.min(max);
@@ -296,6 +298,7 @@ mod tests {
         assert_eq!(p.refresh(), 3);
         p.stage(4).unwrap();
         p.publish();
+        assert_eq!(c.ready(), 2, "a reload sees the new tail");
         c.pop_batch(usize::MAX, |v| seen.push(v));
         assert_eq!(seen, [0, 1, 2, 3, 4]);
     }

@@ -3,8 +3,9 @@
 //! Loop (the park/unpark steps are those of [`park`](super::park)):
 //!
 //! 1. One pass over the worker's rings (one per producer): from each
-//!    non-empty ring take up to [`MAX_BATCH`] items, run each under
-//!    `catch_unwind`, and free the batch's slots with one store.
+//!    non-empty ring take up to [`MAX_BATCH`] items under one
+//!    `catch_unwind`, and free the batch's slots with one store. A panic
+//!    frees what was taken, is counted, and the batch goes on after it.
 //! 2. If the pass found work, call [`Work::batch_done`] and go to 1.
 //! 3. Otherwise go idle: spin, announce, re-check, park (park steps 1–5).
 //!    Work found: go to 1. Every producer gone and every ring empty: return.
@@ -70,14 +71,28 @@ impl<W, H: Work<W>> Worker<W, H> {
                 if depth == 0 {
                     continue;
                 }
-                let work = &mut self.work;
-                let taken = ring.pop_batch(MAX_BATCH, |item| {
-                    if catch_unwind(AssertUnwindSafe(|| work.run(item))).is_err() {
-                        counters.panic();
-                        tracing::error!(target: "cqd::pool", worker = %name, "work panicked; caught, worker goes on");
+                counters.depth(depth);
+                // One `catch_unwind` per batch, not per item: a panic unwinds
+                // out of `pop_batch`, whose guard frees the slots taken so far
+                // (the panicking item included); the rest are served next.
+                let mut taken = 0;
+                while taken < depth.min(MAX_BATCH) {
+                    let work = &mut self.work;
+                    let mut n = 0;
+                    let outcome = catch_unwind(AssertUnwindSafe(|| {
+                        ring.pop_batch(MAX_BATCH - taken, |item| {
+                            n += 1;
+                            work.run(item);
+                        })
+                    }));
+                    taken += n;
+                    if outcome.is_ok() {
+                        break;
                     }
-                });
-                counters.batch(taken, depth);
+                    counters.panic();
+                    tracing::error!(target: "cqd::pool", worker = %name, "work panicked; caught, worker goes on");
+                }
+                counters.batch(taken);
                 found += taken;
             }
             // 2. Work done: let the work function flush, then look again.
