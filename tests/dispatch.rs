@@ -56,7 +56,9 @@ fn exactly_once(mode: PollMode) {
     const HANDLERS: usize = 64;
     let (producer, poller, handle) = cq("once", 4096, Faults::default());
     let record = Record::new(N);
-    let regs: Vec<Registration> = (0..HANDLERS as u64).map(|i| register(&handle, &record, i)).collect();
+    let regs: Vec<Registration> = (0..HANDLERS as u64)
+        .map(|i| register(&handle, &record, i))
+        .collect();
     let thread = spawn(mode, vec![poller], Duration::from_millis(100));
 
     let mut rng = 0x9E37_79B9_7F4A_7C15u64;
@@ -101,20 +103,39 @@ fn exactly_once(mode: PollMode) {
     );
     let report = thread.stop().unwrap();
     for (tag, want) in expected.iter().enumerate() {
-        assert_eq!(record.hits[tag].load(Ordering::Relaxed), 1, "tag {tag} not exactly once");
-        assert_eq!(record.callback[tag].load(Ordering::Relaxed), *want, "tag {tag} wrong callback");
+        assert_eq!(
+            record.hits[tag].load(Ordering::Relaxed),
+            1,
+            "tag {tag} not exactly once"
+        );
+        assert_eq!(
+            record.callback[tag].load(Ordering::Relaxed),
+            *want,
+            "tag {tag} wrong callback"
+        );
     }
     assert_eq!(record.wrong_handler.load(Ordering::Relaxed), 0);
     let snap = &report.cqs[0];
     assert_eq!(snap.completions, N as u64);
-    assert_eq!(snap.stale_wr_ids + snap.foreign_wr_ids + snap.unknown_status + snap.unknown_opcode, 0);
+    assert_eq!(
+        snap.stale_wr_ids + snap.foreign_wr_ids + snap.unknown_status + snap.unknown_opcode,
+        0
+    );
     assert_eq!(snap.handler_panics, 0);
     assert!(snap.errors() > 0 && snap.flushes > 0);
     assert!(report.errors.is_empty(), "{:?}", report.errors);
     for r in &regs {
         assert_eq!(r.ledger().outstanding(), 0);
     }
-    let completed: u64 = regs.iter().map(|r| OpKind::ALL.iter().map(|k| r.ledger().completed(*k)).sum::<u64>()).sum();
+    let completed: u64 = regs
+        .iter()
+        .map(|r| {
+            OpKind::ALL
+                .iter()
+                .map(|k| r.ledger().completed(*k))
+                .sum::<u64>()
+        })
+        .sum();
     assert_eq!(completed, N as u64);
     assert_eq!(per_kind.iter().sum::<u64>(), N as u64);
     if sleeps(mode) {
@@ -139,7 +160,11 @@ fn coalesced_notifications_drain_to_empty(mode: PollMode) {
         .map(|t| {
             record.owner[t as usize].store(0, Ordering::Relaxed);
             reg.track(OpKind::Recv, 1);
-            completion(reg.wr_id(OpKind::Recv, t).unwrap(), Status::Success, Opcode::Recv)
+            completion(
+                reg.wr_id(OpKind::Recv, t).unwrap(),
+                Status::Success,
+                Opcode::Recv,
+            )
         })
         .collect();
     producer.push_all(&wcs).unwrap();
@@ -158,7 +183,14 @@ all_modes!(coalesced_notifications_drain_to_empty);
 /// Every notification is lost: the wake-up timeout finds the completions,
 /// and each find is counted as a recovered missed event.
 fn dropped_notification_is_recovered(mode: PollMode) {
-    let (producer, poller, handle) = cq("drop", 64, Faults { drop: 1.0, ..Faults::default() });
+    let (producer, poller, handle) = cq(
+        "drop",
+        64,
+        Faults {
+            drop: 1.0,
+            ..Faults::default()
+        },
+    );
     let record = Record::new(10);
     let reg = register(&handle, &record, 0);
     let thread = spawn(mode, vec![poller], Duration::from_millis(20));
@@ -169,7 +201,14 @@ fn dropped_notification_is_recovered(mode: PollMode) {
             record.owner[t as usize].store(0, Ordering::Relaxed);
             reg.track(OpKind::Send, 1);
             producer
-                .push(completion(reg.wr_id(OpKind::Send, t).unwrap(), Status::Success, Opcode::Send), false)
+                .push(
+                    completion(
+                        reg.wr_id(OpKind::Send, t).unwrap(),
+                        Status::Success,
+                        Opcode::Send,
+                    ),
+                    false,
+                )
                 .unwrap();
         }
     }
@@ -188,7 +227,10 @@ all_modes!(dropped_notification_is_recovered);
 
 /// Spurious notifications cost nothing but a counted wake-up.
 fn spurious_notifications_are_counted(mode: PollMode) {
-    let faults = Faults { spurious: 1.0, ..Faults::default() };
+    let faults = Faults {
+        spurious: 1.0,
+        ..Faults::default()
+    };
     let (producer, poller, handle) = cq("spurious", 64, faults);
     let record = Record::new(20);
     let reg = register(&handle, &record, 0);
@@ -198,7 +240,14 @@ fn spurious_notifications_are_counted(mode: PollMode) {
         record.owner[t as usize].store(0, Ordering::Relaxed);
         reg.track(OpKind::Recv, 1);
         producer
-            .push(completion(reg.wr_id(OpKind::Recv, t).unwrap(), Status::Success, Opcode::Recv), false)
+            .push(
+                completion(
+                    reg.wr_id(OpKind::Recv, t).unwrap(),
+                    Status::Success,
+                    Opcode::Recv,
+                ),
+                false,
+            )
             .unwrap();
         std::thread::sleep(Duration::from_millis(1));
     }
@@ -252,27 +301,51 @@ fn anomalies_are_counted_not_dispatched(mode: PollMode) {
     let old = register(&handle, &record, 0);
     let thread = spawn(mode, vec![poller], Duration::from_millis(20));
     handle.unregister(old.key()).unwrap();
-    assert!(wait_until(Duration::from_secs(5), || handle.snapshot().unregistrations == 1));
+    assert!(wait_until(Duration::from_secs(5), || handle
+        .snapshot()
+        .unregistrations
+        == 1));
     let new = register(&handle, &record, 1);
     assert_eq!(new.key().slot(), old.key().slot(), "the slot was reused");
     assert_ne!(new.key().generation(), old.key().generation());
     new.track(OpKind::Recv, 2);
-    let stale = completion(old.wr_id(OpKind::Send, 1).unwrap(), Status::Success, Opcode::Send);
-    let mut unknown_status = completion(new.wr_id(OpKind::Recv, 2).unwrap(), Status::Success, Opcode::Recv);
+    let stale = completion(
+        old.wr_id(OpKind::Send, 1).unwrap(),
+        Status::Success,
+        Opcode::Send,
+    );
+    let mut unknown_status = completion(
+        new.wr_id(OpKind::Recv, 2).unwrap(),
+        Status::Success,
+        Opcode::Recv,
+    );
     unknown_status.status = Status::from_raw(99);
-    let unknown_opcode = completion(new.wr_id(OpKind::Recv, 3).unwrap(), Status::Success, Opcode::from_raw(77));
+    let unknown_opcode = completion(
+        new.wr_id(OpKind::Recv, 3).unwrap(),
+        Status::Success,
+        Opcode::from_raw(77),
+    );
     let foreign = [0u64, u64::MAX, 0xB000_0000_0000_0000 | (7 << 57)]
         .map(|w| completion(w, Status::Success, Opcode::Send));
-    producer.push_all(&[stale, unknown_status, unknown_opcode]).unwrap();
+    producer
+        .push_all(&[stale, unknown_status, unknown_opcode])
+        .unwrap();
     producer.push_all(&foreign).unwrap();
-    assert!(wait_until(Duration::from_secs(5), || handle.snapshot().completions == 6));
+    assert!(wait_until(Duration::from_secs(5), || handle
+        .snapshot()
+        .completions
+        == 6));
     let snap = thread.stop().unwrap().cqs[0].clone();
     assert_eq!(snap.stale_wr_ids, 1);
     assert_eq!(snap.unknown_status, 1);
     assert_eq!(snap.unknown_opcode, 1);
     assert_eq!(snap.foreign_wr_ids, 3);
     assert_eq!(record.delivered(), 0, "nothing reached a handler");
-    assert_eq!(new.ledger().outstanding(), 0, "anomalies still resolve their requests");
+    assert_eq!(
+        new.ledger().outstanding(),
+        0,
+        "anomalies still resolve their requests"
+    );
 }
 all_modes!(anomalies_are_counted_not_dispatched);
 
@@ -292,11 +365,25 @@ fn retiring_handler_keeps_its_slot_until_drained(mode: PollMode) {
     assert_ne!(other.key().slot(), reg.key().slot(), "slot still in use");
     for t in 0..4u32 {
         producer
-            .push(completion(reg.wr_id(OpKind::Recv, t).unwrap(), Status::WrFlush, Opcode::Recv), false)
+            .push(
+                completion(
+                    reg.wr_id(OpKind::Recv, t).unwrap(),
+                    Status::WrFlush,
+                    Opcode::Recv,
+                ),
+                false,
+            )
             .unwrap();
     }
-    assert!(wait_until(Duration::from_secs(5), || handle.snapshot().unregistrations == 1));
-    assert_eq!(record.delivered(), 4, "flushes reached the retiring handler");
+    assert!(wait_until(Duration::from_secs(5), || handle
+        .snapshot()
+        .unregistrations
+        == 1));
+    assert_eq!(
+        record.delivered(),
+        4,
+        "flushes reached the retiring handler"
+    );
     let snap = thread.stop().unwrap().cqs[0].clone();
     assert_eq!(snap.handlers_live, 1);
     assert_eq!(snap.flushes, 4);
@@ -310,7 +397,11 @@ fn panicking_handler_is_contained(mode: PollMode) {
     let (producer, poller, handle) = cq("panic", 2048, Faults::default());
     let record = Record::new(N);
     let reg = handle
-        .register(Recorder { id: 0, record: Arc::clone(&record), panic_every: Some(10) })
+        .register(Recorder {
+            id: 0,
+            record: Arc::clone(&record),
+            panic_every: Some(10),
+        })
         .unwrap();
     let thread = spawn(mode, vec![poller], Duration::from_millis(20));
     let prev = std::panic::take_hook();
@@ -318,7 +409,15 @@ fn panicking_handler_is_contained(mode: PollMode) {
     for t in 0..N as u32 {
         record.owner[t as usize].store(0, Ordering::Relaxed);
         reg.track(OpKind::Send, 1);
-        push_paced(&producer, completion(reg.wr_id(OpKind::Send, t).unwrap(), Status::Success, Opcode::Send), false);
+        push_paced(
+            &producer,
+            completion(
+                reg.wr_id(OpKind::Send, t).unwrap(),
+                Status::Success,
+                Opcode::Send,
+            ),
+            false,
+        );
     }
     let ok = wait_until(Duration::from_secs(10), || record.delivered() == N as u64);
     let report = thread.stop().unwrap();
@@ -338,14 +437,21 @@ fn overflow_is_loud(mode: PollMode) {
     let mut lost = 0;
     for t in 0..20u32 {
         record.owner[t as usize].store(0, Ordering::Relaxed);
-        let wc = completion(reg.wr_id(OpKind::Recv, t).unwrap(), Status::Success, Opcode::Recv);
+        let wc = completion(
+            reg.wr_id(OpKind::Recv, t).unwrap(),
+            Status::Success,
+            Opcode::Recv,
+        );
         if producer.push(wc, false).is_err() {
             lost += 1;
         }
     }
     assert_eq!(lost, 12);
     let thread = spawn(mode, vec![poller], Duration::from_millis(20));
-    assert!(wait_until(Duration::from_secs(5), || handle.snapshot().overflows >= 1));
+    assert!(wait_until(Duration::from_secs(5), || handle
+        .snapshot()
+        .overflows
+        >= 1));
     let snap = thread.stop().unwrap().cqs[0].clone();
     assert!(snap.async_events >= 1);
     assert_eq!(snap.completions, 8, "what fitted is still delivered");
@@ -372,16 +478,26 @@ fn poll_group_serves_every_cq(mode: PollMode) {
             let t = round * 4 + k;
             record.owner[t as usize].store(id, Ordering::Relaxed);
             r.track(kind, 1);
-            p.push(completion(r.wr_id(kind, t).unwrap(), Status::Success, op), false).unwrap();
+            p.push(
+                completion(r.wr_id(kind, t).unwrap(), Status::Success, op),
+                false,
+            )
+            .unwrap();
         }
     }
     assert!(wait_until(Duration::from_secs(5), || record.delivered() == 40));
     let report = thread.stop().unwrap();
     assert_eq!(record.wrong_handler.load(Ordering::Relaxed), 0);
     assert_eq!(report.cqs.len(), 2);
-    assert_eq!(report.cqs[0].recovered_missed_events + report.cqs[1].recovered_missed_events, 0);
+    assert_eq!(
+        report.cqs[0].recovered_missed_events + report.cqs[1].recovered_missed_events,
+        0
+    );
     if sleeps(mode) {
-        assert_eq!(report.cqs[0].arms, report.cqs[1].arms, "a group arms all its CQs");
+        assert_eq!(
+            report.cqs[0].arms, report.cqs[1].arms,
+            "a group arms all its CQs"
+        );
     }
 }
 all_modes!(poll_group_serves_every_cq);
@@ -399,7 +515,11 @@ fn stop_drains_acks_and_destroys(mode: PollMode) {
         .map(|t| {
             record.owner[t as usize].store(0, Ordering::Relaxed);
             reg.track(OpKind::Write, 1);
-            completion(reg.wr_id(OpKind::Write, t).unwrap(), Status::Success, Opcode::RdmaWrite)
+            completion(
+                reg.wr_id(OpKind::Write, t).unwrap(),
+                Status::Success,
+                Opcode::RdmaWrite,
+            )
         })
         .collect();
     producer.push_all(&wcs).unwrap();
@@ -407,7 +527,16 @@ fn stop_drains_acks_and_destroys(mode: PollMode) {
     assert_eq!(record.delivered(), N as u64, "stop drained everything");
     assert!(report.errors.is_empty(), "{:?}", report.errors);
     assert_eq!(report.cqs[0].acks, report.cqs[0].events);
-    assert!(producer.push(wcs[0], false).is_err(), "the CQ was destroyed");
-    assert!(handle.register(Recorder { id: 9, record, panic_every: None }).is_err());
+    assert!(
+        producer.push(wcs[0], false).is_err(),
+        "the CQ was destroyed"
+    );
+    assert!(handle
+        .register(Recorder {
+            id: 9,
+            record,
+            panic_every: None
+        })
+        .is_err());
 }
 all_modes!(stop_drains_acks_and_destroys);

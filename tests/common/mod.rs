@@ -26,7 +26,9 @@ macro_rules! all_modes {
             }
             #[test]
             fn hybrid() {
-                super::$body(PollMode::Hybrid { spin: Duration::from_micros(50) })
+                super::$body(PollMode::Hybrid {
+                    spin: Duration::from_micros(50),
+                })
             }
             #[test]
             fn adaptive() {

@@ -316,7 +316,10 @@ mod tests {
             for (slot, gen, tag) in [(0, 0, 0), (MAX_SLOT, MAX_GENERATION, MAX_TAG)] {
                 let key = HandlerKey::new(slot, gen).unwrap();
                 let w = WrId::decode(key.wr_id(kind, tag).unwrap()).unwrap();
-                assert_eq!((w.kind, w.key.slot(), w.key.generation(), w.tag), (kind, slot, gen, tag));
+                assert_eq!(
+                    (w.kind, w.key.slot(), w.key.generation(), w.tag),
+                    (kind, slot, gen, tag)
+                );
             }
         }
         assert!(HandlerKey::new(MAX_SLOT + 1, 0).is_none());
@@ -324,7 +327,10 @@ mod tests {
         let key = HandlerKey::new(1, 1).unwrap();
         assert_eq!(
             key.wr_id(OpKind::Send, MAX_TAG + 1),
-            Err(WrIdError::TagTooLarge { tag: MAX_TAG + 1, max: MAX_TAG })
+            Err(WrIdError::TagTooLarge {
+                tag: MAX_TAG + 1,
+                max: MAX_TAG
+            })
         );
     }
 
@@ -339,7 +345,13 @@ mod tests {
     #[test]
     fn side_follows_kind() {
         assert_eq!(OpKind::Recv.side(), Side::Recv);
-        for k in [OpKind::Send, OpKind::Write, OpKind::Read, OpKind::Atomic, OpKind::Internal] {
+        for k in [
+            OpKind::Send,
+            OpKind::Write,
+            OpKind::Read,
+            OpKind::Atomic,
+            OpKind::Internal,
+        ] {
             assert_eq!(k.side(), Side::Send);
         }
     }
