@@ -540,3 +540,62 @@ fn stop_drains_acks_and_destroys(mode: PollMode) {
         .is_err());
 }
 all_modes!(stop_drains_acks_and_destroys);
+
+/// Registration and unregistration ring the poller's doorbell: a poller
+/// asleep with a 30 s safety timeout applies them at once.
+fn control_requests_wake_a_sleeping_poller(mode: PollMode) {
+    let (_producer, poller, handle) = cq("doorbell", 64, Faults::default());
+    let record = Record::new(1);
+    let thread = spawn(mode, vec![poller], Duration::from_secs(30));
+    std::thread::sleep(Duration::from_millis(20));
+    let reg = register(&handle, &record, 0);
+    handle.unregister(reg.key()).unwrap();
+    assert!(
+        wait_until(Duration::from_secs(2), || handle.snapshot().unregistrations
+            == 1),
+        "the poller did not wake for a control request"
+    );
+    let start = Instant::now();
+    let report = thread.stop().unwrap();
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "stop woke the poller"
+    );
+    if sleeps(mode) {
+        assert!(report.poller.control_wakeups >= 1, "{:?}", report.poller);
+    }
+}
+all_modes!(control_requests_wake_a_sleeping_poller);
+
+/// A receive CQ armed for solicited completions only: a solicited
+/// completion wakes the poller, and the drain takes the unsolicited ones
+/// queued before it too.
+fn solicited_only_arming(mode: PollMode) {
+    let (producer, source) = sim_cq("solicited", 64, Faults::default()).unwrap();
+    let options = CqOptions {
+        arm: cqd::core::ArmKind::Solicited,
+        ..CqOptions::default()
+    };
+    let (poller, handle) = split::<NoWork>(source, options).unwrap();
+    let record = Record::new(4);
+    let reg = register(&handle, &record, 0);
+    let thread = spawn(mode, vec![poller], Duration::from_secs(30));
+    std::thread::sleep(Duration::from_millis(20));
+    for t in 0..4u32 {
+        record.owner[t as usize].store(0, Ordering::Relaxed);
+        reg.track(OpKind::Recv, 1);
+        let wc = completion(
+            reg.wr_id(OpKind::Recv, t).unwrap(),
+            Status::Success,
+            Opcode::Recv,
+        );
+        producer.push(wc, t == 3).unwrap();
+    }
+    assert!(wait_until(Duration::from_secs(5), || record.delivered() == 4));
+    let snap = thread.stop().unwrap().cqs[0].clone();
+    assert_eq!(snap.recovered_missed_events, 0);
+    if sleeps(mode) {
+        assert!(producer.stats().notified >= 1);
+    }
+}
+all_modes!(solicited_only_arming);

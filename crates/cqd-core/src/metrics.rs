@@ -284,3 +284,25 @@ mod tests {
         assert_eq!(s.errors(), 4);
     }
 }
+
+#[cfg(test)]
+mod serde_tests {
+    use super::*;
+
+    #[test]
+    fn snapshots_round_trip_through_toml() {
+        let m = CqMetrics::default();
+        bump(&m.0.completions, 42);
+        bump(&m.0.batch_hist[3], 2);
+        bump(&m.0.errors_by_status[Status::RemoteAccess.table_index()], 1);
+        let snap = m.snapshot("cq0", 1024);
+        let text = toml::to_string(&snap).unwrap();
+        let back: CqSnapshot = toml::from_str(&text).unwrap();
+        assert_eq!(back, snap);
+        let p = PollerMetrics::default();
+        bump(&p.0.spills, 3);
+        let ps = p.snapshot("p0");
+        let back: PollerSnapshot = toml::from_str(&toml::to_string(&ps).unwrap()).unwrap();
+        assert_eq!(back, ps);
+    }
+}
