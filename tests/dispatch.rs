@@ -599,3 +599,32 @@ fn solicited_only_arming(mode: PollMode) {
     }
 }
 all_modes!(solicited_only_arming);
+
+/// Every notification arrives late: nothing is lost, nothing needs the
+/// safety timeout.
+fn delayed_notifications(mode: PollMode) {
+    let faults = Faults { delay: 1.0, delay_by: Duration::from_millis(5), ..Faults::default() };
+    let (producer, poller, handle) = cq("delay", 64, faults);
+    let record = Record::new(10);
+    let reg = register(&handle, &record, 0);
+    let thread = spawn(mode, vec![poller], Duration::from_secs(30));
+    for t in 0..10u32 {
+        std::thread::sleep(Duration::from_millis(3));
+        record.owner[t as usize].store(0, Ordering::Relaxed);
+        reg.track(OpKind::Send, 1);
+        producer
+            .push(completion(reg.wr_id(OpKind::Send, t).unwrap(), Status::Success, Opcode::Send), false)
+            .unwrap();
+    }
+    assert!(wait_until(Duration::from_secs(5), || record.delivered() == 10));
+    // Let the last delayed notifications land, so the stop acks them.
+    std::thread::sleep(Duration::from_millis(20));
+    let report = thread.stop().unwrap();
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert_eq!(report.cqs[0].recovered_missed_events, 0);
+    assert_eq!(report.cqs[0].acks, report.cqs[0].events);
+    if sleeps(mode) {
+        assert!(producer.stats().delayed >= 1);
+    }
+}
+all_modes!(delayed_notifications);

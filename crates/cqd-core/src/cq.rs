@@ -703,3 +703,22 @@ impl Registration {
         &self.ledger
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sink::NoWork;
+
+    fn assert_send<T: Send>() {}
+    fn assert_send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn auto_traits() {
+        // CqPoller: Send (moved into its thread); !Sync and !Clone are
+        // pinned by the compile_fail doctests of this module.
+        assert_send::<CqPoller<NoWork>>();
+        assert_send::<CqPoller<Vec<u8>>>();
+        assert_send_sync::<CqHandle<NoWork>>();
+        assert_send_sync::<Registration>();
+    }
+}
