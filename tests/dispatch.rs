@@ -603,7 +603,11 @@ all_modes!(solicited_only_arming);
 /// Every notification arrives late: nothing is lost, nothing needs the
 /// safety timeout.
 fn delayed_notifications(mode: PollMode) {
-    let faults = Faults { delay: 1.0, delay_by: Duration::from_millis(5), ..Faults::default() };
+    let faults = Faults {
+        delay: 1.0,
+        delay_by: Duration::from_millis(5),
+        ..Faults::default()
+    };
     let (producer, poller, handle) = cq("delay", 64, faults);
     let record = Record::new(10);
     let reg = register(&handle, &record, 0);
@@ -613,7 +617,14 @@ fn delayed_notifications(mode: PollMode) {
         record.owner[t as usize].store(0, Ordering::Relaxed);
         reg.track(OpKind::Send, 1);
         producer
-            .push(completion(reg.wr_id(OpKind::Send, t).unwrap(), Status::Success, Opcode::Send), false)
+            .push(
+                completion(
+                    reg.wr_id(OpKind::Send, t).unwrap(),
+                    Status::Success,
+                    Opcode::Send,
+                ),
+                false,
+            )
             .unwrap();
     }
     assert!(wait_until(Duration::from_secs(5), || record.delivered() == 10));

@@ -208,6 +208,17 @@ impl fmt::Display for HandlerKey {
     }
 }
 
+/// Every 3-bit kind code, decoded (a table: one load, no branch chain).
+const KIND_BY_CODE: [Option<OpKind>; 1 << KIND_BITS] = {
+    let mut t = [None; 1 << KIND_BITS];
+    let mut code = 0;
+    while code < t.len() {
+        t[code] = OpKind::from_code(code as u8);
+        code += 1;
+    }
+    t
+};
+
 /// A decoded wr_id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct WrId {
@@ -240,10 +251,10 @@ impl WrId {
         if (raw >> MAGIC_SHIFT) & MAGIC_MASK != MAGIC {
             return Err(Malformed::Foreign);
         }
-        let code = ((raw >> KIND_SHIFT) & KIND_MASK) as u8;
-        let kind = match OpKind::from_code(code) {
+        let code = ((raw >> KIND_SHIFT) & KIND_MASK) as usize;
+        let kind = match KIND_BY_CODE[code] {
             Some(kind) => kind,
-            None => return Err(Malformed::BadKind(code)),
+            None => return Err(Malformed::BadKind(code as u8)),
         };
         Ok(WrId {
             kind,
