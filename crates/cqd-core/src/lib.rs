@@ -1,6 +1,55 @@
 //! cqd-core: the backend-agnostic heart of cqd.
+//!
+//! A completion travels: CQ → [`CqPoller`] (owned by one
+//! poller thread) → [`wr_id`] decode → the handler slab (generation
+//! checked) → a typed [`Handler`] callback → work in an
+//! [`Outbox`] → a [`WorkSink`] (worker
+//! pools).
+//!
+//! ```
+//! use cqd_core::completion::{Completion, Opcode};
+//! use cqd_core::handler::{Failed, Handler, Outbox, RecvDone, SendDone};
+//! use cqd_core::sink::NoWork;
+//! use cqd_core::wr_id::{OpKind, WrId};
+//!
+//! struct Counter(u64);
+//! impl Handler for Counter {
+//!     fn on_send(&mut self, _: &SendDone<'_>, _: &mut Outbox<'_, NoWork>) { self.0 += 1 }
+//!     fn on_recv(&mut self, d: &RecvDone<'_>, _: &mut Outbox<'_, NoWork>) { self.0 += u64::from(d.byte_len()) }
+//!     fn on_error(&mut self, f: &Failed<'_>, _: &mut Outbox<'_, NoWork>) { assert!(f.is_flush()) }
+//! }
+//!
+//! // A wr_id carries the kind, the handler's slot and generation, and a tag.
+//! let key = cqd_core::wr_id::HandlerKey::new(3, 1).unwrap();
+//! let raw = key.wr_id(OpKind::Recv, 42).unwrap();
+//! let back = WrId::decode(raw).unwrap();
+//! assert_eq!((back.kind, back.key, back.tag), (OpKind::Recv, key, 42));
+//! # let _ = (Counter(0), Completion::success(raw, Opcode::Recv, 1));
+//! ```
+//!
+//! The `cqd` facade crate has a runnable tour on the simulated NIC.
+
+pub mod completion;
+pub mod cq;
+pub mod handler;
+pub mod metrics;
+pub mod mode;
+pub mod poller;
 pub mod pool;
 pub mod sink;
+pub mod slab;
+pub mod source;
 #[doc(hidden)]
 pub mod sync;
+mod sys;
 pub mod topology;
+pub mod wr_id;
+
+pub use completion::{Completion, Opcode, Status, WcFlags};
+pub use cq::{split, CqHandle, CqOptions, CqPoller, Registration};
+pub use handler::{Failed, Handler, Outbox, RecvDone, SendDone};
+pub use mode::{Adaptive, PollMode};
+pub use poller::{PollerBuilder, PollerReport, PollerThread};
+pub use sink::{NoSink, NoWork, Route, Routed, WorkSink};
+pub use source::{ArmKind, AsyncEvent, CompletionSource, SourceError};
+pub use wr_id::{HandlerKey, OpKind, Side, WrId};

@@ -1,1 +1,21 @@
 //! cqd-sim: a software RDMA NIC for cqd.
+//!
+//! Its completion queue ([`sim_cq`]) has hardware semantics — fixed
+//! capacity, one-shot arms, coalescing notifications on a real file
+//! descriptor, overflow as an error state with an asynchronous event — and
+//! fault injection for the notification path. It implements
+//! [`cqd_core::CompletionSource`], so a poller cannot tell it from a device.
+//!
+//! ```
+//! use cqd_core::{Completion, Opcode};
+//! use cqd_sim::{sim_cq, Faults};
+//!
+//! let (producer, source) = sim_cq("cq0", 64, Faults::default()).unwrap();
+//! producer.push(Completion::success(1, Opcode::Send, 7), false).unwrap();
+//! assert_eq!(producer.len(), 1);
+//! # drop(source);
+//! ```
+
+pub mod cq;
+
+pub use cq::{sim_cq, Faults, PushError, SimCq, SimCqError, SimCqSource, SimCqStats, MAX_CQE};

@@ -1,0 +1,724 @@
+//! A completion queue split into its two rights: [`CqPoller`], the only
+//! right to poll, arm and acknowledge it, and [`CqHandle`], the cloneable
+//! right to register handlers and read metrics.
+//!
+//! `CqPoller` is `Send` but neither `Sync` nor `Clone`, so one thread at a
+//! time polls a CQ, and a CQ moved into a poller thread cannot be polled by
+//! anyone else:
+//!
+//! ```compile_fail,E0277
+//! # use cqd_core::cq::CqPoller;
+//! # use cqd_core::sink::NoWork;
+//! fn assert_clone<T: Clone>() {}
+//! assert_clone::<CqPoller<NoWork>>(); // a CqPoller cannot be cloned
+//! ```
+//!
+//! ```compile_fail,E0277
+//! # use cqd_core::cq::CqPoller;
+//! # use cqd_core::sink::NoWork;
+//! // a CqPoller cannot be shared by reference across threads (it is !Sync)
+//! fn share(p: &CqPoller<NoWork>) {
+//!     std::thread::scope(|s| { s.spawn(|| p.name().len()); });
+//! }
+//! ```
+//!
+//! ```compile_fail,E0382
+//! # use cqd_core::cq::CqPoller;
+//! # use cqd_core::poller::PollerBuilder;
+//! # use cqd_core::sink::{NoSink, NoWork};
+//! // a CqPoller cannot be polled after it was moved into a poller
+//! fn moved(mut p: CqPoller<NoWork>) {
+//!     let _t = PollerBuilder::new("p", NoSink).cq(p).spawn();
+//!     let mut out = std::collections::VecDeque::new();
+//!     let _ = p.poll_once(&mut out); // use of moved value
+//! }
+//! ```
+
+use std::cell::Cell;
+use std::collections::VecDeque;
+use std::marker::PhantomData;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::Instant;
+
+use crossbeam::queue::SegQueue;
+use parking_lot::Mutex;
+
+use crate::completion::{Completion, Status};
+use crate::handler::{Failed, Handler, Outbox, RecvDone, SendDone};
+use crate::metrics::{batch_bucket, bump, CqMetrics, CqSnapshot};
+use crate::sink::{Route, Routed};
+use crate::slab::{Entry, RegisterError, Slab, SlotLedger, SlotTable};
+use crate::source::{ArmKind, AsyncEvent, CompletionSource, SourceError};
+use crate::sync::{AtomicBool, Ordering};
+use crate::sys::Doorbell;
+use crate::wr_id::{HandlerKey, OpKind, Side, WrId, WrIdError};
+
+/// Options of one CQ.
+#[derive(Debug, Clone)]
+pub struct CqOptions {
+    /// Completions polled at once (default 32).
+    pub batch: usize,
+    /// Arm for solicited completions only (receive CQs of request/response
+    /// protocols); errors still notify.
+    pub arm: ArmKind,
+    /// Trace every completion's wr_id and status at `TRACE` level. Costs one
+    /// predictable branch when off.
+    pub trace_completions: bool,
+    /// Measure time spent in handlers (two clock reads per batch).
+    pub measure_handlers: bool,
+}
+
+impl Default for CqOptions {
+    fn default() -> Self {
+        CqOptions {
+            batch: 32,
+            arm: ArmKind::Next,
+            trace_completions: false,
+            measure_handlers: false,
+        }
+    }
+}
+
+pub(crate) enum Command<W> {
+    Register {
+        key: HandlerKey,
+        handler: Box<dyn Handler<W>>,
+        ledger: Arc<SlotLedger>,
+        route: Route,
+    },
+    Unregister {
+        key: HandlerKey,
+    },
+}
+
+/// What the two halves of a CQ share.
+pub(crate) struct CqShared<W> {
+    pub(crate) name: String,
+    pub(crate) capacity: u32,
+    pub(crate) commands: SegQueue<Command<W>>,
+    pub(crate) table: Mutex<SlotTable>,
+    pub(crate) metrics: CqMetrics,
+    pub(crate) doorbell: Arc<Doorbell>,
+    pub(crate) closed: AtomicBool,
+}
+
+/// Makes the two halves of a CQ from a backend's source.
+///
+/// # Errors
+/// When the doorbell eventfd cannot be made.
+pub fn split<W: Send + 'static>(
+    source: impl CompletionSource,
+    options: CqOptions,
+) -> Result<(CqPoller<W>, CqHandle<W>), SourceError> {
+    let doorbell = Doorbell::new().map_err(|source| SourceError::Os {
+        op: "eventfd",
+        source,
+    })?;
+    let batch = options.batch.clamp(1, 4096);
+    let shared = Arc::new(CqShared {
+        name: source.name().to_string(),
+        capacity: source.capacity(),
+        commands: SegQueue::new(),
+        table: Mutex::new(SlotTable::default()),
+        metrics: CqMetrics::default(),
+        doorbell: Arc::new(doorbell),
+        closed: AtomicBool::new(false),
+    });
+    let poller = CqPoller {
+        source: Box::new(source),
+        shared: Arc::clone(&shared),
+        slab: Slab::default(),
+        buf: vec![Completion::default(); batch],
+        options,
+        _not_sync: PhantomData,
+    };
+    Ok((poller, CqHandle { shared }))
+}
+
+/// The only right to poll, arm and acknowledge one CQ. `Send`, `!Sync`,
+/// not `Clone` (see the module documentation).
+pub struct CqPoller<W> {
+    pub(crate) source: Box<dyn CompletionSource>,
+    pub(crate) shared: Arc<CqShared<W>>,
+    slab: Slab<W>,
+    buf: Vec<Completion>,
+    pub(crate) options: CqOptions,
+    _not_sync: PhantomData<Cell<()>>,
+}
+
+impl<W> std::fmt::Debug for CqPoller<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CqPoller")
+            .field("name", &self.shared.name)
+            .field("capacity", &self.shared.capacity)
+            .field("slab", &self.slab)
+            .finish()
+    }
+}
+
+impl<W: Send + 'static> CqPoller<W> {
+    /// The CQ's name.
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    /// A handle to the same CQ.
+    pub fn handle(&self) -> CqHandle<W> {
+        CqHandle {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+
+    /// Polls one batch and dispatches it; work emitted by handlers is
+    /// appended to `out`. Returns the number of completions polled (0 means
+    /// the CQ was empty). For custom poll loops; a poller thread calls this.
+    ///
+    /// # Errors
+    /// When the source fails (device gone); nothing polled is lost.
+    pub fn poll_once(&mut self, out: &mut VecDeque<Routed<W>>) -> Result<usize, SourceError> {
+        if !self.shared.commands.is_empty() {
+            self.apply_commands();
+        }
+        let m = &self.shared.metrics.0;
+        bump(&m.polls, 1);
+        let n = match self.source.poll(&mut self.buf) {
+            Ok(n) => n.min(self.buf.len()),
+            Err(e) => {
+                bump(&m.poll_errors, 1);
+                return Err(e);
+            }
+        };
+        if n == 0 {
+            bump(&m.empty_polls, 1);
+            return Ok(0);
+        }
+        bump(&m.completions, n as u64);
+        bump(&m.batch_hist[batch_bucket(n)], 1);
+        let start = self.options.measure_handlers.then(Instant::now);
+        dispatch_batch(
+            &self.shared,
+            &mut self.slab,
+            &self.options,
+            &self.buf[..n],
+            out,
+        );
+        if let Some(start) = start {
+            bump(
+                &self.shared.metrics.0.handler_ns,
+                start.elapsed().as_nanos() as u64,
+            );
+        }
+        Ok(n)
+    }
+
+    /// Requests a notification of the CQ's arm kind (see [`CqOptions::arm`]).
+    ///
+    /// # Errors
+    /// When the source fails.
+    pub fn arm(&mut self) -> Result<(), SourceError> {
+        bump(&self.shared.metrics.0.arms, 1);
+        self.source.arm(self.options.arm)
+    }
+
+    /// Takes pending notifications (non-blocking); they must be acked.
+    ///
+    /// # Errors
+    /// When the source fails.
+    pub fn take_events(&mut self) -> Result<u32, SourceError> {
+        let n = self.source.take_events()?;
+        bump(&self.shared.metrics.0.events, u64::from(n));
+        Ok(n)
+    }
+
+    /// Acknowledges every notification taken so far.
+    ///
+    /// # Errors
+    /// When the source fails.
+    pub fn ack_all(&mut self) -> Result<(), SourceError> {
+        let n = self.source.unacked_events();
+        if n > 0 {
+            self.source.ack_events(n)?;
+            bump(&self.shared.metrics.0.acks, u64::from(n));
+        }
+        Ok(())
+    }
+
+    /// Notifications taken and not yet acknowledged.
+    pub fn unacked_events(&self) -> u32 {
+        self.source.unacked_events()
+    }
+
+    /// The notification descriptor (for epoll or an async runtime).
+    pub fn event_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.source.event_fd()
+    }
+
+    /// The descriptor that is rung when a handle registers or unregisters a
+    /// handler, or a stop is requested.
+    pub fn doorbell_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.shared.doorbell.as_fd()
+    }
+
+    /// Handles pending asynchronous events: counts them, traces them at
+    /// error level, and returns how many there were.
+    pub fn check_async(&mut self) -> usize {
+        let mut n = 0;
+        while let Some(ev) = self.source.take_async_event() {
+            n += 1;
+            let m = &self.shared.metrics.0;
+            bump(&m.async_events, 1);
+            if let AsyncEvent::CqOverflow { capacity, lost } = ev {
+                bump(&m.overflows, 1);
+                tracing::error!(cq = %self.shared.name, capacity, lost, "CQ overflow: completions were lost");
+            } else {
+                tracing::error!(cq = %self.shared.name, event = ?ev, "asynchronous event");
+            }
+        }
+        n
+    }
+
+    /// Applies pending registrations and unregistrations.
+    pub fn apply_commands(&mut self) {
+        apply_commands(&self.shared, &mut self.slab);
+    }
+
+    /// Keys of the installed handlers (retiring ones included).
+    pub fn handler_keys(&self) -> Vec<HandlerKey> {
+        self.slab.keys().collect()
+    }
+
+    /// Destroys the CQ after acknowledging every event. Consumes the poller.
+    ///
+    /// # Errors
+    /// When acknowledging or destroying fails.
+    pub fn destroy(mut self) -> Result<(), SourceError> {
+        self.finish()
+    }
+
+    pub(crate) fn finish(&mut self) -> Result<(), SourceError> {
+        self.shared.closed.store(true, Ordering::Release);
+        let _ = self.take_events();
+        self.ack_all()?;
+        self.source.destroy()
+    }
+}
+
+fn apply_commands<W>(shared: &CqShared<W>, slab: &mut Slab<W>) {
+    while let Some(cmd) = shared.commands.pop() {
+        match cmd {
+            Command::Register {
+                key,
+                handler,
+                ledger,
+                route,
+            } => slab.install(
+                key,
+                Entry {
+                    generation: key.generation(),
+                    handler,
+                    ledger,
+                    route,
+                    retiring: false,
+                },
+            ),
+            Command::Unregister { key } => {
+                if let Some(e) = slab.get_mut(key) {
+                    e.retiring = true;
+                    if e.ledger.outstanding() == 0 {
+                        retire(shared, slab, key);
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn retire<W>(shared: &CqShared<W>, slab: &mut Slab<W>, key: HandlerKey) {
+    if slab.remove(key).is_some() {
+        shared.table.lock().release(key);
+        let m = &shared.metrics.0;
+        m.handlers_live.fetch_sub(1, Ordering::Relaxed);
+        m.unregistrations.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Routes a batch. One `catch_unwind` covers the batch: the cursor moves
+/// past a completion before its handler runs, so after a panic dispatch
+/// resumes at the next completion and none is delivered twice or skipped.
+#[inline]
+fn dispatch_batch<W: 'static>(
+    shared: &CqShared<W>,
+    slab: &mut Slab<W>,
+    options: &CqOptions,
+    wcs: &[Completion],
+    out: &mut VecDeque<Routed<W>>,
+) {
+    let mut next = 0;
+    while next < wcs.len() {
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            while let Some(wc) = wcs.get(next) {
+                next += 1;
+                dispatch(shared, slab, options, wc, out);
+            }
+        }));
+        if result.is_err() {
+            handler_panicked(shared, &wcs[next - 1]);
+        }
+    }
+}
+
+/// Routes one completion. Cannot fail part-way: once the wr_id names a live
+/// handler, the completion counts as completed for it before any callback
+/// runs. The common case (a success for a live handler) stays inline; every
+/// other case is out of line.
+#[inline(always)]
+fn dispatch<W: 'static>(
+    shared: &CqShared<W>,
+    slab: &mut Slab<W>,
+    options: &CqOptions,
+    wc: &Completion,
+    out: &mut VecDeque<Routed<W>>,
+) {
+    if options.trace_completions {
+        trace_completion(&shared.name, wc);
+    }
+    let Ok(id) = WrId::decode(wc.wr_id) else {
+        return foreign(shared, wc);
+    };
+    let entry = match slab.get_mut(id.key) {
+        Some(entry) => entry,
+        None => return miss(shared, slab, wc, id, out),
+    };
+    entry.ledger.add_completed(id.kind);
+    if wc.status.is_success() && wc.opcode.is_known() {
+        let mut outbox = Outbox::new(out, entry.route);
+        match id.kind.side() {
+            Side::Send => entry.handler.on_send(
+                &SendDone {
+                    kind: id.kind,
+                    tag: id.tag,
+                    key: id.key,
+                    wc,
+                },
+                &mut outbox,
+            ),
+            Side::Recv => entry.handler.on_recv(
+                &RecvDone {
+                    tag: id.tag,
+                    key: id.key,
+                    wc,
+                },
+                &mut outbox,
+            ),
+        }
+    } else {
+        not_success(shared, entry, id, wc, out);
+    }
+    if entry.retiring {
+        retire_if_drained(shared, slab, id.key);
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn trace_completion(name: &str, wc: &Completion) {
+    tracing::trace!(cq = %name, wr_id = format_args!("{:#x}", wc.wr_id),
+        status = %wc.status, opcode = %wc.opcode, qp = wc.qp_num, "completion");
+}
+
+#[cold]
+#[inline(never)]
+fn foreign<W>(shared: &CqShared<W>, wc: &Completion) {
+    bump(&shared.metrics.0.foreign_wr_ids, 1);
+    let why = WrId::decode(wc.wr_id).err();
+    tracing::warn!(cq = %shared.name, wr_id = format_args!("{:#x}", wc.wr_id),
+        status = %wc.status, qp = wc.qp_num, why = ?why, "completion not dispatched: foreign wr_id");
+}
+
+/// The slot is empty or has another generation: maybe a registration not
+/// yet applied (posted right after `register` returned), else stale.
+#[cold]
+#[inline(never)]
+fn miss<W: 'static>(
+    shared: &CqShared<W>,
+    slab: &mut Slab<W>,
+    wc: &Completion,
+    id: WrId,
+    out: &mut VecDeque<Routed<W>>,
+) {
+    if !shared.commands.is_empty() {
+        apply_commands(shared, slab);
+        if let Some(entry) = slab.get_mut(id.key) {
+            entry.ledger.add_completed(id.kind);
+            if wc.status.is_success() && wc.opcode.is_known() {
+                let mut outbox = Outbox::new(out, entry.route);
+                deliver(entry.handler.as_mut(), id, wc, &mut outbox);
+            } else {
+                not_success(shared, entry, id, wc, out);
+            }
+            if entry.retiring {
+                retire_if_drained(shared, slab, id.key);
+            }
+            return;
+        }
+    }
+    bump(&shared.metrics.0.stale_wr_ids, 1);
+    tracing::warn!(cq = %shared.name, wr_id = format_args!("{:#x}", wc.wr_id), key = %id.key,
+        kind = %id.kind, status = %wc.status, "stale wr_id: no live handler has this generation");
+}
+
+/// Errors go to `on_error`; unknown statuses and opcodes are counted and
+/// traced, not dispatched.
+#[cold]
+#[inline(never)]
+fn not_success<W: 'static>(
+    shared: &CqShared<W>,
+    entry: &mut Entry<W>,
+    id: WrId,
+    wc: &Completion,
+    out: &mut VecDeque<Routed<W>>,
+) {
+    let m = &shared.metrics.0;
+    let anomaly = match wc.status {
+        Status::Unknown(_) => {
+            bump(&m.unknown_status, 1);
+            "unknown status"
+        }
+        Status::Success => {
+            bump(&m.unknown_opcode, 1);
+            "unknown opcode"
+        }
+        status => {
+            bump(&m.errors_by_status[status.table_index()], 1);
+            if status.is_flush() {
+                bump(&m.flushes, 1);
+            }
+            let mut outbox = Outbox::new(out, entry.route);
+            deliver(entry.handler.as_mut(), id, wc, &mut outbox);
+            return;
+        }
+    };
+    tracing::error!(cq = %shared.name, wr_id = format_args!("{:#x}", wc.wr_id), key = %id.key,
+        kind = %id.kind, status = %wc.status, opcode = %wc.opcode, qp = wc.qp_num,
+        vendor_err = wc.vendor_err, "{anomaly}: completion counted, not dispatched");
+}
+
+#[cold]
+#[inline(never)]
+fn handler_panicked<W>(shared: &CqShared<W>, wc: &Completion) {
+    bump(&shared.metrics.0.handler_panics, 1);
+    let id = WrId::decode(wc.wr_id).ok();
+    tracing::error!(cq = %shared.name, wr_id = format_args!("{:#x}", wc.wr_id), id = ?id,
+        status = %wc.status, "handler panicked; completion counted as delivered");
+}
+
+#[cold]
+#[inline(never)]
+fn retire_if_drained<W>(shared: &CqShared<W>, slab: &mut Slab<W>, key: HandlerKey) {
+    if slab
+        .get_mut(key)
+        .is_some_and(|e| e.ledger.outstanding() == 0)
+    {
+        retire(shared, slab, key);
+    }
+}
+
+#[inline]
+fn deliver<W: 'static>(
+    handler: &mut dyn Handler<W>,
+    id: WrId,
+    wc: &Completion,
+    out: &mut Outbox<'_, W>,
+) {
+    if !wc.status.is_success() {
+        let failed = Failed {
+            kind: id.kind,
+            tag: id.tag,
+            key: id.key,
+            wc,
+        };
+        handler.on_error(&failed, out);
+        return;
+    }
+    match id.kind.side() {
+        Side::Send => handler.on_send(
+            &SendDone {
+                kind: id.kind,
+                tag: id.tag,
+                key: id.key,
+                wc,
+            },
+            out,
+        ),
+        Side::Recv => handler.on_recv(
+            &RecvDone {
+                tag: id.tag,
+                key: id.key,
+                wc,
+            },
+            out,
+        ),
+    }
+}
+
+/// The cloneable, `Sync` right to register handlers on a CQ and read its
+/// metrics.
+pub struct CqHandle<W> {
+    shared: Arc<CqShared<W>>,
+}
+
+impl<W> Clone for CqHandle<W> {
+    fn clone(&self) -> Self {
+        CqHandle {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<W> std::fmt::Debug for CqHandle<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CqHandle")
+            .field("name", &self.shared.name)
+            .finish()
+    }
+}
+
+impl<W: Send + 'static> CqHandle<W> {
+    /// The CQ's name.
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    /// The CQ's real capacity.
+    pub fn capacity(&self) -> u32 {
+        self.shared.capacity
+    }
+
+    /// Registers a handler whose work goes, by default, to the worker its
+    /// key hashes to (per-handler order). Applied by the poller between
+    /// batches (waking it if it sleeps); the key is usable at once.
+    ///
+    /// # Errors
+    /// [`RegisterError::SlabFull`], [`RegisterError::Closed`].
+    pub fn register(&self, handler: impl Handler<W>) -> Result<Registration, RegisterError> {
+        self.register_routed(handler, None)
+    }
+
+    /// As [`register`](Self::register), with an explicit default route.
+    ///
+    /// # Errors
+    /// [`RegisterError::SlabFull`], [`RegisterError::Closed`].
+    pub fn register_routed(
+        &self,
+        handler: impl Handler<W>,
+        route: Option<Route>,
+    ) -> Result<Registration, RegisterError> {
+        if self.shared.closed.load(Ordering::Acquire) {
+            return Err(RegisterError::Closed {
+                cq: self.shared.name.clone(),
+            });
+        }
+        let key = self.shared.table.lock().alloc(&self.shared.name)?;
+        let ledger = Arc::new(SlotLedger::default());
+        let route = route.unwrap_or(Route::Key(u64::from(key.slot())));
+        self.shared.commands.push(Command::Register {
+            key,
+            handler: Box::new(handler),
+            ledger: Arc::clone(&ledger),
+            route,
+        });
+        let m = &self.shared.metrics.0;
+        m.handlers_live.fetch_add(1, Ordering::Relaxed);
+        m.registrations.fetch_add(1, Ordering::Relaxed);
+        self.shared.doorbell.ring();
+        Ok(Registration { key, ledger })
+    }
+
+    /// Retires a handler: it keeps receiving the completions of what it
+    /// posted (flushes included) and is dropped once none is outstanding.
+    ///
+    /// # Errors
+    /// [`RegisterError::UnknownKey`] if `key` names no live handler.
+    pub fn unregister(&self, key: HandlerKey) -> Result<(), RegisterError> {
+        if !self.shared.table.lock().is_live(key) {
+            return Err(RegisterError::UnknownKey {
+                cq: self.shared.name.clone(),
+                key,
+            });
+        }
+        self.shared.commands.push(Command::Unregister { key });
+        self.shared.doorbell.ring();
+        Ok(())
+    }
+
+    /// A copy of the CQ's counters.
+    pub fn snapshot(&self) -> CqSnapshot {
+        self.shared
+            .metrics
+            .snapshot(&self.shared.name, self.shared.capacity)
+    }
+}
+
+/// A registered handler's posting side: makes wr_ids and keeps the ledger of
+/// what was posted. Cloneable; use it from any thread that posts.
+#[derive(Debug, Clone)]
+pub struct Registration {
+    key: HandlerKey,
+    ledger: Arc<SlotLedger>,
+}
+
+impl Registration {
+    /// The handler's key.
+    pub fn key(&self) -> HandlerKey {
+        self.key
+    }
+
+    /// A wr_id for a request of `kind` carrying `tag`.
+    ///
+    /// # Errors
+    /// [`WrIdError::TagTooLarge`].
+    #[inline]
+    pub fn wr_id(&self, kind: OpKind, tag: u32) -> Result<u64, WrIdError> {
+        self.key.wr_id(kind, tag)
+    }
+
+    /// Records `n` requests of `kind` as posted. Call it *before* posting
+    /// (a completion can arrive before the post call returns) and
+    /// [`untrack`](Self::untrack) them if the post fails; the slot then
+    /// stays alive until each one has completed.
+    pub fn track(&self, kind: OpKind, n: u64) {
+        self.ledger.add_posted(kind, n);
+    }
+
+    /// Takes back `n` requests recorded by [`track`](Self::track) whose post
+    /// failed.
+    pub fn untrack(&self, kind: OpKind, n: u64) {
+        self.ledger.sub_posted(kind, n);
+    }
+
+    /// Posted and completed counts of this handler.
+    pub fn ledger(&self) -> &SlotLedger {
+        &self.ledger
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sink::NoWork;
+
+    fn assert_send<T: Send>() {}
+    fn assert_send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn auto_traits() {
+        // CqPoller: Send (moved into its thread); !Sync and !Clone are
+        // pinned by the compile_fail doctests of this module.
+        assert_send::<CqPoller<NoWork>>();
+        assert_send::<CqPoller<Vec<u8>>>();
+        assert_send_sync::<CqHandle<NoWork>>();
+        assert_send_sync::<Registration>();
+    }
+}

@@ -1,0 +1,199 @@
+//! The handler trait and the typed views it receives.
+//!
+//! A handler is called on its poller's thread for every completion of the
+//! work requests it posted, once, through exactly one of three callbacks:
+//! [`Handler::on_send`] for a successful send-side request (SEND, RDMA WRITE,
+//! RDMA READ, atomic), [`Handler::on_recv`] for a successful receive, and
+//! [`Handler::on_error`] for any failed request of either side, flushes
+//! included. The side is taken from the kind stored in the wr_id at post
+//! time, never from `wc.opcode`, which the device leaves undefined on errors.
+//!
+//! Handlers must not block: heavy work goes to workers through the
+//! [`Outbox`].
+
+use std::collections::VecDeque;
+
+use crate::completion::{Completion, Opcode, Status};
+use crate::sink::{NoWork, Route, Routed};
+use crate::wr_id::{HandlerKey, OpKind, Side};
+
+/// A successful send-side completion (SEND, RDMA WRITE, RDMA READ, atomic).
+#[derive(Debug, Clone, Copy)]
+pub struct SendDone<'a> {
+    pub(crate) kind: OpKind,
+    pub(crate) tag: u32,
+    pub(crate) key: HandlerKey,
+    pub(crate) wc: &'a Completion,
+}
+
+impl SendDone<'_> {
+    /// The kind given at post time.
+    pub fn kind(&self) -> OpKind {
+        self.kind
+    }
+    /// The user tag given at post time.
+    pub fn tag(&self) -> u32 {
+        self.tag
+    }
+    /// The handler's key.
+    pub fn key(&self) -> HandlerKey {
+        self.key
+    }
+    /// The device's opcode (valid: this is a success).
+    pub fn opcode(&self) -> Opcode {
+        self.wc.opcode
+    }
+    /// Bytes transferred (RDMA READ and atomics).
+    pub fn byte_len(&self) -> u32 {
+        self.wc.byte_len
+    }
+    /// The local QP number.
+    pub fn qp_num(&self) -> u32 {
+        self.wc.qp_num
+    }
+    /// The whole completion.
+    pub fn completion(&self) -> &Completion {
+        self.wc
+    }
+}
+
+/// A successful receive completion.
+#[derive(Debug, Clone, Copy)]
+pub struct RecvDone<'a> {
+    pub(crate) tag: u32,
+    pub(crate) key: HandlerKey,
+    pub(crate) wc: &'a Completion,
+}
+
+impl RecvDone<'_> {
+    /// The user tag given when the receive was posted (typically the buffer).
+    pub fn tag(&self) -> u32 {
+        self.tag
+    }
+    /// The handler's key.
+    pub fn key(&self) -> HandlerKey {
+        self.key
+    }
+    /// Bytes received.
+    pub fn byte_len(&self) -> u32 {
+        self.wc.byte_len
+    }
+    /// Immediate data, if the sender attached any.
+    pub fn imm(&self) -> Option<u32> {
+        self.wc.imm()
+    }
+    /// The device's opcode: `Recv` or `RecvRdmaWithImm`.
+    pub fn opcode(&self) -> Opcode {
+        self.wc.opcode
+    }
+    /// The local QP number (useful with an SRQ shared by many QPs).
+    pub fn qp_num(&self) -> u32 {
+        self.wc.qp_num
+    }
+    /// The whole completion.
+    pub fn completion(&self) -> &Completion {
+        self.wc
+    }
+}
+
+/// A failed work request of either side.
+#[derive(Debug, Clone, Copy)]
+pub struct Failed<'a> {
+    pub(crate) kind: OpKind,
+    pub(crate) tag: u32,
+    pub(crate) key: HandlerKey,
+    pub(crate) wc: &'a Completion,
+}
+
+impl Failed<'_> {
+    /// The kind given at post time (the device's opcode is undefined here).
+    pub fn kind(&self) -> OpKind {
+        self.kind
+    }
+    /// The side of the queue pair the request was posted on.
+    pub fn side(&self) -> Side {
+        self.kind.side()
+    }
+    /// The user tag given at post time.
+    pub fn tag(&self) -> u32 {
+        self.tag
+    }
+    /// The handler's key.
+    pub fn key(&self) -> HandlerKey {
+        self.key
+    }
+    /// The status (never `Success`, never `Unknown`).
+    pub fn status(&self) -> Status {
+        self.wc.status
+    }
+    /// True if the request was flushed because its QP went to the error
+    /// state: it was never executed.
+    pub fn is_flush(&self) -> bool {
+        self.wc.status.is_flush()
+    }
+    /// The vendor syndrome.
+    pub fn vendor_err(&self) -> u32 {
+        self.wc.vendor_err
+    }
+    /// The local QP number.
+    pub fn qp_num(&self) -> u32 {
+        self.wc.qp_num
+    }
+    /// The whole completion.
+    pub fn completion(&self) -> &Completion {
+        self.wc
+    }
+}
+
+/// Where a handler puts work for the worker pools.
+///
+/// Items are handed to the workers after the batch that produced them, in
+/// the order they were pushed. The poller never drops them: a full worker
+/// ring makes the poller keep them (a spill) and retry.
+#[derive(Debug)]
+pub struct Outbox<'a, W> {
+    pub(crate) items: &'a mut VecDeque<Routed<W>>,
+    pub(crate) route: Route,
+}
+
+impl<'a, W> Outbox<'a, W> {
+    /// An outbox appending to `items` with `route` as the default route.
+    /// The poller makes these; this is public for custom poll loops and tests.
+    pub fn new(items: &'a mut VecDeque<Routed<W>>, route: Route) -> Self {
+        Outbox { items, route }
+    }
+
+    /// Emits `item` on the handler's default route (given at registration).
+    #[inline]
+    pub fn push(&mut self, item: W) {
+        self.items.push_back(Routed {
+            route: self.route,
+            item,
+        });
+    }
+
+    /// Emits `item` on an explicit route.
+    #[inline]
+    pub fn push_to(&mut self, route: Route, item: W) {
+        self.items.push_back(Routed { route, item });
+    }
+
+    /// The handler's default route.
+    pub fn route(&self) -> Route {
+        self.route
+    }
+}
+
+/// The callbacks of one handler. See the module documentation.
+///
+/// A handler that panics is caught: the panic is counted and traced, the
+/// completion counts as delivered, work it pushed before panicking is kept,
+/// and it keeps receiving completions.
+pub trait Handler<W = NoWork>: Send + 'static {
+    /// A send-side request completed successfully.
+    fn on_send(&mut self, done: &SendDone<'_>, out: &mut Outbox<'_, W>);
+    /// A receive completed successfully.
+    fn on_recv(&mut self, done: &RecvDone<'_>, out: &mut Outbox<'_, W>);
+    /// A request of either side failed (flushes included).
+    fn on_error(&mut self, failed: &Failed<'_>, out: &mut Outbox<'_, W>);
+}

@@ -1,0 +1,308 @@
+//! Counters, written only by their owner thread, read by anyone.
+//!
+//! Each counter block is cache-padded and written with Relaxed load + store
+//! by the single thread that owns it (no read-modify-write, no lock on the
+//! hot path); readers take a [`CqSnapshot`] at any time. Counters written
+//! from several threads (registrations) use `fetch_add`.
+
+use std::collections::BTreeMap;
+
+use crossbeam_utils::CachePadded;
+use serde::{Deserialize, Serialize};
+
+use crate::completion::Status;
+use crate::sync::{AtomicU64, Ordering};
+
+/// Number of batch-size histogram buckets: 1, 2–3, 4–7, …, 64–127, 128+.
+pub const BATCH_BUCKETS: usize = 8;
+
+/// Bucket of a non-empty batch of `n` completions.
+#[inline]
+pub fn batch_bucket(n: usize) -> usize {
+    debug_assert!(n > 0);
+    let log = usize::BITS - 1 - n.max(1).leading_zeros();
+    (log as usize).min(BATCH_BUCKETS - 1)
+}
+
+/// Adds `n` to an owner-written counter.
+#[inline]
+pub(crate) fn bump(c: &AtomicU64, n: u64) {
+    c.store(c.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+}
+
+/// Raises an owner-written high-water mark.
+#[inline]
+pub(crate) fn raise(c: &AtomicU64, v: u64) {
+    if v > c.load(Ordering::Relaxed) {
+        c.store(v, Ordering::Relaxed);
+    }
+}
+
+#[inline]
+fn get(c: &AtomicU64) -> u64 {
+    c.load(Ordering::Relaxed)
+}
+
+/// The counters of one CQ.
+#[derive(Debug, Default)]
+pub struct CqCounters {
+    pub(crate) completions: AtomicU64,
+    pub(crate) polls: AtomicU64,
+    pub(crate) empty_polls: AtomicU64,
+    pub(crate) batch_hist: [AtomicU64; BATCH_BUCKETS],
+    pub(crate) events: AtomicU64,
+    pub(crate) arms: AtomicU64,
+    pub(crate) acks: AtomicU64,
+    pub(crate) spurious_wakeups: AtomicU64,
+    pub(crate) recovered_missed_events: AtomicU64,
+    pub(crate) stale_wr_ids: AtomicU64,
+    pub(crate) foreign_wr_ids: AtomicU64,
+    pub(crate) unknown_status: AtomicU64,
+    pub(crate) unknown_opcode: AtomicU64,
+    pub(crate) handler_panics: AtomicU64,
+    pub(crate) errors_by_status: [AtomicU64; Status::TABLE_LEN],
+    pub(crate) flushes: AtomicU64,
+    pub(crate) async_events: AtomicU64,
+    pub(crate) overflows: AtomicU64,
+    pub(crate) poll_errors: AtomicU64,
+    pub(crate) handler_ns: AtomicU64,
+    pub(crate) handlers_live: AtomicU64,
+    pub(crate) registrations: AtomicU64,
+    pub(crate) unregistrations: AtomicU64,
+}
+
+/// The counters of one CQ, cache-padded.
+#[derive(Debug, Default)]
+pub struct CqMetrics(pub(crate) CachePadded<CqCounters>);
+
+impl CqMetrics {
+    /// A consistent-enough copy of every counter (each is read atomically;
+    /// the set is not a single atomic snapshot).
+    pub fn snapshot(&self, name: &str, capacity: u32) -> CqSnapshot {
+        let c = &self.0;
+        let mut errors = BTreeMap::new();
+        for (i, n) in c.errors_by_status.iter().enumerate() {
+            let n = get(n);
+            if n > 0 {
+                let label = if i == Status::TABLE_LEN - 1 {
+                    "unknown".to_string()
+                } else {
+                    Status::from_raw(i as u32).to_string()
+                };
+                errors.insert(label, n);
+            }
+        }
+        CqSnapshot {
+            name: name.to_string(),
+            capacity,
+            completions: get(&c.completions),
+            polls: get(&c.polls),
+            empty_polls: get(&c.empty_polls),
+            batch_histogram: c.batch_hist.iter().map(get).collect(),
+            events: get(&c.events),
+            arms: get(&c.arms),
+            acks: get(&c.acks),
+            spurious_wakeups: get(&c.spurious_wakeups),
+            recovered_missed_events: get(&c.recovered_missed_events),
+            stale_wr_ids: get(&c.stale_wr_ids),
+            foreign_wr_ids: get(&c.foreign_wr_ids),
+            unknown_status: get(&c.unknown_status),
+            unknown_opcode: get(&c.unknown_opcode),
+            handler_panics: get(&c.handler_panics),
+            errors_by_status: errors,
+            flushes: get(&c.flushes),
+            async_events: get(&c.async_events),
+            overflows: get(&c.overflows),
+            poll_errors: get(&c.poll_errors),
+            handler_ns: get(&c.handler_ns),
+            handlers_live: get(&c.handlers_live),
+            registrations: get(&c.registrations),
+            unregistrations: get(&c.unregistrations),
+        }
+    }
+}
+
+/// A copy of one CQ's counters.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct CqSnapshot {
+    /// The CQ's name.
+    pub name: String,
+    /// Its real capacity.
+    pub capacity: u32,
+    /// Completions polled (every one, dispatched or counted as an anomaly).
+    pub completions: u64,
+    /// Calls to poll.
+    pub polls: u64,
+    /// Polls that returned nothing.
+    pub empty_polls: u64,
+    /// Non-empty polls by batch size: 1, 2–3, 4–7, …, 64–127, 128+.
+    pub batch_histogram: Vec<u64>,
+    /// Notifications taken from the event descriptor.
+    pub events: u64,
+    /// Arms requested.
+    pub arms: u64,
+    /// Notifications acknowledged.
+    pub acks: u64,
+    /// Wake-ups by a notification that found nothing to poll.
+    pub spurious_wakeups: u64,
+    /// Wake-ups by the safety timeout that found completions: a lost
+    /// notification, recovered.
+    pub recovered_missed_events: u64,
+    /// Completions whose wr_id named a handler generation no longer live.
+    pub stale_wr_ids: u64,
+    /// Completions whose wr_id cqd did not make.
+    pub foreign_wr_ids: u64,
+    /// Completions with a status this version does not know.
+    pub unknown_status: u64,
+    /// Successful completions with an opcode this version does not know.
+    pub unknown_opcode: u64,
+    /// Handler callbacks that panicked (caught).
+    pub handler_panics: u64,
+    /// Error completions by status text.
+    pub errors_by_status: BTreeMap<String, u64>,
+    /// Flush errors (a subset of the errors).
+    pub flushes: u64,
+    /// Asynchronous events (overflow, device fatal, …).
+    pub async_events: u64,
+    /// CQ overflows reported by the device. Stays 0 with admission on.
+    pub overflows: u64,
+    /// Polls or arms that failed.
+    pub poll_errors: u64,
+    /// Time spent in handler callbacks, if measured (nanoseconds).
+    pub handler_ns: u64,
+    /// Handlers registered and not yet retired.
+    pub handlers_live: u64,
+    /// Registrations accepted.
+    pub registrations: u64,
+    /// Handlers retired (unregistered and with no work outstanding).
+    pub unregistrations: u64,
+}
+
+impl CqSnapshot {
+    /// Error completions of every status.
+    pub fn errors(&self) -> u64 {
+        self.errors_by_status.values().sum()
+    }
+}
+
+/// The counters of one poller thread.
+#[derive(Debug, Default)]
+pub struct PollerCounters {
+    pub(crate) loops: AtomicU64,
+    pub(crate) sleeps: AtomicU64,
+    pub(crate) timeouts: AtomicU64,
+    pub(crate) control_wakeups: AtomicU64,
+    pub(crate) spin_ns: AtomicU64,
+    pub(crate) spills: AtomicU64,
+    pub(crate) spill_high_water: AtomicU64,
+    pub(crate) handed_off: AtomicU64,
+    pub(crate) spin_window_ns: AtomicU64,
+    pub(crate) cpu_ns: AtomicU64,
+}
+
+/// The counters of one poller thread, cache-padded.
+#[derive(Debug, Default)]
+pub struct PollerMetrics(pub(crate) CachePadded<PollerCounters>);
+
+impl PollerMetrics {
+    /// A copy of every counter.
+    pub fn snapshot(&self, name: &str) -> PollerSnapshot {
+        let c = &self.0;
+        PollerSnapshot {
+            name: name.to_string(),
+            loops: get(&c.loops),
+            sleeps: get(&c.sleeps),
+            timeouts: get(&c.timeouts),
+            control_wakeups: get(&c.control_wakeups),
+            spin_ns: get(&c.spin_ns),
+            spills: get(&c.spills),
+            spill_high_water: get(&c.spill_high_water),
+            handed_off: get(&c.handed_off),
+            spin_window_ns: get(&c.spin_window_ns),
+            cpu_ns: get(&c.cpu_ns),
+        }
+    }
+}
+
+/// A copy of one poller thread's counters.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct PollerSnapshot {
+    /// The thread's name.
+    pub name: String,
+    /// Iterations of the poll loop.
+    pub loops: u64,
+    /// Times the thread blocked waiting for a notification.
+    pub sleeps: u64,
+    /// Sleeps ended by the safety timeout.
+    pub timeouts: u64,
+    /// Sleeps ended by a control request (registration, stop).
+    pub control_wakeups: u64,
+    /// Time spent spinning with nothing to do (nanoseconds).
+    pub spin_ns: u64,
+    /// Work items the sink could not take at once (kept, retried).
+    pub spills: u64,
+    /// Largest spill queue seen.
+    pub spill_high_water: u64,
+    /// Work items handed to the sink.
+    pub handed_off: u64,
+    /// The current spin window of Hybrid/Adaptive mode (nanoseconds).
+    pub spin_window_ns: u64,
+    /// CPU time the thread has used (nanoseconds; updated at each sleep and
+    /// at the stop).
+    pub cpu_ns: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets() {
+        assert_eq!(batch_bucket(1), 0);
+        assert_eq!(batch_bucket(2), 1);
+        assert_eq!(batch_bucket(3), 1);
+        assert_eq!(batch_bucket(4), 2);
+        assert_eq!(batch_bucket(32), 5);
+        assert_eq!(batch_bucket(127), 6);
+        assert_eq!(batch_bucket(128), 7);
+        assert_eq!(batch_bucket(100_000), 7);
+    }
+
+    #[test]
+    fn snapshot_names_errors() {
+        let m = CqMetrics::default();
+        bump(&m.0.errors_by_status[Status::WrFlush.table_index()], 3);
+        bump(&m.0.errors_by_status[Status::Unknown(77).table_index()], 1);
+        let s = m.snapshot("cq", 16);
+        assert_eq!(
+            s.errors_by_status.get("Work Request Flushed Error"),
+            Some(&3)
+        );
+        assert_eq!(s.errors_by_status.get("unknown"), Some(&1));
+        assert_eq!(s.errors(), 4);
+    }
+}
+
+#[cfg(test)]
+mod serde_tests {
+    use super::*;
+
+    #[test]
+    fn snapshots_round_trip_through_toml() {
+        let m = CqMetrics::default();
+        bump(&m.0.completions, 42);
+        bump(&m.0.batch_hist[3], 2);
+        bump(&m.0.errors_by_status[Status::RemoteAccess.table_index()], 1);
+        let snap = m.snapshot("cq0", 1024);
+        let text = toml::to_string(&snap).unwrap();
+        let back: CqSnapshot = toml::from_str(&text).unwrap();
+        assert_eq!(back, snap);
+        let p = PollerMetrics::default();
+        bump(&p.0.spills, 3);
+        let ps = p.snapshot("p0");
+        let back: PollerSnapshot = toml::from_str(&toml::to_string(&ps).unwrap()).unwrap();
+        assert_eq!(back, ps);
+    }
+}

@@ -1,0 +1,437 @@
+//! Poll modes and the arm / re-poll / sleep protocol they share.
+//!
+//! # The sleep protocol
+//!
+//! A poller goes to sleep only after a round in which every CQ of its group
+//! polled empty. Then, in this order:
+//!
+//! 1. **Arm** every CQ of the group (re-arm every time: a notification is
+//!    one-shot).
+//! 2. **Re-poll** every CQ. A completion that landed after the last empty
+//!    poll but before the arm took effect is not notified (IB semantics);
+//!    without this step it would sit in the CQ until the next one. If the
+//!    re-poll finds anything, do not sleep: return to polling.
+//! 3. **Block** on the group's descriptors (each CQ's notification, each
+//!    CQ's doorbell, async events) with a timeout — the safety net.
+//! 4. **Collect** every pending notification of every CQ without blocking,
+//!    acknowledging in batches.
+//! 5. **Poll** every CQ once more. The caller keeps polling until every CQ is
+//!    empty again before it may sleep (drain to empty, never one entry per
+//!    event). A wake-up whose notification found nothing is spurious; a
+//!    timeout that found completions is a recovered missed notification.
+//!    Both are counted by the group.
+//!
+//! [`sleep_once`] is that sequence, written once against [`SleepGroup`] so
+//! that the real poller and the loom model (`tests/loom_arm.rs`) run the same
+//! code.
+//!
+//! # Modes
+//!
+//! | mode | when the group is idle |
+//! |------|------------------------|
+//! | `Busy` | spin (with a pause hint and backoff), never sleep |
+//! | `Event` | sleep at once |
+//! | `Hybrid` | spin for a fixed window after the last completion, then sleep |
+//! | `Adaptive` | Hybrid whose window follows the measured gap between bursts against the measured cost of a sleep/wake cycle, within a CPU budget |
+
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+/// How a poller waits when its CQs are empty.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum PollMode {
+    /// Never sleep: latency first, a dedicated core.
+    Busy,
+    /// Sleep as soon as the CQs are empty: CPU first.
+    Event,
+    /// Spin for `spin` after the last completion, then sleep.
+    Hybrid {
+        /// The spin window.
+        #[serde(with = "duration_us")]
+        spin: Duration,
+    },
+    /// Hybrid with a learned window.
+    Adaptive(Adaptive),
+}
+
+impl Default for PollMode {
+    fn default() -> Self {
+        PollMode::Adaptive(Adaptive::default())
+    }
+}
+
+impl PollMode {
+    /// A short name for reports.
+    pub fn name(&self) -> &'static str {
+        match self {
+            PollMode::Busy => "busy",
+            PollMode::Event => "event",
+            PollMode::Hybrid { .. } => "hybrid",
+            PollMode::Adaptive(_) => "adaptive",
+        }
+    }
+
+    /// One of each mode with its defaults (tests run in all of them).
+    pub fn all() -> [PollMode; 4] {
+        [
+            PollMode::Busy,
+            PollMode::Event,
+            PollMode::Hybrid {
+                spin: Duration::from_micros(50),
+            },
+            PollMode::Adaptive(Adaptive::default()),
+        ]
+    }
+}
+
+/// Parameters of [`PollMode::Adaptive`].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Adaptive {
+    /// The shortest spin window (also used when over the CPU budget).
+    #[serde(with = "duration_us")]
+    pub min_spin: Duration,
+    /// The longest spin window.
+    #[serde(with = "duration_us")]
+    pub max_spin: Duration,
+    /// The largest fraction of wall time (0..=1) spent spinning idle.
+    pub cpu_budget: f64,
+    /// A floor for the cost of a sleep/wake cycle (the scheduler's wake-up
+    /// latency, which cannot be measured from inside).
+    #[serde(with = "duration_us")]
+    pub wake_cost: Duration,
+}
+
+impl Default for Adaptive {
+    fn default() -> Self {
+        Adaptive {
+            min_spin: Duration::from_micros(2),
+            max_spin: Duration::from_micros(200),
+            cpu_budget: 0.5,
+            wake_cost: Duration::from_micros(5),
+        }
+    }
+}
+
+mod duration_us {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(d.as_micros() as u64)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        Ok(Duration::from_micros(u64::deserialize(d)?))
+    }
+}
+
+/// What a group must offer the sleep protocol.
+pub trait SleepGroup {
+    /// The group's error.
+    type Error;
+    /// Step 1: arm every CQ.
+    fn arm_all(&mut self) -> Result<(), Self::Error>;
+    /// Steps 2 and 5: poll every CQ once (a batch each), dispatching;
+    /// returns the completions found.
+    fn poll_round(&mut self) -> Result<usize, Self::Error>;
+    /// Step 3: block until a descriptor is ready or `timeout` passes;
+    /// returns true on timeout.
+    fn block(&mut self, timeout: Duration) -> Result<bool, Self::Error>;
+    /// Step 4: take and acknowledge (in batches) pending notifications;
+    /// returns how many.
+    fn collect_events(&mut self) -> Result<u32, Self::Error>;
+}
+
+/// What one call of [`sleep_once`] saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Slept {
+    /// Completions the re-poll (step 2) found; if non-zero the poller did
+    /// not sleep.
+    pub repoll_found: usize,
+    /// Whether the poller blocked (step 3).
+    pub blocked: bool,
+    /// Whether the block ended by timeout.
+    pub timed_out: bool,
+    /// Notifications collected (step 4).
+    pub events: u32,
+    /// Completions the poll after the wake-up found (step 5).
+    pub found: usize,
+}
+
+/// Runs steps 1–5 of the sleep protocol once.
+///
+/// # Errors
+/// Whatever the group's operations return.
+pub fn sleep_once<G: SleepGroup>(g: &mut G, timeout: Duration) -> Result<Slept, G::Error> {
+    // 1. Arm every CQ.
+    g.arm_all()?;
+    // 2. Re-poll every CQ before sleeping.
+    let repoll_found = g.poll_round()?;
+    if repoll_found > 0 {
+        return Ok(Slept {
+            repoll_found,
+            blocked: false,
+            timed_out: false,
+            events: 0,
+            found: 0,
+        });
+    }
+    // 3. Block, with the safety timeout.
+    let timed_out = g.block(timeout)?;
+    // 4. Collect (and batch-ack) every pending notification.
+    let events = g.collect_events()?;
+    // 5. Poll every CQ; the caller drains to empty before sleeping again.
+    let found = g.poll_round()?;
+    Ok(Slept {
+        repoll_found,
+        blocked: true,
+        timed_out,
+        events,
+        found,
+    })
+}
+
+/// What to do when a round found nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Idle {
+    Spin,
+    Sleep,
+}
+
+/// The per-thread state of a mode.
+#[derive(Debug)]
+pub(crate) struct IdlePolicy {
+    mode: PollMode,
+    last_work: Instant,
+    idle_since: Option<Instant>,
+    window: Duration,
+    gap_ewma_ns: f64,
+    wake_cost_ewma_ns: f64,
+    period_start: Instant,
+    period_spin: Duration,
+    over_budget: bool,
+    spins: u32,
+}
+
+const PERIOD: Duration = Duration::from_millis(100);
+
+impl IdlePolicy {
+    pub(crate) fn new(mode: PollMode, now: Instant) -> Self {
+        let window = match mode {
+            PollMode::Hybrid { spin } => spin,
+            PollMode::Adaptive(a) => a.min_spin,
+            _ => Duration::ZERO,
+        };
+        let wake = match mode {
+            PollMode::Adaptive(a) => a.wake_cost.as_nanos() as f64,
+            _ => 0.0,
+        };
+        IdlePolicy {
+            mode,
+            last_work: now,
+            idle_since: None,
+            window,
+            gap_ewma_ns: f64::MAX,
+            wake_cost_ewma_ns: wake,
+            period_start: now,
+            period_spin: Duration::ZERO,
+            over_budget: false,
+            spins: 0,
+        }
+    }
+
+    pub(crate) fn mode(&self) -> PollMode {
+        self.mode
+    }
+
+    /// The current spin window.
+    pub(crate) fn window(&self) -> Duration {
+        self.window
+    }
+
+    /// A round found work at `now`.
+    pub(crate) fn on_work(&mut self, now: Instant) {
+        if let Some(since) = self.idle_since.take() {
+            // The end of an idle stretch: account spinning and learn the gap.
+            self.period_spin += now.saturating_duration_since(since);
+            let gap = now.saturating_duration_since(self.last_work).as_nanos() as f64;
+            self.gap_ewma_ns = if self.gap_ewma_ns == f64::MAX {
+                gap
+            } else {
+                0.8 * self.gap_ewma_ns + 0.2 * gap
+            };
+        }
+        self.last_work = now;
+        self.spins = 0;
+        self.adapt(now);
+    }
+
+    /// A sleep cycle cost `overhead` of CPU time outside the blocked wait.
+    pub(crate) fn on_sleep_overhead(&mut self, overhead: Duration) {
+        if let PollMode::Adaptive(a) = self.mode {
+            let cost = (overhead + a.wake_cost).as_nanos() as f64;
+            self.wake_cost_ewma_ns = 0.8 * self.wake_cost_ewma_ns + 0.2 * cost;
+        }
+        // Whatever was spun before the sleep is accounted now.
+        if let Some(since) = self.idle_since.take() {
+            self.period_spin += Instant::now().saturating_duration_since(since);
+        }
+    }
+
+    fn adapt(&mut self, now: Instant) {
+        let PollMode::Adaptive(a) = self.mode else {
+            return;
+        };
+        let elapsed = now.saturating_duration_since(self.period_start);
+        if elapsed >= PERIOD {
+            let used = self.period_spin.as_secs_f64() / elapsed.as_secs_f64();
+            self.over_budget = used > a.cpu_budget;
+            self.period_start = now;
+            self.period_spin = Duration::ZERO;
+        }
+        // Keep polling while the next completion is expected sooner than a
+        // sleep/wake cycle would cost; otherwise spin only briefly.
+        let window = if self.over_budget || self.gap_ewma_ns >= self.wake_cost_ewma_ns {
+            a.min_spin
+        } else {
+            Duration::from_nanos((2.0 * self.gap_ewma_ns) as u64)
+        };
+        self.window = window.clamp(a.min_spin, a.max_spin);
+    }
+
+    /// A round found nothing at `now`.
+    pub(crate) fn on_idle(&mut self, now: Instant) -> Idle {
+        if self.idle_since.is_none() {
+            self.idle_since = Some(now);
+        }
+        let idle = now.saturating_duration_since(self.last_work);
+        match self.mode {
+            PollMode::Busy => Idle::Spin,
+            PollMode::Event => Idle::Sleep,
+            PollMode::Hybrid { .. } | PollMode::Adaptive(_) => {
+                if idle < self.window {
+                    Idle::Spin
+                } else {
+                    Idle::Sleep
+                }
+            }
+        }
+    }
+
+    /// One idle spin: a pause hint, backing off to a yield so a spinning
+    /// poller on a busy machine lets others run.
+    pub(crate) fn spin(&mut self) {
+        self.spins = self.spins.saturating_add(1);
+        if self.spins < 64 {
+            for _ in 0..(1u32 << (self.spins / 8).min(6)) {
+                std::hint::spin_loop();
+            }
+        } else {
+            std::thread::yield_now();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Script {
+        log: Vec<&'static str>,
+        repoll: usize,
+        after: usize,
+    }
+
+    impl SleepGroup for Script {
+        type Error = ();
+        fn arm_all(&mut self) -> Result<(), ()> {
+            self.log.push("arm");
+            Ok(())
+        }
+        fn poll_round(&mut self) -> Result<usize, ()> {
+            self.log.push("poll");
+            let first = self.log.iter().filter(|s| **s == "poll").count() == 1;
+            Ok(if first { self.repoll } else { self.after })
+        }
+        fn block(&mut self, _: Duration) -> Result<bool, ()> {
+            self.log.push("block");
+            Ok(false)
+        }
+        fn collect_events(&mut self) -> Result<u32, ()> {
+            self.log.push("collect");
+            Ok(1)
+        }
+    }
+
+    #[test]
+    fn arm_then_repoll_then_block() {
+        let mut g = Script {
+            log: vec![],
+            repoll: 0,
+            after: 3,
+        };
+        let s = sleep_once(&mut g, Duration::from_millis(1)).unwrap();
+        assert_eq!(g.log, ["arm", "poll", "block", "collect", "poll"]);
+        assert_eq!((s.blocked, s.events, s.found), (true, 1, 3));
+    }
+
+    #[test]
+    fn repoll_finding_work_does_not_sleep() {
+        let mut g = Script {
+            log: vec![],
+            repoll: 2,
+            after: 0,
+        };
+        let s = sleep_once(&mut g, Duration::from_millis(1)).unwrap();
+        assert_eq!(g.log, ["arm", "poll"]);
+        assert!(!s.blocked);
+        assert_eq!(s.repoll_found, 2);
+    }
+
+    #[test]
+    fn adaptive_window_follows_gaps() {
+        let a = Adaptive::default();
+        let t0 = Instant::now();
+        let mut p = IdlePolicy::new(PollMode::Adaptive(a), t0);
+        // Bursts 1 µs apart: cheaper to keep polling than to sleep.
+        let mut t = t0;
+        for _ in 0..50 {
+            assert_eq!(p.on_idle(t), Idle::Spin);
+            t += Duration::from_micros(1);
+            p.on_work(t);
+        }
+        assert!(p.window() >= Duration::from_micros(1), "{:?}", p.window());
+        // Bursts 1 ms apart: spin only briefly.
+        for _ in 0..50 {
+            p.on_idle(t);
+            t += Duration::from_millis(1);
+            p.on_work(t);
+        }
+        assert_eq!(p.window(), a.min_spin);
+    }
+
+    #[test]
+    fn modes_decide() {
+        let t0 = Instant::now();
+        let later = t0 + Duration::from_secs(1);
+        assert_eq!(
+            IdlePolicy::new(PollMode::Busy, t0).on_idle(later),
+            Idle::Spin
+        );
+        assert_eq!(
+            IdlePolicy::new(PollMode::Event, t0).on_idle(t0),
+            Idle::Sleep
+        );
+        let mut h = IdlePolicy::new(
+            PollMode::Hybrid {
+                spin: Duration::from_millis(10),
+            },
+            t0,
+        );
+        assert_eq!(h.on_idle(t0 + Duration::from_millis(1)), Idle::Spin);
+        assert_eq!(h.on_idle(later), Idle::Sleep);
+    }
+}

@@ -1,0 +1,566 @@
+//! The poller thread: owns a group of CQs, polls them in its mode, hands
+//! work to a sink, and stops cleanly.
+//!
+//! # The loop
+//!
+//! 1. If a stop was requested, run the stop protocol (below) and exit.
+//! 2. Poll one round: a batch from every CQ of the group, dispatching each
+//!    completion to its handler (registrations are applied first).
+//! 3. Offer the work the handlers emitted — behind any earlier spill — to
+//!    the sink; what it refuses stays in the spill queue (counted).
+//! 4. Check asynchronous events (overflow) of every CQ.
+//! 5. If the round found work, go to 1. Otherwise ask the mode: spin (go
+//!    to 1) or sleep ([`sleep_once`], the arm / re-poll / block protocol). A
+//!    non-empty spill queue keeps the poller awake to retry.
+//!
+//! # Stopping
+//!
+//! 1. Apply pending registrations; poll every CQ until each is empty.
+//! 2. Hand every spilled item to the sink, retrying (workers stop after
+//!    pollers, so they are still draining); give up only after
+//!    [`PollerBuilder::stop_timeout`], reporting how many were left.
+//! 3. Take and acknowledge every notification.
+//! 4. Destroy every CQ (which fails, rather than hangs, on unacked events).
+
+use std::collections::VecDeque;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::cq::CqPoller;
+use crate::metrics::{bump, raise, CqSnapshot, PollerMetrics, PollerSnapshot};
+use crate::mode::{sleep_once, Idle, IdlePolicy, PollMode, SleepGroup, Slept};
+use crate::sink::{Routed, WorkSink};
+use crate::source::SourceError;
+use crate::sync::{AtomicBool, Ordering};
+use crate::sys::{thread_cpu_time, wait_readable, Doorbell};
+
+/// Acknowledge notifications once this many are pending.
+pub const DEFAULT_ACK_BATCH: u32 = 16;
+/// The safety-net timeout of a sleep.
+pub const DEFAULT_WAKE_TIMEOUT: Duration = Duration::from_millis(100);
+
+type Setup = Box<dyn FnOnce() -> Result<(), String> + Send>;
+
+/// Builds a poller thread.
+pub struct PollerBuilder<W, S> {
+    name: String,
+    mode: PollMode,
+    wake_timeout: Duration,
+    ack_batch: u32,
+    stop_timeout: Duration,
+    cqs: Vec<CqPoller<W>>,
+    sink: S,
+    setup: Option<Setup>,
+}
+
+impl<W, S> std::fmt::Debug for PollerBuilder<W, S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PollerBuilder")
+            .field("name", &self.name)
+            .field("mode", &self.mode)
+            .field("cqs", &self.cqs.len())
+            .finish()
+    }
+}
+
+impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
+    /// A poller named `name` (the thread is named `cqd-poller-<name>`)
+    /// handing work to `sink`, in the default (Adaptive) mode.
+    pub fn new(name: impl Into<String>, sink: S) -> Self {
+        PollerBuilder {
+            name: name.into(),
+            mode: PollMode::default(),
+            wake_timeout: DEFAULT_WAKE_TIMEOUT,
+            ack_batch: DEFAULT_ACK_BATCH,
+            stop_timeout: Duration::from_secs(10),
+            cqs: Vec::new(),
+            sink,
+            setup: None,
+        }
+    }
+
+    /// The poll mode.
+    pub fn mode(mut self, mode: PollMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// The safety-net timeout of a sleep (default 100 ms).
+    pub fn wake_timeout(mut self, t: Duration) -> Self {
+        self.wake_timeout = t.max(Duration::from_micros(100));
+        self
+    }
+
+    /// Acknowledge notifications in batches of this many (default 16).
+    pub fn ack_batch(mut self, n: u32) -> Self {
+        self.ack_batch = n.max(1);
+        self
+    }
+
+    /// How long a stop may retry handing spilled work to the sink.
+    pub fn stop_timeout(mut self, t: Duration) -> Self {
+        self.stop_timeout = t;
+        self
+    }
+
+    /// Adds a CQ to the group. Takes the poller by value: nobody else can
+    /// poll it afterwards.
+    pub fn cq(mut self, cq: CqPoller<W>) -> Self {
+        self.cqs.push(cq);
+        self
+    }
+
+    /// Runs `f` first thing on the new thread (CPU pinning, priority); an
+    /// error aborts the spawn and is returned by [`spawn`](Self::spawn).
+    pub fn on_start(mut self, f: impl FnOnce() -> Result<(), String> + Send + 'static) -> Self {
+        self.setup = Some(Box::new(f));
+        self
+    }
+
+    /// Starts the thread.
+    ///
+    /// # Errors
+    /// [`PollerError::NoCq`] for an empty group, [`PollerError::Spawn`] if
+    /// the OS refuses a thread, [`PollerError::Setup`] if the `on_start`
+    /// hook fails.
+    pub fn spawn(self) -> Result<PollerThread, PollerError> {
+        if self.cqs.is_empty() {
+            return Err(PollerError::NoCq { poller: self.name });
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let metrics = Arc::new(PollerMetrics::default());
+        let doorbells: Vec<Arc<Doorbell>> = self
+            .cqs
+            .iter()
+            .map(|c| Arc::clone(&c.shared.doorbell))
+            .collect();
+        let name = self.name.clone();
+        let (started_tx, started_rx) = std::sync::mpsc::sync_channel(1);
+        let group = Group {
+            idle: IdlePolicy::new(self.mode, Instant::now()),
+            cqs: self.cqs,
+            sink: self.sink,
+            spill: VecDeque::new(),
+            metrics: Arc::clone(&metrics),
+            wake_timeout: self.wake_timeout,
+            ack_batch: self.ack_batch,
+            stop_timeout: self.stop_timeout,
+            stop: Arc::clone(&stop),
+            ready: Vec::new(),
+            round_found: Vec::new(),
+            round_events: Vec::new(),
+            last_block: Duration::ZERO,
+        };
+        let setup = self.setup;
+        let join = std::thread::Builder::new()
+            .name(format!("cqd-poller-{}", self.name))
+            .spawn(move || {
+                if let Some(setup) = setup {
+                    if let Err(e) = setup() {
+                        let _ = started_tx.send(Err(e));
+                        return group.into_report();
+                    }
+                }
+                let _ = started_tx.send(Ok(()));
+                group.run()
+            })
+            .map_err(|e| PollerError::Spawn {
+                poller: name.clone(),
+                source: e,
+            })?;
+        match started_rx.recv() {
+            Ok(Ok(())) => Ok(PollerThread {
+                name,
+                stop,
+                doorbells,
+                metrics,
+                join: Some(join),
+            }),
+            Ok(Err(reason)) => {
+                let _ = join.join();
+                Err(PollerError::Setup {
+                    poller: name,
+                    reason,
+                })
+            }
+            Err(_) => {
+                let _ = join.join();
+                Err(PollerError::Setup {
+                    poller: name,
+                    reason: "thread exited before starting".into(),
+                })
+            }
+        }
+    }
+}
+
+/// Errors of poller threads.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PollerError {
+    /// A poller needs at least one CQ.
+    #[error("poller {poller} has no CQ")]
+    NoCq {
+        /// The poller.
+        poller: String,
+    },
+    /// The OS refused a thread.
+    #[error("could not spawn poller {poller}: {source}")]
+    Spawn {
+        /// The poller.
+        poller: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The `on_start` hook failed (for example a CPU pin).
+    #[error("poller {poller} failed to start: {reason}")]
+    Setup {
+        /// The poller.
+        poller: String,
+        /// What the hook said.
+        reason: String,
+    },
+    /// The poller thread panicked (a bug in cqd: handler panics are caught).
+    #[error("poller {poller} panicked")]
+    Panicked {
+        /// The poller.
+        poller: String,
+    },
+}
+
+/// A running poller thread. Dropping it stops it (discarding the report).
+#[derive(Debug)]
+pub struct PollerThread {
+    name: String,
+    stop: Arc<AtomicBool>,
+    doorbells: Vec<Arc<Doorbell>>,
+    metrics: Arc<PollerMetrics>,
+    join: Option<JoinHandle<PollerReport>>,
+}
+
+impl PollerThread {
+    /// The poller's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// A copy of the thread's counters.
+    pub fn snapshot(&self) -> PollerSnapshot {
+        self.metrics.snapshot(&self.name)
+    }
+
+    /// Stops the thread (see "Stopping" in the module documentation) and
+    /// returns its final report.
+    ///
+    /// # Errors
+    /// [`PollerError::Panicked`] if the thread died.
+    pub fn stop(mut self) -> Result<PollerReport, PollerError> {
+        self.request_stop();
+        let join = self.join.take();
+        match join.map(JoinHandle::join) {
+            Some(Ok(report)) => Ok(report),
+            _ => Err(PollerError::Panicked {
+                poller: self.name.clone(),
+            }),
+        }
+    }
+
+    fn request_stop(&self) {
+        self.stop.store(true, Ordering::Release);
+        for d in &self.doorbells {
+            d.ring();
+        }
+    }
+}
+
+impl Drop for PollerThread {
+    fn drop(&mut self) {
+        if let Some(join) = self.join.take() {
+            self.request_stop();
+            let _ = join.join();
+        }
+    }
+}
+
+/// What a stopped poller leaves behind.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub struct PollerReport {
+    /// The thread's counters.
+    pub poller: PollerSnapshot,
+    /// Each CQ's final counters.
+    pub cqs: Vec<CqSnapshot>,
+    /// Work items the sink never took (0 unless the stop timed out).
+    pub undelivered: u64,
+    /// Errors met while stopping (acknowledging or destroying a CQ).
+    pub errors: Vec<String>,
+}
+
+struct Group<W, S> {
+    idle: IdlePolicy,
+    cqs: Vec<CqPoller<W>>,
+    sink: S,
+    spill: VecDeque<Routed<W>>,
+    metrics: Arc<PollerMetrics>,
+    wake_timeout: Duration,
+    ack_batch: u32,
+    stop_timeout: Duration,
+    stop: Arc<AtomicBool>,
+    ready: Vec<bool>,
+    round_found: Vec<usize>,
+    round_events: Vec<u32>,
+    last_block: Duration,
+}
+
+impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
+    fn run(mut self) -> PollerReport {
+        let name = self.metrics_name();
+        let _span =
+            tracing::debug_span!("poller", name = %name, mode = self.idle.mode().name()).entered();
+        self.round_found = vec![0; self.cqs.len()];
+        self.round_events = vec![0; self.cqs.len()];
+        loop {
+            let m = &self.metrics.0;
+            bump(&m.loops, 1);
+            // 1. Stop?
+            if self.stop.load(Ordering::Acquire) {
+                break;
+            }
+            // 2. One round.
+            let found = self.round();
+            // 3. Hand off (inside round) and 4. async events.
+            for cq in &mut self.cqs {
+                cq.check_async();
+            }
+            // 5. Work, spin or sleep.
+            let now = Instant::now();
+            if found > 0 {
+                self.idle.on_work(now);
+                continue;
+            }
+            if !self.spill.is_empty() {
+                // Workers are behind: stay awake to retry, but yield.
+                std::thread::yield_now();
+                continue;
+            }
+            match self.idle.on_idle(now) {
+                Idle::Spin => {
+                    self.idle.spin();
+                    bump(&self.metrics.0.spin_ns, now.elapsed().as_nanos() as u64);
+                }
+                Idle::Sleep => self.sleep(),
+            }
+            self.metrics
+                .0
+                .spin_window_ns
+                .store(self.idle.window().as_nanos() as u64, Ordering::Relaxed);
+        }
+        self.shutdown()
+    }
+
+    fn metrics_name(&self) -> String {
+        std::thread::current()
+            .name()
+            .unwrap_or("cqd-poller")
+            .to_string()
+    }
+
+    /// One batch from every CQ, then the hand-off. Poll errors are counted
+    /// by the CQ and traced; the loop goes on (a vanished device shows up as
+    /// errors and async events, never a panic).
+    fn round(&mut self) -> usize {
+        let mut total = 0;
+        for (i, cq) in self.cqs.iter_mut().enumerate() {
+            let n = match cq.poll_once(&mut self.spill) {
+                Ok(n) => n,
+                Err(e) => {
+                    tracing::error!(cq = cq.name(), error = %e, "poll failed");
+                    0
+                }
+            };
+            if let Some(f) = self.round_found.get_mut(i) {
+                *f = n;
+            }
+            total += n;
+        }
+        self.hand_off();
+        total
+    }
+
+    fn hand_off(&mut self) {
+        if self.spill.is_empty() {
+            return;
+        }
+        let before = self.spill.len();
+        self.sink.offer(&mut self.spill);
+        let left = self.spill.len();
+        let m = &self.metrics.0;
+        bump(&m.handed_off, (before - left) as u64);
+        if left > 0 {
+            bump(&m.spills, left as u64);
+            raise(&m.spill_high_water, left as u64);
+        }
+    }
+
+    fn sleep(&mut self) {
+        let start = Instant::now();
+        let timeout = self.wake_timeout;
+        let slept = match sleep_once(self, timeout) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(error = %e, "sleep protocol failed; polling on");
+                return;
+            }
+        };
+        let m = &self.metrics.0;
+        if slept.blocked {
+            bump(&m.sleeps, 1);
+            if slept.timed_out {
+                bump(&m.timeouts, 1);
+            }
+        }
+        self.classify(&slept);
+        self.record_cpu();
+        let overhead = start.elapsed().saturating_sub(self.last_block);
+        self.last_block = Duration::ZERO;
+        self.idle.on_sleep_overhead(overhead);
+        if slept.found > 0 || slept.repoll_found > 0 {
+            self.idle.on_work(Instant::now());
+        }
+    }
+
+    /// Per CQ: a notification that found nothing is spurious; a timeout that
+    /// found completions is a recovered missed notification.
+    fn classify(&mut self, slept: &Slept) {
+        if !slept.blocked {
+            return;
+        }
+        for (i, cq) in self.cqs.iter().enumerate() {
+            let events = self.round_events.get(i).copied().unwrap_or(0);
+            let found = self.round_found.get(i).copied().unwrap_or(0);
+            let m = &cq.shared.metrics.0;
+            if events > 0 && found == 0 {
+                bump(&m.spurious_wakeups, 1);
+            } else if events == 0 && found > 0 && slept.timed_out {
+                bump(&m.recovered_missed_events, 1);
+                tracing::warn!(
+                    cq = cq.name(),
+                    found,
+                    "wake-up timeout found completions: a notification was missed and recovered"
+                );
+            }
+        }
+    }
+
+    fn record_cpu(&self) {
+        let cpu = thread_cpu_time().as_nanos() as u64;
+        self.metrics.0.cpu_ns.store(cpu, Ordering::Relaxed);
+    }
+
+    fn shutdown(mut self) -> PollerReport {
+        self.record_cpu();
+        // 1. Drain every CQ to empty.
+        for cq in &mut self.cqs {
+            cq.apply_commands();
+        }
+        while self.round() > 0 {}
+        // 2. Hand every spilled item over, retrying while workers drain.
+        let deadline = Instant::now() + self.stop_timeout;
+        while !self.spill.is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_micros(100));
+            self.hand_off();
+        }
+        let mut report = self.report_now();
+        report.undelivered = self.spill.len() as u64;
+        if report.undelivered > 0 {
+            tracing::error!(
+                undelivered = report.undelivered,
+                "stop timed out handing work to the workers"
+            );
+        }
+        // 3 and 4. Acknowledge everything, destroy every CQ.
+        for cq in &mut self.cqs {
+            if let Err(e) = cq.finish() {
+                report.errors.push(format!("{}: {e}", cq.name()));
+            }
+        }
+        // Final counters after the acks.
+        report.cqs = self.cqs.iter().map(|c| c.handle().snapshot()).collect();
+        report
+    }
+
+    fn into_report(self) -> PollerReport {
+        self.report_now()
+    }
+
+    fn report_now(&self) -> PollerReport {
+        PollerReport {
+            poller: self.metrics.snapshot(&self.metrics_name()),
+            cqs: self.cqs.iter().map(|c| c.handle().snapshot()).collect(),
+            undelivered: self.spill.len() as u64,
+            errors: Vec::new(),
+        }
+    }
+}
+
+impl<W: Send + 'static, S: WorkSink<W>> SleepGroup for Group<W, S> {
+    type Error = SourceError;
+
+    fn arm_all(&mut self) -> Result<(), SourceError> {
+        for cq in &mut self.cqs {
+            cq.arm()?;
+        }
+        Ok(())
+    }
+
+    fn poll_round(&mut self) -> Result<usize, SourceError> {
+        Ok(self.round())
+    }
+
+    fn block(&mut self, timeout: Duration) -> Result<bool, SourceError> {
+        if self.stop.load(Ordering::Acquire) {
+            return Ok(false);
+        }
+        let mut fds: Vec<BorrowedFd<'_>> = Vec::with_capacity(self.cqs.len() * 3);
+        for cq in &self.cqs {
+            fds.push(cq.event_fd());
+            fds.push(cq.shared.doorbell.as_fd());
+            if let Some(fd) = cq.source.async_fd() {
+                fds.push(fd);
+            }
+        }
+        let start = Instant::now();
+        let n = wait_readable(&fds, timeout, &mut self.ready)
+            .map_err(|source| SourceError::Os { op: "poll", source })?;
+        drop(fds);
+        self.last_block = start.elapsed();
+        let mut rung = false;
+        for cq in &self.cqs {
+            if cq.shared.doorbell.drain() > 0 {
+                rung = true;
+            }
+        }
+        if rung {
+            bump(&self.metrics.0.control_wakeups, 1);
+        }
+        Ok(n == 0)
+    }
+
+    fn collect_events(&mut self) -> Result<u32, SourceError> {
+        let mut total = 0;
+        for (i, cq) in self.cqs.iter_mut().enumerate() {
+            let n = cq.take_events()?;
+            if let Some(e) = self.round_events.get_mut(i) {
+                *e = n;
+            }
+            total += n;
+            if cq.unacked_events() >= self.ack_batch {
+                cq.ack_all()?;
+            }
+        }
+        Ok(total)
+    }
+}

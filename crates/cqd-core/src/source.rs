@@ -1,0 +1,140 @@
+//! The backend side: what a completion queue must offer a poller.
+//!
+//! `cqd-sim` implements [`CompletionSource`] for its simulated CQ and
+//! `cqd-verbs` for `ibv_cq` + `ibv_comp_channel`. A source is owned by
+//! exactly one [`CqPoller`](crate::cq::CqPoller), so every method takes
+//! `&mut self`; the type system, not a lock, keeps two threads from polling
+//! it.
+
+use std::os::fd::BorrowedFd;
+
+use crate::completion::Completion;
+
+/// Which completions an arm asks to be notified of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ArmKind {
+    /// The next completion of any kind (`solicited_only = 0`).
+    Next,
+    /// The next solicited receive completion, or any error completion
+    /// (`solicited_only = 1`).
+    Solicited,
+}
+
+/// An asynchronous event of a CQ or its device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AsyncEvent {
+    /// The CQ overflowed (`IBV_EVENT_CQ_ERR`): completions were lost and the
+    /// CQ is in error. With admission on, this never happens.
+    CqOverflow {
+        /// The CQ's capacity.
+        capacity: u32,
+        /// Entries the device could not write (if it knows).
+        lost: u64,
+    },
+    /// The device reported a fatal error (`IBV_EVENT_DEVICE_FATAL`).
+    DeviceFatal,
+    /// Another event, by its `ibv_event_type` number.
+    Other(u32),
+}
+
+/// Errors of a completion source.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SourceError {
+    /// The device went away (hot unplug, driver reset).
+    #[error("RDMA device is gone: {0}")]
+    DeviceGone(String),
+    /// The CQ is in the error state (after an overflow) and cannot be armed
+    /// or polled further.
+    #[error("CQ is in the error state after an overflow")]
+    CqInError,
+    /// Destroying a CQ with events not yet acknowledged; `ibv_destroy_cq`
+    /// would hang.
+    #[error("CQ has {unacked} unacknowledged events; ack them before destroying it")]
+    UnackedEvents {
+        /// Events read but not acknowledged.
+        unacked: u32,
+    },
+    /// An operating-system call failed.
+    #[error("{op} failed: {source}")]
+    Os {
+        /// What was being done.
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The backend reported something else.
+    #[error("{0}")]
+    Backend(String),
+}
+
+/// A completion queue as a poller sees it.
+///
+/// The contract, which every backend keeps and the poller relies on:
+///
+/// 1. `poll` returns completions in CQ order and never blocks.
+/// 2. After `arm`, exactly one notification is delivered for the first
+///    matching completion added *after* the arm (IB semantics: completions
+///    already queued need not notify — the poller re-polls after arming).
+/// 3. `event_fd` becomes readable when a notification is pending;
+///    `take_events` consumes pending notifications without blocking and
+///    returns how many; each must later be acknowledged with `ack_events`.
+/// 4. `destroy` fails, rather than hang, while events are unacknowledged.
+pub trait CompletionSource: Send + 'static {
+    /// A short name for metrics and traces.
+    fn name(&self) -> &str;
+
+    /// The number of entries the CQ really holds.
+    fn capacity(&self) -> u32;
+
+    /// Moves up to `out.len()` completions into `out`; returns how many.
+    ///
+    /// # Errors
+    /// When the device is gone or the CQ is unusable.
+    fn poll(&mut self, out: &mut [Completion]) -> Result<usize, SourceError>;
+
+    /// Requests one notification (see the trait contract, point 2).
+    ///
+    /// # Errors
+    /// When the device is gone or the CQ is in error.
+    fn arm(&mut self, kind: ArmKind) -> Result<(), SourceError>;
+
+    /// The descriptor that becomes readable when a notification is pending
+    /// (for `poll(2)`, epoll or an async runtime).
+    fn event_fd(&self) -> BorrowedFd<'_>;
+
+    /// Consumes pending notifications without blocking; returns how many.
+    ///
+    /// # Errors
+    /// When reading the descriptor fails for a reason other than "nothing
+    /// pending".
+    fn take_events(&mut self) -> Result<u32, SourceError>;
+
+    /// Acknowledges `n` notifications taken with `take_events`.
+    ///
+    /// # Errors
+    /// When the backend refuses.
+    fn ack_events(&mut self, n: u32) -> Result<(), SourceError>;
+
+    /// Notifications taken but not yet acknowledged.
+    fn unacked_events(&self) -> u32;
+
+    /// A descriptor that becomes readable when an asynchronous event is
+    /// pending, if the backend has one separate from `event_fd`.
+    fn async_fd(&self) -> Option<BorrowedFd<'_>> {
+        None
+    }
+
+    /// The next pending asynchronous event, if any; never blocks.
+    fn take_async_event(&mut self) -> Option<AsyncEvent>;
+
+    /// Destroys the CQ.
+    ///
+    /// # Errors
+    /// [`SourceError::UnackedEvents`] while notifications are
+    /// unacknowledged (the CQ is then left as it is).
+    fn destroy(&mut self) -> Result<(), SourceError>;
+}

@@ -1,0 +1,78 @@
+//! The few OS calls the poller needs, through rustix's safe wrappers: an
+//! eventfd to wake a sleeping poller, and `poll(2)` to sleep on the event
+//! descriptors of a poll group. No `unsafe` here.
+
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::time::Duration;
+
+use rustix::event::{eventfd, EventfdFlags, PollFd, PollFlags};
+
+/// A non-blocking eventfd used as a doorbell.
+#[derive(Debug)]
+pub(crate) struct Doorbell(OwnedFd);
+
+impl Doorbell {
+    pub(crate) fn new() -> io::Result<Self> {
+        let fd = eventfd(0, EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC)?;
+        Ok(Doorbell(fd))
+    }
+
+    /// Rings the bell: the descriptor becomes readable.
+    pub(crate) fn ring(&self) {
+        // A full counter (2^64 - 2 rings) is the only failure, and then the
+        // descriptor is readable anyway, which is all a ring means.
+        let _ = rustix::io::write(&self.0, &1u64.to_ne_bytes());
+    }
+
+    /// Silences the bell; returns how many rings were pending.
+    pub(crate) fn drain(&self) -> u64 {
+        let mut buf = [0u8; 8];
+        match rustix::io::read(&self.0, &mut buf) {
+            Ok(8) => u64::from_ne_bytes(buf),
+            _ => 0,
+        }
+    }
+}
+
+impl AsFd for Doorbell {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+}
+
+/// Blocks until one of `fds` is readable or `timeout` passes. Returns the
+/// readiness of each descriptor, in order.
+pub(crate) fn wait_readable(
+    fds: &[BorrowedFd<'_>],
+    timeout: Duration,
+    ready: &mut Vec<bool>,
+) -> io::Result<usize> {
+    let mut pollfds: Vec<PollFd<'_>> = fds
+        .iter()
+        .map(|fd| PollFd::from_borrowed_fd(*fd, PollFlags::IN))
+        .collect();
+    let ts = rustix::event::Timespec {
+        tv_sec: timeout.as_secs() as _,
+        tv_nsec: timeout.subsec_nanos() as _,
+    };
+    let n = loop {
+        match rustix::event::poll(&mut pollfds, Some(&ts)) {
+            Ok(n) => break n,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    };
+    ready.clear();
+    ready.extend(pollfds.iter().map(|p| !p.revents().is_empty()));
+    Ok(n)
+}
+
+/// CPU time consumed by the calling thread.
+pub(crate) fn thread_cpu_time() -> Duration {
+    let ts = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Duration::new(
+        ts.tv_sec.max(0) as u64,
+        ts.tv_nsec.clamp(0, 999_999_999) as u32,
+    )
+}

@@ -1,0 +1,562 @@
+//! A completion queue with hardware semantics.
+//!
+//! - Fixed capacity. A completion arriving when the CQ is full overflows
+//!   it: the entry is lost, the CQ enters the error state, an asynchronous
+//!   [`AsyncEvent::CqOverflow`] is raised (its own descriptor becomes
+//!   readable) and every later entry is lost too — as on hardware, so that
+//!   tests can show an overflow is loud.
+//! - An arm fires at most one notification, for the first matching
+//!   completion added *after* it (IB semantics): `Next` matches any
+//!   completion, `Solicited` a solicited one or any error. Completions
+//!   already queued at arm time do not fire it, which is why pollers re-poll
+//!   after arming.
+//! - Notifications coalesce: the descriptor is an eventfd whose counter is
+//!   the number of notifications not yet taken.
+//! - Notifications must be acknowledged; `destroy` refuses (instead of
+//!   hanging like `ibv_destroy_cq`) while any is not.
+//! - Fault injection ([`Faults`]): spurious, dropped and delayed
+//!   notifications, and completions injected between a poller's last empty
+//!   poll and its arm.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
+use std::time::Duration;
+
+use cqd_core::completion::Completion;
+use cqd_core::source::{ArmKind, AsyncEvent, CompletionSource, SourceError};
+use parking_lot::Mutex;
+use rustix::event::{eventfd, EventfdFlags};
+
+/// Notification faults, each a probability in `0.0..=1.0`, drawn from a
+/// seeded generator so a run is reproducible.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Faults {
+    /// On each arm, the chance of an immediate notification with nothing new
+    /// in the CQ.
+    pub spurious: f64,
+    /// On each fired arm, the chance that the notification is lost.
+    pub drop: f64,
+    /// On each fired arm, the chance that the notification is delivered
+    /// only after `delay_by`.
+    pub delay: f64,
+    /// How late a delayed notification is.
+    pub delay_by: Duration,
+    /// Seed of the generator.
+    pub seed: u64,
+}
+
+/// Counters of what the simulated CQ did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SimCqStats {
+    /// Completions accepted.
+    pub pushed: u64,
+    /// Completions lost to overflow.
+    pub lost: u64,
+    /// Arms requested.
+    pub arms: u64,
+    /// Notifications delivered (including spurious and delayed ones).
+    pub notified: u64,
+    /// Notifications dropped by fault injection.
+    pub dropped: u64,
+    /// Notifications delayed by fault injection.
+    pub delayed: u64,
+    /// Spurious notifications injected.
+    pub spurious: u64,
+    /// Completions injected between poll and arm.
+    pub injected: u64,
+}
+
+/// Why a completion was not accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PushError {
+    /// The CQ is (now) overflowed; the entry is lost.
+    #[error("CQ overflow: capacity {capacity}, entry lost")]
+    Overflow {
+        /// The CQ's capacity.
+        capacity: u32,
+    },
+    /// The CQ was destroyed.
+    #[error("CQ destroyed")]
+    Destroyed,
+}
+
+/// Errors making a simulated CQ.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SimCqError {
+    /// Capacity 0, or above the device limit.
+    #[error("CQ capacity {requested} is outside 1..={max}")]
+    BadCapacity {
+        /// What was asked.
+        requested: u32,
+        /// The largest allowed.
+        max: u32,
+    },
+    /// The eventfd could not be made.
+    #[error("eventfd: {0}")]
+    Os(#[from] std::io::Error),
+}
+
+/// The largest CQ the simulator makes.
+pub const MAX_CQE: u32 = 4 * 1024 * 1024;
+
+#[derive(Debug)]
+struct State {
+    ring: VecDeque<Completion>,
+    arm: Option<ArmKind>,
+    overflowed: bool,
+    destroyed: bool,
+    async_events: VecDeque<AsyncEvent>,
+    inject_before_arm: Vec<Completion>,
+    faults: Faults,
+    rng: u64,
+    stats: SimCqStats,
+}
+
+impl State {
+    fn chance(&mut self, p: f64) -> bool {
+        if p <= 0.0 {
+            return false;
+        }
+        // xorshift64*: deterministic for a seed.
+        let mut x = self.rng;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.rng = x;
+        let v = x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11;
+        (v as f64 / (1u64 << 53) as f64) < p
+    }
+}
+
+#[derive(Debug)]
+struct Shared {
+    name: String,
+    capacity: u32,
+    state: Mutex<State>,
+    event_fd: OwnedFd,
+    async_fd: OwnedFd,
+}
+
+impl Shared {
+    fn signal(fd: &OwnedFd) {
+        // Only a counter at its maximum fails, and then it is readable anyway.
+        let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
+    }
+
+    /// Fires the armed notification, applying the faults. Called with the
+    /// state locked.
+    fn fire(self: &Arc<Self>, st: &mut State) {
+        st.arm = None;
+        let (drop, delay) = (st.faults.drop, st.faults.delay);
+        if st.chance(drop) {
+            st.stats.dropped += 1;
+            return;
+        }
+        st.stats.notified += 1;
+        if st.chance(delay) {
+            st.stats.delayed += 1;
+            let me = Arc::clone(self);
+            let by = st.faults.delay_by;
+            std::thread::spawn(move || {
+                std::thread::sleep(by);
+                Shared::signal(&me.event_fd);
+            });
+            return;
+        }
+        Shared::signal(&self.event_fd);
+    }
+}
+
+/// The producer side of a simulated CQ: what the NIC (or a test) uses to
+/// add completions. Cloneable.
+#[derive(Debug, Clone)]
+pub struct SimCq {
+    shared: Arc<Shared>,
+}
+
+/// Makes a simulated CQ: the producer side and the [`CompletionSource`] a
+/// poller owns.
+///
+/// # Errors
+/// [`SimCqError::BadCapacity`], or an eventfd failure.
+pub fn sim_cq(
+    name: impl Into<String>,
+    capacity: u32,
+    faults: Faults,
+) -> Result<(SimCq, SimCqSource), SimCqError> {
+    if capacity == 0 || capacity > MAX_CQE {
+        return Err(SimCqError::BadCapacity {
+            requested: capacity,
+            max: MAX_CQE,
+        });
+    }
+    let flags = EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC;
+    let event_fd = eventfd(0, flags).map_err(std::io::Error::from)?;
+    let async_fd = eventfd(0, flags).map_err(std::io::Error::from)?;
+    let seed = faults.seed | 1;
+    let shared = Arc::new(Shared {
+        name: name.into(),
+        capacity,
+        state: Mutex::new(State {
+            ring: VecDeque::with_capacity(capacity.min(1 << 16) as usize),
+            arm: None,
+            overflowed: false,
+            destroyed: false,
+            async_events: VecDeque::new(),
+            inject_before_arm: Vec::new(),
+            faults,
+            rng: seed,
+            stats: SimCqStats::default(),
+        }),
+        event_fd,
+        async_fd,
+    });
+    Ok((
+        SimCq {
+            shared: Arc::clone(&shared),
+        },
+        SimCqSource { shared, unacked: 0 },
+    ))
+}
+
+impl SimCq {
+    /// Adds one completion. `solicited` marks a receive completion of a
+    /// request sent with the solicited-event flag.
+    ///
+    /// # Errors
+    /// [`PushError::Overflow`] when the CQ is full or already overflowed
+    /// (the entry is lost, as on hardware); [`PushError::Destroyed`].
+    pub fn push(&self, wc: Completion, solicited: bool) -> Result<(), PushError> {
+        let mut st = self.shared.state.lock();
+        self.push_locked(&mut st, wc, solicited)
+    }
+
+    /// Adds a batch under one lock; stops at the first error.
+    ///
+    /// # Errors
+    /// As [`push`](Self::push); entries before the failing one were added.
+    pub fn push_all(&self, wcs: &[Completion]) -> Result<(), PushError> {
+        let mut st = self.shared.state.lock();
+        for wc in wcs {
+            self.push_locked(&mut st, *wc, false)?;
+        }
+        Ok(())
+    }
+
+    fn push_locked(
+        &self,
+        st: &mut State,
+        wc: Completion,
+        solicited: bool,
+    ) -> Result<(), PushError> {
+        if st.destroyed {
+            return Err(PushError::Destroyed);
+        }
+        let capacity = self.shared.capacity;
+        if st.overflowed || st.ring.len() >= capacity as usize {
+            st.stats.lost += 1;
+            if !st.overflowed {
+                st.overflowed = true;
+                tracing::error!(cq = %self.shared.name, capacity, "simulated CQ overflow");
+            }
+            st.async_events.push_back(AsyncEvent::CqOverflow {
+                capacity,
+                lost: st.stats.lost,
+            });
+            Shared::signal(&self.shared.async_fd);
+            return Err(PushError::Overflow { capacity });
+        }
+        st.ring.push_back(wc);
+        st.stats.pushed += 1;
+        let fires = match st.arm {
+            Some(ArmKind::Next) => true,
+            Some(ArmKind::Solicited) => solicited || !wc.status.is_success(),
+            None => false,
+        };
+        if fires {
+            self.shared.fire(st);
+        }
+        Ok(())
+    }
+
+    /// Makes `wcs` land in the CQ at the start of the next arm, before the
+    /// arm takes effect: after the poller's last empty poll, not notified.
+    /// A poller that does not re-poll after arming would miss them.
+    pub fn inject_before_next_arm(&self, wcs: &[Completion]) {
+        self.shared
+            .state
+            .lock()
+            .inject_before_arm
+            .extend_from_slice(wcs);
+    }
+
+    /// Changes the fault probabilities.
+    pub fn set_faults(&self, faults: Faults) {
+        let mut st = self.shared.state.lock();
+        st.rng = faults.seed | 1;
+        st.faults = faults;
+    }
+
+    /// Entries currently queued.
+    pub fn len(&self) -> usize {
+        self.shared.state.lock().ring.len()
+    }
+
+    /// True when nothing is queued.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// True after an overflow.
+    pub fn is_overflowed(&self) -> bool {
+        self.shared.state.lock().overflowed
+    }
+
+    /// The CQ's capacity.
+    pub fn capacity(&self) -> u32 {
+        self.shared.capacity
+    }
+
+    /// What the CQ did so far.
+    pub fn stats(&self) -> SimCqStats {
+        self.shared.state.lock().stats
+    }
+}
+
+/// The consumer side of a simulated CQ, owned by one poller.
+#[derive(Debug)]
+pub struct SimCqSource {
+    shared: Arc<Shared>,
+    unacked: u32,
+}
+
+impl SimCqSource {
+    /// The producer side of the same CQ.
+    pub fn producer(&self) -> SimCq {
+        SimCq {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl CompletionSource for SimCqSource {
+    fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    fn capacity(&self) -> u32 {
+        self.shared.capacity
+    }
+
+    fn poll(&mut self, out: &mut [Completion]) -> Result<usize, SourceError> {
+        let mut st = self.shared.state.lock();
+        if st.destroyed {
+            return Err(SourceError::Backend("CQ destroyed".into()));
+        }
+        let n = out.len().min(st.ring.len());
+        for (slot, wc) in out.iter_mut().zip(st.ring.drain(..n)) {
+            *slot = wc;
+        }
+        Ok(n)
+    }
+
+    fn arm(&mut self, kind: ArmKind) -> Result<(), SourceError> {
+        let mut st = self.shared.state.lock();
+        if st.destroyed {
+            return Err(SourceError::Backend("CQ destroyed".into()));
+        }
+        if st.overflowed {
+            return Err(SourceError::CqInError);
+        }
+        st.stats.arms += 1;
+        if !st.inject_before_arm.is_empty() {
+            // Land after the last empty poll, before the arm: not notified.
+            let injected = std::mem::take(&mut st.inject_before_arm);
+            for wc in injected {
+                if st.ring.len() < self.shared.capacity as usize {
+                    st.ring.push_back(wc);
+                    st.stats.pushed += 1;
+                    st.stats.injected += 1;
+                }
+            }
+        }
+        st.arm = Some(kind);
+        let spurious = st.faults.spurious;
+        if st.chance(spurious) {
+            st.stats.spurious += 1;
+            st.stats.notified += 1;
+            st.arm = None;
+            Shared::signal(&self.shared.event_fd);
+        }
+        Ok(())
+    }
+
+    fn event_fd(&self) -> BorrowedFd<'_> {
+        self.shared.event_fd.as_fd()
+    }
+
+    fn take_events(&mut self) -> Result<u32, SourceError> {
+        let mut buf = [0u8; 8];
+        match rustix::io::read(&self.shared.event_fd, &mut buf) {
+            Ok(8) => {
+                let n = u64::from_ne_bytes(buf).min(u64::from(u32::MAX)) as u32;
+                self.unacked = self.unacked.saturating_add(n);
+                Ok(n)
+            }
+            Ok(_) => Ok(0),
+            Err(rustix::io::Errno::AGAIN) => Ok(0),
+            Err(e) => Err(SourceError::Os {
+                op: "read eventfd",
+                source: e.into(),
+            }),
+        }
+    }
+
+    fn ack_events(&mut self, n: u32) -> Result<(), SourceError> {
+        self.unacked = self.unacked.saturating_sub(n);
+        Ok(())
+    }
+
+    fn unacked_events(&self) -> u32 {
+        self.unacked
+    }
+
+    fn async_fd(&self) -> Option<BorrowedFd<'_>> {
+        Some(self.shared.async_fd.as_fd())
+    }
+
+    fn take_async_event(&mut self) -> Option<AsyncEvent> {
+        let mut st = self.shared.state.lock();
+        let ev = st.async_events.pop_front();
+        if st.async_events.is_empty() {
+            let mut buf = [0u8; 8];
+            let _ = rustix::io::read(&self.shared.async_fd, &mut buf);
+        }
+        ev
+    }
+
+    fn destroy(&mut self) -> Result<(), SourceError> {
+        if self.unacked > 0 {
+            return Err(SourceError::UnackedEvents {
+                unacked: self.unacked,
+            });
+        }
+        let mut st = self.shared.state.lock();
+        st.destroyed = true;
+        st.ring.clear();
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cqd_core::completion::Opcode;
+
+    fn wc(i: u64) -> Completion {
+        Completion::success(i, Opcode::Send, 1)
+    }
+
+    #[test]
+    fn arm_fires_once_for_new_completions_only() {
+        let (cq, mut src) = sim_cq("t", 8, Faults::default()).unwrap();
+        cq.push(wc(1), false).unwrap();
+        src.arm(ArmKind::Next).unwrap();
+        assert_eq!(
+            src.take_events().unwrap(),
+            0,
+            "queued entries do not fire an arm"
+        );
+        cq.push(wc(2), false).unwrap();
+        cq.push(wc(3), false).unwrap();
+        assert_eq!(src.take_events().unwrap(), 1, "one notification per arm");
+        assert_eq!(src.unacked_events(), 1);
+        assert!(matches!(
+            src.destroy(),
+            Err(SourceError::UnackedEvents { unacked: 1 })
+        ));
+        src.ack_events(1).unwrap();
+        let mut buf = [Completion::default(); 8];
+        assert_eq!(src.poll(&mut buf).unwrap(), 3);
+        src.destroy().unwrap();
+        assert_eq!(cq.push(wc(4), false), Err(PushError::Destroyed));
+    }
+
+    #[test]
+    fn solicited_arm() {
+        let (cq, mut src) = sim_cq("t", 8, Faults::default()).unwrap();
+        src.arm(ArmKind::Solicited).unwrap();
+        cq.push(wc(1), false).unwrap();
+        assert_eq!(src.take_events().unwrap(), 0);
+        cq.push(wc(2), true).unwrap();
+        assert_eq!(src.take_events().unwrap(), 1);
+        src.arm(ArmKind::Solicited).unwrap();
+        cq.push(Completion::error(3, cqd_core::Status::WrFlush, 1), false)
+            .unwrap();
+        assert_eq!(
+            src.take_events().unwrap(),
+            1,
+            "errors notify a solicited arm"
+        );
+    }
+
+    #[test]
+    fn overflow_is_loud_and_sticky() {
+        let (cq, mut src) = sim_cq("t", 2, Faults::default()).unwrap();
+        cq.push(wc(1), false).unwrap();
+        cq.push(wc(2), false).unwrap();
+        assert_eq!(
+            cq.push(wc(3), false),
+            Err(PushError::Overflow { capacity: 2 })
+        );
+        let mut buf = [Completion::default(); 4];
+        assert_eq!(src.poll(&mut buf).unwrap(), 2);
+        assert_eq!(
+            cq.push(wc(4), false),
+            Err(PushError::Overflow { capacity: 2 })
+        );
+        assert!(matches!(
+            src.take_async_event(),
+            Some(AsyncEvent::CqOverflow { capacity: 2, .. })
+        ));
+        assert!(matches!(
+            src.arm(ArmKind::Next),
+            Err(SourceError::CqInError)
+        ));
+        assert_eq!(cq.stats().lost, 2);
+    }
+
+    #[test]
+    fn faults_drop_and_spurious() {
+        let faults = Faults {
+            drop: 1.0,
+            ..Faults::default()
+        };
+        let (cq, mut src) = sim_cq("t", 8, faults).unwrap();
+        src.arm(ArmKind::Next).unwrap();
+        cq.push(wc(1), false).unwrap();
+        assert_eq!(src.take_events().unwrap(), 0);
+        assert_eq!(cq.stats().dropped, 1);
+        cq.set_faults(Faults {
+            spurious: 1.0,
+            ..Faults::default()
+        });
+        src.arm(ArmKind::Next).unwrap();
+        assert_eq!(src.take_events().unwrap(), 1);
+        assert_eq!(cq.stats().spurious, 1);
+    }
+
+    #[test]
+    fn injected_before_arm_is_not_notified() {
+        let (cq, mut src) = sim_cq("t", 8, Faults::default()).unwrap();
+        cq.inject_before_next_arm(&[wc(9)]);
+        src.arm(ArmKind::Next).unwrap();
+        assert_eq!(src.take_events().unwrap(), 0);
+        let mut buf = [Completion::default(); 4];
+        assert_eq!(src.poll(&mut buf).unwrap(), 1);
+        assert_eq!(buf[0].wr_id, 9);
+    }
+}
