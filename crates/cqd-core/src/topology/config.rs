@@ -200,6 +200,30 @@ impl ModeConfig {
         matches!(self, ModeConfig::Busy)
     }
 
+    /// The poller's mode type for this config (the safety-net timeout is
+    /// separate: [`timeout`](Self::timeout), for `PollerBuilder::wake_timeout`).
+    pub fn poll_mode(&self) -> crate::mode::PollMode {
+        use crate::mode::{Adaptive, PollMode};
+        match *self {
+            ModeConfig::Busy => PollMode::Busy,
+            ModeConfig::Event { .. } => PollMode::Event,
+            ModeConfig::Hybrid { spin_window_us, .. } => PollMode::Hybrid {
+                spin: Duration::from_micros(spin_window_us),
+            },
+            ModeConfig::Adaptive {
+                min_window_us,
+                max_window_us,
+                cpu_budget_percent,
+                ..
+            } => PollMode::Adaptive(Adaptive {
+                min_spin: Duration::from_micros(min_window_us),
+                max_spin: Duration::from_micros(max_window_us),
+                cpu_budget: f64::from(cpu_budget_percent) / 100.0,
+                ..Adaptive::default()
+            }),
+        }
+    }
+
     /// The safety-net timeout, if the mode sleeps.
     pub fn timeout(&self) -> Option<Duration> {
         match *self {

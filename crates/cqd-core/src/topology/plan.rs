@@ -101,6 +101,14 @@ impl PollerPlan {
         self.config.batch
     }
 
+    /// CQ options with the planned poll batch, for `split`.
+    pub fn cq_options(&self) -> crate::cq::CqOptions {
+        crate::cq::CqOptions {
+            batch: self.config.batch as usize,
+            ..Default::default()
+        }
+    }
+
     /// Where the thread will run.
     pub fn placement(&self) -> &Placement {
         &self.config.placement
@@ -111,7 +119,35 @@ impl PollerPlan {
         format!("cqd-poller-{}", self.index)
     }
 
-    /// Starts the poller thread: named, placed, prioritised, then `body`.
+    /// A [`PollerBuilder`](crate::poller::PollerBuilder) set up as planned:
+    /// named after the plan's index (so its thread is `cqd-poller-<index>`),
+    /// in the planned mode and wake-up timeout, and placing and
+    /// prioritising its thread first thing (`on_start`; a failure aborts
+    /// the spawn with the [`SpawnError`] text). Add the CQs named by
+    /// [`cqs`](Self::cqs) and spawn it.
+    pub fn poller_builder<W, S>(self, sink: S) -> crate::poller::PollerBuilder<W, S>
+    where
+        W: Send + 'static,
+        S: crate::sink::WorkSink<W> + 'static,
+    {
+        let spec = ThreadSpec {
+            name: self.thread_name(),
+            placement: self.config.placement,
+            priority: self.config.priority,
+            on_priority_error: self.on_priority_error,
+        };
+        let mode = self.config.mode;
+        let builder = crate::poller::PollerBuilder::new(self.index.to_string(), sink)
+            .mode(mode.poll_mode())
+            .on_start(move || spec.apply().map_err(|e| e.to_string()));
+        match mode.timeout() {
+            Some(timeout) => builder.wake_timeout(timeout),
+            None => builder,
+        }
+    }
+
+    /// Starts a thread for a poll loop of your own: named, placed,
+    /// prioritised, then `body`.
     ///
     /// # Errors
     ///

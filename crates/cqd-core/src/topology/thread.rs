@@ -37,7 +37,7 @@ pub(crate) struct ThreadSpec {
 
 impl ThreadSpec {
     /// Step 2, on the new thread.
-    fn apply(&self) -> Result<(), SpawnError> {
+    pub(crate) fn apply(&self) -> Result<(), SpawnError> {
         match &self.placement {
             Placement::Unpinned => {}
             Placement::Fixed(cpu) => {
