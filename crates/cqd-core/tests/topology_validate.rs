@@ -297,3 +297,31 @@ fn warns_when_busy_pollers_take_more_than_half_the_cpus() {
         .unwrap();
     assert!(topology.warnings().is_empty(), "exactly half is allowed");
 }
+
+#[test]
+fn a_busy_poller_fenced_to_one_cpu_claims_it() {
+    let config = TopologyConfig::new().poller(busy("a", "x", 3)).poller(
+        poller("b", "y")
+            .mode(ModeConfig::Busy)
+            .placement(Placement::fenced([3])),
+    );
+    let e = config.validate_for(&cpus(4)).unwrap_err();
+    assert!(
+        matches!(e, TopologyError::CpuClaimedTwice { cpu: 3, .. }),
+        "{e}"
+    );
+}
+
+#[test]
+fn unknown_fields_are_errors_even_inside_a_mode() {
+    let text =
+        "[[poller]]\nname = \"a\"\ncqs = [\"x\"]\nmode = { kind = \"event\", timout_ms = 5 }\n";
+    let e = TopologyConfig::from_toml(text).unwrap_err();
+    assert!(e.to_string().contains("timout_ms"), "{e}");
+    let e = TopologyConfig::from_toml("[[pool]]\nname = \"io\"\nthreads = 1\ncapcity = 8\n")
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("capcity") && e.to_string().contains("line 4"),
+        "{e}"
+    );
+}

@@ -16,13 +16,22 @@
 //! 5. For each ring published to that was empty, unpark its worker if it
 //!    announced sleep.
 //!
-//! Why the spill this leaves in the caller's queue is bounded: the items of
-//! one offer come from one drained batch of completions, and every item is
-//! owed to a work request that was posted against the CQ budget. Once the
-//! CQ budget issue lands, the work outstanding per poller is at most the sum
-//! of its CQs' admitted capacity times the items a handler emits per
-//! completion; the spill can never exceed that bound minus what the rings
-//! hold (`workers × capacity` per sink).
+//! Why the spill this leaves in the caller's queue is bounded: every work
+//! item comes from a completion, and every completion from a work request
+//! posted against a CQ. Today nothing stops a handler from re-posting at
+//! once, so a poller whose workers lag can accumulate spill; the spill is
+//! counted and its high-water mark is a metric. With the CQ budget (a later
+//! issue), a work item keeps its completion's credit until a worker has
+//! handled it, so for a poller owning CQs of admitted capacities `C1..Ck`
+//! whose handlers emit at most `m` items per completion:
+//!
+//! ```text
+//! spill + items in its rings <= m × (C1 + ... + Ck)
+//! ```
+//!
+//! For example one CQ of 4096 entries and one item per completion bounds a
+//! poller's spill at 4096 items minus what its rings hold, whatever the
+//! workers do.
 
 use std::cell::Cell;
 use std::collections::VecDeque;

@@ -146,7 +146,7 @@ pub enum OnPriorityError {
 /// How a poller waits for completions; the poller's own mode type is built
 /// from this. Durations are whole microseconds or milliseconds, as named.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "kebab-case")]
+#[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
 pub enum ModeConfig {
     /// Poll without sleeping: lowest latency, one whole CPU.
     Busy,

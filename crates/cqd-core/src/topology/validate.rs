@@ -64,7 +64,13 @@ impl TopologyConfig {
             check_priority(&format!("{at}.priority"), p.priority)?;
             if p.mode.is_busy() {
                 busy += 1;
-                if let Placement::Fixed(cpu) = p.placement {
+                // A busy poller claims its CPU when it can run on only one.
+                let only = match &p.placement {
+                    Placement::Fixed(cpu) => Some(*cpu),
+                    Placement::Fenced(set) if set.len() == 1 => set.first().copied(),
+                    _ => None,
+                };
+                if let Some(cpu) = only {
                     if let Some(first) = claimed.insert(cpu, field.clone()) {
                         return Err(TopologyError::CpuClaimedTwice {
                             field,
