@@ -272,3 +272,113 @@ impl<W> std::fmt::Debug for PoolSink<W> {
             .finish_non_exhaustive()
     }
 }
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::pool::ring::{ring, Consumer};
+    use proptest::prelude::*;
+
+    /// A sink over `workers` rings of `capacity` slots, without worker
+    /// threads (unparks go to the test thread and are harmless).
+    fn sink(
+        workers: usize,
+        capacity: usize,
+        routing: Routing,
+    ) -> (PoolSink<usize>, Vec<Consumer<usize>>) {
+        let shared = Arc::new(Shared::new("t", capacity, vec![String::new(); workers], 1));
+        let (producers, consumers): (Vec<_>, Vec<_>) = (0..workers).map(|_| ring(capacity)).unzip();
+        let bells = (0..workers)
+            .map(|_| (Arc::new(Bell::default()), thread::current()))
+            .collect();
+        (
+            PoolSink::new(0, producers, bells, routing, shared),
+            consumers,
+        )
+    }
+
+    fn drain(c: &mut Consumer<usize>) -> Vec<usize> {
+        let mut out = Vec::new();
+        c.pop_batch(usize::MAX, |v| out.push(v));
+        out
+    }
+
+    #[test]
+    fn a_full_ring_holds_back_later_items_for_it_and_order_is_kept() {
+        let (mut sink, mut rings) = sink(2, 2, Routing::AsRouted);
+        let k0 = (0..).find(|&k| worker_for_key(k, 2) == 0).unwrap();
+        let k1 = (0..).find(|&k| worker_for_key(k, 2) == 1).unwrap();
+        let mut items: VecDeque<_> = [(k0, 0), (k0, 1), (k0, 2), (k1, 3), (k0, 4), (k1, 5)]
+            .into_iter()
+            .map(|(k, item)| Routed {
+                route: Route::Key(k),
+                item,
+            })
+            .collect();
+        sink.offer(&mut items);
+        let left: Vec<_> = items.iter().map(|r| r.item).collect();
+        assert_eq!(left, [2, 4], "refused items keep their order");
+        assert_eq!(drain(&mut rings[0]), [0, 1]);
+        assert_eq!(drain(&mut rings[1]), [3, 5]);
+        sink.offer(&mut items);
+        assert!(items.is_empty());
+        assert_eq!(drain(&mut rings[0]), [2, 4]);
+    }
+
+    #[test]
+    fn everything_full_refuses_everything_untouched() {
+        let (mut sink, _rings) = sink(2, 1, Routing::AsRouted);
+        let mut items: VecDeque<_> = (0..6)
+            .map(|item| Routed {
+                route: Route::LeastLoaded,
+                item,
+            })
+            .collect();
+        sink.offer(&mut items);
+        sink.offer(&mut items);
+        let left: Vec<_> = items.iter().map(|r| r.item).collect();
+        assert_eq!(left, [2, 3, 4, 5]);
+    }
+
+    proptest! {
+        /// The `WorkSink` contract, for any routes and ring sizes: nothing
+        /// lost or duplicated, refused items in their original order, each
+        /// ring's items in their original order, and no item accepted for a
+        /// worker after an earlier one for it was refused.
+        #[test]
+        fn offer_keeps_the_contract(
+            workers in 1usize..4,
+            capacity in 1usize..8,
+            routes in proptest::collection::vec(proptest::option::of(0u64..6), 0..40),
+            least_loaded in any::<bool>(),
+        ) {
+            let routing = if least_loaded { Routing::LeastLoaded } else { Routing::AsRouted };
+            let (mut sink, mut rings) = sink(workers, capacity, routing);
+            let route_of = |i: usize| routes[i].map_or(Route::LeastLoaded, Route::Key);
+            let mut items: VecDeque<_> = (0..routes.len())
+                .map(|item| Routed { route: route_of(item), item })
+                .collect();
+            sink.offer(&mut items);
+            let left: Vec<usize> = items.iter().map(|r| r.item).collect();
+            prop_assert!(left.windows(2).all(|w| w[0] < w[1]), "refused out of order: {:?}", left);
+            let mut all = left.clone();
+            for (w, ring) in rings.iter_mut().enumerate() {
+                let got = drain(ring);
+                prop_assert!(got.len() <= sink.rings[w].capacity());
+                prop_assert!(got.windows(2).all(|p| p[0] < p[1]), "ring {} out of order: {:?}", w, got);
+                for &item in &got {
+                    if let (Routing::AsRouted, Route::Key(k)) = (routing, route_of(item)) {
+                        prop_assert_eq!(worker_for_key(k, workers), w);
+                        // No refused item for this worker comes before it.
+                        let blocked = left.iter().any(|&r| r < item
+                            && matches!(route_of(r), Route::Key(k2) if worker_for_key(k2, workers) == w));
+                        prop_assert!(!blocked, "item {} overtook a refused one for worker {}", item, w);
+                    }
+                }
+                all.extend(got);
+            }
+            all.sort_unstable();
+            prop_assert_eq!(all, (0..routes.len()).collect::<Vec<_>>());
+        }
+    }
+}

@@ -147,6 +147,27 @@ impl PoolMonitor {
     }
 }
 
+impl Shared {
+    /// Shared state for `workers` workers and `sinks` sinks.
+    fn new(name: &str, capacity: usize, worker_names: Vec<String>, sinks: usize) -> Self {
+        Shared {
+            open: CachePadded::new(AtomicUsize::new(sinks)),
+            counters: PoolCounters {
+                name: name.to_owned(),
+                capacity,
+                workers: worker_names
+                    .iter()
+                    .map(|_| CachePadded::new(WorkerCounters::default()))
+                    .collect(),
+                worker_names: worker_names.into(),
+                sinks: (0..sinks)
+                    .map(|_| CachePadded::new(SinkCounters::default()))
+                    .collect(),
+            },
+        }
+    }
+}
+
 /// Builds rings, starts workers, hands out sinks (for [`PoolPlan::spawn`]).
 pub(crate) fn spawn<W, H, M>(
     plan: PoolPlan,
@@ -167,20 +188,12 @@ where
     let threads = plan.threads();
     let capacity = plan.capacity().max(1).next_power_of_two();
     let specs: Vec<_> = (0..threads).map(|w| plan.spec(w)).collect();
-    let shared = Arc::new(Shared {
-        open: CachePadded::new(AtomicUsize::new(producers)),
-        counters: PoolCounters {
-            name: plan.name().to_owned(),
-            capacity,
-            workers: (0..threads)
-                .map(|_| CachePadded::new(WorkerCounters::default()))
-                .collect(),
-            worker_names: specs.iter().map(|s| s.name.clone()).collect(),
-            sinks: (0..producers)
-                .map(|_| CachePadded::new(SinkCounters::default()))
-                .collect(),
-        },
-    });
+    let shared = Arc::new(Shared::new(
+        plan.name(),
+        capacity,
+        specs.iter().map(|s| s.name.clone()).collect(),
+        producers,
+    ));
     // rings[p][w] is producer p's ring to worker w.
     let mut producer_ends: Vec<Vec<_>> = (0..producers)
         .map(|_| Vec::with_capacity(threads))
