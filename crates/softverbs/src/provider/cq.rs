@@ -1,0 +1,202 @@
+//! Completion queues: a shared ring of CQEs per CQ, filled by the owner and
+//! by peers, polled by the owner.
+
+use std::ffi::c_int;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Mutex;
+
+use super::context::{inner, limits};
+use super::notify::CqPort;
+use super::qp::SvQp;
+use super::set_errno;
+use crate::model::cq::arm_state;
+use crate::shm::layout::{ring_offset, seg_bytes, CqHeader, Cqe, MAGIC};
+use crate::shm::ring::Ring;
+use crate::shm::segment::IdKind;
+use crate::shm::{Ids, Segment};
+use crate::sys::ibv;
+
+/// A completion queue.
+#[repr(C)]
+pub struct SvCq {
+    /// The libibverbs part.
+    pub cq: ibv::ibv_cq,
+    /// CQ id (segment `cq-<id>`).
+    pub id: u32,
+    /// The ring and its notification state.
+    pub port: CqPort,
+    /// QPs using this CQ as send CQ (their send queues progress on poll).
+    pub send_qps: Mutex<Vec<usize>>,
+    /// Number of those QPs that have sends waiting for the responder.
+    pub waiting: AtomicU32,
+}
+
+/// `create_cq`.
+///
+/// # Safety
+/// `ctx` is a live softverbs context; `channel` is null or a channel.
+pub unsafe extern "C" fn create_cq(
+    ctx: *mut ibv::ibv_context,
+    cqe: c_int,
+    channel: *mut ibv::ibv_comp_channel,
+    _comp_vector: c_int,
+) -> *mut ibv::ibv_cq {
+    if cqe <= 0 || cqe as u32 > limits::MAX_CQE {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    let chan_fd = if channel.is_null() {
+        -1
+    } else if super::channel::is_ours(channel) {
+        // SAFETY: a live channel built by the interposer.
+        unsafe { (*channel).fd }
+    } else {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    };
+    // SAFETY: caller contract.
+    let c = unsafe { inner(ctx) };
+    let cap = Ring::<Cqe>::capacity_for(cqe as usize);
+    let ids = match Ids::get() {
+        Ok(i) => i,
+        Err(e) => {
+            set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+            return std::ptr::null_mut();
+        }
+    };
+    let id = ids.next(IdKind::Cq);
+    let seg = match Segment::create(&format!("cq-{id}"), seg_bytes::<CqHeader, Cqe>(cap)) {
+        Ok(s) => s,
+        Err(e) => {
+            set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+            return std::ptr::null_mut();
+        }
+    };
+    // SAFETY: the fresh, zeroed segment is large enough for the ring at
+    // ring_offset and unknown to anyone else until create_cq returns.
+    unsafe { Ring::<Cqe>::init(seg.base().add(ring_offset::<CqHeader>()), cap) };
+    let hdr = seg.base().cast::<CqHeader>();
+    // SAFETY: as above; the header fits at the start.
+    unsafe {
+        (*hdr).pid = std::process::id();
+        (*hdr).ctx = c.id;
+        (*hdr).chan_fd = chan_fd;
+        (*hdr).async_fd.store(c.async_r, Ordering::Relaxed);
+        (*hdr).magic = MAGIC;
+    }
+    let Some(port) = CqPort::attach(seg) else {
+        set_errno(libc::EIO);
+        return std::ptr::null_mut();
+    };
+    let cq = Box::new(SvCq {
+        // SAFETY: all-zero is valid for ibv_cq (pointers, ints, glibc
+        // pthread objects whose zero value is the static initialiser).
+        cq: unsafe { std::mem::zeroed() },
+        id,
+        port,
+        send_qps: Mutex::new(Vec::new()),
+        waiting: AtomicU32::new(0),
+    });
+    let raw = Box::into_raw(cq);
+    // SAFETY: `raw` is the live box; the header is ours to finish.
+    unsafe {
+        (*raw).cq.cqe = cap as c_int;
+        (*raw).cq.handle = id;
+        (*hdr).cq_ptr = std::ptr::addr_of_mut!((*raw).cq) as u64;
+    }
+    raw.cast()
+}
+
+/// The SvCq of an `ibv_cq` of this provider.
+///
+/// # Safety
+/// `cq` was made by [`create_cq`] and is live.
+pub unsafe fn sv<'a>(cq: *mut ibv::ibv_cq) -> &'a SvCq {
+    // SAFETY: `cq` is the first field of a boxed SvCq.
+    unsafe { &*cq.cast::<SvCq>() }
+}
+
+/// `destroy_cq`. Never waits for event acknowledgements: the events were
+/// written to a pipe that the application drains itself.
+///
+/// # Safety
+/// `cq` was made by [`create_cq`]; not used afterwards.
+pub unsafe extern "C" fn destroy_cq(cq: *mut ibv::ibv_cq) -> c_int {
+    // SAFETY: caller contract.
+    let s = unsafe { sv(cq) };
+    if !s.send_qps.lock().unwrap_or_else(|e| e.into_inner()).is_empty() {
+        return libc::EBUSY;
+    }
+    // SAFETY: caller contract: last use of the box.
+    drop(unsafe { Box::from_raw(cq.cast::<SvCq>()) });
+    0
+}
+
+/// `poll_cq`: progress waiting sends of QPs on this CQ, then drain the ring.
+///
+/// # Safety
+/// `cq` is live; `wc` has room for `n` entries.
+pub unsafe extern "C" fn poll_cq(cq: *mut ibv::ibv_cq, n: c_int, wc: *mut ibv::ibv_wc) -> c_int {
+    // SAFETY: caller contract.
+    let s = unsafe { sv(cq) };
+    if s.waiting.load(Ordering::Relaxed) != 0 {
+        let qps: Vec<usize> = s.send_qps.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        for q in qps {
+            // SAFETY: QPs remove themselves from send_qps before they are
+            // freed, and the application does not destroy a QP while polling
+            // its CQ; `q` is therefore live.
+            unsafe { (*(q as *const SvQp)).progress() };
+        }
+    }
+    let mut got = 0;
+    while got < n.max(0) {
+        let Some(e) = s.port.ring().pop() else { break };
+        // SAFETY: `wc` has room for n entries (caller contract), got < n.
+        unsafe { fill_wc(wc.add(got as usize), &e) };
+        got += 1;
+    }
+    got
+}
+
+/// Write a CQE into a user `ibv_wc`.
+///
+/// # Safety
+/// `wc` is writable.
+unsafe fn fill_wc(wc: *mut ibv::ibv_wc, e: &Cqe) {
+    // SAFETY: caller contract; every field is written through the pointer.
+    unsafe {
+        let w = &mut *wc;
+        w.wr_id = e.wr_id;
+        w.status = e.status;
+        w.opcode = e.opcode;
+        w.vendor_err = 0;
+        w.byte_len = e.byte_len;
+        w.imm_data_invalidated_rkey_union.imm_data = e.imm;
+        w.qp_num = e.qp_num;
+        w.src_qp = e.src_qp;
+        w.wc_flags = e.wc_flags;
+        w.pkey_index = 0;
+        w.slid = 1;
+        w.sl = 0;
+        w.dlid_path_bits = 0;
+    }
+}
+
+/// `req_notify_cq`.
+///
+/// # Safety
+/// `cq` is live.
+pub unsafe extern "C" fn req_notify_cq(cq: *mut ibv::ibv_cq, solicited_only: c_int) -> c_int {
+    // SAFETY: caller contract.
+    let s = unsafe { sv(cq) };
+    s.port.arm(arm_state(solicited_only != 0));
+    0
+}
+
+/// `cq_event`: called by `ibv_get_cq_event`; nothing to account here.
+///
+/// # Safety
+/// Any argument.
+pub unsafe extern "C" fn cq_event(_cq: *mut ibv::ibv_cq) {}
+
+crate::opaque_debug!(SvCq);
