@@ -29,7 +29,15 @@ pub struct SvCq {
     pub send_qps: Mutex<Vec<usize>>,
     /// Number of those QPs that have sends waiting for the responder.
     pub waiting: AtomicU32,
+    /// Consecutive empty polls (see [`EMPTY_POLLS_BEFORE_YIELD`]).
+    pub empty_polls: AtomicU32,
 }
+
+/// After this many consecutive empty polls, `poll_cq` yields the CPU once.
+/// On a machine with fewer cores than spinning processes, the peer that
+/// would produce the next completion may be waiting for this very core; a
+/// yield now and then costs nothing measurable when cores are free.
+pub const EMPTY_POLLS_BEFORE_YIELD: u32 = 128;
 
 /// `create_cq`.
 ///
@@ -96,6 +104,7 @@ pub unsafe extern "C" fn create_cq(
         port,
         send_qps: Mutex::new(Vec::new()),
         waiting: AtomicU32::new(0),
+        empty_polls: AtomicU32::new(0),
     });
     let raw = Box::into_raw(cq);
     // SAFETY: `raw` is the live box; the header is ours to finish.
@@ -154,6 +163,17 @@ pub unsafe extern "C" fn poll_cq(cq: *mut ibv::ibv_cq, n: c_int, wc: *mut ibv::i
         // SAFETY: `wc` has room for n entries (caller contract), got < n.
         unsafe { fill_wc(wc.add(got as usize), &e) };
         got += 1;
+    }
+    if got == 0 {
+        let n = s.empty_polls.load(Ordering::Relaxed) + 1;
+        if n >= EMPTY_POLLS_BEFORE_YIELD {
+            s.empty_polls.store(0, Ordering::Relaxed);
+            std::thread::yield_now();
+        } else {
+            s.empty_polls.store(n, Ordering::Relaxed);
+        }
+    } else {
+        s.empty_polls.store(0, Ordering::Relaxed);
     }
     got
 }
