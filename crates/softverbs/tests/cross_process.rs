@@ -20,7 +20,10 @@ struct Chan {
 impl Chan {
     fn new(s: UnixStream) -> Chan {
         let w = s.try_clone().expect("clone socket");
-        Chan { r: BufReader::new(s), w }
+        Chan {
+            r: BufReader::new(s),
+            w,
+        }
     }
     fn send(&mut self, line: &str) {
         writeln!(self.w, "{line}").expect("send line");
@@ -28,7 +31,9 @@ impl Chan {
     fn recv(&mut self) -> Vec<u64> {
         let mut l = String::new();
         self.r.read_line(&mut l).expect("recv line");
-        l.split_whitespace().filter_map(|x| x.parse().ok()).collect()
+        l.split_whitespace()
+            .filter_map(|x| x.parse().ok())
+            .collect()
     }
 }
 
@@ -55,7 +60,9 @@ fn spawn(test: &str) -> (Child, Chan) {
 }
 
 fn pattern(seed: u8, n: usize) -> Vec<u8> {
-    (0..n).map(|i| (i as u8).wrapping_mul(7).wrapping_add(seed)).collect()
+    (0..n)
+        .map(|i| (i as u8).wrapping_mul(7).wrapping_add(seed))
+        .collect()
 }
 
 const HALF: usize = 32 * 1024;
@@ -82,14 +89,26 @@ fn cross_process_send_write_read() {
     post_recv(qp, &rbuf, 0, 4096, 2);
     ch.send("ready");
     let r = poll(cq, 2);
-    assert_eq!((r[0].wr_id, r[0].status, r[0].opcode, r[0].byte_len), (1, WC_SUCCESS, ibv_wc_opcode::IBV_WC_RECV, 100));
+    assert_eq!(
+        (r[0].wr_id, r[0].status, r[0].opcode, r[0].byte_len),
+        (1, WC_SUCCESS, ibv_wc_opcode::IBV_WC_RECV, 100)
+    );
     assert_eq!(r[0].imm, 0xabcdu32.to_be());
     assert_eq!(r[0].src_qp, peer);
     assert_eq!(&rbuf.data[..100], &pattern(1, 100)[..]);
-    assert_eq!((r[1].wr_id, r[1].opcode, r[1].imm), (2, ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM, 7u32.to_be()));
-    assert!(target.data[..HALF] == pattern(2, HALF)[..], "cross-process RDMA WRITE payload differs");
+    assert_eq!(
+        (r[1].wr_id, r[1].opcode, r[1].imm),
+        (2, ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM, 7u32.to_be())
+    );
+    assert!(
+        target.data[..HALF] == pattern(2, HALF)[..],
+        "cross-process RDMA WRITE payload differs"
+    );
     assert_eq!(ch.recv(), vec![1], "requester finished");
-    assert!(child.wait().expect("wait").success(), "requester process failed");
+    assert!(
+        child.wait().expect("wait").success(),
+        "requester process failed"
+    );
 }
 
 fn requester(mut ch: Chan) {
@@ -103,24 +122,47 @@ fn requester(mut ch: Chan) {
     let _ready = ch.recv();
     let mut src = Buf::new(&dev, HALF, 0);
     src.data[..100].copy_from_slice(&pattern(1, 100));
-    let s = Send { imm: 0xabcdu32.to_be(), ..send(WR_SEND_IMM, SIGNALED) };
+    let s = Send {
+        imm: 0xabcdu32.to_be(),
+        ..send(WR_SEND_IMM, SIGNALED)
+    };
     assert_eq!(post_send(qp, &src, 0, 100, 1, s), 0);
     assert_eq!(poll(cq, 1)[0].status, WC_SUCCESS);
     src.data.copy_from_slice(&pattern(2, HALF));
-    let w = Send { remote_addr: raddr, rkey, ..send(WR_WRITE, SIGNALED) };
+    let w = Send {
+        remote_addr: raddr,
+        rkey,
+        ..send(WR_WRITE, SIGNALED)
+    };
     assert_eq!(post_send(qp, &src, 0, HALF as u32, 2, w), 0);
     assert_eq!(poll(cq, 1)[0].status, WC_SUCCESS);
     let back = Buf::new(&dev, HALF, 0);
-    let rd = Send { remote_addr: raddr + HALF as u64, rkey, ..send(WR_READ, SIGNALED) };
+    let rd = Send {
+        remote_addr: raddr + HALF as u64,
+        rkey,
+        ..send(WR_READ, SIGNALED)
+    };
     assert_eq!(post_send(qp, &back, 0, HALF as u32, 3, rd), 0);
     assert_eq!(poll(cq, 1)[0].status, WC_SUCCESS);
-    assert!(back.data == pattern(3, HALF), "cross-process RDMA READ payload differs");
-    let wi = Send { imm: 7u32.to_be(), remote_addr: raddr, rkey, ..send(WR_WRITE_IMM, SIGNALED) };
+    assert!(
+        back.data == pattern(3, HALF),
+        "cross-process RDMA READ payload differs"
+    );
+    let wi = Send {
+        imm: 7u32.to_be(),
+        remote_addr: raddr,
+        rkey,
+        ..send(WR_WRITE_IMM, SIGNALED)
+    };
     assert_eq!(post_send(qp, &src, 0, 0, 4, wi), 0);
     assert_eq!(poll(cq, 1)[0].status, WC_SUCCESS);
     // A bad rkey and an out-of-bounds READ are remote access errors here and
     // harm neither process.
-    let bad = Send { remote_addr: raddr, rkey: rkey ^ 0x0100_0000, ..send(WR_WRITE, SIGNALED) };
+    let bad = Send {
+        remote_addr: raddr,
+        rkey: rkey ^ 0x0100_0000,
+        ..send(WR_WRITE, SIGNALED)
+    };
     assert_eq!(post_send(qp, &src, 0, 8, 5, bad), 0);
     assert_eq!(poll(cq, 1)[0].status, WC_REM_ACCESS);
     ch.send("1");
@@ -160,21 +202,39 @@ fn cross_process_srq_events_and_overflow() {
     assert_eq!(unsafe { ibv_req_notify_cq(rcq, 1) }, 0);
     ch.send("ready");
     assert_eq!(ch.recv(), vec![1]);
-    assert!(!readable(chan, 100), "solicited-only arm fired on an unsolicited send from the peer");
+    assert!(
+        !readable(chan, 100),
+        "solicited-only arm fired on an unsolicited send from the peer"
+    );
     ch.send("next");
-    assert!(readable(chan, 5000), "no event for the peer's solicited send");
+    assert!(
+        readable(chan, 5000),
+        "no event for the peer's solicited send"
+    );
     get_event(chan, rcq);
     let got = poll(rcq, 2);
-    assert_eq!(got.iter().map(|w| w.qp_num).collect::<Vec<_>>(), vec![qpn(q1), qpn(q2)]);
+    assert_eq!(
+        got.iter().map(|w| w.qp_num).collect::<Vec<_>>(),
+        vec![qpn(q1), qpn(q2)]
+    );
     assert_eq!(ch.recv(), vec![2]);
     let afd = unsafe { (*dev.ctx).async_fd };
-    assert!(fd_readable(afd, 5000), "no async CQ_ERR after the peer overfilled the CQ");
+    assert!(
+        fd_readable(afd, 5000),
+        "no async CQ_ERR after the peer overfilled the CQ"
+    );
     let mut ev: ibv_async_event = unsafe { std::mem::zeroed() };
     assert_eq!(unsafe { ibv_get_async_event(dev.ctx, &mut ev) }, 0);
-    assert_eq!(unsafe { *(std::ptr::addr_of!(ev.event_type) as *const u32) }, 0);
+    assert_eq!(
+        unsafe { *(std::ptr::addr_of!(ev.event_type) as *const u32) },
+        0
+    );
     assert_eq!(unsafe { ev.element.cq }, small);
     unsafe { ibv_ack_async_event(&mut ev) };
-    assert!(child.wait().expect("wait").success(), "sender process failed");
+    assert!(
+        child.wait().expect("wait").success(),
+        "sender process failed"
+    );
 }
 
 fn sender(mut ch: Chan) {
@@ -192,7 +252,10 @@ fn sender(mut ch: Chan) {
     assert_eq!(post_send(qps[0], &src, 0, 8, 1, send(WR_SEND, 0)), 0);
     ch.send("1");
     let _next = ch.recv();
-    assert_eq!(post_send(qps[1], &src, 0, 8, 2, send(WR_SEND, SOLICITED)), 0);
+    assert_eq!(
+        post_send(qps[1], &src, 0, 8, 2, send(WR_SEND, SOLICITED)),
+        0
+    );
     for i in 0..=cap {
         assert_eq!(post_send(qps[2], &src, 0, 8, 10 + i, send(WR_SEND, 0)), 0);
     }

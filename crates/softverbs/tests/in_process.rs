@@ -31,7 +31,13 @@ fn pair() -> Pair {
     let b = dev.qp(cq_b, cq_b, null_mut());
     connect(a, qpn(b));
     connect(b, qpn(a));
-    Pair { dev, cq_a, cq_b, a, b }
+    Pair {
+        dev,
+        cq_a,
+        cq_b,
+        a,
+        b,
+    }
 }
 
 #[test]
@@ -45,17 +51,26 @@ fn send_recv_with_immediate() {
     }
     let dst = Buf::new(&p.dev, 256, 0xee);
     post_recv(p.b, &dst, 0, 256, 7);
-    let s = Send { imm: 0x1234_5678u32.to_be(), ..send(WR_SEND_IMM, SIGNALED) };
+    let s = Send {
+        imm: 0x1234_5678u32.to_be(),
+        ..send(WR_SEND_IMM, SIGNALED)
+    };
     assert_eq!(post_send(p.a, &src2, 0, 200, 1, s), 0);
     let r = poll(p.cq_b, 1)[0];
-    assert_eq!((r.wr_id, r.status, r.opcode, r.byte_len), (7, WC_SUCCESS, ibv_wc_opcode::IBV_WC_RECV, 200));
+    assert_eq!(
+        (r.wr_id, r.status, r.opcode, r.byte_len),
+        (7, WC_SUCCESS, ibv_wc_opcode::IBV_WC_RECV, 200)
+    );
     assert_eq!(r.imm, 0x1234_5678u32.to_be());
     assert_ne!(r.wc_flags & ibv_wc_flags::IBV_WC_WITH_IMM.0, 0);
     assert_eq!((r.qp_num, r.src_qp), (qpn(p.b), qpn(p.a)));
     assert_eq!(&dst.data[..200], &src2.data[..200]);
     assert!(dst.data[200..].iter().all(|&b| b == 0xee));
     let s = poll(p.cq_a, 1)[0];
-    assert_eq!((s.wr_id, s.status, s.opcode), (1, WC_SUCCESS, ibv_wc_opcode::IBV_WC_SEND));
+    assert_eq!(
+        (s.wr_id, s.status, s.opcode),
+        (1, WC_SUCCESS, ibv_wc_opcode::IBV_WC_SEND)
+    );
 }
 
 #[test]
@@ -67,13 +82,21 @@ fn unsignaled_and_inline_sends() {
     post_recv(p.b, &dst, 0, 64, 1);
     post_recv(p.b, &dst, 64, 64, 2);
     assert_eq!(post_send(p.a, &src, 0, 32, 10, send(WR_SEND, 0)), 0);
-    assert_eq!(post_send(p.a, &src, 0, 48, 11, send(WR_SEND, SIGNALED | INLINE)), 0);
+    assert_eq!(
+        post_send(p.a, &src, 0, 48, 11, send(WR_SEND, SIGNALED | INLINE)),
+        0
+    );
     let r = poll(p.cq_b, 2);
-    assert_eq!((r[0].wr_id, r[0].byte_len, r[1].wr_id, r[1].byte_len), (1, 32, 2, 48));
+    assert_eq!(
+        (r[0].wr_id, r[0].byte_len, r[1].wr_id, r[1].byte_len),
+        (1, 32, 2, 48)
+    );
     let s = poll(p.cq_a, 1);
     assert_eq!(s[0].wr_id, 11, "the unsignaled send must not complete");
     poll_none(p.cq_a, Duration::from_millis(20));
-    assert!(dst.data[..32].iter().all(|&b| b == 0x5a) && dst.data[64..112].iter().all(|&b| b == 0x5a));
+    assert!(
+        dst.data[..32].iter().all(|&b| b == 0x5a) && dst.data[64..112].iter().all(|&b| b == 0x5a)
+    );
 }
 
 #[test]
@@ -86,22 +109,46 @@ fn rdma_write_and_read_byte_for_byte() {
     }
     let remote = Buf::new(&p.dev, 1 << 20, 0);
     let back = Buf::new(&p.dev, 1 << 20, 0);
-    let w = Send { remote_addr: remote.addr(), rkey: remote.rkey(), ..send(WR_WRITE, SIGNALED) };
+    let w = Send {
+        remote_addr: remote.addr(),
+        rkey: remote.rkey(),
+        ..send(WR_WRITE, SIGNALED)
+    };
     assert_eq!(post_send(p.a, &src, 0, 1 << 20, 1, w), 0);
     assert_eq!(poll(p.cq_a, 1)[0].status, WC_SUCCESS);
     assert!(remote.data == src.data, "RDMA WRITE payload differs");
-    let r = Send { remote_addr: remote.addr(), rkey: remote.rkey(), ..send(WR_READ, SIGNALED) };
+    let r = Send {
+        remote_addr: remote.addr(),
+        rkey: remote.rkey(),
+        ..send(WR_READ, SIGNALED)
+    };
     assert_eq!(post_send(p.a, &back, 0, 1 << 20, 2, r), 0);
     let c = poll(p.cq_a, 1)[0];
-    assert_eq!((c.status, c.opcode, c.byte_len), (WC_SUCCESS, ibv_wc_opcode::IBV_WC_RDMA_READ, 1 << 20));
+    assert_eq!(
+        (c.status, c.opcode, c.byte_len),
+        (WC_SUCCESS, ibv_wc_opcode::IBV_WC_RDMA_READ, 1 << 20)
+    );
     assert!(back.data == src.data, "RDMA READ payload differs");
     // WRITE with immediate consumes a receive and reports the immediate.
     let rbuf = Buf::new(&p.dev, 16, 0);
     post_recv(p.b, &rbuf, 0, 16, 99);
-    let wi = Send { imm: 42u32.to_be(), remote_addr: remote.addr() + 10, rkey: remote.rkey(), ..send(WR_WRITE_IMM, SIGNALED) };
+    let wi = Send {
+        imm: 42u32.to_be(),
+        remote_addr: remote.addr() + 10,
+        rkey: remote.rkey(),
+        ..send(WR_WRITE_IMM, SIGNALED)
+    };
     assert_eq!(post_send(p.a, &src, 100, 5, 3, wi), 0);
     let rc = poll(p.cq_b, 1)[0];
-    assert_eq!((rc.wr_id, rc.opcode, rc.imm, rc.byte_len), (99, ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM, 42u32.to_be(), 5));
+    assert_eq!(
+        (rc.wr_id, rc.opcode, rc.imm, rc.byte_len),
+        (
+            99,
+            ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM,
+            42u32.to_be(),
+            5
+        )
+    );
     assert_eq!(&remote.data[10..15], &src.data[100..105]);
     assert_eq!(poll(p.cq_a, 1)[0].wr_id, 3);
 }
@@ -112,11 +159,18 @@ fn bad_rkey_is_remote_access_error() {
     let p = pair();
     let src = Buf::new(&p.dev, 64, 1);
     let remote = Buf::new(&p.dev, 64, 0);
-    let w = Send { remote_addr: remote.addr(), rkey: remote.rkey() ^ 0x0100_0000, ..send(WR_WRITE, SIGNALED) };
+    let w = Send {
+        remote_addr: remote.addr(),
+        rkey: remote.rkey() ^ 0x0100_0000,
+        ..send(WR_WRITE, SIGNALED)
+    };
     assert_eq!(post_send(p.a, &src, 0, 64, 5, w), 0);
     let c = poll(p.cq_a, 1)[0];
     assert_eq!((c.wr_id, c.status), (5, WC_REM_ACCESS));
-    assert!(remote.data.iter().all(|&b| b == 0), "nothing may be written");
+    assert!(
+        remote.data.iter().all(|&b| b == 0),
+        "nothing may be written"
+    );
     // The requester is now in ERR: the next WR is flushed.
     assert_eq!(post_send(p.a, &src, 0, 8, 6, send(WR_SEND, 0)), 0);
     assert_eq!(poll(p.cq_a, 1)[0].status, WC_FLUSH);
@@ -128,7 +182,11 @@ fn out_of_bounds_is_remote_access_error() {
     let p = pair();
     let src = Buf::new(&p.dev, 4096, 1);
     let remote = Buf::new(&p.dev, 64, 0);
-    let w = Send { remote_addr: remote.addr() + 32, rkey: remote.rkey(), ..send(WR_WRITE, SIGNALED) };
+    let w = Send {
+        remote_addr: remote.addr() + 32,
+        rkey: remote.rkey(),
+        ..send(WR_WRITE, SIGNALED)
+    };
     assert_eq!(post_send(p.a, &src, 0, 64, 5, w), 0);
     assert_eq!(poll(p.cq_a, 1)[0].status, WC_REM_ACCESS);
     assert!(remote.data.iter().all(|&b| b == 0));
@@ -136,7 +194,11 @@ fn out_of_bounds_is_remote_access_error() {
     let p = pair();
     let dst = Buf::new(&p.dev, 64, 7);
     let remote = Buf::new(&p.dev, 64, 0);
-    let r = Send { remote_addr: remote.addr().wrapping_sub(4096), rkey: remote.rkey(), ..send(WR_READ, SIGNALED) };
+    let r = Send {
+        remote_addr: remote.addr().wrapping_sub(4096),
+        rkey: remote.rkey(),
+        ..send(WR_READ, SIGNALED)
+    };
     assert_eq!(post_send(p.a, &dst, 0, 16, 6, r), 0);
     assert_eq!(poll(p.cq_a, 1)[0].status, WC_REM_ACCESS);
     assert!(dst.data.iter().all(|&b| b == 7));
@@ -157,12 +219,18 @@ fn qp_error_flushes_both_queues() {
     let mut got = poll(p.cq_a, 4);
     got.sort_by_key(|w| w.wr_id);
     assert!(got.iter().all(|w| w.status == WC_FLUSH), "{got:?}");
-    assert_eq!(got.iter().map(|w| w.wr_id).collect::<Vec<_>>(), vec![1, 100, 101, 102]);
+    assert_eq!(
+        got.iter().map(|w| w.wr_id).collect::<Vec<_>>(),
+        vec![1, 100, 101, 102]
+    );
     post_recv(p.a, &buf, 0, 8, 200);
     assert_eq!(post_send(p.a, &buf, 0, 8, 201, send(WR_SEND, 0)), 0);
     let mut late = poll(p.cq_a, 2);
     late.sort_by_key(|w| w.wr_id);
-    assert_eq!((late[0].wr_id, late[0].status, late[1].wr_id, late[1].status), (200, WC_FLUSH, 201, WC_FLUSH));
+    assert_eq!(
+        (late[0].wr_id, late[0].status, late[1].wr_id, late[1].status),
+        (200, WC_FLUSH, 201, WC_FLUSH)
+    );
 }
 
 #[test]
@@ -193,7 +261,10 @@ fn srq_shared_by_several_qps() {
     ids.sort();
     assert_eq!(ids, (0..12).collect::<Vec<u64>>());
     for (k, q) in servers.iter().enumerate() {
-        let n = got.iter().filter(|w| w.qp_num == *q && w.byte_len == 10 + k as u32).count();
+        let n = got
+            .iter()
+            .filter(|w| w.qp_num == *q && w.byte_len == 10 + k as u32)
+            .count();
         assert_eq!(n, 4, "each QP of the SRQ received its 4 messages");
     }
 }
@@ -228,7 +299,10 @@ fn completion_channel_arm_semantics() {
     // Solicited-only: an unsolicited completion does not fire; a solicited one does.
     assert_eq!(unsafe { ibv_req_notify_cq(cq_b, 1) }, 0);
     assert_eq!(post_send(a, &buf, 0, 8, 0, send(WR_SEND, 0)), 0);
-    assert!(!readable(ch, 50), "solicited-only arm fired on an unsolicited send");
+    assert!(
+        !readable(ch, 50),
+        "solicited-only arm fired on an unsolicited send"
+    );
     assert_eq!(post_send(a, &buf, 0, 8, 0, send(WR_SEND, SOLICITED)), 0);
     assert!(readable(ch, 1000));
     get_event(ch, cq_b);
@@ -254,7 +328,11 @@ fn overfilled_cq_raises_async_cq_error() {
     let async_fd = unsafe { (*dev.ctx).async_fd };
     assert!(!fd_readable(async_fd, 0));
     for i in 0..=cap as u64 {
-        let w = Send { remote_addr: buf.addr(), rkey: buf.rkey(), ..send(WR_WRITE, SIGNALED) };
+        let w = Send {
+            remote_addr: buf.addr(),
+            rkey: buf.rkey(),
+            ..send(WR_WRITE, SIGNALED)
+        };
         assert_eq!(post_send(a, &buf, 0, 8, i, w), 0);
     }
     assert!(fd_readable(async_fd, 1000), "no async event after overflow");

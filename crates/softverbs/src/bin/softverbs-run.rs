@@ -9,7 +9,11 @@ fn main() {
             eprintln!("softverbs-run: {e}");
             let code = match e {
                 softverbs::launcher::LaunchError::Usage => 2,
-                softverbs::launcher::LaunchError::Os { ref what, .. } if what.starts_with("exec") => 127,
+                softverbs::launcher::LaunchError::Os { ref what, .. }
+                    if what.starts_with("exec") =>
+                {
+                    127
+                }
                 _ => 1,
             };
             std::process::exit(code);

@@ -67,16 +67,21 @@ pub fn os(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> LaunchError
 pub fn find_provider() -> Result<PathBuf, LaunchError> {
     if let Some(p) = std::env::var_os("SOFTVERBS_LIB") {
         let p = PathBuf::from(p);
-        return if p.is_file() { Ok(p) } else { Err(LaunchError::NoProvider(p.display().to_string())) };
+        return if p.is_file() {
+            Ok(p)
+        } else {
+            Err(LaunchError::NoProvider(p.display().to_string()))
+        };
     }
     let exe = std::env::current_exe().map_err(os("locating softverbs-run"))?;
     let dir = exe.parent().unwrap_or(Path::new("."));
-    let cands = [dir.join("libsoftverbs-rdmav34.so"), dir.join("libsoftverbs.so")];
-    cands
-        .iter()
-        .find(|p| p.is_file())
-        .cloned()
-        .ok_or_else(|| LaunchError::NoProvider(format!("{} or {}", cands[0].display(), cands[1].display())))
+    let cands = [
+        dir.join("libsoftverbs-rdmav34.so"),
+        dir.join("libsoftverbs.so"),
+    ];
+    cands.iter().find(|p| p.is_file()).cloned().ok_or_else(|| {
+        LaunchError::NoProvider(format!("{} or {}", cands[0].display(), cands[1].display()))
+    })
 }
 
 /// Steps 1: privilege and libibverbs checks.
@@ -90,7 +95,12 @@ pub fn preflight() -> Result<(), LaunchError> {
         return Err(LaunchError::NotPrivileged(uid));
     }
     // SAFETY: valid C string; the handle is kept (the process execs soon).
-    let h = unsafe { libc::dlopen(c"libibverbs.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+    let h = unsafe {
+        libc::dlopen(
+            c"libibverbs.so.1".as_ptr(),
+            libc::RTLD_NOW | libc::RTLD_GLOBAL,
+        )
+    };
     if h.is_null() {
         // SAFETY: dlerror returns a thread-local C string or null.
         let e = unsafe { libc::dlerror() };
@@ -98,7 +108,9 @@ pub fn preflight() -> Result<(), LaunchError> {
             "unknown error".to_string()
         } else {
             // SAFETY: non-null dlerror result is a valid C string.
-            unsafe { std::ffi::CStr::from_ptr(e) }.to_string_lossy().into_owned()
+            unsafe { std::ffi::CStr::from_ptr(e) }
+                .to_string_lossy()
+                .into_owned()
         };
         return Err(LaunchError::NoLibibverbs(msg));
     }
@@ -132,7 +144,10 @@ pub fn launch(args: Vec<OsString>) -> Result<std::convert::Infallible, LaunchErr
     }
     let env = [
         ("SYSFS_PATH", OsString::from(stage.join("sys").as_os_str())),
-        ("RDMAV_DRIVERS", OsString::from(lib_dir.join("libsoftverbs").as_os_str())),
+        (
+            "RDMAV_DRIVERS",
+            OsString::from(lib_dir.join("libsoftverbs").as_os_str()),
+        ),
         ("LD_PRELOAD", preload),
         ("SOFTVERBS_RUN", OsString::from("1")),
     ];

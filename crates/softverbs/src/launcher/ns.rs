@@ -13,7 +13,13 @@ fn c(p: &Path) -> Result<CString, LaunchError> {
     })
 }
 
-fn mount(src: Option<&str>, target: &Path, fstype: Option<&str>, flags: libc::c_ulong, data: Option<&str>) -> Result<(), LaunchError> {
+fn mount(
+    src: Option<&str>,
+    target: &Path,
+    fstype: Option<&str>,
+    flags: libc::c_ulong,
+    data: Option<&str>,
+) -> Result<(), LaunchError> {
     let s = src.map(|x| CString::new(x).unwrap_or_default());
     let t = c(target)?;
     let f = fstype.map(|x| CString::new(x).unwrap_or_default());
@@ -23,7 +29,11 @@ fn mount(src: Option<&str>, target: &Path, fstype: Option<&str>, flags: libc::c_
     let r = unsafe { libc::mount(p(&s), t.as_ptr(), p(&f), flags, p(&d).cast()) };
     if r != 0 {
         return Err(LaunchError::Os {
-            what: format!("mount {} on {}", src.or(fstype).unwrap_or("-"), target.display()),
+            what: format!(
+                "mount {} on {}",
+                src.or(fstype).unwrap_or("-"),
+                target.display()
+            ),
             err: std::io::Error::last_os_error(),
         });
     }
@@ -37,9 +47,18 @@ fn mount(src: Option<&str>, target: &Path, fstype: Option<&str>, flags: libc::c_
 pub fn enter_private_namespace() -> Result<(), LaunchError> {
     // SAFETY: unshare(CLONE_NEWNS) affects only this (single-threaded) process.
     if unsafe { libc::unshare(libc::CLONE_NEWNS) } != 0 {
-        return Err(LaunchError::Os { what: "unshare(CLONE_NEWNS)".into(), err: std::io::Error::last_os_error() });
+        return Err(LaunchError::Os {
+            what: "unshare(CLONE_NEWNS)".into(),
+            err: std::io::Error::last_os_error(),
+        });
     }
-    mount(None, Path::new("/"), None, libc::MS_REC | libc::MS_PRIVATE, None)
+    mount(
+        None,
+        Path::new("/"),
+        None,
+        libc::MS_REC | libc::MS_PRIVATE,
+        None,
+    )
 }
 
 /// Step 3: the staging tmpfs.
@@ -48,13 +67,22 @@ pub fn enter_private_namespace() -> Result<(), LaunchError> {
 /// [`LaunchError::Os`].
 pub fn mount_stage(stage: &Path) -> Result<(), LaunchError> {
     std::fs::create_dir_all(stage).map_err(os(format!("creating {}", stage.display())))?;
-    mount(Some("softverbs"), stage, Some("tmpfs"), 0, Some("mode=0755,size=64m"))
+    mount(
+        Some("softverbs"),
+        stage,
+        Some("tmpfs"),
+        0,
+        Some("mode=0755,size=64m"),
+    )
 }
 
 fn is_mountpoint(p: &Path) -> bool {
-    let Ok(m) = std::fs::read_to_string("/proc/self/mountinfo") else { return false };
+    let Ok(m) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
     let want = p.as_os_str().as_bytes();
-    m.lines().any(|l| l.split(' ').nth(4).is_some_and(|mp| mp.as_bytes() == want))
+    m.lines()
+        .any(|l| l.split(' ').nth(4).is_some_and(|mp| mp.as_bytes() == want))
 }
 
 /// Step 4: overlay /dev and add the uverbs node.
@@ -75,17 +103,41 @@ pub fn overlay_dev(stage: &Path) -> Result<(), LaunchError> {
     for s in &subs {
         let k = keep.join(s);
         std::fs::create_dir_all(&k).map_err(os(format!("creating {}", k.display())))?;
-        mount(Some(&format!("/dev/{s}")), &k, None, libc::MS_BIND | libc::MS_REC, None)?;
+        mount(
+            Some(&format!("/dev/{s}")),
+            &k,
+            None,
+            libc::MS_BIND | libc::MS_REC,
+            None,
+        )?;
     }
-    let opts = format!("lowerdir=/dev,upperdir={},workdir={}", upper.display(), work.display());
-    mount(Some("overlay"), Path::new("/dev"), Some("overlay"), 0, Some(&opts))?;
+    let opts = format!(
+        "lowerdir=/dev,upperdir={},workdir={}",
+        upper.display(),
+        work.display()
+    );
+    mount(
+        Some("overlay"),
+        Path::new("/dev"),
+        Some("overlay"),
+        0,
+        Some(&opts),
+    )?;
     for s in &subs {
-        mount(Some(&keep.join(s).to_string_lossy()), &Path::new("/dev").join(s), None, libc::MS_MOVE, None)?;
+        mount(
+            Some(&keep.join(s).to_string_lossy()),
+            &Path::new("/dev").join(s),
+            None,
+            libc::MS_MOVE,
+            None,
+        )?;
     }
-    std::fs::create_dir_all("/dev/infiniband").map_err(os("creating /dev/infiniband in the overlay"))?;
+    std::fs::create_dir_all("/dev/infiniband")
+        .map_err(os("creating /dev/infiniband in the overlay"))?;
     let node = Path::new("/dev/infiniband/uverbs0");
     if !node.exists() {
-        std::os::unix::fs::symlink("/dev/full", node).map_err(os("linking /dev/infiniband/uverbs0"))?;
+        std::os::unix::fs::symlink("/dev/full", node)
+            .map_err(os("linking /dev/infiniband/uverbs0"))?;
     }
     Ok(())
 }
@@ -94,7 +146,10 @@ pub fn overlay_dev(stage: &Path) -> Result<(), LaunchError> {
 ///
 /// # Errors
 /// [`LaunchError::Os`] when exec fails.
-pub fn exec(args: &[OsString], env: &[(&str, OsString)]) -> Result<std::convert::Infallible, LaunchError> {
+pub fn exec(
+    args: &[OsString],
+    env: &[(&str, OsString)],
+) -> Result<std::convert::Infallible, LaunchError> {
     use std::os::unix::process::CommandExt;
     let mut cmd = std::process::Command::new(&args[0]);
     cmd.args(&args[1..]);
@@ -102,5 +157,8 @@ pub fn exec(args: &[OsString], env: &[(&str, OsString)]) -> Result<std::convert:
         cmd.env(k, v);
     }
     let err = cmd.exec();
-    Err(LaunchError::Os { what: format!("exec {}", args[0].to_string_lossy()), err })
+    Err(LaunchError::Os {
+        what: format!("exec {}", args[0].to_string_lossy()),
+        err,
+    })
 }

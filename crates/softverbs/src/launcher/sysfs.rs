@@ -12,9 +12,15 @@ pub fn files() -> Vec<(String, String)> {
     let guid = "0200:00ff:fe00:0001";
     vec![
         ("class/infiniband_verbs/abi_version".into(), "6".into()),
-        ("class/infiniband_verbs/uverbs0/ibdev".into(), DEVICE_NAME.into()),
+        (
+            "class/infiniband_verbs/uverbs0/ibdev".into(),
+            DEVICE_NAME.into(),
+        ),
         ("class/infiniband_verbs/uverbs0/dev".into(), "1:7".into()),
-        ("class/infiniband_verbs/uverbs0/abi_version".into(), "1".into()),
+        (
+            "class/infiniband_verbs/uverbs0/abi_version".into(),
+            "1".into(),
+        ),
         (format!("{ib}/node_type"), "1: CA".into()),
         (format!("{ib}/node_guid"), guid.into()),
         (format!("{ib}/sys_image_guid"), guid.into()),
@@ -22,10 +28,22 @@ pub fn files() -> Vec<(String, String)> {
         (format!("{ib}/fw_ver"), "0.1.0".into()),
         (format!("{ib}/hw_rev"), "1".into()),
         (format!("{ib}/hca_type"), "softverbs".into()),
-        (format!("{ib}/node_desc"), "softverbs userspace device".into()),
-        (format!("{ib}/device/modalias"), format!("rdma_device:N{DEVICE_NAME}")),
-        (format!("{ib}/ports/1/gids/0"), "fe80:0000:0000:0000:0200:00ff:fe00:0001".into()),
-        (format!("{ib}/ports/1/gid_attrs/types/0"), "IB/RoCE v1".into()),
+        (
+            format!("{ib}/node_desc"),
+            "softverbs userspace device".into(),
+        ),
+        (
+            format!("{ib}/device/modalias"),
+            format!("rdma_device:N{DEVICE_NAME}"),
+        ),
+        (
+            format!("{ib}/ports/1/gids/0"),
+            "fe80:0000:0000:0000:0200:00ff:fe00:0001".into(),
+        ),
+        (
+            format!("{ib}/ports/1/gid_attrs/types/0"),
+            "IB/RoCE v1".into(),
+        ),
         (format!("{ib}/ports/1/pkeys/0"), "0xffff".into()),
         (format!("{ib}/ports/1/link_layer"), "InfiniBand".into()),
         (format!("{ib}/ports/1/state"), "4: ACTIVE".into()),
@@ -45,7 +63,8 @@ pub fn build(root: &Path) -> Result<(), LaunchError> {
         if let Some(d) = p.parent() {
             std::fs::create_dir_all(d).map_err(os(format!("creating {}", d.display())))?;
         }
-        std::fs::write(&p, format!("{content}\n")).map_err(os(format!("writing {}", p.display())))?;
+        std::fs::write(&p, format!("{content}\n"))
+            .map_err(os(format!("writing {}", p.display())))?;
     }
     Ok(())
 }
@@ -55,7 +74,10 @@ mod tests {
     #[test]
     fn tree_has_the_discovery_files() {
         let f = super::files();
-        for need in ["class/infiniband_verbs/abi_version", "class/infiniband_verbs/uverbs0/dev"] {
+        for need in [
+            "class/infiniband_verbs/abi_version",
+            "class/infiniband_verbs/uverbs0/dev",
+        ] {
             assert!(f.iter().any(|(p, _)| p == need), "{need}");
         }
     }

@@ -100,7 +100,10 @@ mod tests {
     #[test]
     fn opcodes_map() {
         assert_eq!(send_wc_opcode(wr::SEND_WITH_IMM), Some(opcode::SEND));
-        assert_eq!(send_wc_opcode(wr::RDMA_WRITE_WITH_IMM), Some(opcode::RDMA_WRITE));
+        assert_eq!(
+            send_wc_opcode(wr::RDMA_WRITE_WITH_IMM),
+            Some(opcode::RDMA_WRITE)
+        );
         assert_eq!(send_wc_opcode(wr::RDMA_READ), Some(opcode::RDMA_READ));
         assert_eq!(send_wc_opcode(5), None);
         assert!(send_completes(false, WcStatus::RemAccessErr));

@@ -28,7 +28,10 @@ fn channels() -> &'static Mutex<HashMap<usize, OwnedFd>> {
 
 /// Whether `ch` was built by this interposer.
 pub fn is_ours(ch: *mut ibv::ibv_comp_channel) -> bool {
-    channels().lock().unwrap_or_else(|e| e.into_inner()).contains_key(&(ch as usize))
+    channels()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .contains_key(&(ch as usize))
 }
 
 fn real(name: &std::ffi::CStr) -> *mut libc::c_void {
@@ -41,7 +44,9 @@ fn real(name: &std::ffi::CStr) -> *mut libc::c_void {
 /// # Safety
 /// `ctx` is a live verbs context.
 #[no_mangle]
-pub unsafe extern "C" fn ibv_create_comp_channel(ctx: *mut ibv::ibv_context) -> *mut ibv::ibv_comp_channel {
+pub unsafe extern "C" fn ibv_create_comp_channel(
+    ctx: *mut ibv::ibv_context,
+) -> *mut ibv::ibv_comp_channel {
     if !ctx_is_ours(ctx) {
         let f = real(c"ibv_create_comp_channel");
         if f.is_null() {
@@ -61,7 +66,8 @@ pub unsafe extern "C" fn ibv_create_comp_channel(ctx: *mut ibv::ibv_context) -> 
         return std::ptr::null_mut();
     }
     // SAFETY: malloc of the C struct size; checked for null.
-    let ch = unsafe { libc::malloc(std::mem::size_of::<ibv::ibv_comp_channel>()) }.cast::<ibv::ibv_comp_channel>();
+    let ch = unsafe { libc::malloc(std::mem::size_of::<ibv::ibv_comp_channel>()) }
+        .cast::<ibv::ibv_comp_channel>();
     if ch.is_null() {
         // SAFETY: both fds are ours.
         unsafe {
@@ -73,8 +79,15 @@ pub unsafe extern "C" fn ibv_create_comp_channel(ctx: *mut ibv::ibv_context) -> 
     }
     // SAFETY: `ch` is a fresh allocation of the right size; fds[1] is ours.
     unsafe {
-        ch.write(ibv::ibv_comp_channel { context: ctx, fd: fds[0], refcnt: 0 });
-        channels().lock().unwrap_or_else(|e| e.into_inner()).insert(ch as usize, OwnedFd::from_raw_fd(fds[1]));
+        ch.write(ibv::ibv_comp_channel {
+            context: ctx,
+            fd: fds[0],
+            refcnt: 0,
+        });
+        channels()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(ch as usize, OwnedFd::from_raw_fd(fds[1]));
     }
     ch
 }
@@ -90,12 +103,16 @@ pub unsafe extern "C" fn ibv_destroy_comp_channel(ch: *mut ibv::ibv_comp_channel
         return libc::ENOSYS;
     }
     // SAFETY: libibverbs' ibv_destroy_comp_channel@IBVERBS_1.0.
-    let f: unsafe extern "C" fn(*mut ibv::ibv_comp_channel) -> libc::c_int = unsafe { std::mem::transmute(f) };
+    let f: unsafe extern "C" fn(*mut ibv::ibv_comp_channel) -> libc::c_int =
+        unsafe { std::mem::transmute(f) };
     let key = ch as usize;
     // SAFETY: forwarding the caller's argument; it closes fd and frees `ch`.
     let r = unsafe { f(ch) };
     if r == 0 {
-        channels().lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
+        channels()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&key);
     }
     r
 }

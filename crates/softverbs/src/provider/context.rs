@@ -8,7 +8,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::{set_errno, CONTEXT_OPS, CTX_OFFSET};
-use crate::shm::layout::{self, CtxHeader, MrInfo, MrSlot, CTX_BYTES, MAGIC, MR_INDEX_BITS, MR_SLOTS};
+use crate::shm::layout::{
+    self, CtxHeader, MrInfo, MrSlot, CTX_BYTES, MAGIC, MR_INDEX_BITS, MR_SLOTS,
+};
 use crate::shm::segment::IdKind;
 use crate::shm::{Ids, Segment};
 use crate::sys::abi::VerbsMr;
@@ -65,7 +67,10 @@ pub fn contexts() -> &'static Mutex<HashSet<usize>> {
 
 /// Whether `ctx` is a context of this provider.
 pub fn is_ours(ctx: *mut ibv::ibv_context) -> bool {
-    contexts().lock().unwrap_or_else(|e| e.into_inner()).contains(&(ctx as usize))
+    contexts()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .contains(&(ctx as usize))
 }
 
 /// Provider state of an `ibv_context`.
@@ -108,7 +113,10 @@ fn make_inner() -> std::io::Result<ContextInner> {
         seg,
         async_w,
         async_r: fds[0],
-        mr: Mutex::new(MrAlloc { free: (1..MR_SLOTS as u32).rev().collect(), gen: 1 }),
+        mr: Mutex::new(MrAlloc {
+            free: (1..MR_SLOTS as u32).rev().collect(),
+            gen: 1,
+        }),
         next_pd: AtomicU32::new(1),
     })
 }
@@ -156,7 +164,10 @@ pub unsafe extern "C" fn alloc_context(
             }
             // SAFETY: `sv` is valid; taking the address of a field.
             let ctx = unsafe { std::ptr::addr_of_mut!((*sv).vctx.context) };
-            contexts().lock().unwrap_or_else(|e| e.into_inner()).insert(ctx as usize);
+            contexts()
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(ctx as usize);
             // SAFETY: as above.
             unsafe { std::ptr::addr_of_mut!((*sv).vctx) }
         }
@@ -178,7 +189,10 @@ pub unsafe extern "C" fn alloc_context(
 /// # Safety
 /// `ctx` is a context made by [`alloc_context`], not used afterwards.
 pub unsafe extern "C" fn free_context(ctx: *mut ibv::ibv_context) {
-    contexts().lock().unwrap_or_else(|e| e.into_inner()).remove(&(ctx as usize));
+    contexts()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&(ctx as usize));
     // SAFETY: `ctx` lies CTX_OFFSET into an SvContext (offset 0 of vctx).
     let sv = unsafe { ctx.cast::<u8>().sub(CTX_OFFSET).cast::<SvContext>() };
     // SAFETY: `inner` came from Box::into_raw in alloc_context; last use.
@@ -269,7 +283,11 @@ pub unsafe extern "C" fn query_device_ex(
 ///
 /// # Safety
 /// `attr` is writable.
-pub unsafe extern "C" fn query_port(_ctx: *mut ibv::ibv_context, port: u8, attr: *mut ibv::ibv_port_attr) -> c_int {
+pub unsafe extern "C" fn query_port(
+    _ctx: *mut ibv::ibv_context,
+    port: u8,
+    attr: *mut ibv::ibv_port_attr,
+) -> c_int {
     if port != 1 || attr.is_null() {
         return libc::EINVAL;
     }
@@ -308,7 +326,13 @@ pub unsafe extern "C" fn alloc_pd(ctx: *mut ibv::ibv_context) -> *mut ibv::ibv_p
     // SAFETY: caller contract.
     let c = unsafe { inner(ctx) };
     let id = c.next_pd.fetch_add(1, Ordering::Relaxed);
-    let pd = Box::new(SvPd { pd: ibv::ibv_pd { context: ctx, handle: id }, id });
+    let pd = Box::new(SvPd {
+        pd: ibv::ibv_pd {
+            context: ctx,
+            handle: id,
+        },
+        id,
+    });
     Box::into_raw(pd).cast()
 }
 
@@ -363,10 +387,16 @@ pub unsafe extern "C" fn reg_mr(
         a.gen = (a.gen % 0xf_ffff) + 1;
         (index, (a.gen << MR_INDEX_BITS) | index)
     };
-    let info = MrInfo { pd: pdid, access: access as u32, addr: addr as u64, len: length as u64 };
+    let info = MrInfo {
+        pd: pdid,
+        access: access as u32,
+        addr: addr as u64,
+        len: length as u64,
+    };
     layout::mr_publish(&c.mrs()[index as usize], key, info);
     // SAFETY: all-zero is valid for this plain C struct; fields set below.
-    let mut mr: Box<SvMr> = Box::new(SvMr { vmr: unsafe { std::mem::zeroed() }, ctx: c, index });
+    let vmr: VerbsMr = unsafe { std::mem::zeroed() };
+    let mut mr: Box<SvMr> = Box::new(SvMr { vmr, ctx: c, index });
     mr.vmr.ibv_mr.lkey = key;
     mr.vmr.ibv_mr.rkey = key;
     mr.vmr.ibv_mr.handle = key;
@@ -384,7 +414,10 @@ pub unsafe extern "C" fn dereg_mr(vmr: *mut VerbsMr) -> c_int {
     // SAFETY: the context outlives its MRs (verbs rule: dereg before close).
     let c = unsafe { &*mr.ctx };
     c.mrs()[mr.index as usize].key.store(0, Ordering::Release);
-    c.mr.lock().unwrap_or_else(|e| e.into_inner()).free.push(mr.index);
+    c.mr.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .free
+        .push(mr.index);
     0
 }
 

@@ -133,7 +133,12 @@ pub unsafe fn sv<'a>(cq: *mut ibv::ibv_cq) -> &'a SvCq {
 pub unsafe extern "C" fn destroy_cq(cq: *mut ibv::ibv_cq) -> c_int {
     // SAFETY: caller contract.
     let s = unsafe { sv(cq) };
-    if !s.send_qps.lock().unwrap_or_else(|e| e.into_inner()).is_empty() {
+    if !s
+        .send_qps
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .is_empty()
+    {
         return libc::EBUSY;
     }
     // SAFETY: caller contract: last use of the box.

@@ -16,8 +16,8 @@ use std::ffi::c_void;
 use std::mem::offset_of;
 
 use crate::sys::abi::{
-    VerbsContextOps, VerbsDevice, VerbsDeviceOps, VerbsMatchEnt, VerbsSysfsDev, VERBS_MATCH_MODALIAS,
-    VERBS_MATCH_SENTINEL,
+    VerbsContextOps, VerbsDevice, VerbsDeviceOps, VerbsMatchEnt, VerbsSysfsDev,
+    VERBS_MATCH_MODALIAS, VERBS_MATCH_SENTINEL,
 };
 use crate::sys::private::{cstr, private, warn};
 

@@ -36,7 +36,12 @@ fn open_peer_fd(pid: u32, fd: i32) -> Option<OwnedFd> {
     }
     let path = std::ffi::CString::new(format!("/proc/{pid}/fd/{fd}")).ok()?;
     // SAFETY: valid C string; the result is checked.
-    let r = unsafe { libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_NONBLOCK | libc::O_CLOEXEC) };
+    let r = unsafe {
+        libc::open(
+            path.as_ptr(),
+            libc::O_WRONLY | libc::O_NONBLOCK | libc::O_CLOEXEC,
+        )
+    };
     // SAFETY: a fresh fd we own when non-negative.
     (r >= 0).then(|| unsafe { OwnedFd::from_raw_fd(r) })
 }
@@ -61,7 +66,12 @@ impl CqPort {
         // SAFETY: the ring was initialised by the creator at `off`; the view
         // keeps `seg` alive alongside it in this struct.
         let ring = unsafe { Ring::attach(seg.base().add(off), seg.len() - off)? };
-        Some(Self { seg, ring, ev: OnceLock::new(), asy: OnceLock::new() })
+        Some(Self {
+            seg,
+            ring,
+            ev: OnceLock::new(),
+            asy: OnceLock::new(),
+        })
     }
 
     /// The header.
@@ -80,7 +90,9 @@ impl CqPort {
         let h = self.hdr();
         if self.ring.push(cqe).is_err() {
             if h.overflow.swap(1, Ordering::AcqRel) == 0 {
-                let fd = self.asy.get_or_init(|| open_peer_fd(h.pid, h.async_fd.load(Ordering::Relaxed)));
+                let fd = self
+                    .asy
+                    .get_or_init(|| open_peer_fd(h.pid, h.async_fd.load(Ordering::Relaxed)));
                 if let Some(fd) = fd {
                     let mut rec = [0u8; 16];
                     rec[..8].copy_from_slice(&h.cq_ptr.to_ne_bytes());
@@ -100,7 +112,10 @@ impl CqPort {
             if !fires(arm, solicited, success) {
                 return;
             }
-            match h.armed.compare_exchange(arm, DISARMED, Ordering::AcqRel, Ordering::Acquire) {
+            match h
+                .armed
+                .compare_exchange(arm, DISARMED, Ordering::AcqRel, Ordering::Acquire)
+            {
                 Ok(_) => break,
                 Err(a) => arm = a,
             }

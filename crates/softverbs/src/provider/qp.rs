@@ -112,7 +112,9 @@ impl SvQp {
 
     /// Move to ERR and flush both queues (model::qp flush rule).
     pub fn to_error(&self, ss: &mut SendSide) {
-        self.hdr().state.store(QpState::Err as u32, Ordering::Release);
+        self.hdr()
+            .state
+            .store(QpState::Err as u32, Ordering::Release);
         self.flush(ss);
     }
 
@@ -165,7 +167,10 @@ fn caps_ok(c: &ibv::ibv_qp_cap, has_srq: bool) -> bool {
 ///
 /// # Safety
 /// `pd` is a PD of this provider; `attr` is a valid init attribute block.
-pub unsafe extern "C" fn create_qp(pd: *mut ibv::ibv_pd, attr: *mut ibv::ibv_qp_init_attr) -> *mut ibv::ibv_qp {
+pub unsafe extern "C" fn create_qp(
+    pd: *mut ibv::ibv_pd,
+    attr: *mut ibv::ibv_qp_init_attr,
+) -> *mut ibv::ibv_qp {
     // SAFETY: caller contract.
     let a = unsafe { &mut *attr };
     if a.qp_type != QPT_RC {
@@ -181,7 +186,11 @@ pub unsafe extern "C" fn create_qp(pd: *mut ibv::ibv_pd, attr: *mut ibv::ibv_qp_
     // SAFETY: `ctx` is a live softverbs context.
     let c = unsafe { inner(ctx) };
     let srq = a.srq.cast::<SvSrq>() as *const SvSrq;
-    let rq_cap = if srq.is_null() { Ring::<RecvWqe>::capacity_for(a.cap.max_recv_wr as usize) } else { 1 };
+    let rq_cap = if srq.is_null() {
+        Ring::<RecvWqe>::capacity_for(a.cap.max_recv_wr as usize)
+    } else {
+        1
+    };
     let ids = match Ids::get() {
         Ok(i) => i,
         Err(e) => {
@@ -261,7 +270,12 @@ pub unsafe extern "C" fn create_qp(pd: *mut ibv::ibv_pd, attr: *mut ibv::ibv_qp_
         q.qp_num = qpn;
         q.state = QpState::Reset as u32;
         q.qp_type = QPT_RC;
-        (*raw).send_cq().send_qps.lock().unwrap_or_else(|e| e.into_inner()).push(raw as usize);
+        (*raw)
+            .send_cq()
+            .send_qps
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(raw as usize);
     }
     raw.cast()
 }
@@ -288,7 +302,11 @@ pub unsafe extern "C" fn destroy_qp(qp: *mut ibv::ibv_qp) -> c_int {
         ss.pending.clear();
         ss.set_waiting(q, false);
     }
-    q.send_cq().send_qps.lock().unwrap_or_else(|e| e.into_inner()).retain(|&p| p != qp as usize);
+    q.send_cq()
+        .send_qps
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .retain(|&p| p != qp as usize);
     // SAFETY: caller contract: last use of the box.
     drop(unsafe { Box::from_raw(qp.cast::<SvQp>()) });
     0
@@ -304,7 +322,11 @@ macro_rules! copy_if {
 ///
 /// # Safety
 /// `qp` is live; `attr` is valid.
-pub unsafe extern "C" fn modify_qp(qp: *mut ibv::ibv_qp, attr: *mut ibv::ibv_qp_attr, mask: c_int) -> c_int {
+pub unsafe extern "C" fn modify_qp(
+    qp: *mut ibv::ibv_qp,
+    attr: *mut ibv::ibv_qp_attr,
+    mask: c_int,
+) -> c_int {
     // SAFETY: caller contract.
     let (q, a) = unsafe { (sv(qp), &*attr) };
     let mut ss = q.lock_send();
@@ -421,7 +443,11 @@ pub unsafe fn recv_wqe(wr: &ibv::ibv_recv_wr, max: u32) -> Option<RecvWqe> {
     for (i, d) in s.iter_mut().enumerate().take(n) {
         // SAFETY: i < num_sge (caller contract).
         let g = unsafe { &*wr.sg_list.add(i) };
-        *d = Sge { addr: g.addr, length: g.length, lkey: g.lkey };
+        *d = Sge {
+            addr: g.addr,
+            length: g.length,
+            lkey: g.lkey,
+        };
     }
     Some(RecvWqe::new(wr.wr_id, &s[..n]))
 }

@@ -27,10 +27,12 @@ use super::qp::{sv, Pending, SvQp};
 use super::set_bad;
 use super::xfer::{read_from, write_to, Span};
 use crate::model::qp::QpState;
-use crate::model::wc::{access, opcode, send_completes, send_flags, send_wc_opcode, wr, WcStatus, WC_WITH_IMM};
+use crate::model::wc::{
+    access, opcode, send_completes, send_flags, send_wc_opcode, wr, WcStatus, WC_WITH_IMM,
+};
 use crate::shm::layout::{
-    mr_lookup, mr_table, ring_offset, CqHeader, CtxHeader, Cqe, MrSlot, QpHeader, RecvWqe, Sge, SrqHeader,
-    CTX_BYTES, MAGIC, MAX_SGE,
+    mr_lookup, mr_table, ring_offset, CqHeader, Cqe, CtxHeader, MrSlot, QpHeader, RecvWqe, Sge,
+    SrqHeader, CTX_BYTES, MAGIC, MAX_SGE,
 };
 use crate::shm::ring::Ring;
 use crate::shm::Segment;
@@ -78,7 +80,8 @@ impl Remote {
         let h = qp.base().cast::<QpHeader>();
         // SAFETY: the creator wrote the header before the QPN was known; the
         // magic is checked before any other field is trusted.
-        let (magic, ctx_id, cq_id, srq_id) = unsafe { ((*h).magic, (*h).ctx, (*h).recv_cq, (*h).srq) };
+        let (magic, ctx_id, cq_id, srq_id) =
+            unsafe { ((*h).magic, (*h).ctx, (*h).recv_cq, (*h).srq) };
         if magic != MAGIC {
             return Err(seg_err());
         }
@@ -98,11 +101,18 @@ impl Remote {
             let s = Segment::open(&format!("srq-{srq_id}"))?;
             let off = ring_offset::<SrqHeader>();
             // SAFETY: as for the QP ring.
-            let r = unsafe { Ring::attach(s.base().add(off), s.len() - off) }.ok_or_else(seg_err)?;
+            let r =
+                unsafe { Ring::attach(s.base().add(off), s.len() - off) }.ok_or_else(seg_err)?;
             Some((s, r))
         };
         let _ = std::mem::size_of::<CqHeader>();
-        Ok(Self { qp, ctx, rq, srq, cq })
+        Ok(Self {
+            qp,
+            ctx,
+            rq,
+            srq,
+            cq,
+        })
     }
 
     fn hdr(&self) -> &QpHeader {
@@ -142,7 +152,12 @@ pub struct SendSide {
 impl SendSide {
     /// Empty.
     pub fn new() -> Self {
-        Self { dest_qpn: 0, remote: None, pending: Pending::new(), waiting: false }
+        Self {
+            dest_qpn: 0,
+            remote: None,
+            pending: Pending::new(),
+            waiting: false,
+        }
     }
 
     /// Keep the send CQ's count of QPs with waiting WRs in step.
@@ -170,26 +185,52 @@ enum Outcome {
     WaitRnr,
 }
 
-fn check(info: Option<crate::shm::layout::MrInfo>, pd: u32, addr: u64, len: u64, need: u32) -> bool {
-    info.is_some_and(|m| m.pd == pd && m.contains(addr, len) && (need == 0 || m.access & need == need))
+fn check(
+    info: Option<crate::shm::layout::MrInfo>,
+    pd: u32,
+    addr: u64,
+    len: u64,
+    need: u32,
+) -> bool {
+    info.is_some_and(|m| {
+        m.pd == pd && m.contains(addr, len) && (need == 0 || m.access & need == need)
+    })
 }
 
 fn local_spans(q: &SvQp, w: &Wr, out: &mut [Span; MAX_SGE]) -> Option<u64> {
     let mrs = q.ctx().mrs();
-    let need = if w.opcode == wr::RDMA_READ { access::LOCAL_WRITE } else { 0 };
+    let need = if w.opcode == wr::RDMA_READ {
+        access::LOCAL_WRITE
+    } else {
+        0
+    };
     let inline = w.flags & send_flags::INLINE != 0 && w.opcode != wr::RDMA_READ;
     let mut total = 0u64;
     for (i, s) in w.sge[..w.nsge].iter().enumerate() {
-        if !inline && s.length > 0 && !check(mr_lookup(mrs, s.lkey), q.pd, s.addr, s.length as u64, need) {
+        if !inline
+            && s.length > 0
+            && !check(mr_lookup(mrs, s.lkey), q.pd, s.addr, s.length as u64, need)
+        {
             return None;
         }
-        out[i] = Span { addr: s.addr, len: s.length as usize };
+        out[i] = Span {
+            addr: s.addr,
+            len: s.length as usize,
+        };
         total += s.length as u64;
     }
     Some(total)
 }
 
-fn recv_cqe(r: &Remote, wqe: &RecvWqe, q: &SvQp, w: &Wr, status: WcStatus, len: u32, op: u32) -> Cqe {
+fn recv_cqe(
+    r: &Remote,
+    wqe: &RecvWqe,
+    q: &SvQp,
+    w: &Wr,
+    status: WcStatus,
+    len: u32,
+    op: u32,
+) -> Cqe {
     let imm = w.opcode == wr::SEND_WITH_IMM || w.opcode == wr::RDMA_WRITE_WITH_IMM;
     Cqe {
         wr_id: wqe.wr_id,
@@ -217,7 +258,9 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
             Err(_) => return Outcome::Done(WcStatus::RetryExcErr, 0),
         }
     }
-    let Some(r) = ss.remote.as_ref() else { return Outcome::WaitPeer };
+    let Some(r) = ss.remote.as_ref() else {
+        return Outcome::WaitPeer;
+    };
     let st = r.state();
     if st.not_ready_yet() {
         return Outcome::WaitPeer;
@@ -229,35 +272,86 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
     let pid = rh.pid;
     match w.opcode {
         wr::SEND | wr::SEND_WITH_IMM => {
-            let Some(wqe) = r.pop_recv() else { return Outcome::WaitRnr };
+            let Some(wqe) = r.pop_recv() else {
+                return Outcome::WaitRnr;
+            };
             let mut dst = [Span::default(); MAX_SGE];
             let mut cap = 0u64;
             let mrs = r.mrs();
             for (i, s) in wqe.sges().iter().enumerate() {
-                if s.length > 0 && !check(mr_lookup(mrs, s.lkey), rh.pd, s.addr, s.length as u64, access::LOCAL_WRITE) {
-                    r.cq.push(recv_cqe(r, &wqe, q, w, WcStatus::LocProtErr, 0, opcode::RECV));
+                if s.length > 0
+                    && !check(
+                        mr_lookup(mrs, s.lkey),
+                        rh.pd,
+                        s.addr,
+                        s.length as u64,
+                        access::LOCAL_WRITE,
+                    )
+                {
+                    r.cq.push(recv_cqe(
+                        r,
+                        &wqe,
+                        q,
+                        w,
+                        WcStatus::LocProtErr,
+                        0,
+                        opcode::RECV,
+                    ));
                     return Outcome::Done(WcStatus::RemOpErr, 0);
                 }
-                dst[i] = Span { addr: s.addr, len: s.length as usize };
+                dst[i] = Span {
+                    addr: s.addr,
+                    len: s.length as usize,
+                };
                 cap += s.length as u64;
             }
             if len > cap {
-                r.cq.push(recv_cqe(r, &wqe, q, w, WcStatus::LocLenErr, 0, opcode::RECV));
+                r.cq.push(recv_cqe(
+                    r,
+                    &wqe,
+                    q,
+                    w,
+                    WcStatus::LocLenErr,
+                    0,
+                    opcode::RECV,
+                ));
                 return Outcome::Done(WcStatus::RemInvReqErr, 0);
             }
             // SAFETY: local spans were validated against our MR table (or are
             // the caller's inline buffers); remote spans against the
             // responder's table, and the kernel checks them again.
             if !unsafe { write_to(pid, &dst[..wqe.sges().len()], local) } {
-                r.cq.push(recv_cqe(r, &wqe, q, w, WcStatus::LocProtErr, 0, opcode::RECV));
+                r.cq.push(recv_cqe(
+                    r,
+                    &wqe,
+                    q,
+                    w,
+                    WcStatus::LocProtErr,
+                    0,
+                    opcode::RECV,
+                ));
                 return Outcome::Done(WcStatus::RemOpErr, 0);
             }
-            r.cq.push(recv_cqe(r, &wqe, q, w, WcStatus::Success, len as u32, opcode::RECV));
+            r.cq.push(recv_cqe(
+                r,
+                &wqe,
+                q,
+                w,
+                WcStatus::Success,
+                len as u32,
+                opcode::RECV,
+            ));
             Outcome::Done(WcStatus::Success, len as u32)
         }
         wr::RDMA_WRITE | wr::RDMA_WRITE_WITH_IMM => {
             let ok = rh.access.load(Ordering::Acquire) & access::REMOTE_WRITE != 0
-                && check(mr_lookup(r.mrs(), w.rkey), rh.pd, w.remote_addr, len, access::REMOTE_WRITE);
+                && check(
+                    mr_lookup(r.mrs(), w.rkey),
+                    rh.pd,
+                    w.remote_addr,
+                    len,
+                    access::REMOTE_WRITE,
+                );
             if !ok {
                 return Outcome::Done(WcStatus::RemAccessErr, 0);
             }
@@ -269,26 +363,54 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
             } else {
                 None
             };
-            let dst = [Span { addr: w.remote_addr, len: len as usize }];
+            let dst = [Span {
+                addr: w.remote_addr,
+                len: len as usize,
+            }];
             // SAFETY: validated as in the SEND arm.
             if !unsafe { write_to(pid, &dst, local) } {
                 if let Some(wqe) = wqe {
-                    r.cq.push(recv_cqe(r, &wqe, q, w, WcStatus::LocProtErr, 0, opcode::RECV_RDMA_WITH_IMM));
+                    r.cq.push(recv_cqe(
+                        r,
+                        &wqe,
+                        q,
+                        w,
+                        WcStatus::LocProtErr,
+                        0,
+                        opcode::RECV_RDMA_WITH_IMM,
+                    ));
                 }
                 return Outcome::Done(WcStatus::RemAccessErr, 0);
             }
             if let Some(wqe) = wqe {
-                r.cq.push(recv_cqe(r, &wqe, q, w, WcStatus::Success, len as u32, opcode::RECV_RDMA_WITH_IMM));
+                r.cq.push(recv_cqe(
+                    r,
+                    &wqe,
+                    q,
+                    w,
+                    WcStatus::Success,
+                    len as u32,
+                    opcode::RECV_RDMA_WITH_IMM,
+                ));
             }
             Outcome::Done(WcStatus::Success, len as u32)
         }
         wr::RDMA_READ => {
             let ok = rh.access.load(Ordering::Acquire) & access::REMOTE_READ != 0
-                && check(mr_lookup(r.mrs(), w.rkey), rh.pd, w.remote_addr, len, access::REMOTE_READ);
+                && check(
+                    mr_lookup(r.mrs(), w.rkey),
+                    rh.pd,
+                    w.remote_addr,
+                    len,
+                    access::REMOTE_READ,
+                );
             if !ok {
                 return Outcome::Done(WcStatus::RemAccessErr, 0);
             }
-            let src = [Span { addr: w.remote_addr, len: len as usize }];
+            let src = [Span {
+                addr: w.remote_addr,
+                len: len as usize,
+            }];
             // SAFETY: local spans validated with LOCAL_WRITE; remote as above.
             if !unsafe { read_from(pid, local, &src) } {
                 return Outcome::Done(WcStatus::RemAccessErr, 0);
@@ -321,9 +443,15 @@ fn own(mut w: Wr) -> Wr {
         let mut v = Vec::new();
         for s in &w.sge[..w.nsge] {
             // SAFETY: inline sends name caller memory readable during post_send.
-            v.extend_from_slice(unsafe { std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize) });
+            v.extend_from_slice(unsafe {
+                std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize)
+            });
         }
-        w.sge[0] = Sge { addr: v.as_ptr() as u64, length: v.len() as u32, lkey: 0 };
+        w.sge[0] = Sge {
+            addr: v.as_ptr() as u64,
+            length: v.len() as u32,
+            lkey: 0,
+        };
         w.nsge = 1;
         w.owned = Some(v);
     }
@@ -399,10 +527,19 @@ pub unsafe extern "C" fn post_send(
         for i in 0..n {
             // SAFETY: i < num_sge entries of the caller's sg_list.
             let g = unsafe { &*x.sg_list.add(i) };
-            w.sge[i] = Sge { addr: g.addr, length: g.length, lkey: g.lkey };
+            w.sge[i] = Sge {
+                addr: g.addr,
+                length: g.length,
+                lkey: g.lkey,
+            };
             inline_len = inline_len.saturating_add(g.length);
         }
-        if w.flags & send_flags::INLINE != 0 && inline_len > q.caps.max_inline.max(crate::provider::context::limits::MAX_INLINE) {
+        if w.flags & send_flags::INLINE != 0
+            && inline_len
+                > q.caps
+                    .max_inline
+                    .max(crate::provider::context::limits::MAX_INLINE)
+        {
             return fail(libc::EINVAL);
         }
         if st == QpState::Err {

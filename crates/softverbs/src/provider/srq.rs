@@ -31,7 +31,10 @@ pub struct SvSrq {
 ///
 /// # Safety
 /// `pd` is a PD of this provider; `attr` is valid.
-pub unsafe extern "C" fn create_srq(pd: *mut ibv::ibv_pd, attr: *mut ibv::ibv_srq_init_attr) -> *mut ibv::ibv_srq {
+pub unsafe extern "C" fn create_srq(
+    pd: *mut ibv::ibv_pd,
+    attr: *mut ibv::ibv_srq_init_attr,
+) -> *mut ibv::ibv_srq {
     // SAFETY: caller contract.
     let a = unsafe { &mut (*attr).attr };
     if a.max_wr == 0 || a.max_wr > limits::MAX_QP_WR || a.max_sge as usize > MAX_SGE {
@@ -40,7 +43,9 @@ pub unsafe extern "C" fn create_srq(pd: *mut ibv::ibv_pd, attr: *mut ibv::ibv_sr
     // SAFETY: caller contract.
     let (c, pdid) = unsafe { (inner((*pd).context), pd_id(pd)) };
     let cap = Ring::<RecvWqe>::capacity_for(a.max_wr as usize);
-    let Ok(ids) = Ids::get() else { return fail(libc::EIO) };
+    let Ok(ids) = Ids::get() else {
+        return fail(libc::EIO);
+    };
     let id = ids.next(IdKind::Srq);
     let seg = match Segment::create(&format!("srq-{id}"), seg_bytes::<SrqHeader, RecvWqe>(cap)) {
         Ok(s) => s,
@@ -122,7 +127,11 @@ pub unsafe extern "C" fn post_srq_recv(
 ///
 /// # Safety
 /// `srq` is live; `attr` valid.
-pub unsafe extern "C" fn modify_srq(srq: *mut ibv::ibv_srq, attr: *mut ibv::ibv_srq_attr, mask: c_int) -> c_int {
+pub unsafe extern "C" fn modify_srq(
+    srq: *mut ibv::ibv_srq,
+    attr: *mut ibv::ibv_srq_attr,
+    mask: c_int,
+) -> c_int {
     // SAFETY: caller contract.
     let (s, a) = unsafe { (&mut *srq.cast::<SvSrq>(), &*attr) };
     if mask & 1 != 0 && a.max_wr as usize > s.ring.capacity() {

@@ -33,7 +33,11 @@ unsafe fn copy_local(dst: &[Span], src: &[Span]) {
             // SAFETY: both ranges are within mapped spans (caller contract);
             // `copy` tolerates overlap (a buffer sent to itself).
             unsafe {
-                std::ptr::copy((s.addr as usize + soff) as *const u8, (d.addr as usize + doff) as *mut u8, n);
+                std::ptr::copy(
+                    (s.addr as usize + soff) as *const u8,
+                    (d.addr as usize + doff) as *mut u8,
+                    n,
+                );
             }
             soff += n;
             doff += n;
@@ -48,7 +52,10 @@ unsafe fn copy_local(dst: &[Span], src: &[Span]) {
 fn iovs(s: &[Span]) -> Vec<libc::iovec> {
     s.iter()
         .filter(|x| x.len > 0)
-        .map(|x| libc::iovec { iov_base: x.addr as usize as *mut libc::c_void, iov_len: x.len })
+        .map(|x| libc::iovec {
+            iov_base: x.addr as usize as *mut libc::c_void,
+            iov_len: x.len,
+        })
         .collect()
 }
 
@@ -81,7 +88,14 @@ pub unsafe fn write_to(pid: u32, dst: &[Span], src: &[Span]) -> bool {
     // SAFETY: iovec arrays are valid for their lengths; the kernel checks
     // the remote ranges and reports EFAULT instead of faulting us.
     let got = unsafe {
-        libc::process_vm_writev(pid as libc::pid_t, l.as_ptr(), l.len() as _, r.as_ptr(), r.len() as _, 0)
+        libc::process_vm_writev(
+            pid as libc::pid_t,
+            l.as_ptr(),
+            l.len() as _,
+            r.as_ptr(),
+            r.len() as _,
+            0,
+        )
     };
     got >= 0 && got as usize == n
 }
@@ -107,7 +121,14 @@ pub unsafe fn read_from(pid: u32, dst: &[Span], src: &[Span]) -> bool {
     let (l, r) = (iovs(dst), iovs(src));
     // SAFETY: as in write_to.
     let got = unsafe {
-        libc::process_vm_readv(pid as libc::pid_t, l.as_ptr(), l.len() as _, r.as_ptr(), r.len() as _, 0)
+        libc::process_vm_readv(
+            pid as libc::pid_t,
+            l.as_ptr(),
+            l.len() as _,
+            r.as_ptr(),
+            r.len() as _,
+            0,
+        )
     };
     got >= 0 && got as usize == n
 }
@@ -121,8 +142,20 @@ mod tests {
         let a = *b"hello world";
         let mut b = [0u8; 4];
         let mut c = [0u8; 8];
-        let src = [Span { addr: a.as_ptr() as u64, len: 11 }];
-        let dst = [Span { addr: b.as_mut_ptr() as u64, len: 4 }, Span { addr: c.as_mut_ptr() as u64, len: 8 }];
+        let src = [Span {
+            addr: a.as_ptr() as u64,
+            len: 11,
+        }];
+        let dst = [
+            Span {
+                addr: b.as_mut_ptr() as u64,
+                len: 4,
+            },
+            Span {
+                addr: c.as_mut_ptr() as u64,
+                len: 8,
+            },
+        ];
         // SAFETY: all spans are live local arrays.
         assert!(unsafe { write_to(my_pid(), &dst, &src) });
         assert_eq!(&b, b"hell");

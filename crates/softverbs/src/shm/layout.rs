@@ -69,7 +69,9 @@ impl MrInfo {
     /// Whether `[addr, addr+len)` lies inside the region.
     pub fn contains(&self, addr: u64, len: u64) -> bool {
         addr >= self.addr
-            && addr.checked_add(len).is_some_and(|end| end <= self.addr.saturating_add(self.len))
+            && addr
+                .checked_add(len)
+                .is_some_and(|end| end <= self.addr.saturating_add(self.len))
     }
 }
 
@@ -83,7 +85,9 @@ pub const CTX_BYTES: usize = size_of::<CtxHeader>() + MR_SLOTS * size_of::<MrSlo
 pub unsafe fn mr_table<'a>(base: *mut u8) -> &'a [MrSlot] {
     // SAFETY: the table follows the header inside CTX_BYTES (caller contract);
     // MrSlot is all atomics plus padding, valid for any bit pattern.
-    unsafe { std::slice::from_raw_parts(base.add(size_of::<CtxHeader>()).cast::<MrSlot>(), MR_SLOTS) }
+    unsafe {
+        std::slice::from_raw_parts(base.add(size_of::<CtxHeader>()).cast::<MrSlot>(), MR_SLOTS)
+    }
 }
 
 /// Look up `key` in a table; `None` if absent or changing.
@@ -172,7 +176,11 @@ pub struct RecvWqe {
 impl RecvWqe {
     /// A WQE from a wr_id and a scatter list (at most [`MAX_SGE`] entries).
     pub fn new(wr_id: u64, sges: &[Sge]) -> Self {
-        let mut w = Self { wr_id, num_sge: sges.len().min(MAX_SGE) as u32, ..Self::default() };
+        let mut w = Self {
+            wr_id,
+            num_sge: sges.len().min(MAX_SGE) as u32,
+            ..Self::default()
+        };
         w.sge[..w.num_sge as usize].copy_from_slice(&sges[..w.num_sge as usize]);
         w
     }
@@ -253,7 +261,12 @@ mod tests {
         assert_eq!(size_of::<Cqe>(), 40);
         assert_eq!(size_of::<Sge>(), 16);
         assert_eq!(size_of::<RecvWqe>(), 16 + 16 * MAX_SGE);
-        let m = MrInfo { pd: 1, access: 0, addr: 100, len: 10 };
+        let m = MrInfo {
+            pd: 1,
+            access: 0,
+            addr: 100,
+            len: 10,
+        };
         assert!(m.contains(100, 10));
         assert!(!m.contains(101, 10));
         assert!(!m.contains(99, 1));

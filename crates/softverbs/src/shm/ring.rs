@@ -80,9 +80,18 @@ impl<T: Copy> Ring<T> {
         let slots = unsafe { at.add(size_of::<RingHeader>()) };
         for i in 0..cap {
             // SAFETY: slot `i` is within the region (1), exclusively ours (2).
-            unsafe { (*slots.cast::<Slot<T>>().add(i)).seq.store(i as u64, Ordering::Release) };
+            unsafe {
+                (*slots.cast::<Slot<T>>().add(i))
+                    .seq
+                    .store(i as u64, Ordering::Release)
+            };
         }
-        Self { hdr, slots, mask: cap as u64 - 1, _t: PhantomData }
+        Self {
+            hdr,
+            slots,
+            mask: cap as u64 - 1,
+            _t: PhantomData,
+        }
     }
 
     /// View an initialised ring at `at`, checking it fits in `avail` bytes.
@@ -103,7 +112,12 @@ impl<T: Copy> Ring<T> {
         }
         // SAFETY: the slots follow the header within `avail` (checked above).
         let slots = unsafe { at.add(size_of::<RingHeader>()) };
-        Some(Self { hdr, slots, mask: cap - 1, _t: PhantomData })
+        Some(Self {
+            hdr,
+            slots,
+            mask: cap - 1,
+            _t: PhantomData,
+        })
     }
 
     /// Capacity in entries.
@@ -134,7 +148,12 @@ impl<T: Copy> Ring<T> {
             let seq = unsafe { (*s).seq.load(Ordering::Acquire) };
             let dif = seq.wrapping_sub(pos) as i64;
             if dif == 0 {
-                match h.tail.compare_exchange_weak(pos, pos + 1, Ordering::Relaxed, Ordering::Relaxed) {
+                match h.tail.compare_exchange_weak(
+                    pos,
+                    pos + 1,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                ) {
                     Ok(_) => {
                         // SAFETY: step 2: the CAS gave us exclusive use of the
                         // slot until we publish `pos + 1`.
@@ -164,7 +183,12 @@ impl<T: Copy> Ring<T> {
             let seq = unsafe { (*s).seq.load(Ordering::Acquire) };
             let dif = seq.wrapping_sub(pos + 1) as i64;
             if dif == 0 {
-                match h.head.compare_exchange_weak(pos, pos + 1, Ordering::Relaxed, Ordering::Relaxed) {
+                match h.head.compare_exchange_weak(
+                    pos,
+                    pos + 1,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                ) {
                     Ok(_) => {
                         // SAFETY: step 3: the slot is published (Acquire above)
                         // and claimed by our CAS; we hand it back after reading.

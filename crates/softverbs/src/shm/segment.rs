@@ -69,19 +69,32 @@ impl Segment {
         let path = cpath(name)?;
         // SAFETY: valid C string; the fd is checked and closed below.
         let fd = unsafe {
-            libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC, 0o600)
+            libc::open(
+                path.as_ptr(),
+                libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC,
+                0o600,
+            )
         };
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: `fd` is the file just created.
         let r = unsafe { libc::ftruncate(fd, len as libc::off_t) };
-        let res = if r != 0 { Err(io::Error::last_os_error()) } else { map(fd, len) };
+        let res = if r != 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            map(fd, len)
+        };
         // SAFETY: `fd` is ours; the mapping (if any) does not need it.
         unsafe { libc::close(fd) };
         match res {
             Ok(base) => {
-                let seg = Arc::new(Self { base, len, name: name.to_owned(), owner: true });
+                let seg = Arc::new(Self {
+                    base,
+                    len,
+                    name: name.to_owned(),
+                    owner: true,
+                });
                 cache_insert(&seg);
                 Ok(seg)
             }
@@ -120,7 +133,12 @@ impl Segment {
         // SAFETY: `fd` is ours.
         unsafe { libc::close(fd) };
         let (base, len) = res?;
-        let seg = Arc::new(Self { base, len, name: name.to_owned(), owner: false });
+        let seg = Arc::new(Self {
+            base,
+            len,
+            name: name.to_owned(),
+            owner: false,
+        });
         cache_insert(&seg);
         Ok(seg)
     }
@@ -211,18 +229,33 @@ impl Ids {
         let path = cpath("ids")?;
         // SAFETY: valid C string; O_CREAT without O_EXCL so racing creators
         // share the file; fd closed below.
-        let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_CLOEXEC, 0o600) };
+        let fd = unsafe {
+            libc::open(
+                path.as_ptr(),
+                libc::O_RDWR | libc::O_CREAT | libc::O_CLOEXEC,
+                0o600,
+            )
+        };
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: extending to 4096 bytes; concurrent ftruncates to the same
         // size are harmless, and a fresh file reads as zeros.
         let r = unsafe { libc::ftruncate(fd, 4096) };
-        let res = if r != 0 { Err(io::Error::last_os_error()) } else { map(fd, 4096) };
+        let res = if r != 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            map(fd, 4096)
+        };
         // SAFETY: `fd` is ours.
         unsafe { libc::close(fd) };
         let base = res?;
-        let seg = Arc::new(Segment { base, len: 4096, name: "ids".into(), owner: false });
+        let seg = Arc::new(Segment {
+            base,
+            len: 4096,
+            name: "ids".into(),
+            owner: false,
+        });
         Ok(IDS.get_or_init(|| Ids { seg }))
     }
 

@@ -126,7 +126,9 @@ pub struct VerbsQp {
 
 impl std::fmt::Debug for VerbsQp {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VerbsQp").field("comp_mask", &self.comp_mask).finish()
+        f.debug_struct("VerbsQp")
+            .field("comp_mask", &self.comp_mask)
+            .finish()
     }
 }
 
@@ -180,8 +182,9 @@ pub struct VerbsContextOps {
     pub create_cq_ex: Unused,
     pub create_flow: Unused,
     pub create_flow_action_esp: Unused,
-    pub create_qp:
-        Option<unsafe extern "C" fn(*mut ibv::ibv_pd, *mut ibv::ibv_qp_init_attr) -> *mut ibv::ibv_qp>,
+    pub create_qp: Option<
+        unsafe extern "C" fn(*mut ibv::ibv_pd, *mut ibv::ibv_qp_init_attr) -> *mut ibv::ibv_qp,
+    >,
     pub create_qp_ex: Unused,
     pub create_rwq_ind_table: Unused,
     pub create_srq: Option<
@@ -221,14 +224,26 @@ pub struct VerbsContextOps {
     pub open_xrcd: Unused,
     pub poll_cq: Option<unsafe extern "C" fn(*mut ibv::ibv_cq, c_int, *mut ibv::ibv_wc) -> c_int>,
     pub post_recv: Option<
-        unsafe extern "C" fn(*mut ibv::ibv_qp, *mut ibv::ibv_recv_wr, *mut *mut ibv::ibv_recv_wr) -> c_int,
+        unsafe extern "C" fn(
+            *mut ibv::ibv_qp,
+            *mut ibv::ibv_recv_wr,
+            *mut *mut ibv::ibv_recv_wr,
+        ) -> c_int,
     >,
     pub post_send: Option<
-        unsafe extern "C" fn(*mut ibv::ibv_qp, *mut ibv::ibv_send_wr, *mut *mut ibv::ibv_send_wr) -> c_int,
+        unsafe extern "C" fn(
+            *mut ibv::ibv_qp,
+            *mut ibv::ibv_send_wr,
+            *mut *mut ibv::ibv_send_wr,
+        ) -> c_int,
     >,
     pub post_srq_ops: Unused,
     pub post_srq_recv: Option<
-        unsafe extern "C" fn(*mut ibv::ibv_srq, *mut ibv::ibv_recv_wr, *mut *mut ibv::ibv_recv_wr) -> c_int,
+        unsafe extern "C" fn(
+            *mut ibv::ibv_srq,
+            *mut ibv::ibv_recv_wr,
+            *mut *mut ibv::ibv_recv_wr,
+        ) -> c_int,
     >,
     pub query_device_ex: Option<
         unsafe extern "C" fn(
@@ -344,7 +359,10 @@ mod tests {
         assert_eq!(offset_of!(VerbsMr, access), 52);
         assert_eq!(offset_of!(VerbsQp, comp_mask), size_of::<ibv::ibv_qp_ex>());
         assert_eq!(offset_of!(VerbsSrq, srq_type), size_of::<ibv::ibv_srq>());
-        assert_eq!(offset_of!(VerbsSrq, srq_num), size_of::<ibv::ibv_srq>() + 24);
+        assert_eq!(
+            offset_of!(VerbsSrq, srq_num),
+            size_of::<ibv::ibv_srq>() + 24
+        );
     }
 }
 

@@ -15,30 +15,41 @@ use super::ibv;
 /// The private ABI version this provider was written against.
 pub const PRIVATE_ABI: &CStr = c"IBVERBS_PRIVATE_34";
 
+/// `verbs_register_driver_34`.
+pub type RegisterFn = unsafe extern "C" fn(*const VerbsDeviceOps);
+/// `_verbs_init_and_alloc_context`.
+pub type InitAllocFn = unsafe extern "C" fn(
+    *mut ibv::ibv_device,
+    c_int,
+    usize,
+    *mut ibv::verbs_context,
+    u32,
+) -> *mut c_void;
+/// `verbs_set_ops`.
+pub type SetOpsFn = unsafe extern "C" fn(*mut ibv::verbs_context, *const VerbsContextOps);
+/// `verbs_uninit_context`.
+pub type UninitFn = unsafe extern "C" fn(*mut ibv::verbs_context);
+/// `verbs_init_cq`.
+pub type InitCqFn = unsafe extern "C" fn(
+    *mut ibv::ibv_cq,
+    *mut ibv::ibv_context,
+    *mut ibv::ibv_comp_channel,
+    *mut c_void,
+);
+
 /// The private entry points the provider calls.
 #[derive(Debug, Clone, Copy)]
 pub struct Private {
     /// `verbs_register_driver_34`.
-    pub register_driver: unsafe extern "C" fn(*const VerbsDeviceOps),
+    pub register_driver: RegisterFn,
     /// `_verbs_init_and_alloc_context`.
-    pub init_and_alloc_context: unsafe extern "C" fn(
-        *mut ibv::ibv_device,
-        c_int,
-        usize,
-        *mut ibv::verbs_context,
-        u32,
-    ) -> *mut c_void,
+    pub init_and_alloc_context: InitAllocFn,
     /// `verbs_set_ops`.
-    pub set_ops: unsafe extern "C" fn(*mut ibv::verbs_context, *const VerbsContextOps),
+    pub set_ops: SetOpsFn,
     /// `verbs_uninit_context`.
-    pub uninit_context: unsafe extern "C" fn(*mut ibv::verbs_context),
+    pub uninit_context: UninitFn,
     /// `verbs_init_cq`.
-    pub init_cq: unsafe extern "C" fn(
-        *mut ibv::ibv_cq,
-        *mut ibv::ibv_context,
-        *mut ibv::ibv_comp_channel,
-        *mut c_void,
-    ),
+    pub init_cq: InitCqFn,
 }
 
 /// Why the private ABI could not be bound.
@@ -74,7 +85,12 @@ fn lookup(name: &'static CStr) -> Result<*mut c_void, AbiError> {
 /// True when libibverbs is already mapped into this process.
 pub fn libibverbs_loaded() -> bool {
     // SAFETY: a valid C string; RTLD_NOLOAD never loads anything.
-    let h = unsafe { libc::dlopen(c"libibverbs.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    let h = unsafe {
+        libc::dlopen(
+            c"libibverbs.so.1".as_ptr(),
+            libc::RTLD_NOW | libc::RTLD_NOLOAD,
+        )
+    };
     if h.is_null() {
         return false;
     }
@@ -98,11 +114,11 @@ fn bind() -> Result<Private, AbiError> {
     // is the function type it is transmuted to.
     unsafe {
         Ok(Private {
-            register_driver: std::mem::transmute::<*mut c_void, _>(register),
-            init_and_alloc_context: std::mem::transmute::<*mut c_void, _>(init),
-            set_ops: std::mem::transmute::<*mut c_void, _>(set_ops),
-            uninit_context: std::mem::transmute::<*mut c_void, _>(uninit),
-            init_cq: std::mem::transmute::<*mut c_void, _>(init_cq),
+            register_driver: std::mem::transmute::<*mut c_void, RegisterFn>(register),
+            init_and_alloc_context: std::mem::transmute::<*mut c_void, InitAllocFn>(init),
+            set_ops: std::mem::transmute::<*mut c_void, SetOpsFn>(set_ops),
+            uninit_context: std::mem::transmute::<*mut c_void, UninitFn>(uninit),
+            init_cq: std::mem::transmute::<*mut c_void, InitCqFn>(init_cq),
         })
     }
 }

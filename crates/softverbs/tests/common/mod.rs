@@ -62,7 +62,10 @@ impl Dev {
 
     pub fn channel(&self) -> *mut ibv_comp_channel {
         let ch = unsafe { ibv_create_comp_channel(self.ctx) };
-        assert!(!ch.is_null(), "create_comp_channel (is the library preloaded?)");
+        assert!(
+            !ch.is_null(),
+            "create_comp_channel (is the library preloaded?)"
+        );
         ch
     }
 
@@ -167,28 +170,47 @@ pub fn to_error(qp: *mut ibv_qp) {
     unsafe {
         let mut a: ibv_qp_attr = std::mem::zeroed();
         a.qp_state = ibv_qp_state::IBV_QPS_ERR;
-        assert_eq!(ibv_modify_qp(qp, &mut a, ibv_qp_attr_mask::IBV_QP_STATE.0 as i32), 0);
+        assert_eq!(
+            ibv_modify_qp(qp, &mut a, ibv_qp_attr_mask::IBV_QP_STATE.0 as i32),
+            0
+        );
     }
 }
 
 pub fn post_recv(qp: *mut ibv_qp, buf: &Buf, off: usize, len: u32, wr_id: u64) {
-    let mut sge = ibv_sge { addr: buf.addr() + off as u64, length: len, lkey: buf.lkey() };
+    let mut sge = ibv_sge {
+        addr: buf.addr() + off as u64,
+        length: len,
+        lkey: buf.lkey(),
+    };
     let mut wr: ibv_recv_wr = unsafe { std::mem::zeroed() };
     wr.wr_id = wr_id;
     wr.sg_list = &mut sge;
     wr.num_sge = 1;
     let mut bad = null_mut();
-    assert_eq!(unsafe { ibv_post_recv(qp, &mut wr, &mut bad) }, 0, "post_recv");
+    assert_eq!(
+        unsafe { ibv_post_recv(qp, &mut wr, &mut bad) },
+        0,
+        "post_recv"
+    );
 }
 
 pub fn post_srq_recv(srq: *mut ibv_srq, buf: &Buf, off: usize, len: u32, wr_id: u64) {
-    let mut sge = ibv_sge { addr: buf.addr() + off as u64, length: len, lkey: buf.lkey() };
+    let mut sge = ibv_sge {
+        addr: buf.addr() + off as u64,
+        length: len,
+        lkey: buf.lkey(),
+    };
     let mut wr: ibv_recv_wr = unsafe { std::mem::zeroed() };
     wr.wr_id = wr_id;
     wr.sg_list = &mut sge;
     wr.num_sge = 1;
     let mut bad = null_mut();
-    assert_eq!(unsafe { ibv_post_srq_recv(srq, &mut wr, &mut bad) }, 0, "post_srq_recv");
+    assert_eq!(
+        unsafe { ibv_post_srq_recv(srq, &mut wr, &mut bad) },
+        0,
+        "post_srq_recv"
+    );
 }
 
 pub struct Send {
@@ -204,7 +226,11 @@ pub const SOLICITED: u32 = ibv_send_flags::IBV_SEND_SOLICITED.0;
 pub const INLINE: u32 = ibv_send_flags::IBV_SEND_INLINE.0;
 
 pub fn post_send(qp: *mut ibv_qp, buf: &Buf, off: usize, len: u32, wr_id: u64, s: Send) -> i32 {
-    let mut sge = ibv_sge { addr: buf.addr() + off as u64, length: len, lkey: buf.lkey() };
+    let mut sge = ibv_sge {
+        addr: buf.addr() + off as u64,
+        length: len,
+        lkey: buf.lkey(),
+    };
     let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
     wr.wr_id = wr_id;
     wr.sg_list = &mut sge;
@@ -212,13 +238,22 @@ pub fn post_send(qp: *mut ibv_qp, buf: &Buf, off: usize, len: u32, wr_id: u64, s
     wr.opcode = s.opcode;
     wr.send_flags = s.flags;
     wr.imm_data_invalidated_rkey_union.imm_data = s.imm;
-    wr.wr.rdma = rdma_t { remote_addr: s.remote_addr, rkey: s.rkey };
+    wr.wr.rdma = rdma_t {
+        remote_addr: s.remote_addr,
+        rkey: s.rkey,
+    };
     let mut bad = null_mut();
     unsafe { ibv_post_send(qp, &mut wr, &mut bad) }
 }
 
 pub fn send(opcode: u32, flags: u32) -> Send {
-    Send { opcode, flags, imm: 0, remote_addr: 0, rkey: 0 }
+    Send {
+        opcode,
+        flags,
+        imm: 0,
+        remote_addr: 0,
+        rkey: 0,
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -253,7 +288,10 @@ pub fn poll(cq: *mut ibv_cq, n: usize) -> Vec<Wc> {
                 wc_flags: wc.wc_flags,
             });
         } else {
-            assert!(Instant::now() < deadline, "timed out waiting for {n} completions, got {out:?}");
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {n} completions, got {out:?}"
+            );
         }
     }
     out
@@ -264,18 +302,30 @@ pub fn poll_none(cq: *mut ibv_cq, d: Duration) {
     let end = Instant::now() + d;
     while Instant::now() < end {
         let mut wc: ibv_wc = unsafe { std::mem::zeroed() };
-        assert_eq!(unsafe { ibv_poll_cq(cq, 1, &mut wc) }, 0, "unexpected completion");
+        assert_eq!(
+            unsafe { ibv_poll_cq(cq, 1, &mut wc) },
+            0,
+            "unexpected completion"
+        );
     }
 }
 
 /// Whether the channel fd becomes readable within `ms`.
 pub fn readable(ch: *mut ibv_comp_channel, ms: i32) -> bool {
-    let mut p = libc::pollfd { fd: unsafe { (*ch).fd }, events: libc::POLLIN, revents: 0 };
+    let mut p = libc::pollfd {
+        fd: unsafe { (*ch).fd },
+        events: libc::POLLIN,
+        revents: 0,
+    };
     unsafe { libc::poll(&mut p, 1, ms) == 1 }
 }
 
 pub fn fd_readable(fd: i32, ms: i32) -> bool {
-    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
     unsafe { libc::poll(&mut p, 1, ms) == 1 }
 }
 
