@@ -343,3 +343,30 @@ fn overfilled_cq_raises_async_cq_error() {
     assert_eq!(unsafe { ev.element.cq }, small);
     unsafe { ibv_ack_async_event(&mut ev) };
 }
+
+#[test]
+fn waiting_send_completes_without_polling() {
+    needs_launcher!("waiting_send_completes_without_polling");
+    let dev = Dev::open();
+    let ch = dev.channel();
+    let cq_a = dev.cq(16, ch);
+    let cq_b = dev.cq(16, null_mut());
+    let a = dev.qp(cq_a, cq_a, null_mut());
+    let b = dev.qp(cq_b, cq_b, null_mut());
+    connect(a, qpn(b));
+    connect(b, qpn(a));
+    let buf = Buf::new(&dev, 64, 3);
+    assert_eq!(unsafe { ibv_req_notify_cq(cq_a, 0) }, 0);
+    // No receive at b yet: the send waits (RNR, retried forever).
+    assert_eq!(post_send(a, &buf, 0, 8, 1, send(WR_SEND, SIGNALED)), 0);
+    assert!(!readable(ch, 30));
+    post_recv(b, &buf, 32, 32, 2);
+    // Nobody polls cq_a: the progress thread must finish the send and fire the arm.
+    assert!(
+        readable(ch, 2000),
+        "a waiting send never completed in event mode"
+    );
+    get_event(ch, cq_a);
+    assert_eq!(poll(cq_a, 1)[0].wr_id, 1);
+    assert_eq!(poll(cq_b, 1)[0].wr_id, 2);
+}

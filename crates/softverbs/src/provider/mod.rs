@@ -7,6 +7,7 @@ pub mod channel;
 pub mod context;
 pub mod cq;
 pub mod notify;
+pub mod progress;
 pub mod qp;
 pub mod send;
 pub mod srq;

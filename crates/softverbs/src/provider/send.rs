@@ -169,6 +169,7 @@ impl SendSide {
             } else {
                 q.send_cq().waiting.fetch_sub(1, Ordering::Relaxed);
             }
+            super::progress::set(q, on);
         }
     }
 }
