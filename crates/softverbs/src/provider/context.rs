@@ -88,6 +88,7 @@ pub unsafe fn inner<'a>(ctx: *mut ibv::ibv_context) -> &'a ContextInner {
 
 fn make_inner() -> std::io::Result<ContextInner> {
     let ids = Ids::get()?;
+    crate::shm::segment::sweep_dead();
     let id = ids.next(IdKind::Ctx);
     let seg = Segment::create(&format!("ctx-{id}"), CTX_BYTES)?;
     let mut fds = [0 as c_int; 2];

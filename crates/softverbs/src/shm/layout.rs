@@ -256,6 +256,27 @@ mod tests {
     use super::*;
 
     #[test]
+    fn every_header_starts_with_magic_then_pid() {
+        use std::mem::offset_of;
+        assert_eq!(
+            (offset_of!(CtxHeader, magic), offset_of!(CtxHeader, pid)),
+            (0, 4)
+        );
+        assert_eq!(
+            (offset_of!(CqHeader, magic), offset_of!(CqHeader, pid)),
+            (0, 4)
+        );
+        assert_eq!(
+            (offset_of!(QpHeader, magic), offset_of!(QpHeader, pid)),
+            (0, 4)
+        );
+        assert_eq!(
+            (offset_of!(SrqHeader, magic), offset_of!(SrqHeader, pid)),
+            (0, 4)
+        );
+    }
+
+    #[test]
     fn sizes() {
         assert_eq!(size_of::<MrSlot>(), 32);
         assert_eq!(size_of::<Cqe>(), 40);

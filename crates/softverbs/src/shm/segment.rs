@@ -272,3 +272,42 @@ impl Ids {
         (self.next(IdKind::Qpn) % 0x00ff_fff0) + 16
     }
 }
+
+/// Remove segments whose owning process is gone (it exited or crashed
+/// without destroying its objects). Every segment header starts with the
+/// magic and the owner's pid; a pid of 0 means "being created" and is kept.
+/// Peers that still map such a segment keep their mapping.
+pub fn sweep_dead() {
+    use std::io::Read;
+    let Ok(rd) = std::fs::read_dir(dir()) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name();
+        let n = name.to_string_lossy();
+        if !["ctx-", "cq-", "qp-", "srq-"]
+            .iter()
+            .any(|p| n.starts_with(p))
+        {
+            continue;
+        }
+        let mut head = [0u8; 8];
+        let Ok(mut f) = std::fs::File::open(e.path()) else {
+            continue;
+        };
+        if f.read_exact(&mut head).is_err() {
+            continue;
+        }
+        let magic = u32::from_ne_bytes([head[0], head[1], head[2], head[3]]);
+        let pid = u32::from_ne_bytes([head[4], head[5], head[6], head[7]]);
+        if magic != super::layout::MAGIC || pid == 0 {
+            continue;
+        }
+        // SAFETY: kill with signal 0 only checks for existence.
+        let gone = unsafe { libc::kill(pid as libc::pid_t, 0) } != 0
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if gone {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
