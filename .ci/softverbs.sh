@@ -14,7 +14,7 @@ apt-get install -y -qq ibverbs-utils perftest libibverbs-dev librdmacm-dev libcl
 
 cargo build -p softverbs --release
 cargo test -p softverbs --release --no-run
-REL=$ROOT/target/release
+REL=${CARGO_TARGET_DIR:-$ROOT/target}/release
 cp -f "$REL/libsoftverbs.so" "$REL/libsoftverbs-rdmav34.so"
 RUN=$REL/softverbs-run
 

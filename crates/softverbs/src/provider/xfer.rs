@@ -6,6 +6,8 @@
 //! is nevertheless unmapped in another process yields `false` (EFAULT), never
 //! a fault in this process.
 
+use std::sync::atomic::{AtomicU32, Ordering};
+
 /// A byte range in some process's address space.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Span {
@@ -59,11 +61,27 @@ fn iovs(s: &[Span]) -> Vec<libc::iovec> {
         .collect()
 }
 
-fn my_pid() -> u32 {
-    use std::sync::OnceLock;
-    static PID: OnceLock<u32> = OnceLock::new();
-    // Forked children re-resolve: compare with getpid cheaply only on first use.
-    *PID.get_or_init(std::process::id)
+static MY_PID: AtomicU32 = AtomicU32::new(0);
+
+extern "C" fn forget_pid_after_fork() {
+    MY_PID.store(0, Ordering::Relaxed);
+}
+
+/// This process's id, cached (no system call on the fast path) and
+/// forgotten in a forked child.
+pub fn my_pid() -> u32 {
+    let p = MY_PID.load(Ordering::Relaxed);
+    if p != 0 {
+        return p;
+    }
+    static ATFORK: std::sync::Once = std::sync::Once::new();
+    ATFORK.call_once(|| {
+        // SAFETY: registering a child handler that only stores to an atomic.
+        unsafe { libc::pthread_atfork(None, None, Some(forget_pid_after_fork)) };
+    });
+    let p = std::process::id();
+    MY_PID.store(p, Ordering::Relaxed);
+    p
 }
 
 /// Copy local `src` into `dst` of process `pid`. Returns false on a fault.
