@@ -370,3 +370,25 @@ fn waiting_send_completes_without_polling() {
     assert_eq!(poll(cq_a, 1)[0].wr_id, 1);
     assert_eq!(poll(cq_b, 1)[0].wr_id, 2);
 }
+
+#[test]
+fn destroy_order_is_enforced_and_clean() {
+    needs_launcher!("destroy_order_is_enforced_and_clean");
+    let p = pair();
+    // A CQ still used by a QP (as send or receive CQ) cannot go.
+    assert_eq!(unsafe { ibv_destroy_cq(p.cq_b) }, libc::EBUSY);
+    assert_eq!(unsafe { ibv_destroy_qp(p.b) }, 0);
+    assert_eq!(unsafe { ibv_destroy_cq(p.cq_b) }, 0);
+    // The peer is gone: a send now fails instead of hanging.
+    let buf = Buf::new(&p.dev, 64, 0);
+    assert_eq!(post_send(p.a, &buf, 0, 8, 1, send(WR_SEND, SIGNALED)), 0);
+    assert_eq!(
+        poll(p.cq_a, 1)[0].status,
+        ibv_wc_status::IBV_WC_RETRY_EXC_ERR
+    );
+    assert_eq!(unsafe { ibv_destroy_qp(p.a) }, 0);
+    assert_eq!(unsafe { ibv_destroy_cq(p.cq_a) }, 0);
+    assert_eq!(unsafe { ibv_dereg_mr(buf.mr) }, 0);
+    assert_eq!(unsafe { ibv_dealloc_pd(p.dev.pd) }, 0);
+    assert_eq!(unsafe { ibv_close_device(p.dev.ctx) }, 0);
+}

@@ -29,6 +29,8 @@ pub struct SvCq {
     pub send_qps: Mutex<Vec<usize>>,
     /// Number of those QPs that have sends waiting for the responder.
     pub waiting: AtomicU32,
+    /// QPs using this CQ as receive CQ (destroy_cq answers EBUSY meanwhile).
+    pub recv_users: AtomicU32,
     /// Consecutive empty polls (see [`EMPTY_POLLS_BEFORE_YIELD`]).
     pub empty_polls: AtomicU32,
 }
@@ -105,6 +107,7 @@ pub unsafe extern "C" fn create_cq(
         send_qps: Mutex::new(Vec::new()),
         waiting: AtomicU32::new(0),
         empty_polls: AtomicU32::new(0),
+        recv_users: AtomicU32::new(0),
     });
     let raw = Box::into_raw(cq);
     // SAFETY: `raw` is the live box; the header is ours to finish.

@@ -93,9 +93,8 @@ impl SvQp {
 
     /// The send CQ.
     pub fn send_cq(&self) -> &SvCq {
-        // SAFETY: a CQ cannot be destroyed while a QP uses it (destroy_cq
-        // answers EBUSY while send_qps is non-empty; receive CQs are a verbs
-        // rule).
+        // SAFETY: a CQ cannot be destroyed while a QP uses it: destroy_cq
+        // answers EBUSY while send_qps is non-empty or recv_users non-zero.
         unsafe { &*self.send_cq }
     }
 
@@ -270,6 +269,7 @@ pub unsafe extern "C" fn create_qp(
         q.qp_num = qpn;
         q.state = QpState::Reset as u32;
         q.qp_type = QPT_RC;
+        (*raw).recv_cq().recv_users.fetch_add(1, Ordering::AcqRel);
         (*raw)
             .send_cq()
             .send_qps
@@ -307,6 +307,7 @@ pub unsafe extern "C" fn destroy_qp(qp: *mut ibv::ibv_qp) -> c_int {
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .retain(|&p| p != qp as usize);
+    q.recv_cq().recv_users.fetch_sub(1, Ordering::AcqRel);
     // SAFETY: caller contract: last use of the box.
     drop(unsafe { Box::from_raw(qp.cast::<SvQp>()) });
     0

@@ -3,8 +3,8 @@
 //!
 //! 1. validate the local gather list against this context's MR table
 //!    (skipped for inline sends) — failure: `LOC_PROT_ERR`;
-//! 2. find the responder by QPN (segment `qp-<qpn>`, cached) — not created or
-//!    not yet RTR: the WR waits; in ERR: `RETRY_EXC_ERR`;
+//! 2. find the responder by QPN (segment `qp-<qpn>`, cached) — not yet RTR:
+//!    the WR waits; gone or in ERR: `RETRY_EXC_ERR`;
 //! 3. SEND / WRITE-with-immediate take a receive WQE from the responder's
 //!    ring or SRQ — none: the WR waits (infinite RNR retry);
 //! 4. validate the responder's buffers against the responder's MR table
@@ -255,7 +255,8 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
     if ss.remote.is_none() {
         match Remote::open(ss.dest_qpn) {
             Ok(r) => ss.remote = Some(r),
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Outcome::WaitPeer,
+            // A QPN is only learnt after its QP was created, so a missing
+            // segment means the responder is gone: as a timeout on hardware.
             Err(_) => return Outcome::Done(WcStatus::RetryExcErr, 0),
         }
     }
