@@ -27,6 +27,9 @@ echo "softverbs CI: logs in $LOGS"
 
 fail=0
 passed=0
+# A port block of our own (servers on fixed ports could meet a previous run's
+# lingering sockets or another program on a shared machine).
+BASE=$((20000 + ($$ % 2000) * 16))
 
 wait_listen() { # port: wait until something listens on 127.0.0.1/0.0.0.0:port
     local port=$1 i
@@ -75,15 +78,15 @@ single() { # NAME CHECK_REGEX CMD...
 
 single ibv_devices 'softverbs0' ibv_devices
 single ibv_devinfo 'PORT_ACTIVE' ibv_devinfo -v
-pair rc_pingpong 18811 'iters in' ibv_rc_pingpong -n 5000
-pair rc_pingpong_events 18812 'iters in' ibv_rc_pingpong -e -n 5000
-pair srq_pingpong 18813 'iters in' ibv_srq_pingpong -n 2000
-pair srq_pingpong_events 18814 'iters in' ibv_srq_pingpong -e -n 2000
-pair ib_send_bw 18815 '^ *65536 ' ib_send_bw -s 65536 -n 5000
-pair ib_write_bw 18816 '^ *65536 ' ib_write_bw -s 65536 -n 5000
-pair ib_read_bw 18817 '^ *65536 ' ib_read_bw -s 65536 -n 5000
-pair ib_send_lat 18818 '^ *2 ' ib_send_lat -n 10000
-pair ib_write_lat 18819 '^ *2 ' ib_write_lat -n 10000
+pair rc_pingpong $((BASE + 0)) 'iters in' ibv_rc_pingpong -n 5000
+pair rc_pingpong_events $((BASE + 1)) 'iters in' ibv_rc_pingpong -e -n 5000
+pair srq_pingpong $((BASE + 2)) 'iters in' ibv_srq_pingpong -n 2000
+pair srq_pingpong_events $((BASE + 3)) 'iters in' ibv_srq_pingpong -e -n 2000
+pair ib_send_bw $((BASE + 4)) '^ *65536 ' ib_send_bw -s 65536 -n 5000
+pair ib_write_bw $((BASE + 5)) '^ *65536 ' ib_write_bw -s 65536 -n 5000
+pair ib_read_bw $((BASE + 6)) '^ *65536 ' ib_read_bw -s 65536 -n 5000
+pair ib_send_lat $((BASE + 7)) '^ *2 ' ib_send_lat -n 10000
+pair ib_write_lat $((BASE + 8)) '^ *2 ' ib_write_lat -n 10000
 
 echo "clients: $passed passed, $fail failed"
 if [[ $fail -ne 0 ]]; then exit 1; fi

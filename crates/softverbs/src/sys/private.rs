@@ -155,3 +155,15 @@ pub fn warn(msg: &str) {
 pub const fn cstr(s: &'static CStr) -> *const c_char {
     s.as_ptr()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::AbiError;
+
+    #[test]
+    fn refusal_names_the_symbol_and_the_needed_abi() {
+        let m = AbiError::Missing { symbol: "verbs_register_driver_34" }.to_string();
+        assert!(m.contains("verbs_register_driver_34@IBVERBS_PRIVATE_34"), "{m}");
+        assert!(m.contains("rdma-core"), "{m}");
+    }
+}
