@@ -162,8 +162,14 @@ mod tests {
 
     #[test]
     fn refusal_names_the_symbol_and_the_needed_abi() {
-        let m = AbiError::Missing { symbol: "verbs_register_driver_34" }.to_string();
-        assert!(m.contains("verbs_register_driver_34@IBVERBS_PRIVATE_34"), "{m}");
+        let m = AbiError::Missing {
+            symbol: "verbs_register_driver_34",
+        }
+        .to_string();
+        assert!(
+            m.contains("verbs_register_driver_34@IBVERBS_PRIVATE_34"),
+            "{m}"
+        );
         assert!(m.contains("rdma-core"), "{m}");
     }
 }
