@@ -392,3 +392,66 @@ fn destroy_order_is_enforced_and_clean() {
     assert_eq!(unsafe { ibv_dealloc_pd(p.dev.pd) }, 0);
     assert_eq!(unsafe { ibv_close_device(p.dev.ctx) }, 0);
 }
+
+struct SendPtr<T>(*mut T);
+impl<T> Clone for SendPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SendPtr<T> {}
+// SAFETY (test): libibverbs objects may be used from several threads; each
+// QP here is posted to by exactly one thread.
+unsafe impl<T> std::marker::Send for SendPtr<T> {}
+
+#[test]
+fn concurrent_posters_one_poller() {
+    needs_launcher!("concurrent_posters_one_poller");
+    const N: u64 = 2000;
+    let dev = Dev::open();
+    let scq = dev.cq(4096, null_mut());
+    let rcq = dev.cq(4096, null_mut());
+    let srq = dev.srq(4096);
+    let rbuf = Buf::new(&dev, 64, 0);
+    for i in 0..(2 * N) {
+        post_srq_recv(srq, &rbuf, 0, 64, i);
+    }
+    let mut qps = Vec::new();
+    for _ in 0..2 {
+        let a = dev.qp(scq, scq, null_mut());
+        let b = dev.qp(rcq, rcq, srq);
+        connect(a, qpn(b));
+        connect(b, qpn(a));
+        qps.push(SendPtr(a));
+    }
+    let src = Buf::new(&dev, 64, 1);
+    let src_p = SendPtr(&src as *const Buf as *mut Buf);
+    std::thread::scope(|s| {
+        for (t, q) in qps.iter().copied().enumerate() {
+            s.spawn(move || {
+                let q = q;
+                let src = src_p;
+                for i in 0..N {
+                    // SAFETY (test): `src` outlives the scope.
+                    let b = unsafe { &*src.0 };
+                    assert_eq!(
+                        post_send(q.0, b, 0, 8, (t as u64) << 32 | i, send(WR_SEND, SIGNALED)),
+                        0
+                    );
+                }
+            });
+        }
+        let got = poll(scq, 2 * N as usize);
+        let mut ids: Vec<u64> = got.iter().map(|w| w.wr_id).collect();
+        ids.sort();
+        ids.dedup();
+        assert_eq!(
+            ids.len(),
+            2 * N as usize,
+            "every send completes exactly once"
+        );
+        assert!(got.iter().all(|w| w.status == WC_SUCCESS));
+    });
+    assert_eq!(poll(rcq, 2 * N as usize).len(), 2 * N as usize);
+    poll_none(rcq, Duration::from_millis(10));
+}

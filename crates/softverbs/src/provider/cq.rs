@@ -157,12 +157,11 @@ pub unsafe extern "C" fn poll_cq(cq: *mut ibv::ibv_cq, n: c_int, wc: *mut ibv::i
     // SAFETY: caller contract.
     let s = unsafe { sv(cq) };
     if s.waiting.load(Ordering::Relaxed) != 0 {
-        let qps: Vec<usize> = s.send_qps.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        for q in qps {
-            // SAFETY: QPs remove themselves from send_qps before they are
-            // freed, and the application does not destroy a QP while polling
-            // its CQ; `q` is therefore live.
-            unsafe { (*(q as *const SvQp)).progress() };
+        let qps = s.send_qps.lock().unwrap_or_else(|e| e.into_inner());
+        for &q in qps.iter() {
+            // SAFETY: destroy_qp removes its QP from send_qps under this lock
+            // before freeing it, so every entry is live while we hold it.
+            unsafe { (*(q as *const SvQp)).try_progress() };
         }
     }
     let mut got = 0;

@@ -147,10 +147,12 @@ impl SvQp {
         });
     }
 
-    /// Retry sends waiting for the responder.
-    pub fn progress(&self) {
-        let mut ss = self.lock_send();
-        super::send::progress(self, &mut ss);
+    /// Retry sends waiting for the responder, unless another thread holds
+    /// the send side (it is posting or progressing them already).
+    pub fn try_progress(&self) {
+        if let Ok(mut ss) = self.send.try_lock() {
+            super::send::progress(self, &mut ss);
+        }
     }
 }
 
