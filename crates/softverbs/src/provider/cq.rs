@@ -19,8 +19,11 @@ use crate::sys::ibv;
 /// A completion queue.
 #[repr(C)]
 pub struct SvCq {
-    /// The libibverbs part.
-    pub cq: ibv::ibv_cq,
+    /// The libibverbs part: an `ibv_cq_ex`, whose prefix is an `ibv_cq`, so
+    /// one layout serves `ibv_create_cq` and `ibv_create_cq_ex`.
+    pub cq: ibv::ibv_cq_ex,
+    /// The completion `start_poll`/`next_poll` made current (extended CQs).
+    pub cur: std::cell::Cell<Cqe>,
     /// CQ id (segment `cq-<id>`).
     pub id: u32,
     /// The ring and its notification state.
@@ -41,6 +44,32 @@ pub struct SvCq {
 /// yield now and then costs nothing measurable when cores are free.
 pub const EMPTY_POLLS_BEFORE_YIELD: u32 = 128;
 
+impl SvCq {
+    /// Retry the waiting sends of QPs that use this CQ as send CQ.
+    pub fn progress_waiting(&self) {
+        let s = self;
+        if s.waiting.load(Ordering::Relaxed) != 0 {
+            let qps = s.send_qps.lock().unwrap_or_else(|e| e.into_inner());
+            for &q in qps.iter() {
+                // SAFETY: destroy_qp removes its QP from send_qps under this lock
+                // before freeing it, so every entry is live while we hold it.
+                unsafe { (*(q as *const SvQp)).try_progress() };
+            }
+        }
+    }
+
+    /// Count an empty poll; yield the CPU every [`EMPTY_POLLS_BEFORE_YIELD`].
+    pub fn empty_poll(&self) {
+        let n = self.empty_polls.load(Ordering::Relaxed) + 1;
+        if n >= EMPTY_POLLS_BEFORE_YIELD {
+            self.empty_polls.store(0, Ordering::Relaxed);
+            std::thread::yield_now();
+        } else {
+            self.empty_polls.store(n, Ordering::Relaxed);
+        }
+    }
+}
+
 /// `create_cq`.
 ///
 /// # Safety
@@ -51,6 +80,19 @@ pub unsafe extern "C" fn create_cq(
     channel: *mut ibv::ibv_comp_channel,
     _comp_vector: c_int,
 ) -> *mut ibv::ibv_cq {
+    // SAFETY: caller contract.
+    unsafe { make_cq(ctx, cqe, channel) }.cast()
+}
+
+/// Build a CQ (both creation paths).
+///
+/// # Safety
+/// As [`create_cq`].
+pub unsafe fn make_cq(
+    ctx: *mut ibv::ibv_context,
+    cqe: c_int,
+    channel: *mut ibv::ibv_comp_channel,
+) -> *mut SvCq {
     if cqe <= 0 || cqe as u32 > limits::MAX_CQE {
         set_errno(libc::EINVAL);
         return std::ptr::null_mut();
@@ -99,7 +141,7 @@ pub unsafe extern "C" fn create_cq(
         return std::ptr::null_mut();
     };
     let cq = Box::new(SvCq {
-        // SAFETY: all-zero is valid for ibv_cq (pointers, ints, glibc
+        // SAFETY: all-zero is valid for ibv_cq_ex (pointers, ints, glibc
         // pthread objects whose zero value is the static initialiser).
         cq: unsafe { std::mem::zeroed() },
         id,
@@ -108,6 +150,7 @@ pub unsafe extern "C" fn create_cq(
         waiting: AtomicU32::new(0),
         empty_polls: AtomicU32::new(0),
         recv_users: AtomicU32::new(0),
+        cur: std::cell::Cell::new(Cqe::default()),
     });
     let raw = Box::into_raw(cq);
     // SAFETY: `raw` is the live box; the header is ours to finish.
@@ -116,7 +159,7 @@ pub unsafe extern "C" fn create_cq(
         (*raw).cq.handle = id;
         (*hdr).cq_ptr = std::ptr::addr_of_mut!((*raw).cq) as u64;
     }
-    raw.cast()
+    raw
 }
 
 /// The SvCq of an `ibv_cq` of this provider.
@@ -156,14 +199,7 @@ pub unsafe extern "C" fn destroy_cq(cq: *mut ibv::ibv_cq) -> c_int {
 pub unsafe extern "C" fn poll_cq(cq: *mut ibv::ibv_cq, n: c_int, wc: *mut ibv::ibv_wc) -> c_int {
     // SAFETY: caller contract.
     let s = unsafe { sv(cq) };
-    if s.waiting.load(Ordering::Relaxed) != 0 {
-        let qps = s.send_qps.lock().unwrap_or_else(|e| e.into_inner());
-        for &q in qps.iter() {
-            // SAFETY: destroy_qp removes its QP from send_qps under this lock
-            // before freeing it, so every entry is live while we hold it.
-            unsafe { (*(q as *const SvQp)).try_progress() };
-        }
-    }
+    s.progress_waiting();
     let mut got = 0;
     while got < n.max(0) {
         let Some(e) = s.port.ring().pop() else { break };
@@ -172,13 +208,7 @@ pub unsafe extern "C" fn poll_cq(cq: *mut ibv::ibv_cq, n: c_int, wc: *mut ibv::i
         got += 1;
     }
     if got == 0 {
-        let n = s.empty_polls.load(Ordering::Relaxed) + 1;
-        if n >= EMPTY_POLLS_BEFORE_YIELD {
-            s.empty_polls.store(0, Ordering::Relaxed);
-            std::thread::yield_now();
-        } else {
-            s.empty_polls.store(n, Ordering::Relaxed);
-        }
+        s.empty_poll();
     } else {
         s.empty_polls.store(0, Ordering::Relaxed);
     }

@@ -6,6 +6,7 @@
 pub mod channel;
 pub mod context;
 pub mod cq;
+pub mod cq_ex;
 pub mod notify;
 pub mod progress;
 pub mod qp;
@@ -62,6 +63,7 @@ pub static CONTEXT_OPS: VerbsContextOps = VerbsContextOps {
     async_event: Some(context::async_event),
     cq_event: Some(cq::cq_event),
     create_cq: Some(cq::create_cq),
+    create_cq_ex: Some(cq_ex::create_cq_ex),
     create_qp: Some(qp::create_qp),
     create_srq: Some(srq::create_srq),
     dealloc_pd: Some(context::dealloc_pd),

@@ -179,7 +179,12 @@ pub struct VerbsContextOps {
             c_int,
         ) -> *mut ibv::ibv_cq,
     >,
-    pub create_cq_ex: Unused,
+    pub create_cq_ex: Option<
+        unsafe extern "C" fn(
+            *mut ibv::ibv_context,
+            *mut ibv::ibv_cq_init_attr_ex,
+        ) -> *mut ibv::ibv_cq_ex,
+    >,
     pub create_flow: Unused,
     pub create_flow_action_esp: Unused,
     pub create_qp: Option<
@@ -297,6 +302,7 @@ mod tests {
         assert_eq!(offset_of!(VerbsContextOps, async_event), 7 * P);
         assert_eq!(offset_of!(VerbsContextOps, cq_event), 12 * P);
         assert_eq!(offset_of!(VerbsContextOps, create_cq), 15 * P);
+        assert_eq!(offset_of!(VerbsContextOps, create_cq_ex), 16 * P);
         assert_eq!(offset_of!(VerbsContextOps, create_qp), 19 * P);
         assert_eq!(offset_of!(VerbsContextOps, create_srq), 22 * P);
         assert_eq!(offset_of!(VerbsContextOps, dealloc_pd), 26 * P);
