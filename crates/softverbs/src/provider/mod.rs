@@ -10,6 +10,7 @@ pub mod cq_ex;
 pub mod notify;
 pub mod progress;
 pub mod qp;
+pub mod remote;
 pub mod send;
 pub mod srq;
 pub mod xfer;

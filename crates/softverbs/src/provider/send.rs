@@ -17,25 +17,18 @@
 //! and by `poll_cq` on the send CQ. An unsuccessful completion moves the QP
 //! to ERR, which flushes the rest (model::qp).
 
-use std::io;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::notify::CqPort;
 use super::qp::{sv, Pending, SvQp};
+use super::remote::Remote;
 use super::set_bad;
 use super::xfer::{read_from, write_to, Span};
 use crate::model::qp::QpState;
 use crate::model::wc::{
     access, opcode, send_completes, send_flags, send_wc_opcode, wr, WcStatus, WC_WITH_IMM,
 };
-use crate::shm::layout::{
-    mr_lookup, mr_table, ring_offset, CqHeader, Cqe, CtxHeader, MrSlot, QpHeader, RecvWqe, Sge,
-    SrqHeader, CTX_BYTES, MAGIC, MAX_SGE,
-};
-use crate::shm::ring::Ring;
-use crate::shm::Segment;
+use crate::shm::layout::{mr_lookup, Cqe, RecvWqe, Sge, MAX_SGE};
 use crate::sys::ibv;
 
 /// How long a WR waits for a responder that is not yet ready (RTR).
@@ -58,83 +51,6 @@ pub struct Wr {
     rkey: u32,
     owned: Option<Vec<u8>>,
     since: Option<Instant>,
-}
-
-/// The responder of a connected QP, as mapped by the requester.
-#[derive(Debug)]
-pub struct Remote {
-    qp: Arc<Segment>,
-    ctx: Arc<Segment>,
-    rq: Ring<RecvWqe>,
-    srq: Option<(Arc<Segment>, Ring<RecvWqe>)>,
-    cq: CqPort,
-}
-
-fn seg_err() -> io::Error {
-    io::Error::from_raw_os_error(libc::EPROTO)
-}
-
-impl Remote {
-    fn open(qpn: u32) -> io::Result<Self> {
-        let qp = Segment::open(&format!("qp-{qpn}"))?;
-        let h = qp.base().cast::<QpHeader>();
-        // SAFETY: the creator wrote the header before the QPN was known; the
-        // magic is checked before any other field is trusted.
-        let (magic, ctx_id, cq_id, srq_id) =
-            unsafe { ((*h).magic, (*h).ctx, (*h).recv_cq, (*h).srq) };
-        if magic != MAGIC {
-            return Err(seg_err());
-        }
-        let off = ring_offset::<QpHeader>();
-        // SAFETY: the ring was initialised at `off` by the creator; `qp` is
-        // kept alive with the view.
-        let rq = unsafe { Ring::attach(qp.base().add(off), qp.len() - off) }.ok_or_else(seg_err)?;
-        let ctx = Segment::open(&format!("ctx-{ctx_id}"))?;
-        // SAFETY: a context segment starts with its header.
-        if ctx.len() < CTX_BYTES || unsafe { (*ctx.base().cast::<CtxHeader>()).magic } != MAGIC {
-            return Err(seg_err());
-        }
-        let cq = CqPort::attach(Segment::open(&format!("cq-{cq_id}"))?).ok_or_else(seg_err)?;
-        let srq = if srq_id == 0 {
-            None
-        } else {
-            let s = Segment::open(&format!("srq-{srq_id}"))?;
-            let off = ring_offset::<SrqHeader>();
-            // SAFETY: as for the QP ring.
-            let r =
-                unsafe { Ring::attach(s.base().add(off), s.len() - off) }.ok_or_else(seg_err)?;
-            Some((s, r))
-        };
-        let _ = std::mem::size_of::<CqHeader>();
-        Ok(Self {
-            qp,
-            ctx,
-            rq,
-            srq,
-            cq,
-        })
-    }
-
-    fn hdr(&self) -> &QpHeader {
-        // SAFETY: checked in open; lives with `qp`.
-        unsafe { &*self.qp.base().cast::<QpHeader>() }
-    }
-
-    fn state(&self) -> QpState {
-        QpState::from_u32(self.hdr().state.load(Ordering::Acquire)).unwrap_or(QpState::Err)
-    }
-
-    fn mrs(&self) -> &[MrSlot] {
-        // SAFETY: CTX_BYTES checked in open; lives with `ctx`.
-        unsafe { mr_table(self.ctx.base()) }
-    }
-
-    fn pop_recv(&self) -> Option<RecvWqe> {
-        match &self.srq {
-            Some((_, r)) => r.pop(),
-            None => self.rq.pop(),
-        }
-    }
 }
 
 /// The send side of a QP (under the QP's send mutex).
