@@ -79,12 +79,21 @@ fn cross_process_send_write_read() {
     let dev = Dev::open();
     let cq = dev.cq(64, null_mut());
     let qp = dev.qp(cq, cq, null_mut());
+    let qp2 = dev.qp(cq, cq, null_mut());
     let mut target = Buf::new(&dev, 2 * HALF, 0);
     target.data[HALF..].copy_from_slice(&pattern(3, HALF));
     let rbuf = Buf::new(&dev, 4096, 0);
-    ch.send(&format!("{} {} {}", qpn(qp), target.addr(), target.rkey()));
-    let peer = ch.recv()[0] as u32;
+    ch.send(&format!(
+        "{} {} {} {}",
+        qpn(qp),
+        target.addr(),
+        target.rkey(),
+        qpn(qp2)
+    ));
+    let peers = ch.recv();
+    let peer = peers[0] as u32;
     connect(qp, peer);
+    connect(qp2, peers[1] as u32);
     post_recv(qp, &rbuf, 0, 4096, 1);
     post_recv(qp, &rbuf, 0, 4096, 2);
     ch.send("ready");
@@ -115,10 +124,12 @@ fn requester(mut ch: Chan) {
     let dev = Dev::open();
     let cq = dev.cq(64, null_mut());
     let qp = dev.qp(cq, cq, null_mut());
+    let qp2 = dev.qp(cq, cq, null_mut());
     let r = ch.recv();
     let (peer, raddr, rkey) = (r[0] as u32, r[1], r[2] as u32);
-    ch.send(&format!("{}", qpn(qp)));
+    ch.send(&format!("{} {}", qpn(qp), qpn(qp2)));
     connect(qp, peer);
+    connect(qp2, r[3] as u32);
     let _ready = ch.recv();
     let mut src = Buf::new(&dev, HALF, 0);
     src.data[..100].copy_from_slice(&pattern(1, 100));
@@ -165,6 +176,15 @@ fn requester(mut ch: Chan) {
     };
     assert_eq!(post_send(qp, &src, 0, 8, 5, bad), 0);
     assert_eq!(poll(cq, 1)[0].status, WC_REM_ACCESS);
+    // Out of bounds: a READ running past the end of the responder's region.
+    let oob = Send {
+        remote_addr: raddr + 2 * HALF as u64 - 8,
+        rkey,
+        ..send(WR_READ, SIGNALED)
+    };
+    assert_eq!(post_send(qp2, &back, 0, 64, 6, oob), 0);
+    let c = poll(cq, 1)[0];
+    assert_eq!((c.wr_id, c.status), (6, WC_REM_ACCESS));
     ch.send("1");
 }
 
