@@ -89,8 +89,7 @@ pub unsafe fn inner<'a>(ctx: *mut ibv::ibv_context) -> &'a ContextInner {
 fn make_inner() -> std::io::Result<ContextInner> {
     let ids = Ids::get()?;
     crate::shm::segment::sweep_dead();
-    let id = ids.next(IdKind::Ctx);
-    let seg = Segment::create(&format!("ctx-{id}"), CTX_BYTES)?;
+    let (id, seg) = crate::shm::segment::create_fresh("ctx-", || ids.next(IdKind::Ctx), CTX_BYTES)?;
     let mut fds = [0 as c_int; 2];
     // SAFETY: `fds` is a valid 2-int array.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {

@@ -13,7 +13,7 @@ use crate::model::cq::arm_state;
 use crate::shm::layout::{ring_offset, seg_bytes, CqHeader, Cqe, MAGIC};
 use crate::shm::ring::Ring;
 use crate::shm::segment::IdKind;
-use crate::shm::{Ids, Segment};
+use crate::shm::Ids;
 use crate::sys::ibv;
 
 /// A completion queue.
@@ -116,9 +116,12 @@ pub unsafe fn make_cq(
             return std::ptr::null_mut();
         }
     };
-    let id = ids.next(IdKind::Cq);
-    let seg = match Segment::create(&format!("cq-{id}"), seg_bytes::<CqHeader, Cqe>(cap)) {
-        Ok(s) => s,
+    let (id, seg) = match crate::shm::segment::create_fresh(
+        "cq-",
+        || ids.next(IdKind::Cq),
+        seg_bytes::<CqHeader, Cqe>(cap),
+    ) {
+        Ok(x) => x,
         Err(e) => {
             set_errno(e.raw_os_error().unwrap_or(libc::EIO));
             return std::ptr::null_mut();

@@ -199,9 +199,12 @@ pub unsafe extern "C" fn create_qp(
             return std::ptr::null_mut();
         }
     };
-    let qpn = ids.next_qpn();
-    let seg = match Segment::create(&format!("qp-{qpn}"), seg_bytes::<QpHeader, RecvWqe>(rq_cap)) {
-        Ok(s) => s,
+    let (qpn, seg) = match crate::shm::segment::create_fresh(
+        "qp-",
+        || ids.next_qpn(),
+        seg_bytes::<QpHeader, RecvWqe>(rq_cap),
+    ) {
+        Ok(x) => x,
         Err(e) => {
             set_errno(e.raw_os_error().unwrap_or(libc::EIO));
             return std::ptr::null_mut();

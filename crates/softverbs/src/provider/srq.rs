@@ -46,9 +46,12 @@ pub unsafe extern "C" fn create_srq(
     let Ok(ids) = Ids::get() else {
         return fail(libc::EIO);
     };
-    let id = ids.next(IdKind::Srq);
-    let seg = match Segment::create(&format!("srq-{id}"), seg_bytes::<SrqHeader, RecvWqe>(cap)) {
-        Ok(s) => s,
+    let (id, seg) = match crate::shm::segment::create_fresh(
+        "srq-",
+        || ids.next(IdKind::Srq),
+        seg_bytes::<SrqHeader, RecvWqe>(cap),
+    ) {
+        Ok(x) => x,
         Err(e) => return fail(e.raw_os_error().unwrap_or(libc::EIO)),
     };
     // SAFETY: fresh zeroed segment sized for the ring; unknown to others.

@@ -311,3 +311,25 @@ pub fn sweep_dead() {
         }
     }
 }
+
+/// Create `<prefix><id>` with ids drawn from `next`, skipping ids whose name
+/// is taken (a leftover the sweep could not attribute, or a wrapped QPN).
+///
+/// # Errors
+/// The OS error of the last attempt.
+pub fn create_fresh(
+    prefix: &str,
+    mut next: impl FnMut() -> u32,
+    len: usize,
+) -> io::Result<(u32, Arc<Segment>)> {
+    let mut last = io::Error::from_raw_os_error(libc::EEXIST);
+    for _ in 0..64 {
+        let id = next();
+        match Segment::create(&format!("{prefix}{id}"), len) {
+            Ok(s) => return Ok((id, s)),
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => last = e,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last)
+}
