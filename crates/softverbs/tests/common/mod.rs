@@ -18,8 +18,10 @@ pub fn launcher_or_skip(test: &str) -> bool {
     if std::env::var_os("SOFTVERBS_RUN").is_some() {
         return true;
     }
-    eprintln!("SKIPPED: {test} (needs softverbs-run, root)");
-    println!("SKIPPED: {test} (needs softverbs-run, root)");
+    // Straight to fd 2: libtest captures print!/eprint! of passing tests, and
+    // a skip must be seen.
+    let line = format!("SKIPPED: {test} (needs softverbs-run, root)\n");
+    unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
     false
 }
 
