@@ -183,12 +183,13 @@ fn default_timeout_ms() -> u64 {
 }
 
 impl Default for ModeConfig {
-    /// Adaptive, the recommended mode: 0–50 µs window, 25% CPU, 100 ms.
+    /// Adaptive, the recommended mode, with the poller's own defaults:
+    /// 2–200 µs window, 50% CPU, 100 ms.
     fn default() -> Self {
         ModeConfig::Adaptive {
-            min_window_us: 0,
-            max_window_us: 50,
-            cpu_budget_percent: 25,
+            min_window_us: 2,
+            max_window_us: 200,
+            cpu_budget_percent: 50,
             timeout_ms: default_timeout_ms(),
         }
     }
@@ -232,5 +233,48 @@ impl ModeConfig {
             | ModeConfig::Hybrid { timeout_ms, .. }
             | ModeConfig::Adaptive { timeout_ms, .. } => Some(Duration::from_millis(timeout_ms)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mode::PollMode;
+
+    #[test]
+    fn default_mode_is_the_pollers_default() {
+        assert_eq!(ModeConfig::default().poll_mode(), PollMode::default());
+        assert_eq!(
+            ModeConfig::default().timeout(),
+            Some(crate::poller::DEFAULT_WAKE_TIMEOUT)
+        );
+    }
+
+    #[test]
+    fn every_mode_maps() {
+        assert_eq!(ModeConfig::Busy.poll_mode(), PollMode::Busy);
+        assert_eq!(ModeConfig::Busy.timeout(), None);
+        assert_eq!(
+            ModeConfig::Event { timeout_ms: 7 }.poll_mode(),
+            PollMode::Event
+        );
+        assert_eq!(
+            ModeConfig::Hybrid {
+                spin_window_us: 30,
+                timeout_ms: 9
+            }
+            .poll_mode(),
+            PollMode::Hybrid {
+                spin: Duration::from_micros(30)
+            }
+        );
+        assert_eq!(
+            ModeConfig::Hybrid {
+                spin_window_us: 30,
+                timeout_ms: 9
+            }
+            .timeout(),
+            Some(Duration::from_millis(9))
+        );
     }
 }
