@@ -11,6 +11,18 @@ use crate::pool::{Pool, PoolSink, Work};
 /// [`TopologyConfig::validate`](super::TopologyConfig::validate). Each
 /// poller and pool plan can be taken once and spawned once, so a validated
 /// CPU claim cannot be spawned twice.
+///
+/// Nothing else makes plans, so no thread escapes validation:
+///
+/// ```compile_fail
+/// use cqd_core::topology::{PoolConfig, PoolPlan};
+/// let plan = PoolPlan { config: PoolConfig::new("io", 0), on_priority_error: Default::default() };
+/// ```
+///
+/// ```compile_fail
+/// use cqd_core::topology::PoolPlan;
+/// let plan = PoolPlan::new(cqd_core::topology::PoolConfig::new("io", 0), Default::default());
+/// ```
 #[derive(Debug)]
 pub struct Topology {
     pollers: Vec<Option<PollerPlan>>,
