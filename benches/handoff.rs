@@ -310,6 +310,7 @@ fn main() {
         println!("\nproducer -> {workers} worker(s)");
         println!("{:<30} {:>14} {:>12}", "contender", "items/s", "cqd / this");
         let only = std::env::var("CQD_BENCH_ONLY").ok();
+        let mut notes: Vec<String> = Vec::new();
         let rates: Vec<f64> = CONTENDERS
             .iter()
             .map(|(name, f)| match &only {
@@ -318,11 +319,11 @@ fn main() {
                 // (they spin away each other's time slices); measure the rate
                 // on a twentieth of the items so the run ends in minutes.
                 _ if name.starts_with("disruptor") && workers + 1 > cpus => {
-                    println!(
-                        "({name}: {} spinning threads on {cpus} CPUs, rate measured on {} items)",
+                    notes.push(format!(
+                        "({name}: {} spinning threads on {cpus} CPUs; rate measured on {} items)",
                         workers + 1,
                         items / 20
-                    );
+                    ));
                     measure(*f, (items / 20).max(1), workers)
                 }
                 _ => measure(*f, items, workers),
@@ -331,6 +332,7 @@ fn main() {
         for ((name, _), rate) in CONTENDERS.iter().zip(&rates) {
             println!("{name:<30} {:>14.0} {:>11.2}x", rate, rates[0] / rate);
         }
+        notes.iter().for_each(|n| println!("{n}"));
         let goal = |i: usize, want: f64| {
             let ratio = rates[0] / rates[i];
             let verdict = if ratio >= want { "met" } else { "NOT met" };
