@@ -6,6 +6,7 @@
 //! CQD_BENCH_QUICK=1 cargo bench --bench handoff   # CI smoke, a few seconds
 //! cargo bench --bench handoff -- --items 2000000  # any count
 //! CQD_BENCH_ONLY=cqd cargo bench --bench handoff  # contenders whose name has `cqd`
+//! CQD_BENCH_WORKERS=1 cargo bench --bench handoff  # only producer -> 1 worker
 //! ```
 //!
 //! Every contender moves `u64`s from one producer thread to `workers`
@@ -306,7 +307,11 @@ fn main() {
         .unwrap_or(if quick { 200_000 } else { 10_000_000 });
     let cpus = thread::available_parallelism().map_or(1, |n| n.get());
     println!("hand-off: 1 producer, {items} u64 items, {CAPACITY} slots per worker queue, median of 3, {cpus} CPUs");
-    for workers in [1, 2] {
+    let worker_counts: Vec<usize> = match std::env::var("CQD_BENCH_WORKERS") {
+        Ok(v) => v.split(',').filter_map(|w| w.trim().parse().ok()).collect(),
+        Err(_) => vec![1, 2],
+    };
+    for workers in worker_counts {
         println!("\nproducer -> {workers} worker(s)");
         println!("{:<30} {:>14} {:>12}", "contender", "items/s", "cqd / this");
         let only = std::env::var("CQD_BENCH_ONLY").ok();

@@ -5,12 +5,16 @@
 //!
 //! 1. Reload each ring's consumer position once; note its free slots.
 //! 2. Walk the caller's queue front to back. A keyed item goes to its
-//!    fixed worker, anything else to the ring with most free slots. If the
-//!    ring has room the item is staged in it; if not, the item goes to the
-//!    back of the queue. A ring full once stays full for the rest of the
-//!    offer, so no later item overtakes a refused one to the same worker.
-//!    When every ring is full the walk stops and the unvisited items are
-//!    rotated behind the refused ones: the queue keeps its order.
+//!    fixed worker, anything else to the ring with most free slots.
+//!
+//!    - 2a, the fast path and the common case: while every item fits, stage
+//!      it and take it off the front (for one worker, the whole fitting
+//!      prefix in one tight loop).
+//!    - 2b: once an item does not fit, it goes to the back of the queue and
+//!      the walk goes on. A ring full once stays full for the rest of the
+//!      offer, so no later item overtakes a refused one to the same worker.
+//!      When every ring is full the walk stops and the unvisited items are
+//!      rotated behind the refused ones: the queue keeps its order.
 //! 3. Publish each ring that got items (one `Release` store per ring).
 //! 4. One `SeqCst` fence.
 //! 5. For each ring published to that was empty, unpark its worker if it
@@ -139,6 +143,50 @@ impl<W> PoolSink<W> {
         best
     }
 
+    /// The destination of an item.
+    fn route(&self, route: Route, workers: usize) -> usize {
+        match (self.routing, route) {
+            (Routing::AsRouted, Route::Key(key)) => worker_for_key(key, workers),
+            _ => self.shallowest(),
+        }
+    }
+
+    /// Step 2a: stages items off the front of `items` for as long as each
+    /// fits, and returns how many it took.
+    fn stage_prefix(&mut self, items: &mut VecDeque<Routed<W>>, open: &mut usize) -> usize {
+        let workers = self.rings.len();
+        if workers == 1 {
+            // `stage_all` takes at most `free()` values, and exactly that
+            // many are drained, so none is dropped.
+            let fit = items.len().min(self.rings[0].free());
+            let taken = self.rings[0].stage_all(items.drain(..fit).map(|r| r.item));
+            self.free[0] -= taken;
+            *open -= usize::from(self.free[0] == 0 && taken > 0);
+            return taken;
+        }
+        let mut taken = 0;
+        while let Some(front) = items.front() {
+            let dest = self.route(front.route, workers);
+            if self.free[dest] == 0 {
+                break;
+            }
+            let Some(Routed { route, item }) = items.pop_front() else {
+                break;
+            };
+            if let Err(item) = self.rings[dest].stage(item) {
+                // Not expected (free mirrors the ring), but never lose it.
+                items.push_front(Routed { route, item });
+                *open -= usize::from(self.free[dest] > 0);
+                self.free[dest] = 0;
+                break;
+            }
+            self.free[dest] -= 1;
+            *open -= usize::from(self.free[dest] == 0);
+            taken += 1;
+        }
+        taken
+    }
+
     /// Hands over everything in `items`, retrying while rings are full, for
     /// the stop sequence (never on the poller's hot path: this waits).
     ///
@@ -184,17 +232,17 @@ impl<W: Send> WorkSink<W> for PoolSink<W> {
             *free = ring.refresh();
             open += usize::from(*free > 0);
         }
-        // 2. Route and stage.
+        // 2a. Fast path.
+        let taken = self.stage_prefix(items, &mut open);
+        // 2b. Walk the rest.
+        let n_rest = n - taken;
         let mut visited = 0;
-        while visited < n && open > 0 {
+        while visited < n_rest && open > 0 {
             let Some(Routed { route, item }) = items.pop_front() else {
                 break;
             };
             visited += 1;
-            let dest = match (self.routing, route) {
-                (Routing::AsRouted, Route::Key(key)) => worker_for_key(key, workers),
-                _ => self.shallowest(),
-            };
+            let dest = self.route(route, workers);
             if self.free[dest] == 0 {
                 items.push_back(Routed { route, item });
                 continue;
@@ -212,7 +260,7 @@ impl<W: Send> WorkSink<W> for PoolSink<W> {
                 }
             }
         }
-        items.rotate_left(n - visited);
+        items.rotate_left(n_rest - visited);
         self.start += 1;
         if self.start == workers {
             self.start = 0;

@@ -159,6 +159,29 @@ impl<T> Producer<T> {
         Ok(())
     }
 
+    /// Stages the first [`free`](Self::free) values of `values` (step 1) in
+    /// one tight loop and returns how many it took; it consumes no more than
+    /// that from the iterator, so a caller that passes at most `free()`
+    /// values loses none.
+    pub(crate) fn stage_all(&mut self, values: impl Iterator<Item = T>) -> usize {
+        let free = self.free();
+        let mask = self.ring.mask;
+        let slots = &self.ring.slots;
+        let mut next = self.staged;
+        for value in values.take(free) {
+            slots[next & mask].with_mut(|slot| {
+                // SAFETY: as in `stage`: at most `free` slots past `staged`
+                // are written, all of them free (the consumer reads only up
+                // to the published tail), and only this producer writes them.
+                unsafe { (*slot).write(value) };
+            });
+            next += 1;
+        }
+        let taken = next - self.staged;
+        self.staged = next;
+        taken
+    }
+
     /// Publishes every staged value with one `Release` store (step 2).
     /// Returns the tail before publication when there was anything to publish.
     pub(crate) fn publish(&mut self) -> Option<usize> {
@@ -301,6 +324,28 @@ mod tests {
         assert_eq!(c.ready(), 2, "a reload sees the new tail");
         c.pop_batch(usize::MAX, |v| seen.push(v));
         assert_eq!(seen, [0, 1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn stage_all_takes_no_more_than_fits() {
+        let (mut p, mut c) = ring::<u32>(4);
+        let mut values = 0..10;
+        assert_eq!(p.stage_all(&mut values), 4);
+        assert_eq!(
+            values.next(),
+            Some(4),
+            "nothing consumed beyond the free slots"
+        );
+        p.publish();
+        let mut seen = Vec::new();
+        c.pop_batch(2, |v| seen.push(v));
+        p.refresh();
+        assert_eq!(p.stage_all([7, 8, 9].into_iter()), 2);
+        p.publish();
+        c.pop_batch(usize::MAX, |v| seen.push(v));
+        c.ready();
+        c.pop_batch(usize::MAX, |v| seen.push(v));
+        assert_eq!(seen, [0, 1, 2, 3, 7, 8]);
     }
 
     #[test]
