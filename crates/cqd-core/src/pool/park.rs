@@ -24,9 +24,9 @@
 //! 1. Stage and publish a batch per ring (`Release` store of the tail; see
 //!    `ring`), remembering each ring's old tail.
 //! 2. `fence(SeqCst)`, once for the whole offer.
-//! 3. For each ring published to: if the consumer's position equals the old
-//!    tail (the ring was empty, so this publication is the empty→non-empty
-//!    transition) and the worker's `sleeping` flag is set, unpark it.
+//! 3. For each ring published to: if the worker's `sleeping` flag is set
+//!    and the consumer's position equals the old tail (the ring was empty,
+//!    so this publication is the empty→non-empty transition), unpark it.
 //!
 //! Why no wake-up is lost: take the producer's fence P (step 2) and the
 //! worker's fence W (its step 2). If P precedes W, the worker's re-check in
@@ -100,8 +100,13 @@ impl Bell {
 
     /// The producer side, step 3 (after the caller's publication and
     /// [`producer_fence`]): whether the worker must be unparked.
-    pub(crate) fn needs_wake(&self, was_empty: bool) -> bool {
-        was_empty && self.sleeping.load(Ordering::Relaxed)
+    /// `was_empty` loads the consumer's position; it is called only when
+    /// the worker announced sleep, because that flag's line is rarely
+    /// written (a cache hit) while the position's line moves with every
+    /// batch the worker takes. Both loads follow the fence, so their order
+    /// does not matter to the protocol.
+    pub(crate) fn needs_wake(&self, was_empty: impl FnOnce() -> bool) -> bool {
+        self.sleeping.load(Ordering::Relaxed) && was_empty()
     }
 }
 
