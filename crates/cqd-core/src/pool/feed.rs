@@ -143,6 +143,57 @@ impl<W> PoolSink<W> {
         best
     }
 
+    /// Hands one item over now, for code outside a poller's batch loop;
+    /// a full ring gives the item back, as crossbeam's queues do. This
+    /// publishes and may wake per item: a poller uses
+    /// [`offer`](WorkSink::offer), which does that once per batch.
+    ///
+    /// ```
+    /// use cqd_core::sink::Route;
+    /// use cqd_core::topology::{PoolConfig, TopologyConfig};
+    ///
+    /// let mut topology = TopologyConfig::new().pool(PoolConfig::new("one", 1).capacity(1)).validate()?;
+    /// let (gate_tx, gate_rx) = std::sync::mpsc::channel::<()>();
+    /// let gate = std::sync::Mutex::new(Some(gate_rx));
+    /// let (pool, mut sinks) = topology.take_pool("one").unwrap().spawn(1, |_| {
+    ///     let gate = gate.lock().unwrap().take();
+    ///     move |_: u32| if let Some(g) = &gate { let _ = g.recv(); }
+    /// })?;
+    /// let sink = &mut sinks[0];
+    /// sink.try_push(Route::Key(1), 1).unwrap();
+    /// // The one slot stays taken until the worker is done with item 1.
+    /// assert_eq!(sink.try_push(Route::Key(1), 2), Err(2));
+    /// drop(gate_tx); // let the worker go on
+    /// while sink.try_push(Route::Key(1), 2).is_err() {
+    ///     std::thread::yield_now();
+    /// }
+    /// drop(sinks);
+    /// assert_eq!(pool.join()?.items(), 2);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// The item, when the ring it is routed to is full.
+    pub fn try_push(&mut self, route: Route, item: W) -> Result<(), W> {
+        let workers = self.rings.len();
+        for (ring, free) in self.rings.iter_mut().zip(self.free.iter_mut()) {
+            *free = ring.refresh();
+        }
+        let dest = self.route(route, workers);
+        self.rings[dest].stage(item)?;
+        let old = self.rings[dest].publish().unwrap_or(NOT_PUBLISHED);
+        producer_fence();
+        let (bell, thread) = &self.bells[dest];
+        let ring = &self.rings[dest];
+        let unparks = usize::from(bell.needs_wake(|| ring.consumer_position() == old));
+        if unparks > 0 {
+            thread.unpark();
+        }
+        self.shared.counters.sinks[self.index].offer(1, 0, unparks);
+        Ok(())
+    }
+
     /// The destination of an item.
     fn route(&self, route: Route, workers: usize) -> usize {
         match (self.routing, route) {
