@@ -16,10 +16,17 @@
 //!
 //! Panics in the work function are caught and counted; the worker goes on.
 //!
+//! Memory is bounded by the capacities: the rings hold at most
+//! `p × n × capacity` items (a worker frees the slots of a batch when it has
+//! run the whole batch, at most [`MAX_BATCH`] items), plus whatever the
+//! pollers keep in their spill queues (see `pool::feed` for the bound the
+//! CQ budget puts on those).
+//!
 //! Stop sequence (nothing handed over is lost):
 //!
-//! 1. Each poller stops polling, hands over its spill with
-//!    [`PoolSink::flush`], and drops its sink.
+//! 1. Each poller stops polling, hands over its spill (the poller's stop
+//!    retries `offer`; other code can call [`PoolSink::flush`]), and drops
+//!    its sink.
 //! 2. Dropping a sink publishes anything staged, lowers the pool's count of
 //!    live producers (`Release`), and unparks every worker.
 //! 3. A worker that finds no producer left and all its rings empty exits
