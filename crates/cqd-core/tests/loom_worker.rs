@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use loom::sync::{Arc, Condvar, Mutex};
 
-use cqd_core::pool::Pool;
 use cqd_core::pool::PoolSink;
+use cqd_core::pool::{worker_for_key, Pool};
 use cqd_core::sink::{Route, Routed, WorkSink};
 use cqd_core::topology::{PoolConfig, TopologyConfig};
 
@@ -41,9 +41,18 @@ impl Log {
 /// Spawns a one-worker pool of `capacity` slots fed by `producers` sinks;
 /// the worker appends every item it runs to the returned log.
 fn pool(capacity: usize, producers: usize) -> (Pool, Vec<PoolSink<u32>>, Arc<Log>) {
+    pool_of(1, capacity, producers)
+}
+
+/// As [`pool`], with `workers` workers sharing the log.
+fn pool_of(
+    workers: usize,
+    capacity: usize,
+    producers: usize,
+) -> (Pool, Vec<PoolSink<u32>>, Arc<Log>) {
     let log = Arc::new(Log::default());
     let mut topology = TopologyConfig::new()
-        .pool(PoolConfig::new("m", 1).capacity(capacity))
+        .pool(PoolConfig::new("m", workers).capacity(capacity))
         .validate()
         .expect("valid topology");
     let plan = topology.take_pool("m").expect("pool plan");
@@ -161,5 +170,31 @@ fn stop_right_after_offer_loses_nothing() {
         drop(sink);
         pool.join().unwrap();
         assert_eq!(*log.items.lock().unwrap(), [1, 2]);
+    });
+}
+
+/// One offer feeds two workers (a key for each): each ring's wake-up goes to
+/// its own worker, and neither is lost.
+#[test]
+fn one_offer_wakes_each_worker_it_feeds() {
+    let k0 = (0..).find(|&k| worker_for_key(k, 2) == 0).unwrap();
+    let k1 = (0..).find(|&k| worker_for_key(k, 2) == 1).unwrap();
+    model(move || {
+        let (pool, mut sinks, log) = pool_of(2, 1, 1);
+        let mut sink = sinks.pop().unwrap();
+        let mut spill: VecDeque<_> = [(k0, 1), (k1, 2)]
+            .into_iter()
+            .map(|(k, item)| Routed {
+                route: Route::Key(k),
+                item,
+            })
+            .collect();
+        sink.offer(&mut spill);
+        assert!(spill.is_empty());
+        let mut seen = log.wait_for(2);
+        drop(sink);
+        pool.join().unwrap();
+        seen.sort_unstable();
+        assert_eq!(seen, [1, 2]);
     });
 }
