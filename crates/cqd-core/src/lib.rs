@@ -29,6 +29,7 @@
 //!
 //! The `cqd` facade crate has a runnable tour on the simulated NIC.
 
+pub mod budget;
 pub mod completion;
 pub mod cq;
 pub mod handler;
@@ -43,6 +44,7 @@ pub mod sync;
 mod sys;
 pub mod wr_id;
 
+pub use budget::{cq_depth_for, Admission, BudgetError, BudgetOptions, BudgetSnapshot, CqBudget};
 pub use completion::{Completion, Opcode, Status, WcFlags};
 pub use cq::{split, CqHandle, CqOptions, CqPoller, Registration};
 pub use handler::{Failed, Handler, Outbox, RecvDone, SendDone};
