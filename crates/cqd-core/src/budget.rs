@@ -410,7 +410,14 @@ mod tests {
         let b = CqBudget::new("cq", 100, BudgetOptions::default());
         let a = b.admit("QP 1 send queue", 60).unwrap();
         let err = b.admit("QP 2 send queue", 50).unwrap_err();
-        assert!(matches!(err, BudgetError::Oversubscribed { needed: 50, available: 40, .. }));
+        assert!(matches!(
+            err,
+            BudgetError::Oversubscribed {
+                needed: 50,
+                available: 40,
+                ..
+            }
+        ));
         assert!(err.to_string().contains("needs 50"));
         drop(a);
         let _b = b.admit("QP 2 send queue", 50).unwrap();
@@ -432,7 +439,10 @@ mod tests {
 
     #[test]
     fn admission_off_lets_oversubscription_through() {
-        let opts = BudgetOptions { admission: false, credits: None };
+        let opts = BudgetOptions {
+            admission: false,
+            credits: None,
+        };
         let b = CqBudget::new("cq", 4, opts);
         let _a = b.admit("q", 16).unwrap();
         assert_eq!(b.snapshot().reserved, 16);
@@ -440,17 +450,31 @@ mod tests {
 
     #[test]
     fn credits_unsignaled_return_with_next_completion() {
-        let opts = BudgetOptions { admission: false, credits: Some(4) };
+        let opts = BudgetOptions {
+            admission: false,
+            credits: Some(4),
+        };
         let b = CqBudget::new("cq", 4, opts);
         b.take_send(1, &[10, 11, 12]).unwrap();
         b.take_recv(1).unwrap();
         let err = b.take_send(1, &[13]).unwrap_err();
-        assert!(matches!(err, BudgetError::WouldOverflow { needed: 1, available: 0, limit: 4, .. }));
+        assert!(matches!(
+            err,
+            BudgetError::WouldOverflow {
+                needed: 1,
+                available: 0,
+                limit: 4,
+                ..
+            }
+        ));
         // 10 and 11 were unsignaled; 12's completion returns all three.
         assert_eq!(b.complete(1, Side::Send, 12), 3);
         assert_eq!(b.complete(1, Side::Recv, 99), 1);
         let s = b.snapshot();
-        assert_eq!((s.credits_in_use, s.credits_high_water, s.would_overflow), (0, 4, 1));
+        assert_eq!(
+            (s.credits_in_use, s.credits_high_water, s.would_overflow),
+            (0, 4, 1)
+        );
         assert_eq!(b.complete(1, Side::Send, 12), 0, "already accounted");
         b.take_send(2, &[1, 2]).unwrap();
         b.untake(Some(2), 2);

@@ -1,0 +1,340 @@
+//! The fabric, devices and their CQs.
+//!
+//! A [`Fabric`] is the wire and the NIC engine: every device opened on it
+//! can connect its QPs to every other QP of the fabric, and one engine
+//! executes their work requests (see [`crate::engine`]). A [`Device`] has
+//! attributes ([`DeviceAttr`]) that every creation is checked against. A
+//! [`Cq`] is a simulated CQ ([`crate::cq`]) with its
+//! [`CqBudget`](cqd_core::budget::CqBudget): QPs created on it reserve their
+//! depths there (admission), and its producer side is what the NIC pushes
+//! completions to.
+//!
+//! All NIC state of a fabric lives behind one lock; the NIC never calls user
+//! code while holding it.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use cqd_core::budget::{BudgetOptions, BudgetSnapshot, CqBudget};
+use parking_lot::{Condvar, Mutex};
+
+use crate::cq::{sim_cq, Faults, SimCq, SimCqSource, MAX_CQE};
+use crate::engine::{Engine, NicFaults, NicStats};
+use crate::error::VerbsError;
+use crate::pd::Pd;
+use crate::state::FabricState;
+
+/// Device attributes (`ibv_device_attr`), checked on every creation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceAttr {
+    /// Largest CQ.
+    pub max_cqe: u32,
+    /// Most QPs.
+    pub max_qp: u32,
+    /// Deepest send or receive queue.
+    pub max_qp_wr: u32,
+    /// Most SGEs per work request.
+    pub max_sge: u32,
+    /// Most SRQs.
+    pub max_srq: u32,
+    /// Deepest SRQ.
+    pub max_srq_wr: u32,
+    /// Largest memory region.
+    pub max_mr_size: u64,
+    /// Largest message.
+    pub max_msg_sz: u32,
+}
+
+impl Default for DeviceAttr {
+    fn default() -> Self {
+        DeviceAttr {
+            max_cqe: MAX_CQE,
+            max_qp: 1 << 17,
+            max_qp_wr: 32_768,
+            max_sge: 30,
+            max_srq: 1 << 12,
+            max_srq_wr: 32_768,
+            max_mr_size: 1 << 32,
+            max_msg_sz: 1 << 30,
+        }
+    }
+}
+
+pub(crate) struct Core {
+    pub(crate) state: Mutex<FabricState>,
+    /// Wakes the timed engine's thread.
+    pub(crate) wake: Condvar,
+    pub(crate) stop: AtomicBool,
+    pub(crate) engine: Engine,
+}
+
+impl std::fmt::Debug for Core {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Core")
+            .field("engine", &self.engine)
+            .finish()
+    }
+}
+
+/// Stops the engine thread when the last handle of the fabric goes.
+#[derive(Debug)]
+pub(crate) struct EngineGuard {
+    core: Arc<Core>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Drop for EngineGuard {
+    fn drop(&mut self) {
+        self.core.stop.store(true, Ordering::Release);
+        {
+            let _st = self.core.state.lock();
+            self.core.wake.notify_all();
+        }
+        if let Some(t) = self.thread.lock().take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The wire and the NIC engine. Cloneable; the engine thread (timed engine)
+/// stops when the last clone, device, QP and region of the fabric is gone.
+#[derive(Debug, Clone)]
+pub struct Fabric {
+    pub(crate) core: Arc<Core>,
+    _guard: Arc<EngineGuard>,
+}
+
+impl Fabric {
+    /// A fabric whose NIC runs `engine`.
+    ///
+    /// # Errors
+    /// [`VerbsError::Destroyed`] if the timed engine's thread cannot start.
+    pub fn new(engine: Engine) -> Result<Fabric, VerbsError> {
+        let core = Arc::new(Core {
+            state: Mutex::new(FabricState::new()),
+            wake: Condvar::new(),
+            stop: AtomicBool::new(false),
+            engine,
+        });
+        let thread = match engine {
+            Engine::Inline => None,
+            Engine::Timed(_) => {
+                let c = Arc::clone(&core);
+                let t = std::thread::Builder::new()
+                    .name("cqd-sim-nic".into())
+                    .spawn(move || crate::engine::timed_loop(&c))
+                    .map_err(|_| VerbsError::Destroyed {
+                        what: "NIC engine thread (spawn failed)",
+                    })?;
+                Some(t)
+            }
+        };
+        let guard = Arc::new(EngineGuard {
+            core: Arc::clone(&core),
+            thread: Mutex::new(thread),
+        });
+        Ok(Fabric {
+            core,
+            _guard: guard,
+        })
+    }
+
+    /// A fabric with the deterministic inline engine.
+    pub fn inline() -> Fabric {
+        Fabric::new(Engine::Inline)
+            .unwrap_or_else(|_| unreachable!("the inline engine has no thread"))
+    }
+
+    /// Opens a device on this fabric.
+    pub fn open_device(&self, name: impl Into<String>, attr: DeviceAttr) -> Device {
+        let id = {
+            let mut st = self.core.state.lock();
+            st.next_device += 1;
+            st.next_device
+        };
+        Device {
+            fabric: self.clone(),
+            inner: Arc::new(DeviceInner {
+                id,
+                name: name.into(),
+                attr,
+            }),
+        }
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> Engine {
+        self.core.engine
+    }
+
+    /// Sets the NIC's fault injection (reseeding its generator).
+    pub fn set_faults(&self, faults: NicFaults) {
+        let mut st = self.core.state.lock();
+        st.rng = faults.seed | 1;
+        st.faults = faults;
+    }
+
+    /// Executes every request that is due (delayed by fault injection, or
+    /// waiting for a receive). The inline engine runs this on every post; the
+    /// timed engine's thread runs it continuously.
+    pub fn progress(&self) {
+        let mut st = self.core.state.lock();
+        let now = std::time::Instant::now();
+        st.run(now);
+    }
+
+    /// After a post: the inline engine executes what is due now; the timed
+    /// engine's thread is woken.
+    pub(crate) fn kick(&self, st: &mut FabricState, now: std::time::Instant) {
+        match self.core.engine {
+            Engine::Inline => {
+                st.run(now);
+            }
+            Engine::Timed(_) => {
+                self.core.wake.notify_one();
+            }
+        }
+    }
+
+    /// What the NIC did so far.
+    pub fn stats(&self) -> NicStats {
+        self.core.state.lock().stats
+    }
+
+    /// True when no request waits to execute (all executed or flushed).
+    pub fn is_idle(&self) -> bool {
+        self.core.state.lock().active.is_empty()
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct DeviceInner {
+    pub(crate) id: u32,
+    pub(crate) name: String,
+    pub(crate) attr: DeviceAttr,
+}
+
+/// An RDMA device on a fabric. Cloneable.
+#[derive(Debug, Clone)]
+pub struct Device {
+    pub(crate) fabric: Fabric,
+    pub(crate) inner: Arc<DeviceInner>,
+}
+
+/// How a CQ is made.
+#[derive(Debug, Clone, Default)]
+pub struct CqConfig {
+    /// Notification faults of the CQ.
+    pub faults: Faults,
+    /// The CQ budget's switches (admission on by default).
+    pub budget: BudgetOptions,
+}
+
+impl Device {
+    /// A device on its own fabric with the inline engine.
+    pub fn open(name: impl Into<String>) -> Device {
+        Fabric::inline().open_device(name, DeviceAttr::default())
+    }
+
+    /// The device's name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// The device's attributes.
+    pub fn attr(&self) -> DeviceAttr {
+        self.inner.attr
+    }
+
+    /// The fabric the device is on.
+    pub fn fabric(&self) -> &Fabric {
+        &self.fabric
+    }
+
+    /// Makes a CQ of `cqe` entries: the NIC's side ([`Cq`], which QPs are
+    /// created on) and the [`SimCqSource`] a poller owns
+    /// (`cqd_core::split`).
+    ///
+    /// # Errors
+    /// [`VerbsError::LimitExceeded`] above `max_cqe`; [`VerbsError::Cq`].
+    pub fn create_cq(
+        &self,
+        name: impl Into<String>,
+        cqe: u32,
+        config: CqConfig,
+    ) -> Result<(Cq, SimCqSource), VerbsError> {
+        let max = self.inner.attr.max_cqe;
+        if cqe > max {
+            return Err(VerbsError::LimitExceeded {
+                what: "max_cqe",
+                requested: u64::from(cqe),
+                max: u64::from(max),
+            });
+        }
+        let name = name.into();
+        let (producer, source) = sim_cq(name.clone(), cqe, config.faults)?;
+        let budget = CqBudget::new(name, cqe, config.budget);
+        let cq = Cq {
+            inner: Arc::new(CqInner {
+                device: self.inner.id,
+                producer,
+                budget,
+            }),
+        };
+        Ok((cq, source))
+    }
+
+    /// Allocates a protection domain.
+    pub fn alloc_pd(&self) -> Pd {
+        let id = {
+            let mut st = self.fabric.core.state.lock();
+            st.next_pd += 1;
+            st.next_pd
+        };
+        Pd {
+            device: self.clone(),
+            id,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct CqInner {
+    pub(crate) device: u32,
+    pub(crate) producer: SimCq,
+    pub(crate) budget: CqBudget,
+}
+
+/// The NIC's side of a CQ: where QPs send their completions, with the CQ's
+/// budget. Cloneable.
+#[derive(Debug, Clone)]
+pub struct Cq {
+    pub(crate) inner: Arc<CqInner>,
+}
+
+impl Cq {
+    /// The producer side (tests may push their own completions).
+    pub fn producer(&self) -> &SimCq {
+        &self.inner.producer
+    }
+
+    /// The CQ's budget.
+    pub fn budget(&self) -> &CqBudget {
+        &self.inner.budget
+    }
+
+    /// The budget's counters.
+    pub fn budget_snapshot(&self) -> BudgetSnapshot {
+        self.inner.budget.snapshot()
+    }
+
+    /// The CQ's capacity.
+    pub fn capacity(&self) -> u32 {
+        self.inner.producer.capacity()
+    }
+
+    pub(crate) fn same(&self, other: &Cq) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
