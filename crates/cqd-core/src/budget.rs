@@ -34,6 +34,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
+use crate::handler::{Failed, Handler, Outbox, RecvDone, SendDone};
 use crate::wr_id::Side;
 
 /// Budget switches of one CQ.
@@ -380,6 +381,45 @@ impl CqBudget {
             would_overflow: st.would_overflow,
             overflows: st.overflows,
         }
+    }
+}
+
+/// A handler wrapper that returns credits for every completion it sees,
+/// then calls the wrapped handler. Until the poller returns credits itself,
+/// wrap each handler of a CQ whose budget has credits.
+///
+/// Completions the poller does not dispatch (stale or foreign wr_ids,
+/// unknown statuses) do not reach it; their credits are not returned.
+#[derive(Debug)]
+pub struct CreditReturn<H> {
+    budget: CqBudget,
+    inner: H,
+}
+
+impl<H> CreditReturn<H> {
+    /// Wraps `inner`, returning credits to `budget`.
+    pub fn new(budget: CqBudget, inner: H) -> Self {
+        CreditReturn { budget, inner }
+    }
+}
+
+impl<W, H: Handler<W>> Handler<W> for CreditReturn<H> {
+    fn on_send(&mut self, done: &SendDone<'_>, out: &mut Outbox<'_, W>) {
+        let wc = done.completion();
+        self.budget.complete(wc.qp_num, Side::Send, wc.wr_id);
+        self.inner.on_send(done, out);
+    }
+
+    fn on_recv(&mut self, done: &RecvDone<'_>, out: &mut Outbox<'_, W>) {
+        let wc = done.completion();
+        self.budget.complete(wc.qp_num, Side::Recv, wc.wr_id);
+        self.inner.on_recv(done, out);
+    }
+
+    fn on_error(&mut self, failed: &Failed<'_>, out: &mut Outbox<'_, W>) {
+        let wc = failed.completion();
+        self.budget.complete(wc.qp_num, failed.side(), wc.wr_id);
+        self.inner.on_error(failed, out);
     }
 }
 

@@ -44,7 +44,7 @@ pub mod sync;
 mod sys;
 pub mod wr_id;
 
-pub use budget::{cq_depth_for, Admission, BudgetError, BudgetOptions, BudgetSnapshot, CqBudget};
+pub use budget::{cq_depth_for, Admission, BudgetError, CreditReturn, BudgetOptions, BudgetSnapshot, CqBudget};
 pub use completion::{Completion, Opcode, Status, WcFlags};
 pub use cq::{split, CqHandle, CqOptions, CqPoller, Registration};
 pub use handler::{Failed, Handler, Outbox, RecvDone, SendDone};
