@@ -33,6 +33,7 @@ pub mod budget;
 pub mod completion;
 pub mod cq;
 pub mod handler;
+pub mod ledger;
 pub mod metrics;
 pub mod mode;
 pub mod poller;
@@ -48,6 +49,7 @@ pub use budget::{cq_depth_for, Admission, BudgetError, CreditReturn, BudgetOptio
 pub use completion::{Completion, Opcode, Status, WcFlags};
 pub use cq::{split, CqHandle, CqOptions, CqPoller, Registration};
 pub use handler::{Failed, Handler, Outbox, RecvDone, SendDone};
+pub use ledger::{drain, Accounted, FlushCounts, KindAccount, ShutdownReport, StuckWr, Watchdog, WrLedger};
 pub use mode::{Adaptive, PollMode};
 pub use poller::{PollerBuilder, PollerReport, PollerThread};
 pub use sink::{NoSink, NoWork, Route, Routed, WorkSink};
