@@ -337,7 +337,7 @@ impl Qp {
                 });
             }
         }
-        let used = q.sq_used();
+        let used = q.sq_used(wrs.len());
         let depth = q.cap.max_send_wr;
         if used + wrs.len() > depth as usize {
             return Err(PostError::QueueFull {
@@ -428,7 +428,7 @@ impl Qp {
                 });
             }
         }
-        let used = q.rq_used();
+        let used = q.rq_used(wrs.len());
         let depth = q.cap.max_recv_wr;
         if used + wrs.len() > depth as usize {
             return Err(PostError::QueueFull {

@@ -63,7 +63,7 @@ impl Srq {
                 });
             }
         }
-        let used = s.used();
+        let used = s.used(wrs.len());
         if used + wrs.len() > s.max_wr as usize {
             return Err(PostError::QueueFull {
                 qpn: id,

@@ -131,17 +131,19 @@ impl std::fmt::Debug for QpCtx {
 }
 
 impl QpCtx {
-    /// Send slots in use, after freeing what was polled.
-    pub(crate) fn sq_used(&mut self) -> usize {
-        if self.sq_done.len() + self.sq_pending.len() >= self.cap.max_send_wr as usize {
+    /// Send slots in use, after freeing what was polled if `posting` more
+    /// would not fit otherwise.
+    pub(crate) fn sq_used(&mut self, posting: usize) -> usize {
+        if self.sq_done.len() + self.sq_pending.len() + posting > self.cap.max_send_wr as usize {
             reclaim(&mut self.sq_done, self.send_cq.producer().consumed());
         }
         self.sq_done.len() + self.sq_pending.len()
     }
 
-    /// Receive slots in use, after freeing what was polled.
-    pub(crate) fn rq_used(&mut self) -> usize {
-        if self.rq.len() + self.rq_done.len() >= self.cap.max_recv_wr as usize {
+    /// Receive slots in use, after freeing what was polled if `posting`
+    /// more would not fit otherwise.
+    pub(crate) fn rq_used(&mut self, posting: usize) -> usize {
+        if self.rq.len() + self.rq_done.len() + posting > self.cap.max_recv_wr as usize {
             reclaim(&mut self.rq_done, self.recv_cq.producer().consumed());
         }
         self.rq.len() + self.rq_done.len()
@@ -172,10 +174,10 @@ pub(crate) struct SrqCtx {
 }
 
 impl SrqCtx {
-    pub(crate) fn used(&mut self) -> usize {
+    pub(crate) fn used(&mut self, posting: usize) -> usize {
         let mut n = self.rq.len();
-        let full =
-            n + self.done.iter().map(|(_, d)| d.len()).sum::<usize>() >= self.max_wr as usize;
+        let full = n + self.done.iter().map(|(_, d)| d.len()).sum::<usize>() + posting
+            > self.max_wr as usize;
         for (cq, d) in &mut self.done {
             if full {
                 reclaim(d, cq.producer().consumed());
