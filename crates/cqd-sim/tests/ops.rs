@@ -235,33 +235,19 @@ fn rnr_retry_seven_waits_for_the_receive() {
 
 #[test]
 fn a_list_that_fits_only_after_polling_reclaims_slots() {
-    let cap = cqd_sim::QpCap {
-        max_send_wr: 8,
-        ..cqd_sim::QpCap::default()
-    };
-    let mut r = Rig::with(
-        cqd_sim::Fabric::inline(),
-        cap,
-        1024,
-        cqd_sim::CqConfig::default(),
-    );
+    let cap = cqd_sim::QpCap { max_send_wr: 8, ..cqd_sim::QpCap::default() };
+    let mut r = Rig::with(cqd_sim::Fabric::inline(), cap, 1024, cqd_sim::CqConfig::default());
     let s = [r.mr_a.sge(0, 8)];
     let remote = r.mr_b.remote(0);
-    let w = |t| {
-        SendWr::new(
-            r.reg.wr_id(OpKind::Write, t).unwrap(),
-            WrOp::Write(remote),
-            &s,
-        )
-    };
-    r.reg.track(OpKind::Write, 10);
-    r.a.post_send(&[w(0), w(1), w(2), w(3), w(4), w(5)])
-        .unwrap();
-    assert!(
-        r.a.post_send(&[w(6), w(7), w(8)]).is_err(),
-        "6 + 3 > 8 before polling"
-    );
+    let reg = r.reg.clone();
+    let w = |t| SendWr::new(reg.wr_id(OpKind::Write, t).unwrap(), WrOp::Write(remote), &s);
+    reg.track(OpKind::Write, 10);
+    let first: Vec<_> = (0..6).map(w).collect();
+    let three: Vec<_> = (6..9).map(w).collect();
+    let four: Vec<_> = (6..10).map(w).collect();
+    r.a.post_send(&first).unwrap();
+    assert!(r.a.post_send(&three).is_err(), "6 + 3 > 8 before polling");
     r.poll_all();
-    r.a.post_send(&[w(6), w(7), w(8), w(9)]).unwrap();
+    r.a.post_send(&four).unwrap();
     assert_eq!(r.poll_all(), 4);
 }
