@@ -204,7 +204,12 @@ impl Fabric {
 
     /// True when no request waits to execute (all executed or flushed).
     pub fn is_idle(&self) -> bool {
-        self.core.state.lock().active.is_empty()
+        self.core
+            .state
+            .lock()
+            .qps
+            .values()
+            .all(|q| q.sq_pending.is_empty())
     }
 }
 
