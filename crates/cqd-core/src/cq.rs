@@ -47,8 +47,8 @@ use parking_lot::Mutex;
 use crate::completion::{Completion, Status};
 use crate::handler::{Failed, Handler, Outbox, RecvDone, SendDone};
 use crate::metrics::{batch_bucket, bump, CqMetrics, CqSnapshot};
-use crate::slab::{Entry, RegisterError, Slab, SlotLedger, SlotTable};
 use crate::sink::{Route, Routed};
+use crate::slab::{Entry, RegisterError, Slab, SlotLedger, SlotTable};
 use crate::source::{ArmKind, AsyncEvent, CompletionSource, SourceError};
 use crate::sync::{AtomicBool, Ordering};
 use crate::sys::Doorbell;
@@ -196,11 +196,18 @@ impl<W: Send + 'static> CqPoller<W> {
         bump(&m.completions, n as u64);
         bump(&m.batch_hist[batch_bucket(n)], 1);
         let start = self.options.measure_handlers.then(Instant::now);
-        for wc in &self.buf[..n] {
-            dispatch(&self.shared, &mut self.slab, &self.options, wc, out);
-        }
+        dispatch_batch(
+            &self.shared,
+            &mut self.slab,
+            &self.options,
+            &self.buf[..n],
+            out,
+        );
         if let Some(start) = start {
-            bump(&self.shared.metrics.0.handler_ns, start.elapsed().as_nanos() as u64);
+            bump(
+                &self.shared.metrics.0.handler_ns,
+                start.elapsed().as_nanos() as u64,
+            );
         }
         Ok(n)
     }
@@ -337,9 +344,36 @@ fn retire<W>(shared: &CqShared<W>, slab: &mut Slab<W>, key: HandlerKey) {
     }
 }
 
-/// Routes one completion. Cannot fail part-way: once the wr_id names a live
-/// handler, the completion counts as completed for it whatever follows.
+/// Routes a batch. One `catch_unwind` covers the batch: the cursor moves
+/// past a completion before its handler runs, so after a panic dispatch
+/// resumes at the next completion and none is delivered twice or skipped.
 #[inline]
+fn dispatch_batch<W: 'static>(
+    shared: &CqShared<W>,
+    slab: &mut Slab<W>,
+    options: &CqOptions,
+    wcs: &[Completion],
+    out: &mut VecDeque<Routed<W>>,
+) {
+    let mut next = 0;
+    while next < wcs.len() {
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            while let Some(wc) = wcs.get(next) {
+                next += 1;
+                dispatch(shared, slab, options, wc, out);
+            }
+        }));
+        if result.is_err() {
+            handler_panicked(shared, &wcs[next - 1]);
+        }
+    }
+}
+
+/// Routes one completion. Cannot fail part-way: once the wr_id names a live
+/// handler, the completion counts as completed for it before any callback
+/// runs. The common case (a success for a live handler) stays inline; every
+/// other case is out of line.
+#[inline(always)]
 fn dispatch<W: 'static>(
     shared: &CqShared<W>,
     slab: &mut Slab<W>,
@@ -347,72 +381,157 @@ fn dispatch<W: 'static>(
     wc: &Completion,
     out: &mut VecDeque<Routed<W>>,
 ) {
-    let m = &shared.metrics.0;
-    let name = &shared.name;
     if options.trace_completions {
-        tracing::trace!(cq = %name, wr_id = format_args!("{:#x}", wc.wr_id),
-            status = %wc.status, opcode = %wc.opcode, qp = wc.qp_num, "completion");
+        trace_completion(&shared.name, wc);
     }
-    let id = match WrId::decode(wc.wr_id) {
-        Ok(id) => id,
-        Err(why) => {
-            bump(&m.foreign_wr_ids, 1);
-            tracing::warn!(cq = %name, wr_id = format_args!("{:#x}", wc.wr_id),
-                status = %wc.status, qp = wc.qp_num, %why, "completion not dispatched");
-            return;
-        }
+    let Ok(id) = WrId::decode(wc.wr_id) else {
+        return foreign(shared, wc);
     };
-    if slab.get_mut(id.key).is_none() && !shared.commands.is_empty() {
-        // Registered just before posting: install it now.
-        apply_commands(shared, slab);
-    }
-    let Some(entry) = slab.get_mut(id.key) else {
-        bump(&m.stale_wr_ids, 1);
-        tracing::warn!(cq = %name, wr_id = format_args!("{:#x}", wc.wr_id), key = %id.key,
-            kind = %id.kind, status = %wc.status, "stale wr_id: no live handler has this generation");
-        return;
+    let entry = match slab.get_mut(id.key) {
+        Some(entry) => entry,
+        None => return miss(shared, slab, wc, id, out),
     };
     entry.ledger.add_completed(id.kind);
+    if wc.status.is_success() && wc.opcode.is_known() {
+        let mut outbox = Outbox::new(out, entry.route);
+        match id.kind.side() {
+            Side::Send => entry.handler.on_send(
+                &SendDone {
+                    kind: id.kind,
+                    tag: id.tag,
+                    key: id.key,
+                    wc,
+                },
+                &mut outbox,
+            ),
+            Side::Recv => entry.handler.on_recv(
+                &RecvDone {
+                    tag: id.tag,
+                    key: id.key,
+                    wc,
+                },
+                &mut outbox,
+            ),
+        }
+    } else {
+        not_success(shared, entry, id, wc, out);
+    }
+    if entry.retiring {
+        retire_if_drained(shared, slab, id.key);
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn trace_completion(name: &str, wc: &Completion) {
+    tracing::trace!(cq = %name, wr_id = format_args!("{:#x}", wc.wr_id),
+        status = %wc.status, opcode = %wc.opcode, qp = wc.qp_num, "completion");
+}
+
+#[cold]
+#[inline(never)]
+fn foreign<W>(shared: &CqShared<W>, wc: &Completion) {
+    bump(&shared.metrics.0.foreign_wr_ids, 1);
+    let why = WrId::decode(wc.wr_id).err();
+    tracing::warn!(cq = %shared.name, wr_id = format_args!("{:#x}", wc.wr_id),
+        status = %wc.status, qp = wc.qp_num, why = ?why, "completion not dispatched: foreign wr_id");
+}
+
+/// The slot is empty or has another generation: maybe a registration not
+/// yet applied (posted right after `register` returned), else stale.
+#[cold]
+#[inline(never)]
+fn miss<W: 'static>(
+    shared: &CqShared<W>,
+    slab: &mut Slab<W>,
+    wc: &Completion,
+    id: WrId,
+    out: &mut VecDeque<Routed<W>>,
+) {
+    if !shared.commands.is_empty() {
+        apply_commands(shared, slab);
+        if let Some(entry) = slab.get_mut(id.key) {
+            entry.ledger.add_completed(id.kind);
+            if wc.status.is_success() && wc.opcode.is_known() {
+                let mut outbox = Outbox::new(out, entry.route);
+                deliver(entry.handler.as_mut(), id, wc, &mut outbox);
+            } else {
+                not_success(shared, entry, id, wc, out);
+            }
+            if entry.retiring {
+                retire_if_drained(shared, slab, id.key);
+            }
+            return;
+        }
+    }
+    bump(&shared.metrics.0.stale_wr_ids, 1);
+    tracing::warn!(cq = %shared.name, wr_id = format_args!("{:#x}", wc.wr_id), key = %id.key,
+        kind = %id.kind, status = %wc.status, "stale wr_id: no live handler has this generation");
+}
+
+/// Errors go to `on_error`; unknown statuses and opcodes are counted and
+/// traced, not dispatched.
+#[cold]
+#[inline(never)]
+fn not_success<W: 'static>(
+    shared: &CqShared<W>,
+    entry: &mut Entry<W>,
+    id: WrId,
+    wc: &Completion,
+    out: &mut VecDeque<Routed<W>>,
+) {
+    let m = &shared.metrics.0;
     let anomaly = match wc.status {
         Status::Unknown(_) => {
             bump(&m.unknown_status, 1);
-            Some("unknown status")
+            "unknown status"
         }
-        Status::Success if !wc.opcode.is_known() => {
+        Status::Success => {
             bump(&m.unknown_opcode, 1);
-            Some("unknown opcode")
+            "unknown opcode"
         }
-        _ => None,
-    };
-    if let Some(what) = anomaly {
-        tracing::error!(cq = %name, wr_id = format_args!("{:#x}", wc.wr_id), key = %id.key,
-            kind = %id.kind, status = %wc.status, opcode = %wc.opcode, qp = wc.qp_num,
-            vendor_err = wc.vendor_err, "{what}: completion counted, not dispatched");
-    } else {
-        if !wc.status.is_success() {
-            bump(&m.errors_by_status[wc.status.table_index()], 1);
-            if wc.status.is_flush() {
+        status => {
+            bump(&m.errors_by_status[status.table_index()], 1);
+            if status.is_flush() {
                 bump(&m.flushes, 1);
             }
+            let mut outbox = Outbox::new(out, entry.route);
+            deliver(entry.handler.as_mut(), id, wc, &mut outbox);
+            return;
         }
-        let mut outbox = Outbox::new(out, entry.route);
-        let handler = &mut entry.handler;
-        let result = catch_unwind(AssertUnwindSafe(|| {
-            deliver(handler.as_mut(), id, wc, &mut outbox)
-        }));
-        if result.is_err() {
-            bump(&m.handler_panics, 1);
-            tracing::error!(cq = %name, key = %id.key, kind = %id.kind, tag = id.tag,
-                status = %wc.status, "handler panicked; completion counted as delivered");
-        }
-    }
-    if entry.retiring && entry.ledger.outstanding() == 0 {
-        retire(shared, slab, id.key);
+    };
+    tracing::error!(cq = %shared.name, wr_id = format_args!("{:#x}", wc.wr_id), key = %id.key,
+        kind = %id.kind, status = %wc.status, opcode = %wc.opcode, qp = wc.qp_num,
+        vendor_err = wc.vendor_err, "{anomaly}: completion counted, not dispatched");
+}
+
+#[cold]
+#[inline(never)]
+fn handler_panicked<W>(shared: &CqShared<W>, wc: &Completion) {
+    bump(&shared.metrics.0.handler_panics, 1);
+    let id = WrId::decode(wc.wr_id).ok();
+    tracing::error!(cq = %shared.name, wr_id = format_args!("{:#x}", wc.wr_id), id = ?id,
+        status = %wc.status, "handler panicked; completion counted as delivered");
+}
+
+#[cold]
+#[inline(never)]
+fn retire_if_drained<W>(shared: &CqShared<W>, slab: &mut Slab<W>, key: HandlerKey) {
+    if slab
+        .get_mut(key)
+        .is_some_and(|e| e.ledger.outstanding() == 0)
+    {
+        retire(shared, slab, key);
     }
 }
 
 #[inline]
-fn deliver<W: 'static>(handler: &mut dyn Handler<W>, id: WrId, wc: &Completion, out: &mut Outbox<'_, W>) {
+fn deliver<W: 'static>(
+    handler: &mut dyn Handler<W>,
+    id: WrId,
+    wc: &Completion,
+    out: &mut Outbox<'_, W>,
+) {
     if !wc.status.is_success() {
         let failed = Failed {
             kind: id.kind,
@@ -582,5 +701,24 @@ impl Registration {
     /// Posted and completed counts of this handler.
     pub fn ledger(&self) -> &SlotLedger {
         &self.ledger
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sink::NoWork;
+
+    fn assert_send<T: Send>() {}
+    fn assert_send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn auto_traits() {
+        // CqPoller: Send (moved into its thread); !Sync and !Clone are
+        // pinned by the compile_fail doctests of this module.
+        assert_send::<CqPoller<NoWork>>();
+        assert_send::<CqPoller<Vec<u8>>>();
+        assert_send_sync::<CqHandle<NoWork>>();
+        assert_send_sync::<Registration>();
     }
 }

@@ -1,9 +1,9 @@
 //! cqd-core: the backend-agnostic heart of cqd.
 //!
-//! A completion travels: CQ → [`CqPoller`](cq::CqPoller) (owned by one
+//! A completion travels: CQ → [`CqPoller`] (owned by one
 //! poller thread) → [`wr_id`] decode → the handler slab (generation
-//! checked) → a typed [`Handler`](handler::Handler) callback → work in an
-//! [`Outbox`](handler::Outbox) → a [`WorkSink`](sink::WorkSink) (worker
+//! checked) → a typed [`Handler`] callback → work in an
+//! [`Outbox`] → a [`WorkSink`] (worker
 //! pools).
 //!
 //! ```

@@ -198,6 +198,7 @@ pub struct PollerCounters {
     pub(crate) spill_high_water: AtomicU64,
     pub(crate) handed_off: AtomicU64,
     pub(crate) spin_window_ns: AtomicU64,
+    pub(crate) cpu_ns: AtomicU64,
 }
 
 /// The counters of one poller thread, cache-padded.
@@ -219,6 +220,7 @@ impl PollerMetrics {
             spill_high_water: get(&c.spill_high_water),
             handed_off: get(&c.handed_off),
             spin_window_ns: get(&c.spin_window_ns),
+            cpu_ns: get(&c.cpu_ns),
         }
     }
 }
@@ -247,6 +249,9 @@ pub struct PollerSnapshot {
     pub handed_off: u64,
     /// The current spin window of Hybrid/Adaptive mode (nanoseconds).
     pub spin_window_ns: u64,
+    /// CPU time the thread has used (nanoseconds; updated at each sleep and
+    /// at the stop).
+    pub cpu_ns: u64,
 }
 
 #[cfg(test)]
@@ -271,8 +276,33 @@ mod tests {
         bump(&m.0.errors_by_status[Status::WrFlush.table_index()], 3);
         bump(&m.0.errors_by_status[Status::Unknown(77).table_index()], 1);
         let s = m.snapshot("cq", 16);
-        assert_eq!(s.errors_by_status.get("Work Request Flushed Error"), Some(&3));
+        assert_eq!(
+            s.errors_by_status.get("Work Request Flushed Error"),
+            Some(&3)
+        );
         assert_eq!(s.errors_by_status.get("unknown"), Some(&1));
         assert_eq!(s.errors(), 4);
+    }
+}
+
+#[cfg(test)]
+mod serde_tests {
+    use super::*;
+
+    #[test]
+    fn snapshots_round_trip_through_toml() {
+        let m = CqMetrics::default();
+        bump(&m.0.completions, 42);
+        bump(&m.0.batch_hist[3], 2);
+        bump(&m.0.errors_by_status[Status::RemoteAccess.table_index()], 1);
+        let snap = m.snapshot("cq0", 1024);
+        let text = toml::to_string(&snap).unwrap();
+        let back: CqSnapshot = toml::from_str(&text).unwrap();
+        assert_eq!(back, snap);
+        let p = PollerMetrics::default();
+        bump(&p.0.spills, 3);
+        let ps = p.snapshot("p0");
+        let back: PollerSnapshot = toml::from_str(&toml::to_string(&ps).unwrap()).unwrap();
+        assert_eq!(back, ps);
     }
 }

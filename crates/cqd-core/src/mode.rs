@@ -368,7 +368,11 @@ mod tests {
 
     #[test]
     fn arm_then_repoll_then_block() {
-        let mut g = Script { log: vec![], repoll: 0, after: 3 };
+        let mut g = Script {
+            log: vec![],
+            repoll: 0,
+            after: 3,
+        };
         let s = sleep_once(&mut g, Duration::from_millis(1)).unwrap();
         assert_eq!(g.log, ["arm", "poll", "block", "collect", "poll"]);
         assert_eq!((s.blocked, s.events, s.found), (true, 1, 3));
@@ -376,7 +380,11 @@ mod tests {
 
     #[test]
     fn repoll_finding_work_does_not_sleep() {
-        let mut g = Script { log: vec![], repoll: 2, after: 0 };
+        let mut g = Script {
+            log: vec![],
+            repoll: 2,
+            after: 0,
+        };
         let s = sleep_once(&mut g, Duration::from_millis(1)).unwrap();
         assert_eq!(g.log, ["arm", "poll"]);
         assert!(!s.blocked);
@@ -409,9 +417,20 @@ mod tests {
     fn modes_decide() {
         let t0 = Instant::now();
         let later = t0 + Duration::from_secs(1);
-        assert_eq!(IdlePolicy::new(PollMode::Busy, t0).on_idle(later), Idle::Spin);
-        assert_eq!(IdlePolicy::new(PollMode::Event, t0).on_idle(t0), Idle::Sleep);
-        let mut h = IdlePolicy::new(PollMode::Hybrid { spin: Duration::from_millis(10) }, t0);
+        assert_eq!(
+            IdlePolicy::new(PollMode::Busy, t0).on_idle(later),
+            Idle::Spin
+        );
+        assert_eq!(
+            IdlePolicy::new(PollMode::Event, t0).on_idle(t0),
+            Idle::Sleep
+        );
+        let mut h = IdlePolicy::new(
+            PollMode::Hybrid {
+                spin: Duration::from_millis(10),
+            },
+            t0,
+        );
         assert_eq!(h.on_idle(t0 + Duration::from_millis(1)), Idle::Spin);
         assert_eq!(h.on_idle(later), Idle::Sleep);
     }

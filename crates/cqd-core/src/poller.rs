@@ -34,7 +34,7 @@ use crate::mode::{sleep_once, Idle, IdlePolicy, PollMode, SleepGroup, Slept};
 use crate::sink::{Routed, WorkSink};
 use crate::source::SourceError;
 use crate::sync::{AtomicBool, Ordering};
-use crate::sys::{wait_readable, Doorbell};
+use crate::sys::{thread_cpu_time, wait_readable, Doorbell};
 
 /// Acknowledge notifications once this many are pending.
 pub const DEFAULT_ACK_BATCH: u32 = 16;
@@ -318,7 +318,8 @@ struct Group<W, S> {
 impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
     fn run(mut self) -> PollerReport {
         let name = self.metrics_name();
-        let _span = tracing::debug_span!("poller", name = %name, mode = self.idle.mode().name()).entered();
+        let _span =
+            tracing::debug_span!("poller", name = %name, mode = self.idle.mode().name()).entered();
         self.round_found = vec![0; self.cqs.len()];
         self.round_events = vec![0; self.cqs.len()];
         loop {
@@ -352,10 +353,10 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                 }
                 Idle::Sleep => self.sleep(),
             }
-            self.metrics.0.spin_window_ns.store(
-                self.idle.window().as_nanos() as u64,
-                Ordering::Relaxed,
-            );
+            self.metrics
+                .0
+                .spin_window_ns
+                .store(self.idle.window().as_nanos() as u64, Ordering::Relaxed);
         }
         self.shutdown()
     }
@@ -422,6 +423,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             }
         }
         self.classify(&slept);
+        self.record_cpu();
         let overhead = start.elapsed().saturating_sub(self.last_block);
         self.last_block = Duration::ZERO;
         self.idle.on_sleep_overhead(overhead);
@@ -444,12 +446,22 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                 bump(&m.spurious_wakeups, 1);
             } else if events == 0 && found > 0 && slept.timed_out {
                 bump(&m.recovered_missed_events, 1);
-                tracing::warn!(cq = cq.name(), found, "wake-up timeout found completions: a notification was missed and recovered");
+                tracing::warn!(
+                    cq = cq.name(),
+                    found,
+                    "wake-up timeout found completions: a notification was missed and recovered"
+                );
             }
         }
     }
 
+    fn record_cpu(&self) {
+        let cpu = thread_cpu_time().as_nanos() as u64;
+        self.metrics.0.cpu_ns.store(cpu, Ordering::Relaxed);
+    }
+
     fn shutdown(mut self) -> PollerReport {
+        self.record_cpu();
         // 1. Drain every CQ to empty.
         for cq in &mut self.cqs {
             cq.apply_commands();
@@ -461,10 +473,13 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             std::thread::sleep(Duration::from_micros(100));
             self.hand_off();
         }
-        let mut report = self.into_report_inner();
+        let mut report = self.report_now();
         report.undelivered = self.spill.len() as u64;
         if report.undelivered > 0 {
-            tracing::error!(undelivered = report.undelivered, "stop timed out handing work to the workers");
+            tracing::error!(
+                undelivered = report.undelivered,
+                "stop timed out handing work to the workers"
+            );
         }
         // 3 and 4. Acknowledge everything, destroy every CQ.
         for cq in &mut self.cqs {
@@ -478,10 +493,10 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
     }
 
     fn into_report(self) -> PollerReport {
-        self.into_report_inner()
+        self.report_now()
     }
 
-    fn into_report_inner(&self) -> PollerReport {
+    fn report_now(&self) -> PollerReport {
         PollerReport {
             poller: self.metrics.snapshot(&self.metrics_name()),
             cqs: self.cqs.iter().map(|c| c.handle().snapshot()).collect(),
@@ -518,10 +533,8 @@ impl<W: Send + 'static, S: WorkSink<W>> SleepGroup for Group<W, S> {
             }
         }
         let start = Instant::now();
-        let n = wait_readable(&fds, timeout, &mut self.ready).map_err(|source| SourceError::Os {
-            op: "poll",
-            source,
-        })?;
+        let n = wait_readable(&fds, timeout, &mut self.ready)
+            .map_err(|source| SourceError::Os { op: "poll", source })?;
         drop(fds);
         self.last_block = start.elapsed();
         let mut rung = false;

@@ -3,10 +3,10 @@
 //!
 //! A slot's life:
 //!
-//! 1. `register` (any thread) allocates a slot under the [`SlotTable`] lock,
+//! 1. `register` (any thread) allocates a slot under the `SlotTable` lock,
 //!    taking the slot's current generation, and sends the handler to the
 //!    poller; the key is returned at once.
-//! 2. The poller installs the handler in its [`Slab`] between batches (or
+//! 2. The poller installs the handler in its `Slab` between batches (or
 //!    immediately, if a completion names a slot it has not installed yet).
 //! 3. `unregister` marks the entry retiring. It stays in the slab, receiving
 //!    completions, until every request posted under it has completed —

@@ -67,3 +67,12 @@ pub(crate) fn wait_readable(
     ready.extend(pollfds.iter().map(|p| !p.revents().is_empty()));
     Ok(n)
 }
+
+/// CPU time consumed by the calling thread.
+pub(crate) fn thread_cpu_time() -> Duration {
+    let ts = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Duration::new(
+        ts.tv_sec.max(0) as u64,
+        ts.tv_nsec.clamp(0, 999_999_999) as u32,
+    )
+}

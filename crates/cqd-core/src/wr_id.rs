@@ -208,6 +208,17 @@ impl fmt::Display for HandlerKey {
     }
 }
 
+/// Every 3-bit kind code, decoded (a table: one load, no branch chain).
+const KIND_BY_CODE: [Option<OpKind>; 1 << KIND_BITS] = {
+    let mut t = [None; 1 << KIND_BITS];
+    let mut code = 0;
+    while code < t.len() {
+        t[code] = OpKind::from_code(code as u8);
+        code += 1;
+    }
+    t
+};
+
 /// A decoded wr_id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct WrId {
@@ -240,10 +251,10 @@ impl WrId {
         if (raw >> MAGIC_SHIFT) & MAGIC_MASK != MAGIC {
             return Err(Malformed::Foreign);
         }
-        let code = ((raw >> KIND_SHIFT) & KIND_MASK) as u8;
-        let kind = match OpKind::from_code(code) {
+        let code = ((raw >> KIND_SHIFT) & KIND_MASK) as usize;
+        let kind = match KIND_BY_CODE[code] {
             Some(kind) => kind,
-            None => return Err(Malformed::BadKind(code)),
+            None => return Err(Malformed::BadKind(code as u8)),
         };
         Ok(WrId {
             kind,
@@ -316,7 +327,10 @@ mod tests {
             for (slot, gen, tag) in [(0, 0, 0), (MAX_SLOT, MAX_GENERATION, MAX_TAG)] {
                 let key = HandlerKey::new(slot, gen).unwrap();
                 let w = WrId::decode(key.wr_id(kind, tag).unwrap()).unwrap();
-                assert_eq!((w.kind, w.key.slot(), w.key.generation(), w.tag), (kind, slot, gen, tag));
+                assert_eq!(
+                    (w.kind, w.key.slot(), w.key.generation(), w.tag),
+                    (kind, slot, gen, tag)
+                );
             }
         }
         assert!(HandlerKey::new(MAX_SLOT + 1, 0).is_none());
@@ -324,7 +338,10 @@ mod tests {
         let key = HandlerKey::new(1, 1).unwrap();
         assert_eq!(
             key.wr_id(OpKind::Send, MAX_TAG + 1),
-            Err(WrIdError::TagTooLarge { tag: MAX_TAG + 1, max: MAX_TAG })
+            Err(WrIdError::TagTooLarge {
+                tag: MAX_TAG + 1,
+                max: MAX_TAG
+            })
         );
     }
 
@@ -339,7 +356,13 @@ mod tests {
     #[test]
     fn side_follows_kind() {
         assert_eq!(OpKind::Recv.side(), Side::Recv);
-        for k in [OpKind::Send, OpKind::Write, OpKind::Read, OpKind::Atomic, OpKind::Internal] {
+        for k in [
+            OpKind::Send,
+            OpKind::Write,
+            OpKind::Read,
+            OpKind::Atomic,
+            OpKind::Internal,
+        ] {
             assert_eq!(k.side(), Side::Send);
         }
     }

@@ -246,7 +246,12 @@ impl SimCq {
         Ok(())
     }
 
-    fn push_locked(&self, st: &mut State, wc: Completion, solicited: bool) -> Result<(), PushError> {
+    fn push_locked(
+        &self,
+        st: &mut State,
+        wc: Completion,
+        solicited: bool,
+    ) -> Result<(), PushError> {
         if st.destroyed {
             return Err(PushError::Destroyed);
         }
@@ -301,7 +306,11 @@ impl SimCq {
     /// arm takes effect: after the poller's last empty poll, not notified.
     /// A poller that does not re-poll after arming would miss them.
     pub fn inject_before_next_arm(&self, wcs: &[Completion]) {
-        self.shared.state.lock().inject_before_arm.extend_from_slice(wcs);
+        self.shared
+            .state
+            .lock()
+            .inject_before_arm
+            .extend_from_slice(wcs);
     }
 
     /// Changes the fault probabilities.
@@ -476,12 +485,19 @@ mod tests {
         let (cq, mut src) = sim_cq("t", 8, Faults::default()).unwrap();
         cq.push(wc(1), false).unwrap();
         src.arm(ArmKind::Next).unwrap();
-        assert_eq!(src.take_events().unwrap(), 0, "queued entries do not fire an arm");
+        assert_eq!(
+            src.take_events().unwrap(),
+            0,
+            "queued entries do not fire an arm"
+        );
         cq.push(wc(2), false).unwrap();
         cq.push(wc(3), false).unwrap();
         assert_eq!(src.take_events().unwrap(), 1, "one notification per arm");
         assert_eq!(src.unacked_events(), 1);
-        assert!(matches!(src.destroy(), Err(SourceError::UnackedEvents { unacked: 1 })));
+        assert!(matches!(
+            src.destroy(),
+            Err(SourceError::UnackedEvents { unacked: 1 })
+        ));
         src.ack_events(1).unwrap();
         let mut buf = [Completion::default(); 8];
         assert_eq!(src.poll(&mut buf).unwrap(), 3);
@@ -498,8 +514,13 @@ mod tests {
         cq.push(wc(2), true).unwrap();
         assert_eq!(src.take_events().unwrap(), 1);
         src.arm(ArmKind::Solicited).unwrap();
-        cq.push(Completion::error(3, cqd_core::Status::WrFlush, 1), false).unwrap();
-        assert_eq!(src.take_events().unwrap(), 1, "errors notify a solicited arm");
+        cq.push(Completion::error(3, cqd_core::Status::WrFlush, 1), false)
+            .unwrap();
+        assert_eq!(
+            src.take_events().unwrap(),
+            1,
+            "errors notify a solicited arm"
+        );
     }
 
     #[test]
@@ -507,24 +528,42 @@ mod tests {
         let (cq, mut src) = sim_cq("t", 2, Faults::default()).unwrap();
         cq.push(wc(1), false).unwrap();
         cq.push(wc(2), false).unwrap();
-        assert_eq!(cq.push(wc(3), false), Err(PushError::Overflow { capacity: 2 }));
+        assert_eq!(
+            cq.push(wc(3), false),
+            Err(PushError::Overflow { capacity: 2 })
+        );
         let mut buf = [Completion::default(); 4];
         assert_eq!(src.poll(&mut buf).unwrap(), 2);
-        assert_eq!(cq.push(wc(4), false), Err(PushError::Overflow { capacity: 2 }));
-        assert!(matches!(src.take_async_event(), Some(AsyncEvent::CqOverflow { capacity: 2, .. })));
-        assert!(matches!(src.arm(ArmKind::Next), Err(SourceError::CqInError)));
+        assert_eq!(
+            cq.push(wc(4), false),
+            Err(PushError::Overflow { capacity: 2 })
+        );
+        assert!(matches!(
+            src.take_async_event(),
+            Some(AsyncEvent::CqOverflow { capacity: 2, .. })
+        ));
+        assert!(matches!(
+            src.arm(ArmKind::Next),
+            Err(SourceError::CqInError)
+        ));
         assert_eq!(cq.stats().lost, 2);
     }
 
     #[test]
     fn faults_drop_and_spurious() {
-        let faults = Faults { drop: 1.0, ..Faults::default() };
+        let faults = Faults {
+            drop: 1.0,
+            ..Faults::default()
+        };
         let (cq, mut src) = sim_cq("t", 8, faults).unwrap();
         src.arm(ArmKind::Next).unwrap();
         cq.push(wc(1), false).unwrap();
         assert_eq!(src.take_events().unwrap(), 0);
         assert_eq!(cq.stats().dropped, 1);
-        cq.set_faults(Faults { spurious: 1.0, ..Faults::default() });
+        cq.set_faults(Faults {
+            spurious: 1.0,
+            ..Faults::default()
+        });
         src.arm(ArmKind::Next).unwrap();
         assert_eq!(src.take_events().unwrap(), 1);
         assert_eq!(cq.stats().spurious, 1);
