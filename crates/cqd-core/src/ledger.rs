@@ -1,7 +1,7 @@
 //! The outstanding-work ledger, its watchdog, and the shutdown report.
 //!
 //! Per handler and kind, the posted and completed counts live in the
-//! handler's [`SlotLedger`] (kept by [`Registration::track`] and the
+//! handler's [`SlotLedger`] (kept by [`Registration::track`](crate::cq::Registration::track) and the
 //! poller); this module does not count them again. It adds:
 //!
 //! - [`WrLedger`]: per QP and side, a ring of (wr_id, post time) of the

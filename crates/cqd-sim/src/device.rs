@@ -5,7 +5,7 @@
 //! executes their work requests (see [`crate::engine`]). A [`Device`] has
 //! attributes ([`DeviceAttr`]) that every creation is checked against. A
 //! [`Cq`] is a simulated CQ ([`crate::cq`]) with its
-//! [`CqBudget`](cqd_core::budget::CqBudget): QPs created on it reserve their
+//! [`CqBudget`]: QPs created on it reserve their
 //! depths there (admission), and its producer side is what the NIC pushes
 //! completions to.
 //!

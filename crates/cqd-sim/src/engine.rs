@@ -188,7 +188,7 @@ impl FabricState {
                 Outcome::Fail(status) => {
                     self.stats.errors += 1;
                     self.fail_send(qpn, wr.wr_id, status);
-                    self.to_error(qpn);
+                    self.enter_error(qpn);
                 }
             }
         }
@@ -238,7 +238,7 @@ impl FabricState {
     }
 
     /// Moves a QP to the error state and flushes both its queues.
-    pub(crate) fn to_error(&mut self, qpn: u32) {
+    pub(crate) fn enter_error(&mut self, qpn: u32) {
         let Some(q) = self.qps.get_mut(&qpn) else {
             return;
         };
@@ -390,7 +390,7 @@ impl FabricState {
             }
             Op::CompareSwap { remote, .. } | Op::FetchAdd { remote, .. } => {
                 if remote.addr % 8 != 0 {
-                    self.to_error(peer);
+                    self.enter_error(peer);
                     return Outcome::Fail(Status::RemoteInvalidRequest);
                 }
                 let need = crate::mr::Access::REMOTE_ATOMIC;
@@ -431,7 +431,7 @@ impl FabricState {
     }
 
     fn remote_access(&mut self, peer: u32) -> Outcome {
-        self.to_error(peer);
+        self.enter_error(peer);
         Outcome::Fail(Status::RemoteAccess)
     }
 
@@ -448,7 +448,7 @@ impl FabricState {
         wc.status = theirs;
         wc.opcode = Opcode::Unknown(u32::MAX);
         self.complete_recv(peer, wc, false);
-        self.to_error(peer);
+        self.enter_error(peer);
         Outcome::Fail(ours)
     }
 }
@@ -475,13 +475,10 @@ pub(crate) fn timed_loop(core: &Core) {
 /// When a request posted now is due under `model` (advancing the link).
 pub(crate) fn due(st: &mut FabricState, model: &TimedModel, bytes: u64, now: Instant) -> Instant {
     let start = st.link_free_at.max(now);
-    let wire = if model.bandwidth == 0 {
-        Duration::ZERO
-    } else {
-        Duration::from_nanos(
-            (bytes.saturating_mul(1_000_000_000) / model.bandwidth).min(u64::from(u32::MAX)),
-        )
-    };
+    let wire = bytes
+        .saturating_mul(1_000_000_000)
+        .checked_div(model.bandwidth)
+        .map_or(Duration::ZERO, |ns| Duration::from_nanos(ns.min(u64::from(u32::MAX))));
     st.link_free_at = start + model.per_wr + wire;
     st.link_free_at + model.latency
 }

@@ -237,7 +237,7 @@ impl Qp {
         let mut st = self.fabric.core.state.lock();
         let qpn = self.qpn;
         if let Modify::Rtr { remote_qpn } = m {
-            if !st.qps.get(&remote_qpn).is_some_and(|p| !p.destroyed) {
+            if st.qps.get(&remote_qpn).is_none_or(|p| p.destroyed) {
                 return Err(VerbsError::NoSuchQp { qpn: remote_qpn });
             }
         }
@@ -283,7 +283,7 @@ impl Qp {
                 q.state = QpState::Rts;
             }
             Modify::Err => {
-                st.to_error(qpn);
+                st.enter_error(qpn);
                 return Ok(());
             }
             Modify::Reset => {
@@ -301,7 +301,7 @@ impl Qp {
     /// Forces the QP to the error state (as a fault would): flushes both
     /// queues. Same as `modify(Modify::Err)`.
     pub fn force_error(&self) {
-        self.fabric.core.state.lock().to_error(self.qpn);
+        self.fabric.core.state.lock().enter_error(self.qpn);
     }
 
     /// Posts send-side requests, in order. With the inline engine they
@@ -382,10 +382,10 @@ impl Qp {
         }
         let forced = st.faults.qp_error_rate;
         if in_error {
-            st.to_error(qpn);
+            st.enter_error(qpn);
         } else if st.chance(forced) {
             st.stats.forced_qp_errors += 1;
-            st.to_error(qpn);
+            st.enter_error(qpn);
         } else {
             st.activate(qpn);
         }
@@ -445,7 +445,7 @@ impl Qp {
             sges: w.sg_list.to_vec(),
         }));
         if q.state == QpState::Err {
-            st.to_error(qpn);
+            st.enter_error(qpn);
         }
         self.fabric.kick(&mut st, Instant::now());
         Ok(())
@@ -455,7 +455,7 @@ impl Qp {
 impl Drop for Qp {
     fn drop(&mut self) {
         let mut st = self.fabric.core.state.lock();
-        st.to_error(self.qpn);
+        st.enter_error(self.qpn);
         if let Some(q) = st.qps.get_mut(&self.qpn) {
             q.destroyed = true;
         }

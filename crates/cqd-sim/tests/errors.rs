@@ -76,7 +76,8 @@ fn local_length_error_when_the_receive_is_too_small() {
 
 #[test]
 fn remote_access_errors_bad_rkey_out_of_bounds_missing_permission() {
-    let cases: Vec<(&str, Box<dyn Fn(&Rig, &cqd_sim::Mr) -> WrOp>)> = vec![
+    type MakeOp = Box<dyn Fn(&Rig, &cqd_sim::Mr) -> WrOp>;
+    let cases: Vec<(&str, MakeOp)> = vec![
         (
             "bad rkey",
             Box::new(|r, _| {
