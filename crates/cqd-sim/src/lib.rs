@@ -21,11 +21,13 @@ pub mod cq;
 pub mod device;
 pub mod engine;
 pub mod error;
+mod exec;
 pub mod mr;
 pub mod pd;
 pub mod qp;
 pub mod srq;
 mod state;
+pub mod wr;
 
 pub use cq::{sim_cq, Faults, PushError, SimCq, SimCqError, SimCqSource, SimCqStats, MAX_CQE};
 pub use device::{Cq, CqConfig, Device, DeviceAttr, Fabric};
