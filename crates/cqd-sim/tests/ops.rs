@@ -251,3 +251,17 @@ fn a_list_that_fits_only_after_polling_reclaims_slots() {
     r.a.post_send(&four).unwrap();
     assert_eq!(r.poll_all(), 4);
 }
+
+#[test]
+fn nic_objects_can_be_shared_across_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<cqd_sim::Fabric>();
+    send_sync::<cqd_sim::Device>();
+    send_sync::<cqd_sim::Pd>();
+    send_sync::<cqd_sim::Mr>();
+    send_sync::<cqd_sim::Qp>();
+    send_sync::<cqd_sim::Srq>();
+    send_sync::<cqd_sim::Cq>();
+    send_sync::<cqd_core::budget::CqBudget>();
+    send_sync::<cqd_core::ledger::WrLedger>();
+}
