@@ -161,8 +161,12 @@ impl Fabric {
     /// # Errors
     /// [`VerbsError::Destroyed`] if the timed engine's thread cannot start.
     pub fn new(engine: Engine) -> Result<Fabric, VerbsError> {
+        let mut state = FabricState::new();
+        if let Engine::Timed(model) = engine {
+            state.rnr_timer = Some(model.rnr_timer);
+        }
         let core = Arc::new(Core {
-            state: Mutex::new(FabricState::new()),
+            state: Mutex::new(state),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
             engine,

@@ -16,8 +16,11 @@
 //! 3. Remote checks (rkey, domain, bounds, region and QP permissions):
 //!    else `RemoteAccess` and the peer goes to error; misaligned atomics:
 //!    `RemoteInvalidRequest`.
-//! 4. A receive is taken for SEND and WRITE with immediate: none posted
-//!    waits (`rnr_retry` 7) or fails with `RnrRetryExceeded`; one too small
+//! 4. A receive is taken for SEND and WRITE with immediate. None posted:
+//!    with `rnr_retry` 7 the request waits (and its queue behind it) until
+//!    one is; otherwise the timed engine retries `rnr_retry` times an RNR
+//!    timer apart and the inline engine does not retry, then it fails with
+//!    `RnrRetryExceeded`. One too small
 //!    fails it with `LocalLength` on the peer and `RemoteInvalidRequest`
 //!    here; one with a bad SGE, `LocalProtection` there and
 //!    `RemoteOperation` here. Both QPs go to error.
@@ -55,6 +58,9 @@ pub struct TimedModel {
     pub bandwidth: u64,
     /// Per-request processing time on the link.
     pub per_wr: Duration,
+    /// The RNR timer: a send finding no receive is retried this much later,
+    /// up to `rnr_retry` times (7: until a receive is posted).
+    pub rnr_timer: Duration,
 }
 
 impl Default for TimedModel {
@@ -63,6 +69,7 @@ impl Default for TimedModel {
             latency: Duration::from_micros(2),
             bandwidth: 12_500_000_000,
             per_wr: Duration::from_nanos(10),
+            rnr_timer: Duration::from_micros(10),
         }
     }
 }
@@ -102,6 +109,8 @@ pub struct NicStats {
     pub forced_qp_errors: u64,
     /// Requests delayed (`delay_rate`).
     pub delayed: u64,
+    /// RNR retries (timed engine).
+    pub rnr_retries: u64,
 }
 
 pub(crate) use crate::exec::Outcome;
@@ -158,6 +167,17 @@ impl FabricState {
                 self.execute(qpn, &wr)
             };
             match outcome {
+                Outcome::RnrRetry => {
+                    let mut wr = wr;
+                    wr.rnr_tries += 1;
+                    wr.ready_at = now + self.rnr_timer.unwrap_or_default();
+                    self.stats.rnr_retries += 1;
+                    let at = wr.ready_at;
+                    if let Some(q) = self.qps.get_mut(&qpn) {
+                        q.sq_pending.push_front(wr);
+                    }
+                    return Step::Due(at);
+                }
                 Outcome::RnrWait => {
                     if let Some(q) = self.qps.get_mut(&qpn) {
                         q.sq_pending.push_front(wr);

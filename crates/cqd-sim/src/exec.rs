@@ -11,9 +11,14 @@ use crate::state::{FabricState, Op, PendingSend};
 
 /// What became of a request.
 pub(crate) enum Outcome {
-    Ok { opcode: Opcode, byte_len: u32 },
+    Ok {
+        opcode: Opcode,
+        byte_len: u32,
+    },
     Fail(Status),
     RnrWait,
+    /// No receive; retry after the RNR timer (timed engine).
+    RnrRetry,
 }
 
 impl FabricState {
@@ -52,7 +57,7 @@ impl FabricState {
                     return Outcome::Fail(Status::LocalProtection);
                 };
                 let Some(recv) = self.take_recv(peer) else {
-                    return self.rnr(rnr_retry);
+                    return self.rnr(rnr_retry, wr);
                 };
                 let mut wc = Completion::success(recv.wr_id, Opcode::Recv, peer);
                 wc.src_qp = qpn;
@@ -96,7 +101,7 @@ impl FabricState {
                 let recv = match imm {
                     Some(_) => match self.take_recv(peer) {
                         Some(r) => Some(r),
-                        None => return self.rnr(rnr_retry),
+                        None => return self.rnr(rnr_retry, wr),
                     },
                     None => None,
                 };
@@ -164,9 +169,14 @@ impl FabricState {
         }
     }
 
-    fn rnr(&self, rnr_retry: u8) -> Outcome {
+    /// No receive on the peer: 7 retries forever (wait for the receive);
+    /// the timed engine retries `rnr_retry` times, an RNR timer apart; the
+    /// inline engine fails at once.
+    fn rnr(&self, rnr_retry: u8, wr: &PendingSend) -> Outcome {
         if rnr_retry >= 7 {
             Outcome::RnrWait
+        } else if self.rnr_timer.is_some() && wr.rnr_tries < rnr_retry {
+            Outcome::RnrRetry
         } else {
             Outcome::Fail(Status::RnrRetryExceeded)
         }

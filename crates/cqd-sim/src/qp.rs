@@ -263,6 +263,7 @@ impl Qp {
                 signaled: wr.signaled,
                 solicited: wr.solicited,
                 ready_at,
+                rnr_tries: 0,
             };
             if let Some(q) = st.qps.get_mut(&qpn) {
                 q.sq_pending.push_back(pending);

@@ -52,6 +52,8 @@ pub(crate) struct PendingSend {
     pub(crate) signaled: bool,
     pub(crate) solicited: bool,
     pub(crate) ready_at: Instant,
+    /// RNR retries made so far.
+    pub(crate) rnr_tries: u8,
 }
 
 /// A posted receive.
@@ -213,6 +215,8 @@ pub(crate) struct FabricState {
     /// When the simulated link is free again (timed engine).
     pub(crate) link_free_at: Instant,
     pub(crate) stats: NicStats,
+    /// The RNR timer (timed engine only).
+    pub(crate) rnr_timer: Option<std::time::Duration>,
 }
 
 impl FabricState {
@@ -231,6 +235,7 @@ impl FabricState {
             rng: 1,
             link_free_at: Instant::now(),
             stats: NicStats::default(),
+            rnr_timer: None,
         }
     }
 

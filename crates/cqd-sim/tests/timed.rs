@@ -167,3 +167,49 @@ fn injected_errors_and_forced_qp_errors() {
     let mut out = VecDeque::new();
     assert_eq!(r.poller.poll_once(&mut out).unwrap(), 0);
 }
+
+#[test]
+fn timed_engine_retries_rnr_on_its_timer() {
+    let model = TimedModel {
+        latency: Duration::from_micros(10),
+        rnr_timer: Duration::from_millis(20),
+        ..TimedModel::default()
+    };
+    let mut r = Rig::with(
+        Fabric::new(Engine::Timed(model)).unwrap(),
+        QpCap::default(),
+        1024,
+        CqConfig::default(),
+    );
+    for q in [&r.a, &r.b] {
+        q.modify(cqd_sim::Modify::Reset).unwrap();
+    }
+    cqd_sim::connect_with(&r.a, &r.b, 3).unwrap();
+    let s = sges(&[r.mr_a.sge(0, 8)]);
+    // A receive posted while the sender retries: success.
+    r.send(&r.a, OpKind::Send, 1, |id| SendWr::new(id, WrOp::Send, s))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(5));
+    r.recv(&r.b, 2, &[r.mr_b.sge(0, 64)]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while r.reg.ledger().outstanding() > 0 && Instant::now() < deadline {
+        r.poll_all();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(r.log.take().iter().all(|e| e.ok));
+    assert!(r.fabric.stats().rnr_retries >= 1);
+    // None posted: 3 retries, then RNR retry exceeded.
+    r.send(&r.a, OpKind::Send, 3, |id| SendWr::new(id, WrOp::Send, s))
+        .unwrap();
+    let t0 = Instant::now();
+    while r.reg.ledger().outstanding() > 0 && Instant::now() < deadline + Duration::from_secs(5) {
+        r.poll_all();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(
+        t0.elapsed() >= Duration::from_millis(60),
+        "three timers of 20 ms"
+    );
+    let evs = r.log.take();
+    assert_eq!((evs[0].tag, evs[0].status), (3, Status::RnrRetryExceeded));
+}
