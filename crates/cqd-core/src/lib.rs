@@ -45,11 +45,15 @@ pub mod sync;
 mod sys;
 pub mod wr_id;
 
-pub use budget::{cq_depth_for, Admission, BudgetError, CreditReturn, BudgetOptions, BudgetSnapshot, CqBudget};
+pub use budget::{
+    cq_depth_for, Admission, BudgetError, BudgetOptions, BudgetSnapshot, CqBudget, CreditReturn,
+};
 pub use completion::{Completion, Opcode, Status, WcFlags};
 pub use cq::{split, CqHandle, CqOptions, CqPoller, Registration};
 pub use handler::{Failed, Handler, Outbox, RecvDone, SendDone};
-pub use ledger::{drain, Accounted, FlushCounts, KindAccount, ShutdownReport, StuckWr, Watchdog, WrLedger};
+pub use ledger::{
+    drain, Accounted, FlushCounts, KindAccount, ShutdownReport, StuckWr, Watchdog, WrLedger,
+};
 pub use mode::{Adaptive, PollMode};
 pub use poller::{PollerBuilder, PollerReport, PollerThread};
 pub use sink::{NoSink, NoWork, Route, Routed, WorkSink};

@@ -235,12 +235,26 @@ fn rnr_retry_seven_waits_for_the_receive() {
 
 #[test]
 fn a_list_that_fits_only_after_polling_reclaims_slots() {
-    let cap = cqd_sim::QpCap { max_send_wr: 8, ..cqd_sim::QpCap::default() };
-    let mut r = Rig::with(cqd_sim::Fabric::inline(), cap, 1024, cqd_sim::CqConfig::default());
+    let cap = cqd_sim::QpCap {
+        max_send_wr: 8,
+        ..cqd_sim::QpCap::default()
+    };
+    let mut r = Rig::with(
+        cqd_sim::Fabric::inline(),
+        cap,
+        1024,
+        cqd_sim::CqConfig::default(),
+    );
     let s = [r.mr_a.sge(0, 8)];
     let remote = r.mr_b.remote(0);
     let reg = r.reg.clone();
-    let w = |t| SendWr::new(reg.wr_id(OpKind::Write, t).unwrap(), WrOp::Write(remote), &s);
+    let w = |t| {
+        SendWr::new(
+            reg.wr_id(OpKind::Write, t).unwrap(),
+            WrOp::Write(remote),
+            &s,
+        )
+    };
     reg.track(OpKind::Write, 10);
     let first: Vec<_> = (0..6).map(w).collect();
     let three: Vec<_> = (6..9).map(w).collect();
