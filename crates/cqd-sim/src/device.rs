@@ -230,12 +230,14 @@ impl Fabric {
     }
 
     /// Executes every request that is due (delayed by fault injection, or
-    /// waiting for a receive). The inline engine runs this on every post; the
-    /// timed engine's thread runs it continuously.
+    /// waiting for a receive), and releases the CQ reservations of destroyed
+    /// QPs whose completions have all been polled. The inline engine runs the
+    /// former on every post; the timed engine's thread runs it continuously.
     pub fn progress(&self) {
         let mut st = self.core.state.lock();
         let now = std::time::Instant::now();
         st.run(now);
+        st.sweep_destroyed();
     }
 
     /// After a post: the inline engine executes what is due now; the timed
