@@ -20,7 +20,7 @@ fn timed(latency: Duration) -> Fabric {
 #[test]
 fn timed_engine_completes_after_the_latency() {
     let mut r = Rig::with(
-        timed(Duration::from_millis(20)),
+        timed(Duration::from_millis(100)),
         QpCap::default(),
         1024,
         CqConfig::default(),
@@ -37,7 +37,7 @@ fn timed_engine_completes_after_the_latency() {
     while r.poll_all() == 0 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(1));
     }
-    assert!(t0.elapsed() >= Duration::from_millis(20));
+    assert!(t0.elapsed() >= Duration::from_millis(100));
     assert_eq!(r.log.take()[0].tag, 1);
 }
 
@@ -99,7 +99,7 @@ fn delayed_requests_hold_back_their_queue_until_due() {
     let mut r = Rig::new();
     r.fabric.set_faults(NicFaults {
         delay_rate: 1.0,
-        delay_by: Duration::from_millis(10),
+        delay_by: Duration::from_millis(200),
         seed: 7,
         ..NicFaults::default()
     });
@@ -115,7 +115,7 @@ fn delayed_requests_hold_back_their_queue_until_due() {
     })
     .unwrap();
     assert_eq!(r.poll_all(), 0, "the second waits behind the delayed first");
-    std::thread::sleep(Duration::from_millis(15));
+    std::thread::sleep(Duration::from_millis(250));
     r.fabric.progress();
     assert_eq!(r.poll_all(), 2);
     let tags: Vec<u32> = r.log.take().iter().map(|e| e.tag).collect();
@@ -172,7 +172,7 @@ fn injected_errors_and_forced_qp_errors() {
 fn timed_engine_retries_rnr_on_its_timer() {
     let model = TimedModel {
         latency: Duration::from_micros(10),
-        rnr_timer: Duration::from_millis(20),
+        rnr_timer: Duration::from_millis(50),
         ..TimedModel::default()
     };
     let mut r = Rig::with(
@@ -207,8 +207,8 @@ fn timed_engine_retries_rnr_on_its_timer() {
         std::thread::sleep(Duration::from_millis(1));
     }
     assert!(
-        t0.elapsed() >= Duration::from_millis(60),
-        "three timers of 20 ms"
+        t0.elapsed() >= Duration::from_millis(150),
+        "three timers of 50 ms"
     );
     let evs = r.log.take();
     assert_eq!((evs[0].tag, evs[0].status), (3, Status::RnrRetryExceeded));
