@@ -279,3 +279,60 @@ fn nic_objects_can_be_shared_across_threads() {
     send_sync::<cqd_core::budget::CqBudget>();
     send_sync::<cqd_core::ledger::WrLedger>();
 }
+
+#[test]
+fn wr_id_untouched_and_the_solicited_flag_drives_a_solicited_arm() {
+    use cqd_core::{ArmKind, Completion, CompletionSource};
+    let dev = cqd_sim::Device::open("sim0");
+    let (cq, mut src) = dev
+        .create_cq("cq", 64, cqd_sim::CqConfig::default())
+        .unwrap();
+    let pd = dev.alloc_pd();
+    let cap = cqd_sim::QpCap::default();
+    let (cap_small, mr) = (
+        cqd_sim::QpCap {
+            max_send_wr: 8,
+            max_recv_wr: 8,
+            ..cap
+        },
+        pd.reg_mr(64, cqd_sim::Access::ALL).unwrap(),
+    );
+    let a = pd
+        .create_qp(&cqd_sim::QpInit::new(&cq, &cq, cap_small))
+        .unwrap();
+    let b = pd
+        .create_qp(&cqd_sim::QpInit::new(&cq, &cq, cap_small))
+        .unwrap();
+    cqd_sim::connect(&a, &b).unwrap();
+    let sge = [mr.sge(0, 8)];
+    let raw = 0x1234_5678_9abc_def0;
+    b.post_recv(&[
+        cqd_sim::RecvWr::new(raw, &sge),
+        cqd_sim::RecvWr::new(raw + 1, &sge),
+    ])
+    .unwrap();
+    src.arm(ArmKind::Solicited).unwrap();
+    a.post_send(&[SendWr::new(7, WrOp::Send, &sge).unsignaled()])
+        .unwrap();
+    assert_eq!(
+        src.take_events().unwrap(),
+        0,
+        "an unsolicited receive does not fire a solicited arm"
+    );
+    a.post_send(&[SendWr::new(8, WrOp::SendWithImm(1), &sge)
+        .unsignaled()
+        .solicited()])
+        .unwrap();
+    assert_eq!(src.take_events().unwrap(), 1, "a solicited one does");
+    src.ack_events(1).unwrap();
+    let mut buf = [Completion::default(); 4];
+    assert_eq!(src.poll(&mut buf).unwrap(), 2);
+    assert_eq!(
+        (buf[0].wr_id, buf[1].wr_id),
+        (raw, raw + 1),
+        "wr_id comes back untouched"
+    );
+    assert_eq!((buf[0].qp_num, buf[0].src_qp), (b.qpn(), a.qpn()));
+    assert!(!buf[0].wc_flags.contains(cqd_core::WcFlags::WITH_IMM));
+    assert_eq!(buf[1].imm(), Some(1));
+}
