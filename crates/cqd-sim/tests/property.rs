@@ -20,7 +20,7 @@ use cqd_core::{
 };
 use cqd_sim::{
     connect_with, Access, Cq, CqConfig, Fabric, Modify, Mr, NicFaults, PostError, Qp, QpCap,
-    QpInit, QpState, RecvWr, RemoteAddr, SendWr, Sge, WrOp,
+    QpInit, QpState, RecvWr, RemoteAddr, SendWr, Sge, Srq, WrOp,
 };
 use parking_lot::Mutex;
 use proptest::prelude::*;
@@ -50,7 +50,8 @@ impl Table {
             return;
         };
         e.seen += 1;
-        if e.seen > 1 || e.kind != kind || e.kind.side() != side || e.qp != qp {
+        if e.seen > 1 || e.kind != kind || e.kind.side() != side || (e.qp != SRQ_USER && e.qp != qp)
+        {
             self.violations.push(format!(
                 "tag {tag}: seen {} times, kind {kind:?}/{:?}, side {side:?}, qp {qp}/{}",
                 e.seen, e.kind, e.qp
@@ -105,6 +106,7 @@ struct End {
 
 struct World {
     fabric: Fabric,
+    srq: Srq,
     pairs: Vec<(End, End)>,
     pollers: Vec<CqPoller<NoWork>>,
     handles: Vec<CqHandle<NoWork>>,
@@ -118,6 +120,9 @@ struct World {
 const PAIRS: usize = 4;
 const DEPTH: u32 = 32;
 const BUF: u64 = 256;
+const SRQ_DEPTH: u32 = 64;
+/// The expected QP of a receive posted to the SRQ: any of its users.
+const SRQ_USER: u32 = 0;
 
 fn world(seed: u64) -> World {
     let fabric = Fabric::inline();
@@ -135,12 +140,16 @@ fn world(seed: u64) -> World {
         max_send_sge: 2,
         max_recv_sge: 2,
     };
-    // Exactly the admitted size: the tightest CQ admission allows.
-    let cqe = PAIRS as u32 * 2 * DEPTH;
+    // Exactly the admitted sizes, the tightest admission allows: the a side
+    // has send and receive queues, the b side send queues and one SRQ
+    // (counted once).
     let mut cqs = Vec::new();
     let mut pollers = Vec::new();
     let mut handles = Vec::new();
-    for name in ["a", "b"] {
+    for (name, cqe) in [
+        ("a", PAIRS as u32 * 2 * DEPTH),
+        ("b", PAIRS as u32 * DEPTH + SRQ_DEPTH),
+    ] {
         let (cq, src) = dev.create_cq(name, cqe, CqConfig::default()).unwrap();
         let (p, h) = split::<NoWork>(
             src,
@@ -155,8 +164,11 @@ fn world(seed: u64) -> World {
         handles.push(h);
     }
     let pd = dev.alloc_pd();
+    let srq = pd.create_srq(SRQ_DEPTH, 2).unwrap();
     let end = |i: usize| {
-        let qp = pd.create_qp(&QpInit::new(&cqs[i], &cqs[i], cap)).unwrap();
+        let init = QpInit::new(&cqs[i], &cqs[i], cap);
+        let init = if i == 1 { init.with_srq(&srq) } else { init };
+        let qp = pd.create_qp(&init).unwrap();
         let table = Arc::new(Mutex::new(Table::default()));
         let reg = handles[i].register(Checker(Arc::clone(&table))).unwrap();
         let mr = pd.reg_mr(BUF as usize * 2, Access::ALL).unwrap();
@@ -171,6 +183,7 @@ fn world(seed: u64) -> World {
         .collect();
     World {
         fabric,
+        srq,
         pairs,
         pollers,
         handles,
@@ -212,9 +225,14 @@ impl World {
             .map(|(i, s)| RecvWr::new(e.reg.wr_id(OpKind::Recv, first + i as u32).unwrap(), s))
             .collect();
         e.reg.track(OpKind::Recv, n as u64);
-        match e.qp.post_recv(&wrs) {
+        let r = if side_b {
+            self.srq.post_recv(&wrs)
+        } else {
+            e.qp.post_recv(&wrs)
+        };
+        match r {
             Ok(()) => {
-                let qp = e.qp.qpn();
+                let qp = if side_b { SRQ_USER } else { e.qp.qpn() };
                 t.wrs.extend((0..n).map(|_| Expect {
                     kind: OpKind::Recv,
                     qp,
@@ -383,6 +401,7 @@ impl World {
         let stats = self.fabric.stats();
         let mut ok_signaled = 0;
         let mut silent_expected = 0u64;
+        let mut in_srq = 0u64;
         let mut outstanding = 0;
         for (a, b) in &self.pairs {
             for e in [a, b] {
@@ -394,7 +413,9 @@ impl World {
                 );
                 ok_signaled += t.ok_signaled_sends;
                 for (tag, x) in t.wrs.iter().enumerate() {
-                    if x.kind == OpKind::Recv || x.signaled {
+                    if x.qp == SRQ_USER && x.seen == 0 {
+                        in_srq += 1; // SRQ receives are not flushed with a QP
+                    } else if x.kind == OpKind::Recv || x.signaled {
                         assert_eq!(x.seen, 1, "tag {tag} {:?} on QP {}", x.kind, x.qp);
                     } else if x.seen == 0 {
                         silent_expected += 1;
@@ -406,8 +427,14 @@ impl World {
         // Every unsignaled request without a completion executed successfully.
         assert_eq!(stats.executed - ok_signaled, silent_expected, "{stats:?}");
         assert_eq!(
-            outstanding, silent_expected,
-            "the ledger's outstanding are the silent ones"
+            in_srq,
+            self.srq.available() as u64,
+            "unconsumed receives are still in the SRQ"
+        );
+        assert_eq!(
+            outstanding,
+            silent_expected + in_srq,
+            "the ledger's outstanding are the silent ones and those in the SRQ"
         );
         for (h, cq) in self.handles.iter().zip(&self.cqs) {
             let s = h.snapshot();
