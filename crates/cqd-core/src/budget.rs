@@ -126,6 +126,8 @@ struct State {
     overflows: u64,
     /// Per send queue: wr_ids posted and not yet accounted, in post order.
     sends: HashMap<u32, VecDeque<u64>>,
+    /// Per receive queue: credited receives not yet completed.
+    recvs: HashMap<u32, u64>,
 }
 
 #[derive(Debug)]
@@ -304,37 +306,46 @@ impl CqBudget {
         Ok(())
     }
 
-    /// Takes `n` credits for receives.
+    /// Takes `n` credits for receives posted on QP `qp_num`'s own receive
+    /// queue. (Receives of an SRQ take none: admission covers them.)
     ///
     /// # Errors
     /// [`BudgetError::WouldOverflow`] when too few credits are left.
-    pub fn take_recv(&self, n: u32) -> Result<(), BudgetError> {
+    pub fn take_recv(&self, qp_num: u32, n: u32) -> Result<(), BudgetError> {
         if !self.has_credits() {
             return Ok(());
         }
         let mut st = self.inner.state.lock();
-        self.take(&mut st, n)
+        self.take(&mut st, n)?;
+        *st.recvs.entry(qp_num).or_default() += u64::from(n);
+        Ok(())
     }
 
-    /// Gives back credits of a post that failed: the last `n` sends of QP
-    /// `qp_num` (as taken by [`take_send`](Self::take_send)), or `n`
-    /// receives when `qp_num` is `None`.
-    pub fn untake(&self, qp_num: Option<u32>, n: u32) {
+    /// Gives back the credits of a post that failed: the last `n` requests
+    /// taken by [`take_send`](Self::take_send) or
+    /// [`take_recv`](Self::take_recv) for QP `qp_num`'s `side`.
+    pub fn untake(&self, qp_num: u32, side: Side, n: u32) {
         if !self.has_credits() {
             return;
         }
         let mut st = self.inner.state.lock();
-        if let Some(qp) = qp_num {
-            if let Some(q) = st.sends.get_mut(&qp) {
-                let keep = q.len().saturating_sub(n as usize);
-                q.truncate(keep);
-            }
-        }
-        st.credits_in_use = st.credits_in_use.saturating_sub(u64::from(n));
+        let n = match side {
+            Side::Send => st.sends.get_mut(&qp_num).map_or(0, |q| {
+                let n = (n as usize).min(q.len());
+                q.truncate(q.len() - n);
+                n as u64
+            }),
+            Side::Recv => st.recvs.get_mut(&qp_num).map_or(0, |r| {
+                let n = u64::from(n).min(*r);
+                *r -= n;
+                n
+            }),
+        };
+        st.credits_in_use = st.credits_in_use.saturating_sub(n);
     }
 
     /// Accounts one polled completion of QP `qp_num`: a receive returns its
-    /// credit; a send-side completion returns the credits of every request
+    /// credit if it took one (not an SRQ receive); a send-side completion returns the credits of every request
     /// of that send queue up to and including `wr_id` (the unsignaled ones
     /// before it completed silently, in order). Returns the credits given
     /// back. A `wr_id` the queue does not hold returns nothing (counted by
@@ -345,7 +356,13 @@ impl CqBudget {
         }
         let mut st = self.inner.state.lock();
         let n = match side {
-            Side::Recv => 1,
+            Side::Recv => match st.recvs.get_mut(&qp_num) {
+                Some(r) if *r > 0 => {
+                    *r -= 1;
+                    1
+                }
+                _ => 0,
+            },
             Side::Send => {
                 let Some(q) = st.sends.get_mut(&qp_num) else {
                     return 0;
@@ -496,7 +513,7 @@ mod tests {
         };
         let b = CqBudget::new("cq", 4, opts);
         b.take_send(1, &[10, 11, 12]).unwrap();
-        b.take_recv(1).unwrap();
+        b.take_recv(1, 1).unwrap();
         let err = b.take_send(1, &[13]).unwrap_err();
         assert!(matches!(
             err,
@@ -510,6 +527,11 @@ mod tests {
         // 10 and 11 were unsignaled; 12's completion returns all three.
         assert_eq!(b.complete(1, Side::Send, 12), 3);
         assert_eq!(b.complete(1, Side::Recv, 99), 1);
+        assert_eq!(
+            b.complete(5, Side::Recv, 98),
+            0,
+            "an SRQ receive took no credit"
+        );
         let s = b.snapshot();
         assert_eq!(
             (s.credits_in_use, s.credits_high_water, s.would_overflow),
@@ -517,7 +539,7 @@ mod tests {
         );
         assert_eq!(b.complete(1, Side::Send, 12), 0, "already accounted");
         b.take_send(2, &[1, 2]).unwrap();
-        b.untake(Some(2), 2);
+        b.untake(2, Side::Send, 2);
         assert_eq!(b.snapshot().credits_in_use, 0);
     }
 

@@ -328,7 +328,7 @@ impl Qp {
                 posting: wrs.len() as u32,
             });
         }
-        q.recv_cq.budget().take_recv(wrs.len() as u32)?;
+        q.recv_cq.budget().take_recv(qpn, wrs.len() as u32)?;
         q.rq.extend(wrs.iter().map(|w| PendingRecv {
             wr_id: w.wr_id,
             sges: w.sg_list.to_vec(),

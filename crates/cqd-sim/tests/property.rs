@@ -14,6 +14,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use cqd_core::budget::{BudgetOptions, CreditReturn};
 use cqd_core::{
     split, CqHandle, CqOptions, CqPoller, Failed, Handler, NoWork, OpKind, Outbox, RecvDone,
     Registration, SendDone, Side,
@@ -105,6 +106,7 @@ struct End {
 }
 
 struct World {
+    credits: bool,
     fabric: Fabric,
     srq: Srq,
     pairs: Vec<(End, End)>,
@@ -124,7 +126,7 @@ const SRQ_DEPTH: u32 = 64;
 /// The expected QP of a receive posted to the SRQ: any of its users.
 const SRQ_USER: u32 = 0;
 
-fn world(seed: u64) -> World {
+fn world(seed: u64, credits: bool) -> World {
     let fabric = Fabric::inline();
     fabric.set_faults(NicFaults {
         error_rate: 0.0005,
@@ -146,11 +148,30 @@ fn world(seed: u64) -> World {
     let mut cqs = Vec::new();
     let mut pollers = Vec::new();
     let mut handles = Vec::new();
-    for (name, cqe) in [
-        ("a", PAIRS as u32 * 2 * DEPTH),
-        ("b", PAIRS as u32 * DEPTH + SRQ_DEPTH),
+    //
+    // With credits: a deliberately oversubscribed design. Admission is off,
+    // each CQ holds half of what its queues could produce, and credits (as
+    // many as the CQ holds, less the SRQ's depth: SRQ receives take none)
+    // keep it from overflowing.
+    let half = PAIRS as u32 * DEPTH / 2;
+    for (name, cqe, limit) in [
+        ("a", PAIRS as u32 * 2 * DEPTH, 2 * half),
+        ("b", PAIRS as u32 * DEPTH + SRQ_DEPTH, half),
     ] {
-        let (cq, src) = dev.create_cq(name, cqe, CqConfig::default()).unwrap();
+        let (cqe, budget) = if credits {
+            let opts = BudgetOptions {
+                admission: false,
+                credits: Some(limit),
+            };
+            (cqe / 2 + if name == "b" { SRQ_DEPTH / 2 } else { 0 }, opts)
+        } else {
+            (cqe, BudgetOptions::default())
+        };
+        let config = CqConfig {
+            budget,
+            ..CqConfig::default()
+        };
+        let (cq, src) = dev.create_cq(name, cqe, config).unwrap();
         let (p, h) = split::<NoWork>(
             src,
             CqOptions {
@@ -170,7 +191,10 @@ fn world(seed: u64) -> World {
         let init = if i == 1 { init.with_srq(&srq) } else { init };
         let qp = pd.create_qp(&init).unwrap();
         let table = Arc::new(Mutex::new(Table::default()));
-        let reg = handles[i].register(Checker(Arc::clone(&table))).unwrap();
+        let checker = Checker(Arc::clone(&table));
+        let reg = handles[i]
+            .register(CreditReturn::new(cqs[i].budget().clone(), checker))
+            .unwrap();
         let mr = pd.reg_mr(BUF as usize * 2, Access::ALL).unwrap();
         End { qp, reg, table, mr }
     };
@@ -182,6 +206,7 @@ fn world(seed: u64) -> World {
         })
         .collect();
     World {
+        credits,
         fabric,
         srq,
         pairs,
@@ -246,7 +271,9 @@ impl World {
                 assert!(
                     matches!(
                         err,
-                        PostError::QueueFull { .. } | PostError::WrongState { .. }
+                        PostError::QueueFull { .. }
+                            | PostError::WrongState { .. }
+                            | PostError::Credits(_)
                     ),
                     "{err}"
                 );
@@ -332,7 +359,9 @@ impl World {
                 assert!(
                     matches!(
                         err,
-                        PostError::QueueFull { .. } | PostError::WrongState { .. }
+                        PostError::QueueFull { .. }
+                            | PostError::WrongState { .. }
+                            | PostError::Credits(_)
                     ),
                     "{err}"
                 );
@@ -376,7 +405,7 @@ impl World {
             _ => {}
         }
         // A slow poller: not every step.
-        if self.rng.chance(600) {
+        if self.rng.chance(if self.credits { 30 } else { 600 }) {
             self.poll(false);
         }
         if self.rng.chance(20) {
@@ -450,12 +479,27 @@ impl World {
             assert_eq!(cq.budget_snapshot().overflows, 0);
         }
         assert_eq!(stats.lost, 0);
+        if self.credits {
+            let b: Vec<_> = self.cqs.iter().map(Cq::budget_snapshot).collect();
+            assert!(
+                b.iter().all(|s| s.reserved > u64::from(s.capacity)),
+                "oversubscribed: {b:?}"
+            );
+            assert!(
+                b.iter().any(|s| s.would_overflow > 0),
+                "credits refused posts: {b:?}"
+            );
+        }
         self.posted
     }
 }
 
 fn run(seed: u64, target: u64) -> (u64, cqd_sim::NicStats) {
-    let mut w = world(seed);
+    run_with(seed, target, false)
+}
+
+fn run_with(seed: u64, target: u64, credits: bool) -> (u64, cqd_sim::NicStats) {
+    let mut w = world(seed, credits);
     while w.posted < target {
         w.step();
     }
@@ -483,8 +527,15 @@ fn a_million_work_requests_each_complete_exactly_once() {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 16, failure_persistence: None, ..ProptestConfig::default() })]
     #[test]
-    fn random_schedules_complete_exactly_once(seed in any::<u64>()) {
-        let (posted, _) = run(seed, 20_000);
+    fn random_schedules_complete_exactly_once(seed in any::<u64>(), credits in any::<bool>()) {
+        let (posted, _) = run_with(seed, 20_000, credits);
         prop_assert!(posted >= 20_000);
     }
+}
+
+#[test]
+fn credits_keep_an_oversubscribed_design_from_overflowing() {
+    let (posted, stats) = run_with(0xc4ed17, 300_000, true);
+    assert!(posted >= 300_000);
+    assert_eq!(stats.lost, 0);
 }
