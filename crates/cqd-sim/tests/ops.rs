@@ -336,3 +336,74 @@ fn wr_id_untouched_and_the_solicited_flag_drives_a_solicited_arm() {
     assert!(!buf[0].wc_flags.contains(cqd_core::WcFlags::WITH_IMM));
     assert_eq!(buf[1].imm(), Some(1));
 }
+
+#[test]
+fn two_devices_on_one_fabric_connect_and_objects_stay_on_their_device() {
+    let fabric = cqd_sim::Fabric::inline();
+    let client = fabric.open_device("client", cqd_sim::DeviceAttr::default());
+    let server = fabric.open_device(
+        "server",
+        cqd_sim::DeviceAttr {
+            max_qp_wr: 16,
+            ..Default::default()
+        },
+    );
+    let (ccq, _cs) = client
+        .create_cq("c", 64, cqd_sim::CqConfig::default())
+        .unwrap();
+    let (scq, mut ss) = server
+        .create_cq("s", 64, cqd_sim::CqConfig::default())
+        .unwrap();
+    let (cpd, spd) = (client.alloc_pd(), server.alloc_pd());
+    let small = cqd_sim::QpCap {
+        max_send_wr: 16,
+        max_recv_wr: 16,
+        ..cqd_sim::QpCap::default()
+    };
+    let c = cpd
+        .create_qp(&cqd_sim::QpInit::new(&ccq, &ccq, small))
+        .unwrap();
+    let s = spd
+        .create_qp(&cqd_sim::QpInit::new(&scq, &scq, small))
+        .unwrap();
+    assert!(matches!(
+        spd.create_qp(&cqd_sim::QpInit::new(&ccq, &ccq, small)),
+        Err(cqd_sim::VerbsError::Foreign { what: "CQ", .. })
+    ));
+    let big = cqd_sim::QpCap {
+        max_send_wr: 17,
+        ..small
+    };
+    assert!(matches!(
+        spd.create_qp(&cqd_sim::QpInit::new(&scq, &scq, big)),
+        Err(cqd_sim::VerbsError::LimitExceeded {
+            what: "max_qp_wr",
+            requested: 17,
+            max: 16
+        })
+    ));
+    cqd_sim::connect(&c, &s).unwrap();
+    let (cmr, smr) = (
+        cpd.reg_mr(64, cqd_sim::Access::ALL).unwrap(),
+        spd.reg_mr(64, cqd_sim::Access::ALL).unwrap(),
+    );
+    s.post_recv(&[cqd_sim::RecvWr::new(1, &[smr.sge(0, 64)])])
+        .unwrap();
+    cmr.write(0, b"ping").unwrap();
+    c.post_send(&[SendWr::new(2, WrOp::Send, &[cmr.sge(0, 4)])])
+        .unwrap();
+    let mut buf = [cqd_core::Completion::default(); 2];
+    assert_eq!(
+        cqd_core::CompletionSource::poll(&mut ss, &mut buf).unwrap(),
+        1
+    );
+    assert_eq!((buf[0].wr_id, buf[0].byte_len), (1, 4));
+    // A region of the other domain is not usable locally.
+    c.post_send(&[SendWr::new(3, WrOp::Send, &[smr.sge(0, 4)])])
+        .unwrap();
+    assert_eq!(
+        c.state().unwrap(),
+        cqd_sim::QpState::Err,
+        "local protection error"
+    );
+}
