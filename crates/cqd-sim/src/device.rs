@@ -159,45 +159,46 @@ impl Fabric {
     /// A fabric whose NIC runs `engine`.
     ///
     /// # Errors
-    /// [`VerbsError::Destroyed`] if the timed engine's thread cannot start.
+    /// [`VerbsError::Spawn`] if the timed engine's thread cannot start.
     pub fn new(engine: Engine) -> Result<Fabric, VerbsError> {
-        let mut state = FabricState::new();
-        if let Engine::Timed(model) = engine {
-            state.rnr_timer = Some(model.rnr_timer);
-        }
-        let core = Arc::new(Core {
-            state: Mutex::new(state),
-            wake: Condvar::new(),
-            stop: AtomicBool::new(false),
-            engine,
-        });
-        let thread = match engine {
-            Engine::Inline => None,
-            Engine::Timed(_) => {
-                let c = Arc::clone(&core);
-                let t = std::thread::Builder::new()
-                    .name("cqd-sim-nic".into())
-                    .spawn(move || crate::engine::timed_loop(&c))
-                    .map_err(|_| VerbsError::Destroyed {
-                        what: "NIC engine thread (spawn failed)",
-                    })?;
-                Some(t)
-            }
+        let model = match engine {
+            Engine::Inline => return Ok(Fabric::inline()),
+            Engine::Timed(model) => model,
         };
-        let guard = Arc::new(EngineGuard {
-            core: Arc::clone(&core),
-            thread: Mutex::new(thread),
-        });
-        Ok(Fabric {
-            core,
-            _guard: guard,
-        })
+        let core = Fabric::core(engine, Some(model.rnr_timer));
+        let c = Arc::clone(&core);
+        let thread = std::thread::Builder::new()
+            .name("cqd-sim-nic".into())
+            .spawn(move || crate::engine::timed_loop(&c))
+            .map_err(|source| VerbsError::Spawn { source })?;
+        Ok(Fabric::with(core, Some(thread)))
     }
 
     /// A fabric with the deterministic inline engine.
     pub fn inline() -> Fabric {
-        Fabric::new(Engine::Inline)
-            .unwrap_or_else(|_| unreachable!("the inline engine has no thread"))
+        Fabric::with(Fabric::core(Engine::Inline, None), None)
+    }
+
+    fn core(engine: Engine, rnr_timer: Option<std::time::Duration>) -> Arc<Core> {
+        let mut state = FabricState::new();
+        state.rnr_timer = rnr_timer;
+        Arc::new(Core {
+            state: Mutex::new(state),
+            wake: Condvar::new(),
+            stop: AtomicBool::new(false),
+            engine,
+        })
+    }
+
+    fn with(core: Arc<Core>, thread: Option<JoinHandle<()>>) -> Fabric {
+        let guard = Arc::new(EngineGuard {
+            core: Arc::clone(&core),
+            thread: Mutex::new(thread),
+        });
+        Fabric {
+            core,
+            _guard: guard,
+        }
     }
 
     /// Opens a device on this fabric.

@@ -79,13 +79,12 @@ pub enum VerbsError {
         /// The region's size.
         size: u64,
     },
-    /// The object still has users.
-    #[error("{what} is still used by {users} QPs")]
-    InUse {
-        /// The object.
-        what: &'static str,
-        /// How many QPs use it.
-        users: usize,
+    /// The timed engine's thread could not be started.
+    #[error("could not start the NIC engine thread: {source}")]
+    Spawn {
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
     },
 }
 
