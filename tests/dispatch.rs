@@ -639,3 +639,48 @@ fn delayed_notifications(mode: PollMode) {
     }
 }
 all_modes!(delayed_notifications);
+
+/// The device vanishes under a running poller: what was delivered stays
+/// delivered, the poller counts the failures and the fatal event, backs
+/// off instead of spinning on errors, and still stops cleanly.
+fn vanished_device_is_reported_not_a_panic(mode: PollMode) {
+    let (producer, poller, handle) = cq("vanish", 64, Faults::default());
+    let record = Record::new(5);
+    let reg = register(&handle, &record, 0);
+    let thread = spawn(mode, vec![poller], Duration::from_millis(20));
+    for t in 0..5u32 {
+        record.owner[t as usize].store(0, Ordering::Relaxed);
+        reg.track(OpKind::Send, 1);
+        producer
+            .push(
+                completion(
+                    reg.wr_id(OpKind::Send, t).unwrap(),
+                    Status::Success,
+                    Opcode::Send,
+                ),
+                false,
+            )
+            .unwrap();
+    }
+    assert!(wait_until(Duration::from_secs(5), || record.delivered() == 5));
+    producer.vanish();
+    assert!(producer
+        .push(completion(0, Status::Success, Opcode::Send), false)
+        .is_err());
+    assert!(wait_until(Duration::from_secs(5), || {
+        let s = handle.snapshot();
+        s.poll_errors >= 1 && s.async_events >= 1
+    }));
+    std::thread::sleep(Duration::from_millis(50));
+    let polls_before = handle.snapshot().poll_errors;
+    std::thread::sleep(Duration::from_millis(50));
+    let polls_after = handle.snapshot().poll_errors;
+    assert!(
+        polls_after - polls_before < 50,
+        "the poller backs off on a dead device ({polls_before} -> {polls_after})"
+    );
+    let report = thread.stop().unwrap();
+    assert_eq!(report.cqs[0].completions, 5);
+    assert_eq!(record.delivered(), 5);
+}
+all_modes!(vanished_device_is_reported_not_a_panic);

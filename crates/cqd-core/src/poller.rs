@@ -11,7 +11,10 @@
 //! 4. Check asynchronous events (overflow) of every CQ.
 //! 5. If the round found work, go to 1. Otherwise ask the mode: spin (go
 //!    to 1) or sleep ([`sleep_once`], the arm / re-poll / block protocol). A
-//!    non-empty spill queue keeps the poller awake to retry.
+//!    non-empty spill queue keeps the poller awake to retry. A source that
+//!    fails (device gone) is counted and traced, and, if nothing else had
+//!    work, the poller backs off for a tenth of the wake timeout instead of
+//!    spinning on errors.
 //!
 //! # Stopping
 //!
@@ -152,6 +155,7 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
             round_found: Vec::new(),
             round_events: Vec::new(),
             last_block: Duration::ZERO,
+            failing: false,
         };
         let setup = self.setup;
         let join = std::thread::Builder::new()
@@ -313,6 +317,7 @@ struct Group<W, S> {
     round_found: Vec<usize>,
     round_events: Vec<u32>,
     last_block: Duration,
+    failing: bool,
 }
 
 impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
@@ -335,7 +340,11 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             for cq in &mut self.cqs {
                 cq.check_async();
             }
-            // 5. Work, spin or sleep.
+            // 5. Work, spin or sleep (or back off from a failing device).
+            if std::mem::take(&mut self.failing) && found == 0 {
+                self.back_off();
+                continue;
+            }
             let now = Instant::now();
             if found > 0 {
                 self.idle.on_work(now);
@@ -377,7 +386,13 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             let n = match cq.poll_once(&mut self.spill) {
                 Ok(n) => n,
                 Err(e) => {
-                    tracing::error!(cq = cq.name(), error = %e, "poll failed");
+                    // Counted by the CQ; traced at 1, 2, 4, 8… so a dead
+                    // device does not flood the log.
+                    let count = cq.handle().snapshot().poll_errors;
+                    if count.is_power_of_two() {
+                        tracing::error!(cq = cq.name(), error = %e, count, "poll failed");
+                    }
+                    self.failing = true;
                     0
                 }
             };
@@ -405,13 +420,27 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         }
     }
 
+    /// A source is failing (device gone) and nothing else had work: do not
+    /// spin on errors, in any mode. Wait a tenth of the safety timeout
+    /// (1–10 ms) unless a doorbell (stop, control request) rings.
+    fn back_off(&mut self) {
+        let pause =
+            (self.wake_timeout / 10).clamp(Duration::from_millis(1), Duration::from_millis(10));
+        let fds: Vec<BorrowedFd<'_>> = self.cqs.iter().map(|c| c.shared.doorbell.as_fd()).collect();
+        let _ = wait_readable(&fds, pause, &mut self.ready);
+        for cq in &self.cqs {
+            cq.shared.doorbell.drain();
+        }
+    }
+
     fn sleep(&mut self) {
         let start = Instant::now();
         let timeout = self.wake_timeout;
         let slept = match sleep_once(self, timeout) {
             Ok(s) => s,
             Err(e) => {
-                tracing::error!(error = %e, "sleep protocol failed; polling on");
+                tracing::error!(error = %e, "sleep protocol failed; backing off one timeout");
+                self.failing = true;
                 return;
             }
         };
@@ -466,9 +495,9 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         for cq in &mut self.cqs {
             cq.apply_commands();
         }
-        while self.round() > 0 {}
-        // 2. Hand every spilled item over, retrying while workers drain.
         let deadline = Instant::now() + self.stop_timeout;
+        while self.round() > 0 && Instant::now() < deadline {}
+        // 2. Hand every spilled item over, retrying while workers drain.
         while !self.spill.is_empty() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_micros(100));
             self.hand_off();

@@ -77,8 +77,8 @@ pub enum PushError {
         /// The CQ's capacity.
         capacity: u32,
     },
-    /// The CQ was destroyed.
-    #[error("CQ destroyed")]
+    /// The CQ was destroyed, or its device vanished.
+    #[error("CQ destroyed or device gone")]
     Destroyed,
 }
 
@@ -108,6 +108,7 @@ struct State {
     arm: Option<ArmKind>,
     overflowed: bool,
     destroyed: bool,
+    vanished: bool,
     async_events: VecDeque<AsyncEvent>,
     inject_before_arm: Vec<Completion>,
     faults: Faults,
@@ -205,6 +206,7 @@ pub fn sim_cq(
             arm: None,
             overflowed: false,
             destroyed: false,
+            vanished: false,
             async_events: VecDeque::new(),
             inject_before_arm: Vec::new(),
             faults,
@@ -252,21 +254,23 @@ impl SimCq {
         wc: Completion,
         solicited: bool,
     ) -> Result<(), PushError> {
-        if st.destroyed {
+        if st.destroyed || st.vanished {
             return Err(PushError::Destroyed);
         }
         let capacity = self.shared.capacity;
         if st.overflowed || st.ring.len() >= capacity as usize {
             st.stats.lost += 1;
             if !st.overflowed {
+                // One asynchronous event, on the transition, as hardware
+                // raises IBV_EVENT_CQ_ERR once.
                 st.overflowed = true;
                 tracing::error!(cq = %self.shared.name, capacity, "simulated CQ overflow");
+                st.async_events.push_back(AsyncEvent::CqOverflow {
+                    capacity,
+                    lost: st.stats.lost,
+                });
+                Shared::signal(&self.shared.async_fd);
             }
-            st.async_events.push_back(AsyncEvent::CqOverflow {
-                capacity,
-                lost: st.stats.lost,
-            });
-            Shared::signal(&self.shared.async_fd);
             return Err(PushError::Overflow { capacity });
         }
         st.ring.push_back(wc);
@@ -344,6 +348,23 @@ impl SimCq {
     pub fn stats(&self) -> SimCqStats {
         self.shared.state.lock().stats
     }
+
+    /// Simulates the device going away (hot unplug, a driver reset): an
+    /// asynchronous `DeviceFatal` event is raised, and from now on polls and
+    /// arms fail with [`SourceError::DeviceGone`] and pushes are refused.
+    /// Entries still queued are gone with the device.
+    pub fn vanish(&self) {
+        let mut st = self.shared.state.lock();
+        if !st.vanished {
+            st.vanished = true;
+            st.async_events.push_back(AsyncEvent::DeviceFatal);
+            Shared::signal(&self.shared.async_fd);
+        }
+    }
+}
+
+fn gone(name: &str) -> SourceError {
+    SourceError::DeviceGone(format!("simulated device of CQ {name} vanished"))
 }
 
 /// The consumer side of a simulated CQ, owned by one poller.
@@ -373,6 +394,9 @@ impl CompletionSource for SimCqSource {
 
     fn poll(&mut self, out: &mut [Completion]) -> Result<usize, SourceError> {
         let mut st = self.shared.state.lock();
+        if st.vanished {
+            return Err(gone(&self.shared.name));
+        }
         if st.destroyed {
             return Err(SourceError::Backend("CQ destroyed".into()));
         }
@@ -385,6 +409,9 @@ impl CompletionSource for SimCqSource {
 
     fn arm(&mut self, kind: ArmKind) -> Result<(), SourceError> {
         let mut st = self.shared.state.lock();
+        if st.vanished {
+            return Err(gone(&self.shared.name));
+        }
         if st.destroyed {
             return Err(SourceError::Backend("CQ destroyed".into()));
         }

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# softverbs proof (issue 5): rdma-core's own clients and our integration tests
+# run on the userspace device, under softverbs-run. Root, no stdin, idempotent.
+# Every client pair talks over 127.0.0.1 only, each on its own port, each
+# command under `timeout`; any failure fails the script.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+start=$(date +%s)
+
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq ibverbs-utils perftest libibverbs-dev librdmacm-dev libclang-dev pkg-config iproute2 >/dev/null
+
+cargo build -p softverbs --release
+cargo test -p softverbs --release --no-run
+REL=${CARGO_TARGET_DIR:-$ROOT/target}/release
+cp -f "$REL/libsoftverbs.so" "$REL/libsoftverbs-rdmav34.so"
+RUN=$REL/softverbs-run
+
+# One segment directory per CI run, removed at the end.
+export SOFTVERBS_DIR=/dev/shm/softverbs-ci-$$
+LOGS=$(mktemp -d /tmp/softverbs-ci.XXXXXX)
+cleanup() { rm -rf "$SOFTVERBS_DIR"; }
+trap cleanup EXIT
+echo "softverbs CI: logs in $LOGS"
+
+fail=0
+passed=0
+# A port block of our own (servers on fixed ports could meet a previous run's
+# lingering sockets or another program on a shared machine).
+BASE=$((20000 + ($$ % 2000) * 16))
+
+wait_listen() { # port: wait until something listens on 127.0.0.1/0.0.0.0:port
+    local port=$1 i
+    for i in $(seq 1 100); do
+        if ss -ltnH "sport = :$port" | grep -q .; then return 0; fi
+        sleep 0.05
+    done
+    return 1
+}
+
+# pair NAME PORT CHECK_REGEX CMD ARGS... : server `CMD ARGS -p PORT`, client
+# `CMD ARGS -p PORT 127.0.0.1`; both must exit 0 and the client log must match.
+pair() {
+    local name=$1 port=$2 check=$3; shift 3
+    local s=$LOGS/$name.server.log c=$LOGS/$name.client.log
+    timeout 60 "$RUN" "$@" -p "$port" >"$s" 2>&1 &
+    local spid=$!
+    if ! wait_listen "$port"; then
+        echo "FAIL $name: server did not listen on port $port"; cat "$s"; fail=$((fail + 1))
+        wait "$spid" || true
+        return
+    fi
+    local crc=0 src=0
+    timeout 60 "$RUN" "$@" -p "$port" 127.0.0.1 >"$c" 2>&1 || crc=$?
+    wait "$spid" || src=$?
+    if [[ $crc -ne 0 || $src -ne 0 ]] || ! grep -Eq "$check" "$c"; then
+        echo "FAIL $name (client rc=$crc, server rc=$src)"
+        echo "--- server"; cat "$s"; echo "--- client"; cat "$c"
+        fail=$((fail + 1))
+    else
+        passed=$((passed + 1))
+        echo "ok   $name: $(grep -E "$check" "$c" | tail -1 | tr -s ' \t' ' ')"
+    fi
+}
+
+single() { # NAME CHECK_REGEX CMD...
+    local name=$1 check=$2; shift 2
+    local l=$LOGS/$name.log rc=0
+    timeout 30 "$RUN" "$@" >"$l" 2>&1 || rc=$?
+    if [[ $rc -ne 0 ]] || ! grep -Eq "$check" "$l"; then
+        echo "FAIL $name (rc=$rc)"; cat "$l"; fail=$((fail + 1))
+    else
+        passed=$((passed + 1)); echo "ok   $name"
+    fi
+}
+
+single ibv_devices 'softverbs0' ibv_devices
+single ibv_devinfo 'PORT_ACTIVE' ibv_devinfo -v
+pair rc_pingpong $((BASE + 0)) 'iters in' ibv_rc_pingpong -n 5000
+pair rc_pingpong_events $((BASE + 1)) 'iters in' ibv_rc_pingpong -e -n 5000
+pair srq_pingpong $((BASE + 2)) 'iters in' ibv_srq_pingpong -n 2000
+pair srq_pingpong_events $((BASE + 3)) 'iters in' ibv_srq_pingpong -e -n 2000
+pair ib_send_bw $((BASE + 4)) '^ *65536 ' ib_send_bw -s 65536 -n 5000
+pair ib_write_bw $((BASE + 5)) '^ *65536 ' ib_write_bw -s 65536 -n 5000
+pair ib_read_bw $((BASE + 6)) '^ *65536 ' ib_read_bw -s 65536 -n 5000
+pair ib_send_lat $((BASE + 7)) '^ *2 ' ib_send_lat -n 10000
+pair ib_write_lat $((BASE + 8)) '^ *2 ' ib_write_lat -n 10000
+
+echo "clients: $passed passed, $fail failed"
+if [[ $fail -ne 0 ]]; then exit 1; fi
+
+# Our integration tests, through the real libibverbs, under the launcher.
+timeout 300 "$RUN" cargo test -p softverbs --release
+
+echo "softverbs CI done in $(( $(date +%s) - start )) s"

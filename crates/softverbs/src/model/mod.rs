@@ -1,0 +1,10 @@
+//! NIC semantics, kept apart from FFI and transport so that they can later be
+//! shared with `cqd-sim` through a common model crate.
+//!
+//! Everything here is plain Rust: the QP state machine, the work-completion
+//! statuses and opcodes of the verbs ABI, the completion-queue arm rule and
+//! the flush rule. The provider consults these; it never re-states them.
+
+pub mod cq;
+pub mod qp;
+pub mod wc;

@@ -1,0 +1,144 @@
+//! The RC queue-pair state machine and its flush rule.
+//!
+//! States and numbers are those of `enum ibv_qp_state`. A QP moved to ERR
+//! flushes both queues: every outstanding receive (not those of an SRQ) and
+//! every pending send completes with `IBV_WC_WR_FLUSH_ERR`, and anything
+//! posted later completes the same way at once. RESET discards the queues
+//! without completions.
+
+/// `enum ibv_qp_state`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum QpState {
+    /// `IBV_QPS_RESET`.
+    Reset = 0,
+    /// `IBV_QPS_INIT`.
+    Init = 1,
+    /// `IBV_QPS_RTR`.
+    Rtr = 2,
+    /// `IBV_QPS_RTS`.
+    Rts = 3,
+    /// `IBV_QPS_SQD`.
+    Sqd = 4,
+    /// `IBV_QPS_SQE`.
+    Sqe = 5,
+    /// `IBV_QPS_ERR`.
+    Err = 6,
+}
+
+impl QpState {
+    /// Decode a state number; unknown values are `None`.
+    pub fn from_u32(v: u32) -> Option<Self> {
+        Some(match v {
+            0 => Self::Reset,
+            1 => Self::Init,
+            2 => Self::Rtr,
+            3 => Self::Rts,
+            4 => Self::Sqd,
+            5 => Self::Sqe,
+            6 => Self::Err,
+            _ => return None,
+        })
+    }
+
+    /// Whether receives may be posted (INIT and later, ERR flushes them).
+    pub fn can_post_recv(self) -> bool {
+        !matches!(self, Self::Reset)
+    }
+
+    /// Whether sends may be posted (RTS, SQD; ERR flushes them).
+    pub fn can_post_send(self) -> bool {
+        matches!(self, Self::Rts | Self::Sqd | Self::Sqe | Self::Err)
+    }
+
+    /// Whether incoming requests are accepted (the responder side).
+    pub fn accepts_incoming(self) -> bool {
+        matches!(self, Self::Rtr | Self::Rts | Self::Sqd | Self::Sqe)
+    }
+
+    /// Whether incoming requests may still arrive later (not yet RTR).
+    pub fn not_ready_yet(self) -> bool {
+        matches!(self, Self::Reset | Self::Init)
+    }
+}
+
+/// `IBV_QP_STATE` attribute-mask bit.
+pub const ATTR_STATE: i32 = 1;
+/// `IBV_QP_ACCESS_FLAGS`.
+pub const ATTR_ACCESS_FLAGS: i32 = 1 << 3;
+/// `IBV_QP_PKEY_INDEX`.
+pub const ATTR_PKEY_INDEX: i32 = 1 << 4;
+/// `IBV_QP_PORT`.
+pub const ATTR_PORT: i32 = 1 << 5;
+/// `IBV_QP_AV`.
+pub const ATTR_AV: i32 = 1 << 7;
+/// `IBV_QP_PATH_MTU`.
+pub const ATTR_PATH_MTU: i32 = 1 << 8;
+/// `IBV_QP_TIMEOUT`.
+pub const ATTR_TIMEOUT: i32 = 1 << 9;
+/// `IBV_QP_RETRY_CNT`.
+pub const ATTR_RETRY_CNT: i32 = 1 << 10;
+/// `IBV_QP_RNR_RETRY`.
+pub const ATTR_RNR_RETRY: i32 = 1 << 11;
+/// `IBV_QP_RQ_PSN`.
+pub const ATTR_RQ_PSN: i32 = 1 << 12;
+/// `IBV_QP_MAX_QP_RD_ATOMIC`.
+pub const ATTR_MAX_QP_RD_ATOMIC: i32 = 1 << 13;
+/// `IBV_QP_MIN_RNR_TIMER`.
+pub const ATTR_MIN_RNR_TIMER: i32 = 1 << 15;
+/// `IBV_QP_SQ_PSN`.
+pub const ATTR_SQ_PSN: i32 = 1 << 16;
+/// `IBV_QP_MAX_DEST_RD_ATOMIC`.
+pub const ATTR_MAX_DEST_RD_ATOMIC: i32 = 1 << 17;
+/// `IBV_QP_DEST_QPN`.
+pub const ATTR_DEST_QPN: i32 = 1 << 20;
+
+/// Whether an RC QP may move from `from` to `to` (IB spec 11.6 / 10.3.1).
+pub fn transition_ok(from: QpState, to: QpState) -> bool {
+    use QpState::*;
+    matches!(
+        (from, to),
+        (_, Reset)
+            | (_, Err)
+            | (Reset, Init)
+            | (Init, Init)
+            | (Init, Rtr)
+            | (Rtr, Rts)
+            | (Rts, Rts)
+            | (Rts, Sqd)
+            | (Sqd, Sqd)
+            | (Sqd, Rts)
+            | (Sqe, Rts)
+    )
+}
+
+/// Attributes an RC transition requires (the rest are optional).
+pub fn required_attrs(from: QpState, to: QpState) -> i32 {
+    use QpState::*;
+    match (from, to) {
+        (Init, Rtr) => ATTR_DEST_QPN,
+        _ => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rc_path_and_errors() {
+        use QpState::*;
+        assert!(transition_ok(Reset, Init));
+        assert!(transition_ok(Init, Rtr));
+        assert!(transition_ok(Rtr, Rts));
+        assert!(transition_ok(Rts, Err));
+        assert!(transition_ok(Err, Reset));
+        assert!(!transition_ok(Reset, Rts));
+        assert!(!transition_ok(Err, Rts));
+        assert_eq!(required_attrs(Init, Rtr), ATTR_DEST_QPN);
+        for v in 0..7 {
+            assert_eq!(QpState::from_u32(v).map(|s| s as u32), Some(v));
+        }
+        assert_eq!(QpState::from_u32(99), None);
+    }
+}

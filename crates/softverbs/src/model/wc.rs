@@ -1,0 +1,112 @@
+//! Work-completion statuses, opcodes and flags, with the numbers of the verbs
+//! ABI (`enum ibv_wc_status`, `enum ibv_wc_opcode`, `enum ibv_wr_opcode`).
+
+/// `enum ibv_wc_status` values this device produces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum WcStatus {
+    /// `IBV_WC_SUCCESS`.
+    Success = 0,
+    /// `IBV_WC_LOC_LEN_ERR`: the receive buffer is too short.
+    LocLenErr = 1,
+    /// `IBV_WC_LOC_QP_OP_ERR`.
+    LocQpOpErr = 2,
+    /// `IBV_WC_LOC_PROT_ERR`: a local lkey or range is invalid.
+    LocProtErr = 4,
+    /// `IBV_WC_WR_FLUSH_ERR`: flushed by a QP in the error state.
+    WrFlushErr = 5,
+    /// `IBV_WC_REM_INV_REQ_ERR`: the responder rejected the request.
+    RemInvReqErr = 9,
+    /// `IBV_WC_REM_ACCESS_ERR`: bad rkey, range or permission at the responder.
+    RemAccessErr = 10,
+    /// `IBV_WC_REM_OP_ERR`: the responder failed the operation.
+    RemOpErr = 11,
+    /// `IBV_WC_RETRY_EXC_ERR`: the responder never answered.
+    RetryExcErr = 12,
+}
+
+/// `enum ibv_wc_opcode` values.
+pub mod opcode {
+    /// `IBV_WC_SEND`.
+    pub const SEND: u32 = 0;
+    /// `IBV_WC_RDMA_WRITE`.
+    pub const RDMA_WRITE: u32 = 1;
+    /// `IBV_WC_RDMA_READ`.
+    pub const RDMA_READ: u32 = 2;
+    /// `IBV_WC_RECV`.
+    pub const RECV: u32 = 128;
+    /// `IBV_WC_RECV_RDMA_WITH_IMM`.
+    pub const RECV_RDMA_WITH_IMM: u32 = 129;
+}
+
+/// `enum ibv_wc_flags`: `IBV_WC_WITH_IMM`.
+pub const WC_WITH_IMM: u32 = 1 << 1;
+
+/// `enum ibv_wr_opcode` values.
+pub mod wr {
+    /// `IBV_WR_RDMA_WRITE`.
+    pub const RDMA_WRITE: u32 = 0;
+    /// `IBV_WR_RDMA_WRITE_WITH_IMM`.
+    pub const RDMA_WRITE_WITH_IMM: u32 = 1;
+    /// `IBV_WR_SEND`.
+    pub const SEND: u32 = 2;
+    /// `IBV_WR_SEND_WITH_IMM`.
+    pub const SEND_WITH_IMM: u32 = 3;
+    /// `IBV_WR_RDMA_READ`.
+    pub const RDMA_READ: u32 = 4;
+}
+
+/// `enum ibv_send_flags`.
+pub mod send_flags {
+    /// `IBV_SEND_SIGNALED`.
+    pub const SIGNALED: u32 = 1 << 1;
+    /// `IBV_SEND_SOLICITED`.
+    pub const SOLICITED: u32 = 1 << 2;
+    /// `IBV_SEND_INLINE`.
+    pub const INLINE: u32 = 1 << 3;
+}
+
+/// `enum ibv_access_flags`.
+pub mod access {
+    /// `IBV_ACCESS_LOCAL_WRITE`.
+    pub const LOCAL_WRITE: u32 = 1;
+    /// `IBV_ACCESS_REMOTE_WRITE`.
+    pub const REMOTE_WRITE: u32 = 2;
+    /// `IBV_ACCESS_REMOTE_READ`.
+    pub const REMOTE_READ: u32 = 4;
+}
+
+/// The send-side completion opcode of a work-request opcode, or `None` for an
+/// opcode this device does not support (atomics, bind, TSO...).
+pub fn send_wc_opcode(wr_opcode: u32) -> Option<u32> {
+    match wr_opcode {
+        wr::SEND | wr::SEND_WITH_IMM => Some(opcode::SEND),
+        wr::RDMA_WRITE | wr::RDMA_WRITE_WITH_IMM => Some(opcode::RDMA_WRITE),
+        wr::RDMA_READ => Some(opcode::RDMA_READ),
+        _ => None,
+    }
+}
+
+/// Whether a send work request produces a completion: signaled ones always,
+/// and every unsuccessful one whatever its flags.
+pub fn send_completes(signaled: bool, status: WcStatus) -> bool {
+    signaled || status != WcStatus::Success
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn opcodes_map() {
+        assert_eq!(send_wc_opcode(wr::SEND_WITH_IMM), Some(opcode::SEND));
+        assert_eq!(
+            send_wc_opcode(wr::RDMA_WRITE_WITH_IMM),
+            Some(opcode::RDMA_WRITE)
+        );
+        assert_eq!(send_wc_opcode(wr::RDMA_READ), Some(opcode::RDMA_READ));
+        assert_eq!(send_wc_opcode(5), None);
+        assert!(send_completes(false, WcStatus::RemAccessErr));
+        assert!(!send_completes(false, WcStatus::Success));
+    }
+}

@@ -1,0 +1,425 @@
+//! Context, protection domains and memory regions, device and port queries.
+
+use std::collections::HashSet;
+use std::ffi::{c_int, c_void};
+use std::mem::offset_of;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use super::{set_errno, CONTEXT_OPS, CTX_OFFSET};
+use crate::shm::layout::{
+    self, CtxHeader, MrInfo, MrSlot, CTX_BYTES, MAGIC, MR_INDEX_BITS, MR_SLOTS,
+};
+use crate::shm::segment::IdKind;
+use crate::shm::{Ids, Segment};
+use crate::sys::abi::VerbsMr;
+use crate::sys::ibv;
+use crate::sys::private::private;
+
+/// The provider's context: libibverbs allocates it (`calloc`) through
+/// `_verbs_init_and_alloc_context`, so `inner` starts null and is set by
+/// [`alloc_context`].
+#[repr(C)]
+pub struct SvContext {
+    /// The libibverbs part; `vctx.context` is the `ibv_context` users see.
+    pub vctx: ibv::verbs_context,
+    /// Provider state.
+    pub inner: *mut ContextInner,
+}
+
+/// Provider state of a context.
+#[derive(Debug)]
+pub struct ContextInner {
+    /// Context id (segment `ctx-<id>`).
+    pub id: u32,
+    /// This process.
+    pub pid: u32,
+    /// The context segment (header + MR table).
+    pub seg: Arc<Segment>,
+    /// Write end of the async-event pipe, kept so reads block instead of EOF.
+    pub async_w: OwnedFd,
+    /// Read end number (the `async_fd` libibverbs reads and closes).
+    pub async_r: i32,
+    mr: Mutex<MrAlloc>,
+    next_pd: AtomicU32,
+}
+
+#[derive(Debug)]
+struct MrAlloc {
+    free: Vec<u32>,
+    gen: u32,
+}
+
+impl ContextInner {
+    /// This context's MR table.
+    pub fn mrs(&self) -> &[MrSlot] {
+        // SAFETY: the segment is CTX_BYTES long and lives as long as `self`.
+        unsafe { layout::mr_table(self.seg.base()) }
+    }
+}
+
+/// The set of live softverbs contexts, for the comp-channel interposer.
+pub fn contexts() -> &'static Mutex<HashSet<usize>> {
+    static S: OnceLock<Mutex<HashSet<usize>>> = OnceLock::new();
+    S.get_or_init(|| Mutex::new(HashSet::new()))
+}
+
+/// Whether `ctx` is a context of this provider.
+pub fn is_ours(ctx: *mut ibv::ibv_context) -> bool {
+    contexts()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .contains(&(ctx as usize))
+}
+
+/// Provider state of an `ibv_context`.
+///
+/// # Safety
+/// `ctx` is a live context made by [`alloc_context`].
+pub unsafe fn inner<'a>(ctx: *mut ibv::ibv_context) -> &'a ContextInner {
+    // SAFETY: `ctx` is the `context` field of the `vctx` field (offset 0) of
+    // an SvContext (caller contract), whose `inner` was set at creation.
+    unsafe {
+        let sv = ctx.cast::<u8>().sub(CTX_OFFSET).cast::<SvContext>();
+        &*(*sv).inner
+    }
+}
+
+fn make_inner() -> std::io::Result<ContextInner> {
+    let ids = Ids::get()?;
+    crate::shm::segment::sweep_dead();
+    let (id, seg) = crate::shm::segment::create_fresh("ctx-", || ids.next(IdKind::Ctx), CTX_BYTES)?;
+    let mut fds = [0 as c_int; 2];
+    // SAFETY: `fds` is a valid 2-int array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fds[1] is the fresh write end, owned from here on.
+    let async_w = unsafe { OwnedFd::from_raw_fd(fds[1]) };
+    let pid = std::process::id();
+    // SAFETY: the segment was just created (zeroed), is CTX_BYTES long and
+    // nobody else knows its id yet.
+    unsafe {
+        let h = seg.base().cast::<CtxHeader>();
+        (*h).pid = pid;
+        (*h).async_fd = fds[0];
+        (*h).id = id;
+        (*h).magic = MAGIC;
+    }
+    Ok(ContextInner {
+        id,
+        pid,
+        seg,
+        async_w,
+        async_r: fds[0],
+        mr: Mutex::new(MrAlloc {
+            free: (1..MR_SLOTS as u32).rev().collect(),
+            gen: 1,
+        }),
+        next_pd: AtomicU32::new(1),
+    })
+}
+
+/// `alloc_context` of the device ops.
+///
+/// # Safety
+/// Called by libibverbs with a device made by this provider and an open fd.
+pub unsafe extern "C" fn alloc_context(
+    device: *mut ibv::ibv_device,
+    cmd_fd: c_int,
+    _private: *mut c_void,
+) -> *mut ibv::verbs_context {
+    let p = match private() {
+        Ok(p) => p,
+        Err(_) => {
+            set_errno(libc::ENOSYS);
+            return std::ptr::null_mut();
+        }
+    };
+    // SAFETY: the ABI: allocate size_of::<SvContext>() bytes with the
+    // verbs_context at offset_of!(SvContext, vctx); ownership of cmd_fd passes in.
+    let sv = unsafe {
+        (p.init_and_alloc_context)(
+            device,
+            cmd_fd,
+            std::mem::size_of::<SvContext>(),
+            offset_of!(SvContext, vctx) as *mut ibv::verbs_context,
+            0,
+        )
+    }
+    .cast::<SvContext>();
+    if sv.is_null() {
+        return std::ptr::null_mut();
+    }
+    match make_inner() {
+        Ok(inner) => {
+            let async_r = inner.async_r;
+            // SAFETY: `sv` is the fresh zeroed allocation; we own it until return.
+            unsafe {
+                (*sv).inner = Box::into_raw(Box::new(inner));
+                (p.set_ops)(&mut (*sv).vctx, &CONTEXT_OPS);
+                (*sv).vctx.context.async_fd = async_r;
+                (*sv).vctx.context.num_comp_vectors = 1;
+            }
+            // SAFETY: `sv` is valid; taking the address of a field.
+            let ctx = unsafe { std::ptr::addr_of_mut!((*sv).vctx.context) };
+            contexts()
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(ctx as usize);
+            // SAFETY: as above.
+            unsafe { std::ptr::addr_of_mut!((*sv).vctx) }
+        }
+        Err(e) => {
+            // SAFETY: undo init_and_alloc_context: uninit closes cmd_fd, then
+            // the calloc'd block is freed.
+            unsafe {
+                (p.uninit_context)(&mut (*sv).vctx);
+                libc::free(sv.cast());
+            }
+            set_errno(e.raw_os_error().unwrap_or(libc::ENOMEM));
+            std::ptr::null_mut()
+        }
+    }
+}
+
+/// `free_context`.
+///
+/// # Safety
+/// `ctx` is a context made by [`alloc_context`], not used afterwards.
+pub unsafe extern "C" fn free_context(ctx: *mut ibv::ibv_context) {
+    contexts()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&(ctx as usize));
+    // SAFETY: `ctx` lies CTX_OFFSET into an SvContext (offset 0 of vctx).
+    let sv = unsafe { ctx.cast::<u8>().sub(CTX_OFFSET).cast::<SvContext>() };
+    // SAFETY: `inner` came from Box::into_raw in alloc_context; last use.
+    unsafe {
+        if !(*sv).inner.is_null() {
+            drop(Box::from_raw((*sv).inner));
+            (*sv).inner = std::ptr::null_mut();
+        }
+    }
+    if let Ok(p) = private() {
+        // SAFETY: closes cmd_fd/async_fd and drops the device reference; then
+        // the block libibverbs calloc'd is freed, as rdma-core providers do.
+        unsafe {
+            (p.uninit_context)(&mut (*sv).vctx);
+            libc::free(sv.cast());
+        }
+    }
+}
+
+/// `async_event`: nothing to do per event.
+///
+/// # Safety
+/// Any arguments.
+pub unsafe extern "C" fn async_event(_ctx: *mut ibv::ibv_context, _ev: *mut ibv::ibv_async_event) {}
+
+/// Device limits (also used for query_qp/caps).
+pub mod limits {
+    /// Work requests per queue.
+    pub const MAX_QP_WR: u32 = 16384;
+    /// Completions per CQ.
+    pub const MAX_CQE: u32 = 65536;
+    /// Inline data per send.
+    pub const MAX_INLINE: u32 = 4096;
+    /// Largest message (2 GiB, as IB).
+    pub const MAX_MSG: u32 = 0x8000_0000;
+}
+
+/// `query_device_ex` (v44 routes `ibv_query_device` here too).
+///
+/// # Safety
+/// `attr` is writable for `attr_size` bytes.
+pub unsafe extern "C" fn query_device_ex(
+    _ctx: *mut ibv::ibv_context,
+    _input: *const ibv::ibv_query_device_ex_input,
+    attr: *mut ibv::ibv_device_attr_ex,
+    attr_size: usize,
+) -> c_int {
+    if attr.is_null() || attr_size < std::mem::size_of::<ibv::ibv_device_attr>() {
+        return libc::EINVAL;
+    }
+    let size = attr_size.min(std::mem::size_of::<ibv::ibv_device_attr_ex>());
+    // SAFETY: `attr` is writable for attr_size >= size bytes (caller contract).
+    unsafe { std::ptr::write_bytes(attr.cast::<u8>(), 0, size) };
+    // SAFETY: orig_attr is at offset 0 and fits (checked above).
+    let a = unsafe { &mut (*attr).orig_attr };
+    let fw = b"softverbs-0.1";
+    for (d, s) in a.fw_ver.iter_mut().zip(fw.iter()) {
+        *d = *s as _;
+    }
+    a.node_guid = 0x0200_00ff_fe00_0001_u64.to_be();
+    a.sys_image_guid = a.node_guid;
+    a.max_mr_size = u64::MAX;
+    a.page_size_cap = 0xffff_f000;
+    a.vendor_id = 0x5356;
+    a.vendor_part_id = 1;
+    a.hw_ver = 1;
+    a.max_qp = 65536;
+    a.max_qp_wr = limits::MAX_QP_WR as i32;
+    a.device_cap_flags = 1 << 12; // IBV_DEVICE_RC_RNR_NAK_GEN
+    a.max_sge = layout::MAX_SGE as i32;
+    a.max_sge_rd = layout::MAX_SGE as i32;
+    a.max_cq = 65536;
+    a.max_cqe = limits::MAX_CQE as i32;
+    a.max_mr = (MR_SLOTS - 1) as i32;
+    a.max_pd = 65536;
+    a.max_qp_rd_atom = 16;
+    a.max_res_rd_atom = 16 * 65536;
+    a.max_qp_init_rd_atom = 16;
+    a.max_srq = 65536;
+    a.max_srq_wr = limits::MAX_QP_WR as i32;
+    a.max_srq_sge = layout::MAX_SGE as i32;
+    a.max_pkeys = 1;
+    a.phys_port_cnt = 1;
+    0
+}
+
+/// `query_port`.
+///
+/// # Safety
+/// `attr` is writable.
+pub unsafe extern "C" fn query_port(
+    _ctx: *mut ibv::ibv_context,
+    port: u8,
+    attr: *mut ibv::ibv_port_attr,
+) -> c_int {
+    if port != 1 || attr.is_null() {
+        return libc::EINVAL;
+    }
+    // SAFETY: `attr` is a writable ibv_port_attr (libibverbs zeroed it).
+    let a = unsafe { &mut *attr };
+    a.state = 4; // IBV_PORT_ACTIVE
+    a.max_mtu = 5; // IBV_MTU_4096
+    a.active_mtu = 5;
+    a.gid_tbl_len = 1;
+    a.max_msg_sz = limits::MAX_MSG;
+    a.pkey_tbl_len = 1;
+    a.lid = 1;
+    a.sm_lid = 1;
+    a.max_vl_num = 1;
+    a.active_width = 2; // 4X
+    a.active_speed = 32; // EDR
+    a.phys_state = 5; // LinkUp
+    a.link_layer = 1; // IBV_LINK_LAYER_INFINIBAND
+    0
+}
+
+/// A protection domain.
+#[repr(C)]
+pub struct SvPd {
+    /// The libibverbs part.
+    pub pd: ibv::ibv_pd,
+    /// PD id within the context (compared against MR and QP PDs).
+    pub id: u32,
+}
+
+/// `alloc_pd`.
+///
+/// # Safety
+/// `ctx` is a live softverbs context.
+pub unsafe extern "C" fn alloc_pd(ctx: *mut ibv::ibv_context) -> *mut ibv::ibv_pd {
+    // SAFETY: caller contract.
+    let c = unsafe { inner(ctx) };
+    let id = c.next_pd.fetch_add(1, Ordering::Relaxed);
+    let pd = Box::new(SvPd {
+        pd: ibv::ibv_pd {
+            context: ctx,
+            handle: id,
+        },
+        id,
+    });
+    Box::into_raw(pd).cast()
+}
+
+/// `dealloc_pd`.
+///
+/// # Safety
+/// `pd` was made by [`alloc_pd`].
+pub unsafe extern "C" fn dealloc_pd(pd: *mut ibv::ibv_pd) -> c_int {
+    // SAFETY: `pd` is the first field of a boxed SvPd (alloc_pd).
+    drop(unsafe { Box::from_raw(pd.cast::<SvPd>()) });
+    0
+}
+
+/// The PD id of an `ibv_pd` of this provider.
+///
+/// # Safety
+/// `pd` was made by [`alloc_pd`].
+pub unsafe fn pd_id(pd: *mut ibv::ibv_pd) -> u32 {
+    // SAFETY: caller contract: `pd` heads an SvPd.
+    unsafe { (*pd.cast::<SvPd>()).id }
+}
+
+/// A memory region.
+#[repr(C)]
+#[derive(Debug)]
+pub struct SvMr {
+    /// The libibverbs part (`verbs_mr`).
+    pub vmr: VerbsMr,
+    ctx: *const ContextInner,
+    index: u32,
+}
+
+/// `reg_mr`: publish the region in the context's shared MR table.
+///
+/// # Safety
+/// `pd` was made by [`alloc_pd`].
+pub unsafe extern "C" fn reg_mr(
+    pd: *mut ibv::ibv_pd,
+    addr: *mut c_void,
+    length: usize,
+    _hca_va: u64,
+    access: c_int,
+) -> *mut ibv::ibv_mr {
+    // SAFETY: caller contract.
+    let (c, pdid) = unsafe { (inner((*pd).context), pd_id(pd)) };
+    let (index, key) = {
+        let mut a = c.mr.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(index) = a.free.pop() else {
+            set_errno(libc::ENOMEM);
+            return std::ptr::null_mut();
+        };
+        a.gen = (a.gen % 0xf_ffff) + 1;
+        (index, (a.gen << MR_INDEX_BITS) | index)
+    };
+    let info = MrInfo {
+        pd: pdid,
+        access: access as u32,
+        addr: addr as u64,
+        len: length as u64,
+    };
+    layout::mr_publish(&c.mrs()[index as usize], key, info);
+    // SAFETY: all-zero is valid for this plain C struct; fields set below.
+    let vmr: VerbsMr = unsafe { std::mem::zeroed() };
+    let mut mr: Box<SvMr> = Box::new(SvMr { vmr, ctx: c, index });
+    mr.vmr.ibv_mr.lkey = key;
+    mr.vmr.ibv_mr.rkey = key;
+    mr.vmr.ibv_mr.handle = key;
+    mr.vmr.access = access;
+    Box::into_raw(mr).cast()
+}
+
+/// `dereg_mr`.
+///
+/// # Safety
+/// `vmr` was made by [`reg_mr`].
+pub unsafe extern "C" fn dereg_mr(vmr: *mut VerbsMr) -> c_int {
+    // SAFETY: `vmr` heads a boxed SvMr (reg_mr); this is its last use.
+    let mr = unsafe { Box::from_raw(vmr.cast::<SvMr>()) };
+    // SAFETY: the context outlives its MRs (verbs rule: dereg before close).
+    let c = unsafe { &*mr.ctx };
+    c.mrs()[mr.index as usize].key.store(0, Ordering::Release);
+    c.mr.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .free
+        .push(mr.index);
+    0
+}
+
+crate::opaque_debug!(SvPd);
+crate::opaque_debug!(SvContext);

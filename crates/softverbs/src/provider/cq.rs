@@ -1,0 +1,262 @@
+//! Completion queues: a shared ring of CQEs per CQ, filled by the owner and
+//! by peers, polled by the owner.
+
+use std::ffi::c_int;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Mutex;
+
+use super::context::{inner, limits};
+use super::notify::CqPort;
+use super::qp::SvQp;
+use super::set_errno;
+use crate::model::cq::arm_state;
+use crate::shm::layout::{ring_offset, seg_bytes, CqHeader, Cqe, MAGIC};
+use crate::shm::ring::Ring;
+use crate::shm::segment::IdKind;
+use crate::shm::Ids;
+use crate::sys::ibv;
+
+/// A completion queue.
+#[repr(C)]
+pub struct SvCq {
+    /// The libibverbs part: an `ibv_cq_ex`, whose prefix is an `ibv_cq`, so
+    /// one layout serves `ibv_create_cq` and `ibv_create_cq_ex`.
+    pub cq: ibv::ibv_cq_ex,
+    /// The completion `start_poll`/`next_poll` made current (extended CQs).
+    pub cur: std::cell::Cell<Cqe>,
+    /// CQ id (segment `cq-<id>`).
+    pub id: u32,
+    /// The ring and its notification state.
+    pub port: CqPort,
+    /// QPs using this CQ as send CQ (their send queues progress on poll).
+    pub send_qps: Mutex<Vec<usize>>,
+    /// Number of those QPs that have sends waiting for the responder.
+    pub waiting: AtomicU32,
+    /// QPs using this CQ as receive CQ (destroy_cq answers EBUSY meanwhile).
+    pub recv_users: AtomicU32,
+    /// Consecutive empty polls (see [`EMPTY_POLLS_BEFORE_YIELD`]).
+    pub empty_polls: AtomicU32,
+}
+
+/// After this many consecutive empty polls, `poll_cq` yields the CPU once.
+/// On a machine with fewer cores than spinning processes, the peer that
+/// would produce the next completion may be waiting for this very core; a
+/// yield now and then costs nothing measurable when cores are free.
+pub const EMPTY_POLLS_BEFORE_YIELD: u32 = 128;
+
+impl SvCq {
+    /// Retry the waiting sends of QPs that use this CQ as send CQ.
+    pub fn progress_waiting(&self) {
+        let s = self;
+        if s.waiting.load(Ordering::Relaxed) != 0 {
+            let qps = s.send_qps.lock().unwrap_or_else(|e| e.into_inner());
+            for &q in qps.iter() {
+                // SAFETY: destroy_qp removes its QP from send_qps under this lock
+                // before freeing it, so every entry is live while we hold it.
+                unsafe { (*(q as *const SvQp)).try_progress() };
+            }
+        }
+    }
+
+    /// Count an empty poll; yield the CPU every [`EMPTY_POLLS_BEFORE_YIELD`].
+    pub fn empty_poll(&self) {
+        let n = self.empty_polls.load(Ordering::Relaxed) + 1;
+        if n >= EMPTY_POLLS_BEFORE_YIELD {
+            self.empty_polls.store(0, Ordering::Relaxed);
+            std::thread::yield_now();
+        } else {
+            self.empty_polls.store(n, Ordering::Relaxed);
+        }
+    }
+}
+
+/// `create_cq`.
+///
+/// # Safety
+/// `ctx` is a live softverbs context; `channel` is null or a channel.
+pub unsafe extern "C" fn create_cq(
+    ctx: *mut ibv::ibv_context,
+    cqe: c_int,
+    channel: *mut ibv::ibv_comp_channel,
+    _comp_vector: c_int,
+) -> *mut ibv::ibv_cq {
+    // SAFETY: caller contract.
+    unsafe { make_cq(ctx, cqe, channel) }.cast()
+}
+
+/// Build a CQ (both creation paths).
+///
+/// # Safety
+/// As [`create_cq`].
+pub unsafe fn make_cq(
+    ctx: *mut ibv::ibv_context,
+    cqe: c_int,
+    channel: *mut ibv::ibv_comp_channel,
+) -> *mut SvCq {
+    if cqe <= 0 || cqe as u32 > limits::MAX_CQE {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    let chan_fd = if channel.is_null() {
+        -1
+    } else if super::channel::is_ours(channel) {
+        // SAFETY: a live channel built by the interposer.
+        unsafe { (*channel).fd }
+    } else {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    };
+    // SAFETY: caller contract.
+    let c = unsafe { inner(ctx) };
+    let cap = Ring::<Cqe>::capacity_for(cqe as usize);
+    let ids = match Ids::get() {
+        Ok(i) => i,
+        Err(e) => {
+            set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+            return std::ptr::null_mut();
+        }
+    };
+    let (id, seg) = match crate::shm::segment::create_fresh(
+        "cq-",
+        || ids.next(IdKind::Cq),
+        seg_bytes::<CqHeader, Cqe>(cap),
+    ) {
+        Ok(x) => x,
+        Err(e) => {
+            set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+            return std::ptr::null_mut();
+        }
+    };
+    // SAFETY: the fresh, zeroed segment is large enough for the ring at
+    // ring_offset and unknown to anyone else until create_cq returns.
+    unsafe { Ring::<Cqe>::init(seg.base().add(ring_offset::<CqHeader>()), cap) };
+    let hdr = seg.base().cast::<CqHeader>();
+    // SAFETY: as above; the header fits at the start.
+    unsafe {
+        (*hdr).pid = std::process::id();
+        (*hdr).ctx = c.id;
+        (*hdr).chan_fd = chan_fd;
+        (*hdr).async_fd.store(c.async_r, Ordering::Relaxed);
+        (*hdr).magic = MAGIC;
+    }
+    let Some(port) = CqPort::attach(seg) else {
+        set_errno(libc::EIO);
+        return std::ptr::null_mut();
+    };
+    let cq = Box::new(SvCq {
+        // SAFETY: all-zero is valid for ibv_cq_ex (pointers, ints, glibc
+        // pthread objects whose zero value is the static initialiser).
+        cq: unsafe { std::mem::zeroed() },
+        id,
+        port,
+        send_qps: Mutex::new(Vec::new()),
+        waiting: AtomicU32::new(0),
+        empty_polls: AtomicU32::new(0),
+        recv_users: AtomicU32::new(0),
+        cur: std::cell::Cell::new(Cqe::default()),
+    });
+    let raw = Box::into_raw(cq);
+    // SAFETY: `raw` is the live box; the header is ours to finish.
+    unsafe {
+        (*raw).cq.cqe = cap as c_int;
+        (*raw).cq.handle = id;
+        (*hdr).cq_ptr = std::ptr::addr_of_mut!((*raw).cq) as u64;
+    }
+    raw
+}
+
+/// The SvCq of an `ibv_cq` of this provider.
+///
+/// # Safety
+/// `cq` was made by [`create_cq`] and is live.
+pub unsafe fn sv<'a>(cq: *mut ibv::ibv_cq) -> &'a SvCq {
+    // SAFETY: `cq` is the first field of a boxed SvCq.
+    unsafe { &*cq.cast::<SvCq>() }
+}
+
+/// `destroy_cq`. Never waits for event acknowledgements: the events were
+/// written to a pipe that the application drains itself.
+///
+/// # Safety
+/// `cq` was made by [`create_cq`]; not used afterwards.
+pub unsafe extern "C" fn destroy_cq(cq: *mut ibv::ibv_cq) -> c_int {
+    // SAFETY: caller contract.
+    let s = unsafe { sv(cq) };
+    if !s
+        .send_qps
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .is_empty()
+    {
+        return libc::EBUSY;
+    }
+    // SAFETY: caller contract: last use of the box.
+    drop(unsafe { Box::from_raw(cq.cast::<SvCq>()) });
+    0
+}
+
+/// `poll_cq`: progress waiting sends of QPs on this CQ, then drain the ring.
+///
+/// # Safety
+/// `cq` is live; `wc` has room for `n` entries.
+pub unsafe extern "C" fn poll_cq(cq: *mut ibv::ibv_cq, n: c_int, wc: *mut ibv::ibv_wc) -> c_int {
+    // SAFETY: caller contract.
+    let s = unsafe { sv(cq) };
+    s.progress_waiting();
+    let mut got = 0;
+    while got < n.max(0) {
+        let Some(e) = s.port.ring().pop() else { break };
+        // SAFETY: `wc` has room for n entries (caller contract), got < n.
+        unsafe { fill_wc(wc.add(got as usize), &e) };
+        got += 1;
+    }
+    if got == 0 {
+        s.empty_poll();
+    } else {
+        s.empty_polls.store(0, Ordering::Relaxed);
+    }
+    got
+}
+
+/// Write a CQE into a user `ibv_wc`.
+///
+/// # Safety
+/// `wc` is writable.
+unsafe fn fill_wc(wc: *mut ibv::ibv_wc, e: &Cqe) {
+    // SAFETY: caller contract; every field is written through the pointer.
+    unsafe {
+        let w = &mut *wc;
+        w.wr_id = e.wr_id;
+        w.status = e.status;
+        w.opcode = e.opcode;
+        w.vendor_err = 0;
+        w.byte_len = e.byte_len;
+        w.imm_data_invalidated_rkey_union.imm_data = e.imm;
+        w.qp_num = e.qp_num;
+        w.src_qp = e.src_qp;
+        w.wc_flags = e.wc_flags;
+        w.pkey_index = 0;
+        w.slid = 1;
+        w.sl = 0;
+        w.dlid_path_bits = 0;
+    }
+}
+
+/// `req_notify_cq`.
+///
+/// # Safety
+/// `cq` is live.
+pub unsafe extern "C" fn req_notify_cq(cq: *mut ibv::ibv_cq, solicited_only: c_int) -> c_int {
+    // SAFETY: caller contract.
+    let s = unsafe { sv(cq) };
+    s.port.arm(arm_state(solicited_only != 0));
+    0
+}
+
+/// `cq_event`: called by `ibv_get_cq_event`; nothing to account here.
+///
+/// # Safety
+/// Any argument.
+pub unsafe extern "C" fn cq_event(_cq: *mut ibv::ibv_cq) {}
+
+crate::opaque_debug!(SvCq);

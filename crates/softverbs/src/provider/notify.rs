@@ -1,0 +1,132 @@
+//! A completion queue as seen by whoever adds completions to it: the owner
+//! (send completions, flushes) or a peer process (receive completions).
+//!
+//! Adding a completion follows the arm rule of [`crate::model::cq`]:
+//! 1. push the CQE into the shared ring; if full, set `overflow` and, the
+//!    first time, write one `IBV_EVENT_CQ_ERR` record to the owner's async
+//!    pipe; the CQE is lost, as on hardware;
+//! 2. otherwise, if the arm fires for this CQE, CAS it back to DISARMED and,
+//!    on success, write one `ib_uverbs_comp_event_desc` (the owner's
+//!    `ibv_cq *`) into the owner's completion-channel pipe.
+//!
+//! Pipes of another process are reached through `/proc/<pid>/fd/<n>`, which
+//! opens the same pipe; the write ends are opened once and cached.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
+
+use crate::model::cq::{fires, DISARMED, EVENT_CQ_ERR};
+use crate::shm::layout::{ring_offset, CqHeader, Cqe, MAGIC};
+use crate::shm::ring::Ring;
+use crate::shm::Segment;
+
+/// Producer-side handle of a CQ.
+#[derive(Debug)]
+pub struct CqPort {
+    seg: Arc<Segment>,
+    ring: Ring<Cqe>,
+    ev: OnceLock<Option<OwnedFd>>,
+    asy: OnceLock<Option<OwnedFd>>,
+}
+
+fn open_peer_fd(pid: u32, fd: i32) -> Option<OwnedFd> {
+    if fd < 0 {
+        return None;
+    }
+    let path = std::ffi::CString::new(format!("/proc/{pid}/fd/{fd}")).ok()?;
+    // SAFETY: valid C string; the result is checked.
+    let r = unsafe {
+        libc::open(
+            path.as_ptr(),
+            libc::O_WRONLY | libc::O_NONBLOCK | libc::O_CLOEXEC,
+        )
+    };
+    // SAFETY: a fresh fd we own when non-negative.
+    (r >= 0).then(|| unsafe { OwnedFd::from_raw_fd(r) })
+}
+
+fn write_all(fd: &OwnedFd, rec: &[u8]) {
+    // SAFETY: `rec` is a valid buffer; records are <= PIPE_BUF so the write
+    // is atomic; a full pipe (EAGAIN) drops the record, which cannot happen
+    // with one record per arm.
+    unsafe { libc::write(fd.as_raw_fd(), rec.as_ptr().cast(), rec.len()) };
+}
+
+impl CqPort {
+    /// Attach to the CQ segment `seg`.
+    pub fn attach(seg: Arc<Segment>) -> Option<Self> {
+        let hdr = seg.base().cast::<CqHeader>();
+        // SAFETY: the segment is at least a CqHeader long when created by
+        // create_cq; its magic is checked before anything else is trusted.
+        if seg.len() < ring_offset::<CqHeader>() || unsafe { (*hdr).magic } != MAGIC {
+            return None;
+        }
+        let off = ring_offset::<CqHeader>();
+        // SAFETY: the ring was initialised by the creator at `off`; the view
+        // keeps `seg` alive alongside it in this struct.
+        let ring = unsafe { Ring::attach(seg.base().add(off), seg.len() - off)? };
+        Some(Self {
+            seg,
+            ring,
+            ev: OnceLock::new(),
+            asy: OnceLock::new(),
+        })
+    }
+
+    /// The header.
+    pub fn hdr(&self) -> &CqHeader {
+        // SAFETY: checked in attach; lives as long as `seg`.
+        unsafe { &*self.seg.base().cast::<CqHeader>() }
+    }
+
+    /// The ring (the owner pops from it).
+    pub fn ring(&self) -> &Ring<Cqe> {
+        &self.ring
+    }
+
+    /// Add a completion, firing the arm or raising CQ_ERR as the model says.
+    pub fn push(&self, cqe: Cqe) {
+        let h = self.hdr();
+        if self.ring.push(cqe).is_err() {
+            if h.overflow.swap(1, Ordering::AcqRel) == 0 {
+                let fd = self
+                    .asy
+                    .get_or_init(|| open_peer_fd(h.pid, h.async_fd.load(Ordering::Relaxed)));
+                if let Some(fd) = fd {
+                    let mut rec = [0u8; 16];
+                    rec[..8].copy_from_slice(&h.cq_ptr.to_ne_bytes());
+                    rec[8..12].copy_from_slice(&EVENT_CQ_ERR.to_ne_bytes());
+                    write_all(fd, &rec);
+                }
+            }
+            return;
+        }
+        self.maybe_fire(cqe.solicited != 0, cqe.status == 0);
+    }
+
+    fn maybe_fire(&self, solicited: bool, success: bool) {
+        let h = self.hdr();
+        let mut arm = h.armed.load(Ordering::Acquire);
+        loop {
+            if !fires(arm, solicited, success) {
+                return;
+            }
+            match h
+                .armed
+                .compare_exchange(arm, DISARMED, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => break,
+                Err(a) => arm = a,
+            }
+        }
+        if let Some(fd) = self.ev.get_or_init(|| open_peer_fd(h.pid, h.chan_fd)) {
+            write_all(fd, &h.cq_ptr.to_ne_bytes());
+        }
+    }
+
+    /// Arm (owner side): the next completion that satisfies the rule fires.
+    pub fn arm(&self, state: u32) {
+        self.hdr().armed.store(state, Ordering::Release);
+    }
+}

@@ -1,0 +1,506 @@
+//! RC queue pairs: creation, the state machine (from [`crate::model::qp`]),
+//! queries, receive posting and the flush on error.
+
+use std::collections::VecDeque;
+use std::ffi::c_int;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::context::{inner, limits, pd_id, ContextInner};
+use super::cq::{sv as sv_cq, SvCq};
+use super::send::SendSide;
+use super::srq::SvSrq;
+use super::{set_bad, set_errno};
+use crate::model::qp::{self as m, QpState};
+use crate::model::wc::{opcode, WcStatus};
+use crate::shm::layout::{ring_offset, seg_bytes, Cqe, QpHeader, RecvWqe, Sge, MAGIC, MAX_SGE};
+use crate::shm::ring::Ring;
+use crate::shm::{Ids, Segment};
+use crate::sys::abi::VerbsQp;
+use crate::sys::ibv;
+
+/// `IBV_QPT_RC`.
+const QPT_RC: u32 = 2;
+
+/// Queue capacities as granted.
+#[derive(Debug, Clone, Copy)]
+pub struct Caps {
+    /// Send work requests that may wait for the responder.
+    pub max_send_wr: u32,
+    /// Receive ring capacity (0 with an SRQ).
+    pub max_recv_wr: u32,
+    /// Gather entries per send.
+    pub max_send_sge: u32,
+    /// Scatter entries per receive.
+    pub max_recv_sge: u32,
+    /// Inline bytes per send.
+    pub max_inline: u32,
+}
+
+/// A queue pair.
+#[repr(C)]
+pub struct SvQp {
+    /// The libibverbs part (`verbs_qp`, `comp_mask` 0).
+    pub vqp: VerbsQp,
+    /// Owning context.
+    pub ctx: *const ContextInner,
+    /// QP number.
+    pub qpn: u32,
+    /// Protection domain id.
+    pub pd: u32,
+    /// Segment `qp-<qpn>`.
+    pub seg: Arc<Segment>,
+    /// Receive ring (peers pop from it).
+    pub rq: Ring<RecvWqe>,
+    /// Send CQ.
+    pub send_cq: *const SvCq,
+    /// Receive CQ.
+    pub recv_cq: *const SvCq,
+    /// SRQ or null.
+    pub srq: *const SvSrq,
+    /// `sq_sig_all`.
+    pub sig_all: bool,
+    /// Granted capacities.
+    pub caps: Caps,
+    /// Send side: destination, responder handle, waiting sends.
+    pub send: Mutex<SendSide>,
+    attr: Mutex<Box<ibv::ibv_qp_attr>>,
+}
+
+impl std::fmt::Debug for SvQp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SvQp").field("qpn", &self.qpn).finish()
+    }
+}
+
+impl SvQp {
+    /// The shared header.
+    pub fn hdr(&self) -> &QpHeader {
+        // SAFETY: the segment starts with the QpHeader written at creation.
+        unsafe { &*self.seg.base().cast::<QpHeader>() }
+    }
+
+    /// Current state.
+    pub fn state(&self) -> QpState {
+        QpState::from_u32(self.hdr().state.load(Ordering::Acquire)).unwrap_or(QpState::Err)
+    }
+
+    /// The owning context.
+    pub fn ctx(&self) -> &ContextInner {
+        // SAFETY: a context outlives its QPs (verbs rule).
+        unsafe { &*self.ctx }
+    }
+
+    /// The send CQ.
+    pub fn send_cq(&self) -> &SvCq {
+        // SAFETY: a CQ cannot be destroyed while a QP uses it: destroy_cq
+        // answers EBUSY while send_qps is non-empty or recv_users non-zero.
+        unsafe { &*self.send_cq }
+    }
+
+    /// The receive CQ.
+    pub fn recv_cq(&self) -> &SvCq {
+        // SAFETY: as for send_cq.
+        unsafe { &*self.recv_cq }
+    }
+
+    /// Lock the send side.
+    pub fn lock_send(&self) -> MutexGuard<'_, SendSide> {
+        self.send.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Move to ERR and flush both queues (model::qp flush rule).
+    pub fn to_error(&self, ss: &mut SendSide) {
+        self.hdr()
+            .state
+            .store(QpState::Err as u32, Ordering::Release);
+        self.flush(ss);
+    }
+
+    /// Complete every waiting send and (without SRQ) every posted receive
+    /// with `IBV_WC_WR_FLUSH_ERR`.
+    pub fn flush(&self, ss: &mut SendSide) {
+        while let Some(w) = ss.pending.pop_front() {
+            self.send_cq().port.push(Cqe {
+                wr_id: w.wr_id,
+                status: WcStatus::WrFlushErr as u32,
+                opcode: crate::model::wc::send_wc_opcode(w.opcode).unwrap_or(opcode::SEND),
+                qp_num: self.qpn,
+                ..Cqe::default()
+            });
+        }
+        ss.set_waiting(self, false);
+        if self.srq.is_null() {
+            while let Some(r) = self.rq.pop() {
+                self.flush_recv(r.wr_id);
+            }
+        }
+    }
+
+    fn flush_recv(&self, wr_id: u64) {
+        self.recv_cq().port.push(Cqe {
+            wr_id,
+            status: WcStatus::WrFlushErr as u32,
+            opcode: opcode::RECV,
+            qp_num: self.qpn,
+            ..Cqe::default()
+        });
+    }
+
+    /// Retry sends waiting for the responder, unless another thread holds
+    /// the send side (it is posting or progressing them already).
+    pub fn try_progress(&self) {
+        if let Ok(mut ss) = self.send.try_lock() {
+            super::send::progress(self, &mut ss);
+        }
+    }
+}
+
+fn caps_ok(c: &ibv::ibv_qp_cap, has_srq: bool) -> bool {
+    c.max_send_wr <= limits::MAX_QP_WR
+        && (has_srq || c.max_recv_wr <= limits::MAX_QP_WR)
+        && c.max_send_sge as usize <= MAX_SGE
+        && c.max_recv_sge as usize <= MAX_SGE
+        && c.max_inline_data <= limits::MAX_INLINE
+}
+
+/// `create_qp` (RC only).
+///
+/// # Safety
+/// `pd` is a PD of this provider; `attr` is a valid init attribute block.
+pub unsafe extern "C" fn create_qp(
+    pd: *mut ibv::ibv_pd,
+    attr: *mut ibv::ibv_qp_init_attr,
+) -> *mut ibv::ibv_qp {
+    // SAFETY: caller contract.
+    let a = unsafe { &mut *attr };
+    if a.qp_type != QPT_RC {
+        set_errno(libc::EOPNOTSUPP);
+        return std::ptr::null_mut();
+    }
+    if a.send_cq.is_null() || a.recv_cq.is_null() || !caps_ok(&a.cap, !a.srq.is_null()) {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    // SAFETY: caller contract.
+    let (ctx, pdid) = unsafe { ((*pd).context, pd_id(pd)) };
+    // SAFETY: `ctx` is a live softverbs context.
+    let c = unsafe { inner(ctx) };
+    let srq = a.srq.cast::<SvSrq>() as *const SvSrq;
+    let rq_cap = if srq.is_null() {
+        Ring::<RecvWqe>::capacity_for(a.cap.max_recv_wr as usize)
+    } else {
+        1
+    };
+    let ids = match Ids::get() {
+        Ok(i) => i,
+        Err(e) => {
+            set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+            return std::ptr::null_mut();
+        }
+    };
+    let (qpn, seg) = match crate::shm::segment::create_fresh(
+        "qp-",
+        || ids.next_qpn(),
+        seg_bytes::<QpHeader, RecvWqe>(rq_cap),
+    ) {
+        Ok(x) => x,
+        Err(e) => {
+            set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+            return std::ptr::null_mut();
+        }
+    };
+    // SAFETY: fresh zeroed segment sized for the ring at ring_offset; nobody
+    // knows the QPN yet.
+    let rq = unsafe { Ring::<RecvWqe>::init(seg.base().add(ring_offset::<QpHeader>()), rq_cap) };
+    // SAFETY: `a.recv_cq` is a CQ of this provider (libibverbs contract).
+    let recv_cq_id = unsafe { sv_cq(a.recv_cq).id };
+    let srq_id = if srq.is_null() {
+        0
+    } else {
+        // SAFETY: a live SRQ of this provider.
+        unsafe { (*srq).id }
+    };
+    let hdr = seg.base().cast::<QpHeader>();
+    // SAFETY: as above; the header is ours until returned.
+    unsafe {
+        (*hdr).pid = std::process::id();
+        (*hdr).ctx = c.id;
+        (*hdr).qpn = qpn;
+        (*hdr).pd = pdid;
+        (*hdr).recv_cq = recv_cq_id;
+        (*hdr).srq = srq_id;
+        (*hdr).state.store(QpState::Reset as u32, Ordering::Relaxed);
+        (*hdr).magic = MAGIC;
+    }
+    let caps = Caps {
+        max_send_wr: a.cap.max_send_wr.max(1),
+        max_recv_wr: if srq.is_null() { rq_cap as u32 } else { 0 },
+        max_send_sge: a.cap.max_send_sge.max(1),
+        max_recv_sge: a.cap.max_recv_sge.max(1),
+        max_inline: a.cap.max_inline_data,
+    };
+    a.cap.max_send_wr = caps.max_send_wr;
+    a.cap.max_recv_wr = caps.max_recv_wr;
+    let qp = Box::new(SvQp {
+        // SAFETY: all-zero is valid for verbs_qp (plain C data, glibc
+        // pthread objects' static initialisers are zero).
+        vqp: unsafe { std::mem::zeroed() },
+        ctx: c,
+        qpn,
+        pd: pdid,
+        seg,
+        rq,
+        send_cq: a.send_cq.cast::<SvCq>(),
+        recv_cq: a.recv_cq.cast::<SvCq>(),
+        srq,
+        sig_all: a.sq_sig_all != 0,
+        caps,
+        send: Mutex::new(SendSide::new()),
+        // SAFETY: ibv_qp_attr is plain C data; zero is a valid value.
+        attr: Mutex::new(Box::new(unsafe { std::mem::zeroed() })),
+    });
+    let raw = Box::into_raw(qp);
+    // SAFETY: `raw` is the live box; filling the ibv_qp part libibverbs reads.
+    unsafe {
+        let q = &mut (*raw).vqp.qp_ex.qp_base;
+        q.context = ctx;
+        q.qp_context = a.qp_context;
+        q.pd = pd;
+        q.send_cq = a.send_cq;
+        q.recv_cq = a.recv_cq;
+        q.srq = a.srq;
+        q.handle = qpn;
+        q.qp_num = qpn;
+        q.state = QpState::Reset as u32;
+        q.qp_type = QPT_RC;
+        (*raw).recv_cq().recv_users.fetch_add(1, Ordering::AcqRel);
+        (*raw)
+            .send_cq()
+            .send_qps
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(raw as usize);
+    }
+    raw.cast()
+}
+
+/// The SvQp of an `ibv_qp` of this provider.
+///
+/// # Safety
+/// `qp` was made by [`create_qp`] and is live.
+pub unsafe fn sv<'a>(qp: *mut ibv::ibv_qp) -> &'a SvQp {
+    // SAFETY: `qp` is at offset 0 of a boxed SvQp.
+    unsafe { &*qp.cast::<SvQp>() }
+}
+
+/// `destroy_qp`: peers see ERR; no completions are generated.
+///
+/// # Safety
+/// `qp` was made by [`create_qp`]; not used afterwards.
+pub unsafe extern "C" fn destroy_qp(qp: *mut ibv::ibv_qp) -> c_int {
+    // SAFETY: caller contract.
+    let q = unsafe { sv(qp) };
+    {
+        let mut ss = q.lock_send();
+        q.hdr().state.store(QpState::Err as u32, Ordering::Release);
+        ss.pending.clear();
+        ss.set_waiting(q, false);
+    }
+    q.send_cq()
+        .send_qps
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .retain(|&p| p != qp as usize);
+    q.recv_cq().recv_users.fetch_sub(1, Ordering::AcqRel);
+    // SAFETY: caller contract: last use of the box.
+    drop(unsafe { Box::from_raw(qp.cast::<SvQp>()) });
+    0
+}
+
+macro_rules! copy_if {
+    ($mask:expr, $bit:expr, $dst:expr, $src:expr, $($f:ident),+) => {
+        if $mask & $bit != 0 { $( $dst.$f = $src.$f; )+ }
+    };
+}
+
+/// `modify_qp`.
+///
+/// # Safety
+/// `qp` is live; `attr` is valid.
+pub unsafe extern "C" fn modify_qp(
+    qp: *mut ibv::ibv_qp,
+    attr: *mut ibv::ibv_qp_attr,
+    mask: c_int,
+) -> c_int {
+    // SAFETY: caller contract.
+    let (q, a) = unsafe { (sv(qp), &*attr) };
+    let mut ss = q.lock_send();
+    let cur = q.state();
+    let next = if mask & m::ATTR_STATE != 0 {
+        match QpState::from_u32(a.qp_state) {
+            Some(s) => s,
+            None => return libc::EINVAL,
+        }
+    } else {
+        cur
+    };
+    if mask & m::ATTR_STATE != 0 {
+        if !m::transition_ok(cur, next) {
+            return libc::EINVAL;
+        }
+        let need = m::required_attrs(cur, next);
+        if mask & need != need {
+            return libc::EINVAL;
+        }
+    }
+    {
+        let mut st = q.attr.lock().unwrap_or_else(|e| e.into_inner());
+        let st = &mut **st;
+        copy_if!(mask, m::ATTR_ACCESS_FLAGS, st, a, qp_access_flags);
+        copy_if!(mask, m::ATTR_PKEY_INDEX, st, a, pkey_index);
+        copy_if!(mask, m::ATTR_PORT, st, a, port_num);
+        copy_if!(mask, m::ATTR_PATH_MTU, st, a, path_mtu);
+        copy_if!(mask, m::ATTR_TIMEOUT, st, a, timeout);
+        copy_if!(mask, m::ATTR_RETRY_CNT, st, a, retry_cnt);
+        copy_if!(mask, m::ATTR_RNR_RETRY, st, a, rnr_retry);
+        copy_if!(mask, m::ATTR_RQ_PSN, st, a, rq_psn);
+        copy_if!(mask, m::ATTR_SQ_PSN, st, a, sq_psn);
+        copy_if!(mask, m::ATTR_MAX_QP_RD_ATOMIC, st, a, max_rd_atomic);
+        copy_if!(mask, m::ATTR_MAX_DEST_RD_ATOMIC, st, a, max_dest_rd_atomic);
+        copy_if!(mask, m::ATTR_MIN_RNR_TIMER, st, a, min_rnr_timer);
+        copy_if!(mask, m::ATTR_DEST_QPN, st, a, dest_qp_num);
+        if mask & m::ATTR_AV != 0 {
+            // SAFETY: both are valid ibv_ah_attr values (plain C data).
+            unsafe { std::ptr::copy_nonoverlapping(&a.ah_attr, &mut st.ah_attr, 1) };
+        }
+    }
+    if mask & m::ATTR_ACCESS_FLAGS != 0 {
+        q.hdr().access.store(a.qp_access_flags, Ordering::Release);
+    }
+    if mask & m::ATTR_DEST_QPN != 0 {
+        ss.dest_qpn = a.dest_qp_num;
+        ss.remote = None;
+    }
+    if mask & m::ATTR_STATE != 0 {
+        match next {
+            QpState::Err if cur != QpState::Err => q.to_error(&mut ss),
+            QpState::Reset => {
+                q.hdr().state.store(next as u32, Ordering::Release);
+                ss.pending.clear();
+                ss.set_waiting(q, false);
+                while q.rq.pop().is_some() {}
+            }
+            _ => q.hdr().state.store(next as u32, Ordering::Release),
+        }
+    }
+    0
+}
+
+/// `query_qp`.
+///
+/// # Safety
+/// `qp` is live; `attr` and `init` are writable.
+pub unsafe extern "C" fn query_qp(
+    qp: *mut ibv::ibv_qp,
+    attr: *mut ibv::ibv_qp_attr,
+    _mask: c_int,
+    init: *mut ibv::ibv_qp_init_attr,
+) -> c_int {
+    // SAFETY: caller contract.
+    let q = unsafe { sv(qp) };
+    let st = q.attr.lock().unwrap_or_else(|e| e.into_inner());
+    // SAFETY: `attr` is writable (caller contract); copying a plain C struct.
+    unsafe {
+        std::ptr::copy_nonoverlapping(&**st, attr, 1);
+        let a = &mut *attr;
+        a.qp_state = q.state() as u32;
+        a.cur_qp_state = a.qp_state;
+        a.cap.max_send_wr = q.caps.max_send_wr;
+        a.cap.max_recv_wr = q.caps.max_recv_wr;
+        a.cap.max_send_sge = q.caps.max_send_sge;
+        a.cap.max_recv_sge = q.caps.max_recv_sge;
+        a.cap.max_inline_data = q.caps.max_inline;
+        if !init.is_null() {
+            let i = &mut *init;
+            let b = &(*qp);
+            i.qp_context = b.qp_context;
+            i.send_cq = b.send_cq;
+            i.recv_cq = b.recv_cq;
+            i.srq = b.srq;
+            i.cap = a.cap;
+            i.qp_type = QPT_RC;
+            i.sq_sig_all = q.sig_all as c_int;
+        }
+    }
+    0
+}
+
+/// Gather the SGEs of a receive WR, or `None` if there are too many.
+///
+/// # Safety
+/// `wr` is a valid receive WR whose `sg_list` has `num_sge` entries.
+pub unsafe fn recv_wqe(wr: &ibv::ibv_recv_wr, max: u32) -> Option<RecvWqe> {
+    let n = wr.num_sge.max(0) as usize;
+    if n > MAX_SGE || n > max as usize {
+        return None;
+    }
+    let mut s = [Sge::default(); MAX_SGE];
+    for (i, d) in s.iter_mut().enumerate().take(n) {
+        // SAFETY: i < num_sge (caller contract).
+        let g = unsafe { &*wr.sg_list.add(i) };
+        *d = Sge {
+            addr: g.addr,
+            length: g.length,
+            lkey: g.lkey,
+        };
+    }
+    Some(RecvWqe::new(wr.wr_id, &s[..n]))
+}
+
+/// `post_recv`.
+///
+/// # Safety
+/// `qp` is live; `wr` is a valid chain; `bad` is writable.
+pub unsafe extern "C" fn post_recv(
+    qp: *mut ibv::ibv_qp,
+    mut wr: *mut ibv::ibv_recv_wr,
+    bad: *mut *mut ibv::ibv_recv_wr,
+) -> c_int {
+    // SAFETY: caller contract.
+    let q = unsafe { sv(qp) };
+    while !wr.is_null() {
+        // SAFETY: `wr` is a node of the caller's valid chain.
+        let w = unsafe { &*wr };
+        let st = q.state();
+        if !q.srq.is_null() || !st.can_post_recv() {
+            // SAFETY: caller contract.
+            unsafe { set_bad(bad, wr) };
+            return libc::EINVAL;
+        }
+        // SAFETY: `w` is valid (caller contract).
+        let Some(wqe) = (unsafe { recv_wqe(w, q.caps.max_recv_sge) }) else {
+            // SAFETY: caller contract.
+            unsafe { set_bad(bad, wr) };
+            return libc::EINVAL;
+        };
+        if st == QpState::Err {
+            q.flush_recv(w.wr_id);
+        } else if q.rq.push(wqe).is_err() {
+            // SAFETY: caller contract.
+            unsafe { set_bad(bad, wr) };
+            return libc::ENOMEM;
+        }
+        wr = w.next;
+    }
+    0
+}
+
+/// Sends waiting for the responder, oldest first.
+pub type Pending = VecDeque<super::send::Wr>;
+
+/// Set errno and return null (for constructors).
+pub fn fail<T>(e: i32) -> *mut T {
+    set_errno(e);
+    std::ptr::null_mut()
+}

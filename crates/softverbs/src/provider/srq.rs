@@ -1,0 +1,162 @@
+//! Shared receive queues: a shared ring of receive WQEs (segment
+//! `srq-<id>`) that requesters of every attached QP pop from.
+
+use std::ffi::c_int;
+use std::sync::Arc;
+
+use super::context::{inner, limits, pd_id};
+use super::qp::{fail, recv_wqe};
+use super::set_bad;
+use crate::shm::layout::{ring_offset, seg_bytes, RecvWqe, SrqHeader, MAGIC, MAX_SGE};
+use crate::shm::ring::Ring;
+use crate::shm::segment::IdKind;
+use crate::shm::{Ids, Segment};
+use crate::sys::abi::VerbsSrq;
+use crate::sys::ibv;
+
+/// A shared receive queue.
+#[repr(C)]
+pub struct SvSrq {
+    /// The libibverbs part.
+    pub vsrq: VerbsSrq,
+    /// SRQ id.
+    pub id: u32,
+    seg: Arc<Segment>,
+    ring: Ring<RecvWqe>,
+    max_sge: u32,
+    limit: u32,
+}
+
+/// `create_srq`.
+///
+/// # Safety
+/// `pd` is a PD of this provider; `attr` is valid.
+pub unsafe extern "C" fn create_srq(
+    pd: *mut ibv::ibv_pd,
+    attr: *mut ibv::ibv_srq_init_attr,
+) -> *mut ibv::ibv_srq {
+    // SAFETY: caller contract.
+    let a = unsafe { &mut (*attr).attr };
+    if a.max_wr == 0 || a.max_wr > limits::MAX_QP_WR || a.max_sge as usize > MAX_SGE {
+        return fail(libc::EINVAL);
+    }
+    // SAFETY: caller contract.
+    let (c, pdid) = unsafe { (inner((*pd).context), pd_id(pd)) };
+    let cap = Ring::<RecvWqe>::capacity_for(a.max_wr as usize);
+    let Ok(ids) = Ids::get() else {
+        return fail(libc::EIO);
+    };
+    let (id, seg) = match crate::shm::segment::create_fresh(
+        "srq-",
+        || ids.next(IdKind::Srq),
+        seg_bytes::<SrqHeader, RecvWqe>(cap),
+    ) {
+        Ok(x) => x,
+        Err(e) => return fail(e.raw_os_error().unwrap_or(libc::EIO)),
+    };
+    // SAFETY: fresh zeroed segment sized for the ring; unknown to others.
+    let ring = unsafe { Ring::<RecvWqe>::init(seg.base().add(ring_offset::<SrqHeader>()), cap) };
+    let h = seg.base().cast::<SrqHeader>();
+    // SAFETY: as above.
+    unsafe {
+        (*h).pid = std::process::id();
+        (*h).ctx = c.id;
+        (*h).pd = pdid;
+        (*h).magic = MAGIC;
+    }
+    a.max_wr = cap as u32;
+    let srq = Box::new(SvSrq {
+        // SAFETY: plain C data; zero is valid (glibc pthread initialisers).
+        vsrq: unsafe { std::mem::zeroed() },
+        id,
+        seg,
+        ring,
+        max_sge: a.max_sge.max(1),
+        limit: a.srq_limit,
+    });
+    let raw = Box::into_raw(srq);
+    // SAFETY: the live box; libibverbs fills context/pd/srq_context after.
+    unsafe {
+        (*raw).vsrq.srq.handle = id;
+        (*raw).vsrq.srq_num = id;
+    }
+    raw.cast()
+}
+
+/// `destroy_srq`.
+///
+/// # Safety
+/// `srq` was made by [`create_srq`]; not used afterwards.
+pub unsafe extern "C" fn destroy_srq(srq: *mut ibv::ibv_srq) -> c_int {
+    // SAFETY: caller contract.
+    let s = unsafe { Box::from_raw(srq.cast::<SvSrq>()) };
+    drop(s);
+    0
+}
+
+/// `post_srq_recv`.
+///
+/// # Safety
+/// `srq` is live; `wr` is a valid chain; `bad` is writable.
+pub unsafe extern "C" fn post_srq_recv(
+    srq: *mut ibv::ibv_srq,
+    mut wr: *mut ibv::ibv_recv_wr,
+    bad: *mut *mut ibv::ibv_recv_wr,
+) -> c_int {
+    // SAFETY: caller contract.
+    let s = unsafe { &*srq.cast::<SvSrq>() };
+    let _ = &s.seg;
+    while !wr.is_null() {
+        // SAFETY: a node of the caller's chain.
+        let w = unsafe { &*wr };
+        // SAFETY: valid WR (caller contract).
+        let Some(wqe) = (unsafe { recv_wqe(w, s.max_sge) }) else {
+            // SAFETY: caller contract.
+            unsafe { set_bad(bad, wr) };
+            return libc::EINVAL;
+        };
+        if s.ring.push(wqe).is_err() {
+            // SAFETY: caller contract.
+            unsafe { set_bad(bad, wr) };
+            return libc::ENOMEM;
+        }
+        wr = w.next;
+    }
+    0
+}
+
+/// `modify_srq`: the limit is recorded (no limit event is raised); resizing
+/// is not supported.
+///
+/// # Safety
+/// `srq` is live; `attr` valid.
+pub unsafe extern "C" fn modify_srq(
+    srq: *mut ibv::ibv_srq,
+    attr: *mut ibv::ibv_srq_attr,
+    mask: c_int,
+) -> c_int {
+    // SAFETY: caller contract.
+    let (s, a) = unsafe { (&mut *srq.cast::<SvSrq>(), &*attr) };
+    if mask & 1 != 0 && a.max_wr as usize > s.ring.capacity() {
+        return libc::EINVAL;
+    }
+    if mask & 2 != 0 {
+        s.limit = a.srq_limit;
+    }
+    0
+}
+
+/// `query_srq`.
+///
+/// # Safety
+/// `srq` is live; `attr` writable.
+pub unsafe extern "C" fn query_srq(srq: *mut ibv::ibv_srq, attr: *mut ibv::ibv_srq_attr) -> c_int {
+    // SAFETY: caller contract.
+    let (s, a) = unsafe { (&*srq.cast::<SvSrq>(), &mut *attr) };
+    a.max_wr = s.ring.capacity() as u32;
+    a.max_sge = s.max_sge;
+    a.srq_limit = s.limit;
+    0
+}
+
+crate::opaque_debug!(SvSrq);

@@ -1,0 +1,296 @@
+//! Layouts of the shared segments. Every field another process reads or
+//! writes concurrently is atomic; the rest is written once by the creator
+//! before the segment's name can be known to anybody else.
+
+use std::mem::size_of;
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
+
+use super::ring::Ring;
+
+/// Magic at the start of every segment header ("SVB1").
+pub const MAGIC: u32 = 0x5356_4231;
+
+/// Scatter/gather entries per receive WQE.
+pub const MAX_SGE: usize = 8;
+
+/// Memory-region slots per context.
+pub const MR_SLOTS: usize = 4096;
+
+/// Bits of an lkey/rkey that index the MR table.
+pub const MR_INDEX_BITS: u32 = 12;
+
+/// A context's header, followed by the MR table.
+#[repr(C, align(64))]
+#[derive(Debug)]
+pub struct CtxHeader {
+    /// [`MAGIC`].
+    pub magic: u32,
+    /// Owning process.
+    pub pid: u32,
+    /// Read end of the async-event pipe in the owner (opened by peers through
+    /// `/proc/<pid>/fd/<n>` to raise `IBV_EVENT_CQ_ERR`).
+    pub async_fd: i32,
+    /// Context id.
+    pub id: u32,
+}
+
+/// One memory-region slot. `key` is 0 when free; readers check it before and
+/// after reading the rest, so a concurrent deregistration is detected.
+#[repr(C)]
+#[derive(Debug)]
+pub struct MrSlot {
+    /// lkey == rkey of the region, 0 when free.
+    pub key: AtomicU32,
+    /// Protection domain id.
+    pub pd: AtomicU32,
+    /// `ibv_access_flags`.
+    pub access: AtomicU32,
+    _pad: u32,
+    /// Start address in the owner's address space.
+    pub addr: AtomicU64,
+    /// Length in bytes.
+    pub len: AtomicU64,
+}
+
+/// A validated snapshot of a memory region.
+#[derive(Debug, Clone, Copy)]
+pub struct MrInfo {
+    /// Protection domain id.
+    pub pd: u32,
+    /// Access flags.
+    pub access: u32,
+    /// Start address.
+    pub addr: u64,
+    /// Length.
+    pub len: u64,
+}
+
+impl MrInfo {
+    /// Whether `[addr, addr+len)` lies inside the region.
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        addr >= self.addr
+            && addr
+                .checked_add(len)
+                .is_some_and(|end| end <= self.addr.saturating_add(self.len))
+    }
+}
+
+/// Bytes of a context segment.
+pub const CTX_BYTES: usize = size_of::<CtxHeader>() + MR_SLOTS * size_of::<MrSlot>();
+
+/// The MR table of a context segment at `base`.
+///
+/// # Safety
+/// `base` is a mapping of at least [`CTX_BYTES`] bytes that outlives `'a`.
+pub unsafe fn mr_table<'a>(base: *mut u8) -> &'a [MrSlot] {
+    // SAFETY: the table follows the header inside CTX_BYTES (caller contract);
+    // MrSlot is all atomics plus padding, valid for any bit pattern.
+    unsafe {
+        std::slice::from_raw_parts(base.add(size_of::<CtxHeader>()).cast::<MrSlot>(), MR_SLOTS)
+    }
+}
+
+/// Look up `key` in a table; `None` if absent or changing.
+pub fn mr_lookup(table: &[MrSlot], key: u32) -> Option<MrInfo> {
+    let slot = table.get((key & ((1 << MR_INDEX_BITS) - 1)) as usize)?;
+    if key == 0 || slot.key.load(Ordering::Acquire) != key {
+        return None;
+    }
+    let info = MrInfo {
+        pd: slot.pd.load(Ordering::Relaxed),
+        access: slot.access.load(Ordering::Relaxed),
+        addr: slot.addr.load(Ordering::Relaxed),
+        len: slot.len.load(Ordering::Relaxed),
+    };
+    (slot.key.load(Ordering::Acquire) == key).then_some(info)
+}
+
+/// Publish a region into a free slot.
+pub fn mr_publish(slot: &MrSlot, key: u32, info: MrInfo) {
+    slot.pd.store(info.pd, Ordering::Relaxed);
+    slot.access.store(info.access, Ordering::Relaxed);
+    slot.addr.store(info.addr, Ordering::Relaxed);
+    slot.len.store(info.len, Ordering::Relaxed);
+    slot.key.store(key, Ordering::Release);
+}
+
+/// A completion as it travels through a CQ ring.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Cqe {
+    /// `wr_id`.
+    pub wr_id: u64,
+    /// `ibv_wc_status`.
+    pub status: u32,
+    /// `ibv_wc_opcode`.
+    pub opcode: u32,
+    /// `byte_len`.
+    pub byte_len: u32,
+    /// Immediate data, network order as posted.
+    pub imm: u32,
+    /// Local QP number.
+    pub qp_num: u32,
+    /// Remote QP number.
+    pub src_qp: u32,
+    /// `ibv_wc_flags`.
+    pub wc_flags: u32,
+    /// Non-zero when the sender asked for a solicited event.
+    pub solicited: u32,
+}
+
+/// A CQ's header, followed by a ring of [`Cqe`].
+#[repr(C, align(64))]
+#[derive(Debug)]
+pub struct CqHeader {
+    /// [`MAGIC`].
+    pub magic: u32,
+    /// Owning process.
+    pub pid: u32,
+    /// Owning context id (its async fd is in that context's header).
+    pub ctx: u32,
+    /// Read end of the completion channel in the owner, -1 without channel.
+    pub chan_fd: i32,
+    /// The `struct ibv_cq *` in the owner's address space (event payload).
+    pub cq_ptr: u64,
+    /// Arm state, see [`crate::model::cq`].
+    pub armed: AtomicU32,
+    /// Set once the CQ overflowed.
+    pub overflow: AtomicU32,
+    /// Async fd of the owning context (copied for peers).
+    pub async_fd: AtomicI32,
+}
+
+/// A receive work request as stored in a receive ring.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RecvWqe {
+    /// `wr_id`.
+    pub wr_id: u64,
+    /// Entries used in `sge`.
+    pub num_sge: u32,
+    _pad: u32,
+    /// Scatter list in the owner's address space.
+    pub sge: [Sge; MAX_SGE],
+}
+
+impl RecvWqe {
+    /// A WQE from a wr_id and a scatter list (at most [`MAX_SGE`] entries).
+    pub fn new(wr_id: u64, sges: &[Sge]) -> Self {
+        let mut w = Self {
+            wr_id,
+            num_sge: sges.len().min(MAX_SGE) as u32,
+            ..Self::default()
+        };
+        w.sge[..w.num_sge as usize].copy_from_slice(&sges[..w.num_sge as usize]);
+        w
+    }
+
+    /// The used scatter entries.
+    pub fn sges(&self) -> &[Sge] {
+        &self.sge[..(self.num_sge as usize).min(MAX_SGE)]
+    }
+}
+
+/// `struct ibv_sge` in shared memory.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Sge {
+    /// Address in the owner's space.
+    pub addr: u64,
+    /// Length.
+    pub length: u32,
+    /// lkey.
+    pub lkey: u32,
+}
+
+/// A QP's header, followed by its receive ring.
+#[repr(C, align(64))]
+#[derive(Debug)]
+pub struct QpHeader {
+    /// [`MAGIC`].
+    pub magic: u32,
+    /// Owning process.
+    pub pid: u32,
+    /// Owning context id (MR table).
+    pub ctx: u32,
+    /// QP number.
+    pub qpn: u32,
+    /// Protection domain id.
+    pub pd: u32,
+    /// Receive CQ id.
+    pub recv_cq: u32,
+    /// SRQ id, 0 when the QP has its own receive queue.
+    pub srq: u32,
+    /// [`crate::model::qp::QpState`] as u32.
+    pub state: AtomicU32,
+    /// `qp_access_flags` (remote access the QP allows).
+    pub access: AtomicU32,
+}
+
+/// An SRQ's header, followed by its receive ring.
+#[repr(C, align(64))]
+#[derive(Debug)]
+pub struct SrqHeader {
+    /// [`MAGIC`].
+    pub magic: u32,
+    /// Owning process.
+    pub pid: u32,
+    /// Owning context id.
+    pub ctx: u32,
+    /// Protection domain id.
+    pub pd: u32,
+}
+
+/// Size of a segment holding header `H` then a ring of `cap` `T`s.
+pub fn seg_bytes<H, T: Copy>(cap: usize) -> usize {
+    size_of::<H>().next_multiple_of(64) + Ring::<T>::bytes(cap)
+}
+
+/// Offset of the ring after header `H`.
+pub fn ring_offset<H>() -> usize {
+    size_of::<H>().next_multiple_of(64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_header_starts_with_magic_then_pid() {
+        use std::mem::offset_of;
+        assert_eq!(
+            (offset_of!(CtxHeader, magic), offset_of!(CtxHeader, pid)),
+            (0, 4)
+        );
+        assert_eq!(
+            (offset_of!(CqHeader, magic), offset_of!(CqHeader, pid)),
+            (0, 4)
+        );
+        assert_eq!(
+            (offset_of!(QpHeader, magic), offset_of!(QpHeader, pid)),
+            (0, 4)
+        );
+        assert_eq!(
+            (offset_of!(SrqHeader, magic), offset_of!(SrqHeader, pid)),
+            (0, 4)
+        );
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(size_of::<MrSlot>(), 32);
+        assert_eq!(size_of::<Cqe>(), 40);
+        assert_eq!(size_of::<Sge>(), 16);
+        assert_eq!(size_of::<RecvWqe>(), 16 + 16 * MAX_SGE);
+        let m = MrInfo {
+            pd: 1,
+            access: 0,
+            addr: 100,
+            len: 10,
+        };
+        assert!(m.contains(100, 10));
+        assert!(!m.contains(101, 10));
+        assert!(!m.contains(99, 1));
+        assert!(!m.contains(u64::MAX, 2));
+    }
+}

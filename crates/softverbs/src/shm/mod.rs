@@ -1,0 +1,21 @@
+//! The shared-memory fabric: named segments under one per-machine directory,
+//! a lock-free ring that lives inside them, the global id counters, and the
+//! layouts of the segments every process can map.
+//!
+//! Names (all under [`dir`]):
+//!
+//! | file          | owner     | content                                     |
+//! |---------------|-----------|---------------------------------------------|
+//! | `ids`         | shared    | atomic counters: QPN, CQ, context, SRQ ids  |
+//! | `ctx-<id>`    | a context | [`layout::CtxHeader`] + MR table            |
+//! | `cq-<id>`     | a CQ      | [`layout::CqHeader`] + ring of CQEs         |
+//! | `qp-<qpn>`    | a QP      | [`layout::QpHeader`] + receive ring         |
+//! | `srq-<id>`    | an SRQ    | [`layout::SrqHeader`] + receive ring        |
+//!
+//! Peers find a QP by the QPN that verbs programs exchange out of band.
+
+pub mod layout;
+pub mod ring;
+pub mod segment;
+
+pub use segment::{dir, Ids, Segment};

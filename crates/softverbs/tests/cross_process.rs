@@ -1,0 +1,283 @@
+//! softverbs through the real libibverbs (rdma-sys), requester and responder
+//! in two processes: the test binary re-runs itself as the child, and the two
+//! exchange QPNs, addresses and rkeys over a socketpair, as verbs programs do
+//! over TCP. Run under `softverbs-run`; skipped loudly otherwise.
+#![allow(clippy::undocumented_unsafe_blocks, missing_docs)]
+
+mod common;
+use common::*;
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::net::UnixStream;
+use std::process::{Child, Command};
+use std::ptr::null_mut;
+
+struct Chan {
+    r: BufReader<UnixStream>,
+    w: UnixStream,
+}
+
+impl Chan {
+    fn new(s: UnixStream) -> Chan {
+        let w = s.try_clone().expect("clone socket");
+        Chan {
+            r: BufReader::new(s),
+            w,
+        }
+    }
+    fn send(&mut self, line: &str) {
+        writeln!(self.w, "{line}").expect("send line");
+    }
+    fn recv(&mut self) -> Vec<u64> {
+        let mut l = String::new();
+        self.r.read_line(&mut l).expect("recv line");
+        l.split_whitespace()
+            .filter_map(|x| x.parse().ok())
+            .collect()
+    }
+}
+
+fn child_chan() -> Option<Chan> {
+    if std::env::var("SOFTVERBS_TEST_ROLE").ok()? != "child" {
+        return None;
+    }
+    let fd: i32 = std::env::var("SOFTVERBS_TEST_FD").ok()?.parse().ok()?;
+    Some(Chan::new(unsafe { UnixStream::from_raw_fd(fd) }))
+}
+
+fn spawn(test: &str) -> (Child, Chan) {
+    let (a, b) = UnixStream::pair().expect("socketpair");
+    let fd = b.as_raw_fd();
+    unsafe { libc::fcntl(fd, libc::F_SETFD, 0) };
+    let child = Command::new(std::env::current_exe().expect("exe"))
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env("SOFTVERBS_TEST_ROLE", "child")
+        .env("SOFTVERBS_TEST_FD", fd.to_string())
+        .spawn()
+        .expect("spawn child");
+    drop(b);
+    (child, Chan::new(a))
+}
+
+fn pattern(seed: u8, n: usize) -> Vec<u8> {
+    (0..n)
+        .map(|i| (i as u8).wrapping_mul(7).wrapping_add(seed))
+        .collect()
+}
+
+const HALF: usize = 32 * 1024;
+
+#[test]
+fn cross_process_send_write_read() {
+    if let Some(ch) = child_chan() {
+        return requester(ch);
+    }
+    if !launcher_or_skip("cross_process_send_write_read") {
+        return;
+    }
+    let (mut child, mut ch) = spawn("cross_process_send_write_read");
+    let dev = Dev::open();
+    let cq = dev.cq(64, null_mut());
+    let qp = dev.qp(cq, cq, null_mut());
+    let qp2 = dev.qp(cq, cq, null_mut());
+    let mut target = Buf::new(&dev, 2 * HALF, 0);
+    target.data[HALF..].copy_from_slice(&pattern(3, HALF));
+    let rbuf = Buf::new(&dev, 4096, 0);
+    ch.send(&format!(
+        "{} {} {} {}",
+        qpn(qp),
+        target.addr(),
+        target.rkey(),
+        qpn(qp2)
+    ));
+    let peers = ch.recv();
+    let peer = peers[0] as u32;
+    connect(qp, peer);
+    connect(qp2, peers[1] as u32);
+    post_recv(qp, &rbuf, 0, 4096, 1);
+    post_recv(qp, &rbuf, 0, 4096, 2);
+    ch.send("ready");
+    let r = poll(cq, 2);
+    assert_eq!(
+        (r[0].wr_id, r[0].status, r[0].opcode, r[0].byte_len),
+        (1, WC_SUCCESS, ibv_wc_opcode::IBV_WC_RECV, 100)
+    );
+    assert_eq!(r[0].imm, 0xabcdu32.to_be());
+    assert_eq!(r[0].src_qp, peer);
+    assert_eq!(&rbuf.data[..100], &pattern(1, 100)[..]);
+    assert_eq!(
+        (r[1].wr_id, r[1].opcode, r[1].imm),
+        (2, ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM, 7u32.to_be())
+    );
+    assert!(
+        target.data[..HALF] == pattern(2, HALF)[..],
+        "cross-process RDMA WRITE payload differs"
+    );
+    assert_eq!(ch.recv(), vec![1], "requester finished");
+    assert!(
+        child.wait().expect("wait").success(),
+        "requester process failed"
+    );
+}
+
+fn requester(mut ch: Chan) {
+    let dev = Dev::open();
+    let cq = dev.cq(64, null_mut());
+    let qp = dev.qp(cq, cq, null_mut());
+    let qp2 = dev.qp(cq, cq, null_mut());
+    let r = ch.recv();
+    let (peer, raddr, rkey) = (r[0] as u32, r[1], r[2] as u32);
+    ch.send(&format!("{} {}", qpn(qp), qpn(qp2)));
+    connect(qp, peer);
+    connect(qp2, r[3] as u32);
+    let _ready = ch.recv();
+    let mut src = Buf::new(&dev, HALF, 0);
+    src.data[..100].copy_from_slice(&pattern(1, 100));
+    let s = Send {
+        imm: 0xabcdu32.to_be(),
+        ..send(WR_SEND_IMM, SIGNALED)
+    };
+    assert_eq!(post_send(qp, &src, 0, 100, 1, s), 0);
+    assert_eq!(poll(cq, 1)[0].status, WC_SUCCESS);
+    src.data.copy_from_slice(&pattern(2, HALF));
+    let w = Send {
+        remote_addr: raddr,
+        rkey,
+        ..send(WR_WRITE, SIGNALED)
+    };
+    assert_eq!(post_send(qp, &src, 0, HALF as u32, 2, w), 0);
+    assert_eq!(poll(cq, 1)[0].status, WC_SUCCESS);
+    let back = Buf::new(&dev, HALF, 0);
+    let rd = Send {
+        remote_addr: raddr + HALF as u64,
+        rkey,
+        ..send(WR_READ, SIGNALED)
+    };
+    assert_eq!(post_send(qp, &back, 0, HALF as u32, 3, rd), 0);
+    assert_eq!(poll(cq, 1)[0].status, WC_SUCCESS);
+    assert!(
+        back.data == pattern(3, HALF),
+        "cross-process RDMA READ payload differs"
+    );
+    let wi = Send {
+        imm: 7u32.to_be(),
+        remote_addr: raddr,
+        rkey,
+        ..send(WR_WRITE_IMM, SIGNALED)
+    };
+    assert_eq!(post_send(qp, &src, 0, 0, 4, wi), 0);
+    assert_eq!(poll(cq, 1)[0].status, WC_SUCCESS);
+    // A bad rkey and an out-of-bounds READ are remote access errors here and
+    // harm neither process.
+    let bad = Send {
+        remote_addr: raddr,
+        rkey: rkey ^ 0x0100_0000,
+        ..send(WR_WRITE, SIGNALED)
+    };
+    assert_eq!(post_send(qp, &src, 0, 8, 5, bad), 0);
+    assert_eq!(poll(cq, 1)[0].status, WC_REM_ACCESS);
+    // Out of bounds: a READ running past the end of the responder's region.
+    let oob = Send {
+        remote_addr: raddr + 2 * HALF as u64 - 8,
+        rkey,
+        ..send(WR_READ, SIGNALED)
+    };
+    assert_eq!(post_send(qp2, &back, 0, 64, 6, oob), 0);
+    let c = poll(cq, 1)[0];
+    assert_eq!((c.wr_id, c.status), (6, WC_REM_ACCESS));
+    ch.send("1");
+}
+
+#[test]
+fn cross_process_srq_events_and_overflow() {
+    if let Some(ch) = child_chan() {
+        return sender(ch);
+    }
+    if !launcher_or_skip("cross_process_srq_events_and_overflow") {
+        return;
+    }
+    let (mut child, mut ch) = spawn("cross_process_srq_events_and_overflow");
+    let dev = Dev::open();
+    let chan = dev.channel();
+    let rcq = dev.cq(64, chan);
+    let scq = dev.cq(64, null_mut());
+    let small = dev.cq(4, null_mut());
+    let cap = unsafe { (*small).cqe } as u64;
+    let srq = dev.srq(16);
+    let buf = Buf::new(&dev, 64 * 16, 0);
+    for i in 0..16 {
+        post_srq_recv(srq, &buf, i * 64, 64, i as u64);
+    }
+    let q1 = dev.qp(scq, rcq, srq);
+    let q2 = dev.qp(scq, rcq, srq);
+    let q3 = dev.qp(scq, small, null_mut());
+    ch.send(&format!("{} {} {} {}", qpn(q1), qpn(q2), qpn(q3), cap));
+    let p = ch.recv();
+    connect(q1, p[0] as u32);
+    connect(q2, p[1] as u32);
+    connect(q3, p[2] as u32);
+    for i in 0..=cap {
+        post_recv(q3, &buf, 0, 64, 100 + i);
+    }
+    assert_eq!(unsafe { ibv_req_notify_cq(rcq, 1) }, 0);
+    ch.send("ready");
+    assert_eq!(ch.recv(), vec![1]);
+    assert!(
+        !readable(chan, 100),
+        "solicited-only arm fired on an unsolicited send from the peer"
+    );
+    ch.send("next");
+    assert!(
+        readable(chan, 5000),
+        "no event for the peer's solicited send"
+    );
+    get_event(chan, rcq);
+    let got = poll(rcq, 2);
+    assert_eq!(
+        got.iter().map(|w| w.qp_num).collect::<Vec<_>>(),
+        vec![qpn(q1), qpn(q2)]
+    );
+    assert_eq!(ch.recv(), vec![2]);
+    let afd = unsafe { (*dev.ctx).async_fd };
+    assert!(
+        fd_readable(afd, 5000),
+        "no async CQ_ERR after the peer overfilled the CQ"
+    );
+    let mut ev: ibv_async_event = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { ibv_get_async_event(dev.ctx, &mut ev) }, 0);
+    assert_eq!(
+        unsafe { *(std::ptr::addr_of!(ev.event_type) as *const u32) },
+        0
+    );
+    assert_eq!(unsafe { ev.element.cq }, small);
+    unsafe { ibv_ack_async_event(&mut ev) };
+    assert!(
+        child.wait().expect("wait").success(),
+        "sender process failed"
+    );
+}
+
+fn sender(mut ch: Chan) {
+    let dev = Dev::open();
+    let cq = dev.cq(64, null_mut());
+    let r = ch.recv();
+    let qps: Vec<_> = (0..3).map(|_| dev.qp(cq, cq, null_mut())).collect();
+    ch.send(&format!("{} {} {}", qpn(qps[0]), qpn(qps[1]), qpn(qps[2])));
+    for (q, peer) in qps.iter().zip(&r) {
+        connect(*q, *peer as u32);
+    }
+    let cap = r[3];
+    let _ready = ch.recv();
+    let src = Buf::new(&dev, 64, 1);
+    assert_eq!(post_send(qps[0], &src, 0, 8, 1, send(WR_SEND, 0)), 0);
+    ch.send("1");
+    let _next = ch.recv();
+    assert_eq!(
+        post_send(qps[1], &src, 0, 8, 2, send(WR_SEND, SOLICITED)),
+        0
+    );
+    for i in 0..=cap {
+        assert_eq!(post_send(qps[2], &src, 0, 8, 10 + i, send(WR_SEND, 0)), 0);
+    }
+    ch.send("2");
+}

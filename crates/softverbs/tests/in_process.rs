@@ -1,0 +1,531 @@
+//! softverbs through the real libibverbs (rdma-sys), both QPs in one process.
+//! Run under `softverbs-run` (the CI script does); skipped loudly otherwise.
+#![allow(clippy::undocumented_unsafe_blocks, missing_docs)]
+
+mod common;
+use common::*;
+use std::ptr::null_mut;
+use std::time::Duration;
+
+macro_rules! needs_launcher {
+    ($name:expr) => {
+        if !launcher_or_skip($name) {
+            return;
+        }
+    };
+}
+
+struct Pair {
+    dev: Dev,
+    cq_a: *mut ibv_cq,
+    cq_b: *mut ibv_cq,
+    a: *mut ibv_qp,
+    b: *mut ibv_qp,
+}
+
+fn pair() -> Pair {
+    let dev = Dev::open();
+    let cq_a = dev.cq(64, null_mut());
+    let cq_b = dev.cq(64, null_mut());
+    let a = dev.qp(cq_a, cq_a, null_mut());
+    let b = dev.qp(cq_b, cq_b, null_mut());
+    connect(a, qpn(b));
+    connect(b, qpn(a));
+    Pair {
+        dev,
+        cq_a,
+        cq_b,
+        a,
+        b,
+    }
+}
+
+#[test]
+fn send_recv_with_immediate() {
+    needs_launcher!("send_recv_with_immediate");
+    let p = pair();
+    let src = Buf::new(&p.dev, 256, 0);
+    let mut src2 = src;
+    for (i, b) in src2.data.iter_mut().enumerate() {
+        *b = i as u8;
+    }
+    let dst = Buf::new(&p.dev, 256, 0xee);
+    post_recv(p.b, &dst, 0, 256, 7);
+    let s = Send {
+        imm: 0x1234_5678u32.to_be(),
+        ..send(WR_SEND_IMM, SIGNALED)
+    };
+    assert_eq!(post_send(p.a, &src2, 0, 200, 1, s), 0);
+    let r = poll(p.cq_b, 1)[0];
+    assert_eq!(
+        (r.wr_id, r.status, r.opcode, r.byte_len),
+        (7, WC_SUCCESS, ibv_wc_opcode::IBV_WC_RECV, 200)
+    );
+    assert_eq!(r.imm, 0x1234_5678u32.to_be());
+    assert_ne!(r.wc_flags & ibv_wc_flags::IBV_WC_WITH_IMM.0, 0);
+    assert_eq!((r.qp_num, r.src_qp), (qpn(p.b), qpn(p.a)));
+    assert_eq!(&dst.data[..200], &src2.data[..200]);
+    assert!(dst.data[200..].iter().all(|&b| b == 0xee));
+    let s = poll(p.cq_a, 1)[0];
+    assert_eq!(
+        (s.wr_id, s.status, s.opcode),
+        (1, WC_SUCCESS, ibv_wc_opcode::IBV_WC_SEND)
+    );
+}
+
+#[test]
+fn unsignaled_and_inline_sends() {
+    needs_launcher!("unsignaled_and_inline_sends");
+    let p = pair();
+    let src = Buf::new(&p.dev, 64, 0x5a);
+    let dst = Buf::new(&p.dev, 128, 0);
+    post_recv(p.b, &dst, 0, 64, 1);
+    post_recv(p.b, &dst, 64, 64, 2);
+    assert_eq!(post_send(p.a, &src, 0, 32, 10, send(WR_SEND, 0)), 0);
+    assert_eq!(
+        post_send(p.a, &src, 0, 48, 11, send(WR_SEND, SIGNALED | INLINE)),
+        0
+    );
+    let r = poll(p.cq_b, 2);
+    assert_eq!(
+        (r[0].wr_id, r[0].byte_len, r[1].wr_id, r[1].byte_len),
+        (1, 32, 2, 48)
+    );
+    let s = poll(p.cq_a, 1);
+    assert_eq!(s[0].wr_id, 11, "the unsignaled send must not complete");
+    poll_none(p.cq_a, Duration::from_millis(20));
+    assert!(
+        dst.data[..32].iter().all(|&b| b == 0x5a) && dst.data[64..112].iter().all(|&b| b == 0x5a)
+    );
+}
+
+#[test]
+fn rdma_write_and_read_byte_for_byte() {
+    needs_launcher!("rdma_write_and_read_byte_for_byte");
+    let p = pair();
+    let mut src = Buf::new(&p.dev, 1 << 20, 0);
+    for (i, b) in src.data.iter_mut().enumerate() {
+        *b = (i * 31 % 251) as u8;
+    }
+    let remote = Buf::new(&p.dev, 1 << 20, 0);
+    let back = Buf::new(&p.dev, 1 << 20, 0);
+    let w = Send {
+        remote_addr: remote.addr(),
+        rkey: remote.rkey(),
+        ..send(WR_WRITE, SIGNALED)
+    };
+    assert_eq!(post_send(p.a, &src, 0, 1 << 20, 1, w), 0);
+    assert_eq!(poll(p.cq_a, 1)[0].status, WC_SUCCESS);
+    assert!(remote.data == src.data, "RDMA WRITE payload differs");
+    let r = Send {
+        remote_addr: remote.addr(),
+        rkey: remote.rkey(),
+        ..send(WR_READ, SIGNALED)
+    };
+    assert_eq!(post_send(p.a, &back, 0, 1 << 20, 2, r), 0);
+    let c = poll(p.cq_a, 1)[0];
+    assert_eq!(
+        (c.status, c.opcode, c.byte_len),
+        (WC_SUCCESS, ibv_wc_opcode::IBV_WC_RDMA_READ, 1 << 20)
+    );
+    assert!(back.data == src.data, "RDMA READ payload differs");
+    // WRITE with immediate consumes a receive and reports the immediate.
+    let rbuf = Buf::new(&p.dev, 16, 0);
+    post_recv(p.b, &rbuf, 0, 16, 99);
+    let wi = Send {
+        imm: 42u32.to_be(),
+        remote_addr: remote.addr() + 10,
+        rkey: remote.rkey(),
+        ..send(WR_WRITE_IMM, SIGNALED)
+    };
+    assert_eq!(post_send(p.a, &src, 100, 5, 3, wi), 0);
+    let rc = poll(p.cq_b, 1)[0];
+    assert_eq!(
+        (rc.wr_id, rc.opcode, rc.imm, rc.byte_len),
+        (
+            99,
+            ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM,
+            42u32.to_be(),
+            5
+        )
+    );
+    assert_eq!(&remote.data[10..15], &src.data[100..105]);
+    assert_eq!(poll(p.cq_a, 1)[0].wr_id, 3);
+}
+
+#[test]
+fn bad_rkey_is_remote_access_error() {
+    needs_launcher!("bad_rkey_is_remote_access_error");
+    let p = pair();
+    let src = Buf::new(&p.dev, 64, 1);
+    let remote = Buf::new(&p.dev, 64, 0);
+    let w = Send {
+        remote_addr: remote.addr(),
+        rkey: remote.rkey() ^ 0x0100_0000,
+        ..send(WR_WRITE, SIGNALED)
+    };
+    assert_eq!(post_send(p.a, &src, 0, 64, 5, w), 0);
+    let c = poll(p.cq_a, 1)[0];
+    assert_eq!((c.wr_id, c.status), (5, WC_REM_ACCESS));
+    assert!(
+        remote.data.iter().all(|&b| b == 0),
+        "nothing may be written"
+    );
+    // The requester is now in ERR: the next WR is flushed.
+    assert_eq!(post_send(p.a, &src, 0, 8, 6, send(WR_SEND, 0)), 0);
+    assert_eq!(poll(p.cq_a, 1)[0].status, WC_FLUSH);
+}
+
+#[test]
+fn out_of_bounds_is_remote_access_error() {
+    needs_launcher!("out_of_bounds_is_remote_access_error");
+    let p = pair();
+    let src = Buf::new(&p.dev, 4096, 1);
+    let remote = Buf::new(&p.dev, 64, 0);
+    let w = Send {
+        remote_addr: remote.addr() + 32,
+        rkey: remote.rkey(),
+        ..send(WR_WRITE, SIGNALED)
+    };
+    assert_eq!(post_send(p.a, &src, 0, 64, 5, w), 0);
+    assert_eq!(poll(p.cq_a, 1)[0].status, WC_REM_ACCESS);
+    assert!(remote.data.iter().all(|&b| b == 0));
+    // A READ below the region, on a fresh pair (the first one is in ERR now).
+    let p = pair();
+    let dst = Buf::new(&p.dev, 64, 7);
+    let remote = Buf::new(&p.dev, 64, 0);
+    let r = Send {
+        remote_addr: remote.addr().wrapping_sub(4096),
+        rkey: remote.rkey(),
+        ..send(WR_READ, SIGNALED)
+    };
+    assert_eq!(post_send(p.a, &dst, 0, 16, 6, r), 0);
+    assert_eq!(poll(p.cq_a, 1)[0].status, WC_REM_ACCESS);
+    assert!(dst.data.iter().all(|&b| b == 7));
+}
+
+#[test]
+fn qp_error_flushes_both_queues() {
+    needs_launcher!("qp_error_flushes_both_queues");
+    let p = pair();
+    let buf = Buf::new(&p.dev, 256, 0);
+    for i in 0..3 {
+        post_recv(p.a, &buf, 0, 64, 100 + i);
+    }
+    // A send the responder cannot take yet (no receive posted at b) waits.
+    assert_eq!(post_send(p.a, &buf, 0, 16, 1, send(WR_SEND, SIGNALED)), 0);
+    poll_none(p.cq_a, Duration::from_millis(20));
+    to_error(p.a);
+    let mut got = poll(p.cq_a, 4);
+    got.sort_by_key(|w| w.wr_id);
+    assert!(got.iter().all(|w| w.status == WC_FLUSH), "{got:?}");
+    assert_eq!(
+        got.iter().map(|w| w.wr_id).collect::<Vec<_>>(),
+        vec![1, 100, 101, 102]
+    );
+    post_recv(p.a, &buf, 0, 8, 200);
+    assert_eq!(post_send(p.a, &buf, 0, 8, 201, send(WR_SEND, 0)), 0);
+    let mut late = poll(p.cq_a, 2);
+    late.sort_by_key(|w| w.wr_id);
+    assert_eq!(
+        (late[0].wr_id, late[0].status, late[1].wr_id, late[1].status),
+        (200, WC_FLUSH, 201, WC_FLUSH)
+    );
+}
+
+#[test]
+fn srq_shared_by_several_qps() {
+    needs_launcher!("srq_shared_by_several_qps");
+    let dev = Dev::open();
+    let scq = dev.cq(64, null_mut());
+    let rcq = dev.cq(64, null_mut());
+    let srq = dev.srq(32);
+    let bufs = Buf::new(&dev, 32 * 64, 0);
+    for i in 0..12 {
+        post_srq_recv(srq, &bufs, i * 64, 64, i as u64);
+    }
+    let src = Buf::new(&dev, 64, 9);
+    let mut servers = Vec::new();
+    for k in 0..3 {
+        let s = dev.qp(scq, rcq, srq);
+        let c = dev.qp(scq, scq, null_mut());
+        connect(s, qpn(c));
+        connect(c, qpn(s));
+        for j in 0..4 {
+            assert_eq!(post_send(c, &src, 0, 10 + k, j, send(WR_SEND, 0)), 0);
+        }
+        servers.push(qpn(s));
+    }
+    let got = poll(rcq, 12);
+    let mut ids: Vec<u64> = got.iter().map(|w| w.wr_id).collect();
+    ids.sort();
+    assert_eq!(ids, (0..12).collect::<Vec<u64>>());
+    for (k, q) in servers.iter().enumerate() {
+        let n = got
+            .iter()
+            .filter(|w| w.qp_num == *q && w.byte_len == 10 + k as u32)
+            .count();
+        assert_eq!(n, 4, "each QP of the SRQ received its 4 messages");
+    }
+}
+
+#[test]
+fn completion_channel_arm_semantics() {
+    needs_launcher!("completion_channel_arm_semantics");
+    let dev = Dev::open();
+    let ch = dev.channel();
+    let cq_b = dev.cq(64, ch);
+    let cq_a = dev.cq(64, null_mut());
+    let a = dev.qp(cq_a, cq_a, null_mut());
+    let b = dev.qp(cq_b, cq_b, null_mut());
+    connect(a, qpn(b));
+    connect(b, qpn(a));
+    let buf = Buf::new(&dev, 1024, 0);
+    for i in 0..8 {
+        post_recv(b, &buf, 0, 64, i);
+    }
+    // No arm: no event.
+    assert_eq!(post_send(a, &buf, 0, 8, 0, send(WR_SEND, 0)), 0);
+    poll(cq_b, 1);
+    assert!(!readable(ch, 50), "event without an arm");
+    // One arm: exactly one event for two completions.
+    assert_eq!(unsafe { ibv_req_notify_cq(cq_b, 0) }, 0);
+    assert_eq!(post_send(a, &buf, 0, 8, 0, send(WR_SEND, 0)), 0);
+    assert_eq!(post_send(a, &buf, 0, 8, 0, send(WR_SEND, 0)), 0);
+    assert!(readable(ch, 1000));
+    get_event(ch, cq_b);
+    assert!(!readable(ch, 50), "second event from one arm");
+    poll(cq_b, 2);
+    // Solicited-only: an unsolicited completion does not fire; a solicited one does.
+    assert_eq!(unsafe { ibv_req_notify_cq(cq_b, 1) }, 0);
+    assert_eq!(post_send(a, &buf, 0, 8, 0, send(WR_SEND, 0)), 0);
+    assert!(
+        !readable(ch, 50),
+        "solicited-only arm fired on an unsolicited send"
+    );
+    assert_eq!(post_send(a, &buf, 0, 8, 0, send(WR_SEND, SOLICITED)), 0);
+    assert!(readable(ch, 1000));
+    get_event(ch, cq_b);
+    poll(cq_b, 2);
+    // ack (done in get_event) then destroy must not hang.
+    assert_eq!(unsafe { ibv_destroy_qp(b) }, 0);
+    assert_eq!(unsafe { ibv_destroy_cq(cq_b) }, 0);
+    assert_eq!(unsafe { ibv_destroy_comp_channel(ch) }, 0);
+}
+
+#[test]
+fn overfilled_cq_raises_async_cq_error() {
+    needs_launcher!("overfilled_cq_raises_async_cq_error");
+    let dev = Dev::open();
+    let small = dev.cq(4, null_mut());
+    let cap = unsafe { (*small).cqe } as usize;
+    let other = dev.cq(64, null_mut());
+    let a = dev.qp(small, small, null_mut());
+    let b = dev.qp(other, other, null_mut());
+    connect(a, qpn(b));
+    connect(b, qpn(a));
+    let buf = Buf::new(&dev, 64, 0);
+    let async_fd = unsafe { (*dev.ctx).async_fd };
+    assert!(!fd_readable(async_fd, 0));
+    for i in 0..=cap as u64 {
+        let w = Send {
+            remote_addr: buf.addr(),
+            rkey: buf.rkey(),
+            ..send(WR_WRITE, SIGNALED)
+        };
+        assert_eq!(post_send(a, &buf, 0, 8, i, w), 0);
+    }
+    assert!(fd_readable(async_fd, 1000), "no async event after overflow");
+    let mut ev: ibv_async_event = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { ibv_get_async_event(dev.ctx, &mut ev) }, 0);
+    let ty = unsafe { *(std::ptr::addr_of!(ev.event_type) as *const u32) };
+    assert_eq!(ty, 0, "IBV_EVENT_CQ_ERR");
+    assert_eq!(unsafe { ev.element.cq }, small);
+    unsafe { ibv_ack_async_event(&mut ev) };
+}
+
+#[test]
+fn waiting_send_completes_without_polling() {
+    needs_launcher!("waiting_send_completes_without_polling");
+    let dev = Dev::open();
+    let ch = dev.channel();
+    let cq_a = dev.cq(16, ch);
+    let cq_b = dev.cq(16, null_mut());
+    let a = dev.qp(cq_a, cq_a, null_mut());
+    let b = dev.qp(cq_b, cq_b, null_mut());
+    connect(a, qpn(b));
+    connect(b, qpn(a));
+    let buf = Buf::new(&dev, 64, 3);
+    assert_eq!(unsafe { ibv_req_notify_cq(cq_a, 0) }, 0);
+    // No receive at b yet: the send waits (RNR, retried forever).
+    assert_eq!(post_send(a, &buf, 0, 8, 1, send(WR_SEND, SIGNALED)), 0);
+    assert!(!readable(ch, 30));
+    post_recv(b, &buf, 32, 32, 2);
+    // Nobody polls cq_a: the progress thread must finish the send and fire the arm.
+    assert!(
+        readable(ch, 2000),
+        "a waiting send never completed in event mode"
+    );
+    get_event(ch, cq_a);
+    assert_eq!(poll(cq_a, 1)[0].wr_id, 1);
+    assert_eq!(poll(cq_b, 1)[0].wr_id, 2);
+}
+
+#[test]
+fn destroy_order_is_enforced_and_clean() {
+    needs_launcher!("destroy_order_is_enforced_and_clean");
+    let p = pair();
+    // A CQ still used by a QP (as send or receive CQ) cannot go.
+    assert_eq!(unsafe { ibv_destroy_cq(p.cq_b) }, libc::EBUSY);
+    assert_eq!(unsafe { ibv_destroy_qp(p.b) }, 0);
+    assert_eq!(unsafe { ibv_destroy_cq(p.cq_b) }, 0);
+    // The peer is gone: a send now fails instead of hanging.
+    let buf = Buf::new(&p.dev, 64, 0);
+    assert_eq!(post_send(p.a, &buf, 0, 8, 1, send(WR_SEND, SIGNALED)), 0);
+    assert_eq!(
+        poll(p.cq_a, 1)[0].status,
+        ibv_wc_status::IBV_WC_RETRY_EXC_ERR
+    );
+    assert_eq!(unsafe { ibv_destroy_qp(p.a) }, 0);
+    assert_eq!(unsafe { ibv_destroy_cq(p.cq_a) }, 0);
+    assert_eq!(unsafe { ibv_dereg_mr(buf.mr) }, 0);
+    assert_eq!(unsafe { ibv_dealloc_pd(p.dev.pd) }, 0);
+    assert_eq!(unsafe { ibv_close_device(p.dev.ctx) }, 0);
+}
+
+struct SendPtr<T>(*mut T);
+impl<T> Clone for SendPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SendPtr<T> {}
+// SAFETY (test): libibverbs objects may be used from several threads; each
+// QP here is posted to by exactly one thread.
+unsafe impl<T> std::marker::Send for SendPtr<T> {}
+
+#[test]
+fn concurrent_posters_one_poller() {
+    needs_launcher!("concurrent_posters_one_poller");
+    const N: u64 = 2000;
+    let dev = Dev::open();
+    let scq = dev.cq(4096, null_mut());
+    let rcq = dev.cq(4096, null_mut());
+    let srq = dev.srq(4096);
+    let rbuf = Buf::new(&dev, 64, 0);
+    for i in 0..(2 * N) {
+        post_srq_recv(srq, &rbuf, 0, 64, i);
+    }
+    let mut qps = Vec::new();
+    for _ in 0..2 {
+        let a = dev.qp(scq, scq, null_mut());
+        let b = dev.qp(rcq, rcq, srq);
+        connect(a, qpn(b));
+        connect(b, qpn(a));
+        qps.push(SendPtr(a));
+    }
+    let src = Buf::new(&dev, 64, 1);
+    let src_p = SendPtr(&src as *const Buf as *mut Buf);
+    std::thread::scope(|s| {
+        for (t, q) in qps.iter().copied().enumerate() {
+            s.spawn(move || {
+                let q = q;
+                let src = src_p;
+                for i in 0..N {
+                    // SAFETY (test): `src` outlives the scope.
+                    let b = unsafe { &*src.0 };
+                    assert_eq!(
+                        post_send(q.0, b, 0, 8, (t as u64) << 32 | i, send(WR_SEND, SIGNALED)),
+                        0
+                    );
+                }
+            });
+        }
+        let got = poll(scq, 2 * N as usize);
+        let mut ids: Vec<u64> = got.iter().map(|w| w.wr_id).collect();
+        ids.sort();
+        ids.dedup();
+        assert_eq!(
+            ids.len(),
+            2 * N as usize,
+            "every send completes exactly once"
+        );
+        assert!(got.iter().all(|w| w.status == WC_SUCCESS));
+    });
+    assert_eq!(poll(rcq, 2 * N as usize).len(), 2 * N as usize);
+    poll_none(rcq, Duration::from_millis(10));
+}
+
+/// `ibv_create_cq_ex` as verbs.h's inline does it. rdma-sys 0.3's wrapper
+/// cannot be used: its `verbs_get_ctx` compares `abi_compat` with
+/// `u32::MAX` instead of `UINTPTR_MAX`, so on 64-bit it never finds the
+/// extended context and answers EOPNOTSUPP for every device.
+fn create_cq_ex(ctx: *mut ibv_context, attr: *mut ibv_cq_init_attr_ex) -> *mut ibv_cq_ex {
+    unsafe {
+        assert_eq!((*ctx).abi_compat as usize, usize::MAX, "extended context");
+        let off = std::mem::offset_of!(verbs_context, context);
+        let vctx = ctx.cast::<u8>().sub(off).cast::<verbs_context>();
+        let f = (*vctx)
+            .create_cq_ex
+            .expect("libibverbs installs create_cq_ex");
+        f(ctx, attr)
+    }
+}
+
+#[test]
+fn extended_cq_single_threaded() {
+    needs_launcher!("extended_cq_single_threaded");
+    let dev = Dev::open();
+    let mut attr: ibv_cq_init_attr_ex = unsafe { std::mem::zeroed() };
+    attr.cqe = 16;
+    attr.wc_flags = (ibv_create_cq_wc_flags::IBV_WC_EX_WITH_BYTE_LEN.0
+        | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_IMM.0
+        | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_QP_NUM.0
+        | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_SRC_QP.0) as u64;
+    attr.comp_mask = ibv_cq_init_attr_mask::IBV_CQ_INIT_ATTR_MASK_FLAGS.0;
+    attr.flags = ibv_create_cq_attr_flags::IBV_CREATE_CQ_ATTR_SINGLE_THREADED.0;
+    let cqx = create_cq_ex(dev.ctx, &mut attr);
+    assert!(!cqx.is_null(), "create_cq_ex");
+    let rcq = unsafe { ibv_cq_ex_to_cq(cqx) };
+    let scq = dev.cq(16, null_mut());
+    let a = dev.qp(scq, scq, null_mut());
+    let b = dev.qp(rcq, rcq, null_mut());
+    connect(a, qpn(b));
+    connect(b, qpn(a));
+    let buf = Buf::new(&dev, 64, 4);
+    post_recv(b, &buf, 32, 32, 77);
+    post_recv(b, &buf, 32, 32, 78);
+    let s = Send {
+        imm: 9u32.to_be(),
+        ..send(WR_SEND_IMM, 0)
+    };
+    assert_eq!(post_send(a, &buf, 0, 12, 1, s), 0);
+    assert_eq!(post_send(a, &buf, 0, 3, 2, send(WR_SEND, 0)), 0);
+    let mut pa: ibv_poll_cq_attr = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { ibv_start_poll(cqx, &mut pa) }, 0);
+    unsafe {
+        assert_eq!(((*cqx).wr_id, (*cqx).status), (77, WC_SUCCESS));
+        assert_eq!(ibv_wc_read_opcode(cqx), ibv_wc_opcode::IBV_WC_RECV);
+        assert_eq!(ibv_wc_read_byte_len(cqx), 12);
+        assert_eq!(ibv_wc_read_imm_data(cqx), 9u32.to_be());
+        assert_eq!(ibv_wc_read_qp_num(cqx), qpn(b));
+        assert_eq!(ibv_wc_read_src_qp(cqx), qpn(a));
+        assert_eq!(ibv_next_poll(cqx), 0);
+        assert_eq!(((*cqx).wr_id, ibv_wc_read_byte_len(cqx)), (78, 3));
+        assert_eq!(ibv_next_poll(cqx), libc::ENOENT);
+        ibv_end_poll(cqx);
+        assert_eq!(ibv_start_poll(cqx, &mut pa), libc::ENOENT);
+    }
+    // Unsupported completion fields are refused, not ignored.
+    let mut bad: ibv_cq_init_attr_ex = unsafe { std::mem::zeroed() };
+    bad.cqe = 4;
+    bad.wc_flags = ibv_create_cq_wc_flags::IBV_WC_EX_WITH_COMPLETION_TIMESTAMP.0 as u64;
+    let r = create_cq_ex(dev.ctx, &mut bad);
+    assert!(r.is_null());
+    assert_eq!(
+        std::io::Error::last_os_error().raw_os_error(),
+        Some(libc::EOPNOTSUPP)
+    );
+    assert_eq!(unsafe { ibv_destroy_qp(b) }, 0);
+    assert_eq!(unsafe { ibv_destroy_cq(rcq) }, 0);
+}
