@@ -214,6 +214,8 @@ impl Fabric {
                 id,
                 name: name.into(),
                 attr,
+                cqs: Mutex::new(Vec::new()),
+                vanished: AtomicBool::new(false),
             }),
         }
     }
@@ -275,6 +277,9 @@ pub(crate) struct DeviceInner {
     pub(crate) id: u32,
     pub(crate) name: String,
     pub(crate) attr: DeviceAttr,
+    /// The device's CQs (to make them vanish with it).
+    pub(crate) cqs: Mutex<Vec<std::sync::Weak<CqInner>>>,
+    pub(crate) vanished: AtomicBool,
 }
 
 /// An RDMA device on a fabric. Cloneable.
@@ -326,6 +331,7 @@ impl Device {
         cqe: u32,
         config: CqConfig,
     ) -> Result<(Cq, SimCqSource), VerbsError> {
+        self.check_present()?;
         let max = self.inner.attr.max_cqe;
         if cqe > max {
             return Err(VerbsError::LimitExceeded {
@@ -344,7 +350,53 @@ impl Device {
                 budget,
             }),
         };
+        let mut cqs = self.inner.cqs.lock();
+        cqs.retain(|w| w.strong_count() > 0);
+        cqs.push(Arc::downgrade(&cq.inner));
         Ok((cq, source))
+    }
+
+    /// Simulates the device going away (hot unplug, a fatal firmware
+    /// error): every CQ of the device vanishes (its poller sees
+    /// `SourceError::DeviceGone` and an asynchronous `DeviceFatal`), every QP
+    /// of the device goes to ERR with nothing delivered (its CQs are gone),
+    /// and later posts and creations fail with `DeviceGone`. Peers on other
+    /// devices see their requests fail with `RetryExceeded`.
+    pub fn vanish(&self) {
+        self.inner.vanished.store(true, Ordering::Release);
+        for cq in self
+            .inner
+            .cqs
+            .lock()
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+        {
+            cq.producer.vanish();
+        }
+        let mut st = self.fabric.core.state.lock();
+        let qps: Vec<u32> = st
+            .qps
+            .values()
+            .filter(|q| q.device == self.inner.id)
+            .map(|q| q.qpn)
+            .collect();
+        for qpn in qps {
+            st.enter_error(qpn);
+        }
+    }
+
+    /// True after [`vanish`](Self::vanish).
+    pub fn is_gone(&self) -> bool {
+        self.inner.vanished.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn check_present(&self) -> Result<(), VerbsError> {
+        if self.is_gone() {
+            return Err(VerbsError::DeviceGone {
+                device: self.inner.name.clone(),
+            });
+        }
+        Ok(())
     }
 
     /// Allocates a protection domain.

@@ -79,6 +79,12 @@ pub enum VerbsError {
         /// The region's size.
         size: u64,
     },
+    /// The device vanished (see `Device::vanish`).
+    #[error("RDMA device {device} is gone")]
+    DeviceGone {
+        /// The device's name.
+        device: String,
+    },
     /// The timed engine's thread could not be started.
     #[error("could not start the NIC engine thread: {source}")]
     Spawn {
@@ -143,6 +149,12 @@ pub enum PostError {
     /// The QP was destroyed.
     #[error("QP {qpn} was destroyed")]
     Destroyed {
+        /// The QP.
+        qpn: u32,
+    },
+    /// The QP's device vanished.
+    #[error("QP {qpn}: its device is gone")]
+    DeviceGone {
         /// The QP.
         qpn: u32,
     },

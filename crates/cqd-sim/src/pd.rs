@@ -66,6 +66,7 @@ impl Pd {
     /// # Errors
     /// [`VerbsError::LimitExceeded`] above `max_mr_size`.
     pub fn reg_mr(&self, len: usize, access: Access) -> Result<Mr, VerbsError> {
+        self.device.check_present()?;
         let max = self.device.inner.attr.max_mr_size.min(1 << ADDR_SHIFT);
         if len as u64 > max {
             return Err(VerbsError::LimitExceeded {
@@ -122,6 +123,7 @@ impl Pd {
     /// domain; [`VerbsError::Budget`] when a CQ cannot admit the QP (nothing
     /// is reserved then).
     pub fn create_qp(&self, init: &QpInit<'_>) -> Result<Qp, VerbsError> {
+        self.device.check_present()?;
         let attr = self.device.inner.attr;
         let cap = init.cap;
         self.check_cap("max_qp_wr", cap.max_send_wr, attr.max_qp_wr)?;
@@ -205,7 +207,11 @@ impl Pd {
             },
         );
         drop(st);
-        Ok(Qp { fabric, qpn })
+        Ok(Qp {
+            fabric,
+            qpn,
+            device: Arc::clone(&self.device.inner),
+        })
     }
 
     /// Creates a shared receive queue of `max_wr` receives of up to
@@ -215,6 +221,7 @@ impl Pd {
     /// [`VerbsError::LimitExceeded`] beyond `max_srq`, `max_srq_wr` or
     /// `max_sge`.
     pub fn create_srq(&self, max_wr: u32, max_sge: u32) -> Result<Srq, VerbsError> {
+        self.device.check_present()?;
         let attr = self.device.inner.attr;
         self.check_cap("max_srq_wr", max_wr, attr.max_srq_wr)?;
         self.check_cap("max_sge", max_sge, attr.max_sge)?;

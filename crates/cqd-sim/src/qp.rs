@@ -12,7 +12,10 @@
 
 use std::time::Instant;
 
-use crate::device::Fabric;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crate::device::{DeviceInner, Fabric};
 use crate::engine::{due, Engine};
 use crate::error::{PostError, VerbsError};
 use crate::mr::Access;
@@ -95,12 +98,20 @@ pub enum Modify {
 pub struct Qp {
     pub(crate) fabric: Fabric,
     pub(crate) qpn: u32,
+    pub(crate) device: Arc<DeviceInner>,
 }
 
 impl Qp {
     /// The QP number.
     pub fn qpn(&self) -> u32 {
         self.qpn
+    }
+
+    fn present(&self) -> Result<(), PostError> {
+        if self.device.vanished.load(Ordering::Acquire) {
+            return Err(PostError::DeviceGone { qpn: self.qpn });
+        }
+        Ok(())
     }
 
     /// The current state.
@@ -198,8 +209,10 @@ impl Qp {
     /// # Errors
     /// [`PostError::WrongState`], [`PostError::TooManySge`],
     /// [`PostError::QueueFull`], [`PostError::Credits`],
-    /// [`PostError::Destroyed`]; nothing was posted then.
+    /// [`PostError::Destroyed`], [`PostError::DeviceGone`]; nothing was
+    /// posted then.
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), PostError> {
+        self.present()?;
         let core = &self.fabric.core;
         let mut st = core.state.lock();
         let qpn = self.qpn;
@@ -287,9 +300,10 @@ impl Qp {
     /// # Errors
     /// [`PostError::WrongState`] in RESET, [`PostError::HasSrq`],
     /// [`PostError::TooManySge`], [`PostError::QueueFull`],
-    /// [`PostError::Credits`], [`PostError::Destroyed`]; nothing was posted
-    /// then.
+    /// [`PostError::Credits`], [`PostError::Destroyed`],
+    /// [`PostError::DeviceGone`]; nothing was posted then.
     pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
+        self.present()?;
         let mut st = self.fabric.core.state.lock();
         let qpn = self.qpn;
         let q = match st.qps.get_mut(&qpn) {

@@ -424,3 +424,58 @@ fn errors_reach_on_error_in_every_poll_mode() {
         drop((a, b, fabric));
     }
 }
+
+#[test]
+fn a_vanished_device_fails_its_polls_posts_and_peers() {
+    use cqd_core::{AsyncEvent, CompletionSource, SourceError};
+    let fabric = Fabric::inline();
+    let gone = fabric.open_device("gone", Default::default());
+    let peer_dev = fabric.open_device("peer", Default::default());
+    let (gcq, mut gsrc) = gone.create_cq("g", 256, CqConfig::default()).unwrap();
+    let (pcq, psrc) = peer_dev.create_cq("p", 256, CqConfig::default()).unwrap();
+    let (mut ppoller, phandle) =
+        cqd_core::split::<cqd_core::NoWork>(psrc, Default::default()).unwrap();
+    let log = common::Log::default();
+    let reg = phandle.register(common::Recorder(log.clone())).unwrap();
+    let (gpd, ppd) = (gone.alloc_pd(), peer_dev.alloc_pd());
+    let g = gpd
+        .create_qp(&QpInit::new(&gcq, &gcq, QpCap::default()))
+        .unwrap();
+    let p = ppd
+        .create_qp(&QpInit::new(&pcq, &pcq, QpCap::default()))
+        .unwrap();
+    cqd_sim::connect(&g, &p).unwrap();
+    let mr = ppd.reg_mr(64, Access::ALL).unwrap();
+    gone.vanish();
+    assert!(gone.is_gone());
+    assert_eq!(g.state().unwrap(), QpState::Err);
+    let sge = [mr.sge(0, 8)];
+    assert!(matches!(
+        g.post_recv(&[cqd_sim::RecvWr::new(1, &sge)]),
+        Err(PostError::DeviceGone { .. })
+    ));
+    assert!(matches!(
+        gpd.reg_mr(8, Access::ALL),
+        Err(VerbsError::DeviceGone { .. })
+    ));
+    let mut buf = [cqd_core::Completion::default(); 4];
+    assert!(matches!(
+        gsrc.poll(&mut buf),
+        Err(SourceError::DeviceGone(_))
+    ));
+    assert_eq!(gsrc.take_async_event(), Some(AsyncEvent::DeviceFatal));
+    // The peer's request to the vanished QP fails with a transport error.
+    reg.track(OpKind::Send, 1);
+    p.post_send(&[SendWr::new(
+        reg.wr_id(OpKind::Send, 5).unwrap(),
+        WrOp::Send,
+        &sge,
+    )])
+    .unwrap();
+    let mut out = std::collections::VecDeque::new();
+    ppoller.poll_once(&mut out).unwrap();
+    assert_eq!(
+        errors(&log.take()),
+        vec![(Side::Send, OpKind::Send, 5, Status::RetryExceeded)]
+    );
+}
