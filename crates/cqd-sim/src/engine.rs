@@ -35,7 +35,8 @@ use std::time::{Duration, Instant};
 use cqd_core::completion::{Completion, Status};
 
 use crate::cq::PushError;
-use crate::device::{Core, Cq};
+use crate::device::Cq;
+use crate::fabric::Core;
 use crate::qp::QpState;
 use crate::state::{Done, FabricState, PendingRecv, PendingSend};
 

@@ -12,8 +12,8 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::device::Fabric;
 use crate::error::VerbsError;
+use crate::fabric::Fabric;
 
 /// Access flags of a memory region or a QP (`ibv_access_flags`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]

@@ -15,9 +15,10 @@ use std::time::Instant;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use crate::device::{DeviceInner, Fabric};
+use crate::device::DeviceInner;
 use crate::engine::{due, Engine};
 use crate::error::{PostError, VerbsError};
+use crate::fabric::Fabric;
 use crate::mr::Access;
 use crate::state::{PendingRecv, PendingSend};
 use crate::wr::op_of;

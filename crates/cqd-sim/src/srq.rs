@@ -8,8 +8,8 @@
 
 use std::time::Instant;
 
-use crate::device::Fabric;
 use crate::error::PostError;
+use crate::fabric::Fabric;
 use crate::qp::RecvWr;
 use crate::state::PendingRecv;
 
