@@ -19,9 +19,9 @@
 //!   completed + flushed, or exactly what is missing and which requests are
 //!   stuck. [`drain`] polls until everything is resolved or a timeout.
 
+use crate::sync::{AtomicBool, AtomicU64, Ordering};
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
