@@ -111,8 +111,11 @@ pub struct BudgetSnapshot {
     pub credits_high_water: u64,
     /// Posts refused for want of a credit.
     pub would_overflow: u64,
-    /// Overflows the backend reported. 0 whenever admission is on.
+    /// Overflow events the backend reported (a CQ stays in error after its
+    /// first, so at most one per CQ). 0 whenever admission is on.
     pub overflows: u64,
+    /// Completions lost to overflows, if the backend knows.
+    pub lost: u64,
 }
 
 #[derive(Debug, Default)]
@@ -124,6 +127,7 @@ struct State {
     credits_high_water: u64,
     would_overflow: u64,
     overflows: u64,
+    lost: u64,
     /// Per send queue: wr_ids posted and not yet accounted, in post order.
     sends: HashMap<u32, VecDeque<u64>>,
     /// Per receive queue: credited receives not yet completed.
@@ -380,9 +384,20 @@ impl CqBudget {
         n
     }
 
-    /// Records an overflow the backend detected.
+    /// Records an overflow event the backend detected (`IBV_EVENT_CQ_ERR`
+    /// on verbs).
     pub fn record_overflow(&self) {
         self.inner.state.lock().overflows += 1;
+    }
+
+    /// Records `n` completions lost to overflow; the first loss of the CQ
+    /// also counts as its overflow event (the CQ stays in error after it).
+    pub fn record_lost(&self, n: u64) {
+        let mut st = self.inner.state.lock();
+        if st.lost == 0 && n > 0 {
+            st.overflows += 1;
+        }
+        st.lost += n;
     }
 
     /// A copy of the counters.
@@ -397,6 +412,7 @@ impl CqBudget {
             credits_high_water: st.credits_high_water,
             would_overflow: st.would_overflow,
             overflows: st.overflows,
+            lost: st.lost,
         }
     }
 }

@@ -215,7 +215,7 @@ impl FabricState {
         match cq.producer().push_seq(wc, solicited) {
             Ok(seq) => Done::Cqe(seq),
             Err(PushError::Overflow { .. }) => {
-                cq.budget().record_overflow();
+                cq.budget().record_lost(1);
                 self.stats.lost += 1;
                 Done::Lost
             }
