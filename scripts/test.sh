@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test command (README): every test of the workspace, then the doctests.
+# The test command (README): the doctests, then every test of the workspace
+# (nextest's summary is the last line).
 #
 # softverbs builds against the system's libibverbs through rdma-sys, which
 # needs rdma-core's headers and libclang. When they are missing and we are
@@ -25,5 +26,5 @@ if ((${#missing[@]})); then
   fi
 fi
 
-cargo nextest run --workspace --no-fail-fast "$@"
 cargo test --workspace --doc
+cargo nextest run --workspace --no-fail-fast "$@"
