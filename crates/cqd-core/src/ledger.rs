@@ -385,8 +385,9 @@ pub struct ShutdownReport {
 }
 
 impl ShutdownReport {
-    /// The accounts of `handlers` (key, posted/completed ledger, flush
-    /// counts if known; without them flushes count as completions).
+    /// The accounts of `handlers` (key, posted/completed ledger, and flush
+    /// counts kept by an [`Accounted`] wrapper; `None` reads the flushes
+    /// the poller counts in the [`SlotLedger`] itself).
     pub fn from_ledgers<'a>(
         handlers: impl IntoIterator<Item = (HandlerKey, &'a SlotLedger, Option<&'a FlushCounts>)>,
     ) -> Self {
@@ -398,7 +399,9 @@ impl ShutdownReport {
                 if posted == 0 && done == 0 {
                     continue;
                 }
-                let flushed = flushes.map_or(0, |f| f.get(kind)).min(done);
+                let flushed = flushes
+                    .map_or_else(|| ledger.flushed(kind), |f| f.get(kind))
+                    .min(done);
                 accounts.push(KindAccount {
                     handler: (key.slot(), key.generation()),
                     kind,
