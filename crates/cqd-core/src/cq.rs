@@ -43,6 +43,10 @@ use std::time::Instant;
 
 use crossbeam::queue::SegQueue;
 use parking_lot::Mutex;
+use std::sync::OnceLock;
+
+use crate::budget::{BudgetSnapshot, CqBudget};
+use crate::ledger::WrLedger;
 
 use crate::completion::{Completion, Status};
 use crate::handler::{Failed, Handler, Outbox, RecvDone, SendDone};
@@ -101,6 +105,12 @@ pub(crate) struct CqShared<W> {
     pub(crate) metrics: CqMetrics,
     pub(crate) doorbell: Arc<Doorbell>,
     pub(crate) closed: AtomicBool,
+    /// The CQ's budget, once attached: credits return as completions are
+    /// polled.
+    pub(crate) budget: OnceLock<CqBudget>,
+    /// The per-QP ledger of post times, once attached: entries retire as
+    /// completions are polled.
+    pub(crate) ledger: OnceLock<WrLedger>,
 }
 
 /// Makes the two halves of a CQ from a backend's source.
@@ -124,6 +134,8 @@ pub fn split<W: Send + 'static>(
         metrics: CqMetrics::default(),
         doorbell: Arc::new(doorbell),
         closed: AtomicBool::new(false),
+        budget: OnceLock::new(),
+        ledger: OnceLock::new(),
     });
     let poller = CqPoller {
         source: Box::new(source),
@@ -271,6 +283,13 @@ impl<W: Send + 'static> CqPoller<W> {
             bump(&m.async_events, 1);
             if let AsyncEvent::CqOverflow { capacity, lost } = ev {
                 bump(&m.overflows, 1);
+                if let Some(b) = self.shared.budget.get() {
+                    // A backend that counted its losses in the budget (the
+                    // sim) already recorded the event.
+                    if b.snapshot().overflows == 0 {
+                        b.record_overflow();
+                    }
+                }
                 tracing::error!(cq = %self.shared.name, capacity, lost, "CQ overflow: completions were lost");
             } else {
                 tracing::error!(cq = %self.shared.name, event = ?ev, "asynchronous event");
@@ -282,6 +301,24 @@ impl<W: Send + 'static> CqPoller<W> {
     /// Applies pending registrations and unregistrations.
     pub fn apply_commands(&mut self) {
         apply_commands(&self.shared, &mut self.slab);
+    }
+
+    /// Requests posted under this CQ's handlers and not yet completed.
+    pub fn outstanding(&self) -> u64 {
+        self.slab.iter().map(|(_, e)| e.ledger.outstanding()).sum()
+    }
+
+    /// The account of every installed handler (retired ones are balanced
+    /// by definition), with the requests an attached [`WrLedger`] still
+    /// holds.
+    pub fn accounts(&self) -> crate::ledger::ShutdownReport {
+        let mut report = crate::ledger::ShutdownReport::from_ledgers(
+            self.slab.iter().map(|(key, e)| (key, &*e.ledger, None)),
+        );
+        if let Some(l) = self.shared.ledger.get() {
+            report.stuck = l.scan(Instant::now(), std::time::Duration::ZERO);
+        }
+        report
     }
 
     /// Keys of the installed handlers (retiring ones included).
@@ -387,6 +424,15 @@ fn dispatch<W: 'static>(
     let Ok(id) = WrId::decode(wc.wr_id) else {
         return foreign(shared, wc);
     };
+    if let Some(budget) = shared.budget.get() {
+        // The entry left the CQ whatever happens next (stale included).
+        if budget.has_credits() {
+            budget.complete(wc.qp_num, id.kind.side(), wc.wr_id);
+        }
+    }
+    if let Some(ledger) = shared.ledger.get() {
+        ledger.retire(wc.qp_num, id.kind.side(), wc.wr_id);
+    }
     let entry = match slab.get_mut(id.key) {
         Some(entry) => entry,
         None => return miss(shared, slab, wc, id, out),
@@ -494,6 +540,7 @@ fn not_success<W: 'static>(
             bump(&m.errors_by_status[status.table_index()], 1);
             if status.is_flush() {
                 bump(&m.flushes, 1);
+                entry.ledger.add_flushed(id.kind);
             }
             let mut outbox = Outbox::new(out, entry.route);
             deliver(entry.handler.as_mut(), id, wc, &mut outbox);
@@ -653,11 +700,40 @@ impl<W: Send + 'static> CqHandle<W> {
         Ok(())
     }
 
-    /// A copy of the CQ's counters.
+    /// A copy of the CQ's counters (with its budget's, if attached).
     pub fn snapshot(&self) -> CqSnapshot {
-        self.shared
+        let mut snap = self
+            .shared
             .metrics
-            .snapshot(&self.shared.name, self.shared.capacity)
+            .snapshot(&self.shared.name, self.shared.capacity);
+        snap.budget = self.budget_snapshot();
+        snap
+    }
+
+    /// The budget's counters, if a budget is attached.
+    pub fn budget_snapshot(&self) -> Option<BudgetSnapshot> {
+        self.shared.budget.get().map(CqBudget::snapshot)
+    }
+
+    /// Attaches the CQ's budget: from now on the poller returns credits as
+    /// it polls completions (every entry whose wr_id decodes, stale ones
+    /// included: they left the CQ too), and overflow events are recorded in
+    /// it. A CQ has one budget for life.
+    ///
+    /// # Errors
+    /// Gives the budget back if one is already attached.
+    pub fn attach_budget(&self, budget: CqBudget) -> Result<(), CqBudget> {
+        self.shared.budget.set(budget)
+    }
+
+    /// Attaches a per-QP ledger of post times: the poller retires its
+    /// entries as completions are polled, the poller's watchdog and the
+    /// stop report name what is still outstanding.
+    ///
+    /// # Errors
+    /// Gives the ledger back if one is already attached.
+    pub fn attach_ledger(&self, ledger: WrLedger) -> Result<(), WrLedger> {
+        self.shared.ledger.set(ledger)
     }
 }
 

@@ -29,9 +29,11 @@
 //!
 //! The `cqd` facade crate has a runnable tour on the simulated NIC.
 
+pub mod budget;
 pub mod completion;
 pub mod cq;
 pub mod handler;
+pub mod ledger;
 pub mod metrics;
 pub mod mode;
 pub mod poller;
@@ -45,9 +47,15 @@ mod sys;
 pub mod topology;
 pub mod wr_id;
 
+pub use budget::{
+    cq_depth_for, Admission, BudgetError, BudgetOptions, BudgetSnapshot, CqBudget, CreditReturn,
+};
 pub use completion::{Completion, Opcode, Status, WcFlags};
 pub use cq::{split, CqHandle, CqOptions, CqPoller, Registration};
 pub use handler::{Failed, Handler, Outbox, RecvDone, SendDone};
+pub use ledger::{
+    drain, Accounted, FlushCounts, KindAccount, ShutdownReport, StuckWr, Watchdog, WrLedger,
+};
 pub use mode::{Adaptive, PollMode};
 pub use poller::{PollerBuilder, PollerReport, PollerThread};
 pub use sink::{NoSink, NoWork, Route, Routed, WorkSink};

@@ -118,6 +118,7 @@ impl CqMetrics {
             handlers_live: get(&c.handlers_live),
             registrations: get(&c.registrations),
             unregistrations: get(&c.unregistrations),
+            budget: None,
         }
     }
 }
@@ -177,6 +178,10 @@ pub struct CqSnapshot {
     pub registrations: u64,
     /// Handlers retired (unregistered and with no work outstanding).
     pub unregistrations: u64,
+    /// The CQ budget's counters, if a budget is attached (reserved
+    /// capacity, credits in use and high-water mark, overflows).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<crate::budget::BudgetSnapshot>,
 }
 
 impl CqSnapshot {

@@ -18,12 +18,23 @@
 //!
 //! # Stopping
 //!
+//! The shutdown protocol of DESIGN.md, the poller's part. Before it, the
+//! application stops posting and, to finish fast, moves its QPs to the
+//! error state so that everything outstanding is flushed
+//! ([`PollerThread::stop_with`] runs that step).
+//!
 //! 1. Apply pending registrations; poll every CQ until each is empty.
-//! 2. Hand every spilled item to the sink, retrying (workers stop after
+//! 2. Keep polling until no handler has a request outstanding (posted and
+//!    not completed, flushes included), or [`PollerBuilder::drain_timeout`]
+//!    passes; the report then names what is missing and, with a
+//!    [`WrLedger`](crate::ledger::WrLedger) attached, each stuck request.
+//! 3. Hand every spilled item to the sink, retrying (workers stop after
 //!    pollers, so they are still draining); give up only after
 //!    [`PollerBuilder::stop_timeout`], reporting how many were left.
-//! 3. Take and acknowledge every notification.
-//! 4. Destroy every CQ (which fails, rather than hangs, on unacked events).
+//! 4. Take and acknowledge every notification.
+//! 5. Destroy every CQ (which fails, rather than hangs, on unacked events).
+//!
+//! Workers are drained and joined after the pollers (see `pool`).
 
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd};
@@ -53,6 +64,8 @@ pub struct PollerBuilder<W, S> {
     wake_timeout: Duration,
     ack_batch: u32,
     stop_timeout: Duration,
+    drain_timeout: Duration,
+    watchdog: Option<Duration>,
     cqs: Vec<CqPoller<W>>,
     sink: S,
     setup: Option<Setup>,
@@ -78,6 +91,8 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
             wake_timeout: DEFAULT_WAKE_TIMEOUT,
             ack_batch: DEFAULT_ACK_BATCH,
             stop_timeout: Duration::from_secs(10),
+            drain_timeout: Duration::from_secs(5),
+            watchdog: None,
             cqs: Vec::new(),
             sink,
             setup: None,
@@ -105,6 +120,22 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
     /// How long a stop may retry handing spilled work to the sink.
     pub fn stop_timeout(mut self, t: Duration) -> Self {
         self.stop_timeout = t;
+        self
+    }
+
+    /// How long a stop waits for outstanding requests to complete (step 2
+    /// of "Stopping"; default 5 s).
+    pub fn drain_timeout(mut self, t: Duration) -> Self {
+        self.drain_timeout = t;
+        self
+    }
+
+    /// Reports requests outstanding longer than `threshold`: once per wake
+    /// timeout (in every mode), the poller scans the
+    /// [`WrLedger`](crate::ledger::WrLedger)s attached to its CQs; each
+    /// stuck request is traced once (handler, QP, wr_id) and counted.
+    pub fn watchdog(mut self, threshold: Duration) -> Self {
+        self.watchdog = Some(threshold);
         self
     }
 
@@ -150,12 +181,15 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
             wake_timeout: self.wake_timeout,
             ack_batch: self.ack_batch,
             stop_timeout: self.stop_timeout,
+            drain_timeout: self.drain_timeout,
+            watchdog: self.watchdog,
             stop: Arc::clone(&stop),
             ready: Vec::new(),
             round_found: Vec::new(),
             round_events: Vec::new(),
             last_block: Duration::ZERO,
             failing: false,
+            last_scan: Instant::now(),
         };
         let setup = self.setup;
         let join = std::thread::Builder::new()
@@ -272,6 +306,17 @@ impl PollerThread {
         }
     }
 
+    /// Runs `flush` (the application's "move every QP to the error state"
+    /// step, after it stopped posting), then stops as [`stop`](Self::stop)
+    /// does: the poller collects every flush before it reports.
+    ///
+    /// # Errors
+    /// [`PollerError::Panicked`] if the thread died.
+    pub fn stop_with(self, flush: impl FnOnce()) -> Result<PollerReport, PollerError> {
+        flush();
+        self.stop()
+    }
+
     fn request_stop(&self) {
         self.stop.store(true, Ordering::Release);
         for d in &self.doorbells {
@@ -301,6 +346,9 @@ pub struct PollerReport {
     pub undelivered: u64,
     /// Errors met while stopping (acknowledging or destroying a CQ).
     pub errors: Vec<String>,
+    /// Per handler and kind: posted, completed and flushed requests, or
+    /// exactly what is missing (step 2 of "Stopping").
+    pub accounts: crate::ledger::ShutdownReport,
 }
 
 struct Group<W, S> {
@@ -312,12 +360,15 @@ struct Group<W, S> {
     wake_timeout: Duration,
     ack_batch: u32,
     stop_timeout: Duration,
+    drain_timeout: Duration,
+    watchdog: Option<Duration>,
     stop: Arc<AtomicBool>,
     ready: Vec<bool>,
     round_found: Vec<usize>,
     round_events: Vec<u32>,
     last_block: Duration,
     failing: bool,
+    last_scan: Instant,
 }
 
 impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
@@ -346,6 +397,11 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                 continue;
             }
             let now = Instant::now();
+            if self.watchdog.is_some()
+                && now.saturating_duration_since(self.last_scan) >= self.wake_timeout
+            {
+                self.scan_ledgers(now);
+            }
             if found > 0 {
                 self.idle.on_work(now);
                 continue;
@@ -484,6 +540,18 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         }
     }
 
+    /// The watchdog: at most once per wake timeout, in every mode.
+    fn scan_ledgers(&mut self, now: Instant) {
+        self.last_scan = now;
+        if let Some(threshold) = self.watchdog {
+            for cq in &self.cqs {
+                if let Some(l) = cq.shared.ledger.get() {
+                    l.scan(now, threshold);
+                }
+            }
+        }
+    }
+
     fn record_cpu(&self) {
         let cpu = thread_cpu_time().as_nanos() as u64;
         self.metrics.0.cpu_ns.store(cpu, Ordering::Relaxed);
@@ -497,12 +565,36 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         }
         let deadline = Instant::now() + self.stop_timeout;
         while self.round() > 0 && Instant::now() < deadline {}
-        // 2. Hand every spilled item over, retrying while workers drain.
+        // 2. Wait for every outstanding request (flushes included).
+        let started = Instant::now();
+        let mut timed_out = false;
+        while self.cqs.iter().map(CqPoller::outstanding).sum::<u64>() > 0 {
+            if started.elapsed() >= self.drain_timeout {
+                timed_out = true;
+                break;
+            }
+            if self.round() == 0 {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+        let mut accounts = crate::ledger::ShutdownReport::default();
+        for cq in &self.cqs {
+            let r = cq.accounts();
+            accounts.accounts.extend(r.accounts);
+            accounts.stuck.extend(r.stuck);
+        }
+        accounts.waited = started.elapsed();
+        accounts.timed_out = timed_out;
+        if !accounts.is_balanced() {
+            tracing::error!(report = %accounts, "stop: requests unaccounted for");
+        }
+        // 3. Hand every spilled item over, retrying while workers drain.
         while !self.spill.is_empty() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_micros(100));
             self.hand_off();
         }
         let mut report = self.report_now();
+        report.accounts = accounts;
         report.undelivered = self.spill.len() as u64;
         if report.undelivered > 0 {
             tracing::error!(
@@ -510,7 +602,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                 "stop timed out handing work to the workers"
             );
         }
-        // 3 and 4. Acknowledge everything, destroy every CQ.
+        // 4 and 5. Acknowledge everything, destroy every CQ.
         for cq in &mut self.cqs {
             if let Err(e) = cq.finish() {
                 report.errors.push(format!("{}: {e}", cq.name()));
@@ -531,6 +623,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             cqs: self.cqs.iter().map(|c| c.handle().snapshot()).collect(),
             undelivered: self.spill.len() as u64,
             errors: Vec::new(),
+            accounts: Default::default(),
         }
     }
 }

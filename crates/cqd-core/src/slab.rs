@@ -30,6 +30,7 @@ use std::sync::Arc;
 pub struct SlotLedger {
     posted: [AtomicU64; OpKind::COUNT],
     completed: [AtomicU64; OpKind::COUNT],
+    flushed: [AtomicU64; OpKind::COUNT],
 }
 
 impl SlotLedger {
@@ -41,6 +42,12 @@ impl SlotLedger {
     /// Work requests of `kind` completed (success, error or flush).
     pub fn completed(&self, kind: OpKind) -> u64 {
         self.completed[kind.index()].load(Ordering::Acquire)
+    }
+
+    /// Work requests of `kind` that completed with a flush error (a subset
+    /// of [`completed`](Self::completed)).
+    pub fn flushed(&self, kind: OpKind) -> u64 {
+        self.flushed[kind.index()].load(Ordering::Acquire)
     }
 
     /// Requests posted and not yet completed, all kinds.
@@ -57,6 +64,12 @@ impl SlotLedger {
 
     pub(crate) fn sub_posted(&self, kind: OpKind, n: u64) {
         self.posted[kind.index()].fetch_sub(n, Ordering::AcqRel);
+    }
+
+    /// Owner-only (the poller thread).
+    pub(crate) fn add_flushed(&self, kind: OpKind) {
+        let c = &self.flushed[kind.index()];
+        c.store(c.load(Ordering::Relaxed) + 1, Ordering::Release);
     }
 
     /// Owner-only (the poller thread).
@@ -212,6 +225,14 @@ impl<W> Slab<W> {
             Some(e) if e.generation == key.generation() => slot.take(),
             _ => None,
         }
+    }
+
+    /// Every installed entry with its key.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (HandlerKey, &Entry<W>)> + '_ {
+        self.entries.iter().enumerate().filter_map(|(i, e)| {
+            let e = e.as_ref()?;
+            Some((HandlerKey::new(i as u32, e.generation)?, e))
+        })
     }
 
     pub(crate) fn keys(&self) -> impl Iterator<Item = HandlerKey> + '_ {

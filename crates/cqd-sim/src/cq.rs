@@ -286,6 +286,26 @@ impl SimCq {
         Ok(())
     }
 
+    /// As [`push`](Self::push), returning the entry's sequence number: the
+    /// count of entries ever added before it. The entry has been polled once
+    /// [`consumed`](Self::consumed) exceeds it; the NIC frees a queue slot
+    /// only then, as hardware does.
+    ///
+    /// # Errors
+    /// As [`push`](Self::push).
+    pub fn push_seq(&self, wc: Completion, solicited: bool) -> Result<u64, PushError> {
+        let mut st = self.shared.state.lock();
+        let seq = st.stats.pushed;
+        self.push_locked(&mut st, wc, solicited).map(|()| seq)
+    }
+
+    /// Entries polled (or discarded by destroy) so far: every entry whose
+    /// sequence number is below this has left the CQ.
+    pub fn consumed(&self) -> u64 {
+        let st = self.shared.state.lock();
+        st.stats.pushed - st.ring.len() as u64
+    }
+
     /// Makes `wcs` land in the CQ at the start of the next arm, before the
     /// arm takes effect: after the poller's last empty poll, not notified.
     /// A poller that does not re-poll after arming would miss them.

@@ -16,6 +16,26 @@
 //! # drop(source);
 //! ```
 
+mod access;
 pub mod cq;
+pub mod device;
+pub mod engine;
+pub mod error;
+mod exec;
+pub mod fabric;
+pub mod mr;
+pub mod pd;
+pub mod qp;
+pub mod srq;
+mod state;
+pub mod wr;
 
 pub use cq::{sim_cq, Faults, PushError, SimCq, SimCqError, SimCqSource, SimCqStats, MAX_CQE};
+pub use device::{Cq, CqConfig, Device, DeviceAttr};
+pub use engine::{Engine, NicFaults, NicStats, TimedModel};
+pub use error::{PostError, VerbsError};
+pub use fabric::Fabric;
+pub use mr::{Access, Mr, RemoteAddr, Sge};
+pub use pd::{Pd, QpInit};
+pub use qp::{connect, connect_with, Modify, Qp, QpCap, QpState, RecvWr, SendWr, WrOp};
+pub use srq::Srq;

@@ -1,0 +1,86 @@
+//! Memory checks and data movement of the NIC: local SGEs against the
+//! requester's domain, remote addresses against the responder's, and the
+//! gather/scatter copies. Values from the user (addresses, keys, lengths) are
+//! never trusted: every check is overflow-safe.
+
+use crate::mr::{id_of, Access, Buf, RemoteAddr, Sge};
+use crate::state::FabricState;
+
+impl FabricState {
+    /// The region and offset an SGE covers, if its lkey is valid in `pd`,
+    /// it lies inside the region and, when `write`, the region allows local
+    /// writes.
+    fn local(&self, pd: u32, sge: &Sge, write: bool) -> Option<(Buf, usize)> {
+        let mr = self.mrs.get(&id_of(sge.lkey, false)?)?;
+        if mr.pd != pd || (write && !mr.access.contains(Access::LOCAL_WRITE)) {
+            return None;
+        }
+        let off = sge.addr.checked_sub(mr.base)?;
+        let end = off.checked_add(u64::from(sge.length))?;
+        (end <= mr.len).then(|| (mr.buf.clone(), off as usize))
+    }
+
+    /// Total length of `sges` if every one is valid (see [`Self::local`]).
+    pub(crate) fn check_sges(&self, pd: u32, sges: &[Sge], write: bool) -> Option<u64> {
+        let mut total = 0u64;
+        for s in sges {
+            self.local(pd, s, write)?;
+            total += u64::from(s.length);
+        }
+        Some(total)
+    }
+
+    /// The region and offset `len` bytes at `remote` cover, if the rkey is
+    /// valid in the responder's domain `pd`, the range is inside the region,
+    /// and both the region and the responder QP (`qp_access`) allow `need`.
+    pub(crate) fn check_remote(
+        &self,
+        pd: u32,
+        qp_access: Access,
+        remote: RemoteAddr,
+        len: u64,
+        need: Access,
+    ) -> Option<(Buf, usize)> {
+        let mr = self.mrs.get(&id_of(remote.rkey, true)?)?;
+        if mr.pd != pd || !mr.access.contains(need) || !qp_access.contains(need) {
+            return None;
+        }
+        let off = remote.addr.checked_sub(mr.base)?;
+        let end = off.checked_add(len)?;
+        (end <= mr.len).then(|| (mr.buf.clone(), off as usize))
+    }
+
+    /// Copies the bytes `sges` name (checked before) into one buffer.
+    pub(crate) fn gather(&self, sges: &[Sge]) -> Option<Vec<u8>> {
+        let mut out = Vec::with_capacity(sges.iter().map(|s| s.length as usize).sum());
+        for s in sges {
+            let mr = self.mrs.get(&id_of(s.lkey, false)?)?;
+            let off = s.addr.checked_sub(mr.base)? as usize;
+            let b = mr.buf.lock();
+            out.extend_from_slice(b.get(off..off + s.length as usize)?);
+        }
+        Some(out)
+    }
+
+    /// Spreads `data` over `sges` (checked before), in order.
+    pub(crate) fn scatter(&self, sges: &[Sge], mut data: &[u8]) {
+        for s in sges {
+            if data.is_empty() {
+                return;
+            }
+            let Some(mr) = id_of(s.lkey, false).and_then(|id| self.mrs.get(&id)) else {
+                return;
+            };
+            let Some(off) = s.addr.checked_sub(mr.base) else {
+                return;
+            };
+            let n = (s.length as usize).min(data.len());
+            let off = off as usize;
+            let mut b = mr.buf.lock();
+            if let Some(dst) = b.get_mut(off..off + n) {
+                dst.copy_from_slice(&data[..n]);
+            }
+            data = &data[n..];
+        }
+    }
+}

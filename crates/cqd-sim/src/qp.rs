@@ -1,0 +1,396 @@
+//! Reliable-connected queue pairs: the state machine, posting, and
+//! connecting pairs.
+//!
+//! States: RESET → INIT → RTR → RTS, and ERR from anywhere (a transition
+//! back to RESET discards every queued request without a completion, as
+//! hardware does). Sends are accepted in RTS, receives from INIT on. A QP in
+//! ERR accepts posts and completes them at once with `WR_FLUSH_ERR`, as
+//! hardware does, so a request posted during shutdown is never lost.
+//!
+//! Posting checks the whole list first — state, SGE counts, queue depth,
+//! credits — and queues nothing if any check fails.
+
+use std::time::Instant;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crate::device::DeviceInner;
+use crate::engine::{due, Engine};
+use crate::error::{PostError, VerbsError};
+use crate::fabric::Fabric;
+use crate::mr::Access;
+use crate::state::{PendingRecv, PendingSend};
+use crate::wr::op_of;
+pub use crate::wr::{RecvWr, SendWr, WrOp};
+
+/// The state of a QP (`ibv_qp_state`; SQD and SQE are not modelled).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum QpState {
+    /// Just created, or reset: nothing accepted.
+    Reset,
+    /// Receives accepted; not connected.
+    Init,
+    /// Ready to receive: connected to its peer.
+    Rtr,
+    /// Ready to send.
+    Rts,
+    /// In error: everything queued was flushed; new posts are flushed.
+    Err,
+}
+
+/// Queue depths and SGE limits (`ibv_qp_cap`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpCap {
+    /// Send queue depth.
+    pub max_send_wr: u32,
+    /// Receive queue depth (ignored with an SRQ).
+    pub max_recv_wr: u32,
+    /// SGEs per send-side request.
+    pub max_send_sge: u32,
+    /// SGEs per receive.
+    pub max_recv_sge: u32,
+}
+
+impl Default for QpCap {
+    fn default() -> Self {
+        QpCap {
+            max_send_wr: 64,
+            max_recv_wr: 64,
+            max_send_sge: 4,
+            max_recv_sge: 4,
+        }
+    }
+}
+
+/// A state transition and its attributes (`ibv_modify_qp`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Modify {
+    /// RESET → INIT (or INIT → INIT): the remote access the QP allows.
+    Init {
+        /// `qp_access_flags`: REMOTE_WRITE / REMOTE_READ / REMOTE_ATOMIC.
+        access: Access,
+    },
+    /// INIT → RTR: connect to a peer QP of the same fabric.
+    Rtr {
+        /// The peer's QP number.
+        remote_qpn: u32,
+    },
+    /// RTR → RTS (or RTS → RTS).
+    Rts {
+        /// Receiver-not-ready retries, 0..=7; 7 means retry forever (the
+        /// send waits until the peer posts a receive).
+        rnr_retry: u8,
+        /// Transport retries, 0..=7 (the sim has no lossy wire; kept for
+        /// checks).
+        retry_cnt: u8,
+    },
+    /// Any → ERR: flushes both queues.
+    Err,
+    /// Any → RESET: discards both queues without completions.
+    Reset,
+}
+
+/// An RC queue pair. Dropping it destroys it: it goes to ERR (flushing what
+/// is queued) and its CQ reservations are released once every completion
+/// it produced has been polled.
+#[derive(Debug)]
+pub struct Qp {
+    pub(crate) fabric: Fabric,
+    pub(crate) qpn: u32,
+    pub(crate) device: Arc<DeviceInner>,
+}
+
+impl Qp {
+    /// The QP number.
+    pub fn qpn(&self) -> u32 {
+        self.qpn
+    }
+
+    fn present(&self) -> Result<(), PostError> {
+        if self.device.vanished.load(Ordering::Acquire) {
+            return Err(PostError::DeviceGone { qpn: self.qpn });
+        }
+        Ok(())
+    }
+
+    /// The current state.
+    ///
+    /// # Errors
+    /// [`VerbsError::Destroyed`] (not possible while `self` lives).
+    pub fn state(&self) -> Result<QpState, VerbsError> {
+        let st = self.fabric.core.state.lock();
+        st.qps
+            .get(&self.qpn)
+            .map(|q| q.state)
+            .ok_or(VerbsError::Destroyed { what: "QP" })
+    }
+
+    /// Applies a state transition (see [`Modify`]).
+    ///
+    /// # Errors
+    /// [`VerbsError::BadTransition`] for a transition RC does not have;
+    /// [`VerbsError::BadAttr`] for an attribute out of range;
+    /// [`VerbsError::NoSuchQp`] for an unknown peer. Nothing changes then.
+    pub fn modify(&self, m: Modify) -> Result<(), VerbsError> {
+        let mut st = self.fabric.core.state.lock();
+        let qpn = self.qpn;
+        if let Modify::Rtr { remote_qpn } = m {
+            if st.qps.get(&remote_qpn).is_none_or(|p| p.destroyed) {
+                return Err(VerbsError::NoSuchQp { qpn: remote_qpn });
+            }
+        }
+        let q = st
+            .qps
+            .get_mut(&qpn)
+            .ok_or(VerbsError::Destroyed { what: "QP" })?;
+        let from = q.state;
+        let bad = |to| VerbsError::BadTransition { qpn, from, to };
+        match m {
+            Modify::Init { access } => {
+                if !matches!(from, QpState::Reset | QpState::Init) {
+                    return Err(bad(QpState::Init));
+                }
+                q.access = access;
+                q.state = QpState::Init;
+            }
+            Modify::Rtr { remote_qpn } => {
+                if from != QpState::Init {
+                    return Err(bad(QpState::Rtr));
+                }
+                q.remote = Some(remote_qpn);
+                q.state = QpState::Rtr;
+            }
+            Modify::Rts {
+                rnr_retry,
+                retry_cnt,
+            } => {
+                if !matches!(from, QpState::Rtr | QpState::Rts) {
+                    return Err(bad(QpState::Rts));
+                }
+                for (what, v) in [("rnr_retry", rnr_retry), ("retry_cnt", retry_cnt)] {
+                    if v > 7 {
+                        return Err(VerbsError::BadAttr {
+                            qpn,
+                            what,
+                            value: u64::from(v),
+                            max: 7,
+                        });
+                    }
+                }
+                q.rnr_retry = rnr_retry;
+                q.state = QpState::Rts;
+            }
+            Modify::Err => {
+                st.enter_error(qpn);
+                return Ok(());
+            }
+            Modify::Reset => {
+                q.sq_pending.clear();
+                q.rq.clear();
+                q.sq_done.clear();
+                q.rq_done.clear();
+                q.remote = None;
+                q.state = QpState::Reset;
+            }
+        }
+        Ok(())
+    }
+
+    /// Forces the QP to the error state (as a fault would): flushes both
+    /// queues. Same as `modify(Modify::Err)`.
+    pub fn force_error(&self) {
+        self.fabric.core.state.lock().enter_error(self.qpn);
+    }
+
+    /// Posts send-side requests, in order. With the inline engine they
+    /// execute before this returns.
+    ///
+    /// # Errors
+    /// [`PostError::WrongState`], [`PostError::TooManySge`],
+    /// [`PostError::QueueFull`], [`PostError::Credits`],
+    /// [`PostError::Destroyed`], [`PostError::DeviceGone`]; nothing was
+    /// posted then.
+    pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), PostError> {
+        self.present()?;
+        let core = &self.fabric.core;
+        let mut st = core.state.lock();
+        let qpn = self.qpn;
+        let q = match st.qps.get_mut(&qpn) {
+            Some(q) if !q.destroyed => q,
+            _ => return Err(PostError::Destroyed { qpn }),
+        };
+        if !matches!(q.state, QpState::Rts | QpState::Err) {
+            return Err(PostError::WrongState {
+                qpn,
+                queue: "send",
+                state: q.state,
+            });
+        }
+        for (index, wr) in wrs.iter().enumerate() {
+            if wr.sg_list.len() > q.cap.max_send_sge as usize {
+                let max = q.cap.max_send_sge;
+                return Err(PostError::TooManySge {
+                    qpn,
+                    index,
+                    sges: wr.sg_list.len(),
+                    max,
+                });
+            }
+        }
+        let used = q.sq_used(wrs.len());
+        let depth = q.cap.max_send_wr;
+        if used + wrs.len() > depth as usize {
+            return Err(PostError::QueueFull {
+                qpn,
+                queue: "send",
+                depth,
+                outstanding: used as u32,
+                posting: wrs.len() as u32,
+            });
+        }
+        let budget = q.send_cq.budget().clone();
+        if budget.has_credits() {
+            let ids: Vec<u64> = wrs.iter().map(|w| w.wr_id).collect();
+            budget.take_send(qpn, &ids)?;
+        }
+        let now = Instant::now();
+        let in_error = q.state == QpState::Err;
+        for wr in wrs {
+            let mut ready_at = match core.engine {
+                Engine::Inline => now,
+                Engine::Timed(model) => {
+                    let bytes = wr.sg_list.iter().map(|s| u64::from(s.length)).sum();
+                    due(&mut st, &model, bytes, now)
+                }
+            };
+            let delay = st.faults.delay_rate;
+            if st.chance(delay) {
+                st.stats.delayed += 1;
+                ready_at += st.faults.delay_by;
+            }
+            let pending = PendingSend {
+                wr_id: wr.wr_id,
+                op: op_of(wr.op),
+                sges: wr.sg_list.to_vec(),
+                signaled: wr.signaled,
+                solicited: wr.solicited,
+                ready_at,
+                rnr_tries: 0,
+            };
+            if let Some(q) = st.qps.get_mut(&qpn) {
+                q.sq_pending.push_back(pending);
+            }
+        }
+        let forced = st.faults.qp_error_rate;
+        if in_error {
+            st.enter_error(qpn);
+        } else if st.chance(forced) {
+            st.stats.forced_qp_errors += 1;
+            st.enter_error(qpn);
+        } else {
+            st.activate(qpn);
+        }
+        self.fabric.kick(&mut st, now);
+        Ok(())
+    }
+
+    /// Posts receives, in order.
+    ///
+    /// # Errors
+    /// [`PostError::WrongState`] in RESET, [`PostError::HasSrq`],
+    /// [`PostError::TooManySge`], [`PostError::QueueFull`],
+    /// [`PostError::Credits`], [`PostError::Destroyed`],
+    /// [`PostError::DeviceGone`]; nothing was posted then.
+    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
+        self.present()?;
+        let mut st = self.fabric.core.state.lock();
+        let qpn = self.qpn;
+        let q = match st.qps.get_mut(&qpn) {
+            Some(q) if !q.destroyed => q,
+            _ => return Err(PostError::Destroyed { qpn }),
+        };
+        if q.srq.is_some() {
+            return Err(PostError::HasSrq { qpn });
+        }
+        if q.state == QpState::Reset {
+            return Err(PostError::WrongState {
+                qpn,
+                queue: "recv",
+                state: q.state,
+            });
+        }
+        for (index, wr) in wrs.iter().enumerate() {
+            if wr.sg_list.len() > q.cap.max_recv_sge as usize {
+                let max = q.cap.max_recv_sge;
+                return Err(PostError::TooManySge {
+                    qpn,
+                    index,
+                    sges: wr.sg_list.len(),
+                    max,
+                });
+            }
+        }
+        let used = q.rq_used(wrs.len());
+        let depth = q.cap.max_recv_wr;
+        if used + wrs.len() > depth as usize {
+            return Err(PostError::QueueFull {
+                qpn,
+                queue: "recv",
+                depth,
+                outstanding: used as u32,
+                posting: wrs.len() as u32,
+            });
+        }
+        q.recv_cq.budget().take_recv(qpn, wrs.len() as u32)?;
+        q.rq.extend(wrs.iter().map(|w| PendingRecv {
+            wr_id: w.wr_id,
+            sges: w.sg_list.to_vec(),
+        }));
+        if q.state == QpState::Err {
+            st.enter_error(qpn);
+        }
+        self.fabric.kick(&mut st, Instant::now());
+        Ok(())
+    }
+}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        let mut st = self.fabric.core.state.lock();
+        st.enter_error(self.qpn);
+        if let Some(q) = st.qps.get_mut(&self.qpn) {
+            q.destroyed = true;
+        }
+        st.sweep_destroyed();
+    }
+}
+
+/// Connects two QPs of one fabric to each other: RESET → INIT (all remote
+/// access) → RTR → RTS, with `rnr_retry` 7 (a send waits for its receive).
+///
+/// # Errors
+/// As [`Qp::modify`].
+pub fn connect(a: &Qp, b: &Qp) -> Result<(), VerbsError> {
+    connect_with(a, b, 7)
+}
+
+/// As [`connect`], with the given `rnr_retry` (0..=7).
+///
+/// # Errors
+/// As [`Qp::modify`].
+pub fn connect_with(a: &Qp, b: &Qp, rnr_retry: u8) -> Result<(), VerbsError> {
+    let access = Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC;
+    for (x, y) in [(a, b), (b, a)] {
+        x.modify(Modify::Init { access })?;
+        x.modify(Modify::Rtr { remote_qpn: y.qpn })?;
+    }
+    for x in [a, b] {
+        x.modify(Modify::Rts {
+            rnr_retry,
+            retry_cnt: 7,
+        })?;
+    }
+    Ok(())
+}
