@@ -392,6 +392,14 @@ fn dispatch_batch<W: 'static>(
     wcs: &[Completion],
     out: &mut VecDeque<Routed<W>>,
 ) {
+    // Every polled entry whose wr_id decodes has left the CQ, whatever its
+    // dispatch finds (stale included): return its credit and retire its
+    // ledger entry first, in one pass that a CQ without them skips.
+    let budget = shared.budget.get().filter(|b| b.has_credits());
+    let ledger = shared.ledger.get();
+    if budget.is_some() || ledger.is_some() {
+        account_hooks(budget, ledger, wcs);
+    }
     let mut next = 0;
     while next < wcs.len() {
         let result = catch_unwind(AssertUnwindSafe(|| {
@@ -424,15 +432,6 @@ fn dispatch<W: 'static>(
     let Ok(id) = WrId::decode(wc.wr_id) else {
         return foreign(shared, wc);
     };
-    if let Some(budget) = shared.budget.get() {
-        // The entry left the CQ whatever happens next (stale included).
-        if budget.has_credits() {
-            budget.complete(wc.qp_num, id.kind.side(), wc.wr_id);
-        }
-    }
-    if let Some(ledger) = shared.ledger.get() {
-        ledger.retire(wc.qp_num, id.kind.side(), wc.wr_id);
-    }
     let entry = match slab.get_mut(id.key) {
         Some(entry) => entry,
         None => return miss(shared, slab, wc, id, out),
@@ -464,6 +463,22 @@ fn dispatch<W: 'static>(
     }
     if entry.retiring {
         retire_if_drained(shared, slab, id.key);
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn account_hooks(budget: Option<&CqBudget>, ledger: Option<&WrLedger>, wcs: &[Completion]) {
+    for wc in wcs {
+        let Ok(id) = WrId::decode(wc.wr_id) else {
+            continue;
+        };
+        if let Some(budget) = budget {
+            budget.complete(wc.qp_num, id.kind.side(), wc.wr_id);
+        }
+        if let Some(ledger) = ledger {
+            ledger.retire(wc.qp_num, id.kind.side(), wc.wr_id);
+        }
     }
 }
 
