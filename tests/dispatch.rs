@@ -39,6 +39,25 @@ fn register(h: &CqHandle<NoWork>, record: &Arc<Record>, id: u64) -> Registration
     .unwrap()
 }
 
+/// Completions for `tags` of one kind and outcome: each tracked as posted by
+/// `reg` (before it can complete, as a poster would) and recorded as owned
+/// by handler `owner`.
+fn tracked(
+    reg: &Registration,
+    record: &Record,
+    owner: u64,
+    kind: OpKind,
+    opcode: Opcode,
+    tags: std::ops::Range<u32>,
+) -> Vec<cqd::core::Completion> {
+    tags.map(|t| {
+        record.owner[t as usize].store(owner, Ordering::Relaxed);
+        reg.track(kind, 1);
+        completion(reg.wr_id(kind, t).unwrap(), Status::Success, opcode)
+    })
+    .collect()
+}
+
 /// Pushes without overflowing: waits while the CQ is nearly full, as a
 /// sender holding CQ credits would.
 fn push_paced(cq: &SimCq, wc: cqd::core::Completion, solicited: bool) {
@@ -156,17 +175,7 @@ fn coalesced_notifications_drain_to_empty(mode: PollMode) {
     let thread = spawn(mode, vec![poller], Duration::from_secs(30));
     // Let the poller go idle (and, if it sleeps, arm and sleep).
     std::thread::sleep(Duration::from_millis(50));
-    let wcs: Vec<_> = (0..N as u32)
-        .map(|t| {
-            record.owner[t as usize].store(0, Ordering::Relaxed);
-            reg.track(OpKind::Recv, 1);
-            completion(
-                reg.wr_id(OpKind::Recv, t).unwrap(),
-                Status::Success,
-                Opcode::Recv,
-            )
-        })
-        .collect();
+    let wcs = tracked(&reg, &record, 0, OpKind::Recv, Opcode::Recv, 0..N as u32);
     producer.push_all(&wcs).unwrap();
     assert!(wait_until(Duration::from_secs(10), || record.delivered() == N as u64));
     let report = thread.stop().unwrap();
@@ -198,18 +207,8 @@ fn dropped_notification_is_recovered(mode: PollMode) {
         std::thread::sleep(Duration::from_millis(30));
         let tag = round * 2;
         for t in [tag, tag + 1] {
-            record.owner[t as usize].store(0, Ordering::Relaxed);
-            reg.track(OpKind::Send, 1);
-            producer
-                .push(
-                    completion(
-                        reg.wr_id(OpKind::Send, t).unwrap(),
-                        Status::Success,
-                        Opcode::Send,
-                    ),
-                    false,
-                )
-                .unwrap();
+            let wc = tracked(&reg, &record, 0, OpKind::Send, Opcode::Send, t..t + 1);
+            producer.push(wc[0], false).unwrap();
         }
     }
     assert!(wait_until(Duration::from_secs(5), || record.delivered() == 10));
@@ -237,18 +236,8 @@ fn spurious_notifications_are_counted(mode: PollMode) {
     let thread = spawn(mode, vec![poller], Duration::from_millis(100));
     std::thread::sleep(Duration::from_millis(20));
     for t in 0..20u32 {
-        record.owner[t as usize].store(0, Ordering::Relaxed);
-        reg.track(OpKind::Recv, 1);
-        producer
-            .push(
-                completion(
-                    reg.wr_id(OpKind::Recv, t).unwrap(),
-                    Status::Success,
-                    Opcode::Recv,
-                ),
-                false,
-            )
-            .unwrap();
+        let wc = tracked(&reg, &record, 0, OpKind::Recv, Opcode::Recv, t..t + 1);
+        producer.push(wc[0], false).unwrap();
         std::thread::sleep(Duration::from_millis(1));
     }
     assert!(wait_until(Duration::from_secs(5), || record.delivered() == 20));
@@ -511,17 +500,14 @@ fn stop_drains_acks_and_destroys(mode: PollMode) {
     let reg = register(&handle, &record, 0);
     let thread = spawn(mode, vec![poller], Duration::from_millis(100));
     std::thread::sleep(Duration::from_millis(10));
-    let wcs: Vec<_> = (0..N as u32)
-        .map(|t| {
-            record.owner[t as usize].store(0, Ordering::Relaxed);
-            reg.track(OpKind::Write, 1);
-            completion(
-                reg.wr_id(OpKind::Write, t).unwrap(),
-                Status::Success,
-                Opcode::RdmaWrite,
-            )
-        })
-        .collect();
+    let wcs = tracked(
+        &reg,
+        &record,
+        0,
+        OpKind::Write,
+        Opcode::RdmaWrite,
+        0..N as u32,
+    );
     producer.push_all(&wcs).unwrap();
     let report = thread.stop().unwrap();
     assert_eq!(record.delivered(), N as u64, "stop drained everything");
@@ -614,18 +600,8 @@ fn delayed_notifications(mode: PollMode) {
     let thread = spawn(mode, vec![poller], Duration::from_secs(30));
     for t in 0..10u32 {
         std::thread::sleep(Duration::from_millis(3));
-        record.owner[t as usize].store(0, Ordering::Relaxed);
-        reg.track(OpKind::Send, 1);
-        producer
-            .push(
-                completion(
-                    reg.wr_id(OpKind::Send, t).unwrap(),
-                    Status::Success,
-                    Opcode::Send,
-                ),
-                false,
-            )
-            .unwrap();
+        let wc = tracked(&reg, &record, 0, OpKind::Send, Opcode::Send, t..t + 1);
+        producer.push(wc[0], false).unwrap();
     }
     assert!(wait_until(Duration::from_secs(5), || record.delivered() == 10));
     // Let the last delayed notifications land, so the stop acks them.
@@ -649,18 +625,8 @@ fn vanished_device_is_reported_not_a_panic(mode: PollMode) {
     let reg = register(&handle, &record, 0);
     let thread = spawn(mode, vec![poller], Duration::from_millis(20));
     for t in 0..5u32 {
-        record.owner[t as usize].store(0, Ordering::Relaxed);
-        reg.track(OpKind::Send, 1);
-        producer
-            .push(
-                completion(
-                    reg.wr_id(OpKind::Send, t).unwrap(),
-                    Status::Success,
-                    Opcode::Send,
-                ),
-                false,
-            )
-            .unwrap();
+        let wc = tracked(&reg, &record, 0, OpKind::Send, Opcode::Send, t..t + 1);
+        producer.push(wc[0], false).unwrap();
     }
     assert!(wait_until(Duration::from_secs(5), || record.delivered() == 5));
     producer.vanish();

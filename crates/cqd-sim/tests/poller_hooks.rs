@@ -10,8 +10,11 @@ use std::time::{Duration, Instant};
 use common::{Log, Recorder};
 use cqd_core::budget::BudgetOptions;
 use cqd_core::ledger::WrLedger;
-use cqd_core::{split, CqOptions, NoSink, NoWork, OpKind, PollMode, PollerBuilder, Side};
-use cqd_sim::{connect, Access, CqConfig, Device, QpCap, QpInit, RecvWr, SendWr, WrOp};
+use cqd_core::{
+    split, CqHandle, CqOptions, CqPoller, NoSink, NoWork, OpKind, PollMode, PollerBuilder,
+    Registration, Side,
+};
+use cqd_sim::{connect, Access, Cq, CqConfig, Device, Mr, Qp, QpCap, QpInit, RecvWr, SendWr, WrOp};
 
 fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + timeout;
@@ -24,10 +27,55 @@ fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     cond()
 }
 
+/// A device, one CQ (its poller split off, a ledger attached), a recording
+/// handler and two connected QPs on the CQ.
+struct Rig {
+    _dev: Device,
+    cq: Cq,
+    poller: Option<CqPoller<NoWork>>,
+    handle: CqHandle<NoWork>,
+    ledger: WrLedger,
+    log: Log,
+    reg: Registration,
+    a: Qp,
+    _b: Qp,
+    mr: Mr,
+}
+
+fn rig(capacity: u32, config: CqConfig) -> Rig {
+    let dev = Device::open("sim0");
+    let (cq, src) = dev.create_cq("cq", capacity, config).unwrap();
+    let (poller, handle) = split::<NoWork>(src, CqOptions::default()).unwrap();
+    let ledger = WrLedger::new();
+    handle.attach_ledger(ledger.clone()).unwrap();
+    let log = Log::default();
+    let reg = handle.register(Recorder(log.clone())).unwrap();
+    let pd = dev.alloc_pd();
+    let a = pd
+        .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
+        .unwrap();
+    let b = pd
+        .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
+        .unwrap();
+    connect(&a, &b).unwrap();
+    let mr = pd.reg_mr(1024, Access::ALL).unwrap();
+    Rig {
+        _dev: dev,
+        cq,
+        poller: Some(poller),
+        handle,
+        ledger,
+        log,
+        reg,
+        a,
+        _b: b,
+        mr,
+    }
+}
+
 #[test]
 fn the_poller_returns_credits_and_retires_the_ledger() {
     for mode in PollMode::all() {
-        let dev = Device::open("sim0");
         let config = CqConfig {
             budget: BudgetOptions {
                 admission: false,
@@ -35,64 +83,50 @@ fn the_poller_returns_credits_and_retires_the_ledger() {
             },
             ..CqConfig::default()
         };
-        let (cq, src) = dev.create_cq("cq", 8, config).unwrap();
-        let (poller, handle) = split::<NoWork>(src, CqOptions::default()).unwrap();
-        handle.attach_budget(cq.budget().clone()).unwrap();
-        let ledger = WrLedger::new();
-        handle.attach_ledger(ledger.clone()).unwrap();
+        let mut r = rig(8, config);
+        r.handle.attach_budget(r.cq.budget().clone()).unwrap();
         assert!(
-            handle.attach_ledger(WrLedger::new()).is_err(),
+            r.handle.attach_ledger(WrLedger::new()).is_err(),
             "one ledger per CQ"
         );
-        let log = Log::default();
-        let reg = handle.register(Recorder(log.clone())).unwrap();
-        let pd = dev.alloc_pd();
-        let a = pd
-            .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
-            .unwrap();
-        let b = pd
-            .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
-            .unwrap();
-        connect(&a, &b).unwrap();
-        let mr = pd.reg_mr(64, Access::ALL).unwrap();
-        let sge = [mr.sge(0, 8)];
+        let poller = r.poller.take().unwrap();
         let thread = PollerBuilder::new(mode.name(), NoSink)
             .mode(mode)
             .cq(poller)
             .spawn()
             .unwrap();
-        let mut tag = 0;
-        for _round in 0..50 {
+        let sge = [r.mr.sge(0, 8)];
+        for round in 0..50u32 {
             // Two unsignaled writes and a signaled one: 3 credits, all
             // returned when the signaled completion is polled.
             let ids: Vec<u64> = (0..3)
-                .map(|i| reg.wr_id(OpKind::Write, tag + i).unwrap())
+                .map(|i| r.reg.wr_id(OpKind::Write, round * 3 + i).unwrap())
                 .collect();
-            tag += 3;
-            reg.track(OpKind::Write, 1);
-            ledger.posted(a.qpn(), Side::Send, &ids, Instant::now());
+            r.reg.track(OpKind::Write, 1);
+            r.ledger.posted(r.a.qpn(), Side::Send, &ids, Instant::now());
             let wrs = [
-                SendWr::new(ids[0], WrOp::Write(mr.remote(0)), &sge).unsignaled(),
-                SendWr::new(ids[1], WrOp::Write(mr.remote(0)), &sge).unsignaled(),
-                SendWr::new(ids[2], WrOp::Write(mr.remote(0)), &sge),
+                SendWr::new(ids[0], WrOp::Write(r.mr.remote(0)), &sge).unsignaled(),
+                SendWr::new(ids[1], WrOp::Write(r.mr.remote(0)), &sge).unsignaled(),
+                SendWr::new(ids[2], WrOp::Write(r.mr.remote(0)), &sge),
             ];
             // Credits run out while the poller lags: retry, never overflow.
-            while let Err(e) = a.post_send(&wrs) {
+            while let Err(e) = r.a.post_send(&wrs) {
                 assert!(matches!(e, cqd_sim::PostError::Credits(_)), "{e}");
                 std::thread::yield_now();
             }
         }
         assert!(
-            wait_until(Duration::from_secs(5), || log.0.lock().len() == 50),
+            wait_until(Duration::from_secs(5), || r.log.0.lock().len() == 50),
             "{}",
             mode.name()
         );
-        assert!(wait_until(Duration::from_secs(5), || cq
+        assert!(wait_until(Duration::from_secs(5), || r
+            .cq
             .budget_snapshot()
             .credits_in_use
             == 0));
         assert_eq!(
-            ledger.outstanding(a.qpn(), Side::Send),
+            r.ledger.outstanding(r.a.qpn(), Side::Send),
             0,
             "the poller retired every entry"
         );
@@ -110,48 +144,31 @@ fn the_poller_returns_credits_and_retires_the_ledger() {
 #[test]
 fn stop_with_flush_accounts_for_every_request() {
     for mode in PollMode::all() {
-        let dev = Device::open("sim0");
-        let (cq, src) = dev.create_cq("cq", 256, CqConfig::default()).unwrap();
-        let (poller, handle) = split::<NoWork>(src, CqOptions::default()).unwrap();
-        let ledger = WrLedger::new();
-        handle.attach_ledger(ledger.clone()).unwrap();
-        let log = Log::default();
-        let reg = handle.register(Recorder(log.clone())).unwrap();
-        let pd = dev.alloc_pd();
-        let a = pd
-            .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
-            .unwrap();
-        let b = pd
-            .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
-            .unwrap();
-        connect(&a, &b).unwrap();
-        let mr = pd.reg_mr(1024, Access::ALL).unwrap();
-        let sge = [mr.sge(0, 64)];
+        let mut r = rig(256, CqConfig::default());
+        let poller = r.poller.take().unwrap();
         let thread = PollerBuilder::new(mode.name(), NoSink)
             .mode(mode)
             .cq(poller)
             .spawn()
             .unwrap();
+        let sge = [r.mr.sge(0, 64)];
         // Receives nobody sends to: outstanding until flushed.
         for t in 0..5 {
-            let id = reg.wr_id(OpKind::Recv, t).unwrap();
-            reg.track(OpKind::Recv, 1);
-            ledger.posted(a.qpn(), Side::Recv, &[id], Instant::now());
-            a.post_recv(&[RecvWr::new(id, &sge)]).unwrap();
+            let id = r.reg.wr_id(OpKind::Recv, t).unwrap();
+            r.reg.track(OpKind::Recv, 1);
+            r.ledger
+                .posted(r.a.qpn(), Side::Recv, &[id], Instant::now());
+            r.a.post_recv(&[RecvWr::new(id, &sge)]).unwrap();
         }
         // And work that completes.
         for t in 5..9 {
-            let id = reg.wr_id(OpKind::Write, t).unwrap();
-            reg.track(OpKind::Write, 1);
-            a.post_send(&[SendWr::new(id, WrOp::Write(mr.remote(0)), &sge)])
+            let id = r.reg.wr_id(OpKind::Write, t).unwrap();
+            r.reg.track(OpKind::Write, 1);
+            r.a.post_send(&[SendWr::new(id, WrOp::Write(r.mr.remote(0)), &sge)])
                 .unwrap();
         }
-        assert!(wait_until(Duration::from_secs(5), || log.0.lock().len() == 4));
-        let report = thread
-            .stop_with(|| {
-                a.force_error();
-            })
-            .unwrap();
+        assert!(wait_until(Duration::from_secs(5), || r.log.0.lock().len() == 4));
+        let report = thread.stop_with(|| r.a.force_error()).unwrap();
         let acc = &report.accounts;
         assert!(acc.is_balanced(), "{}: {acc}", mode.name());
         let recv = acc
@@ -168,42 +185,27 @@ fn stop_with_flush_accounts_for_every_request() {
         assert_eq!((write.posted, write.completed, write.flushed), (4, 4, 0));
         assert!(acc.stuck.is_empty());
         assert!(!acc.timed_out);
-        drop(b);
     }
 }
 
 #[test]
 fn a_stop_that_times_out_names_what_is_missing() {
-    let dev = Device::open("sim0");
-    let (cq, src) = dev.create_cq("cq", 256, CqConfig::default()).unwrap();
-    let (poller, handle) = split::<NoWork>(src, CqOptions::default()).unwrap();
-    let ledger = WrLedger::new();
-    handle.attach_ledger(ledger.clone()).unwrap();
-    let reg = handle.register(Recorder(Log::default())).unwrap();
-    let pd = dev.alloc_pd();
-    let a = pd
-        .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
-        .unwrap();
-    let b = pd
-        .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
-        .unwrap();
-    connect(&a, &b).unwrap();
-    let mr = pd.reg_mr(64, Access::ALL).unwrap();
-    let sge = [mr.sge(0, 8)];
+    let mut r = rig(256, CqConfig::default());
+    let sge = [r.mr.sge(0, 8)];
     let ids: Vec<u64> = (0..3)
-        .map(|t| reg.wr_id(OpKind::Recv, t).unwrap())
+        .map(|t| r.reg.wr_id(OpKind::Recv, t).unwrap())
         .collect();
-    reg.track(OpKind::Recv, 3);
-    ledger.posted(a.qpn(), Side::Recv, &ids, Instant::now());
+    r.reg.track(OpKind::Recv, 3);
+    r.ledger.posted(r.a.qpn(), Side::Recv, &ids, Instant::now());
     for id in &ids {
-        a.post_recv(&[RecvWr::new(*id, &sge)]).unwrap();
+        r.a.post_recv(&[RecvWr::new(*id, &sge)]).unwrap();
     }
     let thread = PollerBuilder::new("t", NoSink)
         .mode(PollMode::Event)
         .drain_timeout(Duration::from_millis(50))
         .watchdog(Duration::from_millis(1))
         .wake_timeout(Duration::from_millis(10))
-        .cq(poller)
+        .cq(r.poller.take().unwrap())
         .spawn()
         .unwrap();
     std::thread::sleep(Duration::from_millis(40));
@@ -219,8 +221,7 @@ fn a_stop_that_times_out_names_what_is_missing() {
     let text = acc.to_string();
     assert!(text.contains("missing 3"), "{text}");
     assert!(
-        ledger.snapshot(Instant::now()).stuck >= 3,
+        r.ledger.snapshot(Instant::now()).stuck >= 3,
         "the watchdog reported them while running"
     );
-    drop(b);
 }
