@@ -15,6 +15,8 @@
 //!    generation moves on, so a late completion carrying the old generation
 //!    is counted as stale and never reaches the slot's next owner.
 
+use crossbeam_utils::CachePadded;
+
 use crate::handler::Handler;
 use crate::sink::Route;
 use crate::sync::{AtomicU64, Ordering};
@@ -28,8 +30,12 @@ use std::sync::Arc;
 /// by the poller.
 #[derive(Debug, Default)]
 pub struct SlotLedger {
-    posted: [AtomicU64; OpKind::COUNT],
-    completed: [AtomicU64; OpKind::COUNT],
+    /// Written by posting threads; on its own cache line so that posts and
+    /// completions do not bounce one line between poster and poller.
+    posted: CachePadded<[AtomicU64; OpKind::COUNT]>,
+    /// Written by the poller only.
+    completed: CachePadded<[AtomicU64; OpKind::COUNT]>,
+    /// Written by the poller only (flushes are rare).
     flushed: [AtomicU64; OpKind::COUNT],
 }
 
