@@ -155,18 +155,24 @@ fn whole_path(mode: ModeConfig, per_cq: usize, slow_every: usize, capacity: usiz
         "dispatched {} of {total}",
         dispatched.load(Relaxed)
     );
-    // Stop: pollers first (each hands over its spill and drops its sink) ...
-    let mut spills = 0;
-    let mut spill_high_water = 0;
-    for poller in pollers {
-        let report = poller.stop().unwrap();
-        assert_eq!(report.undelivered, 0, "{report:?}");
-        spills += report.poller.spills;
-        spill_high_water = spill_high_water.max(report.poller.spill_high_water);
+    // Stop, as one protocol: pollers first (each drains, accounts, hands
+    // over its spill and drops its sink), then the workers finish everything
+    // handed to them and join.
+    let report = cqd::core::shutdown(|| {}, pollers, [pool]);
+    assert!(report.is_clean(), "{:?}", report.errors);
+    assert_eq!(report.pollers.len(), 2);
+    let spills = report.pollers.iter().map(|r| r.poller.spills).sum();
+    let spill_high_water = report
+        .pollers
+        .iter()
+        .map(|r| r.poller.spill_high_water)
+        .max()
+        .unwrap_or(0);
+    for r in &report.pollers {
+        assert_eq!(r.undelivered, 0, "{r:?}");
     }
     drop(keep);
-    // ... then the workers finish everything handed to them and join.
-    let snapshot = pool.join().unwrap();
+    let snapshot = report.pools[0].clone();
     let wrong: Vec<_> = seen
         .iter()
         .enumerate()

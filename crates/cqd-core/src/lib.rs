@@ -38,6 +38,7 @@ pub mod metrics;
 pub mod mode;
 pub mod poller;
 pub mod pool;
+pub mod shutdown;
 pub mod sink;
 pub mod slab;
 pub mod source;
@@ -58,6 +59,7 @@ pub use ledger::{
 };
 pub use mode::{Adaptive, PollMode};
 pub use poller::{PollerBuilder, PollerReport, PollerThread};
+pub use shutdown::{shutdown, SystemReport};
 pub use sink::{NoSink, NoWork, Route, Routed, WorkSink};
 pub use source::{ArmKind, AsyncEvent, CompletionSource, SourceError};
 pub use wr_id::{HandlerKey, OpKind, Side, WrId};

@@ -225,3 +225,42 @@ fn a_stop_that_times_out_names_what_is_missing() {
         "the watchdog reported them while running"
     );
 }
+
+#[test]
+fn shutdown_in_one_call_flushes_accounts_and_reports() {
+    let mut r = rig(256, CqConfig::default());
+    let sge = [r.mr.sge(0, 64)];
+    for t in 0..7 {
+        let id = r.reg.wr_id(OpKind::Recv, t).unwrap();
+        r.reg.track(OpKind::Recv, 1);
+        r.a.post_recv(&[RecvWr::new(id, &sge)]).unwrap();
+    }
+    let thread = PollerBuilder::new("s", NoSink)
+        .cq(r.poller.take().unwrap())
+        .spawn()
+        .unwrap();
+    let a = &r.a;
+    let report = cqd_core::shutdown(|| a.force_error(), [thread], []);
+    assert!(report.is_clean(), "{:?}", report.errors);
+    let recv = &report.pollers[0].accounts.accounts[0];
+    assert_eq!((recv.kind, recv.posted, recv.flushed), (OpKind::Recv, 7, 7));
+    assert_eq!(r.log.0.lock().len(), 7, "every flush reached the handler");
+
+    // Without the flush, the same stop names what is missing.
+    let mut r = rig(256, CqConfig::default());
+    let id = r.reg.wr_id(OpKind::Recv, 0).unwrap();
+    r.reg.track(OpKind::Recv, 1);
+    r.a.post_recv(&[RecvWr::new(id, &sge)]).unwrap();
+    let thread = PollerBuilder::new("s", NoSink)
+        .drain_timeout(Duration::from_millis(20))
+        .cq(r.poller.take().unwrap())
+        .spawn()
+        .unwrap();
+    let report = cqd_core::shutdown(|| {}, [thread], []);
+    assert!(!report.is_clean());
+    assert!(
+        report.errors[0].contains("missing 1"),
+        "{:?}",
+        report.errors
+    );
+}

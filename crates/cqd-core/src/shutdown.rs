@@ -1,0 +1,93 @@
+//! The shutdown protocol of DESIGN.md as one call.
+//!
+//! 1. The application stops posting and runs `flush`: typically it moves
+//!    every QP to the error state, so that each outstanding request comes
+//!    back as a flush completion instead of being waited for.
+//! 2. Every poller stops ([`PollerThread::stop`]). Each one polls until no
+//!    handler has a request outstanding, or until its drain timeout passes.
+//!    It then hands its spilled work to the workers, acknowledges every
+//!    event, destroys its CQs, and drops its sinks. Completion channels go
+//!    with the CQs: on verbs the backend destroys each channel after its
+//!    CQ.
+//! 3. Every pool joins ([`Pool::join`]). Its workers finish everything that
+//!    was handed to them, then exit.
+//! 4. The final report gathers every poller's report (CQ counters, and per
+//!    handler and kind posted == completed + flushed, or exactly what is
+//!    missing) with every pool's counters.
+//!
+//! Pollers stop before workers so that no work is handed to a worker that
+//! has already gone.
+
+use serde::{Deserialize, Serialize};
+
+use crate::poller::{PollerReport, PollerThread};
+use crate::pool::{Pool, PoolSnapshot};
+
+/// Everything a stopped system leaves behind: one snapshot of every poller,
+/// CQ and pool.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct SystemReport {
+    /// Each poller's final report, in the order given.
+    pub pollers: Vec<PollerReport>,
+    /// Each pool's final counters, in the order given.
+    pub pools: Vec<PoolSnapshot>,
+    /// What went wrong while stopping: a poller or worker that died, a CQ
+    /// that could not be destroyed, work that could not be handed over.
+    pub errors: Vec<String>,
+}
+
+impl SystemReport {
+    /// True when nothing was lost: every request was accounted for
+    /// (completed or flushed), every work item was handed to a worker, and
+    /// nothing failed while stopping.
+    pub fn is_clean(&self) -> bool {
+        self.errors.is_empty()
+            && self
+                .pollers
+                .iter()
+                .all(|p| p.accounts.is_balanced() && p.undelivered == 0 && p.errors.is_empty())
+    }
+}
+
+/// Runs the shutdown protocol (see the module documentation).
+pub fn shutdown(
+    flush: impl FnOnce(),
+    pollers: impl IntoIterator<Item = PollerThread>,
+    pools: impl IntoIterator<Item = Pool>,
+) -> SystemReport {
+    // 1. Stop posting, flush.
+    flush();
+    let mut report = SystemReport::default();
+    // 2. Pollers first: drain, account, hand over, ack, destroy.
+    for poller in pollers {
+        let name = poller.name().to_string();
+        match poller.stop() {
+            Ok(r) => {
+                if r.undelivered > 0 {
+                    report.errors.push(format!(
+                        "poller {name}: {} work items never reached a worker",
+                        r.undelivered
+                    ));
+                }
+                if !r.accounts.is_balanced() {
+                    report.errors.push(format!("poller {name}: {}", r.accounts));
+                }
+                report.pollers.push(r);
+            }
+            Err(e) => report.errors.push(e.to_string()),
+        }
+    }
+    // 3. Then the workers: they finish what was handed to them, and join.
+    for pool in pools {
+        match pool.join() {
+            Ok(s) => report.pools.push(s),
+            Err(e) => report.errors.push(e.to_string()),
+        }
+    }
+    // 4. The report.
+    if !report.is_clean() {
+        tracing::error!(errors = ?report.errors, "shutdown left something unaccounted for");
+    }
+    report
+}
