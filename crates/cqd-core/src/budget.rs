@@ -384,18 +384,21 @@ impl CqBudget {
         n
     }
 
-    /// Records an overflow event the backend detected (`IBV_EVENT_CQ_ERR`
-    /// on verbs).
+    /// Records the CQ's overflow (`IBV_EVENT_CQ_ERR` on verbs, the async
+    /// event on the sim). A CQ overflows once — it stays in error after
+    /// it — so however many parties report it (the backend counting its
+    /// losses, the poller seeing the event), it counts once.
     pub fn record_overflow(&self) {
-        self.inner.state.lock().overflows += 1;
+        let mut st = self.inner.state.lock();
+        st.overflows = 1;
     }
 
-    /// Records `n` completions lost to overflow; the first loss of the CQ
-    /// also counts as its overflow event (the CQ stays in error after it).
+    /// Records `n` completions lost to overflow; the first loss is also the
+    /// CQ's overflow ([`record_overflow`](Self::record_overflow)).
     pub fn record_lost(&self, n: u64) {
         let mut st = self.inner.state.lock();
-        if st.lost == 0 && n > 0 {
-            st.overflows += 1;
+        if n > 0 {
+            st.overflows = 1;
         }
         st.lost += n;
     }

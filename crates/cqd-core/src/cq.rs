@@ -284,11 +284,7 @@ impl<W: Send + 'static> CqPoller<W> {
             if let AsyncEvent::CqOverflow { capacity, lost } = ev {
                 bump(&m.overflows, 1);
                 if let Some(b) = self.shared.budget.get() {
-                    // A backend that counted its losses in the budget (the
-                    // sim) already recorded the event.
-                    if b.snapshot().overflows == 0 {
-                        b.record_overflow();
-                    }
+                    b.record_overflow();
                 }
                 tracing::error!(cq = %self.shared.name, capacity, lost, "CQ overflow: completions were lost");
             } else {
@@ -432,10 +428,26 @@ fn dispatch<W: 'static>(
     let Ok(id) = WrId::decode(wc.wr_id) else {
         return foreign(shared, wc);
     };
-    let entry = match slab.get_mut(id.key) {
-        Some(entry) => entry,
-        None => return miss(shared, slab, wc, id, out),
+    let Some(entry) = slab.get_mut(id.key) else {
+        return miss(shared, slab, wc, id, out);
     };
+    complete(shared, entry, id, wc, out);
+    if entry.retiring {
+        retire_if_drained(shared, slab, id.key);
+    }
+}
+
+/// Delivers a completion to the live handler it names: counts it completed
+/// first, then calls the typed callback (successes inline, everything else
+/// out of line).
+#[inline(always)]
+fn complete<W: 'static>(
+    shared: &CqShared<W>,
+    entry: &mut Entry<W>,
+    id: WrId,
+    wc: &Completion,
+    out: &mut VecDeque<Routed<W>>,
+) {
     entry.ledger.add_completed(id.kind);
     if wc.status.is_success() && wc.opcode.is_known() {
         let mut outbox = Outbox::new(out, entry.route);
@@ -460,9 +472,6 @@ fn dispatch<W: 'static>(
         }
     } else {
         not_success(shared, entry, id, wc, out);
-    }
-    if entry.retiring {
-        retire_if_drained(shared, slab, id.key);
     }
 }
 
@@ -512,13 +521,7 @@ fn miss<W: 'static>(
     if !shared.commands.is_empty() {
         apply_commands(shared, slab);
         if let Some(entry) = slab.get_mut(id.key) {
-            entry.ledger.add_completed(id.kind);
-            if wc.status.is_success() && wc.opcode.is_known() {
-                let mut outbox = Outbox::new(out, entry.route);
-                deliver(entry.handler.as_mut(), id, wc, &mut outbox);
-            } else {
-                not_success(shared, entry, id, wc, out);
-            }
+            complete(shared, entry, id, wc, out);
             if entry.retiring {
                 retire_if_drained(shared, slab, id.key);
             }
@@ -557,8 +560,14 @@ fn not_success<W: 'static>(
                 bump(&m.flushes, 1);
                 entry.ledger.add_flushed(id.kind);
             }
+            let failed = Failed {
+                kind: id.kind,
+                tag: id.tag,
+                key: id.key,
+                wc,
+            };
             let mut outbox = Outbox::new(out, entry.route);
-            deliver(entry.handler.as_mut(), id, wc, &mut outbox);
+            entry.handler.on_error(&failed, &mut outbox);
             return;
         }
     };
@@ -584,44 +593,6 @@ fn retire_if_drained<W>(shared: &CqShared<W>, slab: &mut Slab<W>, key: HandlerKe
         .is_some_and(|e| e.ledger.outstanding() == 0)
     {
         retire(shared, slab, key);
-    }
-}
-
-#[inline]
-fn deliver<W: 'static>(
-    handler: &mut dyn Handler<W>,
-    id: WrId,
-    wc: &Completion,
-    out: &mut Outbox<'_, W>,
-) {
-    if !wc.status.is_success() {
-        let failed = Failed {
-            kind: id.kind,
-            tag: id.tag,
-            key: id.key,
-            wc,
-        };
-        handler.on_error(&failed, out);
-        return;
-    }
-    match id.kind.side() {
-        Side::Send => handler.on_send(
-            &SendDone {
-                kind: id.kind,
-                tag: id.tag,
-                key: id.key,
-                wc,
-            },
-            out,
-        ),
-        Side::Recv => handler.on_recv(
-            &RecvDone {
-                tag: id.tag,
-                key: id.key,
-                wc,
-            },
-            out,
-        ),
     }
 }
 

@@ -444,7 +444,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                 Err(e) => {
                     // Counted by the CQ; traced at 1, 2, 4, 8… so a dead
                     // device does not flood the log.
-                    let count = cq.handle().snapshot().poll_errors;
+                    let count = cq.shared.metrics.0.poll_errors.load(Ordering::Relaxed);
                     if count.is_power_of_two() {
                         tracing::error!(cq = cq.name(), error = %e, count, "poll failed");
                     }

@@ -128,7 +128,9 @@ pub trait CompletionSource: Send + 'static {
         None
     }
 
-    /// The next pending asynchronous event, if any; never blocks.
+    /// The next pending asynchronous event, if any; never blocks. The
+    /// poller calls this on every loop, so with nothing pending it must cost
+    /// no lock and no system call (an atomic load, or nothing at all).
     fn take_async_event(&mut self) -> Option<AsyncEvent>;
 
     /// Destroys the CQ.

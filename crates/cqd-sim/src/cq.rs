@@ -20,6 +20,7 @@
 
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -139,9 +140,20 @@ struct Shared {
     state: Mutex<State>,
     event_fd: OwnedFd,
     async_fd: OwnedFd,
+    /// Asynchronous events queued in `state`: the poller checks this every
+    /// loop, so with none pending it costs one load, no lock, no syscall.
+    async_pending: AtomicUsize,
 }
 
 impl Shared {
+    /// Queues an asynchronous event (with the state locked) and makes its
+    /// descriptor readable.
+    fn raise(&self, st: &mut State, ev: AsyncEvent) {
+        st.async_events.push_back(ev);
+        self.async_pending.fetch_add(1, Ordering::Release);
+        Shared::signal(&self.async_fd);
+    }
+
     fn signal(fd: &OwnedFd) {
         // Only a counter at its maximum fails, and then it is readable anyway.
         let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
@@ -215,6 +227,7 @@ pub fn sim_cq(
         }),
         event_fd,
         async_fd,
+        async_pending: AtomicUsize::new(0),
     });
     Ok((
         SimCq {
@@ -265,11 +278,9 @@ impl SimCq {
                 // raises IBV_EVENT_CQ_ERR once.
                 st.overflowed = true;
                 tracing::error!(cq = %self.shared.name, capacity, "simulated CQ overflow");
-                st.async_events.push_back(AsyncEvent::CqOverflow {
-                    capacity,
-                    lost: st.stats.lost,
-                });
-                Shared::signal(&self.shared.async_fd);
+                let lost = st.stats.lost;
+                self.shared
+                    .raise(st, AsyncEvent::CqOverflow { capacity, lost });
             }
             return Err(PushError::Overflow { capacity });
         }
@@ -357,8 +368,7 @@ impl SimCq {
         let mut st = self.shared.state.lock();
         if !st.vanished {
             st.vanished = true;
-            st.async_events.push_back(AsyncEvent::DeviceFatal);
-            Shared::signal(&self.shared.async_fd);
+            self.shared.raise(&mut st, AsyncEvent::DeviceFatal);
         }
     }
 }
@@ -476,8 +486,14 @@ impl CompletionSource for SimCqSource {
     }
 
     fn take_async_event(&mut self) -> Option<AsyncEvent> {
+        if self.shared.async_pending.load(Ordering::Acquire) == 0 {
+            return None;
+        }
         let mut st = self.shared.state.lock();
         let ev = st.async_events.pop_front();
+        if ev.is_some() {
+            self.shared.async_pending.fetch_sub(1, Ordering::Release);
+        }
         if st.async_events.is_empty() {
             let mut buf = [0u8; 8];
             let _ = rustix::io::read(&self.shared.async_fd, &mut buf);

@@ -228,28 +228,15 @@ impl Qp {
                 state: q.state,
             });
         }
-        for (index, wr) in wrs.iter().enumerate() {
-            if wr.sg_list.len() > q.cap.max_send_sge as usize {
-                let max = q.cap.max_send_sge;
-                return Err(PostError::TooManySge {
-                    qpn,
-                    index,
-                    sges: wr.sg_list.len(),
-                    max,
-                });
-            }
-        }
         let used = q.sq_used(wrs.len());
-        let depth = q.cap.max_send_wr;
-        if used + wrs.len() > depth as usize {
-            return Err(PostError::QueueFull {
-                qpn,
-                queue: "send",
-                depth,
-                outstanding: used as u32,
-                posting: wrs.len() as u32,
-            });
-        }
+        check_list(
+            qpn,
+            "send",
+            wrs.iter().map(|w| w.sg_list.len()),
+            q.cap.max_send_sge,
+            used,
+            q.cap.max_send_wr,
+        )?;
         let budget = q.send_cq.budget().clone();
         if budget.has_credits() {
             let ids: Vec<u64> = wrs.iter().map(|w| w.wr_id).collect();
@@ -321,28 +308,15 @@ impl Qp {
                 state: q.state,
             });
         }
-        for (index, wr) in wrs.iter().enumerate() {
-            if wr.sg_list.len() > q.cap.max_recv_sge as usize {
-                let max = q.cap.max_recv_sge;
-                return Err(PostError::TooManySge {
-                    qpn,
-                    index,
-                    sges: wr.sg_list.len(),
-                    max,
-                });
-            }
-        }
         let used = q.rq_used(wrs.len());
-        let depth = q.cap.max_recv_wr;
-        if used + wrs.len() > depth as usize {
-            return Err(PostError::QueueFull {
-                qpn,
-                queue: "recv",
-                depth,
-                outstanding: used as u32,
-                posting: wrs.len() as u32,
-            });
-        }
+        check_list(
+            qpn,
+            "recv",
+            wrs.iter().map(|w| w.sg_list.len()),
+            q.cap.max_recv_sge,
+            used,
+            q.cap.max_recv_wr,
+        )?;
         q.recv_cq.budget().take_recv(qpn, wrs.len() as u32)?;
         q.rq.extend(wrs.iter().map(|w| PendingRecv {
             wr_id: w.wr_id,
@@ -391,6 +365,40 @@ pub fn connect_with(a: &Qp, b: &Qp, rnr_retry: u8) -> Result<(), VerbsError> {
             rnr_retry,
             retry_cnt: 7,
         })?;
+    }
+    Ok(())
+}
+
+/// Checks a work-request list against a queue's SGE limit and depth before
+/// anything is posted (a refused list changes nothing). `sges` gives each
+/// request's SGE count; `used` is the queue's occupied slots.
+fn check_list(
+    qpn: u32,
+    queue: &'static str,
+    sges: impl ExactSizeIterator<Item = usize>,
+    max_sge: u32,
+    used: usize,
+    depth: u32,
+) -> Result<(), PostError> {
+    let posting = sges.len();
+    for (index, n) in sges.enumerate() {
+        if n > max_sge as usize {
+            return Err(PostError::TooManySge {
+                qpn,
+                index,
+                sges: n,
+                max: max_sge,
+            });
+        }
+    }
+    if used + posting > depth as usize {
+        return Err(PostError::QueueFull {
+            qpn,
+            queue,
+            depth,
+            outstanding: used as u32,
+            posting: posting as u32,
+        });
     }
     Ok(())
 }

@@ -7,14 +7,11 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Log, Recorder};
+use common::Rig;
 use cqd_core::budget::BudgetOptions;
 use cqd_core::ledger::WrLedger;
-use cqd_core::{
-    split, CqHandle, CqOptions, CqPoller, NoSink, NoWork, OpKind, PollMode, PollerBuilder,
-    Registration, Side,
-};
-use cqd_sim::{connect, Access, Cq, CqConfig, Device, Mr, Qp, QpCap, QpInit, RecvWr, SendWr, WrOp};
+use cqd_core::{NoSink, OpKind, PollMode, PollerBuilder, Side};
+use cqd_sim::{CqConfig, Fabric, QpCap, RecvWr, SendWr, WrOp};
 
 fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + timeout;
@@ -27,50 +24,13 @@ fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     cond()
 }
 
-/// A device, one CQ (its poller split off, a ledger attached), a recording
-/// handler and two connected QPs on the CQ.
-struct Rig {
-    _dev: Device,
-    cq: Cq,
-    poller: Option<CqPoller<NoWork>>,
-    handle: CqHandle<NoWork>,
-    ledger: WrLedger,
-    log: Log,
-    reg: Registration,
-    a: Qp,
-    _b: Qp,
-    mr: Mr,
-}
-
-fn rig(capacity: u32, config: CqConfig) -> Rig {
-    let dev = Device::open("sim0");
-    let (cq, src) = dev.create_cq("cq", capacity, config).unwrap();
-    let (poller, handle) = split::<NoWork>(src, CqOptions::default()).unwrap();
+/// The shared rig (two connected QPs on one CQ, a recording handler) with
+/// a ledger attached to the CQ.
+fn rig(cqe: u32, config: CqConfig) -> (Rig, WrLedger) {
+    let r = Rig::with(Fabric::inline(), QpCap::default(), cqe, config);
     let ledger = WrLedger::new();
-    handle.attach_ledger(ledger.clone()).unwrap();
-    let log = Log::default();
-    let reg = handle.register(Recorder(log.clone())).unwrap();
-    let pd = dev.alloc_pd();
-    let a = pd
-        .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
-        .unwrap();
-    let b = pd
-        .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
-        .unwrap();
-    connect(&a, &b).unwrap();
-    let mr = pd.reg_mr(1024, Access::ALL).unwrap();
-    Rig {
-        _dev: dev,
-        cq,
-        poller: Some(poller),
-        handle,
-        ledger,
-        log,
-        reg,
-        a,
-        _b: b,
-        mr,
-    }
+    r.handle.attach_ledger(ledger.clone()).unwrap();
+    (r, ledger)
 }
 
 #[test]
@@ -83,19 +43,19 @@ fn the_poller_returns_credits_and_retires_the_ledger() {
             },
             ..CqConfig::default()
         };
-        let mut r = rig(8, config);
+        let (r, ledger) = rig(8, config);
         r.handle.attach_budget(r.cq.budget().clone()).unwrap();
         assert!(
             r.handle.attach_ledger(WrLedger::new()).is_err(),
             "one ledger per CQ"
         );
-        let poller = r.poller.take().unwrap();
+        let poller = r.poller;
         let thread = PollerBuilder::new(mode.name(), NoSink)
             .mode(mode)
             .cq(poller)
             .spawn()
             .unwrap();
-        let sge = [r.mr.sge(0, 8)];
+        let sge = [r.mr_a.sge(0, 8)];
         for round in 0..50u32 {
             // Two unsignaled writes and a signaled one: 3 credits, all
             // returned when the signaled completion is polled.
@@ -103,11 +63,11 @@ fn the_poller_returns_credits_and_retires_the_ledger() {
                 .map(|i| r.reg.wr_id(OpKind::Write, round * 3 + i).unwrap())
                 .collect();
             r.reg.track(OpKind::Write, 1);
-            r.ledger.posted(r.a.qpn(), Side::Send, &ids, Instant::now());
+            ledger.posted(r.a.qpn(), Side::Send, &ids, Instant::now());
             let wrs = [
-                SendWr::new(ids[0], WrOp::Write(r.mr.remote(0)), &sge).unsignaled(),
-                SendWr::new(ids[1], WrOp::Write(r.mr.remote(0)), &sge).unsignaled(),
-                SendWr::new(ids[2], WrOp::Write(r.mr.remote(0)), &sge),
+                SendWr::new(ids[0], WrOp::Write(r.mr_a.remote(0)), &sge).unsignaled(),
+                SendWr::new(ids[1], WrOp::Write(r.mr_a.remote(0)), &sge).unsignaled(),
+                SendWr::new(ids[2], WrOp::Write(r.mr_a.remote(0)), &sge),
             ];
             // Credits run out while the poller lags: retry, never overflow.
             while let Err(e) = r.a.post_send(&wrs) {
@@ -126,7 +86,7 @@ fn the_poller_returns_credits_and_retires_the_ledger() {
             .credits_in_use
             == 0));
         assert_eq!(
-            r.ledger.outstanding(r.a.qpn(), Side::Send),
+            ledger.outstanding(r.a.qpn(), Side::Send),
             0,
             "the poller retired every entry"
         );
@@ -144,27 +104,26 @@ fn the_poller_returns_credits_and_retires_the_ledger() {
 #[test]
 fn stop_with_flush_accounts_for_every_request() {
     for mode in PollMode::all() {
-        let mut r = rig(256, CqConfig::default());
-        let poller = r.poller.take().unwrap();
+        let (r, ledger) = rig(256, CqConfig::default());
+        let poller = r.poller;
         let thread = PollerBuilder::new(mode.name(), NoSink)
             .mode(mode)
             .cq(poller)
             .spawn()
             .unwrap();
-        let sge = [r.mr.sge(0, 64)];
+        let sge = [r.mr_a.sge(0, 64)];
         // Receives nobody sends to: outstanding until flushed.
         for t in 0..5 {
             let id = r.reg.wr_id(OpKind::Recv, t).unwrap();
             r.reg.track(OpKind::Recv, 1);
-            r.ledger
-                .posted(r.a.qpn(), Side::Recv, &[id], Instant::now());
+            ledger.posted(r.a.qpn(), Side::Recv, &[id], Instant::now());
             r.a.post_recv(&[RecvWr::new(id, &sge)]).unwrap();
         }
         // And work that completes.
         for t in 5..9 {
             let id = r.reg.wr_id(OpKind::Write, t).unwrap();
             r.reg.track(OpKind::Write, 1);
-            r.a.post_send(&[SendWr::new(id, WrOp::Write(r.mr.remote(0)), &sge)])
+            r.a.post_send(&[SendWr::new(id, WrOp::Write(r.mr_a.remote(0)), &sge)])
                 .unwrap();
         }
         assert!(wait_until(Duration::from_secs(5), || r.log.0.lock().len() == 4));
@@ -190,13 +149,13 @@ fn stop_with_flush_accounts_for_every_request() {
 
 #[test]
 fn a_stop_that_times_out_names_what_is_missing() {
-    let mut r = rig(256, CqConfig::default());
-    let sge = [r.mr.sge(0, 8)];
+    let (r, ledger) = rig(256, CqConfig::default());
+    let sge = [r.mr_a.sge(0, 8)];
     let ids: Vec<u64> = (0..3)
         .map(|t| r.reg.wr_id(OpKind::Recv, t).unwrap())
         .collect();
     r.reg.track(OpKind::Recv, 3);
-    r.ledger.posted(r.a.qpn(), Side::Recv, &ids, Instant::now());
+    ledger.posted(r.a.qpn(), Side::Recv, &ids, Instant::now());
     for id in &ids {
         r.a.post_recv(&[RecvWr::new(*id, &sge)]).unwrap();
     }
@@ -205,7 +164,7 @@ fn a_stop_that_times_out_names_what_is_missing() {
         .drain_timeout(Duration::from_millis(50))
         .watchdog(Duration::from_millis(1))
         .wake_timeout(Duration::from_millis(10))
-        .cq(r.poller.take().unwrap())
+        .cq(r.poller)
         .spawn()
         .unwrap();
     std::thread::sleep(Duration::from_millis(40));
@@ -221,22 +180,20 @@ fn a_stop_that_times_out_names_what_is_missing() {
     let text = acc.to_string();
     assert!(text.contains("missing 3"), "{text}");
     assert!(
-        r.ledger.snapshot(Instant::now()).stuck >= 3,
+        ledger.snapshot(Instant::now()).stuck >= 3,
         "the watchdog reported them while running"
     );
 }
 
 #[test]
 fn shutdown_in_one_call_flushes_accounts_and_reports() {
-    let mut r = rig(256, CqConfig::default());
-    let sge = [r.mr.sge(0, 64)];
+    let (r, _ledger) = rig(256, CqConfig::default());
+    let sge = [r.mr_a.sge(0, 64)];
     for t in 0..7 {
-        let id = r.reg.wr_id(OpKind::Recv, t).unwrap();
-        r.reg.track(OpKind::Recv, 1);
-        r.a.post_recv(&[RecvWr::new(id, &sge)]).unwrap();
+        r.recv(&r.a, t, &sge).unwrap();
     }
     let thread = PollerBuilder::new("s", NoSink)
-        .cq(r.poller.take().unwrap())
+        .cq(r.poller)
         .spawn()
         .unwrap();
     let a = &r.a;
@@ -247,13 +204,11 @@ fn shutdown_in_one_call_flushes_accounts_and_reports() {
     assert_eq!(r.log.0.lock().len(), 7, "every flush reached the handler");
 
     // Without the flush, the same stop names what is missing.
-    let mut r = rig(256, CqConfig::default());
-    let id = r.reg.wr_id(OpKind::Recv, 0).unwrap();
-    r.reg.track(OpKind::Recv, 1);
-    r.a.post_recv(&[RecvWr::new(id, &sge)]).unwrap();
+    let (r, _ledger) = rig(256, CqConfig::default());
+    r.recv(&r.a, 0, &[r.mr_a.sge(0, 64)]).unwrap();
     let thread = PollerBuilder::new("s", NoSink)
         .drain_timeout(Duration::from_millis(20))
-        .cq(r.poller.take().unwrap())
+        .cq(r.poller)
         .spawn()
         .unwrap();
     let report = cqd_core::shutdown(|| {}, [thread], []);
