@@ -14,28 +14,32 @@
 //!    needed vs available. The reservation is an [`Admission`] released on
 //!    drop.
 //! 2. **Credits** (optional, [`BudgetOptions::credits`]): for deliberately
-//!    oversubscribed designs. A post takes one credit per request or fails with
-//!    [`BudgetError::WouldOverflow`]; each completion returns credits; an
-//!    unsignaled send's credit returns with the next completion of the same
-//!    send queue (send queues complete in order), see [`CqBudget::complete`].
+//!    oversubscribed designs. The posting call
+//!    ([`Registration::post_send`](crate::cq::Registration::post_send)) takes
+//!    one credit per request or fails with [`BudgetError::WouldOverflow`];
+//!    the poller returns each request's credit when the completion that
+//!    covers it is polled — an unsignaled send's with the next signaled
+//!    completion of its send queue (send queues complete in order). Which
+//!    request holds a credit is recorded in its queue's account
+//!    ([`QueueAccount`](crate::ledger::QueueAccount)); the budget itself is
+//!    one atomic counter, so posters and the poller never share a lock.
 //! 3. **Detection** anyway: the backend reports overflows with
 //!    [`CqBudget::record_overflow`]; with admission on the count stays 0.
 //!
 //! [`cq_depth_for`] sizes a CQ from QP depths (the 2–4× guidance), clamped to
 //! the device's `max_cqe`.
 //!
-//! Admission and credits take a lock; they run on QP creation and (credits
-//! only) per post and per completion — credits are for designs that chose
-//! oversubscription, and cost one uncontended lock each way.
+//! Admission takes a lock (it runs on QP creation only). Credits are one
+//! atomic counter: a post call takes its requests' credits with one
+//! compare-and-swap, the poller returns them with one subtraction per run
+//! of completions of one queue.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
-
-use crate::handler::{Failed, Handler, Outbox, RecvDone, SendDone};
-use crate::wr_id::Side;
 
 /// Budget switches of one CQ.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -123,15 +127,17 @@ struct State {
     reserved: u64,
     refused: u64,
     srqs: HashMap<u32, (u64, u32)>,
-    credits_in_use: u64,
-    credits_high_water: u64,
-    would_overflow: u64,
     overflows: u64,
     lost: u64,
-    /// Per send queue: wr_ids posted and not yet accounted, in post order.
-    sends: HashMap<u32, VecDeque<u64>>,
-    /// Per receive queue: credited receives not yet completed.
-    recvs: HashMap<u32, u64>,
+}
+
+/// The credit counters: written by posters (take) and the poller (give
+/// back), never under a lock.
+#[derive(Debug, Default)]
+struct Credits {
+    in_use: AtomicU64,
+    high_water: AtomicU64,
+    would_overflow: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -140,6 +146,7 @@ struct Inner {
     capacity: u32,
     options: BudgetOptions,
     state: Mutex<State>,
+    credits: Credits,
 }
 
 /// The budget of one CQ: admission, credits and overflow counts. Cloneable;
@@ -196,6 +203,7 @@ impl CqBudget {
                 capacity,
                 options,
                 state: Mutex::new(State::default()),
+                credits: Credits::default(),
             }),
         }
     }
@@ -276,112 +284,52 @@ impl CqBudget {
         self.inner.options.credits.is_some()
     }
 
-    fn take(&self, st: &mut State, n: u32) -> Result<(), BudgetError> {
+    /// Takes `n` credits, all or nothing. Without credits it always
+    /// succeeds. The posting call takes them; code that posts outside it
+    /// (the expert path) takes and gives back its own.
+    ///
+    /// # Errors
+    /// [`BudgetError::WouldOverflow`] when fewer than `n` are left; nothing
+    /// is taken then.
+    pub fn try_take(&self, n: u32) -> Result<(), BudgetError> {
         let Some(limit) = self.inner.options.credits else {
             return Ok(());
         };
-        let available = u64::from(limit).saturating_sub(st.credits_in_use);
-        if u64::from(n) > available {
-            st.would_overflow += 1;
-            return Err(BudgetError::WouldOverflow {
-                cq: self.inner.cq.clone(),
-                needed: n,
-                available: available as u32,
-                limit,
+        let c = &self.inner.credits;
+        let want = u64::from(n);
+        let taken = c
+            .in_use
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                (used + want <= u64::from(limit)).then_some(used + want)
             });
-        }
-        st.credits_in_use += u64::from(n);
-        st.credits_high_water = st.credits_high_water.max(st.credits_in_use);
-        Ok(())
-    }
-
-    /// Takes a credit for each of `wr_ids`, posted in this order on the send
-    /// queue of QP `qp_num`. All or nothing.
-    ///
-    /// # Errors
-    /// [`BudgetError::WouldOverflow`] when too few credits are left.
-    pub fn take_send(&self, qp_num: u32, wr_ids: &[u64]) -> Result<(), BudgetError> {
-        if !self.has_credits() {
-            return Ok(());
-        }
-        let mut st = self.inner.state.lock();
-        self.take(&mut st, wr_ids.len() as u32)?;
-        st.sends.entry(qp_num).or_default().extend(wr_ids);
-        Ok(())
-    }
-
-    /// Takes `n` credits for receives posted on QP `qp_num`'s own receive
-    /// queue. (Receives of an SRQ take none: admission covers them.)
-    ///
-    /// # Errors
-    /// [`BudgetError::WouldOverflow`] when too few credits are left.
-    pub fn take_recv(&self, qp_num: u32, n: u32) -> Result<(), BudgetError> {
-        if !self.has_credits() {
-            return Ok(());
-        }
-        let mut st = self.inner.state.lock();
-        self.take(&mut st, n)?;
-        *st.recvs.entry(qp_num).or_default() += u64::from(n);
-        Ok(())
-    }
-
-    /// Gives back the credits of a post that failed: the last `n` requests
-    /// taken by [`take_send`](Self::take_send) or
-    /// [`take_recv`](Self::take_recv) for QP `qp_num`'s `side`.
-    pub fn untake(&self, qp_num: u32, side: Side, n: u32) {
-        if !self.has_credits() {
-            return;
-        }
-        let mut st = self.inner.state.lock();
-        let n = match side {
-            Side::Send => st.sends.get_mut(&qp_num).map_or(0, |q| {
-                let n = (n as usize).min(q.len());
-                q.truncate(q.len() - n);
-                n as u64
-            }),
-            Side::Recv => st.recvs.get_mut(&qp_num).map_or(0, |r| {
-                let n = u64::from(n).min(*r);
-                *r -= n;
-                n
-            }),
-        };
-        st.credits_in_use = st.credits_in_use.saturating_sub(n);
-    }
-
-    /// Accounts one polled completion of QP `qp_num`: a receive returns its
-    /// credit if it took one (not an SRQ receive); a send-side completion returns the credits of every request
-    /// of that send queue up to and including `wr_id` (the unsignaled ones
-    /// before it completed silently, in order). Returns the credits given
-    /// back. A `wr_id` the queue does not hold returns nothing (counted by
-    /// nobody: the poller counts foreign wr_ids).
-    pub fn complete(&self, qp_num: u32, side: Side, wr_id: u64) -> u32 {
-        if !self.has_credits() {
-            return 0;
-        }
-        let mut st = self.inner.state.lock();
-        let n = match side {
-            Side::Recv => match st.recvs.get_mut(&qp_num) {
-                Some(r) if *r > 0 => {
-                    *r -= 1;
-                    1
-                }
-                _ => 0,
-            },
-            Side::Send => {
-                let Some(q) = st.sends.get_mut(&qp_num) else {
-                    return 0;
-                };
-                match q.iter().position(|w| *w == wr_id) {
-                    Some(i) => {
-                        q.drain(..=i);
-                        i as u32 + 1
-                    }
-                    None => 0,
-                }
+        match taken {
+            Ok(before) => {
+                c.high_water.fetch_max(before + want, Ordering::Relaxed);
+                Ok(())
             }
-        };
-        st.credits_in_use = st.credits_in_use.saturating_sub(u64::from(n));
-        n
+            Err(used) => {
+                c.would_overflow.fetch_add(1, Ordering::Relaxed);
+                Err(BudgetError::WouldOverflow {
+                    cq: self.inner.cq.clone(),
+                    needed: n,
+                    available: u64::from(limit).saturating_sub(used) as u32,
+                    limit,
+                })
+            }
+        }
+    }
+
+    /// Gives back `n` credits (completions polled, or a post that failed).
+    #[inline]
+    pub fn give_back(&self, n: u64) {
+        if n > 0 && self.has_credits() {
+            self.inner.credits.in_use.fetch_sub(n, Ordering::AcqRel);
+        }
+    }
+
+    /// Credits currently taken.
+    pub fn credits_in_use(&self) -> u64 {
+        self.inner.credits.in_use.load(Ordering::Acquire)
     }
 
     /// Records the CQ's overflow (`IBV_EVENT_CQ_ERR` on verbs, the async
@@ -411,51 +359,12 @@ impl CqBudget {
             capacity: self.inner.capacity,
             reserved: st.reserved,
             refused: st.refused,
-            credits_in_use: st.credits_in_use,
-            credits_high_water: st.credits_high_water,
-            would_overflow: st.would_overflow,
+            credits_in_use: self.inner.credits.in_use.load(Ordering::Acquire),
+            credits_high_water: self.inner.credits.high_water.load(Ordering::Relaxed),
+            would_overflow: self.inner.credits.would_overflow.load(Ordering::Relaxed),
             overflows: st.overflows,
             lost: st.lost,
         }
-    }
-}
-
-/// A handler wrapper that returns credits for every completion it sees,
-/// then calls the wrapped handler. Until the poller returns credits itself,
-/// wrap each handler of a CQ whose budget has credits.
-///
-/// Completions the poller does not dispatch (stale or foreign wr_ids,
-/// unknown statuses) do not reach it; their credits are not returned.
-#[derive(Debug)]
-pub struct CreditReturn<H> {
-    budget: CqBudget,
-    inner: H,
-}
-
-impl<H> CreditReturn<H> {
-    /// Wraps `inner`, returning credits to `budget`.
-    pub fn new(budget: CqBudget, inner: H) -> Self {
-        CreditReturn { budget, inner }
-    }
-}
-
-impl<W, H: Handler<W>> Handler<W> for CreditReturn<H> {
-    fn on_send(&mut self, done: &SendDone<'_>, out: &mut Outbox<'_, W>) {
-        let wc = done.completion();
-        self.budget.complete(wc.qp_num, Side::Send, wc.wr_id);
-        self.inner.on_send(done, out);
-    }
-
-    fn on_recv(&mut self, done: &RecvDone<'_>, out: &mut Outbox<'_, W>) {
-        let wc = done.completion();
-        self.budget.complete(wc.qp_num, Side::Recv, wc.wr_id);
-        self.inner.on_recv(done, out);
-    }
-
-    fn on_error(&mut self, failed: &Failed<'_>, out: &mut Outbox<'_, W>) {
-        let wc = failed.completion();
-        self.budget.complete(wc.qp_num, failed.side(), wc.wr_id);
-        self.inner.on_error(failed, out);
     }
 }
 
@@ -525,41 +434,34 @@ mod tests {
     }
 
     #[test]
-    fn credits_unsignaled_return_with_next_completion() {
+    fn credits_are_all_or_nothing_and_come_back() {
         let opts = BudgetOptions {
             admission: false,
             credits: Some(4),
         };
         let b = CqBudget::new("cq", 4, opts);
-        b.take_send(1, &[10, 11, 12]).unwrap();
-        b.take_recv(1, 1).unwrap();
-        let err = b.take_send(1, &[13]).unwrap_err();
+        b.try_take(3).unwrap();
+        let err = b.try_take(2).unwrap_err();
         assert!(matches!(
             err,
             BudgetError::WouldOverflow {
-                needed: 1,
-                available: 0,
+                needed: 2,
+                available: 1,
                 limit: 4,
                 ..
             }
         ));
-        // 10 and 11 were unsignaled; 12's completion returns all three.
-        assert_eq!(b.complete(1, Side::Send, 12), 3);
-        assert_eq!(b.complete(1, Side::Recv, 99), 1);
-        assert_eq!(
-            b.complete(5, Side::Recv, 98),
-            0,
-            "an SRQ receive took no credit"
-        );
+        b.try_take(1).unwrap();
+        b.give_back(3);
         let s = b.snapshot();
         assert_eq!(
             (s.credits_in_use, s.credits_high_water, s.would_overflow),
-            (0, 4, 1)
+            (1, 4, 1)
         );
-        assert_eq!(b.complete(1, Side::Send, 12), 0, "already accounted");
-        b.take_send(2, &[1, 2]).unwrap();
-        b.untake(2, Side::Send, 2);
-        assert_eq!(b.snapshot().credits_in_use, 0);
+        let none = CqBudget::new("cq", 4, BudgetOptions::default());
+        none.try_take(100).unwrap();
+        none.give_back(100);
+        assert_eq!(none.credits_in_use(), 0, "no credits, no count");
     }
 
     #[test]

@@ -45,8 +45,10 @@ use crossbeam::queue::SegQueue;
 use parking_lot::Mutex;
 use std::sync::OnceLock;
 
+use crate::account::{AccountCache, QueueAccount};
 use crate::budget::{BudgetSnapshot, CqBudget};
 use crate::ledger::WrLedger;
+use crate::post::{self, PostRecv, PostSend, Refused};
 
 use crate::completion::{Completion, Status};
 use crate::handler::{Failed, Handler, Outbox, RecvDone, SendDone};
@@ -105,12 +107,14 @@ pub(crate) struct CqShared<W> {
     pub(crate) metrics: CqMetrics,
     pub(crate) doorbell: Arc<Doorbell>,
     pub(crate) closed: AtomicBool,
-    /// The CQ's budget, once attached: credits return as completions are
-    /// polled.
-    pub(crate) budget: OnceLock<CqBudget>,
-    /// The per-QP ledger of post times, once attached: entries retire as
-    /// completions are polled.
-    pub(crate) ledger: OnceLock<WrLedger>,
+    /// The CQ's budget, once attached (its counters join the snapshot;
+    /// overflow events are recorded in it). Shared with registrations,
+    /// whose first post attaches it.
+    pub(crate) budget: Arc<OnceLock<CqBudget>>,
+    /// The CQ's ledger of queue accounts, once attached: the poller
+    /// retires their entries and returns their credits as it polls.
+    /// Shared with registrations, whose first post attaches it.
+    pub(crate) ledger: Arc<OnceLock<WrLedger>>,
 }
 
 /// Makes the two halves of a CQ from a backend's source.
@@ -134,13 +138,14 @@ pub fn split<W: Send + 'static>(
         metrics: CqMetrics::default(),
         doorbell: Arc::new(doorbell),
         closed: AtomicBool::new(false),
-        budget: OnceLock::new(),
-        ledger: OnceLock::new(),
+        budget: Arc::default(),
+        ledger: Arc::default(),
     });
     let poller = CqPoller {
         source: Box::new(source),
         shared: Arc::clone(&shared),
         slab: Slab::default(),
+        account_cache: AccountCache::default(),
         buf: vec![Completion::default(); batch],
         options,
         _not_sync: PhantomData,
@@ -154,6 +159,8 @@ pub struct CqPoller<W> {
     pub(crate) source: Box<dyn CompletionSource>,
     pub(crate) shared: Arc<CqShared<W>>,
     slab: Slab<W>,
+    /// Queue accounts by (qp_num, side), poller-local.
+    account_cache: AccountCache,
     buf: Vec<Completion>,
     pub(crate) options: CqOptions,
     _not_sync: PhantomData<Cell<()>>,
@@ -211,6 +218,7 @@ impl<W: Send + 'static> CqPoller<W> {
         dispatch_batch(
             &self.shared,
             &mut self.slab,
+            &mut self.account_cache,
             &self.options,
             &self.buf[..n],
             out,
@@ -309,7 +317,7 @@ impl<W: Send + 'static> CqPoller<W> {
     /// holds.
     pub fn accounts(&self) -> crate::ledger::ShutdownReport {
         let mut report = crate::ledger::ShutdownReport::from_ledgers(
-            self.slab.iter().map(|(key, e)| (key, &*e.ledger, None)),
+            self.slab.iter().map(|(key, e)| (key, &*e.ledger)),
         );
         if let Some(l) = self.shared.ledger.get() {
             report.stuck = l.scan(Instant::now(), std::time::Duration::ZERO);
@@ -384,17 +392,17 @@ fn retire<W>(shared: &CqShared<W>, slab: &mut Slab<W>, key: HandlerKey) {
 fn dispatch_batch<W: 'static>(
     shared: &CqShared<W>,
     slab: &mut Slab<W>,
+    accounts: &mut AccountCache,
     options: &CqOptions,
     wcs: &[Completion],
     out: &mut VecDeque<Routed<W>>,
 ) {
-    // Every polled entry whose wr_id decodes has left the CQ, whatever its
-    // dispatch finds (stale included): return its credit and retire its
-    // ledger entry first, in one pass that a CQ without them skips.
-    let budget = shared.budget.get().filter(|b| b.has_credits());
-    let ledger = shared.ledger.get();
-    if budget.is_some() || ledger.is_some() {
-        account_hooks(budget, ledger, wcs);
+    // Every polled entry has left the CQ, whatever its dispatch finds
+    // (stale included): retire what it covers in its queue's account and
+    // return those credits first, in one pass that a CQ without queue
+    // accounts skips.
+    if let Some(ledger) = shared.ledger.get() {
+        account_hooks(shared, slab, accounts, ledger, wcs);
     }
     let mut next = 0;
     while next < wcs.len() {
@@ -475,18 +483,31 @@ fn complete<W: 'static>(
     }
 }
 
-#[cold]
+/// The accounting pass of one batch (see [`crate::account`]): retires
+/// queue-account entries and returns their credits, then counts each
+/// unsignaled request retired by a later completion as completed for its
+/// own handler.
 #[inline(never)]
-fn account_hooks(budget: Option<&CqBudget>, ledger: Option<&WrLedger>, wcs: &[Completion]) {
-    for wc in wcs {
-        let Ok(id) = WrId::decode(wc.wr_id) else {
+fn account_hooks<W>(
+    shared: &CqShared<W>,
+    slab: &mut Slab<W>,
+    accounts: &mut AccountCache,
+    ledger: &WrLedger,
+    wcs: &[Completion],
+) {
+    accounts.account_batch(ledger, wcs);
+    for &wr_id in &accounts.silent {
+        let Ok(id) = WrId::decode(wr_id) else {
             continue;
         };
-        if let Some(budget) = budget {
-            budget.complete(wc.qp_num, id.kind.side(), wc.wr_id);
+        if slab.get_mut(id.key).is_none() && !shared.commands.is_empty() {
+            apply_commands(shared, slab);
         }
-        if let Some(ledger) = ledger {
-            ledger.retire(wc.qp_num, id.kind.side(), wc.wr_id);
+        if let Some(entry) = slab.get_mut(id.key) {
+            entry.ledger.add_completed(id.kind);
+            if entry.retiring {
+                retire_if_drained(shared, slab, id.key);
+            }
         }
     }
 }
@@ -666,7 +687,13 @@ impl<W: Send + 'static> CqHandle<W> {
         m.handlers_live.fetch_add(1, Ordering::Relaxed);
         m.registrations.fetch_add(1, Ordering::Relaxed);
         self.shared.doorbell.ring();
-        Ok(Registration { key, ledger })
+        Ok(Registration {
+            key,
+            ledger,
+            cq: Arc::from(self.shared.name.as_str()),
+            cq_budget: Arc::clone(&self.shared.budget),
+            cq_ledger: Arc::clone(&self.shared.ledger),
+        })
     }
 
     /// Retires a handler: it keeps receiving the completions of what it
@@ -701,10 +728,11 @@ impl<W: Send + 'static> CqHandle<W> {
         self.shared.budget.get().map(CqBudget::snapshot)
     }
 
-    /// Attaches the CQ's budget: from now on the poller returns credits as
-    /// it polls completions (every entry whose wr_id decodes, stale ones
-    /// included: they left the CQ too), and overflow events are recorded in
-    /// it. A CQ has one budget for life.
+    /// Attaches the CQ's budget: its counters join the CQ's snapshot and
+    /// overflow events are recorded in it. (Credits are returned through
+    /// the queue accounts, see [`attach_ledger`](Self::attach_ledger).) A
+    /// CQ has one budget for life. A backend's helper that makes a CQ
+    /// attaches it; so does the first post of a registration.
     ///
     /// # Errors
     /// Gives the budget back if one is already attached.
@@ -712,23 +740,35 @@ impl<W: Send + 'static> CqHandle<W> {
         self.shared.budget.set(budget)
     }
 
-    /// Attaches a per-QP ledger of post times: the poller retires its
-    /// entries as completions are polled, the poller's watchdog and the
-    /// stop report name what is still outstanding.
+    /// Attaches the CQ's ledger of queue accounts (the backend's, which
+    /// maps each QP whose completions come here to its queues' accounts):
+    /// the poller then retires their entries and returns their credits as
+    /// it polls, counts unsignaled sends completed when a later completion
+    /// covers them, and the watchdog and the stop report name what is
+    /// still outstanding. A backend's helper that makes a CQ attaches it;
+    /// so does the first post of a registration.
     ///
     /// # Errors
     /// Gives the ledger back if one is already attached.
     pub fn attach_ledger(&self, ledger: WrLedger) -> Result<(), WrLedger> {
+        if let Some(b) = ledger.budget() {
+            let _ = self.shared.budget.set(b.clone());
+        }
         self.shared.ledger.set(ledger)
     }
 }
 
-/// A registered handler's posting side: makes wr_ids and keeps the ledger of
-/// what was posted. Cloneable; use it from any thread that posts.
+/// A registered handler's posting side: posts work requests with every
+/// account kept, in one call ([`post_send`](Self::post_send),
+/// [`post_recv`](Self::post_recv)). Cloneable; use it from any thread that
+/// posts.
 #[derive(Debug, Clone)]
 pub struct Registration {
     key: HandlerKey,
     ledger: Arc<SlotLedger>,
+    cq: Arc<str>,
+    cq_budget: Arc<OnceLock<CqBudget>>,
+    cq_ledger: Arc<OnceLock<WrLedger>>,
 }
 
 impl Registration {
@@ -737,7 +777,88 @@ impl Registration {
         self.key
     }
 
-    /// A wr_id for a request of `kind` carrying `tag`.
+    /// Posts send-side requests on `qp`, in order, accounted (see
+    /// [`crate::post`]). Each request's wr_id field carries its tag on the
+    /// way in (at most [`MAX_TAG`](crate::wr_id::MAX_TAG)) and the encoded
+    /// wr_id on the way out. Tracks the handler's ledger and the send
+    /// queue's account, takes the CQ's credits, posts, and takes all of it
+    /// back for the requests that were not posted (whose wr_id fields get
+    /// their tags back).
+    ///
+    /// # Errors
+    /// The backend's error: a [`Refused`] (tag too large, no credits, the
+    /// queue's completions go to another CQ), or the backend's post error;
+    /// requests before the failed one were posted (verbs' `bad_wr`), the
+    /// others not (the simulated NIC posts all or nothing).
+    pub fn post_send<Q: PostSend + ?Sized>(
+        &self,
+        qp: &Q,
+        wrs: &mut [Q::Wr<'_>],
+    ) -> Result<(), Q::Error> {
+        post::post(
+            self,
+            qp.send_account(),
+            wrs,
+            crate::post::SendRequest::kind,
+            |w| qp.post_send_raw(w),
+        )
+    }
+
+    /// Posts receives on `queue` (a QP's receive queue or an SRQ), in
+    /// order, accounted, as [`post_send`](Self::post_send) does.
+    ///
+    /// # Errors
+    /// As [`post_send`](Self::post_send).
+    pub fn post_recv<Q: PostRecv + ?Sized>(
+        &self,
+        queue: &Q,
+        wrs: &mut [Q::Wr<'_>],
+    ) -> Result<(), Q::Error> {
+        post::post(
+            self,
+            queue.recv_account(),
+            wrs,
+            |_| OpKind::Recv,
+            |w| queue.post_recv_raw(w),
+        )
+    }
+
+    /// Attaches the queue's CQ ledger (and budget) to this handler's CQ if
+    /// it has none yet: the poller cannot miss the accounts of a queue
+    /// posted through it. Refuses a queue whose completions go elsewhere.
+    pub(crate) fn attach(&self, account: &QueueAccount) -> Result<(), Refused> {
+        let Some(weak) = &account.ledger else {
+            return Ok(()); // an SRQ: attached through its QPs
+        };
+        let ledger = match self.cq_ledger.get() {
+            Some(l) => l,
+            None => {
+                if let Some(inner) = weak.upgrade() {
+                    let l = WrLedger { inner };
+                    if let Some(b) = l.budget() {
+                        let _ = self.cq_budget.set(b.clone());
+                    }
+                    let _ = self.cq_ledger.set(l);
+                }
+                match self.cq_ledger.get() {
+                    Some(l) => l,
+                    None => return Ok(()),
+                }
+            }
+        };
+        if ledger.same(weak) {
+            Ok(())
+        } else {
+            Err(Refused::WrongCq {
+                handler: self.key,
+                cq: self.cq.to_string(),
+            })
+        }
+    }
+
+    /// The expert path, for adopting code that posts by itself: a wr_id
+    /// for a request of `kind` carrying `tag`. Such a post must be
+    /// [`track`](Self::track)ed; the posting call does all of this.
     ///
     /// # Errors
     /// [`WrIdError::TagTooLarge`].
@@ -746,21 +867,24 @@ impl Registration {
         self.key.wr_id(kind, tag)
     }
 
-    /// Records `n` requests of `kind` as posted. Call it *before* posting
-    /// (a completion can arrive before the post call returns) and
-    /// [`untrack`](Self::untrack) them if the post fails; the slot then
-    /// stays alive until each one has completed.
+    /// The expert path: records `n` requests of `kind` as posted in the
+    /// handler's ledger. Call it *before* posting (a completion can arrive
+    /// before the post call returns) and [`untrack`](Self::untrack) them if
+    /// the post fails; the slot then stays alive until each one has
+    /// completed. Unsignaled sends posted this way never complete unless
+    /// their queue's account also records them
+    /// ([`WrLedger::posted`]); prefer [`post_send`](Self::post_send).
     pub fn track(&self, kind: OpKind, n: u64) {
         self.ledger.add_posted(kind, n);
     }
 
-    /// Takes back `n` requests recorded by [`track`](Self::track) whose post
-    /// failed.
+    /// The expert path: takes back `n` requests recorded by
+    /// [`track`](Self::track) whose post failed.
     pub fn untrack(&self, kind: OpKind, n: u64) {
         self.ledger.sub_posted(kind, n);
     }
 
-    /// Posted and completed counts of this handler.
+    /// Posted, completed and flushed counts of this handler.
     pub fn ledger(&self) -> &SlotLedger {
         &self.ledger
     }

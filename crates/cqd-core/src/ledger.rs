@@ -1,35 +1,42 @@
 //! The outstanding-work ledger, its watchdog, and the shutdown report.
 //!
-//! Per handler and kind, the posted and completed counts live in the
-//! handler's [`SlotLedger`] (kept by [`Registration::track`](crate::cq::Registration::track) and the
-//! poller); this module does not count them again. It adds:
+//! Two accounts are kept of every request posted through the posting call
+//! ([`Registration::post_send`](crate::cq::Registration::post_send) and
+//! [`post_recv`](crate::cq::Registration::post_recv)):
 //!
-//! - [`WrLedger`]: per QP and side, a ring of (wr_id, post time) of the
-//!   requests outstanding. A send queue completes in order, so a completion
-//!   retires every entry up to its wr_id (the unsignaled requests before it
-//!   completed silently); a receive retires its own entry (SRQ receives may
-//!   complete out of order). The ring's front is the oldest outstanding
-//!   request: [`WrLedger::oldest`] is its age.
+//! - **Per handler and kind**, the handler's [`SlotLedger`]: `posted`,
+//!   `completed` and `flushed`. One meaning everywhere: **completed counts
+//!   every completion — successes, errors and flushes — and flushed is the
+//!   subset of completed that came back with a flush error.** An unsignaled
+//!   send that succeeded has no completion of its own; it counts completed
+//!   when the signaled completion after it on its send queue is polled. A
+//!   handler's outstanding requests are `posted - completed`.
+//! - **Per queue**, a [`QueueAccount`]: the ring of (wr_id, post time,
+//!   credit taken) of the requests outstanding on that queue, in post order
+//!   (see [`crate::account`]). A CQ's [`WrLedger`] maps each QP (and side)
+//!   whose completions go to that CQ to its queue's account; the poller
+//!   retires entries as it polls, the watchdog reports the old ones.
+//!
 //! - The watchdog ([`WrLedger::scan`], or a [`Watchdog`] thread): every
 //!   request outstanding longer than a threshold is reported — a `tracing`
 //!   warning naming handler, QP and wr_id, and the `stuck` metric.
-//! - [`Accounted`]: a handler wrapper that retires ledger entries and counts
-//!   flushes per kind ([`FlushCounts`]) until the poller does both itself.
 //! - [`ShutdownReport`]: at the end, per handler and kind, posted ==
-//!   completed + flushed, or exactly what is missing and which requests are
-//!   stuck. [`drain`] polls until everything is resolved or a timeout.
+//!   completed, or exactly what is missing and which requests are stuck.
+//!   [`drain`] polls until everything is resolved or a timeout.
 
-use crate::sync::{AtomicBool, AtomicU64, Ordering};
-use std::collections::{HashMap, VecDeque};
+use crate::sync::{AtomicBool, Ordering};
+use std::collections::HashMap;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
 
-use crate::handler::{Failed, Handler, Outbox, RecvDone, SendDone};
+pub use crate::account::{Queue, QueueAccount};
+use crate::budget::CqBudget;
 use crate::slab::SlotLedger;
 use crate::wr_id::{HandlerKey, OpKind, Side, WrId};
 
@@ -76,108 +83,195 @@ pub struct LedgerSnapshot {
     pub scans: u64,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Entry {
-    wr_id: u64,
-    at: Instant,
-    reported: bool,
-}
-
+/// The shared part of a [`WrLedger`].
 #[derive(Debug, Default)]
-struct Inner {
-    rings: HashMap<(u32, bool), VecDeque<Entry>>,
-    stuck: u64,
-    scans: u64,
+pub(crate) struct LedgerInner {
+    /// The CQ's budget, which accounts opened here take credits from.
+    budget: Option<CqBudget>,
+    /// (qp_num, side) → the account of the queue whose completions carry
+    /// that QP number on that side. Read by the poller on a cache miss;
+    /// written when queues are made and destroyed.
+    queues: RwLock<HashMap<(u32, Side), Arc<QueueAccount>>>,
+    /// Moves on at every change of `queues`: pollers then empty their
+    /// caches.
+    epoch: AtomicU64,
+    stuck: AtomicU64,
+    scans: AtomicU64,
 }
 
-/// Per-QP rings of outstanding requests and their post times. Cloneable;
-/// posters record, the poller retires, the watchdog scans.
+/// The ledger of one CQ: which queue account each completion belongs to.
+/// Cloneable; every clone is the same ledger. The backend attaches a queue
+/// when it makes a QP or SRQ; the posting call and the poller keep the
+/// accounts; the watchdog scans them.
 #[derive(Debug, Clone, Default)]
 pub struct WrLedger {
-    inner: Arc<Mutex<Inner>>,
-}
-
-fn key(qp_num: u32, side: Side) -> (u32, bool) {
-    (qp_num, side == Side::Recv)
+    pub(crate) inner: Arc<LedgerInner>,
 }
 
 impl WrLedger {
-    /// An empty ledger.
+    /// An empty ledger whose queues take no credits.
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Records requests posted on QP `qp_num`'s `side` queue at `now`, in
-    /// post order. Call it before posting, and [`retire`](Self::retire)
-    /// them if the post fails.
-    pub fn posted(&self, qp_num: u32, side: Side, wr_ids: &[u64], now: Instant) {
-        let mut g = self.inner.lock();
-        let ring = g.rings.entry(key(qp_num, side)).or_default();
-        ring.extend(wr_ids.iter().map(|&wr_id| Entry {
-            wr_id,
-            at: now,
-            reported: false,
-        }));
+    /// An empty ledger whose queues take credits from `budget` (if it has
+    /// credits): the ledger of the CQ that budget belongs to.
+    pub fn with_budget(budget: CqBudget) -> Self {
+        WrLedger {
+            inner: Arc::new(LedgerInner {
+                budget: Some(budget),
+                ..LedgerInner::default()
+            }),
+        }
     }
 
-    /// Retires on a completion: on the send side every entry up to and
-    /// including `wr_id` (in-order completion), on the receive side that
-    /// entry alone. Returns the entries retired.
-    pub fn retire(&self, qp_num: u32, side: Side, wr_id: u64) -> usize {
-        let mut g = self.inner.lock();
-        let Some(ring) = g.rings.get_mut(&key(qp_num, side)) else {
-            return 0;
-        };
-        let Some(i) = ring.iter().position(|e| e.wr_id == wr_id) else {
-            return 0;
-        };
-        match side {
-            Side::Send => {
-                ring.drain(..=i);
-                i + 1
-            }
-            Side::Recv => {
-                ring.remove(i);
-                1
-            }
+    /// The budget accounts of this ledger take credits from.
+    pub fn budget(&self) -> Option<&CqBudget> {
+        self.inner.budget.as_ref()
+    }
+
+    pub(crate) fn same(&self, other: &Weak<LedgerInner>) -> bool {
+        std::ptr::eq(Arc::as_ptr(&self.inner), other.as_ptr())
+    }
+
+    pub(crate) fn epoch(&self) -> u64 {
+        self.inner.epoch.load(Ordering::Acquire)
+    }
+
+    fn changed(&self) {
+        self.inner.epoch.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Makes the account of QP `qp_num`'s send or receive queue, whose
+    /// completions go to this ledger's CQ, and attaches it.
+    pub fn open_queue(&self, qp_num: u32, queue: Queue) -> Arc<QueueAccount> {
+        let account = Arc::new(QueueAccount::new(
+            qp_num,
+            queue,
+            self.inner.budget.as_ref(),
+            Some(Arc::downgrade(&self.inner)),
+        ));
+        self.inner
+            .queues
+            .write()
+            .insert((qp_num, queue.side()), Arc::clone(&account));
+        self.changed();
+        account
+    }
+
+    /// Attaches QP `qp_num`, whose receives come from the SRQ of `srq`, to
+    /// that SRQ's account: its receive completions (which carry `qp_num`)
+    /// retire the SRQ's entries.
+    pub fn attach_srq_user(&self, qp_num: u32, srq: &Arc<QueueAccount>) {
+        self.inner
+            .queues
+            .write()
+            .insert((qp_num, Side::Recv), Arc::clone(srq));
+        self.changed();
+    }
+
+    /// Detaches `account` from (qp_num, side), if it is still the one
+    /// attached there.
+    pub(crate) fn detach(&self, qp_num: u32, side: Side, account: &Arc<QueueAccount>) {
+        let mut q = self.inner.queues.write();
+        if q.get(&(qp_num, side)).is_some_and(|a| Arc::ptr_eq(a, account)) {
+            q.remove(&(qp_num, side));
+            drop(q);
+            self.changed();
         }
+    }
+
+    /// The account completions of (qp_num, side) retire.
+    pub fn lookup(&self, qp_num: u32, side: Side) -> Option<Arc<QueueAccount>> {
+        self.inner.queues.read().get(&(qp_num, side)).cloned()
+    }
+
+    fn account(&self, qp_num: u32, side: Side) -> Arc<QueueAccount> {
+        if let Some(a) = self.lookup(qp_num, side) {
+            return a;
+        }
+        let queue = match side {
+            Side::Send => Queue::Send,
+            Side::Recv => Queue::Recv,
+        };
+        self.open_queue(qp_num, queue)
+    }
+
+    /// The expert path, for code that posts outside the posting call:
+    /// records requests posted on QP `qp_num`'s `side` queue at `now`, in
+    /// post order (opening an account for the queue if it has none). No
+    /// credit is taken. Record before posting; [`retire`](Self::retire)
+    /// them if the post fails.
+    pub fn posted(&self, qp_num: u32, side: Side, wr_ids: &[u64], now: Instant) {
+        let account = self.account(qp_num, side);
+        let mut ring = account.lock();
+        for &wr_id in wr_ids {
+            ring.push(wr_id, now, false);
+        }
+    }
+
+    /// Retires as the poller does for a completion of `wr_id`: on a send
+    /// queue every entry up to and including it, on a receive queue that
+    /// entry alone. Returns the entries retired. (Credits are given back;
+    /// handler ledgers are not touched.)
+    pub fn retire(&self, qp_num: u32, side: Side, wr_id: u64) -> usize {
+        let Some(account) = self.lookup(qp_num, side) else {
+            return 0;
+        };
+        let mut silent = Vec::new();
+        let mut ring = account.lock();
+        let (credits, found) = ring.retire(wr_id, &mut silent);
+        ring.give_back(credits);
+        silent.len() + usize::from(found)
     }
 
     /// Requests outstanding on one queue.
     pub fn outstanding(&self, qp_num: u32, side: Side) -> usize {
-        self.inner
-            .lock()
-            .rings
-            .get(&key(qp_num, side))
-            .map_or(0, VecDeque::len)
+        self.lookup(qp_num, side)
+            .map_or(0, |a| a.outstanding())
     }
 
     /// Age of the oldest request outstanding on one queue.
     pub fn oldest(&self, qp_num: u32, side: Side, now: Instant) -> Option<Duration> {
-        let g = self.inner.lock();
-        let ring = g.rings.get(&key(qp_num, side))?;
-        ring.iter()
-            .map(|e| now.saturating_duration_since(e.at))
-            .max()
+        self.lookup(qp_num, side)?.oldest(now)
+    }
+
+    /// Every distinct account, with a QP number and side it is attached
+    /// under (an SRQ's once).
+    fn accounts(&self) -> Vec<(u32, Side, Arc<QueueAccount>)> {
+        let q = self.inner.queues.read();
+        let mut seen: Vec<(u32, Side, Arc<QueueAccount>)> = Vec::with_capacity(q.len());
+        for (&(qp, side), a) in q.iter() {
+            if a.queue() == Queue::Srq && seen.iter().any(|(_, _, b)| Arc::ptr_eq(a, b)) {
+                continue;
+            }
+            seen.push((qp, side, Arc::clone(a)));
+        }
+        seen
     }
 
     /// Every request outstanding for at least `threshold`. Those not reported
     /// before are traced at warning level and counted as stuck.
     pub fn scan(&self, now: Instant, threshold: Duration) -> Vec<StuckWr> {
-        let mut g = self.inner.lock();
-        g.scans += 1;
+        self.inner.scans.fetch_add(1, Ordering::Relaxed);
         let mut out = Vec::new();
         let mut newly = 0;
-        for (&(qp_num, recv), ring) in g.rings.iter_mut() {
-            let side = if recv { Side::Recv } else { Side::Send };
-            for e in ring.iter_mut() {
+        for (qp_num, side, account) in self.accounts() {
+            let in_order = account.queue() == Queue::Send;
+            let mut ring = account.lock();
+            for e in ring.ring.iter_mut() {
                 let age = now.saturating_duration_since(e.at);
                 if age < threshold {
-                    if side == Side::Send {
+                    if in_order {
                         break; // later ones are younger
                     }
                     continue;
                 }
+                let qp_num = if account.queue() == Queue::Srq {
+                    account.number()
+                } else {
+                    qp_num
+                };
                 let stuck = StuckWr {
                     qp_num,
                     side,
@@ -195,23 +289,26 @@ impl WrLedger {
                 out.push(stuck);
             }
         }
-        g.stuck += newly;
+        self.inner.stuck.fetch_add(newly, Ordering::Relaxed);
         out.sort_by_key(|s| std::cmp::Reverse(s.age));
         out
     }
 
     /// A copy of the counters.
     pub fn snapshot(&self, now: Instant) -> LedgerSnapshot {
-        let g = self.inner.lock();
-        let all = g.rings.values().flatten();
+        let mut outstanding = 0;
+        let mut oldest_ns = 0;
+        for (_, _, a) in self.accounts() {
+            outstanding += a.outstanding() as u64;
+            if let Some(age) = a.oldest(now) {
+                oldest_ns = oldest_ns.max(age.as_nanos() as u64);
+            }
+        }
         LedgerSnapshot {
-            outstanding: g.rings.values().map(|r| r.len() as u64).sum(),
-            oldest_ns: all
-                .map(|e| now.saturating_duration_since(e.at).as_nanos() as u64)
-                .max()
-                .unwrap_or(0),
-            stuck: g.stuck,
-            scans: g.scans,
+            outstanding,
+            oldest_ns,
+            stuck: self.inner.stuck.load(Ordering::Relaxed),
+            scans: self.inner.scans.load(Ordering::Relaxed),
         }
     }
 }
@@ -261,72 +358,6 @@ impl Drop for Watchdog {
     }
 }
 
-/// Flush completions per kind of one handler.
-#[derive(Debug, Default)]
-pub struct FlushCounts([AtomicU64; OpKind::COUNT]);
-
-impl FlushCounts {
-    /// Flushes of `kind`.
-    pub fn get(&self, kind: OpKind) -> u64 {
-        self.0[kind.index()].load(Ordering::Relaxed)
-    }
-
-    fn add(&self, kind: OpKind) {
-        self.0[kind.index()].fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-/// A handler wrapper that retires [`WrLedger`] entries and counts flushes
-/// per kind, then calls the wrapped handler.
-#[derive(Debug)]
-pub struct Accounted<H> {
-    ledger: Option<WrLedger>,
-    flushes: Arc<FlushCounts>,
-    inner: H,
-}
-
-impl<H> Accounted<H> {
-    /// Wraps `inner`; `ledger`, if given, is retired on every completion.
-    pub fn new(ledger: Option<WrLedger>, inner: H) -> Self {
-        Accounted {
-            ledger,
-            flushes: Arc::default(),
-            inner,
-        }
-    }
-
-    /// The flush counts (share them with the shutdown report).
-    pub fn flushes(&self) -> Arc<FlushCounts> {
-        Arc::clone(&self.flushes)
-    }
-
-    fn retire(&self, qp_num: u32, side: Side, wr_id: u64) {
-        if let Some(l) = &self.ledger {
-            l.retire(qp_num, side, wr_id);
-        }
-    }
-}
-
-impl<W, H: Handler<W>> Handler<W> for Accounted<H> {
-    fn on_send(&mut self, d: &SendDone<'_>, out: &mut Outbox<'_, W>) {
-        self.retire(d.qp_num(), Side::Send, d.completion().wr_id);
-        self.inner.on_send(d, out);
-    }
-
-    fn on_recv(&mut self, d: &RecvDone<'_>, out: &mut Outbox<'_, W>) {
-        self.retire(d.qp_num(), Side::Recv, d.completion().wr_id);
-        self.inner.on_recv(d, out);
-    }
-
-    fn on_error(&mut self, f: &Failed<'_>, out: &mut Outbox<'_, W>) {
-        self.retire(f.qp_num(), f.side(), f.completion().wr_id);
-        if f.is_flush() {
-            self.flushes.add(f.kind());
-        }
-        self.inner.on_error(f, out);
-    }
-}
-
 /// One handler's account of one kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KindAccount {
@@ -335,18 +366,20 @@ pub struct KindAccount {
     /// The kind.
     #[serde(with = "kind_name")]
     pub kind: OpKind,
-    /// Requests posted (tracked).
+    /// Requests posted.
     pub posted: u64,
-    /// Requests completed, success or error, flushes excluded.
+    /// Requests completed: every completion, successes, errors and
+    /// flushes alike (and unsignaled sends retired by a later completion).
     pub completed: u64,
-    /// Requests flushed.
+    /// The completed requests that came back with a flush error (a subset
+    /// of `completed`).
     pub flushed: u64,
 }
 
 impl KindAccount {
-    /// Posted requests with no completion: `posted - (completed + flushed)`.
+    /// Posted requests with no completion yet: `posted - completed`.
     pub fn missing(&self) -> u64 {
-        self.posted.saturating_sub(self.completed + self.flushed)
+        self.posted.saturating_sub(self.completed)
     }
 }
 
@@ -385,29 +418,24 @@ pub struct ShutdownReport {
 }
 
 impl ShutdownReport {
-    /// The accounts of `handlers` (key, posted/completed ledger, and flush
-    /// counts kept by an [`Accounted`] wrapper; `None` reads the flushes
-    /// the poller counts in the [`SlotLedger`] itself).
+    /// The accounts of `handlers` (key and ledger).
     pub fn from_ledgers<'a>(
-        handlers: impl IntoIterator<Item = (HandlerKey, &'a SlotLedger, Option<&'a FlushCounts>)>,
+        handlers: impl IntoIterator<Item = (HandlerKey, &'a SlotLedger)>,
     ) -> Self {
         let mut accounts = Vec::new();
-        for (key, ledger, flushes) in handlers {
+        for (key, ledger) in handlers {
             for kind in OpKind::ALL {
                 let posted = ledger.posted(kind);
-                let done = ledger.completed(kind);
-                if posted == 0 && done == 0 {
+                let completed = ledger.completed(kind);
+                if posted == 0 && completed == 0 {
                     continue;
                 }
-                let flushed = flushes
-                    .map_or_else(|| ledger.flushed(kind), |f| f.get(kind))
-                    .min(done);
                 accounts.push(KindAccount {
                     handler: (key.slot(), key.generation()),
                     kind,
                     posted,
-                    completed: done - flushed,
-                    flushed,
+                    completed,
+                    flushed: ledger.flushed(kind),
                 });
             }
         }
@@ -417,7 +445,8 @@ impl ShutdownReport {
         }
     }
 
-    /// True when every posted request completed or was flushed.
+    /// True when every posted request completed (flushes included) and the
+    /// drain did not time out.
     pub fn is_balanced(&self) -> bool {
         self.accounts.iter().all(|a| a.missing() == 0) && !self.timed_out
     }
@@ -432,9 +461,10 @@ impl fmt::Display for ShutdownReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.is_balanced() {
             let n: u64 = self.accounts.iter().map(|a| a.posted).sum();
+            let flushed: u64 = self.accounts.iter().map(|a| a.flushed).sum();
             return write!(
                 f,
-                "all {n} requests accounted for (waited {:?})",
+                "all {n} requests completed, {flushed} of them flushed (waited {:?})",
                 self.waited
             );
         }
@@ -447,7 +477,7 @@ impl fmt::Display for ShutdownReport {
         for a in self.missing() {
             writeln!(
                 f,
-                "  handler {}#{} {}: posted {}, completed {}, flushed {}, missing {}",
+                "  handler {}#{} {}: posted {}, completed {} ({} flushed), missing {}",
                 a.handler.0,
                 a.handler.1,
                 a.kind,
@@ -467,15 +497,15 @@ impl fmt::Display for ShutdownReport {
 /// Step 3 of the shutdown protocol: calls `poll` until no handler has
 /// outstanding requests, or `timeout` passes; then reports. `ledger`, if
 /// given, names the requests still stuck.
-pub fn drain<'a>(
-    handlers: &[(HandlerKey, &'a SlotLedger, Option<&'a FlushCounts>)],
+pub fn drain(
+    handlers: &[(HandlerKey, &SlotLedger)],
     ledger: Option<&WrLedger>,
     timeout: Duration,
     mut poll: impl FnMut(),
 ) -> ShutdownReport {
     let start = Instant::now();
     let mut timed_out = false;
-    while handlers.iter().any(|(_, l, _)| l.outstanding() > 0) {
+    while handlers.iter().any(|(_, l)| l.outstanding() > 0) {
         if start.elapsed() >= timeout {
             timed_out = true;
             break;
@@ -526,9 +556,8 @@ mod tests {
         ledger.add_posted(OpKind::Send, 3);
         ledger.add_completed(OpKind::Send);
         ledger.add_completed(OpKind::Send);
-        let flushes = FlushCounts::default();
-        flushes.add(OpKind::Send);
-        let r = ShutdownReport::from_ledgers([(key, &ledger, Some(&flushes))]);
+        ledger.add_flushed(OpKind::Send);
+        let r = ShutdownReport::from_ledgers([(key, &ledger)]);
         assert!(!r.is_balanced());
         assert_eq!(
             r.accounts[0],
@@ -536,13 +565,14 @@ mod tests {
                 handler: (3, 1),
                 kind: OpKind::Send,
                 posted: 3,
-                completed: 1,
+                completed: 2,
                 flushed: 1
             }
         );
-        assert!(r.to_string().contains("missing 1"), "{r}");
+        assert!(r.to_string().contains("completed 2 (1 flushed), missing 1"), "{r}");
         ledger.add_completed(OpKind::Send);
-        let r = ShutdownReport::from_ledgers([(key, &ledger, Some(&flushes))]);
+        let r = ShutdownReport::from_ledgers([(key, &ledger)]);
         assert!(r.is_balanced(), "{r}");
+        assert!(r.to_string().contains("all 3 requests completed, 1 of them flushed"), "{r}");
     }
 }

@@ -29,6 +29,7 @@
 //!
 //! The `cqd` facade crate has a runnable tour on the simulated NIC.
 
+pub mod account;
 pub mod budget;
 pub mod completion;
 pub mod cq;
@@ -37,6 +38,7 @@ pub mod ledger;
 pub mod metrics;
 pub mod mode;
 pub mod poller;
+pub mod post;
 pub mod pool;
 pub mod shutdown;
 pub mod sink;
@@ -49,14 +51,15 @@ pub mod topology;
 pub mod wr_id;
 
 pub use budget::{
-    cq_depth_for, Admission, BudgetError, BudgetOptions, BudgetSnapshot, CqBudget, CreditReturn,
+    cq_depth_for, Admission, BudgetError, BudgetOptions, BudgetSnapshot, CqBudget,
 };
 pub use completion::{Completion, Opcode, Status, WcFlags};
 pub use cq::{split, CqHandle, CqOptions, CqPoller, Registration};
 pub use handler::{Failed, Handler, Outbox, RecvDone, SendDone};
 pub use ledger::{
-    drain, Accounted, FlushCounts, KindAccount, ShutdownReport, StuckWr, Watchdog, WrLedger,
+    drain, KindAccount, Queue, QueueAccount, ShutdownReport, StuckWr, Watchdog, WrLedger,
 };
+pub use post::{PostRecv, PostSend, Refused, SendRequest, WorkRequest};
 pub use mode::{Adaptive, PollMode};
 pub use poller::{PollerBuilder, PollerReport, PollerThread};
 pub use shutdown::{shutdown, SystemReport};

@@ -66,6 +66,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cqd_core::budget::{BudgetOptions, BudgetSnapshot, CqBudget};
+use cqd_core::ledger::WrLedger;
+use cqd_core::{split, CqHandle, CqOptions, CqPoller};
 use parking_lot::Mutex;
 
 use crate::cq::{sim_cq, Faults, SimCq, SimCqSource, MAX_CQE};
@@ -184,6 +186,7 @@ impl Device {
             inner: Arc::new(CqInner {
                 device: self.inner.id,
                 producer,
+                ledger: WrLedger::with_budget(budget.clone()),
                 budget,
             }),
         };
@@ -191,6 +194,29 @@ impl Device {
         cqs.retain(|w| w.strong_count() > 0);
         cqs.push(Arc::downgrade(&cq.inner));
         Ok((cq, source))
+    }
+
+    /// Makes a CQ ready for dispatch in one step: the NIC's side, and the
+    /// two halves of its poller (`cqd_core::split`) with the CQ's budget
+    /// and queue ledger already attached, so that the poller retires every
+    /// request posted through a registration and returns its credits.
+    ///
+    /// # Errors
+    /// As [`create_cq`](Self::create_cq); [`VerbsError::Split`] when the
+    /// poller's doorbell cannot be made.
+    pub fn create_dispatched_cq<W: Send + 'static>(
+        &self,
+        name: impl Into<String>,
+        cqe: u32,
+        config: CqConfig,
+        options: CqOptions,
+    ) -> Result<(Cq, CqPoller<W>, CqHandle<W>), VerbsError> {
+        let (cq, source) = self.create_cq(name, cqe, config)?;
+        let (poller, handle) = split::<W>(source, options)?;
+        // A fresh handle has neither attached: these cannot fail.
+        let _ = handle.attach_budget(cq.budget().clone());
+        let _ = handle.attach_ledger(cq.ledger().clone());
+        Ok((cq, poller, handle))
     }
 
     /// Simulates the device going away (hot unplug, a fatal firmware
@@ -255,6 +281,7 @@ pub(crate) struct CqInner {
     pub(crate) device: u32,
     pub(crate) producer: SimCq,
     pub(crate) budget: CqBudget,
+    pub(crate) ledger: WrLedger,
 }
 
 /// The NIC's side of a CQ: where QPs send their completions, with the CQ's
@@ -273,6 +300,12 @@ impl Cq {
     /// The CQ's budget.
     pub fn budget(&self) -> &CqBudget {
         &self.inner.budget
+    }
+
+    /// The CQ's ledger: the account of every queue whose completions come
+    /// here.
+    pub fn ledger(&self) -> &WrLedger {
+        &self.inner.ledger
     }
 
     /// The budget's counters.

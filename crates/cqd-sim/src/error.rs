@@ -3,6 +3,8 @@
 //! request of the list was queued.
 
 use cqd_core::budget::BudgetError;
+use cqd_core::post::Refused;
+use cqd_core::SourceError;
 
 use crate::cq::SimCqError;
 use crate::qp::QpState;
@@ -35,6 +37,9 @@ pub enum VerbsError {
     /// The CQ could not be made.
     #[error(transparent)]
     Cq(#[from] SimCqError),
+    /// The CQ could not be split into its poller and handle.
+    #[error(transparent)]
+    Split(#[from] SourceError),
     /// A QP state transition the RC state machine does not have.
     #[error("QP {qpn}: no transition from {from:?} to {to:?}")]
     BadTransition {
@@ -146,6 +151,10 @@ pub enum PostError {
     /// Credits are on and none is left (see `cqd_core::budget`).
     #[error(transparent)]
     Credits(#[from] BudgetError),
+    /// The posting call refused the list before posting (a tag too large,
+    /// a queue whose completions go to another CQ than the handler's).
+    #[error(transparent)]
+    Refused(Refused),
     /// The QP was destroyed.
     #[error("QP {qpn} was destroyed")]
     Destroyed {
@@ -158,4 +167,13 @@ pub enum PostError {
         /// The QP.
         qpn: u32,
     },
+}
+
+impl From<Refused> for PostError {
+    fn from(r: Refused) -> Self {
+        match r {
+            Refused::Credits(e) => PostError::Credits(e),
+            other => PostError::Refused(other),
+        }
+    }
 }

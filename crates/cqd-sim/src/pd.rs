@@ -4,6 +4,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
+use cqd_core::ledger::{Queue, QueueAccount};
 use parking_lot::Mutex;
 
 use crate::device::{Cq, Device};
@@ -182,6 +183,14 @@ impl Pd {
             }
         };
         st.next_qpn += 1;
+        let send_account = init.send_cq.ledger().open_queue(qpn, Queue::Send);
+        let recv_account = match init.srq {
+            Some(srq) => {
+                init.recv_cq.ledger().attach_srq_user(qpn, &srq.account);
+                Arc::clone(&srq.account)
+            }
+            None => init.recv_cq.ledger().open_queue(qpn, Queue::Recv),
+        };
         st.qps.insert(
             qpn,
             QpCtx {
@@ -211,6 +220,8 @@ impl Pd {
             fabric,
             qpn,
             device: Arc::clone(&self.device.inner),
+            send_account,
+            recv_account,
         })
     }
 
@@ -248,6 +259,10 @@ impl Pd {
             },
         );
         drop(st);
-        Ok(Srq { fabric, id })
+        Ok(Srq {
+            fabric,
+            id,
+            account: QueueAccount::srq(id),
+        })
     }
 }

@@ -7,13 +7,21 @@
 //! ERR accepts posts and completes them at once with `WR_FLUSH_ERR`, as
 //! hardware does, so a request posted during shutdown is never lost.
 //!
-//! Posting checks the whole list first — state, SGE counts, queue depth,
-//! credits — and queues nothing if any check fails.
+//! Posting checks the whole list first — state, SGE counts, queue depth —
+//! and queues nothing if any check fails. Applications post through
+//! `cqd_core::Registration::post_send` / `post_recv` (the [`PostSend`] and
+//! [`PostRecv`] implementations below), which keep every account and take
+//! the CQ's credits; [`Qp::post_send`] and [`Qp::post_recv`] are the raw
+//! posts under them.
 
 use std::time::Instant;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+
+use cqd_core::ledger::{Queue, QueueAccount};
+use cqd_core::post::{PostRecv, PostSend, SendRequest, WorkRequest};
+use cqd_core::OpKind;
 
 use crate::device::DeviceInner;
 use crate::engine::{due, Engine};
@@ -100,6 +108,11 @@ pub struct Qp {
     pub(crate) fabric: Fabric,
     pub(crate) qpn: u32,
     pub(crate) device: Arc<DeviceInner>,
+    /// The send queue's account (on the send CQ's ledger).
+    pub(crate) send_account: Arc<QueueAccount>,
+    /// The receive queue's account (on the receive CQ's ledger), or the
+    /// SRQ's.
+    pub(crate) recv_account: Arc<QueueAccount>,
 }
 
 impl Qp {
@@ -204,14 +217,14 @@ impl Qp {
         self.fabric.core.state.lock().enter_error(self.qpn);
     }
 
-    /// Posts send-side requests, in order. With the inline engine they
-    /// execute before this returns.
+    /// Posts send-side requests, in order, unaccounted (the raw post; see
+    /// the module documentation). With the inline engine they execute
+    /// before this returns.
     ///
     /// # Errors
     /// [`PostError::WrongState`], [`PostError::TooManySge`],
-    /// [`PostError::QueueFull`], [`PostError::Credits`],
-    /// [`PostError::Destroyed`], [`PostError::DeviceGone`]; nothing was
-    /// posted then.
+    /// [`PostError::QueueFull`], [`PostError::Destroyed`],
+    /// [`PostError::DeviceGone`]; nothing was posted then.
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), PostError> {
         self.present()?;
         let core = &self.fabric.core;
@@ -237,11 +250,6 @@ impl Qp {
             used,
             q.cap.max_send_wr,
         )?;
-        let budget = q.send_cq.budget().clone();
-        if budget.has_credits() {
-            let ids: Vec<u64> = wrs.iter().map(|w| w.wr_id).collect();
-            budget.take_send(qpn, &ids)?;
-        }
         let now = Instant::now();
         let in_error = q.state == QpState::Err;
         for wr in wrs {
@@ -283,13 +291,13 @@ impl Qp {
         Ok(())
     }
 
-    /// Posts receives, in order.
+    /// Posts receives, in order, unaccounted (the raw post).
     ///
     /// # Errors
     /// [`PostError::WrongState`] in RESET, [`PostError::HasSrq`],
     /// [`PostError::TooManySge`], [`PostError::QueueFull`],
-    /// [`PostError::Credits`], [`PostError::Destroyed`],
-    /// [`PostError::DeviceGone`]; nothing was posted then.
+    /// [`PostError::Destroyed`], [`PostError::DeviceGone`]; nothing was
+    /// posted then.
     pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
         self.present()?;
         let mut st = self.fabric.core.state.lock();
@@ -317,7 +325,6 @@ impl Qp {
             used,
             q.cap.max_recv_wr,
         )?;
-        q.recv_cq.budget().take_recv(qpn, wrs.len() as u32)?;
         q.rq.extend(wrs.iter().map(|w| PendingRecv {
             wr_id: w.wr_id,
             sges: w.sg_list.to_vec(),
@@ -330,8 +337,70 @@ impl Qp {
     }
 }
 
+impl WorkRequest for SendWr<'_> {
+    fn wr_id(&self) -> u64 {
+        self.wr_id
+    }
+
+    fn set_wr_id(&mut self, wr_id: u64) {
+        self.wr_id = wr_id;
+    }
+}
+
+impl SendRequest for SendWr<'_> {
+    fn kind(&self) -> OpKind {
+        match self.op {
+            WrOp::Send | WrOp::SendWithImm(_) => OpKind::Send,
+            WrOp::Write(_) | WrOp::WriteWithImm(..) => OpKind::Write,
+            WrOp::Read(_) => OpKind::Read,
+            WrOp::CompareSwap { .. } | WrOp::FetchAdd { .. } => OpKind::Atomic,
+        }
+    }
+}
+
+impl WorkRequest for RecvWr<'_> {
+    fn wr_id(&self) -> u64 {
+        self.wr_id
+    }
+
+    fn set_wr_id(&mut self, wr_id: u64) {
+        self.wr_id = wr_id;
+    }
+}
+
+/// The simulated NIC posts a list all or nothing: a failure posted none.
+impl PostSend for Qp {
+    type Wr<'a> = SendWr<'a>;
+    type Error = PostError;
+
+    fn send_account(&self) -> &QueueAccount {
+        &self.send_account
+    }
+
+    fn post_send_raw(&self, wrs: &[SendWr<'_>]) -> Result<(), (usize, PostError)> {
+        self.post_send(wrs).map_err(|e| (0, e))
+    }
+}
+
+impl PostRecv for Qp {
+    type Wr<'a> = RecvWr<'a>;
+    type Error = PostError;
+
+    fn recv_account(&self) -> &QueueAccount {
+        &self.recv_account
+    }
+
+    fn post_recv_raw(&self, wrs: &[RecvWr<'_>]) -> Result<(), (usize, PostError)> {
+        self.post_recv(wrs).map_err(|e| (0, e))
+    }
+}
+
 impl Drop for Qp {
     fn drop(&mut self) {
+        self.send_account.close();
+        if self.recv_account.queue() == Queue::Recv {
+            self.recv_account.close();
+        }
         let mut st = self.fabric.core.state.lock();
         st.enter_error(self.qpn);
         if let Some(q) = st.qps.get_mut(&self.qpn) {

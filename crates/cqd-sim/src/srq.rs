@@ -6,7 +6,11 @@
 //! (only the QP's own queues flush). A receive's slot is freed when its
 //! completion is polled, whichever CQ it went to.
 
+use std::sync::Arc;
 use std::time::Instant;
+
+use cqd_core::ledger::QueueAccount;
+use cqd_core::post::PostRecv;
 
 use crate::error::PostError;
 use crate::fabric::Fabric;
@@ -19,6 +23,9 @@ use crate::state::PendingRecv;
 pub struct Srq {
     pub(crate) fabric: Fabric,
     pub(crate) id: u32,
+    /// What is outstanding on the SRQ, for the posting call and the
+    /// pollers of the CQs of the QPs that draw on it.
+    pub(crate) account: Arc<QueueAccount>,
 }
 
 impl Srq {
@@ -39,7 +46,10 @@ impl Srq {
         st.srqs.get(&self.id).map_or(0, |s| s.users)
     }
 
-    /// Posts receives, in order.
+    /// Posts receives, in order, unaccounted: the raw post under
+    /// `Registration::post_recv` (the [`PostRecv`] implementation), which
+    /// is how applications post. Receives posted here directly are not in
+    /// the SRQ's account.
     ///
     /// Credits are not taken for SRQ receives (their CQ is known only when a
     /// QP consumes them); admission covers them, counted once per CQ.
@@ -82,8 +92,22 @@ impl Srq {
     }
 }
 
+impl PostRecv for Srq {
+    type Wr<'a> = RecvWr<'a>;
+    type Error = PostError;
+
+    fn recv_account(&self) -> &QueueAccount {
+        &self.account
+    }
+
+    fn post_recv_raw(&self, wrs: &[RecvWr<'_>]) -> Result<(), (usize, PostError)> {
+        self.post_recv(wrs).map_err(|e| (0, e))
+    }
+}
+
 impl Drop for Srq {
     fn drop(&mut self) {
+        self.account.close();
         self.fabric.core.state.lock().srqs.remove(&self.id);
     }
 }

@@ -1,0 +1,311 @@
+//! Queue accounts: what is outstanding on one queue, in post order.
+//!
+//! Every queue a request can be posted to — a QP's send queue, a QP's
+//! receive queue, a shared receive queue — has one [`QueueAccount`]: a ring
+//! of (wr_id, post time, credit taken) under its own small lock. Nothing
+//! else is shared between the threads that post on a queue and the poller
+//! that completes it.
+//!
+//! 1. **Posting** (the posting call, [`crate::post`]): the poster locks the
+//!    account, takes the CQ credits, appends its requests, calls the
+//!    backend's post and, if the post fails, removes what was not posted —
+//!    all under the lock, so the ring's order is the queue's order even
+//!    with several posting threads, and the poller never sees a request
+//!    that the post then takes back.
+//! 2. **Completing** (the poller, once per batch): the poller finds the
+//!    account of each completion's queue through a poller-local cache
+//!    ([`AccountCache`]: qp_num and side → account, filled from the CQ's
+//!    [`WrLedger`] only on a miss), and locks each account once per run of
+//!    completions of that queue. A send-side completion retires every entry
+//!    up to and including its wr_id: send queues complete in order, so the
+//!    unsignaled requests before it completed silently. A receive retires
+//!    its own entry (an SRQ's receives are consumed in any order). The
+//!    credits of every retired entry go back to the CQ's budget, one atomic
+//!    subtraction per run.
+//! 3. **Silent completions**: the unsignaled requests retired by a later
+//!    completion are handed back to the dispatcher, which counts each one
+//!    completed in its own handler's ledger (and retires a retiring handler
+//!    whose ledger is then clean).
+//! 4. A completion whose wr_id no account holds (a raw post, a stale
+//!    request) retires nothing and is dispatched as any other.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Instant;
+
+use parking_lot::{Mutex, MutexGuard};
+
+use crate::budget::CqBudget;
+use crate::completion::Completion;
+use crate::ledger::{LedgerInner, WrLedger};
+use crate::wr_id::{Side, WrId};
+
+/// Which kind of queue an account is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Queue {
+    /// A QP's send queue: completes in order.
+    Send,
+    /// A QP's own receive queue.
+    Recv,
+    /// A shared receive queue: its receives complete on the CQ of the QP
+    /// that consumed them, with that QP's number, in any order.
+    Srq,
+}
+
+impl Queue {
+    /// The side of the completions of this queue.
+    pub fn side(self) -> Side {
+        match self {
+            Queue::Send => Side::Send,
+            Queue::Recv | Queue::Srq => Side::Recv,
+        }
+    }
+}
+
+/// One request outstanding on a queue.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Outstanding {
+    pub(crate) wr_id: u64,
+    pub(crate) at: Instant,
+    pub(crate) credit: bool,
+    pub(crate) reported: bool,
+}
+
+/// The account of one queue (see the module documentation). Made by the
+/// backend when it makes the queue ([`WrLedger::open_queue`],
+/// [`QueueAccount::srq`]); the posting call and the poller keep it.
+pub struct QueueAccount {
+    number: u32,
+    queue: Queue,
+    /// The CQ budget credits are taken from, if it has credits.
+    credits: Option<CqBudget>,
+    /// The CQ ledger this account is attached to (an SRQ's is attached to
+    /// one per consuming QP, so it names none).
+    pub(crate) ledger: Option<Weak<LedgerInner>>,
+    closed: AtomicBool,
+    ring: Mutex<VecDeque<Outstanding>>,
+}
+
+impl fmt::Debug for QueueAccount {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QueueAccount")
+            .field("number", &self.number)
+            .field("queue", &self.queue)
+            .field("credits", &self.credits.is_some())
+            .field("outstanding", &self.outstanding())
+            .finish()
+    }
+}
+
+impl QueueAccount {
+    pub(crate) fn new(
+        number: u32,
+        queue: Queue,
+        budget: Option<&CqBudget>,
+        ledger: Option<Weak<LedgerInner>>,
+    ) -> Self {
+        QueueAccount {
+            number,
+            queue,
+            credits: budget.filter(|b| b.has_credits()).cloned(),
+            ledger,
+            closed: AtomicBool::new(false),
+            ring: Mutex::new(VecDeque::new()),
+        }
+    }
+
+    /// The account of shared receive queue `srq_num`. Its receives take no
+    /// credits (their CQ is known only when a QP consumes them; admission
+    /// covers them). Attach it for each QP that draws on it with
+    /// [`WrLedger::attach_srq_user`].
+    pub fn srq(srq_num: u32) -> Arc<QueueAccount> {
+        Arc::new(QueueAccount::new(srq_num, Queue::Srq, None, None))
+    }
+
+    /// The queue's QP number (the SRQ's number for an SRQ).
+    pub fn number(&self) -> u32 {
+        self.number
+    }
+
+    /// The kind of queue.
+    pub fn queue(&self) -> Queue {
+        self.queue
+    }
+
+    /// Requests posted on the queue and not yet retired by a completion.
+    pub fn outstanding(&self) -> usize {
+        self.ring.lock().len()
+    }
+
+    /// Age of the oldest outstanding request.
+    pub fn oldest(&self, now: Instant) -> Option<std::time::Duration> {
+        self.ring
+            .lock()
+            .iter()
+            .map(|e| now.saturating_duration_since(e.at))
+            .max()
+    }
+
+    /// Marks the queue destroyed (the backend calls it when the queue
+    /// goes): it is detached from its CQ's ledger now if nothing is
+    /// outstanding, else by the poller once its last request is retired.
+    pub fn close(self: &Arc<Self>) {
+        let ring = self.ring.lock();
+        self.closed.store(true, Ordering::Release);
+        let drained = ring.is_empty();
+        drop(ring);
+        let ledger = self.ledger.as_ref().and_then(Weak::upgrade);
+        if let (true, Some(inner)) = (drained, ledger) {
+            WrLedger { inner }.detach(self.number, self.queue.side(), self);
+        }
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn lock(&self) -> Ring<'_> {
+        Ring {
+            account: self,
+            ring: self.ring.lock(),
+        }
+    }
+}
+
+/// A locked account.
+pub(crate) struct Ring<'a> {
+    account: &'a QueueAccount,
+    pub(crate) ring: MutexGuard<'a, VecDeque<Outstanding>>,
+}
+
+impl Ring<'_> {
+    /// Takes `n` credits if the queue's CQ has credits; returns whether it
+    /// did.
+    pub(crate) fn take_credits(&self, n: u32) -> Result<bool, crate::budget::BudgetError> {
+        match &self.account.credits {
+            Some(b) => b.try_take(n).map(|()| true),
+            None => Ok(false),
+        }
+    }
+
+    pub(crate) fn push(&mut self, wr_id: u64, at: Instant, credit: bool) {
+        self.ring.push_back(Outstanding {
+            wr_id,
+            at,
+            credit,
+            reported: false,
+        });
+    }
+
+    /// Takes back the last `n` entries (a post that failed part-way) and
+    /// their credits.
+    pub(crate) fn unpush(&mut self, n: usize) {
+        let keep = self.ring.len().saturating_sub(n);
+        let credits = self.ring.range(keep..).filter(|e| e.credit).count() as u64;
+        self.ring.truncate(keep);
+        self.give_back(credits);
+    }
+
+    pub(crate) fn give_back(&self, credits: u64) {
+        if let Some(b) = &self.account.credits {
+            b.give_back(credits);
+        }
+    }
+
+    /// Retires what the completion of `wr_id` covers (see the module
+    /// documentation); the wr_ids of send-queue entries before it, which
+    /// completed silently, are appended to `silent`. Returns the credits of
+    /// the retired entries (not yet given back) and whether anything was
+    /// retired.
+    pub(crate) fn retire(&mut self, wr_id: u64, silent: &mut Vec<u64>) -> (u64, bool) {
+        let Some(i) = self.ring.iter().position(|e| e.wr_id == wr_id) else {
+            return (0, false);
+        };
+        let mut credits = 0;
+        if self.account.queue == Queue::Send {
+            for e in self.ring.drain(..i) {
+                credits += u64::from(e.credit);
+                silent.push(e.wr_id);
+            }
+            if let Some(e) = self.ring.pop_front() {
+                credits += u64::from(e.credit);
+            }
+        } else if let Some(e) = self.ring.remove(i) {
+            credits += u64::from(e.credit);
+        }
+        (credits, true)
+    }
+}
+
+/// The poller's own map from (qp_num, side) to the queue's account, filled
+/// from the CQ's [`WrLedger`] on a miss (a miss is remembered too, so a
+/// queue nobody attached costs one map look-up per run). Emptied whenever
+/// the ledger's attachments change.
+#[derive(Default)]
+pub(crate) struct AccountCache {
+    epoch: u64,
+    map: HashMap<(u32, Side), Option<Arc<QueueAccount>>>,
+    /// Scratch: silently completed wr_ids of the current batch.
+    pub(crate) silent: Vec<u64>,
+}
+
+impl fmt::Debug for AccountCache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AccountCache")
+            .field("queues", &self.map.len())
+            .finish()
+    }
+}
+
+impl AccountCache {
+    fn get(&mut self, ledger: &WrLedger, qp_num: u32, side: Side) -> Option<Arc<QueueAccount>> {
+        self.map
+            .entry((qp_num, side))
+            .or_insert_with(|| ledger.lookup(qp_num, side))
+            .clone()
+    }
+
+    /// Step 2 of the module documentation for one batch: retires what each
+    /// completion covers, gives the credits back, and leaves the silently
+    /// completed wr_ids in `self.silent` for the dispatcher.
+    pub(crate) fn account_batch(&mut self, ledger: &WrLedger, wcs: &[Completion]) {
+        self.silent.clear();
+        let epoch = ledger.epoch();
+        if epoch != self.epoch {
+            self.map.clear();
+            self.epoch = epoch;
+        }
+        let mut i = 0;
+        while i < wcs.len() {
+            let wc = &wcs[i];
+            i += 1;
+            let Ok(id) = WrId::decode(wc.wr_id) else {
+                continue;
+            };
+            let (qp, side) = (wc.qp_num, id.kind.side());
+            let Some(account) = self.get(ledger, qp, side) else {
+                continue;
+            };
+            // One lock for the run of completions of this queue.
+            let mut ring = account.lock();
+            let (mut credits, _) = ring.retire(wc.wr_id, &mut self.silent);
+            while let Some(next) = wcs.get(i) {
+                match WrId::decode(next.wr_id) {
+                    Ok(n) if next.qp_num == qp && n.kind.side() == side => {
+                        credits += ring.retire(next.wr_id, &mut self.silent).0;
+                        i += 1;
+                    }
+                    _ => break,
+                }
+            }
+            ring.give_back(credits);
+            let drained = ring.ring.is_empty();
+            drop(ring);
+            if drained && account.is_closed() {
+                ledger.detach(qp, side, &account);
+            }
+        }
+    }
+}

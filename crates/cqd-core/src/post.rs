@@ -1,0 +1,201 @@
+//! Posting: one call, or it did not happen.
+//!
+//! The dispatcher's promises hold only if every post is accounted, so a post
+//! is one call on a handler's [`Registration`]:
+//! [`post_send`](Registration::post_send) or
+//! [`post_recv`](Registration::post_recv). It
+//!
+//! 1. encodes each request's wr_id: on the way in a work request's wr_id
+//!    field carries the caller's tag (at most
+//!    [`MAX_TAG`](crate::wr_id::MAX_TAG)); the call
+//!    replaces it with the wr_id that names the handler, the kind and the
+//!    tag;
+//! 2. records the requests as posted in the handler's ledger, per kind;
+//! 3. locks the queue's [`QueueAccount`], takes the CQ's credits and
+//!    appends the requests (wr_id, post time, credit) in post order;
+//! 4. calls the backend's post — still under the queue's lock, so that the
+//!    account's order is the queue's order whatever the number of posting
+//!    threads;
+//! 5. if the backend posted only the first `k` requests (verbs posts up to
+//!    `bad_wr`), takes back everything of the others: their entries, their
+//!    credits, their posted counts, and puts their tags back in their wr_id
+//!    fields, so the rest of the list can be posted again as it is.
+//!
+//! A completion can arrive before the post returns (an inline NIC, a fast
+//! one): it finds the handler's ledger already counting the request, and
+//! the poller waits for the queue's lock before retiring its entry.
+//!
+//! Backends implement [`PostSend`] (a QP's send queue) and [`PostRecv`] (a
+//! QP's receive queue, a shared receive queue); applications and tests are
+//! written once against these traits.
+//!
+//! The expert path — [`Registration::wr_id`], [`Registration::track`],
+//! [`WrLedger::posted`](crate::ledger::WrLedger::posted) — is for adopting
+//! code that already posts by itself; the posting call needs none of it.
+
+use std::time::Instant;
+
+use crate::account::QueueAccount;
+use crate::budget::BudgetError;
+use crate::cq::Registration;
+use crate::wr_id::{OpKind, WrIdError, TAG_MASK};
+
+/// What the posting call needs of a work request.
+pub trait WorkRequest {
+    /// The wr_id field.
+    fn wr_id(&self) -> u64;
+    /// Sets the wr_id field.
+    fn set_wr_id(&mut self, wr_id: u64);
+}
+
+/// What the posting call needs of a send-side work request.
+pub trait SendRequest: WorkRequest {
+    /// The operation, stored in the wr_id; it routes the completion (also
+    /// an error, whose opcode is undefined).
+    ///
+    /// Signaled or not, every request is recorded: an unsignaled one is
+    /// retired by the next completion of its send queue, or flushed.
+    fn kind(&self) -> OpKind;
+}
+
+/// Why the posting call refused a list before the backend saw it. Nothing
+/// of the list was posted or recorded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Refused {
+    /// A request's tag does not fit the wr_id.
+    #[error("work request {index}: {source}")]
+    Tag {
+        /// The request's index in the list.
+        index: usize,
+        /// The tag error.
+        #[source]
+        source: WrIdError,
+    },
+    /// Too few CQ credits are left.
+    #[error(transparent)]
+    Credits(#[from] BudgetError),
+    /// The queue's completions go to another CQ than the handler's: they
+    /// would never reach it.
+    #[error("the queue's completions go to another CQ than handler {handler}'s ({cq})")]
+    WrongCq {
+        /// The handler.
+        handler: crate::wr_id::HandlerKey,
+        /// The handler's CQ.
+        cq: String,
+    },
+}
+
+/// A queue that send-side requests are posted to: a QP's send queue.
+pub trait PostSend {
+    /// The backend's send work request.
+    type Wr<'a>: SendRequest;
+    /// The backend's post error; the posting call's refusals convert into
+    /// it.
+    type Error: From<Refused>;
+
+    /// The send queue's account.
+    fn send_account(&self) -> &QueueAccount;
+    /// Posts `wrs` in order, unaccounted. On failure returns how many
+    /// requests, from the front, were posted before it (verbs: those
+    /// before `bad_wr`), with the error.
+    ///
+    /// # Errors
+    /// The backend's.
+    fn post_send_raw(&self, wrs: &[Self::Wr<'_>]) -> Result<(), (usize, Self::Error)>;
+}
+
+/// A queue that receives are posted to: a QP's receive queue or a shared
+/// receive queue.
+pub trait PostRecv {
+    /// The backend's receive work request.
+    type Wr<'a>: WorkRequest;
+    /// The backend's post error; the posting call's refusals convert into
+    /// it.
+    type Error: From<Refused>;
+
+    /// The receive queue's account (an SRQ's, for a QP that draws on one).
+    fn recv_account(&self) -> &QueueAccount;
+    /// Posts `wrs` in order, unaccounted. On failure returns how many
+    /// requests, from the front, were posted before it, with the error.
+    ///
+    /// # Errors
+    /// The backend's.
+    fn post_recv_raw(&self, wrs: &[Self::Wr<'_>]) -> Result<(), (usize, Self::Error)>;
+}
+
+/// Puts the tags back in the wr_id fields of `wrs` (encoded by step 1).
+fn restore<R: WorkRequest>(wrs: &mut [R]) {
+    for wr in wrs {
+        wr.set_wr_id(wr.wr_id() & TAG_MASK);
+    }
+}
+
+/// Steps 1–5 of the module documentation for one list.
+pub(crate) fn post<R, E>(
+    reg: &Registration,
+    account: &QueueAccount,
+    wrs: &mut [R],
+    kind: impl Fn(&R) -> OpKind,
+    raw: impl FnOnce(&[R]) -> Result<(), (usize, E)>,
+) -> Result<(), E>
+where
+    R: WorkRequest,
+    E: From<Refused>,
+{
+    if wrs.is_empty() {
+        return Ok(());
+    }
+    reg.attach(account)?;
+    // 1. Encode.
+    let key = reg.key();
+    let mut per_kind = [0u64; OpKind::COUNT];
+    for index in 0..wrs.len() {
+        let wr = &mut wrs[index];
+        let k = kind(wr);
+        let tag = u32::try_from(wr.wr_id()).unwrap_or(u32::MAX);
+        match key.wr_id(k, tag) {
+            Ok(id) => wr.set_wr_id(id),
+            Err(source) => {
+                restore(&mut wrs[..index]);
+                return Err(Refused::Tag { index, source }.into());
+            }
+        }
+        per_kind[k.index()] += 1;
+    }
+    // 3. Lock the queue, take the credits.
+    let mut ring = account.lock();
+    let credit = match ring.take_credits(wrs.len() as u32) {
+        Ok(c) => c,
+        Err(e) => {
+            drop(ring);
+            restore(wrs);
+            return Err(Refused::Credits(e).into());
+        }
+    };
+    // 2. The handler's ledger counts them before any can complete.
+    let slot = reg.ledger();
+    for k in OpKind::ALL {
+        if per_kind[k.index()] > 0 {
+            slot.add_posted(k, per_kind[k.index()]);
+        }
+    }
+    let now = Instant::now();
+    for wr in wrs.iter() {
+        ring.push(wr.wr_id(), now, credit);
+    }
+    // 4. Post, under the queue's lock.
+    let Err((posted, err)) = raw(wrs) else {
+        return Ok(());
+    };
+    // 5. Take back what was not posted.
+    let posted = posted.min(wrs.len());
+    let rest = &mut wrs[posted..];
+    ring.unpush(rest.len());
+    drop(ring);
+    for wr in rest.iter() {
+        slot.sub_posted(kind(wr), 1);
+    }
+    restore(rest);
+    Err(err)
+}
