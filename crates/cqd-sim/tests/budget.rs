@@ -6,8 +6,8 @@ mod common;
 use std::collections::VecDeque;
 
 use common::{Log, Recorder};
-use cqd_core::budget::{cq_depth_for, BudgetError, BudgetOptions, CreditReturn};
-use cqd_core::{split, CqOptions, NoWork, OpKind};
+use cqd_core::budget::{cq_depth_for, BudgetError, BudgetOptions};
+use cqd_core::{CqOptions, NoWork, OpKind};
 use cqd_sim::{
     connect, Access, CqConfig, Device, PostError, QpCap, QpInit, RecvWr, SendWr, VerbsError, WrOp,
 };
@@ -102,8 +102,9 @@ fn an_srq_counts_once_per_cq() {
 #[test]
 fn with_admission_a_queue_cannot_overflow_its_cq() {
     let dev = Device::open("sim0");
-    let (cq, src) = dev.create_cq("cq", 24, CqConfig::default()).unwrap();
-    let (mut poller, handle) = split::<NoWork>(src, CqOptions::default()).unwrap();
+    let (cq, mut poller, handle) = dev
+        .create_dispatched_cq::<NoWork>("cq", 24, CqConfig::default(), CqOptions::default())
+        .unwrap();
     let log = Log::default();
     let reg = handle.register(Recorder(log.clone())).unwrap();
     let pd = dev.alloc_pd();
@@ -117,14 +118,11 @@ fn with_admission_a_queue_cannot_overflow_its_cq() {
     let mut posted = 0u64;
     // Post as fast as the queues allow, polling only now and then.
     for round in 0..200u32 {
-        let id = reg.wr_id(OpKind::Write, round).unwrap();
-        reg.track(OpKind::Write, 1);
-        let wr = SendWr::new(id, WrOp::Write(mr.remote(8)), &sge);
+        let wr = SendWr::new(u64::from(round), WrOp::Write(mr.remote(8)), &sge);
         let wr = if round % 3 == 0 { wr } else { wr.unsignaled() };
-        match a.post_send(&[wr]) {
+        match reg.post_send(&a, &mut [wr]) {
             Ok(()) => posted += 1,
             Err(PostError::QueueFull { depth: 8, .. }) => {
-                reg.untrack(OpKind::Write, 1);
                 poller.poll_once(&mut out).unwrap();
             }
             Err(e) => panic!("{e}"),
@@ -160,8 +158,9 @@ fn with_admission_off_a_too_small_cq_overflows_and_one_poll_reports_it() {
         },
         ..CqConfig::default()
     };
-    let (cq, src) = dev.create_cq("tiny", 4, config).unwrap();
-    let (mut poller, handle) = split::<NoWork>(src, CqOptions::default()).unwrap();
+    let (cq, mut poller, handle) = dev
+        .create_dispatched_cq::<NoWork>("tiny", 4, config, CqOptions::default())
+        .unwrap();
     let reg = handle.register(Recorder(Log::default())).unwrap();
     let pd = dev.alloc_pd();
     let a = pd.create_qp(&QpInit::new(&cq, &cq, cap(16, 16))).unwrap();
@@ -175,13 +174,8 @@ fn with_admission_off_a_too_small_cq_overflows_and_one_poll_reports_it() {
     let mr = pd.reg_mr(64, Access::ALL).unwrap();
     let sge = [mr.sge(0, 8)];
     for t in 0..8 {
-        reg.track(OpKind::Write, 1);
-        a.post_send(&[SendWr::new(
-            reg.wr_id(OpKind::Write, t).unwrap(),
-            WrOp::Write(mr.remote(0)),
-            &sge,
-        )])
-        .unwrap();
+        reg.post_send(&a, &mut [SendWr::new(t, WrOp::Write(mr.remote(0)), &sge)])
+            .unwrap();
     }
     let mut out = VecDeque::new();
     assert_eq!(poller.poll_once(&mut out).unwrap(), 4);
@@ -197,43 +191,38 @@ fn with_admission_off_a_too_small_cq_overflows_and_one_poll_reports_it() {
     assert_eq!(dev.fabric().stats().lost, 4);
 }
 
-#[test]
-fn credits_refuse_posts_that_could_overflow_and_come_back_with_completions() {
+fn credit_cq(cqe: u32, credits: u32) -> (cqd_sim::Cq, cqd_core::CqPoller<NoWork>, Log, cqd_core::Registration, cqd_sim::Qp, cqd_sim::Qp, cqd_sim::Mr) {
     let dev = Device::open("sim0");
     let config = CqConfig {
         budget: BudgetOptions {
             admission: false,
-            credits: Some(4),
+            credits: Some(credits),
         },
         ..CqConfig::default()
     };
-    let (cq, src) = dev.create_cq("cq", 4, config).unwrap();
-    let (mut poller, handle) = split::<NoWork>(src, CqOptions::default()).unwrap();
-    let log = Log::default();
-    let reg = handle
-        .register(CreditReturn::new(
-            cq.budget().clone(),
-            Recorder(log.clone()),
-        ))
+    let (cq, poller, handle) = dev
+        .create_dispatched_cq::<NoWork>("cq", cqe, config, CqOptions::default())
         .unwrap();
+    let log = Log::default();
+    let reg = handle.register(Recorder(log.clone())).unwrap();
     let pd = dev.alloc_pd();
     let a = pd.create_qp(&QpInit::new(&cq, &cq, cap(32, 32))).unwrap();
     let b = pd.create_qp(&QpInit::new(&cq, &cq, cap(32, 32))).unwrap();
     connect(&a, &b).unwrap();
     let mr = pd.reg_mr(64, Access::ALL).unwrap();
+    (cq, poller, log, reg, a, b, mr)
+}
+
+#[test]
+fn credits_refuse_posts_that_could_overflow_and_come_back_with_completions() {
+    let (cq, mut poller, log, reg, a, b, mr) = credit_cq(4, 4);
     let sge = [mr.sge(0, 8)];
-    let w = |t: u32| {
-        SendWr::new(
-            reg.wr_id(OpKind::Write, t).unwrap(),
-            WrOp::Write(mr.remote(0)),
-            &sge,
-        )
-    };
-    a.post_send(&[w(0).unsignaled(), w(1).unsignaled(), w(2)])
+    let w = |t: u64| SendWr::new(t, WrOp::Write(mr.remote(0)), &sge);
+    reg.post_send(&a, &mut [w(0).unsignaled(), w(1).unsignaled(), w(2)])
         .unwrap();
-    b.post_recv(&[RecvWr::new(reg.wr_id(OpKind::Recv, 3).unwrap(), &sge)])
-        .unwrap();
-    let err = a.post_send(&[w(4)]).unwrap_err();
+    reg.post_recv(&b, &mut [RecvWr::new(3, &sge)]).unwrap();
+    let mut four = [w(4)];
+    let err = reg.post_send(&a, &mut four).unwrap_err();
     assert!(
         matches!(
             err,
@@ -246,6 +235,7 @@ fn credits_refuse_posts_that_could_overflow_and_come_back_with_completions() {
         ),
         "{err}"
     );
+    assert_eq!(four[0].wr_id, 4, "a refused request gets its tag back");
     let s = cq.budget_snapshot();
     assert_eq!(
         (s.credits_in_use, s.credits_high_water, s.would_overflow),
@@ -258,7 +248,7 @@ fn credits_refuse_posts_that_could_overflow_and_come_back_with_completions() {
         1,
         "the signaled write returned the two unsignaled credits too"
     );
-    a.post_send(&[w(5), w(6), w(7)]).unwrap();
+    reg.post_send(&a, &mut [w(5), w(6), w(7)]).unwrap();
     a.force_error();
     b.force_error();
     while poller.poll_once(&mut out).unwrap() > 0 {}
@@ -268,7 +258,37 @@ fn credits_refuse_posts_that_could_overflow_and_come_back_with_completions() {
         "flushes return credits"
     );
     assert_eq!(cq.budget_snapshot().overflows, 0);
+    assert_eq!(reg.ledger().outstanding(), 0);
     drop(log);
+}
+
+/// Item: credits were returned twice (a handler wrapper and the poller).
+/// Now one mechanism returns each credit exactly once.
+#[test]
+fn each_receive_credit_comes_back_exactly_once() {
+    let (cq, mut poller, _log, reg, a, b, mr) = credit_cq(64, 16);
+    let sge = [mr.sge(0, 8)];
+    let mut recvs: Vec<_> = (0..6).map(|t| RecvWr::new(t, &sge)).collect();
+    reg.post_recv(&b, &mut recvs).unwrap();
+    assert_eq!(cq.budget_snapshot().credits_in_use, 6);
+    // Four sends consume four of the receives: 4 + 4 completions. Each
+    // send returns its own credit and each receive its own.
+    for t in 0..4 {
+        reg.post_send(&a, &mut [SendWr::new(10 + t, WrOp::Send, &sge)])
+            .unwrap();
+    }
+    let mut out = VecDeque::new();
+    let mut polled = 0;
+    while let Ok(n @ 1..) = poller.poll_once(&mut out) {
+        polled += n;
+    }
+    assert_eq!(polled, 8);
+    assert_eq!(
+        cq.budget_snapshot().credits_in_use,
+        2,
+        "6 receive credits taken, 4 receive completions polled"
+    );
+    assert_eq!(reg.ledger().completed(OpKind::Recv), 4);
 }
 
 #[test]

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use cqd_core::ledger::{drain, ShutdownReport};
 use cqd_core::{
-    split, CqHandle, Failed, Handler, OpKind, Outbox, PollMode, PollerBuilder, RecvDone,
+    CqHandle, Failed, Handler, OpKind, Outbox, PollMode, PollerBuilder, RecvDone,
     Registration, Routed, SendDone, Side, WorkSink,
 };
 use cqd_sim::{
@@ -197,12 +197,12 @@ impl Poster {
         let tag = t[e.table].len() as u32;
         t[e.table].push((kind, e.qp.qpn(), 0));
         drop(t);
-        let id = e.reg.wr_id(kind, tag).expect("tag");
-        e.reg.track(kind, 1);
         let r = if recv {
-            e.qp.post_recv(&[RecvWr::new(id, &sge)])
+            e.reg
+                .post_recv(&e.qp, &mut [RecvWr::new(u64::from(tag), &sge)])
         } else {
-            e.qp.post_send(&[SendWr::new(id, wrop, &sge)])
+            e.reg
+                .post_send(&e.qp, &mut [SendWr::new(u64::from(tag), wrop, &sge)])
         };
         if force {
             e.qp.force_error();
@@ -210,7 +210,6 @@ impl Poster {
         match r {
             Ok(()) => 1,
             Err(err) => {
-                e.reg.untrack(kind, 1);
                 self.tables.lock()[e.table].pop();
                 assert!(matches!(err, PostError::QueueFull { .. }), "{err}");
                 std::thread::yield_now();
@@ -262,17 +261,17 @@ fn schedule(mode: PollMode, seed: u64, target: u64) {
     };
     // Room for the live pairs plus the pairs being replaced.
     let cqe = (2 * PAIRS as u32) * 2 * DEPTH * 2;
-    let (cq, src) = dev
-        .create_cq(
+    let (cq, poller, handle) = dev
+        .create_dispatched_cq::<Item>(
             "cq",
             cqe,
             CqConfig {
                 faults,
                 ..CqConfig::default()
             },
+            Default::default(),
         )
         .unwrap();
-    let (poller, handle) = split::<Item>(src, Default::default()).unwrap();
     let tables: Tables = Arc::default();
     let violations = Arc::new(Mutex::new(Vec::new()));
     let sink = Slow {
@@ -317,7 +316,7 @@ fn schedule(mode: PollMode, seed: u64, target: u64) {
         .flat_map(|(a, b)| [a.reg.clone(), b.reg.clone()])
         .chain(p.retired.iter().cloned())
         .collect();
-    let handlers: Vec<_> = regs.iter().map(|r| (r.key(), r.ledger(), None)).collect();
+    let handlers: Vec<_> = regs.iter().map(|r| (r.key(), r.ledger())).collect();
     let report: ShutdownReport = drain(&handlers, None, Duration::from_secs(20), || {
         std::thread::sleep(Duration::from_millis(1))
     });

@@ -391,20 +391,10 @@ fn errors_reach_on_error_in_every_poll_mode() {
             .cq(poller)
             .spawn()
             .unwrap();
-        let track = |k| reg.track(k, 1);
-        track(OpKind::Recv);
-        b.post_recv(&[cqd_sim::RecvWr::new(
-            reg.wr_id(OpKind::Recv, 1).unwrap(),
-            &[mr_b.sge(0, 2)],
-        )])
-        .unwrap();
-        track(OpKind::Send);
-        a.post_send(&[SendWr::new(
-            reg.wr_id(OpKind::Send, 2).unwrap(),
-            WrOp::Send,
-            &[mr_a.sge(0, 8)],
-        )])
-        .unwrap();
+        reg.post_recv(&b, &mut [cqd_sim::RecvWr::new(1, &[mr_b.sge(0, 2)])])
+            .unwrap();
+        reg.post_send(&a, &mut [SendWr::new(2, WrOp::Send, &[mr_a.sge(0, 8)])])
+            .unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while reg.ledger().outstanding() > 0 && std::time::Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(1));
@@ -465,13 +455,8 @@ fn a_vanished_device_fails_its_polls_posts_and_peers() {
     ));
     assert_eq!(gsrc.take_async_event(), Some(AsyncEvent::DeviceFatal));
     // The peer's request to the vanished QP fails with a transport error.
-    reg.track(OpKind::Send, 1);
-    p.post_send(&[SendWr::new(
-        reg.wr_id(OpKind::Send, 5).unwrap(),
-        WrOp::Send,
-        &sge,
-    )])
-    .unwrap();
+    reg.post_send(&p, &mut [SendWr::new(5, WrOp::Send, &sge)])
+        .unwrap();
     let mut out = std::collections::VecDeque::new();
     ppoller.poll_once(&mut out).unwrap();
     assert_eq!(

@@ -203,10 +203,10 @@ fn unsignaled_sends_complete_silently_in_order() {
     assert_eq!(r.poll_all(), 1, "only the signaled one completes");
     assert_eq!(r.log.take()[0].tag, 5);
     assert_eq!(r.fabric.stats().executed, 6);
-    // The ledger counts the 5 unsignaled as outstanding: that is the
-    // caller's to untrack (they have no completion), as with hardware.
-    r.reg.untrack(OpKind::Write, 5);
+    // The signaled completion retired the 5 unsignaled writes before it
+    // (send queues complete in order): all 6 count completed.
     assert_eq!(r.reg.ledger().outstanding(), 0);
+    assert_eq!(r.reg.ledger().completed(OpKind::Write), 6);
     assert_eq!(r.a.state().unwrap(), QpState::Rts);
 }
 
@@ -248,22 +248,20 @@ fn a_list_that_fits_only_after_polling_reclaims_slots() {
     let s = [r.mr_a.sge(0, 8)];
     let remote = r.mr_b.remote(0);
     let reg = r.reg.clone();
-    let w = |t| {
-        SendWr::new(
-            reg.wr_id(OpKind::Write, t).unwrap(),
-            WrOp::Write(remote),
-            &s,
-        )
-    };
-    reg.track(OpKind::Write, 10);
-    let first: Vec<_> = (0..6).map(w).collect();
-    let three: Vec<_> = (6..9).map(w).collect();
-    let four: Vec<_> = (6..10).map(w).collect();
-    r.a.post_send(&first).unwrap();
-    assert!(r.a.post_send(&three).is_err(), "6 + 3 > 8 before polling");
+    let w = |t| SendWr::new(t, WrOp::Write(remote), &s);
+    let mut first: Vec<_> = (0..6).map(w).collect();
+    let mut three: Vec<_> = (6..9).map(w).collect();
+    let mut four: Vec<_> = (6..10).map(w).collect();
+    reg.post_send(&r.a, &mut first).unwrap();
+    assert!(
+        reg.post_send(&r.a, &mut three).is_err(),
+        "6 + 3 > 8 before polling"
+    );
     r.poll_all();
-    r.a.post_send(&four).unwrap();
+    reg.post_send(&r.a, &mut four).unwrap();
     assert_eq!(r.poll_all(), 4);
+    assert_eq!(reg.ledger().posted(OpKind::Write), 10);
+    assert_eq!(reg.ledger().outstanding(), 0);
 }
 
 #[test]

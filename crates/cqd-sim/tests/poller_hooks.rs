@@ -1,6 +1,6 @@
 //! The budget, ledger and shutdown account wired into the poller itself
-//! (no handler wrappers): credits come back as the poller polls, the
-//! ledger retires as it polls, and a stop flushes and accounts for every
+//! (no handler wrappers): credits come back as the poller polls, the queue
+//! accounts retire as it polls, and a stop flushes and accounts for every
 //! request, or names what is missing.
 
 mod common;
@@ -24,12 +24,11 @@ fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     cond()
 }
 
-/// The shared rig (two connected QPs on one CQ, a recording handler) with
-/// a ledger attached to the CQ.
+/// The shared rig (two connected QPs on one CQ, a recording handler), and
+/// the CQ's ledger (attached by `create_dispatched_cq`).
 fn rig(cqe: u32, config: CqConfig) -> (Rig, WrLedger) {
     let r = Rig::with(Fabric::inline(), QpCap::default(), cqe, config);
-    let ledger = WrLedger::new();
-    r.handle.attach_ledger(ledger.clone()).unwrap();
+    let ledger = r.cq.ledger().clone();
     (r, ledger)
 }
 
@@ -44,7 +43,10 @@ fn the_poller_returns_credits_and_retires_the_ledger() {
             ..CqConfig::default()
         };
         let (r, ledger) = rig(8, config);
-        r.handle.attach_budget(r.cq.budget().clone()).unwrap();
+        assert!(
+            r.handle.attach_budget(r.cq.budget().clone()).is_err(),
+            "the dispatched CQ has its budget"
+        );
         assert!(
             r.handle.attach_ledger(WrLedger::new()).is_err(),
             "one ledger per CQ"
@@ -59,18 +61,14 @@ fn the_poller_returns_credits_and_retires_the_ledger() {
         for round in 0..50u32 {
             // Two unsignaled writes and a signaled one: 3 credits, all
             // returned when the signaled completion is polled.
-            let ids: Vec<u64> = (0..3)
-                .map(|i| r.reg.wr_id(OpKind::Write, round * 3 + i).unwrap())
-                .collect();
-            r.reg.track(OpKind::Write, 1);
-            ledger.posted(r.a.qpn(), Side::Send, &ids, Instant::now());
-            let wrs = [
-                SendWr::new(ids[0], WrOp::Write(r.mr_a.remote(0)), &sge).unsignaled(),
-                SendWr::new(ids[1], WrOp::Write(r.mr_a.remote(0)), &sge).unsignaled(),
-                SendWr::new(ids[2], WrOp::Write(r.mr_a.remote(0)), &sge),
+            let t = u64::from(round * 3);
+            let mut wrs = [
+                SendWr::new(t, WrOp::Write(r.mr_a.remote(0)), &sge).unsignaled(),
+                SendWr::new(t + 1, WrOp::Write(r.mr_a.remote(0)), &sge).unsignaled(),
+                SendWr::new(t + 2, WrOp::Write(r.mr_a.remote(0)), &sge),
             ];
             // Credits run out while the poller lags: retry, never overflow.
-            while let Err(e) = r.a.post_send(&wrs) {
+            while let Err(e) = r.reg.post_send(&r.a, &mut wrs) {
                 assert!(matches!(e, cqd_sim::PostError::Credits(_)), "{e}");
                 std::thread::yield_now();
             }
@@ -114,16 +112,14 @@ fn stop_with_flush_accounts_for_every_request() {
         let sge = [r.mr_a.sge(0, 64)];
         // Receives nobody sends to: outstanding until flushed.
         for t in 0..5 {
-            let id = r.reg.wr_id(OpKind::Recv, t).unwrap();
-            r.reg.track(OpKind::Recv, 1);
-            ledger.posted(r.a.qpn(), Side::Recv, &[id], Instant::now());
-            r.a.post_recv(&[RecvWr::new(id, &sge)]).unwrap();
+            r.reg
+                .post_recv(&r.a, &mut [RecvWr::new(t, &sge)])
+                .unwrap();
         }
         // And work that completes.
         for t in 5..9 {
-            let id = r.reg.wr_id(OpKind::Write, t).unwrap();
-            r.reg.track(OpKind::Write, 1);
-            r.a.post_send(&[SendWr::new(id, WrOp::Write(r.mr_a.remote(0)), &sge)])
+            r.reg
+                .post_send(&r.a, &mut [SendWr::new(t, WrOp::Write(r.mr_a.remote(0)), &sge)])
                 .unwrap();
         }
         assert!(wait_until(Duration::from_secs(5), || r.log.0.lock().len() == 4));
@@ -135,7 +131,7 @@ fn stop_with_flush_accounts_for_every_request() {
             .iter()
             .find(|k| k.kind == OpKind::Recv)
             .unwrap();
-        assert_eq!((recv.posted, recv.completed, recv.flushed), (5, 0, 5));
+        assert_eq!((recv.posted, recv.completed, recv.flushed), (5, 5, 5));
         let write = acc
             .accounts
             .iter()
@@ -144,6 +140,7 @@ fn stop_with_flush_accounts_for_every_request() {
         assert_eq!((write.posted, write.completed, write.flushed), (4, 4, 0));
         assert!(acc.stuck.is_empty());
         assert!(!acc.timed_out);
+        assert_eq!(ledger.snapshot(Instant::now()).outstanding, 0);
     }
 }
 
@@ -151,13 +148,11 @@ fn stop_with_flush_accounts_for_every_request() {
 fn a_stop_that_times_out_names_what_is_missing() {
     let (r, ledger) = rig(256, CqConfig::default());
     let sge = [r.mr_a.sge(0, 8)];
-    let ids: Vec<u64> = (0..3)
-        .map(|t| r.reg.wr_id(OpKind::Recv, t).unwrap())
-        .collect();
-    r.reg.track(OpKind::Recv, 3);
-    ledger.posted(r.a.qpn(), Side::Recv, &ids, Instant::now());
-    for id in &ids {
-        r.a.post_recv(&[RecvWr::new(*id, &sge)]).unwrap();
+    let mut ids = Vec::new();
+    for t in 0..3 {
+        let mut wr = [RecvWr::new(t, &sge)];
+        r.reg.post_recv(&r.a, &mut wr).unwrap();
+        ids.push(wr[0].wr_id);
     }
     let thread = PollerBuilder::new("t", NoSink)
         .mode(PollMode::Event)
@@ -175,8 +170,10 @@ fn a_stop_that_times_out_names_what_is_missing() {
     let missing: Vec<_> = acc.missing().collect();
     assert_eq!(missing.len(), 1);
     assert_eq!((missing[0].kind, missing[0].missing()), (OpKind::Recv, 3));
-    let stuck: Vec<u64> = acc.stuck.iter().map(|s| s.wr_id).collect();
+    let mut stuck: Vec<u64> = acc.stuck.iter().map(|s| s.wr_id).collect();
+    stuck.sort_unstable();
     assert_eq!(stuck, ids, "the report names each stuck request");
+    assert!(acc.stuck.iter().all(|s| s.side == Side::Recv));
     let text = acc.to_string();
     assert!(text.contains("missing 3"), "{text}");
     assert!(

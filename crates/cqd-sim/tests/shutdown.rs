@@ -8,14 +8,13 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use common::{Log, Recorder};
-use cqd_core::ledger::{drain, Accounted, Watchdog, WrLedger};
-use cqd_core::{split, CqOptions, CqPoller, NoWork, OpKind, Registration, Side};
+use cqd_core::ledger::{drain, Watchdog, WrLedger};
+use cqd_core::{CqOptions, CqPoller, NoWork, OpKind, Registration, Side};
 use cqd_sim::{connect, Access, CqConfig, Device, Mr, Qp, QpCap, QpInit, RecvWr, SendWr, WrOp};
 
 struct Server {
     poller: CqPoller<NoWork>,
     reg: Registration,
-    flushes: std::sync::Arc<cqd_core::FlushCounts>,
     ledger: WrLedger,
     a: Qp,
     b: Qp,
@@ -25,12 +24,11 @@ struct Server {
 
 fn server() -> Server {
     let dev = Device::open("sim0");
-    let (cq, src) = dev.create_cq("cq", 256, CqConfig::default()).unwrap();
-    let (poller, handle) = split::<NoWork>(src, CqOptions::default()).unwrap();
-    let ledger = WrLedger::new();
-    let h = Accounted::new(Some(ledger.clone()), Recorder(Log::default()));
-    let flushes = h.flushes();
-    let reg = handle.register(h).unwrap();
+    let (cq, poller, handle) = dev
+        .create_dispatched_cq::<NoWork>("cq", 256, CqConfig::default(), CqOptions::default())
+        .unwrap();
+    let ledger = cq.ledger().clone();
+    let reg = handle.register(Recorder(Log::default())).unwrap();
     let pd = dev.alloc_pd();
     let a = pd
         .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
@@ -43,7 +41,6 @@ fn server() -> Server {
     Server {
         poller,
         reg,
-        flushes,
         ledger,
         a,
         b,
@@ -57,19 +54,14 @@ impl Server {
     /// sends from `a` waiting for receives `b` never posts (rnr_retry 7).
     fn post_outstanding(&self) {
         let sge = [self.mr.sge(0, 64)];
-        let now = Instant::now();
         for t in 0..5 {
-            let id = self.reg.wr_id(OpKind::Recv, t).unwrap();
-            self.reg.track(OpKind::Recv, 1);
-            self.ledger.posted(self.a.qpn(), Side::Recv, &[id], now);
-            self.a.post_recv(&[RecvWr::new(id, &sge)]).unwrap();
+            self.reg
+                .post_recv(&self.a, &mut [RecvWr::new(t, &sge)])
+                .unwrap();
         }
         for t in 0..3 {
-            let id = self.reg.wr_id(OpKind::Send, t).unwrap();
-            self.reg.track(OpKind::Send, 1);
-            self.ledger.posted(self.a.qpn(), Side::Send, &[id], now);
-            self.a
-                .post_send(&[SendWr::new(id, WrOp::Send, &sge[..])])
+            self.reg
+                .post_send(&self.a, &mut [SendWr::new(t, WrOp::Send, &sge[..])])
                 .unwrap();
         }
     }
@@ -90,11 +82,11 @@ fn shutdown_with_outstanding_work_flushes_and_accounts_for_all_of_it() {
     s.a.force_error();
     s.b.force_error();
     // 3. poll until resolved.
-    let (key, slot, flushes) = (s.reg.key(), s.reg.ledger(), &*s.flushes);
+    let (key, slot) = (s.reg.key(), s.reg.ledger());
     let ledger = s.ledger.clone();
     let poller = &mut s.poller;
     let report = drain(
-        &[(key, slot, Some(flushes))],
+        &[(key, slot)],
         Some(&ledger),
         Duration::from_secs(5),
         || {
@@ -113,12 +105,14 @@ fn shutdown_with_outstanding_work_flushes_and_accounts_for_all_of_it() {
         .iter()
         .find(|a| a.kind == OpKind::Send)
         .unwrap();
-    assert_eq!((recv.posted, recv.completed, recv.flushed), (5, 0, 5));
-    assert_eq!((send.posted, send.completed, send.flushed), (3, 0, 3));
+    assert_eq!((recv.posted, recv.completed, recv.flushed), (5, 5, 5));
+    assert_eq!((send.posted, send.completed, send.flushed), (3, 3, 3));
     assert!(report.stuck.is_empty());
     assert_eq!(s.ledger.snapshot(Instant::now()).outstanding, 0);
     assert!(
-        report.to_string().contains("all 8 requests accounted for"),
+        report
+            .to_string()
+            .contains("all 8 requests completed, 8 of them flushed"),
         "{report}"
     );
 }
@@ -127,11 +121,11 @@ fn shutdown_with_outstanding_work_flushes_and_accounts_for_all_of_it() {
 fn a_drain_that_times_out_lists_what_is_stuck() {
     let mut s = server();
     s.post_outstanding();
-    let (key, slot, flushes) = (s.reg.key(), s.reg.ledger(), &*s.flushes);
+    let (key, slot) = (s.reg.key(), s.reg.ledger());
     let ledger = s.ledger.clone();
     let poller = &mut s.poller;
     let report = drain(
-        &[(key, slot, Some(flushes))],
+        &[(key, slot)],
         Some(&ledger),
         Duration::from_millis(30),
         || {

@@ -11,9 +11,10 @@ use cqd_sim::{connect, Access, CqConfig, Device, PostError, QpCap, QpInit, RecvW
 #[test]
 fn many_qps_share_one_srq_and_completions_name_the_qp() {
     let dev = Device::open("sim0");
-    let (cq, src) = dev.create_cq("server", 1024, CqConfig::default()).unwrap();
+    let (cq, mut poller, handle) = dev
+        .create_dispatched_cq::<NoWork>("server", 1024, CqConfig::default(), CqOptions::default())
+        .unwrap();
     let (ccq, _csrc) = dev.create_cq("clients", 1024, CqConfig::default()).unwrap();
-    let (mut poller, handle) = split::<NoWork>(src, CqOptions::default()).unwrap();
     let log = Log::default();
     let reg = handle.register(Recorder(log.clone())).unwrap();
     let pd = dev.alloc_pd();
@@ -39,11 +40,10 @@ fn many_qps_share_one_srq_and_completions_name_the_qp() {
     let wrs: Vec<_> = (0..8u32)
         .map(|i| [bufs.sge(u64::from(i) * 64, 64)])
         .collect();
-    let recvs: Vec<_> = (0..8u32)
-        .map(|i| RecvWr::new(reg.wr_id(OpKind::Recv, i).unwrap(), &wrs[i as usize]))
+    let mut recvs: Vec<_> = (0..8u32)
+        .map(|i| RecvWr::new(u64::from(i), &wrs[i as usize]))
         .collect();
-    reg.track(OpKind::Recv, 8);
-    srq.post_recv(&recvs).unwrap();
+    reg.post_recv(&srq, &mut recvs).unwrap();
     assert_eq!(srq.available(), 8);
     // Each client sends one message; each lands in the next SRQ receive.
     let msg = pd.reg_mr(8, Access::LOCAL_WRITE).unwrap();
@@ -82,11 +82,20 @@ fn many_qps_share_one_srq_and_completions_name_the_qp() {
         (evs[0].tag, evs[0].qp, evs[0].status),
         (4, pairs[1].0.qpn(), Status::Success)
     );
-    // A QP with an SRQ refuses receives of its own.
+    // Each QP's receive completions retired the SRQ's own account: 5
+    // consumed, 3 outstanding, whichever QP consumed them.
+    let account = cq.ledger().lookup(pairs[3].0.qpn(), Side::Recv).unwrap();
+    assert_eq!(account.outstanding(), 3);
+    assert_eq!(reg.ledger().outstanding(), 3);
+    // A QP with an SRQ refuses receives of its own, and the refused post
+    // leaves every account as it was.
+    let mut one = [RecvWr::new(1, &wrs[0])];
     assert!(matches!(
-        pairs[2].0.post_recv(&recvs[..1]),
+        reg.post_recv(&pairs[2].0, &mut one),
         Err(PostError::HasSrq { .. })
     ));
+    assert_eq!(one[0].wr_id, 1, "the tag is back in the wr_id field");
+    assert_eq!((account.outstanding(), reg.ledger().outstanding()), (3, 3));
 }
 
 #[test]

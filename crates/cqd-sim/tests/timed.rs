@@ -72,14 +72,14 @@ fn timed_engine_keeps_order_per_send_queue_through_a_poller_thread() {
     let sge = [mr_a.sge(0, 64)];
     let mut posted = 0u32;
     while posted < 2000 {
-        let id = reg.wr_id(OpKind::Write, posted).unwrap();
-        reg.track(OpKind::Write, 1);
-        match a.post_send(&[SendWr::new(id, WrOp::Write(mr_b.remote(0)), &sge)]) {
+        let mut wr = [SendWr::new(
+            u64::from(posted),
+            WrOp::Write(mr_b.remote(0)),
+            &sge,
+        )];
+        match reg.post_send(&a, &mut wr) {
             Ok(()) => posted += 1,
-            Err(_) => {
-                reg.untrack(OpKind::Write, 1);
-                std::thread::yield_now();
-            }
+            Err(_) => std::thread::yield_now(),
         }
     }
     let deadline = Instant::now() + Duration::from_secs(20);

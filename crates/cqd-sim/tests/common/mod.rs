@@ -6,8 +6,8 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use cqd_core::{
-    split, CqHandle, CqOptions, CqPoller, Failed, Handler, NoWork, OpKind, Opcode, Outbox,
-    RecvDone, Registration, SendDone, Side, Status,
+    CqHandle, CqOptions, CqPoller, Failed, Handler, NoWork, OpKind, Opcode, Outbox, RecvDone,
+    Registration, SendDone, SendRequest, Side, Status,
 };
 use cqd_sim::{
     connect, Access, Cq, CqConfig, Device, Fabric, Mr, Pd, PostError, Qp, QpCap, QpInit, RecvWr,
@@ -114,8 +114,9 @@ impl Rig {
 
     pub fn with(fabric: Fabric, cap: QpCap, cqe: u32, config: CqConfig) -> Rig {
         let dev = fabric.open_device("sim0", cqd_sim::DeviceAttr::default());
-        let (cq, source) = dev.create_cq("cq", cqe, config).unwrap();
-        let (poller, handle) = split::<NoWork>(source, CqOptions::default()).unwrap();
+        let (cq, poller, handle) = dev
+            .create_dispatched_cq::<NoWork>("cq", cqe, config, CqOptions::default())
+            .unwrap();
         let pd = dev.alloc_pd();
         let a = pd.create_qp(&QpInit::new(&cq, &cq, cap)).unwrap();
         let b = pd.create_qp(&QpInit::new(&cq, &cq, cap)).unwrap();
@@ -153,7 +154,8 @@ impl Rig {
         }
     }
 
-    /// Tracks, posts, untracks on failure.
+    /// Posts one request of `kind` (checked against its op) through the
+    /// posting call; `f` gets the tag to put in the wr_id field.
     pub fn send(
         &self,
         qp: &Qp,
@@ -161,17 +163,14 @@ impl Rig {
         tag: u32,
         f: impl FnOnce(u64) -> SendWr<'static>,
     ) -> Result<(), PostError> {
-        let wr = f(self.reg.wr_id(kind, tag).unwrap());
-        self.reg.track(kind, 1);
-        qp.post_send(&[wr])
-            .inspect_err(|_| self.reg.untrack(kind, 1))
+        let mut wr = [f(u64::from(tag))];
+        assert_eq!(wr[0].kind(), kind, "the op's kind");
+        self.reg.post_send(qp, &mut wr)
     }
 
     pub fn recv(&self, qp: &Qp, tag: u32, sges: &[Sge]) -> Result<(), PostError> {
-        let wr_id = self.reg.wr_id(OpKind::Recv, tag).unwrap();
-        self.reg.track(OpKind::Recv, 1);
-        qp.post_recv(&[RecvWr::new(wr_id, sges)])
-            .inspect_err(|_| self.reg.untrack(OpKind::Recv, 1))
+        self.reg
+            .post_recv(qp, &mut [RecvWr::new(u64::from(tag), sges)])
     }
 }
 
