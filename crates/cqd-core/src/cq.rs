@@ -203,6 +203,7 @@ pub fn split<W: Send + 'static>(
         buf: vec![Completion::default(); batch],
         options,
         finished: false,
+        in_error: false,
     };
     Ok((
         UnboundCq {
@@ -223,6 +224,8 @@ struct Core<W> {
     options: CqOptions,
     /// Set once the CQ was acknowledged and destroyed.
     finished: bool,
+    /// Set once the CQ was found in the error state (overflow).
+    in_error: bool,
 }
 
 impl<W> Core<W> {
@@ -385,10 +388,50 @@ impl<W: Send + 'static> CqPoller<W> {
     /// Requests a notification of the CQ's arm kind (see [`CqOptions::arm`]).
     ///
     /// # Errors
-    /// When the source fails.
+    /// When the source fails. [`SourceError::CqInError`] once the CQ is in
+    /// the error state ([`is_in_error`](Self::is_in_error)): it will never
+    /// notify again, and later calls return that error at once, without
+    /// asking the device.
     pub fn arm(&mut self) -> Result<(), SourceError> {
-        bump(&self.core.shared.metrics.0.arms, 1);
-        self.core.source.arm(self.core.options.arm)
+        if self.core.in_error {
+            return Err(SourceError::CqInError);
+        }
+        let m = &self.core.shared.metrics.0;
+        bump(&m.arms, 1);
+        match self.core.source.arm(self.core.options.arm) {
+            Ok(()) => Ok(()),
+            Err(SourceError::CqInError) => {
+                bump(&m.arm_errors, 1);
+                self.enter_error("the device refused to arm it");
+                Err(SourceError::CqInError)
+            }
+            Err(e) => {
+                bump(&m.arm_errors, 1);
+                Err(e)
+            }
+        }
+    }
+
+    /// True once the CQ is in the error state (an overflow): it is no
+    /// longer armed; what it still holds can be polled.
+    pub fn is_in_error(&self) -> bool {
+        self.core.in_error
+    }
+
+    /// Marks the CQ in error, once: a metric and one error-level trace.
+    #[cold]
+    fn enter_error(&mut self, why: &str) {
+        if std::mem::replace(&mut self.core.in_error, true) {
+            return;
+        }
+        self.core
+            .shared
+            .metrics
+            .0
+            .in_error
+            .store(1, Ordering::Relaxed);
+        tracing::error!(cq = %self.core.shared.name, why,
+            "CQ in the error state: no longer armed; its poller polls it once per wake timeout");
     }
 
     /// Takes pending notifications (non-blocking); they must be acked.
@@ -445,6 +488,7 @@ impl<W: Send + 'static> CqPoller<W> {
                     b.record_overflow();
                 }
                 tracing::error!(cq = %self.core.shared.name, capacity, lost, "CQ overflow: completions were lost");
+                self.enter_error("it overflowed");
             } else {
                 tracing::error!(cq = %self.core.shared.name, event = ?ev, "asynchronous event");
             }

@@ -44,6 +44,7 @@ use std::time::{Duration, Instant};
 
 use crate::cq::{CqPoller, UnboundCq};
 use crate::metrics::{bump, raise, CqSnapshot, PollerMetrics, PollerSnapshot};
+pub use crate::mode::MIN_WAKE_TIMEOUT;
 use crate::mode::{sleep_once, Idle, IdlePolicy, PollMode, SleepGroup, Slept};
 use crate::sink::{Routed, WorkSink};
 use crate::source::SourceError;
@@ -105,9 +106,12 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
         self
     }
 
-    /// The safety-net timeout of a sleep (default 100 ms).
+    /// The safety-net timeout of a sleep (default 100 ms). Below
+    /// [`MIN_WAKE_TIMEOUT`] [`spawn`](Self::spawn) refuses it
+    /// ([`PollerError::WakeTimeout`]) rather than quietly using another
+    /// value.
     pub fn wake_timeout(mut self, t: Duration) -> Self {
-        self.wake_timeout = t.max(Duration::from_micros(100));
+        self.wake_timeout = t;
         self
     }
 
@@ -163,6 +167,13 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
         if self.cqs.is_empty() {
             return Err(PollerError::NoCq { poller: self.name });
         }
+        if self.wake_timeout < MIN_WAKE_TIMEOUT {
+            return Err(PollerError::WakeTimeout {
+                poller: self.name,
+                given: self.wake_timeout,
+                min: MIN_WAKE_TIMEOUT,
+            });
+        }
         let stop = Arc::new(AtomicBool::new(false));
         let metrics = Arc::new(PollerMetrics::default());
         let doorbells: Vec<Arc<Doorbell>> = self.cqs.iter().map(UnboundCq::doorbell).collect();
@@ -187,6 +198,7 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
             round_events: Vec::new(),
             last_block: Duration::ZERO,
             failing: false,
+            sleep_failures: 0,
             last_scan: Instant::now(),
         };
         let setup = self.setup;
@@ -244,6 +256,16 @@ pub enum PollerError {
     NoCq {
         /// The poller.
         poller: String,
+    },
+    /// The wake timeout is below what the poller can honour.
+    #[error("poller {poller}: wake timeout {given:?} is below the minimum {min:?}")]
+    WakeTimeout {
+        /// The poller.
+        poller: String,
+        /// The timeout asked for.
+        given: Duration,
+        /// The smallest timeout a poller honours.
+        min: Duration,
     },
     /// The OS refused a thread.
     #[error("could not spawn poller {poller}: {source}")]
@@ -369,6 +391,7 @@ struct Group<W, S> {
     round_events: Vec<u32>,
     last_block: Duration,
     failing: bool,
+    sleep_failures: u64,
     last_scan: Instant,
 }
 
@@ -500,7 +523,12 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         let slept = match sleep_once(self, timeout) {
             Ok(s) => s,
             Err(e) => {
-                tracing::error!(error = %e, "sleep protocol failed; backing off one timeout");
+                // Traced at 1, 2, 4, 8… failures, as poll errors are.
+                self.sleep_failures += 1;
+                if self.sleep_failures.is_power_of_two() {
+                    tracing::error!(error = %e, failures = self.sleep_failures,
+                        "sleep protocol failed; backing off");
+                }
                 self.failing = true;
                 return;
             }
@@ -636,9 +664,18 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
 impl<W: Send + 'static, S: WorkSink<W>> SleepGroup for Group<W, S> {
     type Error = SourceError;
 
+    /// Arms every CQ not in error. A CQ in error (an overflow) is reported
+    /// once by [`CqPoller::arm`] and never armed again: the group sleeps on
+    /// the others, and the wake timeout polls it.
     fn arm_all(&mut self) -> Result<(), SourceError> {
         for cq in &mut self.cqs {
-            cq.arm()?;
+            if cq.is_in_error() {
+                continue;
+            }
+            match cq.arm() {
+                Ok(()) | Err(SourceError::CqInError) => {}
+                Err(e) => return Err(e),
+            }
         }
         Ok(())
     }

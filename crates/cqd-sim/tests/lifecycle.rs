@@ -88,3 +88,69 @@ fn destroy_then_drop_finishes_once() {
     assert_finished(&producer, &handle);
     assert_eq!(handle.snapshot().acks, 1, "acked once, not again on drop");
 }
+
+/// An overflowed CQ is reported once (error, metric, async event), then no
+/// longer armed: the poller sleeps its wake timeout instead of retrying the
+/// arm (and tracing an error) every few milliseconds.
+#[test]
+fn an_overflowed_cq_is_reported_once_then_only_polled_on_the_wake_timeout() {
+    use cqd_core::PollMode;
+    use std::time::Duration;
+    let (producer, source) = sim_cq("overflow", 4, Faults::default()).unwrap();
+    let (unbound, handle) = split::<NoWork>(source, CqOptions::default()).unwrap();
+    for _ in 0..4 {
+        recv(&producer, &handle).unwrap();
+    }
+    assert!(matches!(
+        recv(&producer, &handle),
+        Err(PushError::Overflow { capacity: 4 })
+    ));
+    let wake = Duration::from_millis(20);
+    let thread = PollerBuilder::new("overflowed", NoSink)
+        .mode(PollMode::Event)
+        .wake_timeout(wake)
+        .cq(unbound)
+        .spawn()
+        .unwrap();
+    let run = Duration::from_millis(400);
+    std::thread::sleep(run);
+    let report = thread.stop().unwrap();
+    let (cq, poller) = (&report.cqs[0], &report.poller);
+    assert!(cq.in_error, "the snapshot says the CQ is in error");
+    assert_eq!((cq.overflows, cq.async_events), (1, 1), "reported once");
+    assert_eq!(cq.completions, 4, "what the CQ held was still polled");
+    assert!(
+        cq.arm_errors <= 1,
+        "one refused arm at most, then never armed again: {}",
+        cq.arm_errors
+    );
+    // One sleep per wake timeout (plus slack for a noisy machine), not a
+    // back-off loop of one arm attempt every 2 ms (about 200 here).
+    let most = (run.as_millis() / wake.as_millis()) as u64 + 10;
+    assert!(
+        poller.loops <= most,
+        "{} poller loops in {run:?}, at most {most} expected",
+        poller.loops
+    );
+    assert!(poller.timeouts >= 5, "it slept on the wake timeout");
+}
+
+#[test]
+fn a_wake_timeout_the_poller_cannot_honour_is_refused() {
+    use cqd_core::poller::{PollerError, MIN_WAKE_TIMEOUT};
+    use std::time::Duration;
+    let (producer, source) = sim_cq("short", 16, Faults::default()).unwrap();
+    let (unbound, handle) = split::<NoWork>(source, CqOptions::default()).unwrap();
+    let err = PollerBuilder::new("short", NoSink)
+        .wake_timeout(Duration::from_micros(10))
+        .cq(unbound)
+        .spawn()
+        .unwrap_err();
+    assert!(
+        matches!(err, PollerError::WakeTimeout { given, min, .. }
+            if given == Duration::from_micros(10) && min == MIN_WAKE_TIMEOUT),
+        "{err}"
+    );
+    assert!(err.to_string().contains("below the minimum"), "{err}");
+    assert_finished(&producer, &handle);
+}
