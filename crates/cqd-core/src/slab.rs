@@ -60,6 +60,11 @@
 //!   32,767 further registrations of its slot. The table grows by at most
 //!   one slot per 32,768 releases beyond the most handlers ever registered
 //!   at once, and the poller's slab grows with it.
+//!
+//! The generation stays 15 bits wide: more would come out of the slot or
+//! tag (limits users see) or out of the magic marker that catches foreign
+//! wr_ids, and would only lengthen a cycle that quarantine already keeps
+//! from wrapping onto a key in use.
 
 use crossbeam_utils::CachePadded;
 
