@@ -52,7 +52,7 @@
 //!     with generations left;
 //!   - the slot has been in quarantine for at least [`QUARANTINE`] (60 s)
 //!     since its release under its last generation, which came after the
-//!     release of the key's first registration.
+//!     release of the key's earlier registration.
 //!
 //!   So until a CQ has grown to 262,144 slots no key is ever issued twice,
 //!   and after that a late wr_id can reach a later handler only if it is
@@ -85,7 +85,8 @@ use std::time::{Duration, Instant};
 /// time an RC work request takes to complete, fail or be flushed at common
 /// transport settings (local ACK timeout 14, 7 retries: a few seconds at
 /// most), and equals Linux's TCP `TIME_WAIT`, which guards reused port
-/// pairs the same way.
+/// pairs the same way. Nothing bounds a request that waits on an infinite
+/// RNR retry count; such requests should be tracked.
 pub const QUARANTINE: Duration = Duration::from_secs(60);
 
 /// Posted and completed counts of one handler, per operation kind.
