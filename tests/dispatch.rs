@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
+use cqd::core::wr_id::MAX_GENERATION;
 use cqd::core::{
     split, CqHandle, CqOptions, NoSink, NoWork, OpKind, Opcode, PollMode, PollerBuilder,
     PollerThread, Registration, Status, UnboundCq,
@@ -392,6 +393,45 @@ fn retiring_handler_keeps_its_slot_until_drained(mode: PollMode) {
     assert_eq!(snap.flushes, 4);
 }
 all_modes!(retiring_handler_keeps_its_slot_until_drained);
+
+/// The generation cannot wrap onto a key in use: one handler registered and
+/// retired through a whole cycle of generations (32,768 registrations of
+/// one slot), then a late, untracked wr_id of the very first registration
+/// arrives. It is counted stale, never delivered to the current handler.
+fn generation_wrap_does_not_reissue_a_key(mode: PollMode) {
+    let (producer, mut poller, handle) = cq("wrap", 64, Faults::default());
+    let record = Record::new(8);
+    let first = register(&handle, &record, 0);
+    // A raw post under the first key, never tracked (as a duplicate or a
+    // post that bypassed the ledger would be).
+    let late = first.wr_id(OpKind::Send, 1).unwrap();
+    handle.unregister(first.key()).unwrap();
+    poller.apply_commands();
+    // The rest of a generation cycle: 32,768 registrations in all.
+    for _ in 0..MAX_GENERATION {
+        let reg = register(&handle, &record, 0);
+        handle.unregister(reg.key()).unwrap();
+        poller.apply_commands();
+    }
+    assert_eq!(
+        handle.snapshot().unregistrations,
+        u64::from(MAX_GENERATION) + 1
+    );
+    let current = register(&handle, &record, 1);
+    assert_ne!(current.key(), first.key(), "a key was issued twice");
+    let thread = spawn(mode, vec![poller], Duration::from_millis(20));
+    producer
+        .push(completion(late, Status::Success, Opcode::Send), false)
+        .unwrap();
+    assert!(wait_until(Duration::from_secs(5), || handle
+        .snapshot()
+        .completions
+        == 1));
+    let snap = thread.stop().unwrap().cqs[0].clone();
+    assert_eq!(snap.stale_wr_ids, 1);
+    assert_eq!(record.delivered(), 0, "the late wr_id reached a handler");
+}
+all_modes!(generation_wrap_does_not_reissue_a_key);
 
 /// A panicking handler is caught and counted; the poller keeps running and
 /// every completion is still accounted.
