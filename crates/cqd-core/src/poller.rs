@@ -18,7 +18,7 @@
 //!
 //! # Stopping
 //!
-//! The shutdown protocol of DESIGN.md, the poller's part. Before it, the
+//! The shutdown protocol (docs/architecture.md, "Shutdown"), the poller's part. Before it, the
 //! application stops posting and, to finish fast, moves its QPs to the
 //! error state so that everything outstanding is flushed
 //! ([`PollerThread::stop_with`] runs that step).
