@@ -54,7 +54,7 @@ pub use budget::{
     cq_depth_for, Admission, BudgetError, BudgetOptions, BudgetSnapshot, CqBudget,
 };
 pub use completion::{Completion, Opcode, Status, WcFlags};
-pub use cq::{split, CqHandle, CqOptions, CqPoller, Registration};
+pub use cq::{split, CqHandle, CqOptions, CqPoller, Registration, UnboundCq};
 pub use handler::{Failed, Handler, Outbox, RecvDone, SendDone};
 pub use ledger::{
     drain, KindAccount, Queue, QueueAccount, ShutdownReport, StuckWr, Watchdog, WrLedger,

@@ -38,6 +38,12 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+/// The shortest wake timeout a poller honours: below it the safety net
+/// would fire faster than a sleep/wake cycle costs. Shorter values are
+/// refused (by the poller builder and by topology validation), never
+/// silently raised.
+pub const MIN_WAKE_TIMEOUT: Duration = Duration::from_micros(100);
+
 /// How a poller waits when its CQs are empty.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]

@@ -18,7 +18,7 @@
 //!
 //! # Stopping
 //!
-//! The shutdown protocol of DESIGN.md, the poller's part. Before it, the
+//! The shutdown protocol (docs/architecture.md, "Shutdown"), the poller's part. Before it, the
 //! application stops posting and, to finish fast, moves its QPs to the
 //! error state so that everything outstanding is flushed
 //! ([`PollerThread::stop_with`] runs that step).
@@ -42,8 +42,9 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::cq::CqPoller;
+use crate::cq::{CqPoller, UnboundCq};
 use crate::metrics::{bump, raise, CqSnapshot, PollerMetrics, PollerSnapshot};
+pub use crate::mode::MIN_WAKE_TIMEOUT;
 use crate::mode::{sleep_once, Idle, IdlePolicy, PollMode, SleepGroup, Slept};
 use crate::sink::{Routed, WorkSink};
 use crate::source::SourceError;
@@ -66,7 +67,7 @@ pub struct PollerBuilder<W, S> {
     stop_timeout: Duration,
     drain_timeout: Duration,
     watchdog: Option<Duration>,
-    cqs: Vec<CqPoller<W>>,
+    cqs: Vec<UnboundCq<W>>,
     sink: S,
     setup: Option<Setup>,
 }
@@ -105,9 +106,12 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
         self
     }
 
-    /// The safety-net timeout of a sleep (default 100 ms).
+    /// The safety-net timeout of a sleep (default 100 ms). Below
+    /// [`MIN_WAKE_TIMEOUT`] [`spawn`](Self::spawn) refuses it
+    /// ([`PollerError::WakeTimeout`]) rather than quietly using another
+    /// value.
     pub fn wake_timeout(mut self, t: Duration) -> Self {
-        self.wake_timeout = t.max(Duration::from_micros(100));
+        self.wake_timeout = t;
         self
     }
 
@@ -139,9 +143,9 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
         self
     }
 
-    /// Adds a CQ to the group. Takes the poller by value: nobody else can
-    /// poll it afterwards.
-    pub fn cq(mut self, cq: CqPoller<W>) -> Self {
+    /// Adds a CQ to the group. Takes it by value: the poller thread binds
+    /// it, and nobody else can poll it afterwards.
+    pub fn cq(mut self, cq: UnboundCq<W>) -> Self {
         self.cqs.push(cq);
         self
     }
@@ -163,41 +167,50 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
         if self.cqs.is_empty() {
             return Err(PollerError::NoCq { poller: self.name });
         }
+        if self.wake_timeout < MIN_WAKE_TIMEOUT {
+            return Err(PollerError::WakeTimeout {
+                poller: self.name,
+                given: self.wake_timeout,
+                min: MIN_WAKE_TIMEOUT,
+            });
+        }
         let stop = Arc::new(AtomicBool::new(false));
         let metrics = Arc::new(PollerMetrics::default());
-        let doorbells: Vec<Arc<Doorbell>> = self
-            .cqs
-            .iter()
-            .map(|c| Arc::clone(&c.shared.doorbell))
-            .collect();
+        let doorbells: Vec<Arc<Doorbell>> = self.cqs.iter().map(UnboundCq::doorbell).collect();
         let name = self.name.clone();
         let (started_tx, started_rx) = std::sync::mpsc::sync_channel(1);
-        let group = Group {
+        let cqs = self.cqs;
+        let (group_metrics, group_stop) = (Arc::clone(&metrics), Arc::clone(&stop));
+        let group = move |cqs: Vec<CqPoller<W>>| Group {
             idle: IdlePolicy::new(self.mode, Instant::now()),
-            cqs: self.cqs,
+            cqs,
             sink: self.sink,
             spill: VecDeque::new(),
-            metrics: Arc::clone(&metrics),
+            metrics: group_metrics,
             wake_timeout: self.wake_timeout,
             ack_batch: self.ack_batch,
             stop_timeout: self.stop_timeout,
             drain_timeout: self.drain_timeout,
             watchdog: self.watchdog,
-            stop: Arc::clone(&stop),
+            stop: group_stop,
             ready: Vec::new(),
             round_found: Vec::new(),
             round_events: Vec::new(),
             last_block: Duration::ZERO,
             failing: false,
+            sleep_failures: 0,
             last_scan: Instant::now(),
         };
         let setup = self.setup;
         let join = std::thread::Builder::new()
             .name(format!("cqd-poller-{}", self.name))
             .spawn(move || {
+                // The CQs are bound here, on the thread that polls them.
+                let group = group(cqs.into_iter().map(UnboundCq::bind).collect());
                 if let Some(setup) = setup {
                     if let Err(e) = setup() {
                         let _ = started_tx.send(Err(e));
+                        // Dropping the group finishes its CQs.
                         return group.into_report();
                     }
                 }
@@ -243,6 +256,16 @@ pub enum PollerError {
     NoCq {
         /// The poller.
         poller: String,
+    },
+    /// The wake timeout is below what the poller can honour.
+    #[error("poller {poller}: wake timeout {given:?} is below the minimum {min:?}")]
+    WakeTimeout {
+        /// The poller.
+        poller: String,
+        /// The timeout asked for.
+        given: Duration,
+        /// The smallest timeout a poller honours.
+        min: Duration,
     },
     /// The OS refused a thread.
     #[error("could not spawn poller {poller}: {source}")]
@@ -368,6 +391,7 @@ struct Group<W, S> {
     round_events: Vec<u32>,
     last_block: Duration,
     failing: bool,
+    sleep_failures: u64,
     last_scan: Instant,
 }
 
@@ -444,7 +468,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                 Err(e) => {
                     // Counted by the CQ; traced at 1, 2, 4, 8… so a dead
                     // device does not flood the log.
-                    let count = cq.shared.metrics.0.poll_errors.load(Ordering::Relaxed);
+                    let count = cq.shared().metrics.0.poll_errors.load(Ordering::Relaxed);
                     if count.is_power_of_two() {
                         tracing::error!(cq = cq.name(), error = %e, count, "poll failed");
                     }
@@ -482,10 +506,14 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
     fn back_off(&mut self) {
         let pause =
             (self.wake_timeout / 10).clamp(Duration::from_millis(1), Duration::from_millis(10));
-        let fds: Vec<BorrowedFd<'_>> = self.cqs.iter().map(|c| c.shared.doorbell.as_fd()).collect();
+        let fds: Vec<BorrowedFd<'_>> = self
+            .cqs
+            .iter()
+            .map(|c| c.shared().doorbell.as_fd())
+            .collect();
         let _ = wait_readable(&fds, pause, &mut self.ready);
         for cq in &self.cqs {
-            cq.shared.doorbell.drain();
+            cq.shared().doorbell.drain();
         }
     }
 
@@ -495,7 +523,12 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         let slept = match sleep_once(self, timeout) {
             Ok(s) => s,
             Err(e) => {
-                tracing::error!(error = %e, "sleep protocol failed; backing off one timeout");
+                // Traced at 1, 2, 4, 8… failures, as poll errors are.
+                self.sleep_failures += 1;
+                if self.sleep_failures.is_power_of_two() {
+                    tracing::error!(error = %e, failures = self.sleep_failures,
+                        "sleep protocol failed; backing off");
+                }
                 self.failing = true;
                 return;
             }
@@ -526,7 +559,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         for (i, cq) in self.cqs.iter().enumerate() {
             let events = self.round_events.get(i).copied().unwrap_or(0);
             let found = self.round_found.get(i).copied().unwrap_or(0);
-            let m = &cq.shared.metrics.0;
+            let m = &cq.shared().metrics.0;
             if events > 0 && found == 0 {
                 bump(&m.spurious_wakeups, 1);
             } else if events == 0 && found > 0 && slept.timed_out {
@@ -545,7 +578,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         self.last_scan = now;
         if let Some(threshold) = self.watchdog {
             for cq in &self.cqs {
-                if let Some(l) = cq.shared.ledger.get() {
+                if let Some(l) = cq.shared().ledger.get() {
                     l.scan(now, threshold);
                 }
             }
@@ -631,9 +664,18 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
 impl<W: Send + 'static, S: WorkSink<W>> SleepGroup for Group<W, S> {
     type Error = SourceError;
 
+    /// Arms every CQ not in error. A CQ in error (an overflow) is reported
+    /// once by [`CqPoller::arm`] and never armed again: the group sleeps on
+    /// the others, and the wake timeout polls it.
     fn arm_all(&mut self) -> Result<(), SourceError> {
         for cq in &mut self.cqs {
-            cq.arm()?;
+            if cq.is_in_error() {
+                continue;
+            }
+            match cq.arm() {
+                Ok(()) | Err(SourceError::CqInError) => {}
+                Err(e) => return Err(e),
+            }
         }
         Ok(())
     }
@@ -649,8 +691,8 @@ impl<W: Send + 'static, S: WorkSink<W>> SleepGroup for Group<W, S> {
         let mut fds: Vec<BorrowedFd<'_>> = Vec::with_capacity(self.cqs.len() * 3);
         for cq in &self.cqs {
             fds.push(cq.event_fd());
-            fds.push(cq.shared.doorbell.as_fd());
-            if let Some(fd) = cq.source.async_fd() {
+            fds.push(cq.shared().doorbell.as_fd());
+            if let Some(fd) = cq.source().async_fd() {
                 fds.push(fd);
             }
         }
@@ -661,7 +703,7 @@ impl<W: Send + 'static, S: WorkSink<W>> SleepGroup for Group<W, S> {
         self.last_block = start.elapsed();
         let mut rung = false;
         for cq in &self.cqs {
-            if cq.shared.doorbell.drain() > 0 {
+            if cq.shared().doorbell.drain() > 0 {
                 rung = true;
             }
         }

@@ -36,8 +36,9 @@
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let dev = Device::open("sim0");
 //! let (cq, source) = dev.create_cq("cq0", 256, CqConfig::default())?;
-//! let (mut poller, handle) = split::<NoWork>(source, CqOptions::default())?;
+//! let (poller, handle) = split::<NoWork>(source, CqOptions::default())?;
 //! let reg = handle.register(Print)?;
+//! let mut poller = poller.bind();
 //!
 //! let pd = dev.alloc_pd();
 //! // Admission: each QP reserves 64 + 64 entries of the CQ's 256.
@@ -67,7 +68,7 @@ use std::sync::Arc;
 
 use cqd_core::budget::{BudgetOptions, BudgetSnapshot, CqBudget};
 use cqd_core::ledger::WrLedger;
-use cqd_core::{split, CqHandle, CqOptions, CqPoller};
+use cqd_core::{split, CqHandle, CqOptions, UnboundCq};
 use parking_lot::Mutex;
 
 use crate::cq::{sim_cq, Faults, SimCq, SimCqSource, MAX_CQE};
@@ -197,7 +198,8 @@ impl Device {
     }
 
     /// Makes a CQ ready for dispatch in one step: the NIC's side, and the
-    /// two halves of its poller (`cqd_core::split`) with the CQ's budget
+    /// two halves of its poller (`cqd_core::split`: the [`UnboundCq`] to
+    /// bind on the polling thread, the [`CqHandle`]) with the CQ's budget
     /// and queue ledger already attached, so that the poller retires every
     /// request posted through a registration and returns its credits.
     ///
@@ -210,7 +212,7 @@ impl Device {
         cqe: u32,
         config: CqConfig,
         options: CqOptions,
-    ) -> Result<(Cq, CqPoller<W>, CqHandle<W>), VerbsError> {
+    ) -> Result<(Cq, UnboundCq<W>, CqHandle<W>), VerbsError> {
         let (cq, source) = self.create_cq(name, cqe, config)?;
         let (poller, handle) = split::<W>(source, options)?;
         // A fresh handle has neither attached: these cannot fail.

@@ -17,7 +17,8 @@
 //! # }
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let (producer, source) = sim_cq("cq", 64, Faults::default())?;
-//! let (mut poller, handle) = split::<NoWork>(source, CqOptions::default())?;
+//! let (poller, handle) = split::<NoWork>(source, CqOptions::default())?;
+//! let mut poller = poller.bind();
 //! let qp = Loopback::new(producer, 7, None);
 //! let reg = handle.register(H)?;
 //! reg.post_send(&qp, &mut [

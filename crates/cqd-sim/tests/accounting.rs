@@ -82,14 +82,14 @@ fn a_signaled_send_retires_the_unsignaled_sends_before_it_in_every_ledger() {
 
 #[test]
 fn a_stop_after_unsignaled_sends_is_clean_without_waiting_out_the_drain() {
-    let r = Rig::new();
+    let mut r = Rig::new();
     let s = sges(&[r.mr_a.sge(0, 8)]);
     let remote = r.mr_b.remote(0);
     let w = |t| SendWr::new(t, WrOp::Write(remote), s);
     let thread = PollerBuilder::new("p", NoSink)
         .mode(PollMode::Event)
         .drain_timeout(Duration::from_secs(30))
-        .cq(r.poller)
+        .cq(r.take_poller())
         .spawn()
         .unwrap();
     for round in 0..20 {
@@ -121,9 +121,10 @@ fn a_qp_in_error_flushes_each_unsignaled_send_exactly_once() {
     // rnr_retry 7 and no receive on the peer: the SENDs wait in the queue.
     let fabric = Fabric::inline();
     let dev = fabric.open_device("sim0", Default::default());
-    let (cq, mut poller, handle) = dev
+    let (cq, poller, handle) = dev
         .create_dispatched_cq::<cqd_core::NoWork>("cq", 256, credits(64), Default::default())
         .unwrap();
+    let mut poller = poller.bind();
     let log = Log::default();
     let reg = handle.register(Recorder(log.clone())).unwrap();
     let pd = dev.alloc_pd();
@@ -172,7 +173,7 @@ fn completed_means_every_completion_and_flushed_is_a_subset_everywhere() {
     }
     r.poll_all();
     // Mid-way: two receives and two sends succeeded, three receives wait.
-    let report = r.poller.accounts();
+    let report = r.poller().accounts();
     assert!(!report.is_balanced());
     let text = report.to_string();
     assert!(
@@ -191,7 +192,7 @@ fn completed_means_every_completion_and_flushed_is_a_subset_everywhere() {
         (l.posted(OpKind::Send), l.completed(OpKind::Send), l.flushed(OpKind::Send)),
         (2, 2, 0)
     );
-    let report = r.poller.accounts();
+    let report = r.poller().accounts();
     let recv = report
         .accounts
         .iter()

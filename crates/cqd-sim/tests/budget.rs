@@ -102,11 +102,12 @@ fn an_srq_counts_once_per_cq() {
 #[test]
 fn with_admission_a_queue_cannot_overflow_its_cq() {
     let dev = Device::open("sim0");
-    let (cq, mut poller, handle) = dev
+    let (cq, poller, handle) = dev
         .create_dispatched_cq::<NoWork>("cq", 24, CqConfig::default(), CqOptions::default())
         .unwrap();
     let log = Log::default();
     let reg = handle.register(Recorder(log.clone())).unwrap();
+    let mut poller = poller.bind();
     let pd = dev.alloc_pd();
     let a = pd.create_qp(&QpInit::new(&cq, &cq, cap(8, 8))).unwrap();
     let b = pd.create_qp(&QpInit::new(&cq, &cq, cap(4, 4))).unwrap();
@@ -158,11 +159,12 @@ fn with_admission_off_a_too_small_cq_overflows_and_one_poll_reports_it() {
         },
         ..CqConfig::default()
     };
-    let (cq, mut poller, handle) = dev
+    let (cq, poller, handle) = dev
         .create_dispatched_cq::<NoWork>("tiny", 4, config, CqOptions::default())
         .unwrap();
     let reg = handle.register(Recorder(Log::default())).unwrap();
     let pd = dev.alloc_pd();
+    let mut poller = poller.bind();
     let a = pd.create_qp(&QpInit::new(&cq, &cq, cap(16, 16))).unwrap();
     let b = pd.create_qp(&QpInit::new(&cq, &cq, cap(16, 16))).unwrap();
     assert_eq!(
@@ -191,7 +193,17 @@ fn with_admission_off_a_too_small_cq_overflows_and_one_poll_reports_it() {
     assert_eq!(dev.fabric().stats().lost, 4);
 }
 
-fn credit_cq(cqe: u32, credits: u32) -> (cqd_sim::Cq, cqd_core::CqPoller<NoWork>, Log, cqd_core::Registration, cqd_sim::Qp, cqd_sim::Qp, cqd_sim::Mr) {
+type Credited = (
+    cqd_sim::Cq,
+    cqd_core::CqPoller<NoWork>,
+    Log,
+    cqd_core::Registration,
+    cqd_sim::Qp,
+    cqd_sim::Qp,
+    cqd_sim::Mr,
+);
+
+fn credit_cq(cqe: u32, credits: u32) -> Credited {
     let dev = Device::open("sim0");
     let config = CqConfig {
         budget: BudgetOptions {
@@ -203,6 +215,7 @@ fn credit_cq(cqe: u32, credits: u32) -> (cqd_sim::Cq, cqd_core::CqPoller<NoWork>
     let (cq, poller, handle) = dev
         .create_dispatched_cq::<NoWork>("cq", cqe, config, CqOptions::default())
         .unwrap();
+    let poller = poller.bind();
     let log = Log::default();
     let reg = handle.register(Recorder(log.clone())).unwrap();
     let pd = dev.alloc_pd();

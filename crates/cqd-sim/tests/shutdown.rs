@@ -39,7 +39,7 @@ fn server() -> Server {
     connect(&a, &b).unwrap();
     let mr = pd.reg_mr(1024, Access::ALL).unwrap();
     Server {
-        poller,
+        poller: poller.bind(),
         reg,
         ledger,
         a,
