@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cqd::core::{
-    cq_depth_for, split, CqOptions, Failed, Handler, NoSink, NoWork, OpKind, Outbox, PollMode,
+    cq_depth_for, CqOptions, Failed, Handler, NoSink, NoWork, Outbox, PollMode,
     PollerBuilder, RecvDone, SendDone,
 };
 use cqd::sim::{
@@ -54,14 +54,13 @@ fn run(mode: PollMode, batch: usize, total: u64) -> Run {
     // Each pair: two send queues of DEPTH and two receive queues of 1.
     let depths = vec![DEPTH + 1; QPS * 2];
     let cqe = cq_depth_for(&depths, 2, dev.attr().max_cqe).expect("fits");
-    let (cq, src) = dev
-        .create_cq("bench", cqe, CqConfig::default())
-        .expect("cq");
     let options = CqOptions {
         batch,
         ..CqOptions::default()
     };
-    let (poller, handle) = split::<NoWork>(src, options).expect("split");
+    let (cq, poller, handle) = dev
+        .create_dispatched_cq::<NoWork>("bench", cqe, CqConfig::default(), options)
+        .expect("cq");
     let count = Arc::new(AtomicU64::new(0));
     let reg = handle
         .register(Count(Arc::clone(&count)))
@@ -93,19 +92,15 @@ fn run(mode: PollMode, batch: usize, total: u64) -> Run {
     let mut qp = 0;
     while posted < total {
         let n = CHUNK.min((total - posted) as usize);
-        let wrs: Vec<SendWr<'_>> = (0..n)
+        let mut wrs: Vec<SendWr<'_>> = (0..n)
             .map(|i| {
-                let id = reg.wr_id(OpKind::Write, ((posted as usize + i) & 0xff_ffff) as u32);
-                SendWr::new(id.expect("tag fits"), WrOp::Write(remote), &sge)
+                let tag = (posted + i as u64) & 0xff_ffff;
+                SendWr::new(tag, WrOp::Write(remote), &sge)
             })
             .collect();
-        reg.track(OpKind::Write, n as u64);
-        match pairs[qp].0.post_send(&wrs) {
+        match reg.post_send(&pairs[qp].0, &mut wrs) {
             Ok(()) => posted += n as u64,
-            Err(_) => {
-                reg.untrack(OpKind::Write, n as u64);
-                std::thread::yield_now();
-            }
+            Err(_) => std::thread::yield_now(),
         }
         qp = (qp + 1) % QPS;
     }

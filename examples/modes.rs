@@ -7,7 +7,8 @@
 //!
 //! For each mode (busy, event, hybrid, adaptive) it makes a simulated CQ,
 //! registers 8 handlers (send and receive completions mixed on one CQ, some
-//! errors and flushes), and runs a producer that posts bursts with pauses
+//! errors and flushes), and runs a producer that posts bursts — through the
+//! posting call, on a loopback QP whose posts complete at once — with pauses
 //! between them — the pattern that separates the modes: busy polling burns
 //! the pauses, event mode sleeps through them and pays wake-ups, hybrid and
 //! adaptive spin across short pauses and sleep through long ones. It checks
@@ -18,12 +19,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use cqd::core::PollerReport;
 use cqd::core::{
-    split, CqOptions, Failed, Handler, NoSink, NoWork, OpKind, Opcode, Outbox, PollMode,
-    PollerBuilder, RecvDone, Registration, SendDone, Status,
+    split, CqOptions, Failed, Handler, NoSink, NoWork, OpKind, Outbox, PollMode, PollerBuilder,
+    RecvDone, Registration, SendDone, Status, WrLedger,
 };
-use cqd::core::{Completion, PollerReport};
-use cqd::sim::{sim_cq, Faults};
+use cqd::sim::{sim_cq, Faults, LoopWr, Loopback};
 
 /// Counts what a handler saw.
 #[derive(Default)]
@@ -107,51 +108,31 @@ fn run(mode: PollMode, args: &Args) -> Result<(PollerReport, Duration, u64), Str
         .spawn()
         .map_err(|e| e.to_string())?;
 
+    // A loopback QP: each post completes at once on the CQ, with the
+    // status the request asks for; posts go through the one posting call.
+    let qp = Loopback::new(producer.clone(), 1, &WrLedger::new());
     let start = Instant::now();
     let mut posted = 0u64;
     while posted < args.completions {
         let burst = args.burst.min(args.completions - posted);
-        let mut wcs = Vec::with_capacity(burst as usize);
-        for _ in 0..burst {
-            let reg = &regs[(posted % 8) as usize];
-            let tag = (posted % (1 << 20)) as u32;
-            let wc = match posted % 100 {
-                0 => Completion::error(
-                    reg.wr_id(OpKind::Send, tag).map_err(|e| e.to_string())?,
-                    Status::WrFlush,
-                    1,
-                ),
-                n if n % 2 == 0 => Completion::success(
-                    reg.wr_id(OpKind::Send, tag).map_err(|e| e.to_string())?,
-                    Opcode::Send,
-                    1,
-                ),
-                _ => {
-                    let mut c = Completion::success(
-                        reg.wr_id(OpKind::Recv, tag).map_err(|e| e.to_string())?,
-                        Opcode::Recv,
-                        1,
-                    );
-                    c.byte_len = 4096;
-                    c
-                }
-            };
-            reg.track(
-                if posted % 100 != 0 && posted % 2 == 1 {
-                    OpKind::Recv
-                } else {
-                    OpKind::Send
-                },
-                1,
-            );
-            wcs.push(wc);
-            posted += 1;
-        }
         // Never overflow the CQ: wait while it is nearly full, as credits would.
-        while producer.len() + wcs.len() >= producer.capacity() as usize {
+        while producer.len() + burst as usize >= producer.capacity() as usize {
             std::thread::yield_now();
         }
-        producer.push_all(&wcs).map_err(|e| e.to_string())?;
+        for _ in 0..burst {
+            let reg = &regs[(posted % 8) as usize];
+            let tag = posted % (1 << 20);
+            match posted % 100 {
+                0 => reg.post_send(
+                    &qp,
+                    &mut [LoopWr::new(tag, OpKind::Send).failing(Status::WrFlush)],
+                ),
+                n if n % 2 == 0 => reg.post_send(&qp, &mut [LoopWr::new(tag, OpKind::Send)]),
+                _ => reg.post_recv(&qp, &mut [LoopWr::new(tag, OpKind::Recv).with_len(4096)]),
+            }
+            .map_err(|e| e.to_string())?;
+            posted += 1;
+        }
         if !args.gap.is_zero() {
             std::thread::sleep(args.gap);
         }

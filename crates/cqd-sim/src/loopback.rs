@@ -7,7 +7,7 @@
 //!
 //! ```
 //! use std::collections::VecDeque;
-//! use cqd_core::{split, CqOptions, NoWork, OpKind, Status};
+//! use cqd_core::{split, CqOptions, NoWork, OpKind, Status, WrLedger};
 //! use cqd_sim::{sim_cq, Faults, LoopWr, Loopback};
 //! # struct H;
 //! # impl cqd_core::Handler for H {
@@ -19,7 +19,7 @@
 //! let (producer, source) = sim_cq("cq", 64, Faults::default())?;
 //! let (poller, handle) = split::<NoWork>(source, CqOptions::default())?;
 //! let mut poller = poller.bind();
-//! let qp = Loopback::new(producer, 7, None);
+//! let qp = Loopback::new(producer, 7, &WrLedger::new());
 //! let reg = handle.register(H)?;
 //! reg.post_send(&qp, &mut [
 //!     LoopWr::new(1, OpKind::Write).unsignaled(),
@@ -34,7 +34,6 @@
 
 use std::sync::Arc;
 
-use cqd_core::budget::CqBudget;
 use cqd_core::ledger::{Queue, QueueAccount, WrLedger};
 use cqd_core::post::{PostRecv, PostSend, Refused, SendRequest, WorkRequest};
 use cqd_core::{Completion, OpKind, Opcode, Status};
@@ -136,7 +135,8 @@ pub enum LoopbackError {
 
 /// A queue pair whose posts complete at once on a bare simulated CQ (see
 /// the module documentation). Its send and receive queues have accounts on
-/// their own ledger, which a registration's first post attaches to its CQ.
+/// the CQ's ledger, which a registration's first post attaches to the CQ's
+/// poller if nothing attached it before.
 #[derive(Debug)]
 pub struct Loopback {
     producer: SimCq,
@@ -147,10 +147,11 @@ pub struct Loopback {
 }
 
 impl Loopback {
-    /// A loopback QP numbered `qp_num` completing on `producer`, taking
-    /// credits from `budget` if it has credits.
-    pub fn new(producer: SimCq, qp_num: u32, budget: Option<CqBudget>) -> Self {
-        let ledger = budget.map_or_else(WrLedger::new, WrLedger::with_budget);
+    /// A loopback QP numbered `qp_num` completing on `producer`, its
+    /// queues attached to `ledger` — the CQ's ledger, shared by every QP of
+    /// the CQ (`WrLedger::with_budget` takes credits from the CQ's budget).
+    pub fn new(producer: SimCq, qp_num: u32, ledger: &WrLedger) -> Self {
+        let ledger = ledger.clone();
         Loopback {
             send: ledger.open_queue(qp_num, Queue::Send),
             recv: ledger.open_queue(qp_num, Queue::Recv),
