@@ -5,7 +5,20 @@
 //!   the wr_id, check the slab generation, call the handler, keep the ledger;
 //! - `mutex map`: the raw poll, then for each completion a lock of a
 //!   `Mutex<HashMap<u64, Box<dyn FnMut>>>` keyed by handler, as some RDMA
-//!   crates route completions.
+//!   crates route completions;
+//! - `cqd dispatch with queue accounting (ledger+credits)`: the same
+//!   dispatch, with every request posted through the posting call on one
+//!   of 64 loopback QPs (one per handler) whose CQ has credits: each
+//!   completion also retires its queue account's entry and returns its
+//!   credit. Consecutive completions come from different queues, the worst
+//!   case (one account lock per completion);
+//! - `… runs of 8`: the same, with each handler posting lists of 8 on its
+//!   queue, so completions come in runs of 8 from one queue (one account
+//!   lock per run), as a busy connection's do.
+//!
+//! The poll side is timed per completion (the CQ is filled untimed); the
+//! post side is timed too: filling by `push_all` against filling through
+//! the posting call.
 //!
 //! `cargo bench --bench dispatch` (add `-- --quick` for a smoke run).
 //! Figures are recorded in docs/benchmarks.md.
@@ -15,11 +28,12 @@ use std::hint::black_box;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use cqd::core::budget::{BudgetOptions, CqBudget};
 use cqd::core::{
     split, Completion, CompletionSource, CqOptions, CqPoller, Failed, Handler, NoWork, OpKind,
-    Opcode, Outbox, RecvDone, Registration, SendDone,
+    Opcode, Outbox, RecvDone, Registration, SendDone, WrLedger,
 };
-use cqd::sim::{sim_cq, Faults, SimCq};
+use cqd::sim::{sim_cq, Faults, LoopWr, Loopback, SimCq};
 
 const CQ_SIZE: u32 = 65_536;
 const HANDLERS: usize = 64;
@@ -55,12 +69,19 @@ fn completions(regs: &[Registration]) -> Vec<Completion> {
         .collect()
 }
 
-/// Fills the CQ (untimed), then times `drain` until it reports 0.
-fn measure(cq: &SimCq, wcs: &[Completion], rounds: usize, mut drain: impl FnMut() -> usize) -> f64 {
-    let mut total = Duration::ZERO;
+/// Per completion: (poll side, fill side) in ns. Fills the CQ with `fill`
+/// (timed apart), then times `drain` until it reports 0.
+fn measure(
+    rounds: usize,
+    mut fill: impl FnMut(),
+    mut drain: impl FnMut() -> usize,
+) -> (f64, f64) {
+    let (mut polling, mut filling) = (Duration::ZERO, Duration::ZERO);
     let mut n = 0usize;
     for _ in 0..rounds {
-        cq.push_all(wcs).unwrap();
+        let start = Instant::now();
+        fill();
+        filling += start.elapsed();
         let start = Instant::now();
         loop {
             let got = drain();
@@ -69,9 +90,21 @@ fn measure(cq: &SimCq, wcs: &[Completion], rounds: usize, mut drain: impl FnMut(
                 break;
             }
         }
-        total += start.elapsed();
+        polling += start.elapsed();
     }
-    total.as_nanos() as f64 / n as f64
+    let per = |d: Duration| d.as_nanos() as f64 / n as f64;
+    (per(polling), per(filling))
+}
+
+/// Fills `cq` with `wcs` (the push contenders' fill).
+fn filler<'a>(cq: &'a SimCq, wcs: &'a [Completion]) -> impl FnMut() + 'a {
+    move || cq.push_all(wcs).unwrap()
+}
+
+/// Median, min and max.
+fn stats(v: &mut [f64]) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v[0], v[v.len() - 1])
 }
 
 fn main() {
@@ -108,46 +141,130 @@ fn main() {
     }
     let mut buf = vec![Completion::default(); BATCH];
 
-    let mut best = [f64::MAX; 3];
-    for _ in 0..reps {
-        let raw = measure(&cq_r, &wcs, rounds, || {
-            let n = src_r.poll(&mut buf).unwrap();
-            black_box(&buf[..n]);
-            n
-        });
-        let dispatch = measure(&cq_d, &wcs, rounds, || {
-            // Every ledger entry is tracked so the slots stay consistent.
-            poller.poll_once(&mut out).unwrap()
-        });
-        let mutex = measure(&cq_m, &wcs, rounds, || {
-            let n = src_m.poll(&mut buf).unwrap();
-            for c in &buf[..n] {
-                let key = c.wr_id >> cqd::core::wr_id::SLOT_SHIFT & cqd::core::wr_id::SLOT_MASK;
-                if let Some(cb) = map.lock().unwrap().get_mut(&key) {
-                    cb(c);
-                }
+    // cqd dispatch with queue accounting: the same handlers' completions,
+    // posted through the posting call on one loopback QP per handler, on a
+    // CQ whose budget has credits.
+    let (cq_a, src_a) = sim_cq("accounted", CQ_SIZE, Faults::default()).unwrap();
+    let (poller_a, handle_a) = split::<NoWork>(src_a, CqOptions::default()).unwrap();
+    let mut poller_a: CqPoller<NoWork> = poller_a.bind();
+    let budget = CqBudget::new(
+        "accounted",
+        CQ_SIZE,
+        BudgetOptions {
+            admission: false,
+            credits: Some(CQ_SIZE),
+        },
+    );
+    let ledger = WrLedger::with_budget(budget.clone());
+    let regs_a: Vec<Registration> = (0..HANDLERS)
+        .map(|_| handle_a.register(Count(0)).unwrap())
+        .collect();
+    let qps: Vec<Loopback> = (0..HANDLERS)
+        .map(|i| Loopback::new(cq_a.clone(), i as u32 + 1, &ledger))
+        .collect();
+    let post_all = || {
+        for i in 0..CQ_SIZE {
+            let h = i as usize % HANDLERS;
+            let (reg, qp) = (&regs_a[h], &qps[h]);
+            if i % 2 == 0 {
+                reg.post_send(qp, &mut [LoopWr::new(u64::from(i), OpKind::Send)])
+            } else {
+                reg.post_recv(
+                    qp,
+                    &mut [LoopWr::new(u64::from(i), OpKind::Recv).with_len(512)],
+                )
             }
-            n
-        });
-        for (b, v) in best.iter_mut().zip([raw, dispatch, mutex]) {
-            *b = b.min(v);
+            .unwrap();
+        }
+    };
+
+    // The same, in runs of 8 completions per queue.
+    const RUN: u32 = 8;
+    let post_runs = || {
+        for r in 0..CQ_SIZE / RUN {
+            let h = r as usize % HANDLERS;
+            let (reg, qp) = (&regs_a[h], &qps[h]);
+            let t = u64::from(r * RUN);
+            if r % 2 == 0 {
+                let mut list: [LoopWr; RUN as usize] =
+                    std::array::from_fn(|i| LoopWr::new(t + i as u64, OpKind::Send));
+                reg.post_send(qp, &mut list)
+            } else {
+                let mut list: [LoopWr; RUN as usize] = std::array::from_fn(|i| {
+                    LoopWr::new(t + i as u64, OpKind::Recv).with_len(512)
+                });
+                reg.post_recv(qp, &mut list)
+            }
+            .unwrap();
+        }
+    };
+
+    let names = [
+        "raw poll",
+        "cqd dispatch",
+        "mutex map",
+        "cqd dispatch with queue accounting (ledger+credits)",
+        "cqd dispatch with queue accounting, runs of 8",
+    ];
+    let mut poll: [Vec<f64>; 5] = Default::default();
+    let mut fill: [Vec<f64>; 5] = Default::default();
+    for _ in 0..reps {
+        let push = |cq| filler(cq, &wcs);
+        let runs = [
+            measure(rounds, push(&cq_r), || {
+                let n = src_r.poll(&mut buf).unwrap();
+                black_box(&buf[..n]);
+                n
+            }),
+            measure(rounds, push(&cq_d), || poller.poll_once(&mut out).unwrap()),
+            measure(rounds, push(&cq_m), || {
+                let n = src_m.poll(&mut buf).unwrap();
+                for c in &buf[..n] {
+                    let key =
+                        c.wr_id >> cqd::core::wr_id::SLOT_SHIFT & cqd::core::wr_id::SLOT_MASK;
+                    if let Some(cb) = map.lock().unwrap().get_mut(&key) {
+                        cb(c);
+                    }
+                }
+                n
+            }),
+            measure(rounds, post_all, || poller_a.poll_once(&mut out).unwrap()),
+            measure(rounds, post_runs, || poller_a.poll_once(&mut out).unwrap()),
+        ];
+        for (i, (p, f)) in runs.into_iter().enumerate() {
+            poll[i].push(p);
+            fill[i].push(f);
         }
     }
-    let [raw, dispatch, mutex] = best;
-    println!("per-completion cost, batch {BATCH}, {HANDLERS} handlers, best of {reps} × {rounds} × {CQ_SIZE} completions");
-    println!("{:<14} {:>10} {:>14}", "path", "ns/compl", "vs raw poll");
-    for (name, v) in [
-        ("raw poll", raw),
-        ("cqd dispatch", dispatch),
-        ("mutex map", mutex),
-    ] {
-        println!("{name:<14} {v:>10.2} {:>13.2}x", v / raw);
+    let med: Vec<(f64, f64, f64)> = poll.iter_mut().map(|v| stats(v)).collect();
+    let (raw, dispatch, mutex, accounted) = (med[0].0, med[1].0, med[2].0, med[3].0);
+    println!("per-completion cost, batch {BATCH}, {HANDLERS} handlers, {reps} runs × {rounds} × {CQ_SIZE} completions: median [min–max]");
+    println!(
+        "{:<52} {:>22} {:>12} {:>14}",
+        "path", "ns/compl", "vs raw poll", "vs dispatch"
+    );
+    for (name, (m, lo, hi)) in names.iter().zip(&med) {
+        println!(
+            "{name:<52} {m:>7.2} [{lo:>5.2}–{hi:>5.2}] {:>11.2}x {:>13.2}x",
+            m / raw,
+            m / dispatch
+        );
     }
     println!(
-        "dispatch / raw = {:.2} (goal <= 2.0); mutex map / dispatch = {:.2} (goal >= 5.0)",
+        "dispatch / raw = {:.2} (goal <= 2.0); mutex map / dispatch = {:.2} (goal >= 5.0); accounted / dispatch = {:.2}",
         dispatch / raw,
-        mutex / dispatch
+        mutex / dispatch,
+        accounted / dispatch
     );
+    let (push_m, push_lo, push_hi) = stats(&mut fill[1]);
+    let (post_m, post_lo, post_hi) = stats(&mut fill[3]);
+    let (list_m, list_lo, list_hi) = stats(&mut fill[4]);
+    println!("post side, ns per request: push_all (no accounting) {push_m:.2} [{push_lo:.2}–{push_hi:.2}]; posting call, one request per call {post_m:.2} [{post_lo:.2}–{post_hi:.2}]; lists of 8 {list_m:.2} [{list_lo:.2}–{list_hi:.2}]");
+    let snap = handle_a.snapshot();
+    assert_eq!(snap.stale_wr_ids + snap.foreign_wr_ids, 0);
+    assert_eq!(budget.snapshot().credits_in_use, 0, "every credit came back");
+    assert_eq!(ledger.snapshot(Instant::now()).outstanding, 0);
+    assert!(regs_a.iter().all(|r| r.ledger().outstanding() == 0));
     let snap = handle.snapshot();
     assert_eq!(
         snap.stale_wr_ids + snap.foreign_wr_ids,

@@ -219,7 +219,19 @@ impl Ring<'_> {
     /// completed silently, are appended to `silent`. Returns the credits of
     /// the retired entries (not yet given back) and whether anything was
     /// retired.
+    #[inline]
     pub(crate) fn retire(&mut self, wr_id: u64, silent: &mut Vec<u64>) -> (u64, bool) {
+        // The common case: the oldest entry (a signaled send with nothing
+        // unsignaled before it, a receive of a QP's own queue).
+        if self.ring.front().is_some_and(|e| e.wr_id == wr_id) {
+            let credit = self.ring.pop_front().is_some_and(|e| e.credit);
+            return (u64::from(credit), true);
+        }
+        self.retire_behind(wr_id, silent)
+    }
+
+    #[cold]
+    fn retire_behind(&mut self, wr_id: u64, silent: &mut Vec<u64>) -> (u64, bool) {
         let Some(i) = self.ring.iter().position(|e| e.wr_id == wr_id) else {
             return (0, false);
         };
@@ -239,6 +251,33 @@ impl Ring<'_> {
     }
 }
 
+/// A multiply-rotate hash for the cache's integer keys (SipHash would cost
+/// more than the rest of a look-up).
+#[derive(Default, Clone, Copy)]
+pub(crate) struct KeyHasher(u64);
+
+impl std::hash::Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.write_u64(u64::from(*b));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+}
+
+type KeyMap<V> = HashMap<u64, V, std::hash::BuildHasherDefault<KeyHasher>>;
+
+fn cache_key(qp_num: u32, side: Side) -> u64 {
+    u64::from(qp_num) << 1 | u64::from(side == Side::Recv)
+}
+
 /// The poller's own map from (qp_num, side) to the queue's account, filled
 /// from the CQ's [`WrLedger`] on a miss (a miss is remembered too, so a
 /// queue nobody attached costs one map look-up per run). Emptied whenever
@@ -246,9 +285,11 @@ impl Ring<'_> {
 #[derive(Default)]
 pub(crate) struct AccountCache {
     epoch: u64,
-    map: HashMap<(u32, Side), Option<Arc<QueueAccount>>>,
+    map: KeyMap<Option<Arc<QueueAccount>>>,
     /// Scratch: silently completed wr_ids of the current batch.
     pub(crate) silent: Vec<u64>,
+    /// Scratch: closed accounts the batch drained, to detach.
+    closed: Vec<(u32, Side, Arc<QueueAccount>)>,
 }
 
 impl fmt::Debug for AccountCache {
@@ -260,16 +301,11 @@ impl fmt::Debug for AccountCache {
 }
 
 impl AccountCache {
-    fn get(&mut self, ledger: &WrLedger, qp_num: u32, side: Side) -> Option<Arc<QueueAccount>> {
-        self.map
-            .entry((qp_num, side))
-            .or_insert_with(|| ledger.lookup(qp_num, side))
-            .clone()
-    }
-
     /// Step 2 of the module documentation for one batch: retires what each
-    /// completion covers, gives the credits back, and leaves the silently
-    /// completed wr_ids in `self.silent` for the dispatcher.
+    /// completion covers, gives the credits back (one subtraction for the
+    /// batch: every account of a ledger takes its credits from the ledger's
+    /// budget), and leaves the silently completed wr_ids in `self.silent`
+    /// for the dispatcher.
     pub(crate) fn account_batch(&mut self, ledger: &WrLedger, wcs: &[Completion]) {
         self.silent.clear();
         let epoch = ledger.epoch();
@@ -277,6 +313,7 @@ impl AccountCache {
             self.map.clear();
             self.epoch = epoch;
         }
+        let mut credits = 0;
         let mut i = 0;
         while i < wcs.len() {
             let wc = &wcs[i];
@@ -285,12 +322,16 @@ impl AccountCache {
                 continue;
             };
             let (qp, side) = (wc.qp_num, id.kind.side());
-            let Some(account) = self.get(ledger, qp, side) else {
+            let account = self
+                .map
+                .entry(cache_key(qp, side))
+                .or_insert_with(|| ledger.lookup(qp, side));
+            let Some(account) = account else {
                 continue;
             };
             // One lock for the run of completions of this queue.
             let mut ring = account.lock();
-            let (mut credits, _) = ring.retire(wc.wr_id, &mut self.silent);
+            credits += ring.retire(wc.wr_id, &mut self.silent).0;
             while let Some(next) = wcs.get(i) {
                 match WrId::decode(next.wr_id) {
                     Ok(n) if next.qp_num == qp && n.kind.side() == side => {
@@ -300,12 +341,17 @@ impl AccountCache {
                     _ => break,
                 }
             }
-            ring.give_back(credits);
             let drained = ring.ring.is_empty();
             drop(ring);
             if drained && account.is_closed() {
-                ledger.detach(qp, side, &account);
+                self.closed.push((qp, side, Arc::clone(account)));
             }
+        }
+        if let Some(b) = ledger.budget() {
+            b.give_back(credits);
+        }
+        for (qp, side, account) in self.closed.drain(..) {
+            ledger.detach(qp, side, &account);
         }
     }
 }
