@@ -17,7 +17,7 @@
 //!
 //! ```
 //! use std::collections::VecDeque;
-//! use cqd_core::{split, CqOptions, Failed, Handler, NoWork, OpKind, Outbox, RecvDone, SendDone};
+//! use cqd_core::{CqOptions, Failed, Handler, NoWork, Outbox, RecvDone, SendDone};
 //! use cqd_sim::{connect, Access, CqConfig, Device, QpCap, QpInit, RecvWr, SendWr, WrOp};
 //!
 //! struct Print;
@@ -35,8 +35,9 @@
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let dev = Device::open("sim0");
-//! let (cq, source) = dev.create_cq("cq0", 256, CqConfig::default())?;
-//! let (poller, handle) = split::<NoWork>(source, CqOptions::default())?;
+//! // The CQ, its poller and its handle, with its budget and ledger attached.
+//! let (cq, poller, handle) =
+//!     dev.create_dispatched_cq::<NoWork>("cq0", 256, CqConfig::default(), CqOptions::default())?;
 //! let reg = handle.register(Print)?;
 //! let mut poller = poller.bind();
 //!
@@ -48,10 +49,10 @@
 //! let mr = pd.reg_mr(4096, Access::LOCAL_WRITE)?;
 //! mr.write(0, b"hello")?;
 //!
-//! reg.track(OpKind::Recv, 1);
-//! b.post_recv(&[RecvWr::new(reg.wr_id(OpKind::Recv, 2)?, &[mr.sge(1024, 64)])])?;
-//! reg.track(OpKind::Send, 1);
-//! a.post_send(&[SendWr::new(reg.wr_id(OpKind::Send, 1)?, WrOp::SendWithImm(7), &[mr.sge(0, 5)])])?;
+//! // One call per post: the wr_id field carries the tag in, the encoded
+//! // wr_id out; the handler's ledger and the queue's account are kept.
+//! reg.post_recv(&b, &mut [RecvWr::new(2, &[mr.sge(1024, 64)])])?;
+//! reg.post_send(&a, &mut [SendWr::new(1, WrOp::SendWithImm(7), &[mr.sge(0, 5)])])?;
 //!
 //! let mut out = VecDeque::new();
 //! assert_eq!(poller.poll_once(&mut out)?, 2);
