@@ -71,11 +71,7 @@ fn completions(regs: &[Registration]) -> Vec<Completion> {
 
 /// Per completion: (poll side, fill side) in ns. Fills the CQ with `fill`
 /// (timed apart), then times `drain` until it reports 0.
-fn measure(
-    rounds: usize,
-    mut fill: impl FnMut(),
-    mut drain: impl FnMut() -> usize,
-) -> (f64, f64) {
+fn measure(rounds: usize, mut fill: impl FnMut(), mut drain: impl FnMut() -> usize) -> (f64, f64) {
     let (mut polling, mut filling) = (Duration::ZERO, Duration::ZERO);
     let mut n = 0usize;
     for _ in 0..rounds {
@@ -190,9 +186,8 @@ fn main() {
                     std::array::from_fn(|i| LoopWr::new(t + i as u64, OpKind::Send));
                 reg.post_send(qp, &mut list)
             } else {
-                let mut list: [LoopWr; RUN as usize] = std::array::from_fn(|i| {
-                    LoopWr::new(t + i as u64, OpKind::Recv).with_len(512)
-                });
+                let mut list: [LoopWr; RUN as usize] =
+                    std::array::from_fn(|i| LoopWr::new(t + i as u64, OpKind::Recv).with_len(512));
                 reg.post_recv(qp, &mut list)
             }
             .unwrap();
@@ -220,8 +215,7 @@ fn main() {
             measure(rounds, push(&cq_m), || {
                 let n = src_m.poll(&mut buf).unwrap();
                 for c in &buf[..n] {
-                    let key =
-                        c.wr_id >> cqd::core::wr_id::SLOT_SHIFT & cqd::core::wr_id::SLOT_MASK;
+                    let key = c.wr_id >> cqd::core::wr_id::SLOT_SHIFT & cqd::core::wr_id::SLOT_MASK;
                     if let Some(cb) = map.lock().unwrap().get_mut(&key) {
                         cb(c);
                     }
@@ -262,7 +256,11 @@ fn main() {
     println!("post side, ns per request: push_all (no accounting) {push_m:.2} [{push_lo:.2}–{push_hi:.2}]; posting call, one request per call {post_m:.2} [{post_lo:.2}–{post_hi:.2}]; lists of 8 {list_m:.2} [{list_lo:.2}–{list_hi:.2}]");
     let snap = handle_a.snapshot();
     assert_eq!(snap.stale_wr_ids + snap.foreign_wr_ids, 0);
-    assert_eq!(budget.snapshot().credits_in_use, 0, "every credit came back");
+    assert_eq!(
+        budget.snapshot().credits_in_use,
+        0,
+        "every credit came back"
+    );
     assert_eq!(ledger.snapshot(Instant::now()).outstanding, 0);
     assert!(regs_a.iter().all(|r| r.ledger().outstanding() == 0));
     let snap = handle.snapshot();

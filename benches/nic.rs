@@ -17,8 +17,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cqd::core::{
-    cq_depth_for, CqOptions, Failed, Handler, NoSink, NoWork, Outbox, PollMode,
-    PollerBuilder, RecvDone, SendDone,
+    cq_depth_for, CqOptions, Failed, Handler, NoSink, NoWork, Outbox, PollMode, PollerBuilder,
+    RecvDone, SendDone,
 };
 use cqd::sim::{
     connect, Access, CqConfig, Engine, Fabric, QpCap, QpInit, SendWr, TimedModel, WrOp,

@@ -174,7 +174,9 @@ impl WrLedger {
     /// attached there.
     pub(crate) fn detach(&self, qp_num: u32, side: Side, account: &Arc<QueueAccount>) {
         let mut q = self.inner.queues.write();
-        if q.get(&(qp_num, side)).is_some_and(|a| Arc::ptr_eq(a, account)) {
+        if q.get(&(qp_num, side))
+            .is_some_and(|a| Arc::ptr_eq(a, account))
+        {
             q.remove(&(qp_num, side));
             drop(q);
             self.changed();
@@ -227,8 +229,7 @@ impl WrLedger {
 
     /// Requests outstanding on one queue.
     pub fn outstanding(&self, qp_num: u32, side: Side) -> usize {
-        self.lookup(qp_num, side)
-            .map_or(0, |a| a.outstanding())
+        self.lookup(qp_num, side).map_or(0, |a| a.outstanding())
     }
 
     /// Age of the oldest request outstanding on one queue.
@@ -569,10 +570,17 @@ mod tests {
                 flushed: 1
             }
         );
-        assert!(r.to_string().contains("completed 2 (1 flushed), missing 1"), "{r}");
+        assert!(
+            r.to_string().contains("completed 2 (1 flushed), missing 1"),
+            "{r}"
+        );
         ledger.add_completed(OpKind::Send);
         let r = ShutdownReport::from_ledgers([(key, &ledger)]);
         assert!(r.is_balanced(), "{r}");
-        assert!(r.to_string().contains("all 3 requests completed, 1 of them flushed"), "{r}");
+        assert!(
+            r.to_string()
+                .contains("all 3 requests completed, 1 of them flushed"),
+            "{r}"
+        );
     }
 }

@@ -38,8 +38,8 @@ pub mod ledger;
 pub mod metrics;
 pub mod mode;
 pub mod poller;
-pub mod post;
 pub mod pool;
+pub mod post;
 pub mod shutdown;
 pub mod sink;
 pub mod slab;
@@ -50,18 +50,16 @@ mod sys;
 pub mod topology;
 pub mod wr_id;
 
-pub use budget::{
-    cq_depth_for, Admission, BudgetError, BudgetOptions, BudgetSnapshot, CqBudget,
-};
+pub use budget::{cq_depth_for, Admission, BudgetError, BudgetOptions, BudgetSnapshot, CqBudget};
 pub use completion::{Completion, Opcode, Status, WcFlags};
 pub use cq::{split, CqHandle, CqOptions, CqPoller, Registration, UnboundCq};
 pub use handler::{Failed, Handler, Outbox, RecvDone, SendDone};
 pub use ledger::{
     drain, KindAccount, Queue, QueueAccount, ShutdownReport, StuckWr, Watchdog, WrLedger,
 };
-pub use post::{PostRecv, PostSend, Refused, SendRequest, WorkRequest};
 pub use mode::{Adaptive, PollMode};
 pub use poller::{PollerBuilder, PollerReport, PollerThread};
+pub use post::{PostRecv, PostSend, Refused, SendRequest, WorkRequest};
 pub use shutdown::{shutdown, SystemReport};
 pub use sink::{NoSink, NoWork, Route, Routed, WorkSink};
 pub use source::{ArmKind, AsyncEvent, CompletionSource, SourceError};

@@ -14,8 +14,8 @@ use cqd_core::budget::BudgetOptions;
 use cqd_core::post::{PostSend, Refused};
 use cqd_core::{NoSink, OpKind, PollMode, PollerBuilder, Side, Status};
 use cqd_sim::{
-    connect, connect_with, Access, CqConfig, Fabric, Modify, PostError, Qp, QpCap, QpInit,
-    RecvWr, SendWr, WrOp,
+    connect, connect_with, Access, CqConfig, Fabric, Modify, PostError, Qp, QpCap, QpInit, RecvWr,
+    SendWr, WrOp,
 };
 
 fn credits(n: u32) -> CqConfig {
@@ -48,12 +48,19 @@ fn a_signaled_send_retires_the_unsignaled_sends_before_it_in_every_ledger() {
     // Handler X posts three unsignaled writes and is unregistered: it must
     // stay until they are accounted.
     let x = r.handle.register(Recorder(Log::default())).unwrap();
-    x.post_send(&r.a, &mut [w(0).unsignaled(), w(1).unsignaled(), w(2).unsignaled()])
-        .unwrap();
+    x.post_send(
+        &r.a,
+        &mut [w(0).unsignaled(), w(1).unsignaled(), w(2).unsignaled()],
+    )
+    .unwrap();
     r.handle.unregister(x.key()).unwrap();
     assert_eq!(r.poll_all(), 0, "unsignaled successes have no completion");
     assert_eq!(x.ledger().outstanding(), 3);
-    assert_eq!(r.handle.snapshot().handlers_live, 2, "X is retiring, not gone");
+    assert_eq!(
+        r.handle.snapshot().handlers_live,
+        2,
+        "X is retiring, not gone"
+    );
     // The rig's handler posts two unsignaled writes and a signaled one on
     // the same send queue.
     r.reg
@@ -94,7 +101,12 @@ fn a_stop_after_unsignaled_sends_is_clean_without_waiting_out_the_drain() {
         .unwrap();
     for round in 0..20 {
         let t = round * 4;
-        let mut list = [w(t).unsignaled(), w(t + 1).unsignaled(), w(t + 2).unsignaled(), w(t + 3)];
+        let mut list = [
+            w(t).unsignaled(),
+            w(t + 1).unsignaled(),
+            w(t + 2).unsignaled(),
+            w(t + 3),
+        ];
         // The queue frees its slots as the poller polls.
         while let Err(e) = r.reg.post_send(&r.a, &mut list) {
             assert!(matches!(e, PostError::QueueFull { .. }), "{e}");
@@ -128,8 +140,12 @@ fn a_qp_in_error_flushes_each_unsignaled_send_exactly_once() {
     let log = Log::default();
     let reg = handle.register(Recorder(log.clone())).unwrap();
     let pd = dev.alloc_pd();
-    let a = pd.create_qp(&QpInit::new(&cq, &cq, QpCap::default())).unwrap();
-    let b = pd.create_qp(&QpInit::new(&cq, &cq, QpCap::default())).unwrap();
+    let a = pd
+        .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
+        .unwrap();
+    let b = pd
+        .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
+        .unwrap();
     connect_with(&a, &b, 7).unwrap();
     let mr = pd.reg_mr(64, Access::ALL).unwrap();
     let sge = [mr.sge(0, 8)];
@@ -149,7 +165,11 @@ fn a_qp_in_error_flushes_each_unsignaled_send_exactly_once() {
     assert!(evs.iter().all(|e| e.status == Status::WrFlush));
     let l = reg.ledger();
     assert_eq!(
-        (l.posted(OpKind::Send), l.completed(OpKind::Send), l.flushed(OpKind::Send)),
+        (
+            l.posted(OpKind::Send),
+            l.completed(OpKind::Send),
+            l.flushed(OpKind::Send)
+        ),
         (4, 4, 4)
     );
     assert_eq!(cq.ledger().outstanding(a.qpn(), Side::Send), 0);
@@ -184,12 +204,20 @@ fn completed_means_every_completion_and_flushed_is_a_subset_everywhere() {
     r.poll_all();
     let l = r.reg.ledger();
     assert_eq!(
-        (l.posted(OpKind::Recv), l.completed(OpKind::Recv), l.flushed(OpKind::Recv)),
+        (
+            l.posted(OpKind::Recv),
+            l.completed(OpKind::Recv),
+            l.flushed(OpKind::Recv)
+        ),
         (5, 5, 3),
         "SlotLedger: completed counts the flushes, flushed is their subset"
     );
     assert_eq!(
-        (l.posted(OpKind::Send), l.completed(OpKind::Send), l.flushed(OpKind::Send)),
+        (
+            l.posted(OpKind::Send),
+            l.completed(OpKind::Send),
+            l.flushed(OpKind::Send)
+        ),
         (2, 2, 0)
     );
     let report = r.poller().accounts();
@@ -234,7 +262,10 @@ fn a_refused_post_leaves_every_account_as_it_was() {
     // A bad request in the middle of the list.
     let mut list = [w(4, &one[..]), w(5, &two[..]), w(6, &one[..])];
     let err = r.reg.post_send(&r.a, &mut list).unwrap_err();
-    assert!(matches!(err, PostError::TooManySge { index: 1, .. }), "{err}");
+    assert!(
+        matches!(err, PostError::TooManySge { index: 1, .. }),
+        "{err}"
+    );
     assert_eq!(state(&r), before);
     assert_eq!(list.map(|x| x.wr_id), [4, 5, 6], "tags back in place");
 
@@ -313,8 +344,14 @@ fn a_post_that_fails_part_way_keeps_what_was_posted_and_takes_back_the_rest() {
     assert_eq!(r.reg.ledger().posted(OpKind::Write), 2);
     assert_eq!(r.cq.ledger().outstanding(r.a.qpn(), Side::Send), 2);
     assert_eq!(r.cq.budget_snapshot().credits_in_use, 2);
-    assert!(list[..2].iter().all(|w| w.wr_id > 1 << 24), "posted: encoded");
-    assert_eq!(list[2..].iter().map(|w| w.wr_id).collect::<Vec<_>>(), [2, 3, 4]);
+    assert!(
+        list[..2].iter().all(|w| w.wr_id > 1 << 24),
+        "posted: encoded"
+    );
+    assert_eq!(
+        list[2..].iter().map(|w| w.wr_id).collect::<Vec<_>>(),
+        [2, 3, 4]
+    );
     // The rest, posted again as it is, with a signaled one behind.
     let mut rest = list[2..].to_vec();
     rest.push(SendWr::new(5, WrOp::Write(remote), s));
@@ -330,12 +367,20 @@ fn a_queue_on_another_cq_is_refused() {
     let r = Rig::new();
     let (other, _p, h) = r
         .dev
-        .create_dispatched_cq::<cqd_core::NoWork>("other", 256, CqConfig::default(), Default::default())
+        .create_dispatched_cq::<cqd_core::NoWork>(
+            "other",
+            256,
+            CqConfig::default(),
+            Default::default(),
+        )
         .unwrap();
     let elsewhere = h.register(Recorder(Log::default())).unwrap();
     let s = [r.mr_a.sge(0, 8)];
     let err = elsewhere
-        .post_send(&r.a, &mut [SendWr::new(1, WrOp::Write(r.mr_b.remote(0)), &s)])
+        .post_send(
+            &r.a,
+            &mut [SendWr::new(1, WrOp::Write(r.mr_b.remote(0)), &s)],
+        )
         .unwrap_err();
     assert!(
         matches!(err, PostError::Refused(Refused::WrongCq { .. })),
@@ -402,7 +447,14 @@ fn concurrent_posters_and_the_poller_account_every_request_exactly_once() {
                                     .and_then(|()| {
                                         let mut wr = [SendWr::new(t + 1, WrOp::Send, &sge)];
                                         while let Err(e) = reg.post_send(&**qp, &mut wr) {
-                                            assert!(matches!(e, PostError::Credits(_) | PostError::QueueFull { .. }), "{e}");
+                                            assert!(
+                                                matches!(
+                                                    e,
+                                                    PostError::Credits(_)
+                                                        | PostError::QueueFull { .. }
+                                                ),
+                                                "{e}"
+                                            );
                                             std::thread::yield_now();
                                         }
                                         Ok(())
@@ -436,13 +488,21 @@ fn concurrent_posters_and_the_poller_account_every_request_exactly_once() {
             let mut tags: Vec<u32> = log.take().iter().map(|e| e.tag).collect();
             tags.sort_unstable();
             let want: Vec<u32> = if jobs[i].1 {
-                assert_eq!((l.posted(OpKind::Recv), l.posted(OpKind::Send)), (LISTS, LISTS));
+                assert_eq!(
+                    (l.posted(OpKind::Recv), l.posted(OpKind::Send)),
+                    (LISTS, LISTS)
+                );
                 (0..LISTS as u32).flat_map(|i| [i * 3, i * 3 + 1]).collect()
             } else {
                 assert_eq!(l.completed(OpKind::Write), 3 * LISTS);
                 (0..LISTS as u32).map(|i| i * 3 + 2).collect()
             };
-            assert_eq!(tags, want, "{}: handler {i}, each signaled once", mode.name());
+            assert_eq!(
+                tags,
+                want,
+                "{}: handler {i}, each signaled once",
+                mode.name()
+            );
         }
         assert_eq!(cq.budget_snapshot().credits_in_use, 0, "{}", mode.name());
         assert!(cq.budget_snapshot().credits_high_water <= 48);
@@ -454,4 +514,32 @@ fn concurrent_posters_and_the_poller_account_every_request_exactly_once() {
             (0, 0)
         );
     }
+}
+
+#[test]
+fn a_destroyed_qp_leaves_its_cq_ledger_once_its_requests_are_accounted() {
+    let mut r = Rig::new();
+    let pd = r.pd.clone();
+    let c = pd
+        .create_qp(&QpInit::new(&r.cq, &r.cq, QpCap::default()))
+        .unwrap();
+    let (qpn, ledger) = (c.qpn(), r.cq.ledger().clone());
+    // Nothing outstanding: detached at once.
+    drop(c);
+    assert!(ledger.lookup(qpn, Side::Send).is_none());
+    // Receives outstanding: detached when their flushes are polled.
+    let d = pd
+        .create_qp(&QpInit::new(&r.cq, &r.cq, QpCap::default()))
+        .unwrap();
+    let qpn = d.qpn();
+    d.modify(Modify::Init {
+        access: Access::ALL,
+    })
+    .unwrap();
+    r.recv(&d, 1, &[r.mr_a.sge(0, 8)]).unwrap();
+    drop(d);
+    assert!(ledger.lookup(qpn, Side::Recv).is_some());
+    r.poll_all();
+    assert!(ledger.lookup(qpn, Side::Recv).is_none());
+    assert_eq!(r.reg.ledger().flushed(OpKind::Recv), 1);
 }

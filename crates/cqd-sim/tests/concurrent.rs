@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use cqd_core::ledger::{drain, ShutdownReport};
 use cqd_core::{
-    CqHandle, Failed, Handler, OpKind, Outbox, PollMode, PollerBuilder, RecvDone,
-    Registration, Routed, SendDone, Side, WorkSink,
+    CqHandle, Failed, Handler, OpKind, Outbox, PollMode, PollerBuilder, RecvDone, Registration,
+    Routed, SendDone, Side, WorkSink,
 };
 use cqd_sim::{
     connect, Access, Cq, CqConfig, Engine, Fabric, Faults, Mr, NicFaults, PostError, Qp, QpCap,

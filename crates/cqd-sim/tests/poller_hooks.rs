@@ -112,14 +112,15 @@ fn stop_with_flush_accounts_for_every_request() {
         let sge = [r.mr_a.sge(0, 64)];
         // Receives nobody sends to: outstanding until flushed.
         for t in 0..5 {
-            r.reg
-                .post_recv(&r.a, &mut [RecvWr::new(t, &sge)])
-                .unwrap();
+            r.reg.post_recv(&r.a, &mut [RecvWr::new(t, &sge)]).unwrap();
         }
         // And work that completes.
         for t in 5..9 {
             r.reg
-                .post_send(&r.a, &mut [SendWr::new(t, WrOp::Write(r.mr_a.remote(0)), &sge)])
+                .post_send(
+                    &r.a,
+                    &mut [SendWr::new(t, WrOp::Write(r.mr_a.remote(0)), &sge)],
+                )
                 .unwrap();
         }
         assert!(wait_until(Duration::from_secs(5), || r.log.0.lock().len() == 4));

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 
 use cqd_core::budget::BudgetOptions;
 use cqd_core::{
-    CqHandle, CqOptions, CqPoller, Failed, Handler, NoWork, OpKind, Outbox, RecvDone,
-    Registration, SendDone, Side,
+    CqHandle, CqOptions, CqPoller, Failed, Handler, NoWork, OpKind, Outbox, RecvDone, Registration,
+    SendDone, Side,
 };
 use cqd_sim::{
     connect_with, Access, Cq, CqConfig, Fabric, Modify, Mr, NicFaults, PostError, Qp, QpCap,
