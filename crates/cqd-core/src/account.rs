@@ -14,7 +14,7 @@
 //!    that the post then takes back.
 //! 2. **Completing** (the poller, once per batch): the poller finds the
 //!    account of each completion's queue through a poller-local cache
-//!    ([`AccountCache`]: qp_num and side → account, filled from the CQ's
+//!    (qp_num and side → account, filled from the CQ's
 //!    [`WrLedger`] only on a miss), and locks each account once per run of
 //!    completions of that queue. A send-side completion retires every entry
 //!    up to and including its wr_id: send queues complete in order, so the

@@ -443,22 +443,19 @@ fn concurrent_posters_and_the_poller_account_every_request_exactly_once() {
                         while !posted {
                             let r = if *sends {
                                 // A receive on b, then the SEND from a.
-                                reg.post_recv(&**b, &mut [RecvWr::new(t, &sge)])
-                                    .and_then(|()| {
-                                        let mut wr = [SendWr::new(t + 1, WrOp::Send, &sge)];
-                                        while let Err(e) = reg.post_send(&**qp, &mut wr) {
-                                            assert!(
-                                                matches!(
-                                                    e,
-                                                    PostError::Credits(_)
-                                                        | PostError::QueueFull { .. }
-                                                ),
-                                                "{e}"
-                                            );
-                                            std::thread::yield_now();
-                                        }
-                                        Ok(())
-                                    })
+                                reg.post_recv(&**b, &mut [RecvWr::new(t, &sge)]).map(|()| {
+                                    let mut wr = [SendWr::new(t + 1, WrOp::Send, &sge)];
+                                    while let Err(e) = reg.post_send(&**qp, &mut wr) {
+                                        assert!(
+                                            matches!(
+                                                e,
+                                                PostError::Credits(_) | PostError::QueueFull { .. }
+                                            ),
+                                            "{e}"
+                                        );
+                                        std::thread::yield_now();
+                                    }
+                                })
                             } else {
                                 let w = |t| SendWr::new(t, WrOp::Write(remote), &sge);
                                 reg.post_send(
