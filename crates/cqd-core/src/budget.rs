@@ -323,7 +323,12 @@ impl CqBudget {
     #[inline]
     pub fn give_back(&self, n: u64) {
         if n > 0 && self.has_credits() {
-            self.inner.credits.in_use.fetch_sub(n, Ordering::AcqRel);
+            // Never below zero, whatever a caller of the expert path does.
+            let _ = self.inner.credits.in_use.fetch_update(
+                Ordering::AcqRel,
+                Ordering::Acquire,
+                |used| Some(used.saturating_sub(n)),
+            );
         }
     }
 

@@ -1043,7 +1043,15 @@ impl Registration {
     /// posted through it. Refuses a queue whose completions go elsewhere.
     pub(crate) fn attach(&self, account: &QueueAccount) -> Result<(), Refused> {
         let Some(weak) = &account.ledger else {
-            return Ok(()); // an SRQ: attached through its QPs
+            // An SRQ: attached through its QPs, to ledgers it cannot name;
+            // at least this handler's CQ must have one.
+            return match self.cq_ledger.get() {
+                Some(_) => Ok(()),
+                None => Err(Refused::Unattached {
+                    handler: self.key,
+                    cq: self.cq.to_string(),
+                }),
+            };
         };
         let ledger = match self.cq_ledger.get() {
             Some(l) => l,

@@ -75,6 +75,17 @@ pub enum Refused {
     /// Too few CQ credits are left.
     #[error(transparent)]
     Credits(#[from] BudgetError),
+    /// A shared receive queue posted through a handler whose CQ has no
+    /// ledger attached: no poller would retire its receives. (A QP's own
+    /// queues attach their CQ's ledger on first post; an SRQ serves
+    /// several CQs and cannot.)
+    #[error("handler {handler}'s CQ {cq} has no ledger attached: make it with the backend's helper (create_dispatched_cq) or attach the CQ's ledger before posting to an SRQ")]
+    Unattached {
+        /// The handler.
+        handler: crate::wr_id::HandlerKey,
+        /// The handler's CQ.
+        cq: String,
+    },
     /// The queue's completions go to another CQ than the handler's: they
     /// would never reach it.
     #[error("the queue's completions go to another CQ than handler {handler}'s ({cq})")]

@@ -540,3 +540,49 @@ fn a_destroyed_qp_leaves_its_cq_ledger_once_its_requests_are_accounted() {
     assert!(ledger.lookup(qpn, Side::Recv).is_none());
     assert_eq!(r.reg.ledger().flushed(OpKind::Recv), 1);
 }
+
+#[test]
+fn a_cq_made_by_hand_gets_its_ledger_from_the_first_post() {
+    let dev = cqd_sim::Device::open("sim0");
+    let (cq, source) = dev.create_cq("cq", 256, credits(64)).unwrap();
+    let (poller, handle) = cqd_core::split::<cqd_core::NoWork>(source, Default::default()).unwrap();
+    let mut poller = poller.bind();
+    let reg = handle.register(Recorder(Log::default())).unwrap();
+    let pd = dev.alloc_pd();
+    let srq = pd.create_srq(16, 1).unwrap();
+    let a = pd
+        .create_qp(&QpInit::new(&cq, &cq, QpCap::default()).with_srq(&srq))
+        .unwrap();
+    let b = pd
+        .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
+        .unwrap();
+    connect(&a, &b).unwrap();
+    let mr = pd.reg_mr(64, Access::ALL).unwrap();
+    let sge = [mr.sge(0, 8)];
+    // An SRQ cannot name its CQ: refused while the handler's CQ has no ledger.
+    let err = reg
+        .post_recv(&srq, &mut [RecvWr::new(1, &sge)])
+        .unwrap_err();
+    assert!(
+        matches!(err, PostError::Refused(Refused::Unattached { .. })),
+        "{err}"
+    );
+    // A QP's queue names it: the first post attaches the ledger and budget.
+    reg.post_send(&b, &mut [SendWr::new(2, WrOp::Write(mr.remote(0)), &sge)])
+        .unwrap();
+    assert!(handle.budget_snapshot().is_some());
+    reg.post_recv(&srq, &mut [RecvWr::new(1, &sge)]).unwrap();
+    reg.post_send(&b, &mut [SendWr::new(3, WrOp::Send, &sge).unsignaled()])
+        .unwrap();
+    reg.post_send(&b, &mut [SendWr::new(4, WrOp::Write(mr.remote(0)), &sge)])
+        .unwrap();
+    let mut out = VecDeque::new();
+    while poller.poll_once(&mut out).unwrap() > 0 {}
+    assert_eq!(
+        reg.ledger().outstanding(),
+        0,
+        "the unsignaled send retired too"
+    );
+    assert_eq!(cq.budget_snapshot().credits_in_use, 0);
+    assert_eq!(cq.ledger().outstanding(a.qpn(), Side::Recv), 0);
+}
