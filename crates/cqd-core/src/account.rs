@@ -355,3 +355,113 @@ impl AccountCache {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::budget::BudgetOptions;
+    use proptest::prelude::*;
+
+    fn budget() -> CqBudget {
+        let opts = BudgetOptions {
+            admission: false,
+            credits: Some(100),
+        };
+        CqBudget::new("cq", 100, opts)
+    }
+
+    #[test]
+    fn send_queue_retires_in_order_receive_queue_by_id() {
+        let b = budget();
+        let ledger = WrLedger::with_budget(b.clone());
+        let sq = ledger.open_queue(1, Queue::Send);
+        let rq = ledger.open_queue(1, Queue::Recv);
+        let now = Instant::now();
+        for (q, ids) in [(&sq, [10, 11, 12, 13]), (&rq, [20, 21, 22, 23])] {
+            let mut ring = q.lock();
+            let credit = ring.take_credits(4).unwrap();
+            for id in ids {
+                ring.push(id, now, credit);
+            }
+        }
+        assert_eq!(b.credits_in_use(), 8);
+        let mut silent = Vec::new();
+        let mut ring = sq.lock();
+        assert_eq!(ring.retire(12, &mut silent), (3, true));
+        assert_eq!(silent, [10, 11], "the unsignaled ones before it");
+        assert_eq!(ring.retire(99, &mut silent), (0, false), "not held");
+        ring.give_back(3);
+        drop(ring);
+        let mut ring = rq.lock();
+        assert_eq!(ring.retire(22, &mut silent), (1, true));
+        assert_eq!(silent.len(), 2, "receives retire only themselves");
+        ring.unpush(2);
+        drop(ring);
+        assert_eq!((sq.outstanding(), rq.outstanding()), (1, 1));
+        assert_eq!(
+            b.credits_in_use(),
+            3,
+            "8 taken, 3 given back, 2 unpushed (22's not given back yet)"
+        );
+    }
+
+    #[test]
+    fn a_closed_queue_leaves_its_ledger_once_drained() {
+        let ledger = WrLedger::new();
+        let sq = ledger.open_queue(7, Queue::Send);
+        sq.lock().push(1, Instant::now(), false);
+        sq.close();
+        assert!(ledger.lookup(7, Side::Send).is_some(), "still outstanding");
+        let mut cache = AccountCache::default();
+        let mut wc = Completion::success(0, crate::completion::Opcode::Send, 7);
+        wc.wr_id = 1;
+        cache.account_batch(&ledger, &[wc]);
+        assert_eq!(sq.outstanding(), 1, "wr_id 1 is foreign: not retired");
+        let key = crate::wr_id::HandlerKey::new(0, 0).unwrap();
+        let id = key.wr_id(crate::wr_id::OpKind::Send, 1).unwrap();
+        sq.lock().push(id, Instant::now(), false);
+        wc.wr_id = id;
+        cache.account_batch(&ledger, &[wc]);
+        assert_eq!(cache.silent, [1], "the foreign entry before it, silently");
+        assert!(ledger.lookup(7, Side::Send).is_none(), "detached");
+    }
+
+    proptest! {
+        /// However signaled and unsignaled sends interleave, in-order
+        /// completions of the signaled ones (and a final flush of the rest)
+        /// retire each entry exactly once and return every credit.
+        #[test]
+        fn every_entry_retires_once(signaled in proptest::collection::vec(any::<bool>(), 1..64)) {
+            let b = budget();
+            let ledger = WrLedger::with_budget(b.clone());
+            let sq = ledger.open_queue(1, Queue::Send);
+            let now = Instant::now();
+            for (i, _) in signaled.iter().enumerate() {
+                let mut ring = sq.lock();
+                let c = ring.take_credits(1).unwrap();
+                ring.push(i as u64, now, c);
+            }
+            let (mut retired, mut credits) = (0usize, 0u64);
+            let mut silent = Vec::new();
+            for (i, s) in signaled.iter().enumerate() {
+                if *s {
+                    let (c, found) = sq.lock().retire(i as u64, &mut silent);
+                    prop_assert!(found);
+                    credits += c;
+                    retired += 1;
+                }
+            }
+            // A QP in error flushes what is left, each with its own completion.
+            let rest: Vec<u64> = sq.lock().ring.iter().map(|e| e.wr_id).collect();
+            for id in rest {
+                let (c, found) = sq.lock().retire(id, &mut silent);
+                prop_assert!(found);
+                credits += c;
+                retired += 1;
+            }
+            prop_assert_eq!(retired + silent.len(), signaled.len());
+            prop_assert_eq!(credits, signaled.len() as u64);
+            prop_assert_eq!(sq.outstanding(), 0);
+        }
+    }
+}
