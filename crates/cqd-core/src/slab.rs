@@ -89,11 +89,14 @@ use std::time::{Duration, Instant};
 /// RNR retry count; such requests should be tracked.
 pub const QUARANTINE: Duration = Duration::from_secs(60);
 
-/// Posted and completed counts of one handler, per operation kind.
+/// Posted, completed and flushed counts of one handler, per operation kind.
 ///
-/// `posted` is written by whoever posts (through
-/// [`Registration::track`](crate::cq::Registration::track)); `completed` only
-/// by the poller.
+/// `posted` is written by whoever posts (the posting call,
+/// [`Registration::post_send`](crate::cq::Registration::post_send), or
+/// [`Registration::track`](crate::cq::Registration::track) on the expert
+/// path); `completed` and `flushed` only by the poller. `completed` counts
+/// every completion — success, error or flush — and `flushed` is the subset
+/// that came back with a flush error.
 #[derive(Debug, Default)]
 pub struct SlotLedger {
     /// Written by posting threads; on its own cache line so that posts and
@@ -111,7 +114,8 @@ impl SlotLedger {
         self.posted[kind.index()].load(Ordering::Acquire)
     }
 
-    /// Work requests of `kind` completed (success, error or flush).
+    /// Work requests of `kind` completed: success, error or flush, and
+    /// unsignaled sends retired by a later completion of their send queue.
     pub fn completed(&self, kind: OpKind) -> u64 {
         self.completed[kind.index()].load(Ordering::Acquire)
     }
