@@ -6,9 +6,10 @@
 //! else is shared between the threads that post on a queue and the poller
 //! that completes it.
 //!
-//! 1. **Posting** (the posting call, [`crate::post`]): the poster locks the
-//!    account, takes the CQ credits, appends its requests, calls the
-//!    backend's post and, if the post fails, removes what was not posted —
+//! 1. **Posting** (the posting call, [`crate::post`], its steps 2–6): the
+//!    poster locks the account, takes the CQ credits, appends its requests,
+//!    calls the backend's post and, if the post fails, removes what was not
+//!    posted —
 //!    all under the lock, so the ring's order is the queue's order even
 //!    with several posting threads, and the poller never sees a request
 //!    that the post then takes back.

@@ -7,16 +7,16 @@
 //!
 //! 1. encodes each request's wr_id: on the way in a work request's wr_id
 //!    field carries the caller's tag (at most
-//!    [`MAX_TAG`](crate::wr_id::MAX_TAG)); the call
-//!    replaces it with the wr_id that names the handler, the kind and the
-//!    tag;
-//! 2. records the requests as posted in the handler's ledger, per kind;
-//! 3. locks the queue's [`QueueAccount`], takes the CQ's credits and
-//!    appends the requests (wr_id, post time, credit) in post order;
-//! 4. calls the backend's post — still under the queue's lock, so that the
+//!    [`MAX_TAG`](crate::wr_id::MAX_TAG)); the call replaces it with the
+//!    wr_id that names the handler, the kind and the tag;
+//! 2. locks the queue's [`QueueAccount`] and takes the CQ's credits;
+//! 3. counts the requests as posted in the handler's ledger, per kind;
+//! 4. appends the requests to the account (wr_id, post time, credit), in
+//!    post order;
+//! 5. calls the backend's post — still under the queue's lock, so that the
 //!    account's order is the queue's order whatever the number of posting
 //!    threads;
-//! 5. if the backend posted only the first `k` requests (verbs posts up to
+//! 6. if the backend posted only the first `k` requests (verbs posts up to
 //!    `bad_wr`), takes back everything of the others: their entries, their
 //!    credits, their posted counts, and puts their tags back in their wr_id
 //!    fields, so the rest of the list can be posted again as it is.
@@ -142,7 +142,7 @@ fn restore<R: WorkRequest>(wrs: &mut [R]) {
     }
 }
 
-/// Steps 1–5 of the module documentation for one list.
+/// Steps 1–6 of the module documentation for one list.
 pub(crate) fn post<R, E>(
     reg: &Registration,
     account: &QueueAccount,
@@ -174,7 +174,7 @@ where
         }
         per_kind[k.index()] += 1;
     }
-    // 3. Lock the queue, take the credits.
+    // 2. Lock the queue, take the credits.
     let mut ring = account.lock();
     let credit = match ring.take_credits(wrs.len() as u32) {
         Ok(c) => c,
@@ -184,22 +184,23 @@ where
             return Err(Refused::Credits(e).into());
         }
     };
-    // 2. The handler's ledger counts them before any can complete.
+    // 3. The handler's ledger counts them before any can complete.
     let slot = reg.ledger();
     for k in OpKind::ALL {
         if per_kind[k.index()] > 0 {
             slot.add_posted(k, per_kind[k.index()]);
         }
     }
+    // 4. Record them in the queue's account.
     let now = Instant::now();
     for wr in wrs.iter() {
         ring.push(wr.wr_id(), now, credit);
     }
-    // 4. Post, under the queue's lock.
+    // 5. Post, under the queue's lock.
     let Err((posted, err)) = raw(wrs) else {
         return Ok(());
     };
-    // 5. Take back what was not posted.
+    // 6. Take back what was not posted.
     let posted = posted.min(wrs.len());
     let rest = &mut wrs[posted..];
     ring.unpush(rest.len());
