@@ -231,7 +231,9 @@ impl Ring<'_> {
         self.retire_behind(wr_id, silent)
     }
 
-    #[cold]
+    /// Out of line: a send completion behind unsignaled sends, an SRQ
+    /// receive out of order, a wr_id the account does not hold.
+    #[inline(never)]
     fn retire_behind(&mut self, wr_id: u64, silent: &mut Vec<u64>) -> (u64, bool) {
         let Some(i) = self.ring.iter().position(|e| e.wr_id == wr_id) else {
             return (0, false);

@@ -241,14 +241,15 @@ impl WrLedger {
     /// under (an SRQ's once).
     fn accounts(&self) -> Vec<(u32, Side, Arc<QueueAccount>)> {
         let q = self.inner.queues.read();
-        let mut seen: Vec<(u32, Side, Arc<QueueAccount>)> = Vec::with_capacity(q.len());
+        let mut srqs = std::collections::HashSet::new();
+        let mut out = Vec::with_capacity(q.len());
         for (&(qp, side), a) in q.iter() {
-            if a.queue() == Queue::Srq && seen.iter().any(|(_, _, b)| Arc::ptr_eq(a, b)) {
+            if a.queue() == Queue::Srq && !srqs.insert(Arc::as_ptr(a)) {
                 continue;
             }
-            seen.push((qp, side, Arc::clone(a)));
+            out.push((qp, side, Arc::clone(a)));
         }
-        seen
+        out
     }
 
     /// Every request outstanding for at least `threshold`. Those not reported
