@@ -38,6 +38,11 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+/// The shortest safety-net timeout (step 3 of the sleep protocol) a poller
+/// honours. Anything shorter would turn the safety net into a stream of
+/// timer wake-ups; topology validation rejects it.
+pub const MIN_WAKE_TIMEOUT: Duration = Duration::from_micros(100);
+
 /// How a poller waits when its CQs are empty.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]

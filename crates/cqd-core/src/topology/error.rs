@@ -2,6 +2,7 @@
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// A topology that cannot be used as written. Every variant names the field
 /// (`poller[1].placement`, `pool[0].threads`, ...) and the values involved.
@@ -91,6 +92,21 @@ pub enum TopologyError {
         value: String,
         /// What is accepted.
         expected: &'static str,
+    },
+    /// A sleeping mode's safety-net timeout is shorter than a poller honours
+    /// ([`MIN_WAKE_TIMEOUT`](crate::mode::MIN_WAKE_TIMEOUT)); zero included.
+    #[error(
+        "{field}: poller {poller:?} has wake-up timeout {timeout:?}, below the minimum {min:?}"
+    )]
+    WakeTimeoutTooShort {
+        /// The field, e.g. `poller[0].mode.timeout_ms`.
+        field: String,
+        /// The poller's name.
+        poller: String,
+        /// The timeout given.
+        timeout: Duration,
+        /// The shortest accepted.
+        min: Duration,
     },
     /// Two pollers or two pools share a name, or a name is empty.
     #[error("{field}: name {name:?} is empty or already used")]
