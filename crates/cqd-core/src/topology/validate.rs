@@ -2,10 +2,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::config::{ModeConfig, Placement, PoolConfig, Priority, TopologyConfig};
+use super::config::{ModeConfig, PoolConfig, TopologyConfig};
 use super::error::{TopologyError, Warning};
 use super::plan::{PollerPlan, PoolPlan, Topology};
 use crate::mode::MIN_WAKE_TIMEOUT;
+use crate::thread::{Placement, Priority};
 
 /// The largest ring capacity accepted (2^24 slots per ring).
 pub const MAX_CAPACITY: usize = 1 << 24;
@@ -20,7 +21,9 @@ impl TopologyConfig {
     ///
     /// The first problem found, naming its field: see [`TopologyError`].
     pub fn validate(&self) -> Result<Topology, TopologyError> {
-        let allowed = super::thread::allowed_cpus()?;
+        let allowed = crate::thread::allowed_cpus().map_err(|e| TopologyError::Affinity {
+            errno: e.raw_os_error(),
+        })?;
         self.validate_for(&allowed)
     }
 
