@@ -409,6 +409,10 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(e, StartError::SetupPanicked), "{e:?}");
+    }
+
+    #[test]
+    fn a_cpu_past_the_kernels_set_is_a_pin_error_naming_the_thread() {
         let e = spawn(
             ThreadSpec {
                 name: "cqd-test-spec".into(),
