@@ -47,6 +47,7 @@ pub mod source;
 #[doc(hidden)]
 pub mod sync;
 mod sys;
+mod thread;
 pub mod topology;
 pub mod wr_id;
 

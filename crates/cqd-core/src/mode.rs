@@ -38,10 +38,10 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-/// The shortest wake timeout a poller honours: below it the safety net
-/// would fire faster than a sleep/wake cycle costs. Shorter values are
-/// refused (by the poller builder and by topology validation), never
-/// silently raised.
+/// The shortest safety-net timeout (step 3 of the sleep protocol) a poller
+/// honours: anything shorter would turn the safety net into a stream of
+/// timer wake-ups. Shorter values are refused (by the poller builder and by
+/// topology validation), never silently raised.
 pub const MIN_WAKE_TIMEOUT: Duration = Duration::from_micros(100);
 
 /// How a poller waits when its CQs are empty.

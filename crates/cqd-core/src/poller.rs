@@ -39,7 +39,6 @@
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::cq::{CqPoller, UnboundCq};
@@ -50,6 +49,7 @@ use crate::sink::{Routed, WorkSink};
 use crate::source::SourceError;
 use crate::sync::{AtomicBool, Ordering};
 use crate::sys::{thread_cpu_time, wait_readable, Doorbell};
+use crate::thread::{start, StartError, ThreadHandle};
 
 /// Acknowledge notifications once this many are pending.
 pub const DEFAULT_ACK_BATCH: u32 = 16;
@@ -178,7 +178,6 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
         let metrics = Arc::new(PollerMetrics::default());
         let doorbells: Vec<Arc<Doorbell>> = self.cqs.iter().map(UnboundCq::doorbell).collect();
         let name = self.name.clone();
-        let (started_tx, started_rx) = std::sync::mpsc::sync_channel(1);
         let cqs = self.cqs;
         let (group_metrics, group_stop) = (Arc::clone(&metrics), Arc::clone(&stop));
         let group = move |cqs: Vec<CqPoller<W>>| Group {
@@ -202,48 +201,35 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
             last_scan: Instant::now(),
         };
         let setup = self.setup;
-        let join = std::thread::Builder::new()
-            .name(format!("cqd-poller-{}", self.name))
-            .spawn(move || {
-                // The CQs are bound here, on the thread that polls them.
-                let group = group(cqs.into_iter().map(UnboundCq::bind).collect());
-                if let Some(setup) = setup {
-                    if let Err(e) = setup() {
-                        let _ = started_tx.send(Err(e));
-                        // Dropping the group finishes its CQs.
-                        return group.into_report();
-                    }
-                }
-                let _ = started_tx.send(Ok(()));
-                group.run()
-            })
-            .map_err(|e| PollerError::Spawn {
+        // The one start-up handshake: returns once `on_start` ran on the new
+        // thread. The CQs are bound there, after it, on the thread that polls
+        // them; on failure they are dropped there (which finishes them).
+        let join = start(
+            format!("cqd-poller-{}", self.name),
+            move || setup.map_or(Ok(()), |setup| setup()),
+            move || group(cqs.into_iter().map(UnboundCq::bind).collect()).run(),
+        )
+        .map_err(|e| match e {
+            StartError::Spawn(source) => PollerError::Spawn {
                 poller: name.clone(),
-                source: e,
-            })?;
-        match started_rx.recv() {
-            Ok(Ok(())) => Ok(PollerThread {
-                name,
-                stop,
-                doorbells,
-                metrics,
-                join: Some(join),
-            }),
-            Ok(Err(reason)) => {
-                let _ = join.join();
-                Err(PollerError::Setup {
-                    poller: name,
-                    reason,
-                })
-            }
-            Err(_) => {
-                let _ = join.join();
-                Err(PollerError::Setup {
-                    poller: name,
-                    reason: "thread exited before starting".into(),
-                })
-            }
-        }
+                source,
+            },
+            StartError::Setup(reason) => PollerError::Setup {
+                poller: name.clone(),
+                reason,
+            },
+            StartError::SetupPanicked => PollerError::Setup {
+                poller: name.clone(),
+                reason: "on_start panicked".into(),
+            },
+        })?;
+        Ok(PollerThread {
+            name,
+            stop,
+            doorbells,
+            metrics,
+            join: Some(join),
+        })
     }
 }
 
@@ -299,7 +285,7 @@ pub struct PollerThread {
     stop: Arc<AtomicBool>,
     doorbells: Vec<Arc<Doorbell>>,
     metrics: Arc<PollerMetrics>,
-    join: Option<JoinHandle<PollerReport>>,
+    join: Option<ThreadHandle<PollerReport>>,
 }
 
 impl PollerThread {
@@ -321,7 +307,7 @@ impl PollerThread {
     pub fn stop(mut self) -> Result<PollerReport, PollerError> {
         self.request_stop();
         let join = self.join.take();
-        match join.map(JoinHandle::join) {
+        match join.map(ThreadHandle::join) {
             Some(Ok(report)) => Ok(report),
             _ => Err(PollerError::Panicked {
                 poller: self.name.clone(),
@@ -644,10 +630,6 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         // Final counters after the acks.
         report.cqs = self.cqs.iter().map(|c| c.handle().snapshot()).collect();
         report
-    }
-
-    fn into_report(self) -> PollerReport {
-        self.report_now()
     }
 
     fn report_now(&self) -> PollerReport {
