@@ -586,3 +586,51 @@ fn a_cq_made_by_hand_gets_its_ledger_from_the_first_post() {
     assert_eq!(cq.budget_snapshot().credits_in_use, 0);
     assert_eq!(cq.ledger().outstanding(a.qpn(), Side::Recv), 0);
 }
+
+/// A send queue that checks, inside the raw post, what the posting call
+/// promises: the completion is already in the CQ (the inline NIC ran the
+/// request), and the handler's ledger and the queue's account already hold
+/// the request.
+struct Watching<'a> {
+    qp: &'a Qp,
+    cq: &'a cqd_sim::Cq,
+    reg: &'a cqd_core::Registration,
+}
+
+impl PostSend for Watching<'_> {
+    type Wr<'a> = SendWr<'a>;
+    type Error = PostError;
+
+    fn send_account(&self) -> &cqd_core::QueueAccount {
+        self.qp.send_account()
+    }
+
+    fn post_send_raw(&self, wrs: &[SendWr<'_>]) -> Result<(), (usize, PostError)> {
+        self.qp.post_send(wrs).map_err(|e| (0, e))?;
+        assert_eq!(self.cq.producer().len(), 1, "completed inside the call");
+        assert_eq!(self.reg.ledger().posted(OpKind::Write), 2);
+        Ok(())
+    }
+}
+
+#[test]
+fn a_completion_that_arrives_inside_the_post_call_is_accounted() {
+    let mut r = Rig::with(Fabric::inline(), QpCap::default(), 256, credits(8));
+    let s = [r.mr_a.sge(0, 8)];
+    let remote = r.mr_b.remote(0);
+    let q = Watching {
+        qp: &r.a,
+        cq: &r.cq,
+        reg: &r.reg,
+    };
+    let mut list = [
+        SendWr::new(1, WrOp::Write(remote), &s).unsignaled(),
+        SendWr::new(2, WrOp::Write(remote), &s),
+    ];
+    r.reg.post_send(&q, &mut list).unwrap();
+    assert_eq!(r.cq.ledger().outstanding(r.a.qpn(), Side::Send), 2);
+    assert_eq!(r.poll_all(), 1);
+    assert_eq!(r.reg.ledger().completed(OpKind::Write), 2);
+    assert_eq!(r.cq.ledger().outstanding(r.a.qpn(), Side::Send), 0);
+    assert_eq!(r.cq.budget_snapshot().credits_in_use, 0);
+}
