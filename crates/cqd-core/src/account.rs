@@ -36,6 +36,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
+use crossbeam_utils::CachePadded;
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::budget::CqBudget;
@@ -86,7 +87,9 @@ pub struct QueueAccount {
     /// one per consuming QP, so it names none).
     pub(crate) ledger: Option<Weak<LedgerInner>>,
     closed: AtomicBool,
-    ring: Mutex<VecDeque<Outstanding>>,
+    /// On its own cache line: posters of this queue and the poller meet
+    /// here, posters and pollers of other queues never do.
+    ring: CachePadded<Mutex<VecDeque<Outstanding>>>,
 }
 
 impl fmt::Debug for QueueAccount {
@@ -113,7 +116,7 @@ impl QueueAccount {
             credits: budget.filter(|b| b.has_credits()).cloned(),
             ledger,
             closed: AtomicBool::new(false),
-            ring: Mutex::new(VecDeque::new()),
+            ring: CachePadded::new(Mutex::new(VecDeque::new())),
         }
     }
 

@@ -304,7 +304,10 @@ impl CqBudget {
             });
         match taken {
             Ok(before) => {
-                c.high_water.fetch_max(before + want, Ordering::Relaxed);
+                let now = before + want;
+                if now > c.high_water.load(Ordering::Relaxed) {
+                    c.high_water.fetch_max(now, Ordering::Relaxed);
+                }
                 Ok(())
             }
             Err(used) => {
