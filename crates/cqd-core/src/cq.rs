@@ -977,13 +977,23 @@ impl<W: Send + 'static> CqHandle<W> {
 /// account kept, in one call ([`post_send`](Self::post_send),
 /// [`post_recv`](Self::post_recv)). Cloneable; use it from any thread that
 /// posts.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Registration {
     key: HandlerKey,
     ledger: Arc<SlotLedger>,
     cq: Arc<str>,
     cq_budget: Arc<OnceLock<CqBudget>>,
     cq_ledger: Arc<OnceLock<WrLedger>>,
+}
+
+impl std::fmt::Debug for Registration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registration")
+            .field("key", &self.key)
+            .field("cq", &self.cq)
+            .field("ledger", &self.ledger)
+            .finish()
+    }
 }
 
 impl Registration {

@@ -103,9 +103,18 @@ pub(crate) struct LedgerInner {
 /// Cloneable; every clone is the same ledger. The backend attaches a queue
 /// when it makes a QP or SRQ; the posting call and the poller keep the
 /// accounts; the watchdog scans them.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct WrLedger {
     pub(crate) inner: Arc<LedgerInner>,
+}
+
+impl fmt::Debug for WrLedger {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WrLedger")
+            .field("queues", &self.inner.queues.read().len())
+            .field("budget", &self.inner.budget.as_ref().map(CqBudget::capacity))
+            .finish()
+    }
 }
 
 impl WrLedger {
