@@ -112,7 +112,10 @@ impl fmt::Debug for WrLedger {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("WrLedger")
             .field("queues", &self.inner.queues.read().len())
-            .field("budget", &self.inner.budget.as_ref().map(CqBudget::capacity))
+            .field(
+                "budget",
+                &self.inner.budget.as_ref().map(CqBudget::capacity),
+            )
             .finish()
     }
 }
