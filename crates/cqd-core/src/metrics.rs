@@ -267,7 +267,8 @@ pub struct PollerSnapshot {
     /// stopped polling its CQs (back-pressure).
     #[serde(default)]
     pub throttles: u64,
-    /// Sleeps waiting for a worker to free ring space.
+    /// Sleeps with a spill, waiting for a worker to free ring space (above
+    /// the mark: for nothing else; at or below it: for CQ events too).
     #[serde(default)]
     pub space_waits: u64,
     /// Of those, the ones a worker's space wake-up ended.

@@ -694,6 +694,9 @@ impl<W: Send + 'static, S: WorkSink<W>> SleepGroup for Group<W, S> {
         if rung {
             bump(&self.metrics.0.control_wakeups, 1);
         }
+        if armed || retry {
+            bump(&self.metrics.0.space_waits, 1);
+        }
         if armed {
             self.end_space_wait();
         }
