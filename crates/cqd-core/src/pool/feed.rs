@@ -567,5 +567,34 @@ mod tests {
             all.sort_unstable();
             prop_assert_eq!(all, (0..routes.len()).collect::<Vec<_>>());
         }
+
+        /// `offer_fresh` counts exactly the refused items that were at
+        /// positions `fresh..` on entry: a poller counts each spill once.
+        #[test]
+        fn offer_fresh_counts_the_fresh_refusals(
+            workers in 1usize..4,
+            capacity in 1usize..6,
+            routes in proptest::collection::vec(proptest::option::of(0u64..6), 1..40),
+            old in 0usize..40,
+            least_loaded in any::<bool>(),
+        ) {
+            let routing = if least_loaded { Routing::LeastLoaded } else { Routing::AsRouted };
+            let (mut sink, mut rings) = sink(workers, capacity, routing);
+            let route_of = |i: usize| routes[i].map_or(Route::LeastLoaded, Route::Key);
+            let old = old.min(routes.len());
+            // A first offer of the old items fills some rings...
+            let mut items: VecDeque<_> = (0..old)
+                .map(|item| Routed { route: route_of(item), item })
+                .collect();
+            sink.offer(&mut items);
+            // ... a worker frees one ring ...
+            drain(&mut rings[0]);
+            // ... and the old leftovers go again with fresh items behind.
+            let fresh = items.len();
+            items.extend((old..routes.len()).map(|item| Routed { route: route_of(item), item }));
+            let counted = sink.offer_fresh(&mut items, fresh);
+            let expected = items.iter().filter(|r| r.item >= old).count();
+            prop_assert_eq!(counted, expected);
+        }
     }
 }
