@@ -178,7 +178,11 @@ fn recv(regs: &[Registration], tag: usize) -> Completion {
     let conn = tag % regs.len();
     let reg = &regs[conn];
     reg.track(OpKind::Recv, 1);
-    let mut wc = Completion::success(reg.wr_id(OpKind::Recv, tag as u32).unwrap(), Opcode::Recv, 64);
+    let mut wc = Completion::success(
+        reg.wr_id(OpKind::Recv, tag as u32).unwrap(),
+        Opcode::Recv,
+        64,
+    );
     wc.qp_num = conn as u32 + 1;
     wc
 }
@@ -247,13 +251,19 @@ fn spill_is_bounded(mode: PollMode) {
     seen.check();
     let bound = MARK as u64 + PER as u64 * BATCH;
     let p = &report.poller;
-    eprintln!("{mode:?}: spill high water {} (bound {bound}), throttles {}, spills {}", p.spill_high_water, p.throttles, p.spills);
+    eprintln!(
+        "{mode:?}: spill high water {} (bound {bound}), throttles {}, spills {}",
+        p.spill_high_water, p.throttles, p.spills
+    );
     assert!(
         p.spill_high_water <= bound,
         "{mode:?}: spill reached {} > mark {MARK} + m {PER} × batch {BATCH} × 1 CQ = {bound}",
         p.spill_high_water
     );
-    assert!(p.throttles > 0, "{mode:?}: the test needs back-pressure: {p:?}");
+    assert!(
+        p.throttles > 0,
+        "{mode:?}: the test needs back-pressure: {p:?}"
+    );
     assert_eq!(report.undelivered, 0);
     assert_eq!(report.cqs[0].overflows, 0);
     assert!(report.accounts.is_balanced(), "{}", report.accounts);
@@ -325,7 +335,10 @@ fn stalled_workers(mode: PollMode, mark: usize, total: usize) {
         "{mode:?}: the poller burnt {cpu:?} of CPU in {wall:?} holding a spill"
     );
     if total > mark + BATCH as usize {
-        assert!(sim.len() > 0, "above the mark the CQ holds the completions");
+        assert!(
+            !sim.is_empty(),
+            "above the mark the CQ holds the completions"
+        );
     }
     gate.set(false);
     assert!(
@@ -445,7 +458,9 @@ fn each_spilled_item_counts_once_through_a_pool() {
     let s = poller.snapshot();
     assert_eq!(s.spills, s.spill_len, "{s:?}");
     gate.set(false);
-    assert!(wait_until(Duration::from_secs(10), || seen.handled.load(Relaxed)
+    assert!(wait_until(Duration::from_secs(10), || seen
+        .handled
+        .load(Relaxed)
         == TOTAL as u64));
     let report = poller.stop().unwrap();
     pool.join().unwrap();
@@ -515,9 +530,19 @@ fn a_sink_kept_alive_does_not_hang_shutdown() {
     for tag in 0..8 {
         sim.push(recv(&regs, tag), false).unwrap();
     }
-    kept.try_push(Route::Key(0), Job { conn: 9, seq: 1, id: 8 })
-        .unwrap();
-    assert!(wait_until(Duration::from_secs(10), || seen.handled.load(Relaxed) == 9));
+    kept.try_push(
+        Route::Key(0),
+        Job {
+            conn: 9,
+            seq: 1,
+            id: 8,
+        },
+    )
+    .unwrap();
+    assert!(wait_until(Duration::from_secs(10), || seen
+        .handled
+        .load(Relaxed)
+        == 9));
     let started = Instant::now();
     let report = shutdown_with(
         ShutdownOptions::default().pool_join_timeout(Duration::from_millis(300)),
@@ -533,8 +558,15 @@ fn a_sink_kept_alive_does_not_hang_shutdown() {
         .iter()
         .find(|e| e.contains("pool bp"))
         .unwrap_or_else(|| panic!("{:?}", report.errors));
-    assert!(error.contains("sinks still alive (by spawn index): [1]"), "{error}");
-    assert_eq!(report.pools.len(), 1, "the pool's counters are still reported");
+    assert!(
+        error.contains("sinks still alive (by spawn index): [1]"),
+        "{error}"
+    );
+    assert_eq!(
+        report.pools.len(),
+        1,
+        "the pool's counters are still reported"
+    );
     assert_eq!(report.pools[0].items(), 9);
     drop(kept);
 }

@@ -60,6 +60,6 @@ pub use ledger::{
 pub use mode::{Adaptive, PollMode};
 pub use poller::{PollerBuilder, PollerReport, PollerThread};
 pub use shutdown::{shutdown, shutdown_with, ShutdownOptions, SystemReport};
-pub use sink::{NoSink, NoWork, Route, Routed, SpaceWaker, SpaceWait, WorkSink};
+pub use sink::{NoSink, NoWork, Route, Routed, SpaceWait, SpaceWaker, WorkSink};
 pub use source::{ArmKind, AsyncEvent, CompletionSource, SourceError};
 pub use wr_id::{HandlerKey, OpKind, Side, WrId};

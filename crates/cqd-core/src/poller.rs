@@ -7,7 +7,8 @@
 //! 2. Poll one round: a batch from every CQ of the group, dispatching each
 //!    completion to its handler (registrations are applied first).
 //!    If the spill is above its high-water mark, skip the polling: only
-//!    offer the spill again (back-pressure, see [`spill`]).
+//!    offer the spill again (back-pressure, see
+//!    [`PollerBuilder::spill_high_water_mark`]).
 //! 3. Offer the work the handlers emitted — behind any earlier spill — to
 //!    the sink; what it refuses stays in the spill queue (each item counted
 //!    once).
@@ -16,7 +17,7 @@
 //!    wait for ring space (Busy mode: spin) and go to 1. Otherwise ask the
 //!    mode: spin (go to 1) or sleep ([`sleep_once`], the arm / re-poll /
 //!    block protocol; with a spill the block also waits for ring space, see
-//!    [`spill`]). A source that fails (device gone) is counted and traced,
+//!    `poller::spill`). A source that fails (device gone) is counted and traced,
 //!    and, if nothing else had work, the poller backs off for a tenth of the
 //!    wake timeout instead of spinning on errors.
 //!
@@ -448,7 +449,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
 
     /// One batch from every CQ, then the hand-off — unless the spill is
     /// above its mark, when the round only hands off (back-pressure: the
-    /// bound of [`spill`] rests on this check).
+    /// bound of `poller::spill` rests on this check).
     fn round(&mut self) -> usize {
         if self.spill.above_mark() {
             self.hand_off();

@@ -124,9 +124,7 @@ pub fn shutdown_with(
     //    all within one deadline.
     let started = Instant::now();
     for pool in pools {
-        let left = options
-            .pool_join_timeout
-            .saturating_sub(started.elapsed());
+        let left = options.pool_join_timeout.saturating_sub(started.elapsed());
         let monitor = pool.monitor();
         match pool.join_timeout(left) {
             Ok(s) => report.pools.push(s),

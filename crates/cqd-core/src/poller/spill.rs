@@ -145,7 +145,10 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         };
         let doorbell = Arc::new(doorbell);
         let ring = Arc::clone(&doorbell);
-        if self.sink.set_space_waker(SpaceWaker::new(move || ring.ring())) {
+        if self
+            .sink
+            .set_space_waker(SpaceWaker::new(move || ring.ring()))
+        {
             self.spill.space = Some(doorbell);
         }
     }
@@ -248,8 +251,16 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         if waited.is_err() {
             std::thread::sleep(self.retry_pause().min(timeout));
         }
-        if doorbells && self.cqs.iter().fold(false, |r, c| c.shared.doorbell.drain() > 0 || r) {
-            bump(&self.metrics.0.control_wakeups, 1);
+        if doorbells {
+            // Drain every doorbell (no short cut), then count one wake-up.
+            let rung = self
+                .cqs
+                .iter()
+                .filter(|c| c.shared.doorbell.drain() > 0)
+                .count();
+            if rung > 0 {
+                bump(&self.metrics.0.control_wakeups, 1);
+            }
         }
         bump(&self.metrics.0.space_waits, 1);
         if armed {

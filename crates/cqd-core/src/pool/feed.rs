@@ -396,7 +396,7 @@ impl<W: Send> WorkSink<W> for PoolSink<W> {
         self.space.set_waker(waker)
     }
 
-    /// Producer steps 1 to 3 of [`space`](super::space).
+    /// Producer steps 1 to 3 of the space wake-up (`pool::space`).
     fn arm_space(&mut self, items: &mut VecDeque<Routed<W>>) -> SpaceWait {
         if items.is_empty() {
             return SpaceWait::Progress;
