@@ -5,7 +5,10 @@
 //!    back as a flush completion instead of being waited for.
 //! 2. Every poller stops ([`PollerThread::stop`]). Each one polls until no
 //!    handler has a request outstanding, or until its drain timeout passes.
-//!    It then hands its spilled work to the workers, acknowledges every
+//!    It then hands its spilled work to the workers (what they never take
+//!    by its stop timeout goes back to the application through
+//!    [`PollerBuilder::on_undelivered`](crate::poller::PollerBuilder::on_undelivered)
+//!    and is named in the errors), acknowledges every
 //!    event, destroys its CQs, and drops its sinks. Completion channels go
 //!    with the CQs: on verbs the backend destroys each channel after its
 //!    CQ.
@@ -108,7 +111,8 @@ pub fn shutdown_with(
             Ok(r) => {
                 if r.undelivered > 0 {
                     report.errors.push(format!(
-                        "poller {name}: {} work items never reached a worker",
+                        "poller {name}: {} work items never reached a worker \
+                         (handed to its on_undelivered callback, if it has one)",
                         r.undelivered
                     ));
                 }
