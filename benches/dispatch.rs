@@ -81,7 +81,8 @@ fn main() {
 
     // cqd dispatch.
     let (cq_d, src_d) = sim_cq("dispatch", CQ_SIZE, Faults::default()).unwrap();
-    let (mut poller, handle): (CqPoller<NoWork>, _) = split(src_d, CqOptions::default()).unwrap();
+    let (poller, handle) = split::<NoWork>(src_d, CqOptions::default()).unwrap();
+    let mut poller: CqPoller<NoWork> = poller.bind();
     let regs: Vec<Registration> = (0..HANDLERS)
         .map(|_| handle.register(Count(0)).unwrap())
         .collect();

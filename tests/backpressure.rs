@@ -157,7 +157,7 @@ fn cq(
     per: usize,
 ) -> (
     SimCq,
-    cqd::core::CqPoller<Job>,
+    cqd::core::UnboundCq<Job>,
     CqHandle<Job>,
     Vec<Registration>,
 ) {

@@ -2,7 +2,8 @@
 //!
 //! Values that come from the device are never trusted: [`Status`] and
 //! [`Opcode`] convert from any `u32` (an unknown value becomes `Unknown(n)`),
-//! and nothing here can panic on device data (STYLE.md rule 8).
+//! and nothing here can panic on device data (docs/architecture.md,
+//! "Invariants").
 
 use std::fmt;
 

@@ -1,36 +1,93 @@
-//! A completion queue split into its two rights: [`CqPoller`], the only
-//! right to poll, arm and acknowledge it, and [`CqHandle`], the cloneable
-//! right to register handlers and read metrics.
+//! A completion queue split into its two rights: the right to poll, arm and
+//! acknowledge it, and [`CqHandle`], the cloneable right to register handlers
+//! and read metrics.
 //!
-//! `CqPoller` is `Send` but neither `Sync` nor `Clone`, so one thread at a
-//! time polls a CQ, and a CQ moved into a poller thread cannot be polled by
-//! anyone else:
+//! The polling right comes in two states, so that "exactly one poller
+//! thread" is a fact of the types, not a habit:
+//!
+//! 1. [`split`] returns an [`UnboundCq`]: `Send` (it can be moved to the
+//!    thread that will poll), but neither `Sync` nor `Clone`, and it has no
+//!    method that polls, arms or acknowledges.
+//! 2. [`UnboundCq::bind`], called on the polling thread, consumes it and
+//!    returns the [`CqPoller`]: neither `Send` nor `Sync`, so it never leaves
+//!    that thread, cannot be shared, and cannot be put behind an
+//!    `Arc<Mutex<…>>` for two threads to poll in turn. A poller thread binds
+//!    its own CQs ([`PollerBuilder::cq`](crate::poller::PollerBuilder::cq)
+//!    takes the `UnboundCq`); a custom loop binds on its own thread.
+//! 3. Dropping either finishes the CQ: registration closes, every event is
+//!    acknowledged and the CQ is destroyed (a failure is traced at error
+//!    level, never ignored silently).
+//!
+//! An `UnboundCq` cannot be polled:
+//!
+//! ```compile_fail,E0599
+//! # use cqd_core::cq::UnboundCq;
+//! # use cqd_core::sink::NoWork;
+//! fn poll(mut p: UnboundCq<NoWork>) {
+//!     let mut out = std::collections::VecDeque::new();
+//!     let _ = p.poll_once(&mut out); // bind it first
+//! }
+//! ```
+//!
+//! nor cloned, nor shared by reference across threads:
 //!
 //! ```compile_fail,E0277
-//! # use cqd_core::cq::CqPoller;
+//! # use cqd_core::cq::UnboundCq;
 //! # use cqd_core::sink::NoWork;
 //! fn assert_clone<T: Clone>() {}
-//! assert_clone::<CqPoller<NoWork>>(); // a CqPoller cannot be cloned
+//! assert_clone::<UnboundCq<NoWork>>();
 //! ```
 //!
 //! ```compile_fail,E0277
-//! # use cqd_core::cq::CqPoller;
+//! # use cqd_core::cq::UnboundCq;
 //! # use cqd_core::sink::NoWork;
-//! // a CqPoller cannot be shared by reference across threads (it is !Sync)
-//! fn share(p: &CqPoller<NoWork>) {
+//! fn share(p: &UnboundCq<NoWork>) {
 //!     std::thread::scope(|s| { s.spawn(|| p.name().len()); });
 //! }
 //! ```
 //!
-//! ```compile_fail,E0382
+//! A bound `CqPoller` cannot move to another thread:
+//!
+//! ```compile_fail,E0277
 //! # use cqd_core::cq::CqPoller;
+//! # use cqd_core::sink::NoWork;
+//! fn assert_send<T: Send>() {}
+//! assert_send::<CqPoller<NoWork>>();
+//! ```
+//!
+//! nor be polled by two threads in turn behind a lock:
+//!
+//! ```compile_fail,E0277
+//! # use std::sync::{Arc, Mutex};
+//! # use cqd_core::cq::CqPoller;
+//! # use cqd_core::sink::NoWork;
+//! fn two_pollers(p: CqPoller<NoWork>) {
+//!     let shared = Arc::new(Mutex::new(p));
+//!     let other = Arc::clone(&shared);
+//!     std::thread::spawn(move || {
+//!         let mut out = std::collections::VecDeque::new();
+//!         let _ = other.lock().unwrap().poll_once(&mut out);
+//!     });
+//! }
+//! ```
+//!
+//! nor be cloned:
+//!
+//! ```compile_fail,E0599
+//! # use cqd_core::cq::CqPoller;
+//! # use cqd_core::sink::NoWork;
+//! fn cloned(p: CqPoller<NoWork>) { let _q = p.clone(); }
+//! ```
+//!
+//! and an `UnboundCq` moved into a poller thread is gone:
+//!
+//! ```compile_fail,E0382
+//! # use cqd_core::cq::UnboundCq;
 //! # use cqd_core::poller::PollerBuilder;
 //! # use cqd_core::sink::{NoSink, NoWork};
-//! // a CqPoller cannot be polled after it was moved into a poller
-//! fn moved(mut p: CqPoller<NoWork>) {
+//! fn moved(p: UnboundCq<NoWork>) {
 //!     let _t = PollerBuilder::new("p", NoSink).cq(p).spawn();
-//!     let mut out = std::collections::VecDeque::new();
-//!     let _ = p.poll_once(&mut out); // use of moved value
+//!     let _ = p.bind(); // use of moved value
 //! }
 //! ```
 
@@ -113,14 +170,16 @@ pub(crate) struct CqShared<W> {
     pub(crate) ledger: OnceLock<WrLedger>,
 }
 
-/// Makes the two halves of a CQ from a backend's source.
+/// Makes the two halves of a CQ from a backend's source: the
+/// [`UnboundCq`] (to be bound on the thread that polls it) and the
+/// [`CqHandle`].
 ///
 /// # Errors
 /// When the doorbell eventfd cannot be made.
 pub fn split<W: Send + 'static>(
     source: impl CompletionSource,
     options: CqOptions,
-) -> Result<(CqPoller<W>, CqHandle<W>), SourceError> {
+) -> Result<(UnboundCq<W>, CqHandle<W>), SourceError> {
     let doorbell = Doorbell::new().map_err(|source| SourceError::Os {
         op: "eventfd",
         source,
@@ -137,34 +196,136 @@ pub fn split<W: Send + 'static>(
         budget: OnceLock::new(),
         ledger: OnceLock::new(),
     });
-    let poller = CqPoller {
+    let core = Core {
         source: Box::new(source),
         shared: Arc::clone(&shared),
         slab: Slab::default(),
         buf: vec![Completion::default(); batch],
         options,
-        _not_sync: PhantomData,
+        finished: false,
+        in_error: false,
     };
-    Ok((poller, CqHandle { shared }))
+    Ok((
+        UnboundCq {
+            core,
+            _not_sync: PhantomData,
+        },
+        CqHandle { shared },
+    ))
 }
 
-/// The only right to poll, arm and acknowledge one CQ. `Send`, `!Sync`,
-/// not `Clone` (see the module documentation).
-pub struct CqPoller<W> {
-    pub(crate) source: Box<dyn CompletionSource>,
-    pub(crate) shared: Arc<CqShared<W>>,
+/// What both states of the polling right own. Dropping it finishes the CQ
+/// (step 3 of the module documentation).
+struct Core<W> {
+    source: Box<dyn CompletionSource>,
+    shared: Arc<CqShared<W>>,
     slab: Slab<W>,
     buf: Vec<Completion>,
-    pub(crate) options: CqOptions,
+    options: CqOptions,
+    /// Set once the CQ was acknowledged and destroyed.
+    finished: bool,
+    /// Set once the CQ was found in the error state (overflow).
+    in_error: bool,
+}
+
+impl<W> Core<W> {
+    /// Closes registration, acknowledges every event and destroys the CQ,
+    /// once.
+    fn finish(&mut self) -> Result<(), SourceError> {
+        self.shared.closed.store(true, Ordering::Release);
+        if self.finished {
+            return Ok(());
+        }
+        self.finished = true;
+        let taken = self.source.take_events();
+        if let Ok(n) = taken {
+            bump(&self.shared.metrics.0.events, u64::from(n));
+        }
+        let n = self.source.unacked_events();
+        if n > 0 {
+            self.source.ack_events(n)?;
+            bump(&self.shared.metrics.0.acks, u64::from(n));
+        }
+        taken?;
+        self.source.destroy()
+    }
+}
+
+impl<W> Drop for Core<W> {
+    fn drop(&mut self) {
+        if self.finished {
+            return;
+        }
+        let handlers = self.slab.iter().count();
+        match self.finish() {
+            Ok(()) => tracing::debug!(cq = %self.shared.name, handlers,
+                "CQ dropped without a stop: registration closed, events acked, CQ destroyed"),
+            Err(e) => tracing::error!(cq = %self.shared.name, handlers, error = %e,
+                "CQ dropped: acknowledging or destroying it failed"),
+        }
+    }
+}
+
+/// The right to poll one CQ, not yet bound to a thread: `Send` (move it to
+/// the thread that will poll), neither `Sync` nor `Clone`, and unable to
+/// poll, arm or acknowledge until [`bind`](Self::bind) makes it a
+/// [`CqPoller`] there. Dropping it finishes the CQ.
+pub struct UnboundCq<W> {
+    core: Core<W>,
     _not_sync: PhantomData<Cell<()>>,
+}
+
+impl<W> std::fmt::Debug for UnboundCq<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UnboundCq")
+            .field("name", &self.core.shared.name)
+            .field("capacity", &self.core.shared.capacity)
+            .finish()
+    }
+}
+
+impl<W: Send + 'static> UnboundCq<W> {
+    /// The CQ's name.
+    pub fn name(&self) -> &str {
+        &self.core.shared.name
+    }
+
+    /// A handle to the same CQ.
+    pub fn handle(&self) -> CqHandle<W> {
+        CqHandle {
+            shared: Arc::clone(&self.core.shared),
+        }
+    }
+
+    /// Binds the CQ to the calling thread: the returned [`CqPoller`] can
+    /// poll, arm and acknowledge it, and can never leave this thread.
+    pub fn bind(self) -> CqPoller<W> {
+        CqPoller {
+            core: self.core,
+            _not_send: PhantomData,
+        }
+    }
+
+    pub(crate) fn doorbell(&self) -> Arc<Doorbell> {
+        Arc::clone(&self.core.shared.doorbell)
+    }
+}
+
+/// The only right to poll, arm and acknowledge one CQ, bound to the thread
+/// that called [`UnboundCq::bind`]: neither `Send` nor `Sync`, not `Clone`
+/// (see the module documentation). Dropping it finishes the CQ.
+pub struct CqPoller<W> {
+    core: Core<W>,
+    /// `*const ()` is neither `Send` nor `Sync`.
+    _not_send: PhantomData<*const ()>,
 }
 
 impl<W> std::fmt::Debug for CqPoller<W> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CqPoller")
-            .field("name", &self.shared.name)
-            .field("capacity", &self.shared.capacity)
-            .field("slab", &self.slab)
+            .field("name", &self.core.shared.name)
+            .field("capacity", &self.core.shared.capacity)
+            .field("slab", &self.core.slab)
             .finish()
     }
 }
@@ -172,13 +333,13 @@ impl<W> std::fmt::Debug for CqPoller<W> {
 impl<W: Send + 'static> CqPoller<W> {
     /// The CQ's name.
     pub fn name(&self) -> &str {
-        &self.shared.name
+        &self.core.shared.name
     }
 
     /// A handle to the same CQ.
     pub fn handle(&self) -> CqHandle<W> {
         CqHandle {
-            shared: Arc::clone(&self.shared),
+            shared: Arc::clone(&self.core.shared),
         }
     }
 
@@ -189,13 +350,13 @@ impl<W: Send + 'static> CqPoller<W> {
     /// # Errors
     /// When the source fails (device gone); nothing polled is lost.
     pub fn poll_once(&mut self, out: &mut VecDeque<Routed<W>>) -> Result<usize, SourceError> {
-        if !self.shared.commands.is_empty() {
+        if !self.core.shared.commands.is_empty() {
             self.apply_commands();
         }
-        let m = &self.shared.metrics.0;
+        let m = &self.core.shared.metrics.0;
         bump(&m.polls, 1);
-        let n = match self.source.poll(&mut self.buf) {
-            Ok(n) => n.min(self.buf.len()),
+        let n = match self.core.source.poll(&mut self.core.buf) {
+            Ok(n) => n.min(self.core.buf.len()),
             Err(e) => {
                 bump(&m.poll_errors, 1);
                 return Err(e);
@@ -207,17 +368,17 @@ impl<W: Send + 'static> CqPoller<W> {
         }
         bump(&m.completions, n as u64);
         bump(&m.batch_hist[batch_bucket(n)], 1);
-        let start = self.options.measure_handlers.then(Instant::now);
+        let start = self.core.options.measure_handlers.then(Instant::now);
         dispatch_batch(
-            &self.shared,
-            &mut self.slab,
-            &self.options,
-            &self.buf[..n],
+            &self.core.shared,
+            &mut self.core.slab,
+            &self.core.options,
+            &self.core.buf[..n],
             out,
         );
         if let Some(start) = start {
             bump(
-                &self.shared.metrics.0.handler_ns,
+                &self.core.shared.metrics.0.handler_ns,
                 start.elapsed().as_nanos() as u64,
             );
         }
@@ -227,10 +388,50 @@ impl<W: Send + 'static> CqPoller<W> {
     /// Requests a notification of the CQ's arm kind (see [`CqOptions::arm`]).
     ///
     /// # Errors
-    /// When the source fails.
+    /// When the source fails. [`SourceError::CqInError`] once the CQ is in
+    /// the error state ([`is_in_error`](Self::is_in_error)): it will never
+    /// notify again, and later calls return that error at once, without
+    /// asking the device.
     pub fn arm(&mut self) -> Result<(), SourceError> {
-        bump(&self.shared.metrics.0.arms, 1);
-        self.source.arm(self.options.arm)
+        if self.core.in_error {
+            return Err(SourceError::CqInError);
+        }
+        let m = &self.core.shared.metrics.0;
+        bump(&m.arms, 1);
+        match self.core.source.arm(self.core.options.arm) {
+            Ok(()) => Ok(()),
+            Err(SourceError::CqInError) => {
+                bump(&m.arm_errors, 1);
+                self.enter_error("the device refused to arm it");
+                Err(SourceError::CqInError)
+            }
+            Err(e) => {
+                bump(&m.arm_errors, 1);
+                Err(e)
+            }
+        }
+    }
+
+    /// True once the CQ is in the error state (an overflow): it is no
+    /// longer armed; what it still holds can be polled.
+    pub fn is_in_error(&self) -> bool {
+        self.core.in_error
+    }
+
+    /// Marks the CQ in error, once: a metric and one error-level trace.
+    #[cold]
+    fn enter_error(&mut self, why: &str) {
+        if std::mem::replace(&mut self.core.in_error, true) {
+            return;
+        }
+        self.core
+            .shared
+            .metrics
+            .0
+            .in_error
+            .store(1, Ordering::Relaxed);
+        tracing::error!(cq = %self.core.shared.name, why,
+            "CQ in the error state: no longer armed; its poller polls it once per wake timeout");
     }
 
     /// Takes pending notifications (non-blocking); they must be acked.
@@ -238,8 +439,8 @@ impl<W: Send + 'static> CqPoller<W> {
     /// # Errors
     /// When the source fails.
     pub fn take_events(&mut self) -> Result<u32, SourceError> {
-        let n = self.source.take_events()?;
-        bump(&self.shared.metrics.0.events, u64::from(n));
+        let n = self.core.source.take_events()?;
+        bump(&self.core.shared.metrics.0.events, u64::from(n));
         Ok(n)
     }
 
@@ -248,47 +449,48 @@ impl<W: Send + 'static> CqPoller<W> {
     /// # Errors
     /// When the source fails.
     pub fn ack_all(&mut self) -> Result<(), SourceError> {
-        let n = self.source.unacked_events();
+        let n = self.core.source.unacked_events();
         if n > 0 {
-            self.source.ack_events(n)?;
-            bump(&self.shared.metrics.0.acks, u64::from(n));
+            self.core.source.ack_events(n)?;
+            bump(&self.core.shared.metrics.0.acks, u64::from(n));
         }
         Ok(())
     }
 
     /// Notifications taken and not yet acknowledged.
     pub fn unacked_events(&self) -> u32 {
-        self.source.unacked_events()
+        self.core.source.unacked_events()
     }
 
     /// The notification descriptor (for epoll or an async runtime).
     pub fn event_fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.source.event_fd()
+        self.core.source.event_fd()
     }
 
     /// The descriptor that is rung when a handle registers or unregisters a
     /// handler, or a stop is requested.
     pub fn doorbell_fd(&self) -> std::os::fd::BorrowedFd<'_> {
         use std::os::fd::AsFd;
-        self.shared.doorbell.as_fd()
+        self.core.shared.doorbell.as_fd()
     }
 
     /// Handles pending asynchronous events: counts them, traces them at
     /// error level, and returns how many there were.
     pub fn check_async(&mut self) -> usize {
         let mut n = 0;
-        while let Some(ev) = self.source.take_async_event() {
+        while let Some(ev) = self.core.source.take_async_event() {
             n += 1;
-            let m = &self.shared.metrics.0;
+            let m = &self.core.shared.metrics.0;
             bump(&m.async_events, 1);
             if let AsyncEvent::CqOverflow { capacity, lost } = ev {
                 bump(&m.overflows, 1);
-                if let Some(b) = self.shared.budget.get() {
+                if let Some(b) = self.core.shared.budget.get() {
                     b.record_overflow();
                 }
-                tracing::error!(cq = %self.shared.name, capacity, lost, "CQ overflow: completions were lost");
+                tracing::error!(cq = %self.core.shared.name, capacity, lost, "CQ overflow: completions were lost");
+                self.enter_error("it overflowed");
             } else {
-                tracing::error!(cq = %self.shared.name, event = ?ev, "asynchronous event");
+                tracing::error!(cq = %self.core.shared.name, event = ?ev, "asynchronous event");
             }
         }
         n
@@ -296,12 +498,16 @@ impl<W: Send + 'static> CqPoller<W> {
 
     /// Applies pending registrations and unregistrations.
     pub fn apply_commands(&mut self) {
-        apply_commands(&self.shared, &mut self.slab);
+        apply_commands(&self.core.shared, &mut self.core.slab);
     }
 
     /// Requests posted under this CQ's handlers and not yet completed.
     pub fn outstanding(&self) -> u64 {
-        self.slab.iter().map(|(_, e)| e.ledger.outstanding()).sum()
+        self.core
+            .slab
+            .iter()
+            .map(|(_, e)| e.ledger.outstanding())
+            .sum()
     }
 
     /// The account of every installed handler (retired ones are balanced
@@ -309,9 +515,12 @@ impl<W: Send + 'static> CqPoller<W> {
     /// holds.
     pub fn accounts(&self) -> crate::ledger::ShutdownReport {
         let mut report = crate::ledger::ShutdownReport::from_ledgers(
-            self.slab.iter().map(|(key, e)| (key, &*e.ledger, None)),
+            self.core
+                .slab
+                .iter()
+                .map(|(key, e)| (key, &*e.ledger, None)),
         );
-        if let Some(l) = self.shared.ledger.get() {
+        if let Some(l) = self.core.shared.ledger.get() {
             report.stuck = l.scan(Instant::now(), std::time::Duration::ZERO);
         }
         report
@@ -319,7 +528,7 @@ impl<W: Send + 'static> CqPoller<W> {
 
     /// Keys of the installed handlers (retiring ones included).
     pub fn handler_keys(&self) -> Vec<HandlerKey> {
-        self.slab.keys().collect()
+        self.core.slab.keys().collect()
     }
 
     /// Destroys the CQ after acknowledging every event. Consumes the poller.
@@ -331,10 +540,15 @@ impl<W: Send + 'static> CqPoller<W> {
     }
 
     pub(crate) fn finish(&mut self) -> Result<(), SourceError> {
-        self.shared.closed.store(true, Ordering::Release);
-        let _ = self.take_events();
-        self.ack_all()?;
-        self.source.destroy()
+        self.core.finish()
+    }
+
+    pub(crate) fn shared(&self) -> &CqShared<W> {
+        &self.core.shared
+    }
+
+    pub(crate) fn source(&self) -> &dyn CompletionSource {
+        &*self.core.source
     }
 }
 
@@ -533,8 +747,10 @@ fn miss<W: 'static>(
         kind = %id.kind, status = %wc.status, "stale wr_id: no live handler has this generation");
 }
 
-/// Errors go to `on_error`; unknown statuses and opcodes are counted and
-/// traced, not dispatched.
+/// Everything but a success with a known opcode goes to `on_error`: error
+/// statuses (flushes counted as such), and the anomalies — a status or an
+/// opcode this cqd does not know — counted and traced first, so that the
+/// handler can still release what the request held.
 #[cold]
 #[inline(never)]
 fn not_success<W: 'static>(
@@ -548,11 +764,11 @@ fn not_success<W: 'static>(
     let anomaly = match wc.status {
         Status::Unknown(_) => {
             bump(&m.unknown_status, 1);
-            "unknown status"
+            Some("unknown status")
         }
         Status::Success => {
             bump(&m.unknown_opcode, 1);
-            "unknown opcode"
+            Some("unknown opcode")
         }
         status => {
             bump(&m.errors_by_status[status.table_index()], 1);
@@ -560,20 +776,22 @@ fn not_success<W: 'static>(
                 bump(&m.flushes, 1);
                 entry.ledger.add_flushed(id.kind);
             }
-            let failed = Failed {
-                kind: id.kind,
-                tag: id.tag,
-                key: id.key,
-                wc,
-            };
-            let mut outbox = Outbox::new(out, entry.route);
-            entry.handler.on_error(&failed, &mut outbox);
-            return;
+            None
         }
     };
-    tracing::error!(cq = %shared.name, wr_id = format_args!("{:#x}", wc.wr_id), key = %id.key,
-        kind = %id.kind, status = %wc.status, opcode = %wc.opcode, qp = wc.qp_num,
-        vendor_err = wc.vendor_err, "{anomaly}: completion counted, not dispatched");
+    if let Some(anomaly) = anomaly {
+        tracing::error!(cq = %shared.name, wr_id = format_args!("{:#x}", wc.wr_id), key = %id.key,
+            kind = %id.kind, status = %wc.status, opcode = %wc.opcode, qp = wc.qp_num,
+            vendor_err = wc.vendor_err, "{anomaly}: counted, delivered to on_error");
+    }
+    let failed = Failed {
+        kind: id.kind,
+        tag: id.tag,
+        key: id.key,
+        wc,
+    };
+    let mut outbox = Outbox::new(out, entry.route);
+    entry.handler.on_error(&failed, &mut outbox);
 }
 
 #[cold]
@@ -776,10 +994,11 @@ mod tests {
 
     #[test]
     fn auto_traits() {
-        // CqPoller: Send (moved into its thread); !Sync and !Clone are
-        // pinned by the compile_fail doctests of this module.
-        assert_send::<CqPoller<NoWork>>();
-        assert_send::<CqPoller<Vec<u8>>>();
+        // UnboundCq: Send (moved to its thread); CqPoller's !Send and both
+        // !Sync and !Clone are pinned by the compile_fail doctests of this
+        // module.
+        assert_send::<UnboundCq<NoWork>>();
+        assert_send::<UnboundCq<Vec<u8>>>();
         assert_send_sync::<CqHandle<NoWork>>();
         assert_send_sync::<Registration>();
     }

@@ -122,9 +122,25 @@ impl Failed<'_> {
     pub fn key(&self) -> HandlerKey {
         self.key
     }
-    /// The status (never `Success`, never `Unknown`).
+    /// The status: an error status, or — for the anomalies
+    /// ([`is_anomaly`](Self::is_anomaly)) — `Status::Unknown(n)` for a status
+    /// value this cqd does not know, or `Success` with an unknown
+    /// [`opcode`](Self::opcode).
     pub fn status(&self) -> Status {
         self.wc.status
+    }
+    /// The device's opcode (undefined on error completions; see
+    /// [`kind`](Self::kind) for what was posted).
+    pub fn opcode(&self) -> Opcode {
+        self.wc.opcode
+    }
+    /// True when the device reported something this cqd does not know: an
+    /// unknown status, or a success with an unknown opcode. The request is
+    /// over either way (release what it held); the anomaly is counted in the
+    /// CQ's metrics and traced at error level.
+    pub fn is_anomaly(&self) -> bool {
+        matches!(self.wc.status, Status::Unknown(_))
+            || (self.wc.status.is_success() && !self.wc.opcode.is_known())
     }
     /// True if the request was flushed because its QP went to the error
     /// state: it was never executed.
@@ -194,6 +210,8 @@ pub trait Handler<W = NoWork>: Send + 'static {
     fn on_send(&mut self, done: &SendDone<'_>, out: &mut Outbox<'_, W>);
     /// A receive completed successfully.
     fn on_recv(&mut self, done: &RecvDone<'_>, out: &mut Outbox<'_, W>);
-    /// A request of either side failed (flushes included).
+    /// A request of either side failed (flushes included), or the device
+    /// reported a status or opcode this cqd does not know
+    /// ([`Failed::is_anomaly`]): either way the request is over.
     fn on_error(&mut self, failed: &Failed<'_>, out: &mut Outbox<'_, W>);
 }

@@ -45,6 +45,7 @@ pub mod source;
 #[doc(hidden)]
 pub mod sync;
 mod sys;
+mod thread;
 pub mod topology;
 pub mod wr_id;
 
@@ -52,7 +53,7 @@ pub use budget::{
     cq_depth_for, Admission, BudgetError, BudgetOptions, BudgetSnapshot, CqBudget, CreditReturn,
 };
 pub use completion::{Completion, Opcode, Status, WcFlags};
-pub use cq::{split, CqHandle, CqOptions, CqPoller, Registration};
+pub use cq::{split, CqHandle, CqOptions, CqPoller, Registration, UnboundCq};
 pub use handler::{Failed, Handler, Outbox, RecvDone, SendDone};
 pub use ledger::{
     drain, Accounted, FlushCounts, KindAccount, ShutdownReport, StuckWr, Watchdog, WrLedger,

@@ -65,6 +65,8 @@ pub struct CqCounters {
     pub(crate) async_events: AtomicU64,
     pub(crate) overflows: AtomicU64,
     pub(crate) poll_errors: AtomicU64,
+    pub(crate) arm_errors: AtomicU64,
+    pub(crate) in_error: AtomicU64,
     pub(crate) handler_ns: AtomicU64,
     pub(crate) handlers_live: AtomicU64,
     pub(crate) registrations: AtomicU64,
@@ -114,6 +116,8 @@ impl CqMetrics {
             async_events: get(&c.async_events),
             overflows: get(&c.overflows),
             poll_errors: get(&c.poll_errors),
+            arm_errors: get(&c.arm_errors),
+            in_error: get(&c.in_error) != 0,
             handler_ns: get(&c.handler_ns),
             handlers_live: get(&c.handlers_live),
             registrations: get(&c.registrations),
@@ -168,8 +172,14 @@ pub struct CqSnapshot {
     pub async_events: u64,
     /// CQ overflows reported by the device. Stays 0 with admission on.
     pub overflows: u64,
-    /// Polls or arms that failed.
+    /// Polls that failed (device gone).
     pub poll_errors: u64,
+    /// Arms that failed, the refusal that put the CQ in error included.
+    pub arm_errors: u64,
+    /// The CQ is in the error state (after an overflow): it is no longer
+    /// armed, and its poller polls it once per wake timeout to take what it
+    /// still holds.
+    pub in_error: bool,
     /// Time spent in handler callbacks, if measured (nanoseconds).
     pub handler_ns: u64,
     /// Handlers registered and not yet retired.

@@ -38,6 +38,12 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+/// The shortest safety-net timeout (step 3 of the sleep protocol) a poller
+/// honours: anything shorter would turn the safety net into a stream of
+/// timer wake-ups. Shorter values are refused (by the poller builder and by
+/// topology validation), never silently raised.
+pub const MIN_WAKE_TIMEOUT: Duration = Duration::from_micros(100);
+
 /// How a poller waits when its CQs are empty.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]

@@ -23,7 +23,7 @@
 //!
 //! # Stopping
 //!
-//! The shutdown protocol of DESIGN.md, the poller's part. Before it, the
+//! The shutdown protocol (docs/architecture.md, "Shutdown"), the poller's part. Before it, the
 //! application stops posting and, to finish fast, moves its QPs to the
 //! error state so that everything outstanding is flushed
 //! ([`PollerThread::stop_with`] runs that step).
@@ -46,16 +46,17 @@ mod spill;
 
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::cq::CqPoller;
+use crate::cq::{CqPoller, UnboundCq};
 use crate::metrics::{bump, CqSnapshot, PollerMetrics, PollerSnapshot};
+pub use crate::mode::MIN_WAKE_TIMEOUT;
 use crate::mode::{sleep_once, Idle, IdlePolicy, PollMode, SleepGroup, Slept};
 use crate::sink::{SpaceWait, WorkSink};
 use crate::source::SourceError;
 use crate::sync::{AtomicBool, Ordering};
 use crate::sys::{thread_cpu_time, wait_readable, Doorbell};
+use crate::thread::{start, StartError, ThreadHandle};
 pub use spill::DEFAULT_SPILL_HIGH_WATER_MARK;
 use spill::{GiveBack, Spill};
 
@@ -75,7 +76,7 @@ pub struct PollerBuilder<W, S> {
     stop_timeout: Duration,
     drain_timeout: Duration,
     watchdog: Option<Duration>,
-    cqs: Vec<CqPoller<W>>,
+    cqs: Vec<UnboundCq<W>>,
     sink: S,
     setup: Option<Setup>,
     spill_mark: usize,
@@ -118,9 +119,12 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
         self
     }
 
-    /// The safety-net timeout of a sleep (default 100 ms).
+    /// The safety-net timeout of a sleep (default 100 ms). Below
+    /// [`MIN_WAKE_TIMEOUT`] [`spawn`](Self::spawn) refuses it
+    /// ([`PollerError::WakeTimeout`]) rather than quietly using another
+    /// value.
     pub fn wake_timeout(mut self, t: Duration) -> Self {
-        self.wake_timeout = t.max(Duration::from_micros(100));
+        self.wake_timeout = t;
         self
     }
 
@@ -152,9 +156,9 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
         self
     }
 
-    /// Adds a CQ to the group. Takes the poller by value: nobody else can
-    /// poll it afterwards.
-    pub fn cq(mut self, cq: CqPoller<W>) -> Self {
+    /// Adds a CQ to the group. Takes it by value: the poller thread binds
+    /// it, and nobody else can poll it afterwards.
+    pub fn cq(mut self, cq: UnboundCq<W>) -> Self {
         self.cqs.push(cq);
         self
     }
@@ -176,74 +180,69 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
         if self.cqs.is_empty() {
             return Err(PollerError::NoCq { poller: self.name });
         }
+        if self.wake_timeout < MIN_WAKE_TIMEOUT {
+            return Err(PollerError::WakeTimeout {
+                poller: self.name,
+                given: self.wake_timeout,
+                min: MIN_WAKE_TIMEOUT,
+            });
+        }
         let stop = Arc::new(AtomicBool::new(false));
         let metrics = Arc::new(PollerMetrics::default());
-        let doorbells: Vec<Arc<Doorbell>> = self
-            .cqs
-            .iter()
-            .map(|c| Arc::clone(&c.shared.doorbell))
-            .collect();
+        let doorbells: Vec<Arc<Doorbell>> = self.cqs.iter().map(UnboundCq::doorbell).collect();
         let name = self.name.clone();
-        let (started_tx, started_rx) = std::sync::mpsc::sync_channel(1);
-        let group = Group {
+        let cqs = self.cqs;
+        let (group_metrics, group_stop) = (Arc::clone(&metrics), Arc::clone(&stop));
+        let group = move |cqs: Vec<CqPoller<W>>| Group {
             idle: IdlePolicy::new(self.mode, Instant::now()),
-            cqs: self.cqs,
+            cqs,
             sink: self.sink,
             spill: Spill::new(self.spill_mark, self.give_back),
-            metrics: Arc::clone(&metrics),
+            metrics: group_metrics,
             wake_timeout: self.wake_timeout,
             ack_batch: self.ack_batch,
             stop_timeout: self.stop_timeout,
             drain_timeout: self.drain_timeout,
             watchdog: self.watchdog,
-            stop: Arc::clone(&stop),
+            stop: group_stop,
             ready: Vec::new(),
             round_found: Vec::new(),
             round_events: Vec::new(),
             last_block: Duration::ZERO,
             failing: false,
+            sleep_failures: 0,
             last_scan: Instant::now(),
         };
         let setup = self.setup;
-        let join = std::thread::Builder::new()
-            .name(format!("cqd-poller-{}", self.name))
-            .spawn(move || {
-                if let Some(setup) = setup {
-                    if let Err(e) = setup() {
-                        let _ = started_tx.send(Err(e));
-                        return group.into_report();
-                    }
-                }
-                let _ = started_tx.send(Ok(()));
-                group.run()
-            })
-            .map_err(|e| PollerError::Spawn {
+        // The one start-up handshake: returns once `on_start` ran on the new
+        // thread. The CQs are bound there, after it, on the thread that polls
+        // them; on failure they are dropped there (which finishes them).
+        let join = start(
+            format!("cqd-poller-{}", self.name),
+            move || setup.map_or(Ok(()), |setup| setup()),
+            move || group(cqs.into_iter().map(UnboundCq::bind).collect()).run(),
+        )
+        .map_err(|e| match e {
+            StartError::Spawn(source) => PollerError::Spawn {
                 poller: name.clone(),
-                source: e,
-            })?;
-        match started_rx.recv() {
-            Ok(Ok(())) => Ok(PollerThread {
-                name,
-                stop,
-                doorbells,
-                metrics,
-                join: Some(join),
-            }),
-            Ok(Err(reason)) => {
-                let _ = join.join();
-                Err(PollerError::Setup {
-                    poller: name,
-                    reason,
-                })
-            }
-            Err(_) => {
-                let _ = join.join();
-                Err(PollerError::Setup {
-                    poller: name,
-                    reason: "thread exited before starting".into(),
-                })
-            }
-        }
+                source,
+            },
+            StartError::Setup(reason) => PollerError::Setup {
+                poller: name.clone(),
+                reason,
+            },
+            StartError::SetupPanicked => PollerError::Setup {
+                poller: name.clone(),
+                reason: "on_start panicked".into(),
+            },
+        })?;
+        Ok(PollerThread {
+            name,
+            stop,
+            doorbells,
+            metrics,
+            join: Some(join),
+        })
     }
 }
 
@@ -256,6 +255,16 @@ pub enum PollerError {
     NoCq {
         /// The poller.
         poller: String,
+    },
+    /// The wake timeout is below what the poller can honour.
+    #[error("poller {poller}: wake timeout {given:?} is below the minimum {min:?}")]
+    WakeTimeout {
+        /// The poller.
+        poller: String,
+        /// The timeout asked for.
+        given: Duration,
+        /// The smallest timeout a poller honours.
+        min: Duration,
     },
     /// The OS refused a thread.
     #[error("could not spawn poller {poller}: {source}")]
@@ -289,7 +298,7 @@ pub struct PollerThread {
     stop: Arc<AtomicBool>,
     doorbells: Vec<Arc<Doorbell>>,
     metrics: Arc<PollerMetrics>,
-    join: Option<JoinHandle<PollerReport>>,
+    join: Option<ThreadHandle<PollerReport>>,
 }
 
 impl PollerThread {
@@ -311,7 +320,7 @@ impl PollerThread {
     pub fn stop(mut self) -> Result<PollerReport, PollerError> {
         self.request_stop();
         let join = self.join.take();
-        match join.map(JoinHandle::join) {
+        match join.map(ThreadHandle::join) {
             Some(Ok(report)) => Ok(report),
             _ => Err(PollerError::Panicked {
                 poller: self.name.clone(),
@@ -382,6 +391,7 @@ struct Group<W, S> {
     round_events: Vec<u32>,
     last_block: Duration,
     failing: bool,
+    sleep_failures: u64,
     last_scan: Instant,
 }
 
@@ -471,7 +481,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                 Err(e) => {
                     // Counted by the CQ; traced at 1, 2, 4, 8… so a dead
                     // device does not flood the log.
-                    let count = cq.shared.metrics.0.poll_errors.load(Ordering::Relaxed);
+                    let count = cq.shared().metrics.0.poll_errors.load(Ordering::Relaxed);
                     if count.is_power_of_two() {
                         tracing::error!(cq = cq.name(), error = %e, count, "poll failed");
                     }
@@ -493,20 +503,30 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
     /// (1–10 ms) unless a doorbell (stop, control request) rings.
     fn back_off(&mut self) {
         let pause = self.retry_pause();
-        let fds: Vec<BorrowedFd<'_>> = self.cqs.iter().map(|c| c.shared.doorbell.as_fd()).collect();
+        let fds: Vec<BorrowedFd<'_>> = self
+            .cqs
+            .iter()
+            .map(|c| c.shared().doorbell.as_fd())
+            .collect();
         let _ = wait_readable(&fds, pause, &mut self.ready);
         for cq in &self.cqs {
-            cq.shared.doorbell.drain();
+            cq.shared().doorbell.drain();
         }
     }
 
     fn sleep(&mut self) {
         let start = Instant::now();
         let timeout = self.wake_timeout;
+        self.spill.skipped_block = false;
         let slept = match sleep_once(self, timeout) {
             Ok(s) => s,
             Err(e) => {
-                tracing::error!(error = %e, "sleep protocol failed; backing off one timeout");
+                // Traced at 1, 2, 4, 8… failures, as poll errors are.
+                self.sleep_failures += 1;
+                if self.sleep_failures.is_power_of_two() {
+                    tracing::error!(error = %e, failures = self.sleep_failures,
+                        "sleep protocol failed; backing off");
+                }
                 self.failing = true;
                 return;
             }
@@ -542,7 +562,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         for (i, cq) in self.cqs.iter().enumerate() {
             let events = self.round_events.get(i).copied().unwrap_or(0);
             let found = self.round_found.get(i).copied().unwrap_or(0);
-            let m = &cq.shared.metrics.0;
+            let m = &cq.shared().metrics.0;
             if events > 0 && found == 0 {
                 bump(&m.spurious_wakeups, 1);
             } else if events == 0 && found > 0 && slept.timed_out {
@@ -561,7 +581,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         self.last_scan = now;
         if let Some(threshold) = self.watchdog {
             for cq in &self.cqs {
-                if let Some(l) = cq.shared.ledger.get() {
+                if let Some(l) = cq.shared().ledger.get() {
                     l.scan(now, threshold);
                 }
             }
@@ -621,10 +641,6 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         report
     }
 
-    fn into_report(self) -> PollerReport {
-        self.report_now()
-    }
-
     fn report_now(&self) -> PollerReport {
         PollerReport {
             poller: self.metrics.snapshot(&self.metrics_name()),
@@ -639,9 +655,18 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
 impl<W: Send + 'static, S: WorkSink<W>> SleepGroup for Group<W, S> {
     type Error = SourceError;
 
+    /// Arms every CQ not in error. A CQ in error (an overflow) is reported
+    /// once by [`CqPoller::arm`] and never armed again: the group sleeps on
+    /// the others, and the wake timeout polls it.
     fn arm_all(&mut self) -> Result<(), SourceError> {
         for cq in &mut self.cqs {
-            cq.arm()?;
+            if cq.is_in_error() {
+                continue;
+            }
+            match cq.arm() {
+                Ok(()) | Err(SourceError::CqInError) => {}
+                Err(e) => return Err(e),
+            }
         }
         Ok(())
     }
@@ -676,8 +701,8 @@ impl<W: Send + 'static, S: WorkSink<W>> SleepGroup for Group<W, S> {
         }
         for cq in &self.cqs {
             fds.push(cq.event_fd());
-            fds.push(cq.shared.doorbell.as_fd());
-            if let Some(fd) = cq.source.async_fd() {
+            fds.push(cq.shared().doorbell.as_fd());
+            if let Some(fd) = cq.source().async_fd() {
                 fds.push(fd);
             }
         }
@@ -688,7 +713,7 @@ impl<W: Send + 'static, S: WorkSink<W>> SleepGroup for Group<W, S> {
         self.last_block = start.elapsed();
         let mut rung = false;
         for cq in &self.cqs {
-            if cq.shared.doorbell.drain() > 0 {
+            if cq.shared().doorbell.drain() > 0 {
                 rung = true;
             }
         }

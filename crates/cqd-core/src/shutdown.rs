@@ -1,4 +1,4 @@
-//! The shutdown protocol of DESIGN.md as one call.
+//! The shutdown protocol (docs/architecture.md, "Shutdown") as one call.
 //!
 //! 1. The application stops posting and runs `flush`: typically it moves
 //!    every QP to the error state, so that each outstanding request comes

@@ -13,7 +13,58 @@
 //!    flushes included — so its buffers are never reused early.
 //! 4. The poller then drops the handler and releases the slot: the
 //!    generation moves on, so a late completion carrying the old generation
-//!    is counted as stale and never reaches the slot's next owner.
+//!    is counted as stale and never reaches the slot's next owner. A slot
+//!    released under its last generation ([`MAX_GENERATION`]) is not freed
+//!    but quarantined, its generation reset to 0.
+//!
+//! Allocation (step 1) takes, in this order:
+//!
+//! 1. the free slot released longest ago (the free list is a FIFO, so reuse
+//!    is spread over every free slot rather than cycling one slot's
+//!    generations);
+//! 2. a new slot, while the table holds fewer than the 262,144 slots the
+//!    wr_id layout can name (growing is preferred to reusing a slot whose
+//!    generations are spent);
+//! 3. the slot quarantined longest ago, if it has been quarantined for at
+//!    least [`QUARANTINE`];
+//! 4. otherwise none: [`RegisterError::SlabFull`]. Every slot is then live,
+//!    retiring, or quarantined for less than [`QUARANTINE`]; the error
+//!    says how many are quarantined, and each comes back once its time is
+//!    up (it is checked at the next registration, no timer runs).
+//!
+//! # What is guaranteed
+//!
+//! A key (slot, generation) names one registration. A completion reaches a
+//! handler only if its wr_id carries that handler's key.
+//!
+//! - **Tracked requests** (recorded with
+//!   [`Registration::track`](crate::cq::Registration::track) before being
+//!   posted) are never delivered to a later handler, whatever the
+//!   generations do: the slot is released only once the handler's ledger
+//!   shows nothing outstanding (step 4), so every tracked request has
+//!   completed, flush included, and reached its own handler first.
+//! - **Untracked wr_ids** (a raw post that bypassed the ledger, a duplicated
+//!   or corrupted completion) are kept out by the generation alone. A key is
+//!   issued a second time only when all of these hold:
+//!   - its slot has since been registered under each of the other 32,767
+//!     generations, and released each time;
+//!   - the table has grown to all 262,144 slots and none of them is free
+//!     with generations left;
+//!   - the slot has been in quarantine for at least [`QUARANTINE`] (60 s)
+//!     since its release under its last generation, which came after the
+//!     release of the key's earlier registration.
+//!
+//!   So until a CQ has grown to 262,144 slots no key is ever issued twice,
+//!   and after that a late wr_id can reach a later handler only if it is
+//!   polled more than 60 s after its own handler was released, and after
+//!   32,767 further registrations of its slot. The table grows by at most
+//!   one slot per 32,768 releases beyond the most handlers ever registered
+//!   at once, and the poller's slab grows with it.
+//!
+//! The generation stays 15 bits wide: more would come out of the slot or
+//! tag (limits users see) or out of the magic marker that catches foreign
+//! wr_ids, and would only lengthen a cycle that quarantine already keeps
+//! from wrapping onto a key in use.
 
 use crossbeam_utils::CachePadded;
 
@@ -21,7 +72,22 @@ use crate::handler::Handler;
 use crate::sink::Route;
 use crate::sync::{AtomicU64, Ordering};
 use crate::wr_id::{HandlerKey, OpKind, MAX_GENERATION, MAX_SLOT};
+use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How long a slot released under its last generation stays out of use
+/// before it may be issued again, starting from generation 0 (allocation
+/// step 3 in the [module documentation](self)).
+///
+/// It only matters once a CQ's table holds every slot the wr_id layout can
+/// name: until then a new slot is taken instead. 60 s is far beyond the
+/// time an RC work request takes to complete, fail or be flushed at common
+/// transport settings (local ACK timeout 14, 7 retries: a few seconds at
+/// most), and equals Linux's TCP `TIME_WAIT`, which guards reused port
+/// pairs the same way. Nothing bounds a request that waits on an infinite
+/// RNR retry count; such requests should be tracked.
+pub const QUARANTINE: Duration = Duration::from_secs(60);
 
 /// Posted and completed counts of one handler, per operation kind.
 ///
@@ -90,13 +156,20 @@ impl SlotLedger {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum RegisterError {
-    /// Every slot the wr_id layout can name is taken.
-    #[error("handler slab of CQ {cq} is full ({max} handlers)")]
+    /// Every slot the wr_id layout can name holds a handler (live or
+    /// retiring) or is quarantined after using all its generations.
+    #[error(
+        "handler slab of CQ {cq} is full: all {max} slots hold a handler or are in \
+         generation quarantine ({quarantined} quarantined)"
+    )]
     SlabFull {
         /// The CQ.
         cq: String,
         /// The most handlers one CQ can hold.
         max: u32,
+        /// Slots quarantined for less than [`QUARANTINE`]: usable again
+        /// once their time is up.
+        quarantined: u32,
     },
     /// The key names no live handler.
     #[error("CQ {cq} has no live handler {key}")]
@@ -121,37 +194,80 @@ struct SlotInfo {
 }
 
 /// Slot allocation, shared by every handle of a CQ (behind a lock: it is
-/// taken on registration and retirement only, never per completion).
-#[derive(Debug, Default)]
+/// taken on registration and retirement only, never per completion). The
+/// allocation order and what it guarantees are in the
+/// [module documentation](self).
+#[derive(Debug)]
 pub(crate) struct SlotTable {
     slots: Vec<SlotInfo>,
-    free: Vec<u32>,
+    /// Released slots with generations left, oldest release at the front.
+    free: VecDeque<u32>,
+    /// Slots released under their last generation, with the time of that
+    /// release, oldest at the front.
+    quarantine: VecDeque<(u32, Instant)>,
+    /// The most slots the table may hold: `MAX_SLOT + 1`.
+    limit: u32,
+    /// A slot's last generation before quarantine: `MAX_GENERATION`.
+    last_generation: u16,
+}
+
+impl Default for SlotTable {
+    fn default() -> Self {
+        SlotTable::with_limits(MAX_SLOT + 1, MAX_GENERATION)
+    }
 }
 
 impl SlotTable {
+    /// A table of at most `limit` slots whose generations run from 0 to
+    /// `last_generation` (smaller than the wr_id layout's in tests).
+    fn with_limits(limit: u32, last_generation: u16) -> Self {
+        SlotTable {
+            slots: Vec::new(),
+            free: VecDeque::new(),
+            quarantine: VecDeque::new(),
+            limit: limit.min(MAX_SLOT + 1),
+            last_generation: last_generation.min(MAX_GENERATION),
+        }
+    }
+
     pub(crate) fn alloc(&mut self, cq: &str) -> Result<HandlerKey, RegisterError> {
-        let slot = match self.free.pop() {
-            Some(slot) => slot,
-            None => {
-                let slot = self.slots.len() as u32;
-                if slot > MAX_SLOT {
-                    return Err(RegisterError::SlabFull {
-                        cq: cq.to_string(),
-                        max: MAX_SLOT + 1,
-                    });
-                }
-                self.slots.push(SlotInfo {
-                    generation: 0,
-                    live: false,
-                });
-                slot
-            }
+        self.alloc_with(cq, Instant::now)
+    }
+
+    /// Allocation steps 1–4; the clock is read only for step 3.
+    fn alloc_with(
+        &mut self,
+        cq: &str,
+        now: impl FnOnce() -> Instant,
+    ) -> Result<HandlerKey, RegisterError> {
+        let slot = if let Some(slot) = self.free.pop_front() {
+            slot
+        } else if self.slots.len() < self.limit as usize {
+            self.slots.push(SlotInfo {
+                generation: 0,
+                live: false,
+            });
+            (self.slots.len() - 1) as u32
+        } else if let Some(slot) = self.quarantine.front().and_then(|&(slot, since)| {
+            (now().saturating_duration_since(since) >= QUARANTINE).then_some(slot)
+        }) {
+            self.quarantine.pop_front();
+            slot
+        } else {
+            return Err(RegisterError::SlabFull {
+                cq: cq.to_string(),
+                max: self.limit,
+                quarantined: self.quarantine.len() as u32,
+            });
         };
         let info = &mut self.slots[slot as usize];
         info.live = true;
+        // Cannot fail: slots stay below `limit <= MAX_SLOT + 1` and
+        // generations at or below `last_generation <= MAX_GENERATION`.
         HandlerKey::new(slot, info.generation).ok_or(RegisterError::SlabFull {
             cq: cq.to_string(),
-            max: MAX_SLOT + 1,
+            max: self.limit,
+            quarantined: self.quarantine.len() as u32,
         })
     }
 
@@ -161,18 +277,28 @@ impl SlotTable {
             .is_some_and(|s| s.live && s.generation == key.generation())
     }
 
-    /// Releases a retired slot; its generation moves on (wrapping).
+    /// Releases a retired slot (step 4 of a slot's life): to the back of
+    /// the free list under its next generation, or into quarantine after
+    /// its last. A key that is not live is ignored.
     pub(crate) fn release(&mut self, key: HandlerKey) {
-        if let Some(info) = self.slots.get_mut(key.slot() as usize) {
-            if info.live && info.generation == key.generation() {
-                info.live = false;
-                info.generation = if info.generation == MAX_GENERATION {
-                    0
-                } else {
-                    info.generation + 1
-                };
-                self.free.push(key.slot());
-            }
+        self.release_with(key, Instant::now);
+    }
+
+    /// As `release`; the clock is read only when the slot is quarantined.
+    fn release_with(&mut self, key: HandlerKey, now: impl FnOnce() -> Instant) {
+        let Some(info) = self.slots.get_mut(key.slot() as usize) else {
+            return;
+        };
+        if !info.live || info.generation != key.generation() {
+            return;
+        }
+        info.live = false;
+        if info.generation >= self.last_generation {
+            info.generation = 0;
+            self.quarantine.push_back((key.slot(), now()));
+        } else {
+            info.generation += 1;
+            self.free.push_back(key.slot());
         }
     }
 }
@@ -252,6 +378,8 @@ impl<W> Slab<W> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashMap;
 
     #[test]
     fn generations_move_on_release() {
@@ -266,6 +394,208 @@ mod tests {
         // Releasing a stale key does nothing.
         t.release(a);
         assert!(t.is_live(b));
+    }
+
+    /// Releases `key` and allocates again until the slot has used its last
+    /// generation; returns the keys issued.
+    fn churn(t: &mut SlotTable, mut key: HandlerKey, at: Instant) -> Vec<HandlerKey> {
+        let mut issued = vec![key];
+        while key.generation() < t.last_generation {
+            t.release_with(key, || at);
+            key = t.alloc_with("cq", || at).unwrap();
+            assert_eq!(key.slot(), issued[0].slot());
+            issued.push(key);
+        }
+        t.release_with(key, || at);
+        issued
+    }
+
+    #[test]
+    fn free_list_is_fifo() {
+        let mut t = SlotTable::default();
+        let keys: Vec<_> = (0..4).map(|_| t.alloc("cq").unwrap()).collect();
+        for i in [2, 0, 3] {
+            t.release(keys[i]);
+        }
+        // Released longest ago first (a LIFO list would give slot 3).
+        let again: Vec<_> = (0..3).map(|_| t.alloc("cq").unwrap().slot()).collect();
+        assert_eq!(again, [2, 0, 3]);
+        // Free list empty: the table grows.
+        assert_eq!(t.alloc("cq").unwrap().slot(), 4);
+    }
+
+    #[test]
+    fn reuse_is_spread_over_free_slots() {
+        let mut t = SlotTable::default();
+        let keys: Vec<_> = (0..8).map(|_| t.alloc("cq").unwrap()).collect();
+        for k in &keys[1..] {
+            t.release(*k);
+        }
+        // One handler at a time: each registration takes the next free slot
+        // in turn, so no slot's generation runs ahead of the others.
+        let mut slots = Vec::new();
+        for _ in 0..14 {
+            let k = t.alloc("cq").unwrap();
+            slots.push(k.slot());
+            t.release(k);
+        }
+        assert_eq!(slots, [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7]);
+    }
+
+    /// The reported bug: 32,768 registrations of one slot issued its first
+    /// key again. Now the spent slot is quarantined and a new slot taken.
+    #[test]
+    fn spent_slot_is_quarantined_and_the_table_grows() {
+        let t0 = Instant::now();
+        let mut t = SlotTable::default();
+        let first = t.alloc_with("cq", || t0).unwrap();
+        let issued = churn(&mut t, first, t0);
+        assert_eq!(issued.len(), usize::from(MAX_GENERATION) + 1);
+        let next = t.alloc_with("cq", || t0 + QUARANTINE * 10).unwrap();
+        assert_eq!((next.slot(), next.generation()), (1, 0));
+        assert!(!issued.contains(&next));
+        assert!(!t.is_live(first));
+        assert_eq!(t.quarantine.len(), 1);
+    }
+
+    #[test]
+    fn quarantine_ends_after_its_time_when_full() {
+        let t0 = Instant::now();
+        let mut t = SlotTable::with_limits(2, 3);
+        let a = t.alloc_with("cq", || t0).unwrap();
+        let _held = t.alloc_with("cq", || t0).unwrap();
+        churn(&mut t, a, t0);
+        let early = t0 + QUARANTINE - Duration::from_nanos(1);
+        assert_eq!(
+            t.alloc_with("cq", || early),
+            Err(RegisterError::SlabFull {
+                cq: "cq".into(),
+                max: 2,
+                quarantined: 1
+            })
+        );
+        let back = t.alloc_with("cq", || t0 + QUARANTINE).unwrap();
+        assert_eq!((back.slot(), back.generation()), (a.slot(), 0));
+        assert!(t.quarantine.is_empty());
+    }
+
+    #[test]
+    fn quarantined_slots_come_back_oldest_first() {
+        let t0 = Instant::now();
+        let t1 = t0 + Duration::from_secs(1);
+        let mut t = SlotTable::with_limits(2, 1);
+        let a = t.alloc_with("cq", || t0).unwrap();
+        let b = t.alloc_with("cq", || t0).unwrap();
+        churn(&mut t, b, t0);
+        churn(&mut t, a, t1);
+        let at = t1 + QUARANTINE;
+        assert_eq!(t.alloc_with("cq", || at).unwrap().slot(), b.slot());
+        assert_eq!(t.alloc_with("cq", || at).unwrap().slot(), a.slot());
+    }
+
+    #[test]
+    fn growth_is_preferred_to_an_expired_quarantine() {
+        let t0 = Instant::now();
+        let mut t = SlotTable::with_limits(3, 1);
+        let a = t.alloc_with("cq", || t0).unwrap();
+        churn(&mut t, a, t0);
+        let late = t0 + QUARANTINE * 2;
+        assert_eq!(t.alloc_with("cq", || late).unwrap().slot(), 1);
+        assert_eq!(t.alloc_with("cq", || late).unwrap().slot(), 2);
+        assert_eq!(t.alloc_with("cq", || late).unwrap().slot(), a.slot());
+    }
+
+    #[test]
+    fn full_without_quarantine() {
+        let mut t = SlotTable::with_limits(1, MAX_GENERATION);
+        let a = t.alloc("cq").unwrap();
+        assert_eq!(
+            t.alloc("cq"),
+            Err(RegisterError::SlabFull {
+                cq: "cq".into(),
+                max: 1,
+                quarantined: 0
+            })
+        );
+        t.release(a);
+        assert_eq!(t.alloc("cq").unwrap().generation(), 1);
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Alloc,
+        /// Releases the live key at this index (modulo the live count).
+        Release(usize),
+        /// Moves the clock on by this many seconds.
+        Wait(u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => Just(Op::Alloc),
+            4 => any::<usize>().prop_map(Op::Release),
+            1 => (0u64..90).prop_map(Op::Wait),
+        ]
+    }
+
+    proptest! {
+        /// The documented rule, checked against a model on a small table
+        /// (4 slots, 4 generations): a key is issued again only after its
+        /// slot went through every other generation, the table was full
+        /// and [`QUARANTINE`] passed since the key's release; and
+        /// registration fails only when no slot is usable.
+        #[test]
+        fn keys_are_reissued_only_by_the_rule(ops in proptest::collection::vec(op(), 1..400)) {
+            const SLOTS: u32 = 4;
+            const LAST: u16 = 3;
+            let t0 = Instant::now();
+            let mut now = t0;
+            let mut t = SlotTable::with_limits(SLOTS, LAST);
+            let mut live: Vec<HandlerKey> = Vec::new();
+            // Per key: (issues of its slot before it, time of its release).
+            let mut history: HashMap<HandlerKey, (u64, Option<Instant>)> = HashMap::new();
+            let mut issues = [0u64; SLOTS as usize];
+            // Per slot: when it entered quarantine (if it is in quarantine).
+            let mut quarantined: [Option<Instant>; SLOTS as usize] = [None; SLOTS as usize];
+            for op in ops {
+                match op {
+                    Op::Alloc => {
+                        let usable = (0..SLOTS as usize).any(|s| {
+                            let in_use = live.iter().any(|k| k.slot() as usize == s);
+                            let waiting = quarantined[s]
+                                .is_some_and(|q| now.duration_since(q) < QUARANTINE);
+                            !in_use && !waiting
+                        });
+                        let Ok(key) = t.alloc_with("cq", || now) else {
+                            prop_assert!(!usable, "refused with a usable slot");
+                            continue;
+                        };
+                        prop_assert!(usable);
+                        let s = key.slot() as usize;
+                        if let Some((before, released)) = history.get(&key) {
+                            prop_assert_eq!(issues[s] - before, u64::from(LAST) + 1);
+                            prop_assert_eq!(t.slots.len(), SLOTS as usize);
+                            let released = released.expect("reissued while live");
+                            prop_assert!(now.duration_since(released) >= QUARANTINE);
+                        }
+                        quarantined[s] = None;
+                        history.insert(key, (issues[s], None));
+                        issues[s] += 1;
+                        live.push(key);
+                    }
+                    Op::Release(i) if !live.is_empty() => {
+                        let key = live.swap_remove(i % live.len());
+                        t.release_with(key, || now);
+                        history.get_mut(&key).unwrap().1 = Some(now);
+                        if key.generation() == LAST {
+                            quarantined[key.slot() as usize] = Some(now);
+                        }
+                    }
+                    Op::Release(_) => {}
+                    Op::Wait(secs) => now += Duration::from_secs(secs),
+                }
+            }
+        }
     }
 
     #[test]

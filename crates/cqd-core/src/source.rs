@@ -1,7 +1,8 @@
 //! The backend side: what a completion queue must offer a poller.
 //!
-//! `cqd-sim` implements [`CompletionSource`] for its simulated CQ and
-//! `cqd-verbs` for `ibv_cq` + `ibv_comp_channel`. A source is owned by
+//! `cqd-sim` implements [`CompletionSource`] for its simulated CQ; a
+//! real-verbs backend implements it for `ibv_cq` + `ibv_comp_channel`
+//! (docs/architecture.md, "Crates"). A source is owned by
 //! exactly one [`CqPoller`](crate::cq::CqPoller), so every method takes
 //! `&mut self`; the type system, not a lock, keeps two threads from polling
 //! it.

@@ -1,6 +1,6 @@
 //! The synchronisation shim: every atomic, lock and park used by a concurrent
 //! protocol in cqd-core comes from here, so that `--cfg loom` swaps in loom's
-//! model-checked versions (STYLE.md rule 17).
+//! model-checked versions (docs/architecture.md, "Concurrency and checking").
 
 #[cfg(loom)]
 pub use loom::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};

@@ -13,7 +13,7 @@
 //! |------------|------|---------|
 //! | magic      | 4    | [`MAGIC`]; anything else is a foreign wr_id (posted by code that did not use cqd, or corrupted) |
 //! | kind       | 3    | the [`OpKind`] stored at post time; it routes the completion, also when `wc.opcode` is undefined (errors) |
-//! | generation | 15   | the handler slot's generation when the request was posted; a mismatch is a stale completion |
+//! | generation | 15   | the handler slot's generation when the request was posted; a mismatch is a stale completion. A slot does not wrap from [`MAX_GENERATION`] to 0 until quarantined (see [`crate::slab`] for when a slot and generation can be issued again) |
 //! | slot       | 18   | the handler's index in the poller's slab (up to 262,144 handlers per CQ) |
 //! | tag        | 24   | the user's cookie, handed back to the handler (a buffer index, a request id) |
 //!
@@ -62,7 +62,8 @@ pub const MAGIC: u64 = 0b1011;
 pub const MAX_TAG: u32 = TAG_MASK as u32;
 /// Largest slot index.
 pub const MAX_SLOT: u32 = SLOT_MASK as u32;
-/// Largest generation; generations wrap from here to 0.
+/// Largest generation. A slot released under it is quarantined, and
+/// restarts at 0 only when it leaves quarantine ([`crate::slab::QUARANTINE`]).
 pub const MAX_GENERATION: u16 = GEN_MASK as u16;
 
 const _: () = assert!(MAGIC_SHIFT + MAGIC_BITS == 64, "the fields fill 64 bits");

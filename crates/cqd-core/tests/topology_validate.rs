@@ -3,7 +3,9 @@
 #![cfg(not(loom))]
 
 use std::collections::BTreeSet;
+use std::time::Duration;
 
+use cqd_core::mode::MIN_WAKE_TIMEOUT;
 use cqd_core::topology::{
     ModeConfig, OnPriorityError, Placement, PollerConfig, PoolConfig, Priority, Routing,
     TopologyConfig, TopologyError, Warning,
@@ -240,13 +242,77 @@ fn rejects_other_nonsense_naming_the_field() {
         "poller[0].mode.min_window_us",
     );
     check(
-        TopologyConfig::new().poller(poller("a", "x").mode(ModeConfig::Event { timeout_ms: 0 })),
-        "poller[0].mode.timeout_ms",
-    );
-    check(
         TopologyConfig::new().pool(PoolConfig::new("io", 1).capacity(usize::MAX)),
         "pool[0].capacity",
     );
+}
+
+#[test]
+fn rejects_a_wake_timeout_the_poller_would_not_honour() {
+    let sleeping = [
+        ModeConfig::Event { timeout_ms: 0 },
+        ModeConfig::Hybrid {
+            spin_window_us: 10,
+            timeout_ms: 0,
+        },
+        ModeConfig::Adaptive {
+            min_window_us: 2,
+            max_window_us: 200,
+            cpu_budget_percent: 50,
+            timeout_ms: 0,
+        },
+    ];
+    for mode in sleeping {
+        let e = TopologyConfig::new()
+            .poller(poller("ok", "x"))
+            .poller(poller("net", "y").mode(mode))
+            .validate_for(&cpus(4))
+            .unwrap_err();
+        match &e {
+            TopologyError::WakeTimeoutTooShort {
+                field,
+                poller,
+                timeout,
+                min,
+            } => {
+                assert_eq!(field, "poller[1].mode.timeout_ms");
+                assert_eq!(poller, "net");
+                assert_eq!(*timeout, Duration::ZERO);
+                assert_eq!(*min, MIN_WAKE_TIMEOUT);
+            }
+            other => panic!("{mode:?}: wanted WakeTimeoutTooShort, got {other:?}"),
+        }
+        let text = e.to_string();
+        for part in ["poller[1].mode.timeout_ms", "\"net\"", "0ns", "100µs"] {
+            assert!(text.contains(part), "{text:?} lacks {part:?}");
+        }
+    }
+
+    // The same from TOML.
+    let e = TopologyConfig::from_toml(
+        r#"
+        [[poller]]
+        name = "ctl"
+        cqs = ["c"]
+        mode = { kind = "event", timeout_ms = 0 }
+        "#,
+    )
+    .unwrap()
+    .validate_for(&cpus(4))
+    .unwrap_err();
+    assert!(
+        matches!(&e, TopologyError::WakeTimeoutTooShort { poller, .. } if poller == "ctl"),
+        "{e}"
+    );
+
+    // Config timeouts are whole milliseconds: the smallest non-zero one is
+    // honoured as written, so everything `validate` accepts is what runs.
+    assert!(Duration::from_millis(1) >= MIN_WAKE_TIMEOUT);
+    TopologyConfig::new()
+        .poller(poller("net", "y").mode(ModeConfig::Event { timeout_ms: 1 }))
+        .poller(poller("spin", "z").mode(ModeConfig::Busy))
+        .validate_for(&cpus(4))
+        .unwrap();
 }
 
 #[test]

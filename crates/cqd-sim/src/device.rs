@@ -36,8 +36,9 @@
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let dev = Device::open("sim0");
 //! let (cq, source) = dev.create_cq("cq0", 256, CqConfig::default())?;
-//! let (mut poller, handle) = split::<NoWork>(source, CqOptions::default())?;
+//! let (poller, handle) = split::<NoWork>(source, CqOptions::default())?;
 //! let reg = handle.register(Print)?;
+//! let mut poller = poller.bind();
 //!
 //! let pd = dev.alloc_pd();
 //! // Admission: each QP reserves 64 + 64 entries of the CQ's 256.

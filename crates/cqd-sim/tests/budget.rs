@@ -103,9 +103,10 @@ fn an_srq_counts_once_per_cq() {
 fn with_admission_a_queue_cannot_overflow_its_cq() {
     let dev = Device::open("sim0");
     let (cq, src) = dev.create_cq("cq", 24, CqConfig::default()).unwrap();
-    let (mut poller, handle) = split::<NoWork>(src, CqOptions::default()).unwrap();
+    let (poller, handle) = split::<NoWork>(src, CqOptions::default()).unwrap();
     let log = Log::default();
     let reg = handle.register(Recorder(log.clone())).unwrap();
+    let mut poller = poller.bind();
     let pd = dev.alloc_pd();
     let a = pd.create_qp(&QpInit::new(&cq, &cq, cap(8, 8))).unwrap();
     let b = pd.create_qp(&QpInit::new(&cq, &cq, cap(4, 4))).unwrap();
@@ -161,9 +162,10 @@ fn with_admission_off_a_too_small_cq_overflows_and_one_poll_reports_it() {
         ..CqConfig::default()
     };
     let (cq, src) = dev.create_cq("tiny", 4, config).unwrap();
-    let (mut poller, handle) = split::<NoWork>(src, CqOptions::default()).unwrap();
+    let (poller, handle) = split::<NoWork>(src, CqOptions::default()).unwrap();
     let reg = handle.register(Recorder(Log::default())).unwrap();
     let pd = dev.alloc_pd();
+    let mut poller = poller.bind();
     let a = pd.create_qp(&QpInit::new(&cq, &cq, cap(16, 16))).unwrap();
     let b = pd.create_qp(&QpInit::new(&cq, &cq, cap(16, 16))).unwrap();
     assert_eq!(
@@ -208,8 +210,9 @@ fn credits_refuse_posts_that_could_overflow_and_come_back_with_completions() {
         ..CqConfig::default()
     };
     let (cq, src) = dev.create_cq("cq", 4, config).unwrap();
-    let (mut poller, handle) = split::<NoWork>(src, CqOptions::default()).unwrap();
+    let (poller, handle) = split::<NoWork>(src, CqOptions::default()).unwrap();
     let log = Log::default();
+    let mut poller = poller.bind();
     let reg = handle
         .register(CreditReturn::new(
             cq.budget().clone(),

@@ -320,7 +320,7 @@ fn posting_errors_change_nothing() {
     ));
     assert_eq!(r.cq.producer().len(), 2);
     let mut out = std::collections::VecDeque::new();
-    r.poller.poll_once(&mut out).unwrap();
+    r.poller().poll_once(&mut out).unwrap();
     r.a.post_send(&[w(3, &s1)]).unwrap();
     drop(c);
 }
@@ -374,9 +374,9 @@ fn bad_transitions_and_attributes_are_refused() {
 #[test]
 fn errors_reach_on_error_in_every_poll_mode() {
     for mode in PollMode::all() {
-        let r = Rig::new();
+        let mut r = Rig::new();
+        let poller = r.take_poller();
         let common::Rig {
-            poller,
             a,
             b,
             mr_a,
@@ -433,8 +433,8 @@ fn a_vanished_device_fails_its_polls_posts_and_peers() {
     let peer_dev = fabric.open_device("peer", Default::default());
     let (gcq, mut gsrc) = gone.create_cq("g", 256, CqConfig::default()).unwrap();
     let (pcq, psrc) = peer_dev.create_cq("p", 256, CqConfig::default()).unwrap();
-    let (mut ppoller, phandle) =
-        cqd_core::split::<cqd_core::NoWork>(psrc, Default::default()).unwrap();
+    let (ppoller, phandle) = cqd_core::split::<cqd_core::NoWork>(psrc, Default::default()).unwrap();
+    let mut ppoller = ppoller.bind();
     let log = common::Log::default();
     let reg = phandle.register(common::Recorder(log.clone())).unwrap();
     let (gpd, ppd) = (gone.alloc_pd(), peer_dev.alloc_pd());

@@ -43,13 +43,13 @@ fn the_poller_returns_credits_and_retires_the_ledger() {
             },
             ..CqConfig::default()
         };
-        let (r, ledger) = rig(8, config);
+        let (mut r, ledger) = rig(8, config);
         r.handle.attach_budget(r.cq.budget().clone()).unwrap();
         assert!(
             r.handle.attach_ledger(WrLedger::new()).is_err(),
             "one ledger per CQ"
         );
-        let poller = r.poller;
+        let poller = r.take_poller();
         let thread = PollerBuilder::new(mode.name(), NoSink)
             .mode(mode)
             .cq(poller)
@@ -104,8 +104,8 @@ fn the_poller_returns_credits_and_retires_the_ledger() {
 #[test]
 fn stop_with_flush_accounts_for_every_request() {
     for mode in PollMode::all() {
-        let (r, ledger) = rig(256, CqConfig::default());
-        let poller = r.poller;
+        let (mut r, ledger) = rig(256, CqConfig::default());
+        let poller = r.take_poller();
         let thread = PollerBuilder::new(mode.name(), NoSink)
             .mode(mode)
             .cq(poller)
@@ -149,7 +149,7 @@ fn stop_with_flush_accounts_for_every_request() {
 
 #[test]
 fn a_stop_that_times_out_names_what_is_missing() {
-    let (r, ledger) = rig(256, CqConfig::default());
+    let (mut r, ledger) = rig(256, CqConfig::default());
     let sge = [r.mr_a.sge(0, 8)];
     let ids: Vec<u64> = (0..3)
         .map(|t| r.reg.wr_id(OpKind::Recv, t).unwrap())
@@ -164,7 +164,7 @@ fn a_stop_that_times_out_names_what_is_missing() {
         .drain_timeout(Duration::from_millis(50))
         .watchdog(Duration::from_millis(1))
         .wake_timeout(Duration::from_millis(10))
-        .cq(r.poller)
+        .cq(r.take_poller())
         .spawn()
         .unwrap();
     std::thread::sleep(Duration::from_millis(40));
@@ -187,13 +187,13 @@ fn a_stop_that_times_out_names_what_is_missing() {
 
 #[test]
 fn shutdown_in_one_call_flushes_accounts_and_reports() {
-    let (r, _ledger) = rig(256, CqConfig::default());
+    let (mut r, _ledger) = rig(256, CqConfig::default());
     let sge = [r.mr_a.sge(0, 64)];
     for t in 0..7 {
         r.recv(&r.a, t, &sge).unwrap();
     }
     let thread = PollerBuilder::new("s", NoSink)
-        .cq(r.poller)
+        .cq(r.take_poller())
         .spawn()
         .unwrap();
     let a = &r.a;
@@ -204,11 +204,11 @@ fn shutdown_in_one_call_flushes_accounts_and_reports() {
     assert_eq!(r.log.0.lock().len(), 7, "every flush reached the handler");
 
     // Without the flush, the same stop names what is missing.
-    let (r, _ledger) = rig(256, CqConfig::default());
+    let (mut r, _ledger) = rig(256, CqConfig::default());
     r.recv(&r.a, 0, &[r.mr_a.sge(0, 64)]).unwrap();
     let thread = PollerBuilder::new("s", NoSink)
         .drain_timeout(Duration::from_millis(20))
-        .cq(r.poller)
+        .cq(r.take_poller())
         .spawn()
         .unwrap();
     let report = cqd_core::shutdown(|| {}, [thread], []);

@@ -181,7 +181,7 @@ fn world(seed: u64, credits: bool) -> World {
         )
         .unwrap();
         cqs.push(cq);
-        pollers.push(p);
+        pollers.push(p.bind());
         handles.push(h);
     }
     let pd = dev.alloc_pd();

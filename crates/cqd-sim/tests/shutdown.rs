@@ -41,7 +41,7 @@ fn server() -> Server {
     connect(&a, &b).unwrap();
     let mr = pd.reg_mr(1024, Access::ALL).unwrap();
     Server {
-        poller,
+        poller: poller.bind(),
         reg,
         flushes,
         ledger,

@@ -13,9 +13,10 @@ fn many_qps_share_one_srq_and_completions_name_the_qp() {
     let dev = Device::open("sim0");
     let (cq, src) = dev.create_cq("server", 1024, CqConfig::default()).unwrap();
     let (ccq, _csrc) = dev.create_cq("clients", 1024, CqConfig::default()).unwrap();
-    let (mut poller, handle) = split::<NoWork>(src, CqOptions::default()).unwrap();
+    let (poller, handle) = split::<NoWork>(src, CqOptions::default()).unwrap();
     let log = Log::default();
     let reg = handle.register(Recorder(log.clone())).unwrap();
+    let mut poller = poller.bind();
     let pd = dev.alloc_pd();
     let srq = pd.create_srq(64, 1).unwrap();
     let cap = QpCap {
@@ -93,9 +94,10 @@ fn many_qps_share_one_srq_and_completions_name_the_qp() {
 fn srq_slots_are_freed_when_their_completions_are_polled() {
     let dev = Device::open("sim0");
     let (cq, src) = dev.create_cq("cq", 64, CqConfig::default()).unwrap();
-    let (mut poller, handle) = split::<NoWork>(src, CqOptions::default()).unwrap();
+    let (poller, handle) = split::<NoWork>(src, CqOptions::default()).unwrap();
     let reg = handle.register(Recorder(Log::default())).unwrap();
     let pd = dev.alloc_pd();
+    let mut poller = poller.bind();
     let srq = pd.create_srq(2, 1).unwrap();
     let cap = QpCap {
         max_send_wr: 8,

@@ -43,7 +43,7 @@ fn timed_engine_completes_after_the_latency() {
 
 #[test]
 fn timed_engine_keeps_order_per_send_queue_through_a_poller_thread() {
-    let r = Rig::with(
+    let mut r = Rig::with(
         timed(Duration::from_micros(50)),
         QpCap {
             max_send_wr: 128,
@@ -52,8 +52,8 @@ fn timed_engine_keeps_order_per_send_queue_through_a_poller_thread() {
         1024,
         CqConfig::default(),
     );
+    let poller = r.take_poller();
     let Rig {
-        poller,
         a,
         b,
         mr_a,
@@ -165,7 +165,7 @@ fn injected_errors_and_forced_qp_errors() {
     assert_eq!(r.fabric.stats().forced_qp_errors, 1);
     assert_eq!(r.reg.ledger().outstanding(), 0);
     let mut out = VecDeque::new();
-    assert_eq!(r.poller.poll_once(&mut out).unwrap(), 0);
+    assert_eq!(r.poller().poll_once(&mut out).unwrap(), 0);
 }
 
 #[test]

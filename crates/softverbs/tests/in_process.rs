@@ -393,17 +393,6 @@ fn destroy_order_is_enforced_and_clean() {
     assert_eq!(unsafe { ibv_close_device(p.dev.ctx) }, 0);
 }
 
-struct SendPtr<T>(*mut T);
-impl<T> Clone for SendPtr<T> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<T> Copy for SendPtr<T> {}
-// SAFETY (test): libibverbs objects may be used from several threads; each
-// QP here is posted to by exactly one thread.
-unsafe impl<T> std::marker::Send for SendPtr<T> {}
-
 #[test]
 fn concurrent_posters_one_poller() {
     needs_launcher!("concurrent_posters_one_poller");
@@ -416,6 +405,7 @@ fn concurrent_posters_one_poller() {
     for i in 0..(2 * N) {
         post_srq_recv(srq, &rbuf, 0, 64, i);
     }
+    // Each QP is posted to by exactly one thread.
     let mut qps = Vec::new();
     for _ in 0..2 {
         let a = dev.qp(scq, scq, null_mut());
@@ -454,78 +444,4 @@ fn concurrent_posters_one_poller() {
     });
     assert_eq!(poll(rcq, 2 * N as usize).len(), 2 * N as usize);
     poll_none(rcq, Duration::from_millis(10));
-}
-
-/// `ibv_create_cq_ex` as verbs.h's inline does it. rdma-sys 0.3's wrapper
-/// cannot be used: its `verbs_get_ctx` compares `abi_compat` with
-/// `u32::MAX` instead of `UINTPTR_MAX`, so on 64-bit it never finds the
-/// extended context and answers EOPNOTSUPP for every device.
-fn create_cq_ex(ctx: *mut ibv_context, attr: *mut ibv_cq_init_attr_ex) -> *mut ibv_cq_ex {
-    unsafe {
-        assert_eq!((*ctx).abi_compat as usize, usize::MAX, "extended context");
-        let off = std::mem::offset_of!(verbs_context, context);
-        let vctx = ctx.cast::<u8>().sub(off).cast::<verbs_context>();
-        let f = (*vctx)
-            .create_cq_ex
-            .expect("libibverbs installs create_cq_ex");
-        f(ctx, attr)
-    }
-}
-
-#[test]
-fn extended_cq_single_threaded() {
-    needs_launcher!("extended_cq_single_threaded");
-    let dev = Dev::open();
-    let mut attr: ibv_cq_init_attr_ex = unsafe { std::mem::zeroed() };
-    attr.cqe = 16;
-    attr.wc_flags = (ibv_create_cq_wc_flags::IBV_WC_EX_WITH_BYTE_LEN.0
-        | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_IMM.0
-        | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_QP_NUM.0
-        | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_SRC_QP.0) as u64;
-    attr.comp_mask = ibv_cq_init_attr_mask::IBV_CQ_INIT_ATTR_MASK_FLAGS.0;
-    attr.flags = ibv_create_cq_attr_flags::IBV_CREATE_CQ_ATTR_SINGLE_THREADED.0;
-    let cqx = create_cq_ex(dev.ctx, &mut attr);
-    assert!(!cqx.is_null(), "create_cq_ex");
-    let rcq = unsafe { ibv_cq_ex_to_cq(cqx) };
-    let scq = dev.cq(16, null_mut());
-    let a = dev.qp(scq, scq, null_mut());
-    let b = dev.qp(rcq, rcq, null_mut());
-    connect(a, qpn(b));
-    connect(b, qpn(a));
-    let buf = Buf::new(&dev, 64, 4);
-    post_recv(b, &buf, 32, 32, 77);
-    post_recv(b, &buf, 32, 32, 78);
-    let s = Send {
-        imm: 9u32.to_be(),
-        ..send(WR_SEND_IMM, 0)
-    };
-    assert_eq!(post_send(a, &buf, 0, 12, 1, s), 0);
-    assert_eq!(post_send(a, &buf, 0, 3, 2, send(WR_SEND, 0)), 0);
-    let mut pa: ibv_poll_cq_attr = unsafe { std::mem::zeroed() };
-    assert_eq!(unsafe { ibv_start_poll(cqx, &mut pa) }, 0);
-    unsafe {
-        assert_eq!(((*cqx).wr_id, (*cqx).status), (77, WC_SUCCESS));
-        assert_eq!(ibv_wc_read_opcode(cqx), ibv_wc_opcode::IBV_WC_RECV);
-        assert_eq!(ibv_wc_read_byte_len(cqx), 12);
-        assert_eq!(ibv_wc_read_imm_data(cqx), 9u32.to_be());
-        assert_eq!(ibv_wc_read_qp_num(cqx), qpn(b));
-        assert_eq!(ibv_wc_read_src_qp(cqx), qpn(a));
-        assert_eq!(ibv_next_poll(cqx), 0);
-        assert_eq!(((*cqx).wr_id, ibv_wc_read_byte_len(cqx)), (78, 3));
-        assert_eq!(ibv_next_poll(cqx), libc::ENOENT);
-        ibv_end_poll(cqx);
-        assert_eq!(ibv_start_poll(cqx, &mut pa), libc::ENOENT);
-    }
-    // Unsupported completion fields are refused, not ignored.
-    let mut bad: ibv_cq_init_attr_ex = unsafe { std::mem::zeroed() };
-    bad.cqe = 4;
-    bad.wc_flags = ibv_create_cq_wc_flags::IBV_WC_EX_WITH_COMPLETION_TIMESTAMP.0 as u64;
-    let r = create_cq_ex(dev.ctx, &mut bad);
-    assert!(r.is_null());
-    assert_eq!(
-        std::io::Error::last_os_error().raw_os_error(),
-        Some(libc::EOPNOTSUPP)
-    );
-    assert_eq!(unsafe { ibv_destroy_qp(b) }, 0);
-    assert_eq!(unsafe { ibv_destroy_cq(rcq) }, 0);
 }

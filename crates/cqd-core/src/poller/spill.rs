@@ -244,7 +244,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             fds.extend(self.spill.space.as_ref().map(|d| d.as_fd()));
         }
         if doorbells {
-            fds.extend(self.cqs.iter().map(|c| c.shared.doorbell.as_fd()));
+            fds.extend(self.cqs.iter().map(|c| c.shared().doorbell.as_fd()));
         }
         let waited = wait_readable(&fds, timeout, &mut self.ready);
         drop(fds);
@@ -256,7 +256,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             let rung = self
                 .cqs
                 .iter()
-                .filter(|c| c.shared.doorbell.drain() > 0)
+                .filter(|c| c.shared().doorbell.drain() > 0)
                 .count();
             if rung > 0 {
                 bump(&self.metrics.0.control_wakeups, 1);

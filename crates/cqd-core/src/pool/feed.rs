@@ -45,10 +45,9 @@ use std::time::{Duration, Instant};
 use super::park::{producer_fence, Bell};
 use super::ring::Producer;
 use super::space::{self, SpaceBell};
-use super::{PoolError, Shared};
+use super::{PoolError, Routing, Shared};
 use crate::sink::{Route, Routed, SpaceWait, SpaceWaker, WorkSink};
 use crate::sync::{thread, Arc, Ordering};
-use crate::topology::Routing;
 
 /// The worker a key maps to in a pool of `workers` workers: the same key
 /// always maps to the same worker, so keyed items keep their order.

@@ -39,7 +39,9 @@
 //!    [`Pool::join_timeout`] gives up at a deadline and names what is left
 //!    (a sink still alive, items not yet taken).
 //!
-//! Pools are spawned from a validated topology:
+//! A pool is started from plain data (its name, one thread spec per worker,
+//! the ring capacity and the [`Routing`]); the public way to get that data is
+//! a validated topology's
 //! [`PoolPlan::spawn`](crate::topology::PoolPlan::spawn).
 
 mod feed;
@@ -49,21 +51,49 @@ mod ring;
 mod space;
 mod worker;
 
-use std::marker::PhantomData;
 use std::time::{Duration, Instant};
 
 use crossbeam_utils::CachePadded;
+use serde::{Deserialize, Serialize};
 
 pub use feed::{worker_for_key, PoolSink};
 pub use metrics::{PoolSnapshot, SinkSnapshot, WorkerSnapshot};
 pub use worker::{Work, MAX_BATCH};
 
 use crate::sync::{Arc, AtomicUsize, Ordering};
-use crate::topology::{PoolPlan, SpawnError, ThreadHandle};
+use crate::thread::{SpawnError, ThreadHandle, ThreadSpec};
 use metrics::{PoolCounters, SinkCounters, WorkerCounters};
 use park::Bell;
 use space::SpaceBell;
 use worker::Worker;
+
+/// How a worker pool spreads items over its workers (`routing` in a pool's
+/// config).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
+pub enum Routing {
+    /// Honour each item's [`Route`](crate::sink::Route), as the handler chose
+    /// it: keys to fixed workers, the rest to the shallowest ring.
+    #[default]
+    AsRouted,
+    /// Send every item to the shallowest ring, ignoring keys: for work whose
+    /// order does not matter.
+    LeastLoaded,
+}
+
+/// Everything [`spawn`] needs, as plain data (checked by whoever built it).
+#[derive(Debug, Clone)]
+pub(crate) struct PoolSpec {
+    /// The pool's name, for counters and errors.
+    pub(crate) name: String,
+    /// One spec per worker thread, in worker order.
+    pub(crate) workers: Vec<ThreadSpec>,
+    /// Slots per ring as asked (rounded up to a power of two here).
+    pub(crate) capacity: usize,
+    /// How sinks spread items over the workers.
+    pub(crate) routing: Routing,
+}
 
 /// What can go wrong running or stopping a pool.
 #[derive(Debug, thiserror::Error)]
@@ -293,28 +323,31 @@ impl Shared {
     }
 }
 
-/// Builds rings, starts workers, hands out sinks (for [`PoolPlan::spawn`]).
+/// Builds rings, starts workers, hands out sinks (for
+/// [`PoolPlan::spawn`](crate::topology::PoolPlan::spawn)).
 pub(crate) fn spawn<W, H, M>(
-    plan: PoolPlan,
+    spec: PoolSpec,
     producers: usize,
     mut make: M,
-    _items: PhantomData<W>,
 ) -> Result<(Pool, Vec<PoolSink<W>>), SpawnError>
 where
     W: Send + 'static,
     H: Work<W>,
     M: FnMut(usize) -> H,
 {
+    let PoolSpec {
+        name,
+        workers: specs,
+        capacity,
+        routing,
+    } = spec;
     if producers == 0 {
-        return Err(SpawnError::NoProducers {
-            pool: plan.name().to_owned(),
-        });
+        return Err(SpawnError::NoProducers { pool: name });
     }
-    let threads = plan.threads();
-    let capacity = plan.capacity().max(1).next_power_of_two();
-    let specs: Vec<_> = (0..threads).map(|w| plan.spec(w)).collect();
+    let threads = specs.len();
+    let capacity = capacity.max(1).next_power_of_two();
     let shared = Arc::new(Shared::new(
-        plan.name(),
+        &name,
         capacity,
         specs.iter().map(|s| s.name.clone()).collect(),
         producers,
@@ -348,7 +381,7 @@ where
             shared: shared.clone(),
             work: make(index),
         };
-        match crate::topology::spawn_thread(spec, move || worker.run()) {
+        match crate::thread::spawn(spec, move || worker.run()) {
             Ok(handle) => {
                 bells.push((bell, handle.thread().clone()));
                 handles.push(handle);
@@ -375,7 +408,7 @@ where
                 index,
                 rings,
                 bells.clone(),
-                plan.routing(),
+                routing,
                 shared.clone(),
                 space,
             )

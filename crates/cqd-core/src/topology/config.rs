@@ -3,10 +3,12 @@
 //! Nothing here spawns a thread; [`TopologyConfig::validate`] checks the whole
 //! thing once and returns the [`Topology`](super::Topology) that can.
 
-use std::collections::BTreeSet;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+
+use crate::pool::Routing;
+use crate::thread::{OnPriorityError, Placement, Priority};
 
 /// The whole thread topology of a dispatcher: every poller thread and every
 /// worker pool.
@@ -78,69 +80,6 @@ fn default_batch() -> u32 {
 
 fn default_capacity() -> usize {
     1024
-}
-
-/// Where a thread may run.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Placement {
-    /// Anywhere the process may run (`"unpinned"`).
-    #[default]
-    Unpinned,
-    /// Pinned to one CPU (`{ fixed = 3 }`).
-    Fixed(usize),
-    /// Confined to a set of CPUs (`{ fenced = [2, 3] }`).
-    Fenced(BTreeSet<usize>),
-}
-
-impl Placement {
-    /// The CPUs this placement names (empty when unpinned).
-    pub fn cpus(&self) -> BTreeSet<usize> {
-        match self {
-            Placement::Unpinned => BTreeSet::new(),
-            Placement::Fixed(cpu) => BTreeSet::from([*cpu]),
-            Placement::Fenced(set) => set.clone(),
-        }
-    }
-}
-
-/// How a worker pool spreads items over its workers.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-#[non_exhaustive]
-pub enum Routing {
-    /// Honour each item's [`Route`](crate::sink::Route), as the handler chose
-    /// it: keys to fixed workers, the rest to the shallowest ring.
-    #[default]
-    AsRouted,
-    /// Send every item to the shallowest ring, ignoring keys: for work whose
-    /// order does not matter.
-    LeastLoaded,
-}
-
-/// A thread's scheduling priority.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Priority {
-    /// A nice value, -20 (highest) to 19 (lowest); below the current value
-    /// needs `CAP_SYS_NICE` (`{ nice = -5 }`).
-    Nice(i8),
-    /// Real-time `SCHED_FIFO` at 1 to 99; needs `CAP_SYS_NICE` or an
-    /// `RLIMIT_RTPRIO` grant (`{ fifo = 50 }`). For a latency-critical poller
-    /// on an isolated core only: a spinning FIFO thread starves its CPU.
-    Fifo(u8),
-}
-
-/// What happens when a priority cannot be applied.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum OnPriorityError {
-    /// The spawn fails with [`SpawnError::Priority`](super::SpawnError::Priority).
-    #[default]
-    Error,
-    /// A `tracing` warning names the thread and the errno; the thread runs
-    /// with the priority it inherited.
-    Warn,
 }
 
 /// How a poller waits for completions; the poller's own mode type is built

@@ -1,7 +1,9 @@
-//! What can go wrong reading, validating and spawning a topology.
+//! What can go wrong reading and validating a topology (spawning one fails
+//! with a [`SpawnError`](super::SpawnError)).
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// A topology that cannot be used as written. Every variant names the field
 /// (`poller[1].placement`, `pool[0].threads`, ...) and the values involved.
@@ -92,6 +94,21 @@ pub enum TopologyError {
         /// What is accepted.
         expected: &'static str,
     },
+    /// A sleeping mode's safety-net timeout is shorter than a poller honours
+    /// ([`MIN_WAKE_TIMEOUT`](crate::mode::MIN_WAKE_TIMEOUT)); zero included.
+    #[error(
+        "{field}: poller {poller:?} has wake-up timeout {timeout:?}, below the minimum {min:?}"
+    )]
+    WakeTimeoutTooShort {
+        /// The field, e.g. `poller[0].mode.timeout_ms`.
+        field: String,
+        /// The poller's name.
+        poller: String,
+        /// The timeout given.
+        timeout: Duration,
+        /// The shortest accepted.
+        min: Duration,
+    },
     /// Two pollers or two pools share a name, or a name is empty.
     #[error("{field}: name {name:?} is empty or already used")]
     BadName {
@@ -105,56 +122,6 @@ pub enum TopologyError {
     NoCq {
         /// The field, e.g. `poller[0].cqs`.
         field: String,
-    },
-}
-
-/// A thread that could not be started as the topology says.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum SpawnError {
-    /// The OS refused to create the thread.
-    #[error("cannot spawn thread {thread}: {source}")]
-    Thread {
-        /// The thread name.
-        thread: String,
-        /// The error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// Pinning to one CPU failed.
-    #[error("thread {thread}: cannot pin to CPU {cpu}")]
-    Pin {
-        /// The thread name.
-        thread: String,
-        /// The CPU.
-        cpu: usize,
-    },
-    /// Confining to a CPU set failed.
-    #[error("thread {thread}: cannot confine to CPUs {cpus:?} (errno {errno})")]
-    Fence {
-        /// The thread name.
-        thread: String,
-        /// The CPU set.
-        cpus: BTreeSet<usize>,
-        /// The errno of `sched_setaffinity`.
-        errno: i32,
-    },
-    /// The priority could not be applied (typically no `CAP_SYS_NICE`);
-    /// set `on_priority_error = "warn"` to run without it.
-    #[error("thread {thread}: cannot apply priority {priority} (errno {errno}); needs CAP_SYS_NICE or an RLIMIT_RTPRIO/RLIMIT_NICE grant")]
-    Priority {
-        /// The thread name.
-        thread: String,
-        /// The priority, as written in the config.
-        priority: String,
-        /// The errno of the failed call.
-        errno: i32,
-    },
-    /// A pool was spawned with no producer, so nothing could ever reach it.
-    #[error("pool {pool}: spawn needs at least one producer (one per poller feeding it)")]
-    NoProducers {
-        /// The pool name.
-        pool: String,
     },
 }
 

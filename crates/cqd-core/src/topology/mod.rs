@@ -35,21 +35,19 @@
 mod config;
 mod error;
 mod plan;
-mod thread;
 mod validate;
 
-use std::collections::BTreeSet;
 use std::path::Path;
 
-pub use config::{
-    ModeConfig, OnPriorityError, Placement, PollerConfig, PoolConfig, Priority, Routing,
-    TopologyConfig,
-};
-pub use error::{SpawnError, TopologyError, Warning};
+pub use config::{ModeConfig, PollerConfig, PoolConfig, TopologyConfig};
+pub use error::{TopologyError, Warning};
 pub use plan::{PollerPlan, PoolPlan, Topology};
-pub(crate) use thread::spawn as spawn_thread;
-pub use thread::ThreadHandle;
 pub use validate::MAX_CAPACITY;
+// Types the config is written in but that belong to the layers below (pools
+// route, threads are placed and prioritised), named here too so that a
+// config reads as one vocabulary.
+pub use crate::pool::Routing;
+pub use crate::thread::{OnPriorityError, Placement, Priority, SpawnError, ThreadHandle};
 
 impl TopologyConfig {
     /// An empty topology: no pollers, no pools, priority errors are errors.
@@ -211,12 +209,5 @@ impl PoolConfig {
     pub fn priority(mut self, priority: Priority) -> Self {
         self.priority = Some(priority);
         self
-    }
-}
-
-impl Placement {
-    /// A fence from any list of CPUs.
-    pub fn fenced(cpus: impl IntoIterator<Item = usize>) -> Self {
-        Placement::Fenced(cpus.into_iter().collect::<BTreeSet<_>>())
     }
 }

@@ -1,11 +1,9 @@
 //! The validated topology: the only values that can spawn threads.
 
-use std::marker::PhantomData;
-
-use super::config::{ModeConfig, OnPriorityError, Placement, PollerConfig, PoolConfig, Routing};
-use super::error::{SpawnError, Warning};
-use super::thread::{self, ThreadHandle, ThreadSpec};
-use crate::pool::{Pool, PoolSink, Work};
+use super::config::{ModeConfig, PollerConfig, PoolConfig};
+use super::error::Warning;
+use crate::pool::{Pool, PoolSink, PoolSpec, Routing, Work};
+use crate::thread::{self, OnPriorityError, Placement, SpawnError, ThreadHandle, ThreadSpec};
 
 /// A checked topology, made only by
 /// [`TopologyConfig::validate`](super::TopologyConfig::validate). Each
@@ -215,7 +213,8 @@ impl PoolPlan {
         self.config.routing
     }
 
-    pub(crate) fn spec(&self, worker: usize) -> ThreadSpec {
+    /// The thread spec of worker `worker`, named `cqd-worker-<pool>-<worker>`.
+    fn worker_spec(&self, worker: usize) -> ThreadSpec {
         ThreadSpec {
             name: format!("cqd-worker-{}-{worker}", self.config.name),
             placement: self.config.placement.clone(),
@@ -271,6 +270,14 @@ impl PoolPlan {
         H: Work<W>,
         M: FnMut(usize) -> H,
     {
-        crate::pool::spawn(self, producers, make, PhantomData)
+        let spec = PoolSpec {
+            workers: (0..self.config.threads)
+                .map(|w| self.worker_spec(w))
+                .collect(),
+            name: self.config.name,
+            capacity: self.config.capacity,
+            routing: self.config.routing,
+        };
+        crate::pool::spawn(spec, producers, make)
     }
 }

@@ -2,9 +2,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::config::{ModeConfig, Placement, PoolConfig, Priority, TopologyConfig};
+use super::config::{ModeConfig, PoolConfig, TopologyConfig};
 use super::error::{TopologyError, Warning};
 use super::plan::{PollerPlan, PoolPlan, Topology};
+use crate::mode::MIN_WAKE_TIMEOUT;
+use crate::thread::{Placement, Priority};
 
 /// The largest ring capacity accepted (2^24 slots per ring).
 pub const MAX_CAPACITY: usize = 1 << 24;
@@ -19,7 +21,9 @@ impl TopologyConfig {
     ///
     /// The first problem found, naming its field: see [`TopologyError`].
     pub fn validate(&self) -> Result<Topology, TopologyError> {
-        let allowed = super::thread::allowed_cpus()?;
+        let allowed = crate::thread::allowed_cpus().map_err(|e| TopologyError::Affinity {
+            errno: e.raw_os_error(),
+        })?;
         self.validate_for(&allowed)
     }
 
@@ -58,7 +62,7 @@ impl TopologyConfig {
             if p.batch == 0 || p.batch > 4096 {
                 return Err(out_of_range(&format!("{at}.batch"), p.batch, "1 to 4096"));
             }
-            check_mode(&format!("{at}.mode"), &p.mode)?;
+            check_mode(&format!("{at}.mode"), &p.name, &p.mode)?;
             let field = format!("{at}.placement");
             check_placement(&field, &p.placement, allowed)?;
             check_priority(&format!("{at}.priority"), p.priority)?;
@@ -190,14 +194,15 @@ fn check_placement(
     Ok(())
 }
 
-fn check_mode(field: &str, mode: &ModeConfig) -> Result<(), TopologyError> {
+fn check_mode(field: &str, poller: &str, mode: &ModeConfig) -> Result<(), TopologyError> {
     if let Some(timeout) = mode.timeout() {
-        if timeout.is_zero() {
-            return Err(out_of_range(
-                &format!("{field}.timeout_ms"),
-                0,
-                "at least 1 ms",
-            ));
+        if timeout < MIN_WAKE_TIMEOUT {
+            return Err(TopologyError::WakeTimeoutTooShort {
+                field: format!("{field}.timeout_ms"),
+                poller: poller.to_owned(),
+                timeout,
+                min: MIN_WAKE_TIMEOUT,
+            });
         }
     }
     if let ModeConfig::Adaptive {

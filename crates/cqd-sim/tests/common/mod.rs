@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cqd_core::{
     split, CqHandle, CqOptions, CqPoller, Failed, Handler, NoWork, OpKind, Opcode, Outbox,
-    RecvDone, Registration, SendDone, Side, Status,
+    RecvDone, Registration, SendDone, Side, Status, UnboundCq,
 };
 use cqd_sim::{
     connect, Access, Cq, CqConfig, Device, Fabric, Mr, Pd, PostError, Qp, QpCap, QpInit, RecvWr,
@@ -90,7 +90,10 @@ pub struct Rig {
     pub dev: Device,
     pub pd: Pd,
     pub cq: Cq,
-    pub poller: CqPoller<NoWork>,
+    /// The CQ's polling right until a test binds it ([`Rig::poller`]) or
+    /// hands it to a poller thread ([`Rig::take_poller`]).
+    unbound: Option<UnboundCq<NoWork>>,
+    bound: Option<CqPoller<NoWork>>,
     pub handle: CqHandle<NoWork>,
     pub a: Qp,
     pub b: Qp,
@@ -129,7 +132,8 @@ impl Rig {
             dev,
             pd,
             cq,
-            poller,
+            unbound: Some(poller),
+            bound: None,
             handle,
             a,
             b,
@@ -140,12 +144,27 @@ impl Rig {
         }
     }
 
+    /// The CQ's poller, bound to the calling thread on first use.
+    pub fn poller(&mut self) -> &mut CqPoller<NoWork> {
+        if let Some(u) = self.unbound.take() {
+            self.bound = Some(u.bind());
+        }
+        self.bound.as_mut().expect("bound above")
+    }
+
+    /// The CQ's unbound polling right, for a poller thread.
+    pub fn take_poller(&mut self) -> UnboundCq<NoWork> {
+        self.unbound
+            .take()
+            .expect("the rig's CQ was already bound or taken")
+    }
+
     /// Polls until the CQ is empty; returns completions polled.
     pub fn poll_all(&mut self) -> usize {
         let mut out = VecDeque::new();
         let mut total = 0;
         loop {
-            let n = self.poller.poll_once(&mut out).unwrap();
+            let n = self.poller().poll_once(&mut out).unwrap();
             if n == 0 {
                 return total;
             }

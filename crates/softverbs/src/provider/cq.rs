@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 
 use super::context::{inner, limits};
+use super::cq_iter::CqIter;
 use super::notify::CqPort;
 use super::qp::SvQp;
 use super::set_errno;
@@ -22,8 +23,9 @@ pub struct SvCq {
     /// The libibverbs part: an `ibv_cq_ex`, whose prefix is an `ibv_cq`, so
     /// one layout serves `ibv_create_cq` and `ibv_create_cq_ex`.
     pub cq: ibv::ibv_cq_ex,
-    /// The completion `start_poll`/`next_poll` made current (extended CQs).
-    pub cur: std::cell::Cell<Cqe>,
+    /// The current completion of an extended CQ and its lock
+    /// (`start_poll` … `end_poll`).
+    pub iter: CqIter,
     /// CQ id (segment `cq-<id>`).
     pub id: u32,
     /// The ring and its notification state.
@@ -153,7 +155,7 @@ pub unsafe fn make_cq(
         waiting: AtomicU32::new(0),
         empty_polls: AtomicU32::new(0),
         recv_users: AtomicU32::new(0),
-        cur: std::cell::Cell::new(Cqe::default()),
+        iter: CqIter::new(),
     });
     let raw = Box::into_raw(cq);
     // SAFETY: `raw` is the live box; the header is ours to finish.

@@ -1,16 +1,27 @@
 //! Extended completion queues (`ibv_create_cq_ex`, `ibv_start_poll` …).
 //!
-//! The same CQ as [`super::cq`], with the `ibv_cq_ex` iterator filled in:
-//! 1. `start_poll` retries waiting sends, pops one CQE into `cur` and copies
-//!    `status`/`wr_id` into the `ibv_cq_ex`; ENOENT when empty (and nothing
-//!    is held, as the verbs contract says);
-//! 2. `next_poll` pops the next one the same way;
-//! 3. `end_poll` releases nothing (the CQE was copied out on pop);
-//! 4. the `read_*` functions read `cur`.
+//! The same CQ as [`super::cq`], with the `ibv_cq_ex` iterator filled in,
+//! following the protocol of [`super::cq_iter`] (its step numbers):
+//! 1. `start_poll` retries waiting sends, takes the CQ's iterator lock
+//!    (step 1), pops one CQE into the current completion and copies
+//!    `status`/`wr_id` into the `ibv_cq_ex`; when the ring is empty it
+//!    releases the lock and answers ENOENT (step 3);
+//! 2. `next_poll` pops the next one the same way, keeping the lock (step 4);
+//! 3. `end_poll` releases the lock (step 4);
+//! 4. the `read_*` functions read the current completion (step 2).
 //!
-//! `IBV_CREATE_CQ_ATTR_SINGLE_THREADED` is accepted (the rings are lock-free
-//! anyway); timestamps, flow tags, CVLAN, TM info and parent domains are not
-//! supported and answer EOPNOTSUPP.
+//! A CQ created with `IBV_CREATE_CQ_ATTR_SINGLE_THREADED` gets the
+//! lock-free variants of `start_poll`/`end_poll` (the `LOCK` parameter):
+//! the application promised one polling thread. `ibv_poll_cq` on an
+//! extended CQ takes no lock: it pops from the lock-free ring and never
+//! touches the current completion. Timestamps, flow tags, CVLAN, TM info
+//! and parent domains are not supported and answer EOPNOTSUPP.
+//!
+//! Every callback here is called by libibverbs for the application, which
+//! keeps the verbs contract: `cq` is an extended CQ of this provider made by
+//! [`create_cq_ex`] and not yet destroyed, and `next_poll`, `end_poll` and
+//! the `read_*` functions are called only by the thread whose `start_poll`
+//! succeeded, before its `end_poll`.
 
 use std::ffi::{c_int, c_uint};
 
@@ -25,77 +36,167 @@ const MASK_FLAGS: u32 = 1;
 /// `IBV_CREATE_CQ_ATTR_SINGLE_THREADED`.
 const SINGLE_THREADED: u32 = 1;
 
-fn sv_ex<'a>(cq: *mut ibv::ibv_cq_ex) -> &'a SvCq {
-    // SAFETY: every ibv_cq_ex handed to these callbacks is the first field of
-    // a live boxed SvCq (create_cq_ex), per the libibverbs contract.
+/// The [`SvCq`] behind an extended CQ.
+///
+/// # Safety
+/// `cq` was returned by [`create_cq_ex`] and is not destroyed while the
+/// returned reference is in use.
+unsafe fn sv_ex<'a>(cq: *mut ibv::ibv_cq_ex) -> &'a SvCq {
+    // SAFETY: caller contract: `cq` is the first field of a live boxed SvCq
+    // (SvCq is repr(C); create_cq_ex hands out that field's address).
     unsafe { &*cq.cast::<SvCq>() }
 }
 
-fn take(cq: *mut ibv::ibv_cq_ex) -> c_int {
-    let s = sv_ex(cq);
-    match s.port.ring().pop() {
-        Some(e) => {
-            s.cur.set(e);
-            // SAFETY: `cq` is live (sv_ex contract); plain field writes.
-            unsafe {
-                (*cq).status = e.status;
-                (*cq).wr_id = e.wr_id;
-            }
-            0
-        }
-        None => {
-            s.empty_poll();
-            libc::ENOENT
-        }
+/// Pop the next CQE and make it current: `status` and `wr_id` into the
+/// `ibv_cq_ex`, the rest for the `read_*` callbacks. False when empty.
+///
+/// # Safety
+/// 1. As [`sv_ex`].
+/// 2. The calling thread owns the iteration of `cq` (`cq_iter` step 2): it
+///    holds the CQ's iterator lock, or the CQ was created single-threaded.
+unsafe fn take(cq: *mut ibv::ibv_cq_ex) -> bool {
+    // SAFETY: condition 1.
+    let s = unsafe { sv_ex(cq) };
+    let Some(e) = s.port.ring().pop() else {
+        return false;
+    };
+    // SAFETY: condition 2.
+    unsafe { s.iter.set_current(e) };
+    // SAFETY: 1. `cq` is live (condition 1); 2. `status` and `wr_id` belong
+    // to the iteration this thread owns (condition 2), so these plain writes
+    // race with no other poller.
+    unsafe {
+        (*cq).status = e.status;
+        (*cq).wr_id = e.wr_id;
     }
+    true
 }
 
-unsafe extern "C" fn start_poll(
+/// `start_poll`; `LOCK` is false for CQs created single-threaded.
+///
+/// # Safety
+/// The verbs contract (module docs): `cq` is a live extended CQ of ours.
+unsafe extern "C" fn start_poll<const LOCK: bool>(
     cq: *mut ibv::ibv_cq_ex,
     _attr: *mut ibv::ibv_poll_cq_attr,
 ) -> c_int {
-    sv_ex(cq).progress_waiting();
-    take(cq)
+    // SAFETY: caller contract: `cq` is live for this call.
+    let s = unsafe { sv_ex(cq) };
+    s.progress_waiting();
+    if LOCK {
+        s.iter.lock();
+    }
+    // SAFETY: 1. caller contract; 2. this thread now owns the iteration: it
+    // took the lock just above, or (without LOCK) the CQ was created
+    // single-threaded and the application promised one polling thread.
+    if unsafe { take(cq) } {
+        return 0;
+    }
+    if LOCK {
+        // SAFETY: taken above on this thread; released here because no
+        // end_poll follows ENOENT (cq_iter step 3).
+        unsafe { s.iter.unlock() };
+    }
+    s.empty_poll();
+    libc::ENOENT
 }
 
+/// `next_poll`: keeps the lock whatever it answers (`cq_iter` step 4).
+///
+/// # Safety
+/// The verbs contract (module docs): called by the thread whose
+/// `start_poll` on `cq` succeeded, before its `end_poll`.
 unsafe extern "C" fn next_poll(cq: *mut ibv::ibv_cq_ex) -> c_int {
-    take(cq)
+    // SAFETY: 1. caller contract: `cq` is live; 2. this thread owns the
+    // iteration since its successful start_poll (lock held, or a
+    // single-threaded CQ).
+    if unsafe { take(cq) } {
+        return 0;
+    }
+    // SAFETY: caller contract: `cq` is live.
+    unsafe { sv_ex(cq) }.empty_poll();
+    libc::ENOENT
 }
 
-unsafe extern "C" fn end_poll(_cq: *mut ibv::ibv_cq_ex) {}
+/// `end_poll`; `LOCK` as for [`start_poll`].
+///
+/// # Safety
+/// As [`next_poll`].
+unsafe extern "C" fn end_poll<const LOCK: bool>(cq: *mut ibv::ibv_cq_ex) {
+    if LOCK {
+        // SAFETY: 1. caller contract: `cq` is live; 2. the successful
+        // start_poll this call ends took the lock, and only this end_poll
+        // releases it (cq_iter step 4).
+        unsafe { sv_ex(cq).iter.unlock() };
+    }
+}
 
+/// The current completion, for the `read_*` callbacks.
+///
+/// # Safety
+/// As [`next_poll`].
+unsafe fn current(cq: *mut ibv::ibv_cq_ex) -> crate::shm::layout::Cqe {
+    // SAFETY: 1. caller contract: `cq` is live; 2. the verbs contract lets
+    // only the thread that owns the iteration call read_* (cq_iter step 2).
+    unsafe { sv_ex(cq).iter.current() }
+}
+
+/// # Safety
+/// As [`next_poll`].
 unsafe extern "C" fn read_opcode(cq: *mut ibv::ibv_cq_ex) -> ibv::ibv_wc_opcode::Type {
-    sv_ex(cq).cur.get().opcode
+    // SAFETY: caller contract, which is current's.
+    unsafe { current(cq) }.opcode
 }
 
+/// # Safety
+/// Any argument (nothing is read).
 unsafe extern "C" fn read_vendor_err(_cq: *mut ibv::ibv_cq_ex) -> u32 {
     0
 }
 
+/// # Safety
+/// As [`next_poll`].
 unsafe extern "C" fn read_byte_len(cq: *mut ibv::ibv_cq_ex) -> u32 {
-    sv_ex(cq).cur.get().byte_len
+    // SAFETY: caller contract, which is current's.
+    unsafe { current(cq) }.byte_len
 }
 
+/// # Safety
+/// As [`next_poll`].
 unsafe extern "C" fn read_imm_data(cq: *mut ibv::ibv_cq_ex) -> ibv::__be32 {
-    sv_ex(cq).cur.get().imm
+    // SAFETY: caller contract, which is current's.
+    unsafe { current(cq) }.imm
 }
 
+/// # Safety
+/// As [`next_poll`].
 unsafe extern "C" fn read_qp_num(cq: *mut ibv::ibv_cq_ex) -> u32 {
-    sv_ex(cq).cur.get().qp_num
+    // SAFETY: caller contract, which is current's.
+    unsafe { current(cq) }.qp_num
 }
 
+/// # Safety
+/// As [`next_poll`].
 unsafe extern "C" fn read_src_qp(cq: *mut ibv::ibv_cq_ex) -> u32 {
-    sv_ex(cq).cur.get().src_qp
+    // SAFETY: caller contract, which is current's.
+    unsafe { current(cq) }.src_qp
 }
 
+/// # Safety
+/// As [`next_poll`].
 unsafe extern "C" fn read_wc_flags(cq: *mut ibv::ibv_cq_ex) -> c_uint {
-    sv_ex(cq).cur.get().wc_flags
+    // SAFETY: caller contract, which is current's.
+    unsafe { current(cq) }.wc_flags
 }
 
+/// # Safety
+/// Any argument (nothing is read).
 unsafe extern "C" fn read_slid(_cq: *mut ibv::ibv_cq_ex) -> u32 {
     1
 }
 
+/// # Safety
+/// Any argument (nothing is read).
 unsafe extern "C" fn read_zero_u8(_cq: *mut ibv::ibv_cq_ex) -> u8 {
     0
 }
@@ -125,12 +226,20 @@ pub unsafe extern "C" fn create_cq_ex(
     if raw.is_null() {
         return std::ptr::null_mut();
     }
-    // SAFETY: `raw` is the live box just made; filling the iterator slots.
+    // Without the flag, pollers may share the CQ: lock each iteration.
+    let single = a.comp_mask & MASK_FLAGS != 0 && a.flags & SINGLE_THREADED != 0;
+    // SAFETY: `raw` is the live box just made, unknown to other threads
+    // until we return it; filling the iterator slots.
     unsafe {
         let c = &mut (*raw).cq;
-        c.start_poll = Some(start_poll);
+        if single {
+            c.start_poll = Some(start_poll::<false>);
+            c.end_poll = Some(end_poll::<false>);
+        } else {
+            c.start_poll = Some(start_poll::<true>);
+            c.end_poll = Some(end_poll::<true>);
+        }
         c.next_poll = Some(next_poll);
-        c.end_poll = Some(end_poll);
         c.read_opcode = Some(read_opcode);
         c.read_vendor_err = Some(read_vendor_err);
         c.read_byte_len = Some(read_byte_len);

@@ -7,6 +7,7 @@ pub mod channel;
 pub mod context;
 pub mod cq;
 pub mod cq_ex;
+pub mod cq_iter;
 pub mod notify;
 pub mod progress;
 pub mod qp;

@@ -7,8 +7,9 @@
 //!    send mutex, then the registry mutex); it unregisters the same way.
 //! 2. The thread, holding the registry mutex, only *tries* each QP's send
 //!    mutex: it never blocks on it, so the two lock orders cannot deadlock.
-//! 3. `destroy_qp` unregisters under the registry mutex before freeing, so
-//!    the thread never sees a freed QP.
+//! 3. `destroy_qp` unregisters under the registry mutex before freeing
+//!    (always, whatever the QP's waiting state), so the thread never sees a
+//!    freed QP. This is the contract of the `unsafe` [`set`].
 //! 4. With nothing registered the thread sleeps on a condition variable.
 //! 5. The thread drops a QP from the registry itself once its queue is
 //!    empty (calls to [`set`] made on the thread are ignored: it already
@@ -48,8 +49,25 @@ thread_local! {
 
 /// Step 1: start or stop retrying `qp`'s waiting sends in the background.
 /// On the progress thread itself this is a no-op: the thread updates the
-/// registry after each pass (step 2).
-pub fn set(qp: *const SvQp, on: bool) {
+/// registry after each pass (step 5).
+///
+/// The registry keeps `qp` as a raw pointer that the progress thread
+/// dereferences later, so registering is `unsafe`:
+///
+/// ```compile_fail,E0133
+/// softverbs::provider::progress::set(std::ptr::null(), true);
+/// ```
+///
+/// # Safety
+/// When `on` is true:
+/// 1. `qp` points to a live [`SvQp`] made by `create_qp` (the thread locks
+///    its send mutex and progresses its sends);
+/// 2. `qp` stays live until a later `set(qp, false)`, made off the progress
+///    thread, has returned: whoever frees the QP makes that call first
+///    (`destroy_qp` does, step 3).
+///
+/// With `on` false, `qp` is only a key and may be dangling.
+pub unsafe fn set(qp: *const SvQp, on: bool) {
     if ON_THREAD.with(Cell::get) {
         return;
     }

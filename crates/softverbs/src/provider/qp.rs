@@ -306,6 +306,11 @@ pub unsafe extern "C" fn destroy_qp(qp: *mut ibv::ibv_qp) -> c_int {
         q.hdr().state.store(QpState::Err as u32, Ordering::Release);
         ss.pending.clear();
         ss.set_waiting(q, false);
+        // Progress step 3: leave the background registry before the free,
+        // even if `waiting` was already false (the registry, not this flag,
+        // decides what the progress thread dereferences).
+        // SAFETY: `on` is false: the pointer is only a key.
+        unsafe { super::progress::set(q, false) };
     }
     q.send_cq()
         .send_qps

@@ -270,6 +270,18 @@ pub struct Wc {
     pub wc_flags: u32,
 }
 
+/// A raw libibverbs handle moved into a test thread.
+pub struct SendPtr<T>(pub *mut T);
+impl<T> Clone for SendPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SendPtr<T> {}
+// SAFETY (test): libibverbs objects may be used from several threads; each
+// test says which thread uses which object how.
+unsafe impl<T> std::marker::Send for SendPtr<T> {}
+
 /// Poll until `n` completions arrived (or panic after 10 s).
 pub fn poll(cq: *mut ibv_cq, n: usize) -> Vec<Wc> {
     let deadline = Instant::now() + Duration::from_secs(10);
