@@ -404,14 +404,7 @@ where
         .zip(spaces)
         .enumerate()
         .map(|(index, (rings, space))| {
-            PoolSink::new(
-                index,
-                rings,
-                bells.clone(),
-                routing,
-                shared.clone(),
-                space,
-            )
+            PoolSink::new(index, rings, bells.clone(), routing, shared.clone(), space)
         })
         .collect();
     Ok((
