@@ -197,6 +197,9 @@ impl<W> PoolSink<W> {
         }
         let dest = self.route(route, workers);
         self.rings[dest].stage(item)?;
+        // Keep `free` a lower bound of the truth: arming the space wake-up
+        // reads it.
+        self.free[dest] -= 1;
         let old = self.rings[dest].publish().unwrap_or(NOT_PUBLISHED);
         producer_fence();
         let (bell, thread) = &self.bells[dest];
