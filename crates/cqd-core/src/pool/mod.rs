@@ -220,7 +220,8 @@ impl Pool {
 
     /// Waits until every sink is dropped and every worker has drained its
     /// rings and exited (stop steps 3 and 4), then returns the final counters.
-    /// Blocks for as long as a sink is alive.
+    /// Blocks for as long as a sink is alive; [`join_timeout`](Self::join_timeout)
+    /// gives up at a deadline instead.
     ///
     /// # Errors
     ///
