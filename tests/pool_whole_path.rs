@@ -218,8 +218,9 @@ fn whole_path_in_every_mode() {
     }
 }
 
-/// Slow workers (injected sleeps) and small rings: the pollers spill, keep
-/// draining their CQs (the feeders only finish because they do), and lose
+/// Slow workers (injected sleeps) and small rings: the pollers spill up to
+/// their high-water mark, then leave the completions in their CQs until the
+/// workers catch up (the feeders wait on the CQs meanwhile), and lose
 /// nothing.
 #[test]
 fn slow_workers_make_the_pollers_spill_not_block() {

@@ -61,7 +61,7 @@ pub use ledger::{
 pub use mode::{Adaptive, PollMode};
 pub use poller::{PollerBuilder, PollerReport, PollerThread};
 pub use post::{PostRecv, PostSend, Refused, SendRequest, WorkRequest};
-pub use shutdown::{shutdown, SystemReport};
-pub use sink::{NoSink, NoWork, Route, Routed, WorkSink};
+pub use shutdown::{shutdown, shutdown_with, ShutdownOptions, SystemReport};
+pub use sink::{NoSink, NoWork, Route, Routed, SpaceWait, SpaceWaker, WorkSink};
 pub use source::{ArmKind, AsyncEvent, CompletionSource, SourceError};
 pub use wr_id::{HandlerKey, OpKind, Side, WrId};

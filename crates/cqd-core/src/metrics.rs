@@ -210,7 +210,11 @@ pub struct PollerCounters {
     pub(crate) control_wakeups: AtomicU64,
     pub(crate) spin_ns: AtomicU64,
     pub(crate) spills: AtomicU64,
+    pub(crate) spill_len: AtomicU64,
     pub(crate) spill_high_water: AtomicU64,
+    pub(crate) throttles: AtomicU64,
+    pub(crate) space_waits: AtomicU64,
+    pub(crate) space_wakeups: AtomicU64,
     pub(crate) handed_off: AtomicU64,
     pub(crate) spin_window_ns: AtomicU64,
     pub(crate) cpu_ns: AtomicU64,
@@ -232,7 +236,11 @@ impl PollerMetrics {
             control_wakeups: get(&c.control_wakeups),
             spin_ns: get(&c.spin_ns),
             spills: get(&c.spills),
+            spill_len: get(&c.spill_len),
             spill_high_water: get(&c.spill_high_water),
+            throttles: get(&c.throttles),
+            space_waits: get(&c.space_waits),
+            space_wakeups: get(&c.space_wakeups),
             handed_off: get(&c.handed_off),
             spin_window_ns: get(&c.spin_window_ns),
             cpu_ns: get(&c.cpu_ns),
@@ -256,10 +264,26 @@ pub struct PollerSnapshot {
     pub control_wakeups: u64,
     /// Time spent spinning with nothing to do (nanoseconds).
     pub spin_ns: u64,
-    /// Work items the sink could not take at once (kept, retried).
+    /// Work items the sink could not take at once (kept, retried). Each
+    /// item counts once, when it is first refused.
     pub spills: u64,
-    /// Largest spill queue seen.
+    /// Items in the spill queue now (a gauge, updated at each hand-off).
+    pub spill_len: u64,
+    /// Largest spill queue seen after a hand-off. Bounded by the poller's
+    /// high-water mark + `m × B × k` (see
+    /// [`PollerBuilder::spill_high_water_mark`](crate::poller::PollerBuilder::spill_high_water_mark)).
     pub spill_high_water: u64,
+    /// Times the spill went above the high-water mark, so the poller
+    /// stopped polling its CQs (back-pressure).
+    #[serde(default)]
+    pub throttles: u64,
+    /// Sleeps with a spill, waiting for a worker to free ring space (above
+    /// the mark: for nothing else; at or below it: for CQ events too).
+    #[serde(default)]
+    pub space_waits: u64,
+    /// Of those, the ones a worker's space wake-up ended.
+    #[serde(default)]
+    pub space_wakeups: u64,
     /// Work items handed to the sink.
     pub handed_off: u64,
     /// The current spin window of Hybrid/Adaptive mode (nanoseconds).

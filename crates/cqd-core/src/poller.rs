@@ -6,15 +6,20 @@
 //! 1. If a stop was requested, run the stop protocol (below) and exit.
 //! 2. Poll one round: a batch from every CQ of the group, dispatching each
 //!    completion to its handler (registrations are applied first).
+//!    If the spill is above its high-water mark, skip the polling: only
+//!    offer the spill again (back-pressure, see
+//!    [`PollerBuilder::spill_high_water_mark`]).
 //! 3. Offer the work the handlers emitted — behind any earlier spill — to
-//!    the sink; what it refuses stays in the spill queue (counted).
+//!    the sink; what it refuses stays in the spill queue (each item counted
+//!    once).
 //! 4. Check asynchronous events (overflow) of every CQ.
-//! 5. If the round found work, go to 1. Otherwise ask the mode: spin (go
-//!    to 1) or sleep ([`sleep_once`], the arm / re-poll / block protocol). A
-//!    non-empty spill queue keeps the poller awake to retry. A source that
-//!    fails (device gone) is counted and traced, and, if nothing else had
-//!    work, the poller backs off for a tenth of the wake timeout instead of
-//!    spinning on errors.
+//! 5. If the round found work, go to 1. If the spill is above its mark,
+//!    wait for ring space (Busy mode: spin) and go to 1. Otherwise ask the
+//!    mode: spin (go to 1) or sleep ([`sleep_once`], the arm / re-poll /
+//!    block protocol; with a spill the block also waits for ring space, see
+//!    `poller::spill`). A source that fails (device gone) is counted and traced,
+//!    and, if nothing else had work, the poller backs off for a tenth of the
+//!    wake timeout instead of spinning on errors.
 //!
 //! # Stopping
 //!
@@ -28,28 +33,32 @@
 //!    not completed, flushes included), or [`PollerBuilder::drain_timeout`]
 //!    passes; the report then names what is missing and, with a
 //!    [`WrLedger`](crate::ledger::WrLedger) attached, each stuck request.
-//! 3. Hand every spilled item to the sink, retrying (workers stop after
-//!    pollers, so they are still draining); give up only after
-//!    [`PollerBuilder::stop_timeout`], reporting how many were left.
+//! 3. Hand every spilled item to the sink, waiting for space (workers stop
+//!    after pollers, so they are still draining); give up only after
+//!    [`PollerBuilder::stop_timeout`], handing what is left back
+//!    ([`PollerBuilder::on_undelivered`]) and reporting how many.
 //! 4. Take and acknowledge every notification.
 //! 5. Destroy every CQ (which fails, rather than hangs, on unacked events).
 //!
 //! Workers are drained and joined after the pollers (see `pool`).
 
-use std::collections::VecDeque;
+mod spill;
+
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::cq::{CqPoller, UnboundCq};
-use crate::metrics::{bump, raise, CqSnapshot, PollerMetrics, PollerSnapshot};
+use crate::metrics::{bump, CqSnapshot, PollerMetrics, PollerSnapshot};
 pub use crate::mode::MIN_WAKE_TIMEOUT;
 use crate::mode::{sleep_once, Idle, IdlePolicy, PollMode, SleepGroup, Slept};
-use crate::sink::{Routed, WorkSink};
+use crate::sink::{SpaceWait, WorkSink};
 use crate::source::SourceError;
 use crate::sync::{AtomicBool, Ordering};
 use crate::sys::{thread_cpu_time, wait_readable, Doorbell};
 use crate::thread::{start, StartError, ThreadHandle};
+pub use spill::DEFAULT_SPILL_HIGH_WATER_MARK;
+use spill::{GiveBack, Spill};
 
 /// Acknowledge notifications once this many are pending.
 pub const DEFAULT_ACK_BATCH: u32 = 16;
@@ -70,6 +79,8 @@ pub struct PollerBuilder<W, S> {
     cqs: Vec<UnboundCq<W>>,
     sink: S,
     setup: Option<Setup>,
+    spill_mark: usize,
+    give_back: Option<GiveBack<W>>,
 }
 
 impl<W, S> std::fmt::Debug for PollerBuilder<W, S> {
@@ -97,6 +108,8 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
             cqs: Vec::new(),
             sink,
             setup: None,
+            spill_mark: DEFAULT_SPILL_HIGH_WATER_MARK,
+            give_back: None,
         }
     }
 
@@ -184,7 +197,7 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
             idle: IdlePolicy::new(self.mode, Instant::now()),
             cqs,
             sink: self.sink,
-            spill: VecDeque::new(),
+            spill: Spill::new(self.spill_mark, self.give_back),
             metrics: group_metrics,
             wake_timeout: self.wake_timeout,
             ack_batch: self.ack_batch,
@@ -351,7 +364,8 @@ pub struct PollerReport {
     pub poller: PollerSnapshot,
     /// Each CQ's final counters.
     pub cqs: Vec<CqSnapshot>,
-    /// Work items the sink never took (0 unless the stop timed out).
+    /// Work items the sink never took (0 unless the stop timed out); they
+    /// went to [`PollerBuilder::on_undelivered`] if one was set.
     pub undelivered: u64,
     /// Errors met while stopping (acknowledging or destroying a CQ).
     pub errors: Vec<String>,
@@ -364,7 +378,7 @@ struct Group<W, S> {
     idle: IdlePolicy,
     cqs: Vec<CqPoller<W>>,
     sink: S,
-    spill: VecDeque<Routed<W>>,
+    spill: Spill<W>,
     metrics: Arc<PollerMetrics>,
     wake_timeout: Duration,
     ack_batch: u32,
@@ -388,6 +402,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             tracing::debug_span!("poller", name = %name, mode = self.idle.mode().name()).entered();
         self.round_found = vec![0; self.cqs.len()];
         self.round_events = vec![0; self.cqs.len()];
+        self.install_space_waker();
         loop {
             let m = &self.metrics.0;
             bump(&m.loops, 1);
@@ -395,7 +410,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             if self.stop.load(Ordering::Acquire) {
                 break;
             }
-            // 2. One round.
+            // 2. One round (or, above the mark, a hand-off only).
             let found = self.round();
             // 3. Hand off (inside round) and 4. async events.
             for cq in &mut self.cqs {
@@ -416,9 +431,8 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                 self.idle.on_work(now);
                 continue;
             }
-            if !self.spill.is_empty() {
-                // Workers are behind: stay awake to retry, but yield.
-                std::thread::yield_now();
+            if self.spill.above_mark() {
+                self.throttled();
                 continue;
             }
             match self.idle.on_idle(now) {
@@ -443,13 +457,26 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             .to_string()
     }
 
-    /// One batch from every CQ, then the hand-off. Poll errors are counted
-    /// by the CQ and traced; the loop goes on (a vanished device shows up as
-    /// errors and async events, never a panic).
+    /// One batch from every CQ, then the hand-off — unless the spill is
+    /// above its mark, when the round only hands off (back-pressure: the
+    /// bound of `poller::spill` rests on this check).
     fn round(&mut self) -> usize {
+        if self.spill.above_mark() {
+            self.hand_off();
+            if self.spill.above_mark() {
+                return 0;
+            }
+        }
+        self.poll_all()
+    }
+
+    /// One batch from every CQ, then the hand-off, whatever the spill. Poll
+    /// errors are counted by the CQ and traced; the loop goes on (a vanished
+    /// device shows up as errors and async events, never a panic).
+    fn poll_all(&mut self) -> usize {
         let mut total = 0;
         for (i, cq) in self.cqs.iter_mut().enumerate() {
-            let n = match cq.poll_once(&mut self.spill) {
+            let n = match cq.poll_once(&mut self.spill.items) {
                 Ok(n) => n,
                 Err(e) => {
                     // Counted by the CQ; traced at 1, 2, 4, 8… so a dead
@@ -471,27 +498,11 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         total
     }
 
-    fn hand_off(&mut self) {
-        if self.spill.is_empty() {
-            return;
-        }
-        let before = self.spill.len();
-        self.sink.offer(&mut self.spill);
-        let left = self.spill.len();
-        let m = &self.metrics.0;
-        bump(&m.handed_off, (before - left) as u64);
-        if left > 0 {
-            bump(&m.spills, left as u64);
-            raise(&m.spill_high_water, left as u64);
-        }
-    }
-
     /// A source is failing (device gone) and nothing else had work: do not
     /// spin on errors, in any mode. Wait a tenth of the safety timeout
     /// (1–10 ms) unless a doorbell (stop, control request) rings.
     fn back_off(&mut self) {
-        let pause =
-            (self.wake_timeout / 10).clamp(Duration::from_millis(1), Duration::from_millis(10));
+        let pause = self.retry_pause();
         let fds: Vec<BorrowedFd<'_>> = self
             .cqs
             .iter()
@@ -506,6 +517,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
     fn sleep(&mut self) {
         let start = Instant::now();
         let timeout = self.wake_timeout;
+        self.spill.skipped_block = false;
         let slept = match sleep_once(self, timeout) {
             Ok(s) => s,
             Err(e) => {
@@ -519,6 +531,11 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                 return;
             }
         };
+        let mut slept = slept;
+        if std::mem::take(&mut self.spill.skipped_block) {
+            // Arming the space wait found space: nothing was blocked on.
+            slept.blocked = false;
+        }
         let m = &self.metrics.0;
         if slept.blocked {
             bump(&m.sleeps, 1);
@@ -583,7 +600,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             cq.apply_commands();
         }
         let deadline = Instant::now() + self.stop_timeout;
-        while self.round() > 0 && Instant::now() < deadline {}
+        while self.poll_all() > 0 && Instant::now() < deadline {}
         // 2. Wait for every outstanding request (flushes included).
         let started = Instant::now();
         let mut timed_out = false;
@@ -592,7 +609,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                 timed_out = true;
                 break;
             }
-            if self.round() == 0 {
+            if self.poll_all() == 0 {
                 std::thread::sleep(Duration::from_micros(100));
             }
         }
@@ -607,20 +624,12 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         if !accounts.is_balanced() {
             tracing::error!(report = %accounts, "stop: requests unaccounted for");
         }
-        // 3. Hand every spilled item over, retrying while workers drain.
-        while !self.spill.is_empty() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_micros(100));
-            self.hand_off();
-        }
+        // 3. Hand every spilled item over, waiting for space while workers
+        //    drain; hand back what is left.
+        let undelivered = self.flush_spill(deadline);
         let mut report = self.report_now();
         report.accounts = accounts;
-        report.undelivered = self.spill.len() as u64;
-        if report.undelivered > 0 {
-            tracing::error!(
-                undelivered = report.undelivered,
-                "stop timed out handing work to the workers"
-            );
-        }
+        report.undelivered = undelivered;
         // 4 and 5. Acknowledge everything, destroy every CQ.
         for cq in &mut self.cqs {
             if let Err(e) = cq.finish() {
@@ -636,7 +645,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         PollerReport {
             poller: self.metrics.snapshot(&self.metrics_name()),
             cqs: self.cqs.iter().map(|c| c.handle().snapshot()).collect(),
-            undelivered: self.spill.len() as u64,
+            undelivered: self.spill.items.len() as u64,
             errors: Vec::new(),
             accounts: Default::default(),
         }
@@ -670,7 +679,26 @@ impl<W: Send + 'static, S: WorkSink<W>> SleepGroup for Group<W, S> {
         if self.stop.load(Ordering::Acquire) {
             return Ok(false);
         }
-        let mut fds: Vec<BorrowedFd<'_>> = Vec::with_capacity(self.cqs.len() * 3);
+        // With a spill, also wait for ring space (see `spill`, rule 2).
+        let mut timeout = timeout;
+        let mut retry = false;
+        let armed = !self.spill.items.is_empty()
+            && match self.arm_space() {
+                SpaceWait::Progress => {
+                    self.spill.skipped_block = true;
+                    return Ok(false);
+                }
+                SpaceWait::Armed => true,
+                _ => {
+                    timeout = timeout.min(self.retry_pause());
+                    retry = true;
+                    false
+                }
+            };
+        let mut fds: Vec<BorrowedFd<'_>> = Vec::with_capacity(self.cqs.len() * 3 + 1);
+        if armed {
+            fds.extend(self.spill.space.as_ref().map(|d| d.as_fd()));
+        }
         for cq in &self.cqs {
             fds.push(cq.event_fd());
             fds.push(cq.shared().doorbell.as_fd());
@@ -692,7 +720,15 @@ impl<W: Send + 'static, S: WorkSink<W>> SleepGroup for Group<W, S> {
         if rung {
             bump(&self.metrics.0.control_wakeups, 1);
         }
-        Ok(n == 0)
+        if armed || retry {
+            bump(&self.metrics.0.space_waits, 1);
+        }
+        if armed {
+            self.end_space_wait();
+        }
+        // A retry pause is not the safety timeout: it proves no missed
+        // notification.
+        Ok(n == 0 && !retry)
     }
 
     fn collect_events(&mut self) -> Result<u32, SourceError> {

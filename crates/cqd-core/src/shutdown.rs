@@ -5,18 +5,27 @@
 //!    back as a flush completion instead of being waited for.
 //! 2. Every poller stops ([`PollerThread::stop`]). Each one polls until no
 //!    handler has a request outstanding, or until its drain timeout passes.
-//!    It then hands its spilled work to the workers, acknowledges every
+//!    It then hands its spilled work to the workers (what they never take
+//!    by its stop timeout goes back to the application through
+//!    [`PollerBuilder::on_undelivered`](crate::poller::PollerBuilder::on_undelivered)
+//!    and is named in the errors), acknowledges every
 //!    event, destroys its CQs, and drops its sinks. Completion channels go
 //!    with the CQs: on verbs the backend destroys each channel after its
 //!    CQ.
-//! 3. Every pool joins ([`Pool::join`]). Its workers finish everything that
-//!    was handed to them, then exit.
+//! 3. Every pool joins ([`Pool::join_timeout`]), all within one deadline
+//!    ([`ShutdownOptions::pool_join_timeout`]). Its workers finish
+//!    everything that was handed to them, then exit. A pool that does not
+//!    close in time (a sink kept alive, a stuck work function) is reported
+//!    in [`SystemReport::errors`], naming the live sinks and what is still
+//!    queued, with its counters as they were; the call never hangs on it.
 //! 4. The final report gathers every poller's report (CQ counters, and per
 //!    handler and kind posted == completed + flushed, or exactly what is
 //!    missing) with every pool's counters.
 //!
 //! Pollers stop before workers so that no work is handed to a worker that
 //! has already gone.
+
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -50,8 +59,44 @@ impl SystemReport {
     }
 }
 
-/// Runs the shutdown protocol (see the module documentation).
+/// Settings of [`shutdown_with`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+#[non_exhaustive]
+pub struct ShutdownOptions {
+    /// How long step 3 may wait for all the pools together (default 10 s).
+    pub pool_join_timeout: Duration,
+}
+
+impl Default for ShutdownOptions {
+    fn default() -> Self {
+        ShutdownOptions {
+            pool_join_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl ShutdownOptions {
+    /// The default options with `timeout` for step 3.
+    pub fn pool_join_timeout(mut self, timeout: Duration) -> Self {
+        self.pool_join_timeout = timeout;
+        self
+    }
+}
+
+/// Runs the shutdown protocol (see the module documentation) with the
+/// default [`ShutdownOptions`].
 pub fn shutdown(
+    flush: impl FnOnce(),
+    pollers: impl IntoIterator<Item = PollerThread>,
+    pools: impl IntoIterator<Item = Pool>,
+) -> SystemReport {
+    shutdown_with(ShutdownOptions::default(), flush, pollers, pools)
+}
+
+/// Runs the shutdown protocol (see the module documentation).
+pub fn shutdown_with(
+    options: ShutdownOptions,
     flush: impl FnOnce(),
     pollers: impl IntoIterator<Item = PollerThread>,
     pools: impl IntoIterator<Item = Pool>,
@@ -66,7 +111,8 @@ pub fn shutdown(
             Ok(r) => {
                 if r.undelivered > 0 {
                     report.errors.push(format!(
-                        "poller {name}: {} work items never reached a worker",
+                        "poller {name}: {} work items never reached a worker \
+                         (handed to its on_undelivered callback, if it has one)",
                         r.undelivered
                     ));
                 }
@@ -78,11 +124,18 @@ pub fn shutdown(
             Err(e) => report.errors.push(e.to_string()),
         }
     }
-    // 3. Then the workers: they finish what was handed to them, and join.
+    // 3. Then the workers: they finish what was handed to them, and join,
+    //    all within one deadline.
+    let started = Instant::now();
     for pool in pools {
-        match pool.join() {
+        let left = options.pool_join_timeout.saturating_sub(started.elapsed());
+        let monitor = pool.monitor();
+        match pool.join_timeout(left) {
             Ok(s) => report.pools.push(s),
-            Err(e) => report.errors.push(e.to_string()),
+            Err(e) => {
+                report.errors.push(e.to_string());
+                report.pools.push(monitor.snapshot());
+            }
         }
     }
     // 4. The report.

@@ -20,22 +20,22 @@
 //! 5. For each ring published to that was empty, unpark its worker if it
 //!    announced sleep.
 //!
-//! Why the spill this leaves in the caller's queue is bounded: every work
-//! item comes from a completion, and every completion from a work request
-//! posted against a CQ. Today nothing stops a handler from re-posting at
-//! once, so a poller whose workers lag can accumulate spill; the spill is
-//! counted and its high-water mark is a metric. With the CQ budget (a later
-//! issue), a work item keeps its completion's credit until a worker has
-//! handled it, so for a poller owning CQs of admitted capacities `C1..Ck`
-//! whose handlers emit at most `m` items per completion:
+//! A full ring's refusal leaves items in the caller's queue (the poller's
+//! spill). The sink never blocks; the bound on that queue is the poller's
+//! back-pressure, see `poller::spill` (above its high-water mark a poller
+//! stops polling its CQs, so the CQs hold the completions and credits carry
+//! the pressure back to the posters):
 //!
 //! ```text
-//! spill + items in its rings <= m × (C1 + ... + Ck)
+//! spill <= high-water mark + m × (B1 + ... + Bk)
 //! ```
 //!
-//! For example one CQ of 4096 entries and one item per completion bounds a
-//! poller's spill at 4096 items minus what its rings hold, whatever the
-//! workers do.
+//! for a poller of `k` CQs with poll batches `B1..Bk`, whose handlers emit at
+//! most `m` items per completion; and the rings a poller feeds hold at most
+//! `workers × capacity` more. For example a mark of 128, one CQ polled 32 at
+//! a time and one item per completion bound the spill at 160 items,
+//! whatever the workers do. A poller that waits for space sleeps until a
+//! worker frees some ([`space`](super::space)); it never spins on a full ring.
 
 use std::cell::Cell;
 use std::collections::VecDeque;
@@ -44,8 +44,9 @@ use std::time::{Duration, Instant};
 
 use super::park::{producer_fence, Bell};
 use super::ring::Producer;
+use super::space::{self, SpaceBell};
 use super::{PoolError, Routing, Shared};
-use crate::sink::{Route, Routed, WorkSink};
+use crate::sink::{Route, Routed, SpaceWait, SpaceWaker, WorkSink};
 use crate::sync::{thread, Arc, Ordering};
 
 /// The worker a key maps to in a pool of `workers` workers: the same key
@@ -99,6 +100,9 @@ pub struct PoolSink<W> {
     routing: Routing,
     start: usize,
     shared: Arc<Shared>,
+    space: Arc<SpaceBell>,
+    #[cfg(loom)]
+    unfenced: bool,
     _not_sync: PhantomData<Cell<()>>,
 }
 
@@ -109,6 +113,7 @@ impl<W> PoolSink<W> {
         bells: Vec<(Arc<Bell>, thread::Thread)>,
         routing: Routing,
         shared: Arc<Shared>,
+        space: Arc<SpaceBell>,
     ) -> Self {
         let n = rings.len();
         Self {
@@ -120,8 +125,19 @@ impl<W> PoolSink<W> {
             routing,
             start: 0,
             shared,
+            space,
+            #[cfg(loom)]
+            unfenced: false,
             _not_sync: PhantomData,
         }
+    }
+
+    /// For the loom model only: arm without the producer's fence (space
+    /// step 2), to show that the model then finds the lost wake-up.
+    #[cfg(loom)]
+    #[doc(hidden)]
+    pub fn unfenced_for_model(&mut self) {
+        self.unfenced = true;
     }
 
     /// The ring with the most free slots (all rings have one capacity),
@@ -181,6 +197,9 @@ impl<W> PoolSink<W> {
         }
         let dest = self.route(route, workers);
         self.rings[dest].stage(item)?;
+        // Keep `free` a lower bound of the truth: arming the space wake-up
+        // reads it.
+        self.free[dest] -= 1;
         let old = self.rings[dest].publish().unwrap_or(NOT_PUBLISHED);
         producer_fence();
         let (bell, thread) = &self.bells[dest];
@@ -269,11 +288,13 @@ impl<W> PoolSink<W> {
     }
 }
 
-impl<W: Send> WorkSink<W> for PoolSink<W> {
-    fn offer(&mut self, items: &mut VecDeque<Routed<W>>) {
+impl<W: Send> PoolSink<W> {
+    /// One offer (steps 1 to 5); returns how many refused items were at
+    /// positions `fresh..` on entry.
+    fn offer_inner(&mut self, items: &mut VecDeque<Routed<W>>, fresh: usize) -> usize {
         let n = items.len();
         if n == 0 {
-            return;
+            return 0;
         }
         let workers = self.rings.len();
         // 1. Free slots per ring. With several workers every ring is
@@ -296,14 +317,17 @@ impl<W: Send> WorkSink<W> for PoolSink<W> {
         // 2b. Walk the rest.
         let n_rest = n - taken;
         let mut visited = 0;
+        let mut fresh_refused = 0;
         while visited < n_rest && open > 0 {
             let Some(Routed { route, item }) = items.pop_front() else {
                 break;
             };
+            let position = taken + visited;
             visited += 1;
             let dest = self.route(route, workers);
             if self.free[dest] == 0 {
                 items.push_back(Routed { route, item });
+                fresh_refused += usize::from(position >= fresh);
                 continue;
             }
             match self.rings[dest].stage(item) {
@@ -314,11 +338,14 @@ impl<W: Send> WorkSink<W> for PoolSink<W> {
                 Err(item) => {
                     // Not expected (free mirrors the ring), but never lose it.
                     items.push_back(Routed { route, item });
+                    fresh_refused += usize::from(position >= fresh);
                     open -= 1;
                     self.free[dest] = 0;
                 }
             }
         }
+        // The unvisited items, positions `taken + visited .. n`, stay too.
+        fresh_refused += n.saturating_sub(fresh.max(taken + visited));
         items.rotate_left(n_rest - visited);
         self.start += 1;
         if self.start == workers {
@@ -349,10 +376,63 @@ impl<W: Send> WorkSink<W> for PoolSink<W> {
         }
         let refused = items.len();
         self.shared.counters.sinks[self.index].offer(n - refused, refused, unparks);
+        fresh_refused
+    }
+}
+
+impl<W: Send> WorkSink<W> for PoolSink<W> {
+    fn offer(&mut self, items: &mut VecDeque<Routed<W>>) {
+        let n = items.len();
+        self.offer_inner(items, n);
+    }
+
+    fn offer_fresh(&mut self, items: &mut VecDeque<Routed<W>>, fresh: usize) -> usize {
+        self.offer_inner(items, fresh)
     }
 
     fn destinations(&self) -> usize {
         self.rings.len()
+    }
+
+    fn set_space_waker(&mut self, waker: SpaceWaker) -> bool {
+        self.space.set_waker(waker)
+    }
+
+    /// Producer steps 1 to 3 of the space wake-up (`pool::space`).
+    fn arm_space(&mut self, items: &mut VecDeque<Routed<W>>) -> SpaceWait {
+        if items.is_empty() {
+            return SpaceWait::Progress;
+        }
+        if !self.space.has_waker() {
+            return SpaceWait::Unsupported;
+        }
+        // 1. Announce on every ring the last offer left full.
+        for (w, free) in self.free.iter().enumerate() {
+            if *free == 0 {
+                self.space.announce(w);
+            }
+        }
+        // 2. Fence.
+        #[cfg(loom)]
+        let fenced = !self.unfenced;
+        #[cfg(not(loom))]
+        let fenced = true;
+        if fenced {
+            space::producer_fence();
+        }
+        // 3. Re-check.
+        let before = items.len();
+        self.offer(items);
+        if items.len() < before {
+            self.space.disarm();
+            SpaceWait::Progress
+        } else {
+            SpaceWait::Armed
+        }
+    }
+
+    fn disarm_space(&mut self) {
+        self.space.disarm();
     }
 }
 
@@ -362,6 +442,7 @@ impl<W> Drop for PoolSink<W> {
         for ring in self.rings.iter_mut() {
             ring.publish();
         }
+        self.shared.counters.sinks[self.index].dropped();
         self.shared.open.fetch_sub(1, Ordering::AcqRel);
         for (_, thread) in self.bells.iter() {
             thread.unpark();
@@ -398,8 +479,9 @@ mod tests {
         let bells = (0..workers)
             .map(|_| (Arc::new(Bell::default()), thread::current()))
             .collect();
+        let space = Arc::new(SpaceBell::new(workers));
         (
-            PoolSink::new(0, producers, bells, routing, shared),
+            PoolSink::new(0, producers, bells, routing, shared, space),
             consumers,
         )
     }
@@ -486,6 +568,35 @@ mod tests {
             }
             all.sort_unstable();
             prop_assert_eq!(all, (0..routes.len()).collect::<Vec<_>>());
+        }
+
+        /// `offer_fresh` counts exactly the refused items that were at
+        /// positions `fresh..` on entry: a poller counts each spill once.
+        #[test]
+        fn offer_fresh_counts_the_fresh_refusals(
+            workers in 1usize..4,
+            capacity in 1usize..6,
+            routes in proptest::collection::vec(proptest::option::of(0u64..6), 1..40),
+            old in 0usize..40,
+            least_loaded in any::<bool>(),
+        ) {
+            let routing = if least_loaded { Routing::LeastLoaded } else { Routing::AsRouted };
+            let (mut sink, mut rings) = sink(workers, capacity, routing);
+            let route_of = |i: usize| routes[i].map_or(Route::LeastLoaded, Route::Key);
+            let old = old.min(routes.len());
+            // A first offer of the old items fills some rings...
+            let mut items: VecDeque<_> = (0..old)
+                .map(|item| Routed { route: route_of(item), item })
+                .collect();
+            sink.offer(&mut items);
+            // ... a worker frees one ring ...
+            drain(&mut rings[0]);
+            // ... and the old leftovers go again with fresh items behind.
+            let fresh = items.len();
+            items.extend((old..routes.len()).map(|item| Routed { route: route_of(item), item }));
+            let counted = sink.offer_fresh(&mut items, fresh);
+            let expected = items.iter().filter(|r| r.item >= old).count();
+            prop_assert_eq!(counted, expected);
         }
     }
 }

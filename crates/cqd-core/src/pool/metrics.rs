@@ -9,7 +9,7 @@
 //! These atomics are plain `std` ones, not the `sync` shim's: they carry no
 //! ordering the protocols rely on, and loom need not explore them.
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 
 use crossbeam_utils::CachePadded;
 use serde::{Deserialize, Serialize};
@@ -70,6 +70,7 @@ impl WorkerCounters {
 /// One sink's counters, written only by the thread that owns the sink.
 #[derive(Debug, Default)]
 pub(crate) struct SinkCounters {
+    dropped: AtomicBool,
     offers: AtomicU64,
     accepted: AtomicU64,
     refused: AtomicU64,
@@ -77,6 +78,11 @@ pub(crate) struct SinkCounters {
 }
 
 impl SinkCounters {
+    /// The sink was dropped.
+    pub(crate) fn dropped(&self) {
+        self.dropped.store(true, Relaxed);
+    }
+
     pub(crate) fn offer(&self, accepted: usize, refused: usize, unparks: usize) {
         add(&self.offers, 1);
         add(&self.accepted, accepted as u64);
@@ -106,6 +112,16 @@ pub(crate) struct PoolCounters {
 }
 
 impl PoolCounters {
+    /// The indices of the sinks not yet dropped.
+    pub(crate) fn live_sinks(&self) -> Vec<usize> {
+        self.sinks
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !s.dropped.load(Relaxed))
+            .map(|(i, _)| i)
+            .collect()
+    }
+
     pub(crate) fn snapshot(&self) -> PoolSnapshot {
         PoolSnapshot {
             name: self.name.clone(),

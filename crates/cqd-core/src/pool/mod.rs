@@ -18,9 +18,12 @@
 //!
 //! Memory is bounded by the capacities: the rings hold at most
 //! `p × n × capacity` items (a worker frees the slots of a batch when it has
-//! run the whole batch, at most [`MAX_BATCH`] items), plus whatever the
-//! pollers keep in their spill queues (see `pool::feed` for the bound the
-//! CQ budget puts on those).
+//! run the whole batch, at most [`MAX_BATCH`] items), plus what each poller
+//! keeps in its spill queue, at most its high-water mark + `m × B × k` (`k`
+//! CQs polled `B` completions at a time, at most `m` items emitted per
+//! completion; see [`PollerBuilder::spill_high_water_mark`](crate::poller::PollerBuilder::spill_high_water_mark)).
+//! A poller that waits for ring space sleeps until a worker frees some (the
+//! `space` protocol, model-checked by `tests/loom_space.rs`).
 //!
 //! Stop sequence (nothing handed over is lost):
 //!
@@ -32,7 +35,9 @@
 //! 3. A worker that finds no producer left and all its rings empty exits
 //!    (park step 4); until then it keeps serving, so it finishes everything
 //!    handed to it.
-//! 4. [`Pool::join`] joins every worker and returns the final snapshot.
+//! 4. [`Pool::join`] joins every worker and returns the final snapshot;
+//!    [`Pool::join_timeout`] gives up at a deadline and names what is left
+//!    (a sink still alive, items not yet taken).
 //!
 //! A pool is started from plain data (its name, one thread spec per worker,
 //! the ring capacity and the [`Routing`]); the public way to get that data is
@@ -43,9 +48,10 @@ mod feed;
 mod metrics;
 mod park;
 mod ring;
+mod space;
 mod worker;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_utils::CachePadded;
 use serde::{Deserialize, Serialize};
@@ -58,6 +64,7 @@ use crate::sync::{Arc, AtomicUsize, Ordering};
 use crate::thread::{SpawnError, ThreadHandle, ThreadSpec};
 use metrics::{PoolCounters, SinkCounters, WorkerCounters};
 use park::Bell;
+use space::SpaceBell;
 use worker::Worker;
 
 /// How a worker pool spreads items over its workers (`routing` in a pool's
@@ -106,6 +113,29 @@ pub enum PoolError {
         /// The thread name.
         worker: String,
     },
+    /// [`Pool::join_timeout`] gave up: workers were still running at the
+    /// deadline, usually because a sink is still alive (the workers exit
+    /// only once every sink is dropped) or the work function is stuck.
+    #[error(
+        "pool {pool}: {running} of {workers} workers still running after {waited:?}; \
+         sinks still alive (by spawn index): {live_sinks:?}; {queued} items handed over \
+         and not yet taken by a worker"
+    )]
+    JoinTimeout {
+        /// The pool.
+        pool: String,
+        /// Worker threads that had not exited.
+        running: usize,
+        /// Worker threads of the pool.
+        workers: usize,
+        /// The sinks not yet dropped, by their index in the `Vec` that
+        /// spawn returned.
+        live_sinks: Vec<usize>,
+        /// Items the sinks handed over that no worker has taken yet.
+        queued: u64,
+        /// How long it waited.
+        waited: Duration,
+    },
 }
 
 /// State shared by a pool's workers, sinks and monitors.
@@ -115,6 +145,46 @@ pub(crate) struct Shared {
     /// their rings are empty.
     pub(crate) open: CachePadded<AtomicUsize>,
     pub(crate) counters: PoolCounters,
+    pub(crate) exits: Exits,
+}
+
+/// Workers that have left their loop, for [`Pool::join_timeout`]. A plain
+/// std mutex and condvar, not the `sync` shim's: no lock-free protocol
+/// depends on it, each worker takes it once (on exit), and it needs a timed
+/// wait.
+#[derive(Debug, Default)]
+pub(crate) struct Exits {
+    count: std::sync::Mutex<usize>,
+    changed: std::sync::Condvar,
+}
+
+impl Exits {
+    pub(crate) fn worker_exited(&self) {
+        *self.count.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        self.changed.notify_all();
+    }
+
+    /// Waits until `workers` workers have exited or `deadline` passes;
+    /// returns how many have.
+    fn wait(&self, workers: usize, deadline: Option<Instant>) -> usize {
+        let mut count = self.count.lock().unwrap_or_else(|e| e.into_inner());
+        while *count < workers {
+            count = match deadline {
+                None => self.changed.wait(count).unwrap_or_else(|e| e.into_inner()),
+                Some(deadline) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        break;
+                    }
+                    match self.changed.wait_timeout(count, deadline - now) {
+                        Ok((guard, _)) => guard,
+                        Err(e) => e.into_inner().0,
+                    }
+                }
+            };
+        }
+        *count
+    }
 }
 
 /// A running pool: its worker threads and counters. Stop it by dropping
@@ -150,13 +220,61 @@ impl Pool {
 
     /// Waits until every sink is dropped and every worker has drained its
     /// rings and exited (stop steps 3 and 4), then returns the final counters.
-    /// Blocks for as long as a sink is alive.
+    /// Blocks for as long as a sink is alive; [`join_timeout`](Self::join_timeout)
+    /// gives up at a deadline instead.
     ///
     /// # Errors
     ///
     /// [`PoolError::WorkerPanicked`] naming the first worker thread that died
     /// outside the work function; the others are still joined.
     pub fn join(self) -> Result<PoolSnapshot, PoolError> {
+        self.join_all()
+    }
+
+    /// As [`join`](Self::join), but gives up after `timeout`: the close of a
+    /// pool with a deadline. On time it returns the final counters; past it
+    /// the worker threads are left running (they exit on their own once
+    /// every sink is gone) and the error names what was left.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use cqd_core::pool::PoolError;
+    /// use cqd_core::topology::{PoolConfig, TopologyConfig};
+    ///
+    /// let mut topology = TopologyConfig::new().pool(PoolConfig::new("p", 1)).validate()?;
+    /// let (pool, sinks) = topology.take_pool("p").unwrap().spawn(1, |_| |_: u32| {})?;
+    /// // A sink kept alive (say, for `try_push`) keeps the workers serving.
+    /// let err = pool.join_timeout(Duration::from_millis(10)).unwrap_err();
+    /// assert!(matches!(&err, PoolError::JoinTimeout { live_sinks, .. } if live_sinks == &[0]));
+    /// drop(sinks);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`PoolError::JoinTimeout`] at the deadline;
+    /// [`PoolError::WorkerPanicked`] as for [`join`](Self::join).
+    pub fn join_timeout(self, timeout: Duration) -> Result<PoolSnapshot, PoolError> {
+        let started = Instant::now();
+        // A timeout too large for the clock means no deadline.
+        let deadline = started.checked_add(timeout);
+        let workers = self.workers.len();
+        let exited = self.shared.exits.wait(workers, deadline);
+        if exited < workers {
+            let snapshot = self.shared.counters.snapshot();
+            return Err(PoolError::JoinTimeout {
+                pool: snapshot.name.clone(),
+                running: workers - exited,
+                workers,
+                live_sinks: self.shared.counters.live_sinks(),
+                queued: snapshot.accepted().saturating_sub(snapshot.items()),
+                waited: started.elapsed(),
+            });
+        }
+        self.join_all()
+    }
+
+    fn join_all(self) -> Result<PoolSnapshot, PoolError> {
         let mut failed = None;
         for handle in self.workers {
             let name = handle.name().to_owned();
@@ -201,6 +319,7 @@ impl Shared {
                     .map(|_| CachePadded::new(SinkCounters::default()))
                     .collect(),
             },
+            exits: Exits::default(),
         }
     }
 }
@@ -248,6 +367,9 @@ where
             consumers.push(rx);
         }
     }
+    let spaces: Vec<Arc<SpaceBell>> = (0..producers)
+        .map(|_| Arc::new(SpaceBell::new(threads)))
+        .collect();
     let mut handles: Vec<ThreadHandle<()>> = Vec::with_capacity(threads);
     let mut bells = Vec::with_capacity(threads);
     for ((index, rings), spec) in consumer_ends.into_iter().enumerate().zip(specs) {
@@ -255,6 +377,7 @@ where
         let worker = Worker {
             index,
             rings,
+            space: spaces.clone(),
             bell: bell.clone(),
             shared: shared.clone(),
             work: make(index),
@@ -279,8 +402,11 @@ where
     }
     let sinks = producer_ends
         .into_iter()
+        .zip(spaces)
         .enumerate()
-        .map(|(index, rings)| PoolSink::new(index, rings, bells.clone(), routing, shared.clone()))
+        .map(|(index, (rings, space))| {
+            PoolSink::new(index, rings, bells.clone(), routing, shared.clone(), space)
+        })
         .collect();
     Ok((
         Pool {

@@ -6,14 +6,20 @@
 //!    non-empty ring take up to [`MAX_BATCH`] items under one
 //!    `catch_unwind`, and free the batch's slots with one store. A panic
 //!    frees what was taken, is counted, and the batch goes on after it.
-//! 2. If the pass found work, call [`Work::batch_done`] and go to 1.
+//! 2. If the pass found work: one fence, then wake each producer that waits
+//!    for space in a ring the pass freed slots of (space steps 2 and 3, see
+//!    [`space`](super::space)); call [`Work::batch_done`] and go to 1.
 //! 3. Otherwise go idle: spin, announce, re-check, park (park steps 1–5).
 //!    Work found: go to 1. Every producer gone and every ring empty: return.
+//!
+//! On its way out (a return or an unwind) the worker counts itself exited,
+//! which [`Pool::join_timeout`](super::Pool::join_timeout) waits for.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use super::park::{Bell, Idle};
 use super::ring::Consumer;
+use super::space::{consumer_fence, SpaceBell};
 use super::Shared;
 use crate::sync::Arc;
 
@@ -51,6 +57,8 @@ where
 pub(crate) struct Worker<W, H> {
     pub(crate) index: usize,
     pub(crate) rings: Vec<Consumer<W>>,
+    /// Each ring's producer's space bell, in ring order.
+    pub(crate) space: Vec<Arc<SpaceBell>>,
     pub(crate) bell: Arc<Bell>,
     pub(crate) shared: Arc<Shared>,
     pub(crate) work: H,
@@ -60,14 +68,17 @@ impl<W, H: Work<W>> Worker<W, H> {
     /// The worker loop, steps 1 to 3.
     pub(crate) fn run(mut self) {
         let shared = self.shared.clone();
+        let _exit = Exit(&shared);
+        let mut served = vec![false; self.rings.len()];
         let counters = &shared.counters.workers[self.index];
         let name = &shared.counters.worker_names[self.index];
         let mut woken = false;
         loop {
             // 1. One pass over the rings.
             let mut found = 0;
-            for ring in &mut self.rings {
+            for (ring, served) in self.rings.iter_mut().zip(served.iter_mut()) {
                 let depth = ring.ready();
+                *served = depth > 0;
                 if depth == 0 {
                     continue;
                 }
@@ -95,8 +106,13 @@ impl<W, H: Work<W>> Worker<W, H> {
                 counters.batch(taken);
                 found += taken;
             }
-            // 2. Work done: let the work function flush, then look again.
+            // 2. Work done: wake producers waiting for the freed space, let
+            //    the work function flush, then look again.
             if found > 0 {
+                consumer_fence();
+                for (space, _) in self.space.iter().zip(&served).filter(|(_, s)| **s) {
+                    space.wake_if_waiting(self.index);
+                }
                 if woken {
                     counters.wakeup();
                     woken = false;
@@ -121,5 +137,15 @@ impl<W, H: Work<W>> Worker<W, H> {
                 Idle::Closed => return,
             }
         }
+    }
+}
+
+/// Counts the worker exited when it leaves [`Worker::run`], by return or
+/// unwind.
+struct Exit<'a>(&'a Shared);
+
+impl Drop for Exit<'_> {
+    fn drop(&mut self) {
+        self.0.exits.worker_exited();
     }
 }
