@@ -1,0 +1,295 @@
+//! The dispatch of a polled batch: the per-batch queue accounting, then
+//! per completion the wr_id decode, the generation-checked slab lookup and
+//! the typed callback; registrations applied between batches; retirement of
+//! drained handlers. Everything here runs on the poller thread, no lock on
+//! the common path (a success for a live handler stays inline; every other
+//! case is out of line).
+
+use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use super::{Command, CqOptions, CqShared};
+use crate::account::AccountCache;
+use crate::completion::{Completion, Status};
+use crate::handler::{Failed, Outbox, RecvDone, SendDone};
+use crate::ledger::WrLedger;
+use crate::metrics::bump;
+use crate::sink::Routed;
+use crate::slab::{Entry, Slab};
+use crate::sync::Ordering;
+use crate::wr_id::{HandlerKey, Side, WrId};
+
+pub(super) fn apply_commands<W>(shared: &CqShared<W>, slab: &mut Slab<W>) {
+    while let Some(cmd) = shared.commands.pop() {
+        match cmd {
+            Command::Register {
+                key,
+                handler,
+                ledger,
+                route,
+            } => slab.install(
+                key,
+                Entry {
+                    generation: key.generation(),
+                    handler,
+                    ledger,
+                    route,
+                    retiring: false,
+                },
+            ),
+            Command::Unregister { key } => {
+                if let Some(e) = slab.get_mut(key) {
+                    e.retiring = true;
+                    if e.ledger.outstanding() == 0 {
+                        retire(shared, slab, key);
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn retire<W>(shared: &CqShared<W>, slab: &mut Slab<W>, key: HandlerKey) {
+    if slab.remove(key).is_some() {
+        shared.table.lock().release(key);
+        let m = &shared.metrics.0;
+        m.handlers_live.fetch_sub(1, Ordering::Relaxed);
+        m.unregistrations.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Routes a batch. One `catch_unwind` covers the batch: the cursor moves
+/// past a completion before its handler runs, so after a panic dispatch
+/// resumes at the next completion and none is delivered twice or skipped.
+#[inline]
+pub(super) fn dispatch_batch<W: 'static>(
+    shared: &CqShared<W>,
+    slab: &mut Slab<W>,
+    accounts: &mut AccountCache,
+    options: &CqOptions,
+    wcs: &[Completion],
+    out: &mut VecDeque<Routed<W>>,
+) {
+    // Every polled entry has left the CQ, whatever its dispatch finds
+    // (stale included): retire what it covers in its queue's account and
+    // return those credits first, in one pass that a CQ without queue
+    // accounts skips.
+    if let Some(ledger) = shared.ledger.get() {
+        account_hooks(shared, slab, accounts, ledger, wcs);
+    }
+    let mut next = 0;
+    while next < wcs.len() {
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            while let Some(wc) = wcs.get(next) {
+                next += 1;
+                dispatch(shared, slab, options, wc, out);
+            }
+        }));
+        if result.is_err() {
+            handler_panicked(shared, &wcs[next - 1]);
+        }
+    }
+}
+
+/// Routes one completion. Cannot fail part-way: once the wr_id names a live
+/// handler, the completion counts as completed for it before any callback
+/// runs. The common case (a success for a live handler) stays inline; every
+/// other case is out of line.
+#[inline(always)]
+fn dispatch<W: 'static>(
+    shared: &CqShared<W>,
+    slab: &mut Slab<W>,
+    options: &CqOptions,
+    wc: &Completion,
+    out: &mut VecDeque<Routed<W>>,
+) {
+    if options.trace_completions {
+        trace_completion(&shared.name, wc);
+    }
+    let Ok(id) = WrId::decode(wc.wr_id) else {
+        return foreign(shared, wc);
+    };
+    let Some(entry) = slab.get_mut(id.key) else {
+        return miss(shared, slab, wc, id, out);
+    };
+    complete(shared, entry, id, wc, out);
+    if entry.retiring {
+        retire_if_drained(shared, slab, id.key);
+    }
+}
+
+/// Delivers a completion to the live handler it names: counts it completed
+/// first, then calls the typed callback (successes inline, everything else
+/// out of line).
+#[inline(always)]
+fn complete<W: 'static>(
+    shared: &CqShared<W>,
+    entry: &mut Entry<W>,
+    id: WrId,
+    wc: &Completion,
+    out: &mut VecDeque<Routed<W>>,
+) {
+    entry.ledger.add_completed(id.kind);
+    if wc.status.is_success() && wc.opcode.is_known() {
+        let mut outbox = Outbox::new(out, entry.route);
+        match id.kind.side() {
+            Side::Send => entry.handler.on_send(
+                &SendDone {
+                    kind: id.kind,
+                    tag: id.tag,
+                    key: id.key,
+                    wc,
+                },
+                &mut outbox,
+            ),
+            Side::Recv => entry.handler.on_recv(
+                &RecvDone {
+                    tag: id.tag,
+                    key: id.key,
+                    wc,
+                },
+                &mut outbox,
+            ),
+        }
+    } else {
+        not_success(shared, entry, id, wc, out);
+    }
+}
+
+/// The accounting pass of one batch (see [`crate::account`]): retires
+/// queue-account entries and returns their credits, then counts each
+/// unsignaled request retired by a later completion as completed for its
+/// own handler.
+#[inline(never)]
+fn account_hooks<W>(
+    shared: &CqShared<W>,
+    slab: &mut Slab<W>,
+    accounts: &mut AccountCache,
+    ledger: &WrLedger,
+    wcs: &[Completion],
+) {
+    accounts.account_batch(ledger, wcs);
+    for &wr_id in &accounts.silent {
+        let Ok(id) = WrId::decode(wr_id) else {
+            continue;
+        };
+        if slab.get_mut(id.key).is_none() && !shared.commands.is_empty() {
+            apply_commands(shared, slab);
+        }
+        if let Some(entry) = slab.get_mut(id.key) {
+            entry.ledger.add_completed(id.kind);
+            if entry.retiring {
+                retire_if_drained(shared, slab, id.key);
+            }
+        }
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn trace_completion(name: &str, wc: &Completion) {
+    tracing::trace!(cq = %name, wr_id = format_args!("{:#x}", wc.wr_id),
+        status = %wc.status, opcode = %wc.opcode, qp = wc.qp_num, "completion");
+}
+
+#[cold]
+#[inline(never)]
+fn foreign<W>(shared: &CqShared<W>, wc: &Completion) {
+    bump(&shared.metrics.0.foreign_wr_ids, 1);
+    let why = WrId::decode(wc.wr_id).err();
+    tracing::warn!(cq = %shared.name, wr_id = format_args!("{:#x}", wc.wr_id),
+        status = %wc.status, qp = wc.qp_num, why = ?why, "completion not dispatched: foreign wr_id");
+}
+
+/// The slot is empty or has another generation: maybe a registration not
+/// yet applied (posted right after `register` returned), else stale.
+#[cold]
+#[inline(never)]
+fn miss<W: 'static>(
+    shared: &CqShared<W>,
+    slab: &mut Slab<W>,
+    wc: &Completion,
+    id: WrId,
+    out: &mut VecDeque<Routed<W>>,
+) {
+    if !shared.commands.is_empty() {
+        apply_commands(shared, slab);
+        if let Some(entry) = slab.get_mut(id.key) {
+            complete(shared, entry, id, wc, out);
+            if entry.retiring {
+                retire_if_drained(shared, slab, id.key);
+            }
+            return;
+        }
+    }
+    bump(&shared.metrics.0.stale_wr_ids, 1);
+    tracing::warn!(cq = %shared.name, wr_id = format_args!("{:#x}", wc.wr_id), key = %id.key,
+        kind = %id.kind, status = %wc.status, "stale wr_id: no live handler has this generation");
+}
+
+/// Everything but a success with a known opcode goes to `on_error`: error
+/// statuses (flushes counted as such), and the anomalies — a status or an
+/// opcode this cqd does not know — counted and traced first, so that the
+/// handler can still release what the request held.
+#[cold]
+#[inline(never)]
+fn not_success<W: 'static>(
+    shared: &CqShared<W>,
+    entry: &mut Entry<W>,
+    id: WrId,
+    wc: &Completion,
+    out: &mut VecDeque<Routed<W>>,
+) {
+    let m = &shared.metrics.0;
+    let anomaly = match wc.status {
+        Status::Unknown(_) => {
+            bump(&m.unknown_status, 1);
+            Some("unknown status")
+        }
+        Status::Success => {
+            bump(&m.unknown_opcode, 1);
+            Some("unknown opcode")
+        }
+        status => {
+            bump(&m.errors_by_status[status.table_index()], 1);
+            if status.is_flush() {
+                bump(&m.flushes, 1);
+                entry.ledger.add_flushed(id.kind);
+            }
+            None
+        }
+    };
+    if let Some(anomaly) = anomaly {
+        tracing::error!(cq = %shared.name, wr_id = format_args!("{:#x}", wc.wr_id), key = %id.key,
+            kind = %id.kind, status = %wc.status, opcode = %wc.opcode, qp = wc.qp_num,
+            vendor_err = wc.vendor_err, "{anomaly}: counted, delivered to on_error");
+    }
+    let failed = Failed {
+        kind: id.kind,
+        tag: id.tag,
+        key: id.key,
+        wc,
+    };
+    let mut outbox = Outbox::new(out, entry.route);
+    entry.handler.on_error(&failed, &mut outbox);
+}
+
+#[cold]
+#[inline(never)]
+fn handler_panicked<W>(shared: &CqShared<W>, wc: &Completion) {
+    bump(&shared.metrics.0.handler_panics, 1);
+    let id = WrId::decode(wc.wr_id).ok();
+    tracing::error!(cq = %shared.name, wr_id = format_args!("{:#x}", wc.wr_id), id = ?id,
+        status = %wc.status, "handler panicked; completion counted as delivered");
+}
+
+#[cold]
+#[inline(never)]
+fn retire_if_drained<W>(shared: &CqShared<W>, slab: &mut Slab<W>, key: HandlerKey) {
+    if slab
+        .get_mut(key)
+        .is_some_and(|e| e.ledger.outstanding() == 0)
+    {
+        retire(shared, slab, key);
+    }
+}

@@ -1,0 +1,308 @@
+//! The shared side of a CQ: [`CqHandle`] (register handlers, read
+//! metrics, attach the budget and ledger) and [`Registration`] (a handler's
+//! posting side: the one posting call, and the expert path).
+
+use std::sync::{Arc, OnceLock};
+
+use super::{Command, CqShared};
+use crate::account::QueueAccount;
+use crate::budget::{BudgetSnapshot, CqBudget};
+use crate::handler::Handler;
+use crate::ledger::WrLedger;
+use crate::metrics::CqSnapshot;
+use crate::post::{self, PostRecv, PostSend, Refused};
+use crate::sink::Route;
+use crate::slab::{RegisterError, SlotLedger};
+use crate::sync::Ordering;
+use crate::wr_id::{HandlerKey, OpKind, WrIdError};
+
+/// The cloneable, `Sync` right to register handlers on a CQ and read its
+/// metrics.
+pub struct CqHandle<W> {
+    pub(super) shared: Arc<CqShared<W>>,
+}
+
+impl<W> Clone for CqHandle<W> {
+    fn clone(&self) -> Self {
+        CqHandle {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<W> std::fmt::Debug for CqHandle<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CqHandle")
+            .field("name", &self.shared.name)
+            .finish()
+    }
+}
+
+impl<W: Send + 'static> CqHandle<W> {
+    /// The CQ's name.
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    /// The CQ's real capacity.
+    pub fn capacity(&self) -> u32 {
+        self.shared.capacity
+    }
+
+    /// Registers a handler whose work goes, by default, to the worker its
+    /// key hashes to (per-handler order). Applied by the poller between
+    /// batches (waking it if it sleeps); the key is usable at once.
+    ///
+    /// # Errors
+    /// [`RegisterError::SlabFull`], [`RegisterError::Closed`].
+    pub fn register(&self, handler: impl Handler<W>) -> Result<Registration, RegisterError> {
+        self.register_routed(handler, None)
+    }
+
+    /// As [`register`](Self::register), with an explicit default route.
+    ///
+    /// # Errors
+    /// [`RegisterError::SlabFull`], [`RegisterError::Closed`].
+    pub fn register_routed(
+        &self,
+        handler: impl Handler<W>,
+        route: Option<Route>,
+    ) -> Result<Registration, RegisterError> {
+        if self.shared.closed.load(Ordering::Acquire) {
+            return Err(RegisterError::Closed {
+                cq: self.shared.name.clone(),
+            });
+        }
+        let key = self.shared.table.lock().alloc(&self.shared.name)?;
+        let ledger = Arc::new(SlotLedger::default());
+        let route = route.unwrap_or(Route::Key(u64::from(key.slot())));
+        self.shared.commands.push(Command::Register {
+            key,
+            handler: Box::new(handler),
+            ledger: Arc::clone(&ledger),
+            route,
+        });
+        let m = &self.shared.metrics.0;
+        m.handlers_live.fetch_add(1, Ordering::Relaxed);
+        m.registrations.fetch_add(1, Ordering::Relaxed);
+        self.shared.doorbell.ring();
+        Ok(Registration {
+            key,
+            ledger,
+            cq: Arc::from(self.shared.name.as_str()),
+            cq_budget: Arc::clone(&self.shared.budget),
+            cq_ledger: Arc::clone(&self.shared.ledger),
+        })
+    }
+
+    /// Retires a handler: it keeps receiving the completions of what it
+    /// posted (flushes included) and is dropped once none is outstanding.
+    ///
+    /// # Errors
+    /// [`RegisterError::UnknownKey`] if `key` names no live handler.
+    pub fn unregister(&self, key: HandlerKey) -> Result<(), RegisterError> {
+        if !self.shared.table.lock().is_live(key) {
+            return Err(RegisterError::UnknownKey {
+                cq: self.shared.name.clone(),
+                key,
+            });
+        }
+        self.shared.commands.push(Command::Unregister { key });
+        self.shared.doorbell.ring();
+        Ok(())
+    }
+
+    /// A copy of the CQ's counters (with its budget's, if attached).
+    pub fn snapshot(&self) -> CqSnapshot {
+        let mut snap = self
+            .shared
+            .metrics
+            .snapshot(&self.shared.name, self.shared.capacity);
+        snap.budget = self.budget_snapshot();
+        snap
+    }
+
+    /// The budget's counters, if a budget is attached.
+    pub fn budget_snapshot(&self) -> Option<BudgetSnapshot> {
+        self.shared.budget.get().map(CqBudget::snapshot)
+    }
+
+    /// Attaches the CQ's budget: its counters join the CQ's snapshot and
+    /// overflow events are recorded in it. (Credits are returned through
+    /// the queue accounts, see [`attach_ledger`](Self::attach_ledger).) A
+    /// CQ has one budget for life. A backend's helper that makes a CQ
+    /// attaches it; so does the first post of a registration.
+    ///
+    /// # Errors
+    /// Gives the budget back if one is already attached.
+    pub fn attach_budget(&self, budget: CqBudget) -> Result<(), CqBudget> {
+        self.shared.budget.set(budget)
+    }
+
+    /// Attaches the CQ's ledger of queue accounts (the backend's, which
+    /// maps each QP whose completions come here to its queues' accounts):
+    /// the poller then retires their entries and returns their credits as
+    /// it polls, counts unsignaled sends completed when a later completion
+    /// covers them, and the watchdog and the stop report name what is
+    /// still outstanding. A backend's helper that makes a CQ attaches it;
+    /// so does the first post of a registration.
+    ///
+    /// # Errors
+    /// Gives the ledger back if one is already attached.
+    pub fn attach_ledger(&self, ledger: WrLedger) -> Result<(), WrLedger> {
+        if let Some(b) = ledger.budget() {
+            let _ = self.shared.budget.set(b.clone());
+        }
+        self.shared.ledger.set(ledger)
+    }
+}
+
+/// A registered handler's posting side: posts work requests with every
+/// account kept, in one call ([`post_send`](Self::post_send),
+/// [`post_recv`](Self::post_recv)). Cloneable; use it from any thread that
+/// posts.
+#[derive(Clone)]
+pub struct Registration {
+    key: HandlerKey,
+    ledger: Arc<SlotLedger>,
+    cq: Arc<str>,
+    cq_budget: Arc<OnceLock<CqBudget>>,
+    cq_ledger: Arc<OnceLock<WrLedger>>,
+}
+
+impl std::fmt::Debug for Registration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registration")
+            .field("key", &self.key)
+            .field("cq", &self.cq)
+            .field("ledger", &self.ledger)
+            .finish()
+    }
+}
+
+impl Registration {
+    /// The handler's key.
+    pub fn key(&self) -> HandlerKey {
+        self.key
+    }
+
+    /// Posts send-side requests on `qp`, in order, accounted (see
+    /// [`crate::post`]). Each request's wr_id field carries its tag on the
+    /// way in (at most [`MAX_TAG`](crate::wr_id::MAX_TAG)) and the encoded
+    /// wr_id on the way out. Tracks the handler's ledger and the send
+    /// queue's account, takes the CQ's credits, posts, and takes all of it
+    /// back for the requests that were not posted (whose wr_id fields get
+    /// their tags back).
+    ///
+    /// # Errors
+    /// The backend's error: a [`Refused`] (tag too large, no credits, the
+    /// queue's completions go to another CQ), or the backend's post error;
+    /// requests before the failed one were posted (verbs' `bad_wr`), the
+    /// others not (the simulated NIC posts all or nothing).
+    pub fn post_send<Q: PostSend + ?Sized>(
+        &self,
+        qp: &Q,
+        wrs: &mut [Q::Wr<'_>],
+    ) -> Result<(), Q::Error> {
+        post::post(
+            self,
+            qp.send_account(),
+            wrs,
+            crate::post::SendRequest::kind,
+            |w| qp.post_send_raw(w),
+        )
+    }
+
+    /// Posts receives on `queue` (a QP's receive queue or an SRQ), in
+    /// order, accounted, as [`post_send`](Self::post_send) does.
+    ///
+    /// # Errors
+    /// As [`post_send`](Self::post_send).
+    pub fn post_recv<Q: PostRecv + ?Sized>(
+        &self,
+        queue: &Q,
+        wrs: &mut [Q::Wr<'_>],
+    ) -> Result<(), Q::Error> {
+        post::post(
+            self,
+            queue.recv_account(),
+            wrs,
+            |_| OpKind::Recv,
+            |w| queue.post_recv_raw(w),
+        )
+    }
+
+    /// Attaches the queue's CQ ledger (and budget) to this handler's CQ if
+    /// it has none yet: the poller cannot miss the accounts of a queue
+    /// posted through it. Refuses a queue whose completions go elsewhere.
+    pub(crate) fn attach(&self, account: &QueueAccount) -> Result<(), Refused> {
+        let Some(weak) = &account.ledger else {
+            // An SRQ: attached through its QPs, to ledgers it cannot name;
+            // at least this handler's CQ must have one.
+            return match self.cq_ledger.get() {
+                Some(_) => Ok(()),
+                None => Err(Refused::Unattached {
+                    handler: self.key,
+                    cq: self.cq.to_string(),
+                }),
+            };
+        };
+        let ledger = match self.cq_ledger.get() {
+            Some(l) => l,
+            None => {
+                if let Some(inner) = weak.upgrade() {
+                    let l = WrLedger { inner };
+                    if let Some(b) = l.budget() {
+                        let _ = self.cq_budget.set(b.clone());
+                    }
+                    let _ = self.cq_ledger.set(l);
+                }
+                match self.cq_ledger.get() {
+                    Some(l) => l,
+                    None => return Ok(()),
+                }
+            }
+        };
+        if ledger.same(weak) {
+            Ok(())
+        } else {
+            Err(Refused::WrongCq {
+                handler: self.key,
+                cq: self.cq.to_string(),
+            })
+        }
+    }
+
+    /// The expert path, for adopting code that posts by itself: a wr_id
+    /// for a request of `kind` carrying `tag`. Such a post must be
+    /// [`track`](Self::track)ed; the posting call does all of this.
+    ///
+    /// # Errors
+    /// [`WrIdError::TagTooLarge`].
+    #[inline]
+    pub fn wr_id(&self, kind: OpKind, tag: u32) -> Result<u64, WrIdError> {
+        self.key.wr_id(kind, tag)
+    }
+
+    /// The expert path: records `n` requests of `kind` as posted in the
+    /// handler's ledger. Call it *before* posting (a completion can arrive
+    /// before the post call returns) and [`untrack`](Self::untrack) them if
+    /// the post fails; the slot then stays alive until each one has
+    /// completed. Unsignaled sends posted this way never complete unless
+    /// their queue's account also records them
+    /// ([`WrLedger::posted`]); prefer [`post_send`](Self::post_send).
+    pub fn track(&self, kind: OpKind, n: u64) {
+        self.ledger.add_posted(kind, n);
+    }
+
+    /// The expert path: takes back `n` requests recorded by
+    /// [`track`](Self::track) whose post failed.
+    pub fn untrack(&self, kind: OpKind, n: u64) {
+        self.ledger.sub_posted(kind, n);
+    }
+
+    /// Posted, completed and flushed counts of this handler.
+    pub fn ledger(&self) -> &SlotLedger {
+        &self.ledger
+    }
+}

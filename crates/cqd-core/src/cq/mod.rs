@@ -1,0 +1,580 @@
+//! A completion queue split into its two rights: the right to poll, arm and
+//! acknowledge it, and [`CqHandle`], the cloneable right to register handlers
+//! and read metrics.
+//!
+//! The polling right comes in two states, so that "exactly one poller
+//! thread" is a fact of the types, not a habit:
+//!
+//! 1. [`split`] returns an [`UnboundCq`]: `Send` (it can be moved to the
+//!    thread that will poll), but neither `Sync` nor `Clone`, and it has no
+//!    method that polls, arms or acknowledges.
+//! 2. [`UnboundCq::bind`], called on the polling thread, consumes it and
+//!    returns the [`CqPoller`]: neither `Send` nor `Sync`, so it never leaves
+//!    that thread, cannot be shared, and cannot be put behind an
+//!    `Arc<Mutex<…>>` for two threads to poll in turn. A poller thread binds
+//!    its own CQs ([`PollerBuilder::cq`](crate::poller::PollerBuilder::cq)
+//!    takes the `UnboundCq`); a custom loop binds on its own thread.
+//! 3. Dropping either finishes the CQ: registration closes, every event is
+//!    acknowledged and the CQ is destroyed (a failure is traced at error
+//!    level, never ignored silently).
+//!
+//! An `UnboundCq` cannot be polled:
+//!
+//! ```compile_fail,E0599
+//! # use cqd_core::cq::UnboundCq;
+//! # use cqd_core::sink::NoWork;
+//! fn poll(mut p: UnboundCq<NoWork>) {
+//!     let mut out = std::collections::VecDeque::new();
+//!     let _ = p.poll_once(&mut out); // bind it first
+//! }
+//! ```
+//!
+//! nor cloned, nor shared by reference across threads:
+//!
+//! ```compile_fail,E0277
+//! # use cqd_core::cq::UnboundCq;
+//! # use cqd_core::sink::NoWork;
+//! fn assert_clone<T: Clone>() {}
+//! assert_clone::<UnboundCq<NoWork>>();
+//! ```
+//!
+//! ```compile_fail,E0277
+//! # use cqd_core::cq::UnboundCq;
+//! # use cqd_core::sink::NoWork;
+//! fn share(p: &UnboundCq<NoWork>) {
+//!     std::thread::scope(|s| { s.spawn(|| p.name().len()); });
+//! }
+//! ```
+//!
+//! A bound `CqPoller` cannot move to another thread:
+//!
+//! ```compile_fail,E0277
+//! # use cqd_core::cq::CqPoller;
+//! # use cqd_core::sink::NoWork;
+//! fn assert_send<T: Send>() {}
+//! assert_send::<CqPoller<NoWork>>();
+//! ```
+//!
+//! nor be polled by two threads in turn behind a lock:
+//!
+//! ```compile_fail,E0277
+//! # use std::sync::{Arc, Mutex};
+//! # use cqd_core::cq::CqPoller;
+//! # use cqd_core::sink::NoWork;
+//! fn two_pollers(p: CqPoller<NoWork>) {
+//!     let shared = Arc::new(Mutex::new(p));
+//!     let other = Arc::clone(&shared);
+//!     std::thread::spawn(move || {
+//!         let mut out = std::collections::VecDeque::new();
+//!         let _ = other.lock().unwrap().poll_once(&mut out);
+//!     });
+//! }
+//! ```
+//!
+//! nor be cloned:
+//!
+//! ```compile_fail,E0599
+//! # use cqd_core::cq::CqPoller;
+//! # use cqd_core::sink::NoWork;
+//! fn cloned(p: CqPoller<NoWork>) { let _q = p.clone(); }
+//! ```
+//!
+//! and an `UnboundCq` moved into a poller thread is gone:
+//!
+//! ```compile_fail,E0382
+//! # use cqd_core::cq::UnboundCq;
+//! # use cqd_core::poller::PollerBuilder;
+//! # use cqd_core::sink::{NoSink, NoWork};
+//! fn moved(p: UnboundCq<NoWork>) {
+//!     let _t = PollerBuilder::new("p", NoSink).cq(p).spawn();
+//!     let _ = p.bind(); // use of moved value
+//! }
+//! ```
+
+use std::cell::Cell;
+use std::collections::VecDeque;
+use std::marker::PhantomData;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+use crossbeam::queue::SegQueue;
+use parking_lot::Mutex;
+
+use crate::account::AccountCache;
+use crate::budget::CqBudget;
+use crate::completion::Completion;
+use crate::handler::Handler;
+use crate::ledger::WrLedger;
+use crate::metrics::{batch_bucket, bump, CqMetrics};
+use crate::sink::{Route, Routed};
+use crate::slab::{Slab, SlotLedger, SlotTable};
+use crate::source::{ArmKind, AsyncEvent, CompletionSource, SourceError};
+use crate::sync::{AtomicBool, Ordering};
+use crate::sys::Doorbell;
+use crate::wr_id::HandlerKey;
+
+/// Options of one CQ.
+#[derive(Debug, Clone)]
+pub struct CqOptions {
+    /// Completions polled at once (default 32).
+    pub batch: usize,
+    /// Arm for solicited completions only (receive CQs of request/response
+    /// protocols); errors still notify.
+    pub arm: ArmKind,
+    /// Trace every completion's wr_id and status at `TRACE` level. Costs one
+    /// predictable branch when off.
+    pub trace_completions: bool,
+    /// Measure time spent in handlers (two clock reads per batch).
+    pub measure_handlers: bool,
+}
+
+impl Default for CqOptions {
+    fn default() -> Self {
+        CqOptions {
+            batch: 32,
+            arm: ArmKind::Next,
+            trace_completions: false,
+            measure_handlers: false,
+        }
+    }
+}
+
+pub(crate) enum Command<W> {
+    Register {
+        key: HandlerKey,
+        handler: Box<dyn Handler<W>>,
+        ledger: Arc<SlotLedger>,
+        route: Route,
+    },
+    Unregister {
+        key: HandlerKey,
+    },
+}
+
+/// What the two halves of a CQ share.
+pub(crate) struct CqShared<W> {
+    pub(crate) name: String,
+    pub(crate) capacity: u32,
+    pub(crate) commands: SegQueue<Command<W>>,
+    pub(crate) table: Mutex<SlotTable>,
+    pub(crate) metrics: CqMetrics,
+    pub(crate) doorbell: Arc<Doorbell>,
+    pub(crate) closed: AtomicBool,
+    /// The CQ's budget, once attached (its counters join the snapshot;
+    /// overflow events are recorded in it). Shared with registrations,
+    /// whose first post attaches it.
+    pub(crate) budget: Arc<OnceLock<CqBudget>>,
+    /// The CQ's ledger of queue accounts, once attached: the poller
+    /// retires their entries and returns their credits as it polls.
+    /// Shared with registrations, whose first post attaches it.
+    pub(crate) ledger: Arc<OnceLock<WrLedger>>,
+}
+
+/// Makes the two halves of a CQ from a backend's source: the
+/// [`UnboundCq`] (to be bound on the thread that polls it) and the
+/// [`CqHandle`].
+///
+/// # Errors
+/// When the doorbell eventfd cannot be made.
+pub fn split<W: Send + 'static>(
+    source: impl CompletionSource,
+    options: CqOptions,
+) -> Result<(UnboundCq<W>, CqHandle<W>), SourceError> {
+    let doorbell = Doorbell::new().map_err(|source| SourceError::Os {
+        op: "eventfd",
+        source,
+    })?;
+    let batch = options.batch.clamp(1, 4096);
+    let shared = Arc::new(CqShared {
+        name: source.name().to_string(),
+        capacity: source.capacity(),
+        commands: SegQueue::new(),
+        table: Mutex::new(SlotTable::default()),
+        metrics: CqMetrics::default(),
+        doorbell: Arc::new(doorbell),
+        closed: AtomicBool::new(false),
+        budget: Arc::default(),
+        ledger: Arc::default(),
+    });
+    let core = Core {
+        source: Box::new(source),
+        shared: Arc::clone(&shared),
+        slab: Slab::default(),
+        account_cache: AccountCache::default(),
+        buf: vec![Completion::default(); batch],
+        options,
+        finished: false,
+        in_error: false,
+    };
+    Ok((
+        UnboundCq {
+            core,
+            _not_sync: PhantomData,
+        },
+        CqHandle { shared },
+    ))
+}
+
+/// What both states of the polling right own. Dropping it finishes the CQ
+/// (step 3 of the module documentation).
+struct Core<W> {
+    source: Box<dyn CompletionSource>,
+    shared: Arc<CqShared<W>>,
+    slab: Slab<W>,
+    /// Queue accounts by (qp_num, side), poller-local.
+    account_cache: AccountCache,
+    buf: Vec<Completion>,
+    options: CqOptions,
+    /// Set once the CQ was acknowledged and destroyed.
+    finished: bool,
+    /// Set once the CQ was found in the error state (overflow).
+    in_error: bool,
+}
+
+impl<W> Core<W> {
+    /// Closes registration, acknowledges every event and destroys the CQ,
+    /// once.
+    fn finish(&mut self) -> Result<(), SourceError> {
+        self.shared.closed.store(true, Ordering::Release);
+        if self.finished {
+            return Ok(());
+        }
+        self.finished = true;
+        let taken = self.source.take_events();
+        if let Ok(n) = taken {
+            bump(&self.shared.metrics.0.events, u64::from(n));
+        }
+        let n = self.source.unacked_events();
+        if n > 0 {
+            self.source.ack_events(n)?;
+            bump(&self.shared.metrics.0.acks, u64::from(n));
+        }
+        taken?;
+        self.source.destroy()
+    }
+}
+
+impl<W> Drop for Core<W> {
+    fn drop(&mut self) {
+        if self.finished {
+            return;
+        }
+        let handlers = self.slab.iter().count();
+        match self.finish() {
+            Ok(()) => tracing::debug!(cq = %self.shared.name, handlers,
+                "CQ dropped without a stop: registration closed, events acked, CQ destroyed"),
+            Err(e) => tracing::error!(cq = %self.shared.name, handlers, error = %e,
+                "CQ dropped: acknowledging or destroying it failed"),
+        }
+    }
+}
+
+/// The right to poll one CQ, not yet bound to a thread: `Send` (move it to
+/// the thread that will poll), neither `Sync` nor `Clone`, and unable to
+/// poll, arm or acknowledge until [`bind`](Self::bind) makes it a
+/// [`CqPoller`] there. Dropping it finishes the CQ.
+pub struct UnboundCq<W> {
+    core: Core<W>,
+    _not_sync: PhantomData<Cell<()>>,
+}
+
+impl<W> std::fmt::Debug for UnboundCq<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UnboundCq")
+            .field("name", &self.core.shared.name)
+            .field("capacity", &self.core.shared.capacity)
+            .finish()
+    }
+}
+
+impl<W: Send + 'static> UnboundCq<W> {
+    /// The CQ's name.
+    pub fn name(&self) -> &str {
+        &self.core.shared.name
+    }
+
+    /// A handle to the same CQ.
+    pub fn handle(&self) -> CqHandle<W> {
+        CqHandle {
+            shared: Arc::clone(&self.core.shared),
+        }
+    }
+
+    /// Binds the CQ to the calling thread: the returned [`CqPoller`] can
+    /// poll, arm and acknowledge it, and can never leave this thread.
+    pub fn bind(self) -> CqPoller<W> {
+        CqPoller {
+            core: self.core,
+            _not_send: PhantomData,
+        }
+    }
+
+    pub(crate) fn doorbell(&self) -> Arc<Doorbell> {
+        Arc::clone(&self.core.shared.doorbell)
+    }
+}
+
+/// The only right to poll, arm and acknowledge one CQ, bound to the thread
+/// that called [`UnboundCq::bind`]: neither `Send` nor `Sync`, not `Clone`
+/// (see the module documentation). Dropping it finishes the CQ.
+pub struct CqPoller<W> {
+    core: Core<W>,
+    /// `*const ()` is neither `Send` nor `Sync`.
+    _not_send: PhantomData<*const ()>,
+}
+
+impl<W> std::fmt::Debug for CqPoller<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CqPoller")
+            .field("name", &self.core.shared.name)
+            .field("capacity", &self.core.shared.capacity)
+            .field("slab", &self.core.slab)
+            .finish()
+    }
+}
+
+impl<W: Send + 'static> CqPoller<W> {
+    /// The CQ's name.
+    pub fn name(&self) -> &str {
+        &self.core.shared.name
+    }
+
+    /// A handle to the same CQ.
+    pub fn handle(&self) -> CqHandle<W> {
+        CqHandle {
+            shared: Arc::clone(&self.core.shared),
+        }
+    }
+
+    /// Polls one batch and dispatches it; work emitted by handlers is
+    /// appended to `out`. Returns the number of completions polled (0 means
+    /// the CQ was empty). For custom poll loops; a poller thread calls this.
+    ///
+    /// # Errors
+    /// When the source fails (device gone); nothing polled is lost.
+    pub fn poll_once(&mut self, out: &mut VecDeque<Routed<W>>) -> Result<usize, SourceError> {
+        if !self.core.shared.commands.is_empty() {
+            self.apply_commands();
+        }
+        let m = &self.core.shared.metrics.0;
+        bump(&m.polls, 1);
+        let n = match self.core.source.poll(&mut self.core.buf) {
+            Ok(n) => n.min(self.core.buf.len()),
+            Err(e) => {
+                bump(&m.poll_errors, 1);
+                return Err(e);
+            }
+        };
+        if n == 0 {
+            bump(&m.empty_polls, 1);
+            return Ok(0);
+        }
+        bump(&m.completions, n as u64);
+        bump(&m.batch_hist[batch_bucket(n)], 1);
+        let start = self.core.options.measure_handlers.then(Instant::now);
+        dispatch_batch(
+            &self.core.shared,
+            &mut self.core.slab,
+            &mut self.core.account_cache,
+            &self.core.options,
+            &self.core.buf[..n],
+            out,
+        );
+        if let Some(start) = start {
+            bump(
+                &self.core.shared.metrics.0.handler_ns,
+                start.elapsed().as_nanos() as u64,
+            );
+        }
+        Ok(n)
+    }
+
+    /// Requests a notification of the CQ's arm kind (see [`CqOptions::arm`]).
+    ///
+    /// # Errors
+    /// When the source fails. [`SourceError::CqInError`] once the CQ is in
+    /// the error state ([`is_in_error`](Self::is_in_error)): it will never
+    /// notify again, and later calls return that error at once, without
+    /// asking the device.
+    pub fn arm(&mut self) -> Result<(), SourceError> {
+        if self.core.in_error {
+            return Err(SourceError::CqInError);
+        }
+        let m = &self.core.shared.metrics.0;
+        bump(&m.arms, 1);
+        match self.core.source.arm(self.core.options.arm) {
+            Ok(()) => Ok(()),
+            Err(SourceError::CqInError) => {
+                bump(&m.arm_errors, 1);
+                self.enter_error("the device refused to arm it");
+                Err(SourceError::CqInError)
+            }
+            Err(e) => {
+                bump(&m.arm_errors, 1);
+                Err(e)
+            }
+        }
+    }
+
+    /// True once the CQ is in the error state (an overflow): it is no
+    /// longer armed; what it still holds can be polled.
+    pub fn is_in_error(&self) -> bool {
+        self.core.in_error
+    }
+
+    /// Marks the CQ in error, once: a metric and one error-level trace.
+    #[cold]
+    fn enter_error(&mut self, why: &str) {
+        if std::mem::replace(&mut self.core.in_error, true) {
+            return;
+        }
+        self.core
+            .shared
+            .metrics
+            .0
+            .in_error
+            .store(1, Ordering::Relaxed);
+        tracing::error!(cq = %self.core.shared.name, why,
+            "CQ in the error state: no longer armed; its poller polls it once per wake timeout");
+    }
+
+    /// Takes pending notifications (non-blocking); they must be acked.
+    ///
+    /// # Errors
+    /// When the source fails.
+    pub fn take_events(&mut self) -> Result<u32, SourceError> {
+        let n = self.core.source.take_events()?;
+        bump(&self.core.shared.metrics.0.events, u64::from(n));
+        Ok(n)
+    }
+
+    /// Acknowledges every notification taken so far.
+    ///
+    /// # Errors
+    /// When the source fails.
+    pub fn ack_all(&mut self) -> Result<(), SourceError> {
+        let n = self.core.source.unacked_events();
+        if n > 0 {
+            self.core.source.ack_events(n)?;
+            bump(&self.core.shared.metrics.0.acks, u64::from(n));
+        }
+        Ok(())
+    }
+
+    /// Notifications taken and not yet acknowledged.
+    pub fn unacked_events(&self) -> u32 {
+        self.core.source.unacked_events()
+    }
+
+    /// The notification descriptor (for epoll or an async runtime).
+    pub fn event_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.core.source.event_fd()
+    }
+
+    /// The descriptor that is rung when a handle registers or unregisters a
+    /// handler, or a stop is requested.
+    pub fn doorbell_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.core.shared.doorbell.as_fd()
+    }
+
+    /// Handles pending asynchronous events: counts them, traces them at
+    /// error level, and returns how many there were.
+    pub fn check_async(&mut self) -> usize {
+        let mut n = 0;
+        while let Some(ev) = self.core.source.take_async_event() {
+            n += 1;
+            let m = &self.core.shared.metrics.0;
+            bump(&m.async_events, 1);
+            if let AsyncEvent::CqOverflow { capacity, lost } = ev {
+                bump(&m.overflows, 1);
+                if let Some(b) = self.core.shared.budget.get() {
+                    b.record_overflow();
+                }
+                tracing::error!(cq = %self.core.shared.name, capacity, lost, "CQ overflow: completions were lost");
+                self.enter_error("it overflowed");
+            } else {
+                tracing::error!(cq = %self.core.shared.name, event = ?ev, "asynchronous event");
+            }
+        }
+        n
+    }
+
+    /// Applies pending registrations and unregistrations.
+    pub fn apply_commands(&mut self) {
+        apply_commands(&self.core.shared, &mut self.core.slab);
+    }
+
+    /// Requests posted under this CQ's handlers and not yet completed.
+    pub fn outstanding(&self) -> u64 {
+        self.core
+            .slab
+            .iter()
+            .map(|(_, e)| e.ledger.outstanding())
+            .sum()
+    }
+
+    /// The account of every installed handler (retired ones are balanced
+    /// by definition), with the requests an attached [`WrLedger`] still
+    /// holds.
+    pub fn accounts(&self) -> crate::ledger::ShutdownReport {
+        let mut report = crate::ledger::ShutdownReport::from_ledgers(
+            self.core.slab.iter().map(|(key, e)| (key, &*e.ledger)),
+        );
+        if let Some(l) = self.core.shared.ledger.get() {
+            report.stuck = l.scan(Instant::now(), std::time::Duration::ZERO);
+        }
+        report
+    }
+
+    /// Keys of the installed handlers (retiring ones included).
+    pub fn handler_keys(&self) -> Vec<HandlerKey> {
+        self.core.slab.keys().collect()
+    }
+
+    /// Destroys the CQ after acknowledging every event. Consumes the poller.
+    ///
+    /// # Errors
+    /// When acknowledging or destroying fails.
+    pub fn destroy(mut self) -> Result<(), SourceError> {
+        self.finish()
+    }
+
+    pub(crate) fn finish(&mut self) -> Result<(), SourceError> {
+        self.core.finish()
+    }
+
+    pub(crate) fn shared(&self) -> &CqShared<W> {
+        &self.core.shared
+    }
+
+    pub(crate) fn source(&self) -> &dyn CompletionSource {
+        &*self.core.source
+    }
+}
+
+mod dispatch;
+mod handle;
+
+use dispatch::{apply_commands, dispatch_batch};
+pub use handle::{CqHandle, Registration};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sink::NoWork;
+
+    fn assert_send<T: Send>() {}
+    fn assert_send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn auto_traits() {
+        // UnboundCq: Send (moved to its thread); CqPoller's !Send and both
+        // !Sync and !Clone are pinned by the compile_fail doctests of this
+        // module.
+        assert_send::<UnboundCq<NoWork>>();
+        assert_send::<UnboundCq<Vec<u8>>>();
+        assert_send_sync::<CqHandle<NoWork>>();
+        assert_send_sync::<Registration>();
+    }
+}
