@@ -33,7 +33,7 @@ use cqd::core::{
     split, Completion, CompletionSource, CqOptions, CqPoller, Failed, Handler, NoWork, OpKind,
     Opcode, Outbox, RecvDone, Registration, SendDone, WrLedger,
 };
-use cqd::sim::{sim_cq, Faults, LoopWr, Loopback, SimCq};
+use cqd::sim::{sim_cq, sim_cq_with_ledger, Faults, LoopWr, Loopback, SimCq};
 
 const CQ_SIZE: u32 = 65_536;
 const HANDLERS: usize = 64;
@@ -140,9 +140,6 @@ fn main() {
     // cqd dispatch with queue accounting: the same handlers' completions,
     // posted through the posting call on one loopback QP per handler, on a
     // CQ whose budget has credits.
-    let (cq_a, src_a) = sim_cq("accounted", CQ_SIZE, Faults::default()).unwrap();
-    let (poller_a, handle_a) = split::<NoWork>(src_a, CqOptions::default()).unwrap();
-    let mut poller_a: CqPoller<NoWork> = poller_a.bind();
     let budget = CqBudget::new(
         "accounted",
         CQ_SIZE,
@@ -152,11 +149,15 @@ fn main() {
         },
     );
     let ledger = WrLedger::with_budget(budget.clone());
+    let (cq_a, src_a) =
+        sim_cq_with_ledger("accounted", CQ_SIZE, Faults::default(), ledger.clone()).unwrap();
+    let (poller_a, handle_a) = split::<NoWork>(src_a, CqOptions::default()).unwrap();
+    let mut poller_a: CqPoller<NoWork> = poller_a.bind();
     let regs_a: Vec<Registration> = (0..HANDLERS)
         .map(|_| handle_a.register(Count(0)).unwrap())
         .collect();
     let qps: Vec<Loopback> = (0..HANDLERS)
-        .map(|i| Loopback::new(cq_a.clone(), i as u32 + 1, &ledger))
+        .map(|i| Loopback::new(cq_a.clone(), i as u32 + 1))
         .collect();
     let post_all = || {
         for i in 0..CQ_SIZE {

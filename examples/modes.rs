@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use cqd::core::PollerReport;
 use cqd::core::{
     split, CqOptions, Failed, Handler, NoSink, NoWork, OpKind, Outbox, PollMode, PollerBuilder,
-    RecvDone, Registration, SendDone, Status, WrLedger,
+    RecvDone, Registration, SendDone, Status,
 };
 use cqd::sim::{sim_cq, Faults, LoopWr, Loopback};
 
@@ -110,7 +110,7 @@ fn run(mode: PollMode, args: &Args) -> Result<(PollerReport, Duration, u64), Str
 
     // A loopback QP: each post completes at once on the CQ, with the
     // status the request asks for; posts go through the one posting call.
-    let qp = Loopback::new(producer.clone(), 1, &WrLedger::new());
+    let qp = Loopback::new(producer.clone(), 1);
     let start = Instant::now();
     let mut posted = 0u64;
     while posted < args.completions {

@@ -21,7 +21,7 @@ use cqd::core::{
     ShutdownOptions, WorkSink,
 };
 use cqd::core::{Refused, WrLedger};
-use cqd::sim::{sim_cq, Faults, LoopWr, Loopback, LoopbackError, SimCq};
+use cqd::sim::{sim_cq_with_ledger, Faults, LoopWr, Loopback, LoopbackError, SimCq};
 
 /// One unit of work: its connection, its sequence number there, a unique id.
 #[derive(Debug)]
@@ -162,22 +162,23 @@ fn cq(
     CqHandle<Job>,
     Vec<Registration>,
 ) {
-    cq_from(capacity, 0, conns, per)
+    cq_from(capacity, 0, conns, per, WrLedger::new())
 }
 
-/// As [`cq`], with connection keys `first..first + conns`.
+/// As [`cq`], with connection keys `first..first + conns`, on `ledger`.
 fn cq_from(
     capacity: u32,
     first: u64,
     conns: u64,
     per: usize,
+    ledger: WrLedger,
 ) -> (
     SimCq,
     cqd::core::UnboundCq<Job>,
     CqHandle<Job>,
     Vec<Registration>,
 ) {
-    let (sim, source) = sim_cq("bp", capacity, Faults::default()).unwrap();
+    let (sim, source) = sim_cq_with_ledger("bp", capacity, Faults::default(), ledger).unwrap();
     let (poller, handle) = split(source, CqOptions::default()).unwrap();
     let regs = (first..first + conns)
         .map(|conn| {
@@ -240,7 +241,6 @@ fn bounded_with(mode: PollMode, cqs: usize) {
     let mut posters = Vec::new();
     let mut budgets = Vec::new();
     for c in 0..cqs {
-        let (sim, cq, handle, regs) = cq_from(64, c as u64 * CONNS, CONNS, PER);
         let budget = CqBudget::new(
             "bp",
             64,
@@ -251,11 +251,11 @@ fn bounded_with(mode: PollMode, cqs: usize) {
         );
         let admitted = budget.admit("conns", 64).unwrap();
         // One loopback QP per connection, on the CQ's ledger (which takes
-        // credits from the budget); attaching the ledger attaches both.
+        // credits from the budget); split attached both.
         let ledger = WrLedger::with_budget(budget.clone());
-        handle.attach_ledger(ledger.clone()).unwrap();
+        let (sim, cq, handle, regs) = cq_from(64, c as u64 * CONNS, CONNS, PER, ledger);
         let qps: Vec<Loopback> = (0..CONNS)
-            .map(|conn| Loopback::new(sim.clone(), conn as u32 + 1, &ledger))
+            .map(|conn| Loopback::new(sim.clone(), conn as u32 + 1))
             .collect();
         builder = builder.cq(cq);
         budgets.push(budget.clone());
@@ -561,6 +561,50 @@ fn stop_hands_back_what_the_sink_never_took() {
     let items = back.lock().unwrap().take().expect("handed back");
     let ids: Vec<_> = items.iter().map(|j| j.id).collect();
     assert_eq!(ids, (0..100).collect::<Vec<_>>(), "every item, in order");
+}
+
+/// A sink that takes everything once its opening time has come.
+struct Later(Arc<Mutex<Option<Instant>>>);
+
+impl WorkSink<Job> for Later {
+    fn offer(&mut self, items: &mut VecDeque<Routed<Job>>) {
+        if self
+            .0
+            .lock()
+            .unwrap()
+            .is_some_and(|at| Instant::now() >= at)
+        {
+            items.clear();
+        }
+    }
+}
+
+/// The stop's hand-over has its own `stop_timeout`: a drain that times out
+/// (a request that never completes) must not leave it no time at all.
+#[test]
+fn a_drain_that_times_out_still_leaves_the_hand_over_its_time() {
+    let opens: Arc<Mutex<Option<Instant>>> = Arc::default();
+    let (sim, cq, _handle, regs) = cq(1024, 4, 1);
+    let poller = PollerBuilder::new("later", Later(opens.clone()))
+        .mode(PollMode::Event)
+        .drain_timeout(Duration::from_millis(150))
+        .stop_timeout(Duration::from_millis(100))
+        .cq(cq)
+        .spawn()
+        .unwrap();
+    for tag in 0..100 {
+        sim.push(recv(&regs, tag), false).unwrap();
+    }
+    assert!(wait_until(Duration::from_secs(10), || poller
+        .snapshot()
+        .spill_len
+        == 100));
+    // A request that will never complete: the drain waits it out.
+    regs[0].track(cqd::core::OpKind::Send, 1);
+    *opens.lock().unwrap() = Some(Instant::now() + Duration::from_millis(180));
+    let report = poller.stop().unwrap();
+    assert!(report.accounts.timed_out, "the drain timed out");
+    assert_eq!(report.undelivered, 0, "the hand-over still had its time");
 }
 
 // ---- Item: a pool kept open does not hang shutdown ------------------------

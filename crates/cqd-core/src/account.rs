@@ -29,11 +29,26 @@
 //!    whose ledger is then clean).
 //! 4. A completion whose wr_id no account holds (a raw post, a stale
 //!    request) retires nothing and is dispatched as any other.
+//! 5. **Which entry a completion names.** Each entry records whether its
+//!    request was signaled. A successful send-side completion names the
+//!    oldest *signaled* entry with its wr_id (a success is reported for
+//!    signaled requests only); an error or a flush names the oldest entry
+//!    with its wr_id, signaled or not. So a wr_id posted twice on one queue
+//!    (the same tag for the writes and the final signaled request of one
+//!    operation) retires the right entries.
+//! 6. **A queue number reused** (a QP destroyed and its number given to a
+//!    new QP) before the old queue's account drained: the new account keeps
+//!    the old one as its predecessor. Completions go to the predecessor
+//!    first — a CQ reports the old QP's completions (its flushes included)
+//!    before any of the new one's — and the new queue's first completion
+//!    ends the predecessor: what it still holds will never complete
+//!    (unsignaled requests that ran silently), so it is retired as silently
+//!    completed and its credits come back.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Instant;
 
 use crossbeam_utils::CachePadded;
@@ -72,6 +87,8 @@ pub(crate) struct Outstanding {
     pub(crate) wr_id: u64,
     pub(crate) at: Instant,
     pub(crate) credit: bool,
+    /// False for an unsignaled send: no success will name it.
+    pub(crate) signaled: bool,
     pub(crate) reported: bool,
 }
 
@@ -83,10 +100,18 @@ pub struct QueueAccount {
     queue: Queue,
     /// The CQ budget credits are taken from, if it has credits.
     credits: Option<CqBudget>,
-    /// The CQ ledger this account is attached to (an SRQ's is attached to
-    /// one per consuming QP, so it names none).
-    pub(crate) ledger: Option<Weak<LedgerInner>>,
+    /// The CQ ledger this account belongs to: set when a QP's queue is
+    /// made; for an SRQ, by the first QP attached to it or the first post
+    /// to it, whichever comes first — an SRQ serves the handlers of one CQ
+    /// (a wr_id names a handler of one CQ, and a receive completes on the
+    /// CQ of whichever QP consumes it).
+    pub(crate) ledger: OnceLock<Weak<LedgerInner>>,
     closed: AtomicBool,
+    /// The account of a destroyed queue whose number this queue reuses,
+    /// while it still holds requests (step 6 of the module documentation).
+    /// Locked by the poller only.
+    prev: Mutex<Option<Arc<QueueAccount>>>,
+    has_prev: AtomicBool,
     /// On its own cache line: posters of this queue and the poller meet
     /// here, posters and pollers of other queues never do.
     ring: CachePadded<Mutex<VecDeque<Outstanding>>>,
@@ -109,15 +134,28 @@ impl QueueAccount {
         queue: Queue,
         budget: Option<&CqBudget>,
         ledger: Option<Weak<LedgerInner>>,
+        prev: Option<Arc<QueueAccount>>,
     ) -> Self {
+        let home = OnceLock::new();
+        if let Some(l) = ledger {
+            let _ = home.set(l);
+        }
         QueueAccount {
             number,
             queue,
             credits: budget.filter(|b| b.has_credits()).cloned(),
-            ledger,
+            ledger: home,
             closed: AtomicBool::new(false),
+            has_prev: AtomicBool::new(prev.is_some()),
+            prev: Mutex::new(prev),
             ring: CachePadded::new(Mutex::new(VecDeque::new())),
         }
+    }
+
+    /// Binds the account to `ledger`'s CQ if it belongs to none yet (an
+    /// SRQ's first user); true if it belongs to that CQ.
+    pub(crate) fn belongs_to(&self, ledger: &WrLedger) -> bool {
+        ledger.same(self.ledger.get_or_init(|| Arc::downgrade(&ledger.inner)))
     }
 
     /// The account of shared receive queue `srq_num`. Its receives take no
@@ -125,7 +163,7 @@ impl QueueAccount {
     /// covers them). Attach it for each QP that draws on it with
     /// [`WrLedger::attach_srq_user`].
     pub fn srq(srq_num: u32) -> Arc<QueueAccount> {
-        Arc::new(QueueAccount::new(srq_num, Queue::Srq, None, None))
+        Arc::new(QueueAccount::new(srq_num, Queue::Srq, None, None, None))
     }
 
     /// The queue's QP number (the SRQ's number for an SRQ).
@@ -160,7 +198,7 @@ impl QueueAccount {
         self.closed.store(true, Ordering::Release);
         let drained = ring.is_empty();
         drop(ring);
-        let ledger = self.ledger.as_ref().and_then(Weak::upgrade);
+        let ledger = self.ledger.get().and_then(Weak::upgrade);
         if let (true, Some(inner)) = (drained, ledger) {
             WrLedger { inner }.detach(self.number, self.queue.side(), self);
         }
@@ -168,6 +206,39 @@ impl QueueAccount {
 
     pub(crate) fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
+    }
+
+    /// True while a predecessor (step 6) still holds requests.
+    #[inline]
+    pub(crate) fn has_prev(&self) -> bool {
+        self.has_prev.load(Ordering::Acquire)
+    }
+
+    /// Step 6 for one completion of a queue with a predecessor: the
+    /// predecessor first; a completion of this queue ends it. Returns the
+    /// credits retired (not yet given back).
+    #[cold]
+    #[inline(never)]
+    fn retire_chained(&self, wr_id: u64, success: bool, silent: &mut Vec<u64>) -> u64 {
+        let mut prev = self.prev.lock();
+        if let Some(p) = prev.as_ref() {
+            let (credits, found) = p.lock().retire(wr_id, success, silent);
+            if found {
+                return credits;
+            }
+        }
+        let (mut credits, found) = self.lock().retire(wr_id, success, silent);
+        if found {
+            if let Some(p) = prev.take() {
+                self.has_prev.store(false, Ordering::Release);
+                let mut ring = p.lock();
+                for e in ring.ring.drain(..) {
+                    credits += u64::from(e.credit);
+                    silent.push(e.wr_id);
+                }
+            }
+        }
+        credits
     }
 
     pub(crate) fn lock(&self) -> Ring<'_> {
@@ -194,11 +265,12 @@ impl Ring<'_> {
         }
     }
 
-    pub(crate) fn push(&mut self, wr_id: u64, at: Instant, credit: bool) {
+    pub(crate) fn push(&mut self, wr_id: u64, at: Instant, credit: bool, signaled: bool) {
         self.ring.push_back(Outstanding {
             wr_id,
             at,
             credit,
+            signaled,
             reported: false,
         });
     }
@@ -219,26 +291,36 @@ impl Ring<'_> {
     }
 
     /// Retires what the completion of `wr_id` covers (see the module
-    /// documentation); the wr_ids of send-queue entries before it, which
-    /// completed silently, are appended to `silent`. Returns the credits of
-    /// the retired entries (not yet given back) and whether anything was
-    /// retired.
+    /// documentation; `success` is the completion's status, step 5); the
+    /// wr_ids of send-queue entries before it, which completed silently,
+    /// are appended to `silent`. Returns the credits of the retired entries
+    /// (not yet given back) and whether anything was retired.
     #[inline]
-    pub(crate) fn retire(&mut self, wr_id: u64, silent: &mut Vec<u64>) -> (u64, bool) {
+    pub(crate) fn retire(
+        &mut self,
+        wr_id: u64,
+        success: bool,
+        silent: &mut Vec<u64>,
+    ) -> (u64, bool) {
         // The common case: the oldest entry (a signaled send with nothing
         // unsignaled before it, a receive of a QP's own queue).
-        if self.ring.front().is_some_and(|e| e.wr_id == wr_id) {
+        if self
+            .ring
+            .front()
+            .is_some_and(|e| e.wr_id == wr_id && (e.signaled || !success))
+        {
             let credit = self.ring.pop_front().is_some_and(|e| e.credit);
             return (u64::from(credit), true);
         }
-        self.retire_behind(wr_id, silent)
+        self.retire_behind(wr_id, success, silent)
     }
 
     /// Out of line: a send completion behind unsignaled sends, an SRQ
     /// receive out of order, a wr_id the account does not hold.
     #[inline(never)]
-    fn retire_behind(&mut self, wr_id: u64, silent: &mut Vec<u64>) -> (u64, bool) {
-        let Some(i) = self.ring.iter().position(|e| e.wr_id == wr_id) else {
+    fn retire_behind(&mut self, wr_id: u64, success: bool, silent: &mut Vec<u64>) -> (u64, bool) {
+        let named = |e: &Outstanding| e.wr_id == wr_id && (e.signaled || !success);
+        let Some(i) = self.ring.iter().position(named) else {
             return (0, false);
         };
         let mut credits = 0;
@@ -335,13 +417,20 @@ impl AccountCache {
             let Some(account) = account else {
                 continue;
             };
+            if account.has_prev() {
+                let ok = wc.status.is_success();
+                credits += account.retire_chained(wc.wr_id, ok, &mut self.silent);
+                continue;
+            }
             // One lock for the run of completions of this queue.
             let mut ring = account.lock();
-            credits += ring.retire(wc.wr_id, &mut self.silent).0;
+            let ok = wc.status.is_success();
+            credits += ring.retire(wc.wr_id, ok, &mut self.silent).0;
             while let Some(next) = wcs.get(i) {
                 match WrId::decode(next.wr_id) {
                     Ok(n) if next.qp_num == qp && n.kind.side() == side => {
-                        credits += ring.retire(next.wr_id, &mut self.silent).0;
+                        let ok = next.status.is_success();
+                        credits += ring.retire(next.wr_id, ok, &mut self.silent).0;
                         i += 1;
                     }
                     _ => break,
@@ -387,19 +476,20 @@ mod tests {
             let mut ring = q.lock();
             let credit = ring.take_credits(4).unwrap();
             for id in ids {
-                ring.push(id, now, credit);
+                // 10 and 11 are unsignaled sends.
+                ring.push(id, now, credit, !(10..12).contains(&id));
             }
         }
         assert_eq!(b.credits_in_use(), 8);
         let mut silent = Vec::new();
         let mut ring = sq.lock();
-        assert_eq!(ring.retire(12, &mut silent), (3, true));
+        assert_eq!(ring.retire(12, true, &mut silent), (3, true));
         assert_eq!(silent, [10, 11], "the unsignaled ones before it");
-        assert_eq!(ring.retire(99, &mut silent), (0, false), "not held");
+        assert_eq!(ring.retire(99, true, &mut silent), (0, false), "not held");
         ring.give_back(3);
         drop(ring);
         let mut ring = rq.lock();
-        assert_eq!(ring.retire(22, &mut silent), (1, true));
+        assert_eq!(ring.retire(22, true, &mut silent), (1, true));
         assert_eq!(silent.len(), 2, "receives retire only themselves");
         ring.unpush(2);
         drop(ring);
@@ -415,7 +505,7 @@ mod tests {
     fn a_closed_queue_leaves_its_ledger_once_drained() {
         let ledger = WrLedger::new();
         let sq = ledger.open_queue(7, Queue::Send);
-        sq.lock().push(1, Instant::now(), false);
+        sq.lock().push(1, Instant::now(), false, false);
         sq.close();
         assert!(ledger.lookup(7, Side::Send).is_some(), "still outstanding");
         let mut cache = AccountCache::default();
@@ -425,11 +515,72 @@ mod tests {
         assert_eq!(sq.outstanding(), 1, "wr_id 1 is foreign: not retired");
         let key = crate::wr_id::HandlerKey::new(0, 0).unwrap();
         let id = key.wr_id(crate::wr_id::OpKind::Send, 1).unwrap();
-        sq.lock().push(id, Instant::now(), false);
+        sq.lock().push(id, Instant::now(), false, true);
         wc.wr_id = id;
         cache.account_batch(&ledger, &[wc]);
         assert_eq!(cache.silent, [1], "the foreign entry before it, silently");
         assert!(ledger.lookup(7, Side::Send).is_none(), "detached");
+    }
+
+    #[test]
+    fn a_success_names_the_signaled_entry_of_a_wr_id_posted_twice() {
+        let ledger = WrLedger::new();
+        let sq = ledger.open_queue(1, Queue::Send);
+        let now = Instant::now();
+        {
+            let mut ring = sq.lock();
+            ring.push(5, now, false, false); // the write, unsignaled
+            ring.push(5, now, false, true); // the final request, signaled
+        }
+        let mut silent = Vec::new();
+        assert_eq!(sq.lock().retire(5, true, &mut silent), (0, true));
+        assert_eq!(silent, [5], "the unsignaled one ran silently");
+        assert_eq!(sq.outstanding(), 0, "both retired by the one success");
+        // An error names the oldest entry, signaled or not.
+        {
+            let mut ring = sq.lock();
+            ring.push(6, now, false, false);
+            ring.push(6, now, false, true);
+        }
+        silent.clear();
+        assert_eq!(sq.lock().retire(6, false, &mut silent), (0, true));
+        assert!(silent.is_empty());
+        assert_eq!(sq.outstanding(), 1, "the flush of the second is to come");
+    }
+
+    #[test]
+    fn a_reused_queue_number_retires_the_old_queue_first_then_ends_it() {
+        let b = budget();
+        let ledger = WrLedger::with_budget(b.clone());
+        let key = crate::wr_id::HandlerKey::new(0, 0).unwrap();
+        let id = |tag| key.wr_id(crate::wr_id::OpKind::Send, tag).unwrap();
+        let old = ledger.open_queue(7, Queue::Send);
+        let now = Instant::now();
+        for (tag, signaled) in [(1, true), (2, false), (3, true), (4, false)] {
+            let mut ring = old.lock();
+            let c = ring.take_credits(1).unwrap();
+            ring.push(id(tag), now, c, signaled);
+        }
+        old.close();
+        // Queue 7 is made again before the old one drained.
+        let new = ledger.open_queue(7, Queue::Send);
+        {
+            let mut ring = new.lock();
+            let c = ring.take_credits(1).unwrap();
+            ring.push(id(3), now, c, true); // the same wr_id as an old entry
+        }
+        assert_eq!(b.credits_in_use(), 5);
+        let wc = |tag| Completion::success(id(tag), crate::completion::Opcode::Send, 7);
+        let mut cache = AccountCache::default();
+        // The old queue's completions come first and retire the old entries.
+        cache.account_batch(&ledger, &[wc(1), wc(3)]);
+        assert!(cache.silent.contains(&id(2)));
+        assert_eq!((old.outstanding(), new.outstanding()), (1, 1));
+        // The new queue's first completion ends the old one: 4 ran silently.
+        cache.account_batch(&ledger, &[wc(3)]);
+        assert_eq!(cache.silent, [id(4)]);
+        assert_eq!((old.outstanding(), new.outstanding()), (0, 0));
+        assert_eq!(b.credits_in_use(), 0, "every credit came back");
     }
 
     proptest! {
@@ -442,16 +593,16 @@ mod tests {
             let ledger = WrLedger::with_budget(b.clone());
             let sq = ledger.open_queue(1, Queue::Send);
             let now = Instant::now();
-            for (i, _) in signaled.iter().enumerate() {
+            for (i, s) in signaled.iter().enumerate() {
                 let mut ring = sq.lock();
                 let c = ring.take_credits(1).unwrap();
-                ring.push(i as u64, now, c);
+                ring.push(i as u64, now, c, *s);
             }
             let (mut retired, mut credits) = (0usize, 0u64);
             let mut silent = Vec::new();
             for (i, s) in signaled.iter().enumerate() {
                 if *s {
-                    let (c, found) = sq.lock().retire(i as u64, &mut silent);
+                    let (c, found) = sq.lock().retire(i as u64, true, &mut silent);
                     prop_assert!(found);
                     credits += c;
                     retired += 1;
@@ -460,7 +611,7 @@ mod tests {
             // A QP in error flushes what is left, each with its own completion.
             let rest: Vec<u64> = sq.lock().ring.iter().map(|e| e.wr_id).collect();
             for id in rest {
-                let (c, found) = sq.lock().retire(id, &mut silent);
+                let (c, found) = sq.lock().retire(id, false, &mut silent);
                 prop_assert!(found);
                 credits += c;
                 retired += 1;

@@ -40,6 +40,16 @@ use crate::budget::CqBudget;
 use crate::slab::SlotLedger;
 use crate::wr_id::{HandlerKey, OpKind, Side, WrId};
 
+/// An SRQ serves the handlers of one CQ (see
+/// [`WrLedger::attach_srq_user`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("SRQ {srq} already serves the handlers of another CQ: its receives complete on the CQ of the QP that consumes them, and a wr_id names a handler of one CQ")]
+#[non_exhaustive]
+pub struct SrqOnOtherCq {
+    /// The SRQ.
+    pub srq: u32,
+}
+
 /// A request outstanding longer than the watchdog's threshold.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StuckWr {
@@ -155,18 +165,25 @@ impl WrLedger {
     }
 
     /// Makes the account of QP `qp_num`'s send or receive queue, whose
-    /// completions go to this ledger's CQ, and attaches it.
+    /// completions go to this ledger's CQ, and attaches it. If a destroyed
+    /// queue with the same number still holds requests, the new account
+    /// keeps it as its predecessor (step 6 of [`crate::account`]).
     pub fn open_queue(&self, qp_num: u32, queue: Queue) -> Arc<QueueAccount> {
+        let key = (qp_num, queue.side());
+        let mut queues = self.inner.queues.write();
+        let prev = queues
+            .get(&key)
+            .filter(|old| old.queue() != Queue::Srq && old.outstanding() > 0)
+            .cloned();
         let account = Arc::new(QueueAccount::new(
             qp_num,
             queue,
             self.inner.budget.as_ref(),
             Some(Arc::downgrade(&self.inner)),
+            prev,
         ));
-        self.inner
-            .queues
-            .write()
-            .insert((qp_num, queue.side()), Arc::clone(&account));
+        queues.insert(key, Arc::clone(&account));
+        drop(queues);
         self.changed();
         account
     }
@@ -174,12 +191,26 @@ impl WrLedger {
     /// Attaches QP `qp_num`, whose receives come from the SRQ of `srq`, to
     /// that SRQ's account: its receive completions (which carry `qp_num`)
     /// retire the SRQ's entries.
-    pub fn attach_srq_user(&self, qp_num: u32, srq: &Arc<QueueAccount>) {
+    ///
+    /// # Errors
+    /// [`SrqOnOtherCq`] when the SRQ already serves another CQ: a receive
+    /// completes on the CQ of whichever QP consumes it, and its wr_id names
+    /// a handler of one CQ, so all of an SRQ's QPs must complete their
+    /// receives on one CQ.
+    pub fn attach_srq_user(
+        &self,
+        qp_num: u32,
+        srq: &Arc<QueueAccount>,
+    ) -> Result<(), SrqOnOtherCq> {
+        if !srq.belongs_to(self) {
+            return Err(SrqOnOtherCq { srq: srq.number() });
+        }
         self.inner
             .queues
             .write()
             .insert((qp_num, Side::Recv), Arc::clone(srq));
         self.changed();
+        Ok(())
     }
 
     /// Detaches `account` from (qp_num, side), if it is still the one
@@ -220,21 +251,24 @@ impl WrLedger {
         let account = self.account(qp_num, side);
         let mut ring = account.lock();
         for &wr_id in wr_ids {
-            ring.push(wr_id, now, false);
+            // Signaled as far as the ledger knows: a later completion of
+            // the queue retires it anyway if it was not.
+            ring.push(wr_id, now, false, true);
         }
     }
 
-    /// Retires as the poller does for a completion of `wr_id`: on a send
-    /// queue every entry up to and including it, on a receive queue that
-    /// entry alone. Returns the entries retired. (Credits are given back;
-    /// handler ledgers are not touched.)
+    /// Retires as the poller does for a completion of `wr_id` (of any
+    /// status: the oldest entry with that wr_id): on a send queue every
+    /// entry up to and including it, on a receive queue that entry alone.
+    /// Returns the entries retired. (Credits are given back; handler
+    /// ledgers are not touched.)
     pub fn retire(&self, qp_num: u32, side: Side, wr_id: u64) -> usize {
         let Some(account) = self.lookup(qp_num, side) else {
             return 0;
         };
         let mut silent = Vec::new();
         let mut ring = account.lock();
-        let (credits, found) = ring.retire(wr_id, &mut silent);
+        let (credits, found) = ring.retire(wr_id, false, &mut silent);
         ring.give_back(credits);
         silent.len() + usize::from(found)
     }

@@ -626,7 +626,9 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         }
         // 3. Hand every spilled item over, waiting for space while workers
         //    drain; hand back what is left.
-        let undelivered = self.flush_spill(deadline);
+        //    The hand-over has its own stop_timeout: a drain that timed out
+        //    must not leave it no time at all.
+        let undelivered = self.flush_spill(Instant::now() + self.stop_timeout);
         let mut report = self.report_now();
         report.accounts = accounts;
         report.undelivered = undelivered;

@@ -56,6 +56,11 @@ pub trait SendRequest: WorkRequest {
     /// Signaled or not, every request is recorded: an unsignaled one is
     /// retired by the next completion of its send queue, or flushed.
     fn kind(&self) -> OpKind;
+    /// True if the request asks for a completion on success
+    /// (`IBV_SEND_SIGNALED`, or a QP made with `sq_sig_all`). Recorded with
+    /// the request: a success names only signaled requests, so a wr_id
+    /// posted twice retires the right one.
+    fn signaled(&self) -> bool;
 }
 
 /// Why the posting call refused a list before the backend saw it. Nothing
@@ -72,14 +77,24 @@ pub enum Refused {
         #[source]
         source: WrIdError,
     },
+    /// A request's kind belongs to the other side of the queue pair (a
+    /// receive posted on a send queue, or the reverse): its completion would
+    /// be looked for in the wrong queue.
+    #[error("work request {index}: a {kind} request cannot be posted on a {queue:?} queue")]
+    WrongSide {
+        /// The request's index in the list.
+        index: usize,
+        /// Its kind.
+        kind: OpKind,
+        /// The queue posted to.
+        queue: crate::account::Queue,
+    },
     /// Too few CQ credits are left.
     #[error(transparent)]
     Credits(#[from] BudgetError),
-    /// A shared receive queue posted through a handler whose CQ has no
-    /// ledger attached: no poller would retire its receives. (A QP's own
-    /// queues attach their CQ's ledger on first post; an SRQ serves
-    /// several CQs and cannot.)
-    #[error("handler {handler}'s CQ {cq} has no ledger attached: make it with the backend's helper (create_dispatched_cq) or attach the CQ's ledger before posting to an SRQ")]
+    /// The handler's CQ has no ledger: its source gave none to `split` and
+    /// none was attached, so no poller would retire what is posted.
+    #[error("handler {handler}'s CQ {cq} has no ledger: use a source that gives one to split (every cqd backend's does) or attach the CQ's ledger (CqHandle::attach_ledger)")]
     Unattached {
         /// The handler.
         handler: crate::wr_id::HandlerKey,
@@ -148,6 +163,7 @@ pub(crate) fn post<R, E>(
     account: &QueueAccount,
     wrs: &mut [R],
     kind: impl Fn(&R) -> OpKind,
+    signaled: impl Fn(&R) -> bool,
     raw: impl FnOnce(&[R]) -> Result<(), (usize, E)>,
 ) -> Result<(), E>
 where
@@ -164,6 +180,16 @@ where
     for index in 0..wrs.len() {
         let wr = &mut wrs[index];
         let k = kind(wr);
+        if k.side() != account.queue().side() {
+            restore(&mut wrs[..index]);
+            let queue = account.queue();
+            return Err(Refused::WrongSide {
+                index,
+                kind: k,
+                queue,
+            }
+            .into());
+        }
         let tag = u32::try_from(wr.wr_id()).unwrap_or(u32::MAX);
         match key.wr_id(k, tag) {
             Ok(id) => wr.set_wr_id(id),
@@ -194,7 +220,7 @@ where
     // 4. Record them in the queue's account.
     let now = Instant::now();
     for wr in wrs.iter() {
-        ring.push(wr.wr_id(), now, credit);
+        ring.push(wr.wr_id(), now, credit, signaled(wr));
     }
     // 5. Post, under the queue's lock.
     let Err((posted, err)) = raw(wrs) else {

@@ -129,6 +129,19 @@ pub trait CompletionSource: Send + 'static {
         None
     }
 
+    /// The ledger of the queues whose completions come to this CQ, with the
+    /// CQ's budget: [`split`](crate::cq::split) attaches both, so that the
+    /// poller retires every request posted through the posting call and
+    /// returns its credits — nobody has to remember to. `None` (the
+    /// default) for a source with no queues of its own (a bare completion
+    /// stream); the posting call then refuses to post for its handlers
+    /// until a ledger is attached ([`CqHandle::attach_ledger`]).
+    ///
+    /// [`CqHandle::attach_ledger`]: crate::cq::CqHandle::attach_ledger
+    fn ledger(&self) -> Option<crate::ledger::WrLedger> {
+        None
+    }
+
     /// The next pending asynchronous event, if any; never blocks. The
     /// poller calls this on every loop, so with nothing pending it must cost
     /// no lock and no system call (an atomic load, or nothing at all).

@@ -25,6 +25,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cqd_core::completion::Completion;
+use cqd_core::ledger::WrLedger;
 use cqd_core::source::{ArmKind, AsyncEvent, CompletionSource, SourceError};
 use parking_lot::Mutex;
 use rustix::event::{eventfd, EventfdFlags};
@@ -137,6 +138,9 @@ impl State {
 struct Shared {
     name: String,
     capacity: u32,
+    /// The accounts of the queues completing here (with the CQ's budget,
+    /// when it has one); `split` attaches it.
+    ledger: WrLedger,
     state: Mutex<State>,
     event_fd: OwnedFd,
     async_fd: OwnedFd,
@@ -191,7 +195,8 @@ pub struct SimCq {
 }
 
 /// Makes a simulated CQ: the producer side and the [`CompletionSource`] a
-/// poller owns.
+/// poller owns. Its queue ledger has no budget (see [`sim_cq_with_ledger`]
+/// for one with credits).
 ///
 /// # Errors
 /// [`SimCqError::BadCapacity`], or an eventfd failure.
@@ -199,6 +204,21 @@ pub fn sim_cq(
     name: impl Into<String>,
     capacity: u32,
     faults: Faults,
+) -> Result<(SimCq, SimCqSource), SimCqError> {
+    sim_cq_with_ledger(name, capacity, faults, WrLedger::new())
+}
+
+/// As [`sim_cq`], with `ledger` as the CQ's queue ledger (for example
+/// `WrLedger::with_budget`, so that posts take the budget's credits). The
+/// source hands it to `split`, which attaches it and its budget.
+///
+/// # Errors
+/// [`SimCqError::BadCapacity`], or an eventfd failure.
+pub fn sim_cq_with_ledger(
+    name: impl Into<String>,
+    capacity: u32,
+    faults: Faults,
+    ledger: WrLedger,
 ) -> Result<(SimCq, SimCqSource), SimCqError> {
     if capacity == 0 || capacity > MAX_CQE {
         return Err(SimCqError::BadCapacity {
@@ -213,6 +233,7 @@ pub fn sim_cq(
     let shared = Arc::new(Shared {
         name: name.into(),
         capacity,
+        ledger,
         state: Mutex::new(State {
             ring: VecDeque::with_capacity(capacity.min(1 << 16) as usize),
             arm: None,
@@ -238,6 +259,12 @@ pub fn sim_cq(
 }
 
 impl SimCq {
+    /// The CQ's queue ledger: QPs completing here open their queues'
+    /// accounts in it.
+    pub fn ledger(&self) -> &WrLedger {
+        &self.shared.ledger
+    }
+
     /// Adds one completion. `solicited` marks a receive completion of a
     /// request sent with the solicited-event flag.
     ///
@@ -396,6 +423,10 @@ impl SimCqSource {
 impl CompletionSource for SimCqSource {
     fn name(&self) -> &str {
         &self.shared.name
+    }
+
+    fn ledger(&self) -> Option<WrLedger> {
+        Some(self.shared.ledger.clone())
     }
 
     fn capacity(&self) -> u32 {

@@ -72,7 +72,7 @@ use cqd_core::ledger::WrLedger;
 use cqd_core::{split, CqHandle, CqOptions, UnboundCq};
 use parking_lot::Mutex;
 
-use crate::cq::{sim_cq, Faults, SimCq, SimCqSource, MAX_CQE};
+use crate::cq::{sim_cq_with_ledger, Faults, SimCq, SimCqSource, MAX_CQE};
 use crate::error::VerbsError;
 use crate::fabric::Fabric;
 use crate::pd::Pd;
@@ -182,13 +182,14 @@ impl Device {
             });
         }
         let name = name.into();
-        let (producer, source) = sim_cq(name.clone(), cqe, config.faults)?;
-        let budget = CqBudget::new(name, cqe, config.budget);
+        let budget = CqBudget::new(name.clone(), cqe, config.budget);
+        let ledger = WrLedger::with_budget(budget.clone());
+        let (producer, source) = sim_cq_with_ledger(name, cqe, config.faults, ledger.clone())?;
         let cq = Cq {
             inner: Arc::new(CqInner {
                 device: self.inner.id,
                 producer,
-                ledger: WrLedger::with_budget(budget.clone()),
+                ledger,
                 budget,
             }),
         };
@@ -215,10 +216,8 @@ impl Device {
         options: CqOptions,
     ) -> Result<(Cq, UnboundCq<W>, CqHandle<W>), VerbsError> {
         let (cq, source) = self.create_cq(name, cqe, config)?;
+        // The source gives split the CQ's ledger and budget.
         let (poller, handle) = split::<W>(source, options)?;
-        // A fresh handle has neither attached: these cannot fail.
-        let _ = handle.attach_budget(cq.budget().clone());
-        let _ = handle.attach_ledger(cq.ledger().clone());
         Ok((cq, poller, handle))
     }
 

@@ -34,6 +34,9 @@ pub enum VerbsError {
     /// The CQ budget refused the attach.
     #[error(transparent)]
     Budget(#[from] BudgetError),
+    /// The QP's receive CQ is not the CQ its SRQ serves.
+    #[error(transparent)]
+    SrqOnOtherCq(#[from] cqd_core::ledger::SrqOnOtherCq),
     /// The CQ could not be made.
     #[error(transparent)]
     Cq(#[from] SimCqError),

@@ -31,7 +31,10 @@ pub mod srq;
 mod state;
 pub mod wr;
 
-pub use cq::{sim_cq, Faults, PushError, SimCq, SimCqError, SimCqSource, SimCqStats, MAX_CQE};
+pub use cq::{
+    sim_cq, sim_cq_with_ledger, Faults, PushError, SimCq, SimCqError, SimCqSource, SimCqStats,
+    MAX_CQE,
+};
 pub use device::{Cq, CqConfig, Device, DeviceAttr};
 pub use engine::{Engine, NicFaults, NicStats, TimedModel};
 pub use error::{PostError, VerbsError};

@@ -7,7 +7,7 @@
 //!
 //! ```
 //! use std::collections::VecDeque;
-//! use cqd_core::{split, CqOptions, NoWork, OpKind, Status, WrLedger};
+//! use cqd_core::{split, CqOptions, NoWork, OpKind, Status};
 //! use cqd_sim::{sim_cq, Faults, LoopWr, Loopback};
 //! # struct H;
 //! # impl cqd_core::Handler for H {
@@ -19,7 +19,7 @@
 //! let (producer, source) = sim_cq("cq", 64, Faults::default())?;
 //! let (poller, handle) = split::<NoWork>(source, CqOptions::default())?;
 //! let mut poller = poller.bind();
-//! let qp = Loopback::new(producer, 7, &WrLedger::new());
+//! let qp = Loopback::new(producer, 7);
 //! let reg = handle.register(H)?;
 //! reg.post_send(&qp, &mut [
 //!     LoopWr::new(1, OpKind::Write).unsignaled(),
@@ -119,6 +119,10 @@ impl SendRequest for LoopWr {
     fn kind(&self) -> OpKind {
         self.kind
     }
+
+    fn signaled(&self) -> bool {
+        self.signaled
+    }
 }
 
 /// Why a loopback post failed.
@@ -135,8 +139,7 @@ pub enum LoopbackError {
 
 /// A queue pair whose posts complete at once on a bare simulated CQ (see
 /// the module documentation). Its send and receive queues have accounts on
-/// the CQ's ledger, which a registration's first post attaches to the CQ's
-/// poller if nothing attached it before.
+/// the CQ's ledger, which the CQ's source gave `split` to attach.
 #[derive(Debug)]
 pub struct Loopback {
     producer: SimCq,
@@ -148,10 +151,11 @@ pub struct Loopback {
 
 impl Loopback {
     /// A loopback QP numbered `qp_num` completing on `producer`, its
-    /// queues attached to `ledger` — the CQ's ledger, shared by every QP of
-    /// the CQ (`WrLedger::with_budget` takes credits from the CQ's budget).
-    pub fn new(producer: SimCq, qp_num: u32, ledger: &WrLedger) -> Self {
-        let ledger = ledger.clone();
+    /// queues attached to the CQ's ledger (made with credits by
+    /// [`sim_cq_with_ledger`](crate::sim_cq_with_ledger) and
+    /// `WrLedger::with_budget`).
+    pub fn new(producer: SimCq, qp_num: u32) -> Self {
+        let ledger = producer.ledger().clone();
         Loopback {
             send: ledger.open_queue(qp_num, Queue::Send),
             recv: ledger.open_queue(qp_num, Queue::Recv),

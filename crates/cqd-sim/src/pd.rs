@@ -182,13 +182,15 @@ impl Pd {
                 None
             }
         };
+        // An SRQ serves the handlers of one CQ: refused before anything
+        // is made.
+        if let Some(srq) = init.srq {
+            init.recv_cq.ledger().attach_srq_user(qpn, &srq.account)?;
+        }
         st.next_qpn += 1;
         let send_account = init.send_cq.ledger().open_queue(qpn, Queue::Send);
         let recv_account = match init.srq {
-            Some(srq) => {
-                init.recv_cq.ledger().attach_srq_user(qpn, &srq.account);
-                Arc::clone(&srq.account)
-            }
+            Some(srq) => Arc::clone(&srq.account),
             None => init.recv_cq.ledger().open_queue(qpn, Queue::Recv),
         };
         st.qps.insert(

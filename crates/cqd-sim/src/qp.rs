@@ -356,6 +356,10 @@ impl SendRequest for SendWr<'_> {
             WrOp::CompareSwap { .. } | WrOp::FetchAdd { .. } => OpKind::Atomic,
         }
     }
+
+    fn signaled(&self) -> bool {
+        self.signaled
+    }
 }
 
 impl WorkRequest for RecvWr<'_> {

@@ -542,10 +542,14 @@ fn a_destroyed_qp_leaves_its_cq_ledger_once_its_requests_are_accounted() {
 }
 
 #[test]
-fn a_cq_made_by_hand_gets_its_ledger_from_the_first_post() {
+fn a_cq_made_by_hand_gets_its_ledger_and_budget_from_split() {
     let dev = cqd_sim::Device::open("sim0");
     let (cq, source) = dev.create_cq("cq", 256, credits(64)).unwrap();
     let (poller, handle) = cqd_core::split::<cqd_core::NoWork>(source, Default::default()).unwrap();
+    assert!(
+        handle.budget_snapshot().is_some(),
+        "the source gave split its budget"
+    );
     let mut poller = poller.bind();
     let reg = handle.register(Recorder(Log::default())).unwrap();
     let pd = dev.alloc_pd();
@@ -559,19 +563,9 @@ fn a_cq_made_by_hand_gets_its_ledger_from_the_first_post() {
     connect(&a, &b).unwrap();
     let mr = pd.reg_mr(64, Access::ALL).unwrap();
     let sge = [mr.sge(0, 8)];
-    // An SRQ cannot name its CQ: refused while the handler's CQ has no ledger.
-    let err = reg
-        .post_recv(&srq, &mut [RecvWr::new(1, &sge)])
-        .unwrap_err();
-    assert!(
-        matches!(err, PostError::Refused(Refused::Unattached { .. })),
-        "{err}"
-    );
-    // A QP's queue names it: the first post attaches the ledger and budget.
+    reg.post_recv(&srq, &mut [RecvWr::new(1, &sge)]).unwrap();
     reg.post_send(&b, &mut [SendWr::new(2, WrOp::Write(mr.remote(0)), &sge)])
         .unwrap();
-    assert!(handle.budget_snapshot().is_some());
-    reg.post_recv(&srq, &mut [RecvWr::new(1, &sge)]).unwrap();
     reg.post_send(&b, &mut [SendWr::new(3, WrOp::Send, &sge).unsignaled()])
         .unwrap();
     reg.post_send(&b, &mut [SendWr::new(4, WrOp::Write(mr.remote(0)), &sge)])
@@ -585,6 +579,105 @@ fn a_cq_made_by_hand_gets_its_ledger_from_the_first_post() {
     );
     assert_eq!(cq.budget_snapshot().credits_in_use, 0);
     assert_eq!(cq.ledger().outstanding(a.qpn(), Side::Recv), 0);
+}
+
+/// A handler posts only to queues whose completions come to its own CQ:
+/// a QP of another CQ is refused (never adopted), and an SRQ serves the
+/// handlers of one CQ (its receives complete on the consuming QP's CQ, and a
+/// wr_id names a handler of one CQ).
+#[test]
+fn queues_of_another_cq_are_refused_and_an_srq_serves_one_cq() {
+    let dev = cqd_sim::Device::open("sim0");
+    let (x, _px, hx) = dev
+        .create_dispatched_cq::<cqd_core::NoWork>("x", 256, credits(64), Default::default())
+        .unwrap();
+    let (y, _py, _hy) = dev
+        .create_dispatched_cq::<cqd_core::NoWork>("y", 256, credits(64), Default::default())
+        .unwrap();
+    let on_x = hx.register(Recorder(Log::default())).unwrap();
+    let pd = dev.alloc_pd();
+    let mr = pd.reg_mr(64, Access::ALL).unwrap();
+    let sge = [mr.sge(0, 8)];
+    let qy = pd
+        .create_qp(&QpInit::new(&y, &y, QpCap::default()))
+        .unwrap();
+    let err = on_x
+        .post_send(&qy, &mut [SendWr::new(1, WrOp::Send, &sge)])
+        .unwrap_err();
+    assert!(
+        matches!(err, PostError::Refused(Refused::WrongCq { .. })),
+        "{err}"
+    );
+    assert_eq!(on_x.ledger().posted(OpKind::Send), 0);
+    assert_eq!(x.budget_snapshot().credits_in_use, 0);
+    assert_eq!(y.budget_snapshot().credits_in_use, 0);
+    // The SRQ's first QP binds it to X; a QP completing on Y is refused.
+    let srq = pd.create_srq(16, 1).unwrap();
+    let _qa = pd
+        .create_qp(&QpInit::new(&x, &x, QpCap::default()).with_srq(&srq))
+        .unwrap();
+    let err = pd
+        .create_qp(&QpInit::new(&y, &y, QpCap::default()).with_srq(&srq))
+        .unwrap_err();
+    assert!(err.to_string().contains("another CQ"), "{err}");
+    on_x.post_recv(&srq, &mut [RecvWr::new(2, &sge)]).unwrap();
+    // An SRQ bound by a post: Y's handlers are refused.
+    let srq2 = pd.create_srq(16, 1).unwrap();
+    on_x.post_recv(&srq2, &mut [RecvWr::new(3, &sge)]).unwrap();
+    let on_y = _hy.register(Recorder(Log::default())).unwrap();
+    let err = on_y
+        .post_recv(&srq2, &mut [RecvWr::new(4, &sge)])
+        .unwrap_err();
+    assert!(
+        matches!(err, PostError::Refused(Refused::WrongCq { .. })),
+        "{err}"
+    );
+}
+
+/// One operation's requests may share a tag: an unsignaled write and the
+/// final signaled send of the same request carry one wr_id. The success
+/// names the signaled one, so both retire.
+#[test]
+fn a_wr_id_posted_twice_retires_both_requests() {
+    let mut r = Rig::with(Fabric::inline(), QpCap::default(), 256, credits(8));
+    let s = [r.mr_a.sge(0, 8)];
+    let remote = r.mr_b.remote(0);
+    r.reg
+        .post_send(
+            &r.a,
+            &mut [
+                SendWr::new(5, WrOp::Write(remote), &s).unsignaled(),
+                SendWr::new(5, WrOp::Write(remote), &s),
+            ],
+        )
+        .unwrap();
+    assert_eq!(r.poll_all(), 1);
+    assert_eq!(r.reg.ledger().outstanding(), 0);
+    assert_eq!(r.cq.ledger().outstanding(r.a.qpn(), Side::Send), 0);
+    assert_eq!(r.cq.budget_snapshot().credits_in_use, 0);
+}
+
+#[test]
+fn a_request_of_the_other_side_is_refused() {
+    let (producer, source) = cqd_sim::sim_cq("side", 64, Default::default()).unwrap();
+    let (_poller, handle) =
+        cqd_core::split::<cqd_core::NoWork>(source, Default::default()).unwrap();
+    let reg = handle.register(Recorder(Log::default())).unwrap();
+    let qp = cqd_sim::Loopback::new(producer, 1);
+    let mut wrs = [
+        cqd_sim::LoopWr::new(1, OpKind::Send),
+        cqd_sim::LoopWr::new(2, OpKind::Recv),
+    ];
+    let err = reg.post_send(&qp, &mut wrs).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            cqd_sim::LoopbackError::Refused(Refused::WrongSide { index: 1, .. })
+        ),
+        "{err}"
+    );
+    assert_eq!(wrs.map(|w| w.wr_id), [1, 2], "tags given back");
+    assert_eq!(reg.ledger().posted(OpKind::Send), 0);
 }
 
 /// A send queue that checks, inside the raw post, what the posting call

@@ -90,7 +90,6 @@ impl<W: Send + 'static> CqHandle<W> {
             key,
             ledger,
             cq: Arc::from(self.shared.name.as_str()),
-            cq_budget: Arc::clone(&self.shared.budget),
             cq_ledger: Arc::clone(&self.shared.ledger),
         })
     }
@@ -130,8 +129,8 @@ impl<W: Send + 'static> CqHandle<W> {
     /// Attaches the CQ's budget: its counters join the CQ's snapshot and
     /// overflow events are recorded in it. (Credits are returned through
     /// the queue accounts, see [`attach_ledger`](Self::attach_ledger).) A
-    /// CQ has one budget for life. A backend's helper that makes a CQ
-    /// attaches it; so does the first post of a registration.
+    /// CQ has one budget for life. `split` attaches the one the source
+    /// gives ([`CompletionSource::ledger`](crate::source::CompletionSource::ledger)).
     ///
     /// # Errors
     /// Gives the budget back if one is already attached.
@@ -144,8 +143,9 @@ impl<W: Send + 'static> CqHandle<W> {
     /// the poller then retires their entries and returns their credits as
     /// it polls, counts unsignaled sends completed when a later completion
     /// covers them, and the watchdog and the stop report name what is
-    /// still outstanding. A backend's helper that makes a CQ attaches it;
-    /// so does the first post of a registration.
+    /// still outstanding. `split` attaches the one the source gives
+    /// ([`CompletionSource::ledger`](crate::source::CompletionSource::ledger));
+    /// this is for a source that gives none.
     ///
     /// # Errors
     /// Gives the ledger back if one is already attached.
@@ -166,7 +166,6 @@ pub struct Registration {
     key: HandlerKey,
     ledger: Arc<SlotLedger>,
     cq: Arc<str>,
-    cq_budget: Arc<OnceLock<CqBudget>>,
     cq_ledger: Arc<OnceLock<WrLedger>>,
 }
 
@@ -209,6 +208,7 @@ impl Registration {
             qp.send_account(),
             wrs,
             crate::post::SendRequest::kind,
+            crate::post::SendRequest::signaled,
             |w| qp.post_send_raw(w),
         )
     }
@@ -228,42 +228,21 @@ impl Registration {
             queue.recv_account(),
             wrs,
             |_| OpKind::Recv,
+            |_| true,
             |w| queue.post_recv_raw(w),
         )
     }
 
-    /// Attaches the queue's CQ ledger (and budget) to this handler's CQ if
-    /// it has none yet: the poller cannot miss the accounts of a queue
-    /// posted through it. Refuses a queue whose completions go elsewhere.
+    /// Checks that the queue's completions come to this handler's CQ (an
+    /// SRQ that serves no CQ yet is bound to this one).
     pub(crate) fn attach(&self, account: &QueueAccount) -> Result<(), Refused> {
-        let Some(weak) = &account.ledger else {
-            // An SRQ: attached through its QPs, to ledgers it cannot name;
-            // at least this handler's CQ must have one.
-            return match self.cq_ledger.get() {
-                Some(_) => Ok(()),
-                None => Err(Refused::Unattached {
-                    handler: self.key,
-                    cq: self.cq.to_string(),
-                }),
-            };
+        let Some(ledger) = self.cq_ledger.get() else {
+            return Err(Refused::Unattached {
+                handler: self.key,
+                cq: self.cq.to_string(),
+            });
         };
-        let ledger = match self.cq_ledger.get() {
-            Some(l) => l,
-            None => {
-                if let Some(inner) = weak.upgrade() {
-                    let l = WrLedger { inner };
-                    if let Some(b) = l.budget() {
-                        let _ = self.cq_budget.set(b.clone());
-                    }
-                    let _ = self.cq_ledger.set(l);
-                }
-                match self.cq_ledger.get() {
-                    Some(l) => l,
-                    None => return Ok(()),
-                }
-            }
-        };
-        if ledger.same(weak) {
+        if account.belongs_to(ledger) {
             Ok(())
         } else {
             Err(Refused::WrongCq {

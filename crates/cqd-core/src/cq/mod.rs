@@ -161,18 +161,18 @@ pub(crate) struct CqShared<W> {
     pub(crate) doorbell: Arc<Doorbell>,
     pub(crate) closed: AtomicBool,
     /// The CQ's budget, once attached (its counters join the snapshot;
-    /// overflow events are recorded in it). Shared with registrations,
-    /// whose first post attaches it.
+    /// overflow events are recorded in it).
     pub(crate) budget: Arc<OnceLock<CqBudget>>,
     /// The CQ's ledger of queue accounts, once attached: the poller
     /// retires their entries and returns their credits as it polls.
-    /// Shared with registrations, whose first post attaches it.
+    /// Shared with registrations, which post only to its queues.
     pub(crate) ledger: Arc<OnceLock<WrLedger>>,
 }
 
 /// Makes the two halves of a CQ from a backend's source: the
 /// [`UnboundCq`] (to be bound on the thread that polls it) and the
-/// [`CqHandle`].
+/// [`CqHandle`], with the source's ledger and budget attached
+/// ([`CompletionSource::ledger`]).
 ///
 /// # Errors
 /// When the doorbell eventfd cannot be made.
@@ -196,6 +196,13 @@ pub fn split<W: Send + 'static>(
         budget: Arc::default(),
         ledger: Arc::default(),
     });
+    // The source's ledger and budget, attached before anything can post.
+    if let Some(ledger) = source.ledger() {
+        if let Some(b) = ledger.budget() {
+            let _ = shared.budget.set(b.clone());
+        }
+        let _ = shared.ledger.set(ledger);
+    }
     let core = Core {
         source: Box::new(source),
         shared: Arc::clone(&shared),
