@@ -1,6 +1,8 @@
 //! Shared helpers of the dispatcher integration tests.
 #![allow(dead_code)]
 
+pub mod share;
+
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

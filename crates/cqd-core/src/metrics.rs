@@ -218,6 +218,7 @@ pub struct PollerCounters {
     pub(crate) handed_off: AtomicU64,
     pub(crate) spin_window_ns: AtomicU64,
     pub(crate) cpu_ns: AtomicU64,
+    pub(crate) naps: AtomicU64,
 }
 
 /// The counters of one poller thread, cache-padded.
@@ -244,6 +245,7 @@ impl PollerMetrics {
             handed_off: get(&c.handed_off),
             spin_window_ns: get(&c.spin_window_ns),
             cpu_ns: get(&c.cpu_ns),
+            naps: get(&c.naps),
         }
     }
 }
@@ -288,9 +290,16 @@ pub struct PollerSnapshot {
     pub handed_off: u64,
     /// The current spin window of Hybrid/Adaptive mode (nanoseconds).
     pub spin_window_ns: u64,
-    /// CPU time the thread has used (nanoseconds; updated at each sleep and
-    /// at the stop).
+    /// CPU time the thread has used (nanoseconds; updated at each sleep,
+    /// nap and at the stop).
     pub cpu_ns: u64,
+    /// Naps of an idle Busy poller: short timed sleeps, from
+    /// [`BUSY_NAP_MIN`](crate::mode::BUSY_NAP_MIN) doubling up to
+    /// [`BUSY_NAP_MAX`](crate::mode::BUSY_NAP_MAX), taken once nothing was
+    /// found for [`BUSY_YIELD_UNTIL`](crate::mode::BUSY_YIELD_UNTIL). Not
+    /// counted in `sleeps` (no notification is armed or waited for).
+    #[serde(default)]
+    pub naps: u64,
 }
 
 #[cfg(test)]

@@ -29,10 +29,37 @@
 //!
 //! | mode | when the group is idle |
 //! |------|------------------------|
-//! | `Busy` | spin (with a pause hint and backoff), never sleep |
+//! | `Busy` | spin, never arm or block on a notification; the longer nothing comes, the more of the CPU it gives away (below) |
 //! | `Event` | sleep at once |
 //! | `Hybrid` | spin for a fixed window after the last completion, then sleep |
 //! | `Adaptive` | Hybrid whose window follows the measured gap between bursts against the measured cost of a sleep/wake cycle, within a CPU budget |
+//!
+//! Hybrid and Adaptive spin with pause hints, then `yield_now` after 64
+//! empty rounds, until their window ends.
+//!
+//! # Busy mode when nothing comes
+//!
+//! A Busy poller is latency-first while completions flow: every round that
+//! finds work starts the idle stretch over, so under traffic it only ever
+//! spins. When a stretch goes on, it escalates by the time since the last
+//! completion, so that a Busy poller with idle CQs leaves its CPU to the
+//! other threads there (a yield alone does not: the scheduler still counts
+//! a yielding thread as load, and it still takes a whole CPU that nobody
+//! else wants):
+//!
+//! | idle for | each empty round ends with | constant |
+//! |----------|----------------------------|----------|
+//! | under 50 µs | pause hints, 1 to 64 of them, more as the stretch goes on | [`BUSY_PAUSE_FOR`] |
+//! | 50–100 µs | `yield_now` | [`BUSY_YIELD_UNTIL`] |
+//! | from 100 µs | a timed sleep (a *nap*): 10 µs, doubling at each nap up to 1 ms | [`BUSY_NAP_MIN`], [`BUSY_NAP_MAX`] |
+//!
+//! The price is the latency of the first completion after a quiet spell: it
+//! waits for the end of the current nap, which is never longer than the
+//! spell so far and at most [`BUSY_NAP_MAX`] (plus the timer slack the
+//! kernel adds to a sleep, 50 µs by default). Naps are counted in
+//! `PollerSnapshot::naps`. To spin without ever sleeping for a while after
+//! each completion, use `Hybrid` with that window: it spins (pause, then
+//! yield) for the whole window before it sleeps on a notification.
 
 use std::time::{Duration, Instant};
 
@@ -44,11 +71,28 @@ use serde::{Deserialize, Serialize};
 /// topology validation), never silently raised.
 pub const MIN_WAKE_TIMEOUT: Duration = Duration::from_micros(100);
 
+/// Busy mode: an idle stretch shorter than this is spun with pause hints
+/// alone (see "Busy mode when nothing comes" above).
+pub const BUSY_PAUSE_FOR: Duration = Duration::from_micros(50);
+
+/// Busy mode: from [`BUSY_PAUSE_FOR`] to this much idle time each empty
+/// round yields; from here on it naps.
+pub const BUSY_YIELD_UNTIL: Duration = Duration::from_micros(100);
+
+/// Busy mode: the first nap of an idle stretch; each nap doubles the last.
+pub const BUSY_NAP_MIN: Duration = Duration::from_micros(10);
+
+/// Busy mode: the longest nap, so the first completion after a quiet spell
+/// waits at most this long (plus the kernel's timer slack).
+pub const BUSY_NAP_MAX: Duration = Duration::from_millis(1);
+
 /// How a poller waits when its CQs are empty.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum PollMode {
-    /// Never sleep: latency first, a dedicated core.
+    /// Never sleep on a notification: latency first while completions flow;
+    /// with nothing to poll for a while, pause, yield, then nap (up to
+    /// [`BUSY_NAP_MAX`]) so that other threads on its CPU run.
     Busy,
     /// Sleep as soon as the CQs are empty: CPU first.
     Event,
@@ -220,6 +264,10 @@ pub(crate) struct IdlePolicy {
     period_spin: Duration,
     over_budget: bool,
     spins: u32,
+    /// Busy mode: when the current idle stretch began (its first spin).
+    spin_since: Option<Instant>,
+    /// Busy mode: the next nap.
+    nap: Duration,
 }
 
 const PERIOD: Duration = Duration::from_millis(100);
@@ -246,6 +294,8 @@ impl IdlePolicy {
             period_spin: Duration::ZERO,
             over_budget: false,
             spins: 0,
+            spin_since: None,
+            nap: BUSY_NAP_MIN,
         }
     }
 
@@ -272,6 +322,8 @@ impl IdlePolicy {
         }
         self.last_work = now;
         self.spins = 0;
+        self.spin_since = None;
+        self.nap = BUSY_NAP_MIN;
         self.adapt(now);
     }
 
@@ -327,16 +379,53 @@ impl IdlePolicy {
         }
     }
 
-    /// One idle spin: a pause hint, backing off to a yield so a spinning
-    /// poller on a busy machine lets others run.
+    /// One spin that waits for something other than completions (ring
+    /// space): pause hints, backing off to a yield after 64 rounds. Never
+    /// a nap: what it waits for is making progress.
     pub(crate) fn spin(&mut self) {
         self.spins = self.spins.saturating_add(1);
         if self.spins < 64 {
-            for _ in 0..(1u32 << (self.spins / 8).min(6)) {
-                std::hint::spin_loop();
-            }
+            self.pause();
         } else {
             std::thread::yield_now();
+        }
+    }
+
+    /// One idle spin after a round that found nothing; returns how long it
+    /// slept. Hybrid and Adaptive: as [`spin`](Self::spin) (their window
+    /// ends the spinning). Busy: by the length of the idle stretch, pause
+    /// hints, then a yield, then a nap twice as long as the last, up to
+    /// [`BUSY_NAP_MAX`] (the table in the module documentation).
+    pub(crate) fn idle_spin(&mut self) -> Duration {
+        if !matches!(self.mode, PollMode::Busy) {
+            self.spin();
+            return Duration::ZERO;
+        }
+        self.spins = self.spins.saturating_add(1);
+        let now = Instant::now();
+        let idle = now.saturating_duration_since(*self.spin_since.get_or_insert(now));
+        if idle < BUSY_PAUSE_FOR {
+            self.pause();
+        } else if idle < BUSY_YIELD_UNTIL {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(self.nap);
+            self.nap = (self.nap * 2).min(BUSY_NAP_MAX);
+            return now.elapsed();
+        }
+        Duration::ZERO
+    }
+
+    /// The next nap an idle Busy poller would take.
+    #[cfg(test)]
+    fn next_nap(&self) -> Duration {
+        self.nap
+    }
+
+    /// Pause hints, more as a stretch of spins goes on (1 to 64).
+    fn pause(&self) {
+        for _ in 0..(1u32 << (self.spins / 8).min(6)) {
+            std::hint::spin_loop();
         }
     }
 }
@@ -417,6 +506,42 @@ mod tests {
             p.on_work(t);
         }
         assert_eq!(p.window(), a.min_spin);
+    }
+
+    #[test]
+    fn busy_pauses_yields_then_naps_doubling_and_starts_over_on_work() {
+        let mut p = IdlePolicy::new(PollMode::Busy, Instant::now());
+        // The stretch just began: pause hints, no nap.
+        assert_eq!(p.idle_spin(), Duration::ZERO);
+        std::thread::sleep(BUSY_YIELD_UNTIL);
+        let mut naps = Vec::new();
+        for _ in 0..9 {
+            let nap = p.next_nap();
+            let slept = p.idle_spin();
+            assert!(slept >= nap, "slept {slept:?}, meant {nap:?}");
+            naps.push(nap.as_micros());
+        }
+        assert_eq!(naps, [10, 20, 40, 80, 160, 320, 640, 1000, 1000]);
+        assert_eq!(BUSY_NAP_MIN.as_micros(), 10);
+        assert_eq!(BUSY_NAP_MAX.as_micros(), 1000);
+        // Work starts the stretch over: spinning again, the next nap short.
+        p.on_work(Instant::now());
+        assert_eq!(p.idle_spin(), Duration::ZERO);
+        assert_eq!(p.next_nap(), BUSY_NAP_MIN);
+    }
+
+    #[test]
+    fn only_busy_naps() {
+        for mode in PollMode::all() {
+            if mode == PollMode::Busy {
+                continue;
+            }
+            let mut p = IdlePolicy::new(mode, Instant::now());
+            let start = Instant::now();
+            while start.elapsed() < 2 * BUSY_YIELD_UNTIL {
+                assert_eq!(p.idle_spin(), Duration::ZERO, "{}", mode.name());
+            }
+        }
     }
 
     #[test]

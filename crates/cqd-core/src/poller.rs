@@ -437,8 +437,15 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             }
             match self.idle.on_idle(now) {
                 Idle::Spin => {
-                    self.idle.spin();
-                    bump(&self.metrics.0.spin_ns, now.elapsed().as_nanos() as u64);
+                    let napped = self.idle.idle_spin();
+                    let spun = now.elapsed().saturating_sub(napped);
+                    bump(&self.metrics.0.spin_ns, spun.as_nanos() as u64);
+                    if !napped.is_zero() {
+                        // An idle Busy poller napped (`mode`, "Busy mode when
+                        // nothing comes").
+                        bump(&self.metrics.0.naps, 1);
+                        self.record_cpu();
+                    }
                 }
                 Idle::Sleep => self.sleep(),
             }
