@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use cqd_core::mode::MIN_WAKE_TIMEOUT;
 use cqd_core::topology::{
-    ModeConfig, OnPriorityError, Placement, PollerConfig, PoolConfig, Priority, Routing,
-    TopologyConfig, TopologyError, Warning,
+    ModeConfig, OnPriorityError, OnSharedCpu, Placement, PollerConfig, PoolConfig, Priority,
+    Routing, TopologyConfig, TopologyError, Warning, LONG_SPIN,
 };
 
 const EXAMPLE: &str = include_str!("../../../examples/topology.toml");
@@ -35,6 +35,7 @@ fn example_file_round_trips_and_matches_the_builder() {
 
     let built = TopologyConfig::new()
         .on_priority_error(OnPriorityError::Error)
+        .on_shared_cpu(OnSharedCpu::Error)
         .poller(busy("rx", "rx0", 1).batch(32).priority(Priority::Fifo(10)))
         .poller(
             PollerConfig::new("tx")
@@ -50,7 +51,11 @@ fn example_file_round_trips_and_matches_the_builder() {
                     timeout_ms: 100,
                 }),
         )
-        .poller(poller("ctl", "ctl").mode(ModeConfig::Event { timeout_ms: 100 }))
+        .poller(
+            poller("ctl", "ctl")
+                .placement(Placement::fenced([2, 3]))
+                .mode(ModeConfig::Event { timeout_ms: 100 }),
+        )
         .pool(
             PoolConfig::new("io", 4)
                 .placement(Placement::fenced(4..8))
@@ -58,6 +63,7 @@ fn example_file_round_trips_and_matches_the_builder() {
         )
         .pool(
             PoolConfig::new("bg", 2)
+                .placement(Placement::fenced(4..8))
                 .capacity(256)
                 .routing(Routing::LeastLoaded)
                 .priority(Priority::Nice(10)),
@@ -150,11 +156,17 @@ fn rejects_a_cpu_claimed_by_two_busy_pollers() {
             if field == "poller[1].placement" && claimed_by == "poller[0].placement"),
         "{e}"
     );
-    // Sharing a CPU is fine when at most one of them spins.
+    // Sharing a CPU is allowed when at most one of them spins (with a
+    // warning, `warns_when_a_spinning_poller_may_share_its_cpu`).
     let config = TopologyConfig::new()
         .poller(busy("a", "x", 2))
         .poller(poller("b", "y").placement(Placement::Fixed(2)));
-    config.validate_for(&cpus(4)).unwrap();
+    let topology = config.validate_for(&cpus(4)).unwrap();
+    assert!(
+        matches!(topology.warnings(), [Warning::SpinnerSharesCpu { .. }]),
+        "{:?}",
+        topology.warnings()
+    );
 }
 
 #[test]
@@ -390,4 +402,207 @@ fn unknown_fields_are_errors_even_inside_a_mode() {
         e.to_string().contains("capcity") && e.to_string().contains("line 4"),
         "{e}"
     );
+}
+
+fn shares(field: &str, poller: &str, mode: &'static str, cpus: &[usize], with: &str) -> Warning {
+    Warning::SpinnerSharesCpu {
+        field: field.into(),
+        poller: poller.into(),
+        mode,
+        cpus: cpus.iter().copied().collect(),
+        shares_with: with.into(),
+    }
+}
+
+#[test]
+fn warns_when_a_spinning_poller_may_share_its_cpu() {
+    let topology = TopologyConfig::new()
+        .poller(busy("rx", "x", 1))
+        .poller(poller("ctl", "y").placement(Placement::fenced([1, 2])))
+        .pool(PoolConfig::new("io", 2).placement(Placement::Fixed(1)))
+        .pool(PoolConfig::new("bg", 2))
+        .pool(PoolConfig::new("far", 2).placement(Placement::fenced([2, 3])))
+        .validate_for(&cpus(4))
+        .unwrap();
+    assert_eq!(
+        topology.warnings(),
+        [
+            Warning::WorkersShareCpu {
+                field: "pool[0].placement".into(),
+                threads: 2
+            },
+            shares(
+                "poller[0].placement",
+                "rx",
+                "busy",
+                &[1],
+                "poller \"ctl\" at poller[1].placement"
+            ),
+            shares(
+                "poller[0].placement",
+                "rx",
+                "busy",
+                &[1],
+                "pool \"io\" at pool[0].placement"
+            ),
+            // An unpinned pool may run anywhere, on CPU 1 too.
+            shares(
+                "poller[0].placement",
+                "rx",
+                "busy",
+                &[1],
+                "pool \"bg\" at pool[1].placement"
+            ),
+        ]
+    );
+    let text = topology.warnings()[1].to_string();
+    assert_eq!(
+        text,
+        "poller[0].placement: busy poller \"rx\" may share CPU 1 with poller \"ctl\" at \
+         poller[1].placement; while it spins, they wait for their turn"
+    );
+
+    // An unpinned busy poller may share every CPU its neighbours may use.
+    let topology = TopologyConfig::new()
+        .poller(poller("rx", "x").mode(ModeConfig::Busy))
+        .pool(PoolConfig::new("io", 4).placement(Placement::fenced(4..8)))
+        .validate_for(&(1..8).collect())
+        .unwrap();
+    assert_eq!(
+        topology.warnings(),
+        [shares(
+            "poller[0].placement",
+            "rx",
+            "busy",
+            &[4, 5, 6, 7],
+            "pool \"io\" at pool[0].placement"
+        )]
+    );
+    assert!(topology.warnings()[0].to_string().contains("CPUs 4-7"));
+
+    // Nothing to say when the spinner has its CPUs to itself.
+    let topology = TopologyConfig::new()
+        .poller(busy("rx", "x", 1))
+        .poller(poller("ctl", "y").placement(Placement::fenced([2, 3])))
+        .pool(PoolConfig::new("io", 2).placement(Placement::fenced([2, 3])))
+        .validate_for(&cpus(4))
+        .unwrap();
+    assert!(topology.warnings().is_empty(), "{:?}", topology.warnings());
+}
+
+#[test]
+fn two_spinners_that_may_share_are_reported_once() {
+    let topology = TopologyConfig::new()
+        .poller(
+            poller("a", "x")
+                .mode(ModeConfig::Busy)
+                .placement(Placement::fenced([1, 2])),
+        )
+        .poller(busy("b", "y", 2))
+        .validate_for(&cpus(4))
+        .unwrap();
+    assert_eq!(
+        topology.warnings(),
+        [shares(
+            "poller[0].placement",
+            "a",
+            "busy",
+            &[2],
+            "poller \"b\" at poller[1].placement"
+        )]
+    );
+}
+
+#[test]
+fn a_long_spin_window_spins_like_busy() {
+    let hybrid = |us| ModeConfig::Hybrid {
+        spin_window_us: us,
+        timeout_ms: 100,
+    };
+    let adaptive = |max_us| ModeConfig::Adaptive {
+        min_window_us: 2,
+        max_window_us: max_us,
+        cpu_budget_percent: 50,
+        timeout_ms: 100,
+    };
+    let long = LONG_SPIN.as_micros() as u64;
+    let cases = [
+        (hybrid(long), Some("hybrid")),
+        (hybrid(long - 1), None),
+        (adaptive(5 * long), Some("adaptive")),
+        (adaptive(long - 1), None),
+        (ModeConfig::default(), None),
+        (ModeConfig::Event { timeout_ms: 100 }, None),
+    ];
+    for (mode, warned) in cases {
+        let topology = TopologyConfig::new()
+            .poller(poller("p", "x").mode(mode).placement(Placement::Fixed(1)))
+            .pool(PoolConfig::new("io", 1).placement(Placement::Fixed(1)))
+            .validate_for(&cpus(4))
+            .unwrap();
+        let got: Vec<_> = topology
+            .warnings()
+            .iter()
+            .map(|w| match w {
+                Warning::SpinnerSharesCpu { mode, .. } => *mode,
+                other => panic!("{other}"),
+            })
+            .collect();
+        assert_eq!(got, warned.into_iter().collect::<Vec<_>>(), "{mode:?}");
+    }
+}
+
+#[test]
+fn on_shared_cpu_error_refuses_what_would_be_a_warning() {
+    let text = r#"
+        on_shared_cpu = "error"
+
+        [[poller]]
+        name = "rx"
+        cqs = ["rx0"]
+        placement = { fixed = 3 }
+        mode = { kind = "busy" }
+
+        [[pool]]
+        name = "io"
+        threads = 2
+        placement = { fenced = [2, 3] }
+    "#;
+    let config = TopologyConfig::from_toml(text).unwrap();
+    assert_eq!(config.on_shared_cpu, OnSharedCpu::Error);
+    let e = config.validate_for(&cpus(4)).unwrap_err();
+    match &e {
+        TopologyError::SpinnerSharesCpu {
+            field,
+            poller,
+            mode,
+            cpus,
+            shares_with,
+        } => {
+            assert_eq!(field, "poller[0].placement");
+            assert_eq!(poller, "rx");
+            assert_eq!(*mode, "busy");
+            assert_eq!(cpus, &BTreeSet::from([3]));
+            assert_eq!(shares_with, "pool \"io\" at pool[0].placement");
+        }
+        other => panic!("wanted SpinnerSharesCpu, got {other:?}"),
+    }
+    assert_eq!(
+        e.to_string(),
+        "poller[0].placement: busy poller \"rx\" may share CPU 3 with pool \"io\" at \
+         pool[0].placement (on_shared_cpu = \"error\")"
+    );
+    // The default warns and accepts the same topology.
+    let relaxed = TopologyConfig {
+        on_shared_cpu: OnSharedCpu::default(),
+        ..config
+    };
+    let topology = relaxed.validate_for(&cpus(4)).unwrap();
+    assert!(matches!(
+        topology.warnings(),
+        [Warning::SpinnerSharesCpu { .. }]
+    ));
+    // And a config that writes neither reads back as the default.
+    let config = TopologyConfig::from_toml("[[pool]]\nname = \"io\"\nthreads = 1\n").unwrap();
+    assert_eq!(config.on_shared_cpu, OnSharedCpu::Warn);
 }

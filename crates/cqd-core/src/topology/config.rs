@@ -19,6 +19,11 @@ pub struct TopologyConfig {
     /// `"error"` (the default) fails the spawn; `"warn"` logs and goes on.
     #[serde(default)]
     pub on_priority_error: OnPriorityError,
+    /// What `validate` does with a spinning poller that may share a CPU
+    /// with another thread of the topology: `"warn"` (the default) or
+    /// `"error"`.
+    #[serde(default)]
+    pub on_shared_cpu: OnSharedCpu,
     /// Poller threads, one `[[poller]]` table each; thread `i` is named
     /// `cqd-poller-<i>`.
     #[serde(default, rename = "poller")]
@@ -27,6 +32,21 @@ pub struct TopologyConfig {
     /// named `cqd-worker-io-<i>`.
     #[serde(default, rename = "pool")]
     pub pools: Vec<PoolConfig>,
+}
+
+/// What [`TopologyConfig::validate`] does with a spinning poller (Busy, or
+/// a spin window of [`LONG_SPIN`](super::LONG_SPIN) or more) whose
+/// placement may share a CPU with another thread of the topology.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnSharedCpu {
+    /// A [`Warning::SpinnerSharesCpu`](super::Warning::SpinnerSharesCpu)
+    /// for each thread it may share with; the topology is accepted.
+    #[default]
+    Warn,
+    /// [`TopologyError::SpinnerSharesCpu`](super::TopologyError::SpinnerSharesCpu)
+    /// for the first one.
+    Error,
 }
 
 /// One poller thread.

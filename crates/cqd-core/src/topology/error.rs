@@ -123,6 +123,28 @@ pub enum TopologyError {
         /// The field, e.g. `poller[0].cqs`.
         field: String,
     },
+    /// A spinning poller may share a CPU with another thread of the
+    /// topology, and the config asks for that to be an error
+    /// (`on_shared_cpu = "error"`); the same as
+    /// [`Warning::SpinnerSharesCpu`].
+    #[error(
+        "{field}: {mode} poller {poller:?} may share {} with {shares_with} \
+         (on_shared_cpu = \"error\")",
+        cpu_list(.cpus)
+    )]
+    SpinnerSharesCpu {
+        /// The spinning poller's field, e.g. `poller[0].placement`.
+        field: String,
+        /// The spinning poller's name.
+        poller: String,
+        /// Its mode: `busy`, `hybrid` or `adaptive`.
+        mode: &'static str,
+        /// The CPUs both may run on.
+        cpus: BTreeSet<usize>,
+        /// The other thread(s): `pool "io" at pool[0].placement` or
+        /// `poller "tx" at poller[1].placement`.
+        shares_with: String,
+    },
 }
 
 /// A topology that works but is probably not what was meant; each is also
@@ -149,6 +171,49 @@ pub enum Warning {
         /// Workers in the pool.
         threads: usize,
     },
+    /// A spinning poller — Busy, or Hybrid/Adaptive with a spin window of
+    /// [`LONG_SPIN`](super::LONG_SPIN) or more — may run on a CPU that
+    /// another thread of the topology may run on too (a pool's workers,
+    /// another poller; an unpinned placement may run anywhere). While it
+    /// spins, that thread waits for its turn on the CPU. One warning per
+    /// other poller or pool; `on_shared_cpu = "error"` makes it
+    /// [`TopologyError::SpinnerSharesCpu`].
+    SpinnerSharesCpu {
+        /// The spinning poller's field, e.g. `poller[0].placement`.
+        field: String,
+        /// The spinning poller's name.
+        poller: String,
+        /// Its mode: `busy`, `hybrid` or `adaptive`.
+        mode: &'static str,
+        /// The CPUs both may run on.
+        cpus: BTreeSet<usize>,
+        /// The other thread(s): `pool "io" at pool[0].placement` or
+        /// `poller "tx" at poller[1].placement`.
+        shares_with: String,
+    },
+}
+
+/// `CPU 3`, `CPUs 0-3`, `CPUs 1, 4-7`.
+pub(crate) fn cpu_list(cpus: &BTreeSet<usize>) -> String {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for &cpu in cpus {
+        match runs.last_mut() {
+            Some((_, last)) if *last + 1 == cpu => *last = cpu,
+            _ => runs.push((cpu, cpu)),
+        }
+    }
+    let list: Vec<String> = runs
+        .iter()
+        .map(|&(a, b)| {
+            if a == b {
+                a.to_string()
+            } else {
+                format!("{a}-{b}")
+            }
+        })
+        .collect();
+    let noun = if cpus.len() == 1 { "CPU" } else { "CPUs" };
+    format!("{noun} {}", list.join(", "))
 }
 
 impl std::fmt::Display for Warning {
@@ -165,6 +230,18 @@ impl std::fmt::Display for Warning {
             Warning::WorkersShareCpu { field, threads } => {
                 write!(f, "{field}: {threads} workers pinned to one CPU share it")
             }
+            Warning::SpinnerSharesCpu {
+                field,
+                poller,
+                mode,
+                cpus,
+                shares_with,
+            } => write!(
+                f,
+                "{field}: {mode} poller {poller:?} may share {} with {shares_with}; \
+                 while it spins, they wait for their turn",
+                cpu_list(cpus)
+            ),
         }
     }
 }

@@ -39,10 +39,10 @@ mod validate;
 
 use std::path::Path;
 
-pub use config::{ModeConfig, PollerConfig, PoolConfig, TopologyConfig};
+pub use config::{ModeConfig, OnSharedCpu, PollerConfig, PoolConfig, TopologyConfig};
 pub use error::{TopologyError, Warning};
 pub use plan::{PollerPlan, PoolPlan, Topology};
-pub use validate::MAX_CAPACITY;
+pub use validate::{LONG_SPIN, MAX_CAPACITY};
 // Types the config is written in but that belong to the layers below (pools
 // route, threads are placed and prioritised), named here too so that a
 // config reads as one vocabulary.
@@ -70,6 +70,12 @@ impl TopologyConfig {
     /// Sets `on_priority_error`.
     pub fn on_priority_error(mut self, on_error: OnPriorityError) -> Self {
         self.on_priority_error = on_error;
+        self
+    }
+
+    /// Sets `on_shared_cpu`.
+    pub fn on_shared_cpu(mut self, on_shared: OnSharedCpu) -> Self {
+        self.on_shared_cpu = on_shared;
         self
     }
 

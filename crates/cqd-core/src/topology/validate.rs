@@ -2,7 +2,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::config::{ModeConfig, PoolConfig, TopologyConfig};
+use std::time::Duration;
+
+use super::config::{ModeConfig, OnSharedCpu, PoolConfig, TopologyConfig};
 use super::error::{TopologyError, Warning};
 use super::plan::{PollerPlan, PoolPlan, Topology};
 use crate::mode::MIN_WAKE_TIMEOUT;
@@ -10,6 +12,13 @@ use crate::thread::{Placement, Priority};
 
 /// The largest ring capacity accepted (2^24 slots per ring).
 pub const MAX_CAPACITY: usize = 1 << 24;
+
+/// A Hybrid spin window, or an Adaptive `max_window_us`, at least this long
+/// makes the poller a *spinner* for the shared-CPU check, as Busy is: after
+/// each completion it spins (pause hints, yields, never a nap) for up to
+/// that long, so with completions arriving more often than that it never
+/// leaves its CPU. The defaults (50 µs, 2–200 µs) are well below.
+pub const LONG_SPIN: Duration = Duration::from_millis(1);
 
 impl TopologyConfig {
     /// Checks the whole topology against the CPUs this process may use
@@ -103,6 +112,7 @@ impl TopologyConfig {
         for (i, p) in self.pools.iter().enumerate() {
             check_pool(&format!("pool[{i}]"), p, allowed, &mut names, &mut warnings)?;
         }
+        self.check_shared_cpus(allowed, &mut warnings)?;
 
         for w in &warnings {
             tracing::warn!(target: "cqd::topology", "{w}");
@@ -120,6 +130,81 @@ impl TopologyConfig {
             .collect();
         Ok(Topology::new(pollers, pools, warnings))
     }
+}
+
+impl TopologyConfig {
+    /// Each spinning poller against every other poller and pool whose
+    /// placement may overlap its own (an unpinned one may run on any
+    /// allowed CPU): a warning each, or with `on_shared_cpu = "error"` an
+    /// error for the first. Two spinners are reported once, at the first.
+    fn check_shared_cpus(
+        &self,
+        allowed: &BTreeSet<usize>,
+        warnings: &mut Vec<Warning>,
+    ) -> Result<(), TopologyError> {
+        let reach = |placement: &Placement| match placement {
+            Placement::Unpinned => allowed.clone(),
+            placement => placement.cpus(),
+        };
+        let pollers = self.pollers.iter().enumerate().map(|(k, p)| {
+            let with = format!("poller {:?} at poller[{k}].placement", p.name);
+            (k, with, reach(&p.placement), spins_long(&p.mode))
+        });
+        let pools = self.pools.iter().enumerate().map(|(j, p)| {
+            let with = format!("pool {:?} at pool[{j}].placement", p.name);
+            (usize::MAX, with, reach(&p.placement), false)
+        });
+        let others: Vec<_> = pollers.chain(pools).collect();
+        for (i, p) in self.pollers.iter().enumerate() {
+            if !spins_long(&p.mode) {
+                continue;
+            }
+            let mine = reach(&p.placement);
+            for (k, shares_with, theirs, spinner) in &others {
+                // Itself, or a spinner already reported with this one.
+                if *k == i || (*spinner && *k < i) {
+                    continue;
+                }
+                let cpus: BTreeSet<usize> = mine.intersection(theirs).copied().collect();
+                if cpus.is_empty() {
+                    continue;
+                }
+                let field = format!("poller[{i}].placement");
+                let (poller, mode) = (p.name.clone(), p.mode.poll_mode().name());
+                let shares_with = shares_with.clone();
+                if self.on_shared_cpu == OnSharedCpu::Error {
+                    return Err(TopologyError::SpinnerSharesCpu {
+                        field,
+                        poller,
+                        mode,
+                        cpus,
+                        shares_with,
+                    });
+                }
+                warnings.push(Warning::SpinnerSharesCpu {
+                    field,
+                    poller,
+                    mode,
+                    cpus,
+                    shares_with,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether a poller in `mode` may spin for [`LONG_SPIN`] or more without
+/// giving its CPU away: Busy always (it spins as long as completions
+/// flow), Hybrid and Adaptive with a window that long.
+fn spins_long(mode: &ModeConfig) -> bool {
+    let window_us = match *mode {
+        ModeConfig::Busy => return true,
+        ModeConfig::Event { .. } => return false,
+        ModeConfig::Hybrid { spin_window_us, .. } => spin_window_us,
+        ModeConfig::Adaptive { max_window_us, .. } => max_window_us,
+    };
+    Duration::from_micros(window_us) >= LONG_SPIN
 }
 
 fn check_pool<'a>(
