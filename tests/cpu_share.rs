@@ -16,7 +16,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::share::{producer_share, Share};
+use common::share::{producer_share, Setup, Share};
 use cqd::core::PollMode;
 
 /// The producer's least part of the CPU time used on its CPU. Pollers that
@@ -33,8 +33,12 @@ const MOST_IDLE_POLLER_SHARE: f64 = 0.1;
 const WINDOW: Duration = Duration::from_millis(500);
 
 fn measure(mode: PollMode, count: bool) -> Option<Share> {
-    let tag = &mode.name()[..1];
-    match producer_share(mode, 2, WINDOW, count, tag) {
+    let setup = Setup {
+        window: WINDOW,
+        count,
+        ..Setup::new(mode, 2)
+    };
+    match producer_share(&setup) {
         Ok(share) => Some(share),
         Err(reason) => {
             println!("SKIPPED: {reason}");
@@ -77,7 +81,7 @@ fn idle_pollers_alone_on_a_cpu_use_little_of_it(mode: PollMode) {
     let Some(share) = measure(mode, false) else {
         return;
     };
-    let used = share.pollers.as_secs_f64() / share.wall.as_secs_f64();
+    let used = share.pollers_of_wall();
     println!(
         "{}: CPU {}: 2 idle pollers used {:?} in {:?} ({:.1}%), {} naps",
         mode.name(),

@@ -1,13 +1,14 @@
-//! How much of one CPU a busy producer thread gets while idle pollers are
-//! pinned to the same CPU: the harness of `tests/cpu_share.rs` and of
-//! `benches/busy_share.rs`.
+//! How much CPU a busy producer thread gets while idle pollers run beside
+//! it: the harness of `tests/cpu_share.rs` and of `benches/busy_share.rs`.
 //!
 //! 1. Pick a CPU (the last one this process may use, away from CPU 0's
-//!    interrupts) and pin the producer thread to it; a refused pin is a skip.
-//! 2. Start the pollers, each pinning itself to that CPU first thing
-//!    (`on_start`), each on an idle simulated CQ.
-//! 3. The producer reads the CPU time of every thread on the CPU, counts in a
-//!    busy loop for the window, and reads them again.
+//!    interrupts) and, if the setup is pinned, pin the producer thread to
+//!    it; a refused pin is a skip.
+//! 2. Start the pollers, each on an idle simulated CQ and, if pinned,
+//!    pinning itself to that CPU first thing (`on_start`).
+//! 3. The producer reads the CPU time of every thread of the setup, counts
+//!    in a busy loop for the window (or sleeps through it), and reads them
+//!    again.
 //! 4. Stop the pollers.
 #![allow(dead_code)]
 
@@ -18,10 +19,45 @@ use std::time::{Duration, Instant};
 use cqd::core::{split, CqOptions, NoSink, NoWork, PollMode, PollerBuilder, PollerThread};
 use cqd::sim::{sim_cq, Faults, SimCq};
 
+/// One measurement.
+#[derive(Debug, Clone)]
+pub struct Setup {
+    /// The pollers' mode.
+    pub mode: PollMode,
+    /// How many pollers.
+    pub pollers: usize,
+    /// The producer's window.
+    pub window: Duration,
+    /// Whether the producer counts (or sleeps through the window, leaving
+    /// the CPU to the pollers).
+    pub count: bool,
+    /// Whether the producer and the pollers are pinned to one CPU (or left
+    /// to the scheduler).
+    pub pinned: bool,
+    /// Prefix of the poller names, unique among setups measured at once.
+    pub tag: String,
+}
+
+impl Setup {
+    /// `pollers` idle pollers in `mode` pinned with a counting producer for
+    /// 500 ms.
+    pub fn new(mode: PollMode, pollers: usize) -> Self {
+        Setup {
+            mode,
+            pollers,
+            window: Duration::from_millis(500),
+            count: true,
+            pinned: true,
+            tag: mode.name()[..1].to_string(),
+        }
+    }
+}
+
 /// What the producer got during its window.
 #[derive(Debug, Clone, Copy)]
 pub struct Share {
-    /// The CPU everything ran on.
+    /// The CPU everything was pinned to (the CPU it would have been, when
+    /// unpinned).
     pub cpu: usize,
     /// The producer's window (wall time).
     pub wall: Duration,
@@ -39,9 +75,14 @@ impl Share {
         self.producer.as_secs_f64() / self.wall.as_secs_f64()
     }
 
-    /// The producer's fraction of the CPU time the threads on its CPU used
-    /// (the producer and the pollers). Unlike [`of_wall`](Self::of_wall) it
-    /// does not move when other processes load the same CPU.
+    /// The pollers' CPU time as a fraction of the window.
+    pub fn pollers_of_wall(&self) -> f64 {
+        self.pollers.as_secs_f64() / self.wall.as_secs_f64()
+    }
+
+    /// The producer's fraction of the CPU time the threads of the setup
+    /// used (the producer and the pollers). Unlike [`of_wall`](Self::of_wall)
+    /// it does not move when other processes load the same CPU.
     pub fn of_used(&self) -> f64 {
         let used = self.producer + self.pollers;
         self.producer.as_secs_f64() / used.as_secs_f64().max(f64::MIN_POSITIVE)
@@ -75,20 +116,22 @@ fn tids_named(names: &[String]) -> Vec<String> {
         .collect()
 }
 
-fn pin(cpu: usize) -> Result<(), String> {
-    if core_affinity::set_for_current(core_affinity::CoreId { id: cpu }) {
-        Ok(())
-    } else {
-        Err(format!("cannot pin a thread to CPU {cpu}"))
+/// Pins the calling thread to `cpu`, if there is one.
+fn pin(cpu: Option<usize>) -> Result<(), String> {
+    match cpu {
+        None => Ok(()),
+        Some(id) if core_affinity::set_for_current(core_affinity::CoreId { id }) => Ok(()),
+        Some(id) => Err(format!("cannot pin a thread to CPU {id}")),
     }
 }
 
-/// Starts `n` pollers in `mode` on idle CQs, each pinned to `cpu`; their
-/// thread names and the CQs' producer ends (kept alive).
-pub fn pinned_pollers(
+/// Step 2: `n` pollers in `mode` on idle CQs, each pinned to `cpu` if
+/// given; their threads, the CQs' producer ends (kept alive) and the
+/// threads' names as Linux shows them.
+fn idle_pollers(
     mode: PollMode,
     n: usize,
-    cpu: usize,
+    cpu: Option<usize>,
     tag: &str,
 ) -> Result<(Vec<PollerThread>, Vec<SimCq>, Vec<String>), String> {
     let (mut threads, mut cqs, mut names) = (Vec::new(), Vec::new(), Vec::new());
@@ -114,72 +157,62 @@ pub fn pinned_pollers(
     Ok((threads, cqs, names))
 }
 
-/// Steps 1–4: `pollers` idle pollers in `mode` share a CPU with a producer
-/// that counts for `window` (or, with `count` false, sleeps through it, so
-/// that the pollers have the CPU to themselves). `Err` is the reason to skip
-/// (the CPU cannot be pinned, or thread CPU times cannot be read).
-pub fn producer_share(
-    mode: PollMode,
-    pollers: usize,
-    window: Duration,
-    count: bool,
-    tag: &str,
-) -> Result<Share, String> {
-    // 1. The CPU, and a producer pinned to it.
+/// Step 3, on the producer thread, once it has the pollers' thread ids.
+fn count(setup: &Setup, cpu: usize, tids: &[String]) -> Result<Share, String> {
+    let me = || cpu_time_at("/proc/thread-self/schedstat");
+    let them = || -> Option<Duration> { tids.iter().map(|t| cpu_time_of(t)).sum() };
+    let (p0, q0) = (me(), them());
+    let start = Instant::now();
+    if setup.count {
+        let mut n = 0u64;
+        while start.elapsed() < setup.window {
+            for _ in 0..10_000 {
+                n = black_box(n + 1);
+            }
+        }
+    } else {
+        std::thread::sleep(setup.window);
+    }
+    let wall = start.elapsed();
+    let (p1, q1) = (me(), them());
+    let unreadable = || "cannot read thread CPU times from /proc".to_string();
+    Ok(Share {
+        cpu,
+        wall,
+        producer: p1.ok_or_else(unreadable)? - p0.ok_or_else(unreadable)?,
+        pollers: q1.ok_or_else(unreadable)? - q0.ok_or_else(unreadable)?,
+        naps: 0,
+    })
+}
+
+/// Steps 1–4. `Err` is the reason to skip: the CPU cannot be pinned, or
+/// thread CPU times cannot be read.
+pub fn producer_share(setup: &Setup) -> Result<Share, String> {
+    // 1. The CPU, and the producer.
     let cpu = core_affinity::get_core_ids()
         .and_then(|ids| ids.iter().map(|c| c.id).max())
         .ok_or("cannot read the CPUs this process may use")?;
+    let pinned = setup.pinned.then_some(cpu);
     let (go_tx, go_rx) = mpsc::channel::<Vec<String>>();
-    let (pinned_tx, pinned_rx) = mpsc::channel::<Result<(), String>>();
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
+    let theirs = setup.clone();
     let producer = std::thread::Builder::new()
-        .name(format!("{tag}-producer"))
+        .name(format!("{}-producer", setup.tag))
         .spawn(move || -> Result<Share, String> {
-            let pinned = pin(cpu);
-            let _ = pinned_tx.send(pinned.clone());
-            pinned?;
+            let ready = pin(pinned);
+            let _ = ready_tx.send(ready.clone());
+            ready?;
             let tids = go_rx.recv().map_err(|_| "no pollers started".to_string())?;
-            // 3. Count, between two readings of every thread's CPU time.
-            let me = || cpu_time_at("/proc/thread-self/schedstat");
-            let read =
-                |tids: &[String]| -> Option<Duration> { tids.iter().map(|t| cpu_time_of(t)).sum() };
-            let (p0, q0) = (me(), read(&tids));
-            let start = Instant::now();
-            let mut n = 0u64;
-            while count && start.elapsed() < window {
-                for _ in 0..10_000 {
-                    n = black_box(n + 1);
-                }
-            }
-            if !count {
-                std::thread::sleep(window);
-            }
-            let wall = start.elapsed();
-            let (p1, q1) = (me(), read(&tids));
-            let cpu_times = "cannot read thread CPU times from /proc";
-            let (p0, p1, q0, q1) = (
-                p0.ok_or(cpu_times)?,
-                p1.ok_or(cpu_times)?,
-                q0.ok_or(cpu_times)?,
-                q1.ok_or(cpu_times)?,
-            );
-            Ok(Share {
-                cpu,
-                wall,
-                producer: p1.saturating_sub(p0),
-                pollers: q1.saturating_sub(q0),
-                naps: 0,
-            })
+            count(&theirs, cpu, &tids)
         })
         .map_err(|e| e.to_string())?;
-    let pinned = pinned_rx
+    let ready = ready_rx
         .recv()
-        .map_err(|_| "the producer thread died".to_string());
-    if let Err(reason) = pinned.and_then(|r| r) {
-        let _ = producer.join();
-        return Err(reason);
-    }
-    // 2. The pollers.
-    let (threads, _cqs, names) = match pinned_pollers(mode, pollers, cpu, tag) {
+        .map_err(|_| "the producer thread died".to_string())
+        .and_then(|r| r);
+    // 2. The pollers, once the producer is placed.
+    let started = ready.and_then(|()| idle_pollers(setup.mode, setup.pollers, pinned, &setup.tag));
+    let (threads, _cqs, names) = match started {
         Ok(started) => started,
         Err(reason) => {
             drop(go_tx);
@@ -189,8 +222,6 @@ pub fn producer_share(
     };
     let tids = tids_named(&names);
     if tids.len() != names.len() {
-        drop(go_tx);
-        let _ = producer.join();
         return Err(format!("cannot find the poller threads {names:?} in /proc"));
     }
     let _ = go_tx.send(tids);
