@@ -11,8 +11,8 @@
 //! posting call, on a loopback QP whose posts complete at once — with pauses
 //! between them — the pattern that separates the modes: busy polling burns
 //! the pauses (naps through those past 100 µs), event mode sleeps through
-//! them and pays wake-ups, hybrid and
-//! adaptive spin across short pauses and sleep through long ones. It checks
+//! them and pays wake-ups, hybrid and adaptive spin across short pauses and
+//! sleep through long ones. It checks
 //! that every completion reached the right callback exactly once and prints
 //! the counters side by side.
 
