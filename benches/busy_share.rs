@@ -7,10 +7,11 @@
 //!    scheduler. The figures are the producer's CPU time as a part of wall
 //!    time, and the pollers' (5 runs: median [min–max]). A third table
 //!    leaves the pinned pollers alone on their CPU (the producer sleeps).
-//! 2. **Wake latency after idle.** One poller per mode; its CQ stays quiet
-//!    for 10 ms, then one completion is pushed; the figure is the time from
-//!    the push to the handler's call (100 samples per mode: median, 90th
-//!    percentile, largest).
+//! 2. **Wake latency after idle.** One poller per mode, pinned to the last
+//!    CPU; its CQ stays quiet for 10 ms, then a thread pinned to the first
+//!    CPU pushes one completion and waits for it; the figure is the time
+//!    from the push to the handler's call (100 samples per mode: median,
+//!    90th percentile, largest).
 //!
 //! `cargo bench --bench busy_share` (add `-- --quick` for a smoke run).
 //! Figures are recorded in docs/benchmarks.md.
@@ -95,9 +96,33 @@ impl Handler for Stamp {
     }
 }
 
+fn pin(cpu: usize) -> bool {
+    core_affinity::set_for_current(core_affinity::CoreId { id: cpu })
+}
+
 /// Microseconds from a push after `quiet` to the handler's call, `samples`
-/// times.
+/// times: the poller on the last CPU, the pushing thread on the first (so
+/// that its wait never delays the poller), both as far as they can be
+/// pinned.
 fn wake_latency(mode: PollMode, quiet: Duration, samples: usize) -> Vec<f64> {
+    let cpus: Vec<usize> = core_affinity::get_core_ids()
+        .unwrap_or_default()
+        .iter()
+        .map(|c| c.id)
+        .collect();
+    let (first, last) = (cpus.first().copied(), cpus.last().copied());
+    std::thread::spawn(move || {
+        let pinned = first.is_some_and(pin);
+        if !pinned {
+            println!("(the pushing thread could not be pinned)");
+        }
+        push_and_wait(mode, quiet, samples, last)
+    })
+    .join()
+    .expect("latency thread")
+}
+
+fn push_and_wait(mode: PollMode, quiet: Duration, samples: usize, cpu: Option<usize>) -> Vec<f64> {
     let (producer, source) = sim_cq("lat", 256, Faults::default()).expect("sim CQ");
     let (cq, handle) = split::<NoWork>(source, CqOptions::default()).expect("split");
     let base = Instant::now();
@@ -110,6 +135,12 @@ fn wake_latency(mode: PollMode, quiet: Duration, samples: usize) -> Vec<f64> {
         .expect("register");
     let thread = PollerBuilder::new(format!("lat-{}", mode.name()), NoSink)
         .mode(mode)
+        .on_start(move || {
+            if cpu.is_some_and(|c| !pin(c)) {
+                println!("(the poller could not be pinned)");
+            }
+            Ok(())
+        })
         .cq(cq)
         .spawn()
         .expect("spawn");
