@@ -125,15 +125,18 @@ fn pin(cpu: Option<usize>) -> Result<(), String> {
     }
 }
 
+/// Pollers running on idle CQs.
+struct Idle {
+    threads: Vec<PollerThread>,
+    /// The CQs' producer ends, kept alive.
+    _cqs: Vec<SimCq>,
+    /// The threads' names as Linux shows them.
+    names: Vec<String>,
+}
+
 /// Step 2: `n` pollers in `mode` on idle CQs, each pinned to `cpu` if
-/// given; their threads, the CQs' producer ends (kept alive) and the
-/// threads' names as Linux shows them.
-fn idle_pollers(
-    mode: PollMode,
-    n: usize,
-    cpu: Option<usize>,
-    tag: &str,
-) -> Result<(Vec<PollerThread>, Vec<SimCq>, Vec<String>), String> {
+/// given.
+fn idle_pollers(mode: PollMode, n: usize, cpu: Option<usize>, tag: &str) -> Result<Idle, String> {
     let (mut threads, mut cqs, mut names) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..n {
         let name = format!("{tag}{i}");
@@ -154,7 +157,11 @@ fn idle_pollers(
         threads.push(thread);
         cqs.push(producer);
     }
-    Ok((threads, cqs, names))
+    Ok(Idle {
+        threads,
+        _cqs: cqs,
+        names,
+    })
 }
 
 /// Step 3, on the producer thread, once it has the pollers' thread ids.
@@ -212,7 +219,11 @@ pub fn producer_share(setup: &Setup) -> Result<Share, String> {
         .and_then(|r| r);
     // 2. The pollers, once the producer is placed.
     let started = ready.and_then(|()| idle_pollers(setup.mode, setup.pollers, pinned, &setup.tag));
-    let (threads, _cqs, names) = match started {
+    let Idle {
+        threads,
+        names,
+        _cqs,
+    } = match started {
         Ok(started) => started,
         Err(reason) => {
             drop(go_tx);
