@@ -5,8 +5,10 @@
 //!    1 or 2 Busy pollers on idle simulated CQs run beside it: all pinned to
 //!    one CPU (the last this process may use), then all left to the
 //!    scheduler. The figures are the producer's CPU time as a part of wall
-//!    time, and the pollers' (5 runs: median [min–max]). A third table
-//!    leaves the pinned pollers alone on their CPU (the producer sleeps).
+//!    time, the pollers', and the producer's part of the CPU time all of
+//!    them used, which load from other processes does not move (5 runs:
+//!    median [min–max]). A third table leaves the pinned pollers alone on
+//!    their CPU (the producer sleeps).
 //! 2. **Wake latency after idle.** One poller per mode, pinned to the last
 //!    CPU; its CQ stays quiet for 10 ms, then a thread pinned to the first
 //!    CPU pushes one completion and waits for it; the figure is the time
@@ -62,12 +64,15 @@ fn share_table(title: &str, runs: usize, setups: &[(usize, Setup)]) {
                 }
             }
         }
-        let producer = if setup.count {
-            spread(producer)
+        let (producer, used) = if setup.count {
+            (spread(producer), spread(used))
         } else {
-            "(asleep)".into()
+            ("(asleep)".into(), "".into())
         };
-        println!("{n:>7}  {producer:>22}  {:>22}", spread(pollers));
+        println!(
+            "{n:>7}  {producer:>22}  {:>22}  {used:>22}",
+            spread(pollers)
+        );
     }
 }
 
