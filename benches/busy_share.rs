@@ -46,17 +46,19 @@ fn spread(mut v: Vec<f64>) -> String {
 fn share_table(title: &str, runs: usize, setups: &[(usize, Setup)]) {
     println!("\n{title}");
     println!(
-        "{:>7}  {:>22}  {:>22}",
-        "pollers", "producer / wall", "pollers / wall"
+        "{:>7}  {:>22}  {:>22}  {:>22}",
+        "pollers", "producer / wall", "pollers / wall", "producer / used"
     );
     for (n, setup) in setups {
         let mut producer = Vec::new();
         let mut pollers = Vec::new();
+        let mut used = Vec::new();
         for _ in 0..runs {
             match producer_share(setup) {
                 Ok(s) => {
                     producer.push(100.0 * s.of_wall());
                     pollers.push(100.0 * s.pollers_of_wall());
+                    used.push(100.0 * s.of_used());
                 }
                 Err(reason) => {
                     println!("SKIPPED: {reason}");
