@@ -107,7 +107,8 @@ fn default_capacity() -> usize {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
 pub enum ModeConfig {
-    /// Poll without sleeping: lowest latency, one whole CPU.
+    /// Poll without blocking on a notification: lowest latency, one whole
+    /// CPU while completions flow; naps when idle (`cqd_core::mode`).
     Busy,
     /// Arm, re-poll, sleep on the completion channel.
     Event {
@@ -155,7 +156,8 @@ impl Default for ModeConfig {
 }
 
 impl ModeConfig {
-    /// Whether the poller spins without ever sleeping, and so claims a CPU.
+    /// Whether the poller spins without ever blocking on a notification,
+    /// and so claims a CPU.
     pub fn is_busy(&self) -> bool {
         matches!(self, ModeConfig::Busy)
     }
