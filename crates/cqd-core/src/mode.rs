@@ -72,7 +72,7 @@ use serde::{Deserialize, Serialize};
 pub const MIN_WAKE_TIMEOUT: Duration = Duration::from_micros(100);
 
 /// Busy mode: an idle stretch shorter than this is spun with pause hints
-/// alone (see "Busy mode when nothing comes" above).
+/// alone (the module documentation, "Busy mode when nothing comes").
 pub const BUSY_PAUSE_FOR: Duration = Duration::from_micros(50);
 
 /// Busy mode: from [`BUSY_PAUSE_FOR`] to this much idle time each empty
