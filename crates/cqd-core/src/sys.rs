@@ -1,12 +1,13 @@
 //! The few OS calls the poller needs, through rustix's safe wrappers: an
-//! eventfd to wake a sleeping poller, and `poll(2)` to sleep on the event
-//! descriptors of a poll group. No `unsafe` here.
+//! eventfd to wake a sleeping poller, an epoll set in which each
+//! notification descriptor of a poll group is registered once (a wake-up
+//! returns only the ready ones). No `unsafe` here.
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::time::Duration;
 
-use rustix::event::{eventfd, EventfdFlags, PollFd, PollFlags};
+use rustix::event::{epoll, eventfd, EventfdFlags};
 
 /// A non-blocking eventfd used as a doorbell.
 #[derive(Debug)]
@@ -41,31 +42,70 @@ impl AsFd for Doorbell {
     }
 }
 
-/// Blocks until one of `fds` is readable or `timeout` passes. Returns the
-/// readiness of each descriptor, in order.
-pub(crate) fn wait_readable(
-    fds: &[BorrowedFd<'_>],
-    timeout: Duration,
-    ready: &mut Vec<bool>,
-) -> io::Result<usize> {
-    let mut pollfds: Vec<PollFd<'_>> = fds
-        .iter()
-        .map(|fd| PollFd::from_borrowed_fd(*fd, PollFlags::IN))
-        .collect();
-    let ts = rustix::event::Timespec {
-        tv_sec: timeout.as_secs() as _,
-        tv_nsec: timeout.subsec_nanos() as _,
-    };
-    let n = loop {
-        match rustix::event::poll(&mut pollfds, Some(&ts)) {
-            Ok(n) => break n,
-            Err(rustix::io::Errno::INTR) => continue,
-            Err(e) => return Err(e.into()),
-        }
-    };
-    ready.clear();
-    ready.extend(pollfds.iter().map(|p| !p.revents().is_empty()));
-    Ok(n)
+/// An epoll set: descriptors are registered once, level-triggered, each
+/// with a 64-bit token; a wait returns the tokens of the ready ones.
+pub(crate) struct Epoll {
+    fd: OwnedFd,
+}
+
+/// Ready descriptors taken per wait; more stay ready (level-triggered) for
+/// the next one.
+const EVENTS_PER_WAIT: usize = 256;
+
+impl std::fmt::Debug for Epoll {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Epoll").field("fd", &self.fd).finish()
+    }
+}
+
+impl Epoll {
+    pub(crate) fn new() -> io::Result<Self> {
+        Ok(Epoll {
+            fd: epoll::create(epoll::CreateFlags::CLOEXEC)?,
+        })
+    }
+
+    /// Registers `fd` (readable, level-triggered) under `token`.
+    pub(crate) fn add(&mut self, fd: BorrowedFd<'_>, token: u64) -> io::Result<()> {
+        epoll::add(
+            &self.fd,
+            fd,
+            epoll::EventData::new_u64(token),
+            epoll::EventFlags::IN,
+        )?;
+        Ok(())
+    }
+
+    /// Blocks until a registered descriptor is ready or `timeout` passes
+    /// (`None`: do not block). Appends the ready tokens to `ready`
+    /// (cleared first); returns how many.
+    pub(crate) fn wait(
+        &mut self,
+        timeout: Option<Duration>,
+        ready: &mut Vec<u64>,
+    ) -> io::Result<usize> {
+        let ts = rustix::event::Timespec {
+            tv_sec: timeout.map_or(0, |t| t.as_secs() as _),
+            tv_nsec: timeout.map_or(0, |t| t.subsec_nanos() as _),
+        };
+        let mut events = [std::mem::MaybeUninit::<epoll::Event>::uninit(); EVENTS_PER_WAIT];
+        let (got, _) = loop {
+            match epoll::wait(&self.fd, &mut events, Some(&ts)) {
+                Ok(r) => break r,
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        };
+        ready.clear();
+        ready.extend(got.iter().map(|e| e.data.u64()));
+        Ok(ready.len())
+    }
+}
+
+impl AsFd for Epoll {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
 }
 
 /// CPU time consumed by the calling thread.

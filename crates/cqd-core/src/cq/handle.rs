@@ -85,7 +85,7 @@ impl<W: Send + 'static> CqHandle<W> {
         let m = &self.shared.metrics.0;
         m.handlers_live.fetch_add(1, Ordering::Relaxed);
         m.registrations.fetch_add(1, Ordering::Relaxed);
-        self.shared.doorbell.ring();
+        self.shared.ring();
         Ok(Registration {
             key,
             ledger,
@@ -107,7 +107,7 @@ impl<W: Send + 'static> CqHandle<W> {
             });
         }
         self.shared.commands.push(Command::Unregister { key });
-        self.shared.doorbell.ring();
+        self.shared.ring();
         Ok(())
     }
 

@@ -126,7 +126,16 @@ pub struct CqOptions {
     pub trace_completions: bool,
     /// Measure time spent in handlers (two clock reads per batch).
     pub measure_handlers: bool,
+    /// Completions a poller takes from this CQ per round at most (default
+    /// [`DEFAULT_ROUND_BUDGET`], as the kernel's `ib_cq` polls in interrupt
+    /// context): it polls the CQ again while it returns full batches, up to
+    /// this budget, before moving to the next CQ. Every CQ is still visited
+    /// every round; a busy CQ is no longer served one batch per sweep.
+    pub round_budget: usize,
 }
+
+/// The default [`CqOptions::round_budget`].
+pub const DEFAULT_ROUND_BUDGET: usize = 256;
 
 impl Default for CqOptions {
     fn default() -> Self {
@@ -135,6 +144,7 @@ impl Default for CqOptions {
             arm: ArmKind::Next,
             trace_completions: false,
             measure_handlers: false,
+            round_budget: DEFAULT_ROUND_BUDGET,
         }
     }
 }
@@ -158,7 +168,9 @@ pub(crate) struct CqShared<W> {
     pub(crate) commands: SegQueue<Command<W>>,
     pub(crate) table: Mutex<SlotTable>,
     pub(crate) metrics: CqMetrics,
-    pub(crate) doorbell: Arc<Doorbell>,
+    /// The doorbell of the poller the CQ is bound to, once bound: one per
+    /// poller, shared by every CQ of its group (see [`CqShared::ring`]).
+    pub(crate) doorbell: Mutex<Option<Arc<Doorbell>>>,
     pub(crate) closed: AtomicBool,
     /// The CQ's budget, once attached (its counters join the snapshot;
     /// overflow events are recorded in it).
@@ -169,21 +181,32 @@ pub(crate) struct CqShared<W> {
     pub(crate) ledger: Arc<OnceLock<WrLedger>>,
 }
 
+impl<W> CqShared<W> {
+    /// Rings the doorbell of the poller the CQ is bound to, after a command
+    /// was queued (registration, unregistration). Before a poller installs
+    /// its doorbell there is nobody to wake: the poller applies every
+    /// queued command right after installing it
+    /// ([`CqPoller::install_doorbell`]), and the lock orders the two, so a
+    /// command is either seen there or rings the bell.
+    pub(crate) fn ring(&self) {
+        if let Some(d) = &*self.doorbell.lock() {
+            d.ring();
+        }
+    }
+}
+
 /// Makes the two halves of a CQ from a backend's source: the
 /// [`UnboundCq`] (to be bound on the thread that polls it) and the
 /// [`CqHandle`], with the source's ledger and budget attached
 /// ([`CompletionSource::ledger`]).
 ///
 /// # Errors
-/// When the doorbell eventfd cannot be made.
+/// None today (kept for backends' and future set-up failures); a CQ
+/// makes no descriptor of its own (its poller's doorbell serves it).
 pub fn split<W: Send + 'static>(
     source: impl CompletionSource,
     options: CqOptions,
 ) -> Result<(UnboundCq<W>, CqHandle<W>), SourceError> {
-    let doorbell = Doorbell::new().map_err(|source| SourceError::Os {
-        op: "eventfd",
-        source,
-    })?;
     let batch = options.batch.clamp(1, 4096);
     let shared = Arc::new(CqShared {
         name: source.name().to_string(),
@@ -191,7 +214,7 @@ pub fn split<W: Send + 'static>(
         commands: SegQueue::new(),
         table: Mutex::new(SlotTable::default()),
         metrics: CqMetrics::default(),
-        doorbell: Arc::new(doorbell),
+        doorbell: Mutex::new(None),
         closed: AtomicBool::new(false),
         budget: Arc::default(),
         ledger: Arc::default(),
@@ -212,6 +235,7 @@ pub fn split<W: Send + 'static>(
         options,
         finished: false,
         in_error: false,
+        doorbell: None,
     };
     Ok((
         UnboundCq {
@@ -236,6 +260,8 @@ struct Core<W> {
     finished: bool,
     /// Set once the CQ was found in the error state (overflow).
     in_error: bool,
+    /// The doorbell installed for this CQ (the poller's), for its fd.
+    doorbell: Option<Arc<Doorbell>>,
 }
 
 impl<W> Core<W> {
@@ -307,6 +333,10 @@ impl<W: Send + 'static> UnboundCq<W> {
         }
     }
 
+    pub(crate) fn source(&self) -> &dyn CompletionSource {
+        &*self.core.source
+    }
+
     /// Binds the CQ to the calling thread: the returned [`CqPoller`] can
     /// poll, arm and acknowledge it, and can never leave this thread.
     pub fn bind(self) -> CqPoller<W> {
@@ -314,10 +344,6 @@ impl<W: Send + 'static> UnboundCq<W> {
             core: self.core,
             _not_send: PhantomData,
         }
-    }
-
-    pub(crate) fn doorbell(&self) -> Arc<Doorbell> {
-        Arc::clone(&self.core.shared.doorbell)
     }
 }
 
@@ -479,10 +505,59 @@ impl<W: Send + 'static> CqPoller<W> {
     }
 
     /// The descriptor that is rung when a handle registers or unregisters a
-    /// handler, or a stop is requested.
-    pub fn doorbell_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+    /// handler (for a custom loop: a poller thread installs its own, one
+    /// for its whole group). The first call makes it.
+    ///
+    /// # Errors
+    /// When the eventfd cannot be made.
+    pub fn doorbell_fd(&mut self) -> Result<std::os::fd::BorrowedFd<'_>, SourceError> {
         use std::os::fd::AsFd;
-        self.core.shared.doorbell.as_fd()
+        if self.core.doorbell.is_none() {
+            let d = Doorbell::new().map_err(|source| SourceError::Os {
+                op: "eventfd",
+                source,
+            })?;
+            self.install_doorbell(Arc::new(d));
+        }
+        match &self.core.doorbell {
+            Some(d) => Ok(d.as_fd()),
+            None => unreachable!("installed above"),
+        }
+    }
+
+    /// Makes `doorbell` the one every command on this CQ rings, then
+    /// applies the commands queued before (see [`CqShared::ring`]).
+    pub(crate) fn install_doorbell(&mut self, doorbell: Arc<Doorbell>) {
+        *self.core.shared.doorbell.lock() = Some(Arc::clone(&doorbell));
+        self.core.doorbell = Some(doorbell);
+        self.apply_commands();
+    }
+
+    /// Polls up to the round budget: again while the CQ returns full
+    /// batches ([`CqOptions::round_budget`]) and `out` holds at most
+    /// `spill_mark` items (so the spill's bound of `poller::spill` is that
+    /// of one batch per CQ). Returns the completions polled; an error after
+    /// some were polled ends the round quietly (the next round meets it
+    /// again).
+    pub(crate) fn poll_round(
+        &mut self,
+        out: &mut VecDeque<Routed<W>>,
+        spill_mark: usize,
+    ) -> Result<usize, SourceError> {
+        let batch = self.core.buf.len();
+        let budget = self.core.options.round_budget.max(1);
+        let mut total = 0;
+        loop {
+            let n = match self.poll_once(out) {
+                Ok(n) => n,
+                Err(e) if total == 0 => return Err(e),
+                Err(_) => return Ok(total),
+            };
+            total += n;
+            if n < batch || total >= budget || out.len() > spill_mark {
+                return Ok(total);
+            }
+        }
     }
 
     /// Handles pending asynchronous events: counts them, traces them at
@@ -553,10 +628,6 @@ impl<W: Send + 'static> CqPoller<W> {
 
     pub(crate) fn shared(&self) -> &CqShared<W> {
         &self.core.shared
-    }
-
-    pub(crate) fn source(&self) -> &dyn CompletionSource {
-        &*self.core.source
     }
 }
 
