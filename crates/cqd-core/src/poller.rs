@@ -56,8 +56,8 @@ use crate::sink::WorkSink;
 use crate::sync::{AtomicBool, Ordering};
 use crate::sys::{thread_cpu_time, Doorbell};
 use crate::thread::{start, StartError, ThreadHandle};
-pub use spill::DEFAULT_SPILL_HIGH_WATER_MARK;
 use ready::Readiness;
+pub use spill::DEFAULT_SPILL_HIGH_WATER_MARK;
 use spill::{GiveBack, Spill};
 
 /// Acknowledge notifications once this many are pending.

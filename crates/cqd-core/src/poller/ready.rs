@@ -95,7 +95,10 @@ pub(super) struct Readiness {
 impl Readiness {
     /// Step 1 of "The epoll sets": registers every distinct descriptor of
     /// `sources` once.
-    pub(super) fn new(sources: &[&dyn CompletionSource], doorbell: Arc<Doorbell>) -> io::Result<Self> {
+    pub(super) fn new(
+        sources: &[&dyn CompletionSource],
+        doorbell: Arc<Doorbell>,
+    ) -> io::Result<Self> {
         let mut epoll = Epoll::new()?;
         let mut ctl = Epoll::new()?;
         ctl.add(doorbell.as_fd(), DOORBELL)?;
@@ -272,7 +275,8 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
     /// descriptor was ready; otherwise the active ones (the safety round
     /// checks the quiet ones slice by slice).
     pub(super) fn check_async(&mut self) {
-        if matches!(self.idle.mode(), PollMode::Busy) || std::mem::take(&mut self.ready.async_ready) {
+        if matches!(self.idle.mode(), PollMode::Busy) || std::mem::take(&mut self.ready.async_ready)
+        {
             for cq in &mut self.cqs {
                 cq.check_async();
             }
@@ -294,7 +298,9 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             return;
         }
         self.ready.last_check = now;
-        if self.ready.epoll.wait(None, &mut self.ready.tokens).is_ok() && !self.ready.tokens.is_empty() {
+        if self.ready.epoll.wait(None, &mut self.ready.tokens).is_ok()
+            && !self.ready.tokens.is_empty()
+        {
             self.on_control();
             if let Err(e) = self.collect_events() {
                 tracing::error!(error = %e, "collecting notifications failed");
@@ -332,7 +338,9 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
     /// Waits on the control set only (the spill's space wait, a back-off):
     /// until the doorbell or the space doorbell rings or `timeout` passes.
     pub(super) fn wait_control(&mut self, timeout: Duration) -> io::Result<()> {
-        self.ready.ctl.wait(Some(timeout), &mut self.ready.ctl_tokens)?;
+        self.ready
+            .ctl
+            .wait(Some(timeout), &mut self.ready.ctl_tokens)?;
         if self.ready.doorbell.drain() > 0 {
             bump(&self.metrics.0.control_wakeups, 1);
             self.apply_all_commands();
