@@ -10,15 +10,20 @@
 //!   thread's CPU time over 2 s of wall time (ms per s), safety-net wake-ups
 //!   (100 ms) included.
 //! - **Busy throughput**: one poller in Busy mode over N CQs; a producer
-//!   keeps one CQ fed in batches of 64 (never past its capacity); the figure
-//!   is completions handled per second on that CQ.
+//!   keeps one CQ fed, half its capacity at a time (never past it); the
+//!   figure is completions handled per second on that CQ.
 //! - **Descriptors**: the process's open descriptors before and after
 //!   making 10,000 simulated CQs on one channel and a poller over all of
 //!   them; and per CQ for CQs with descriptors of their own.
 //!
 //! N is 1 and 1,024; each figure is the median of 5 runs [min–max], and the
-//! ratio column divides the 1,024-CQ median by the 1-CQ one. The producer is
-//! pinned to CPU 0 and the poller to CPU 1 when the machine has two.
+//! ratio column divides the 1,024-CQ median by the 1-CQ one; the two sizes
+//! run interleaved so that both meet the same machine load. The poller is
+//! pinned to CPU 1 when the machine has two; the producer is left to the
+//! scheduler (pinned to a busy CPU, it is preempted between its time stamp
+//! and its push, and the latency measures that). The last row, the poller's
+//! CPU time per wake-up in the latency runs, is what the group's size costs
+//! each wake-up whatever the scheduler adds.
 //!
 //! `cargo bench --bench scale` (add `-- --quick` for a CI smoke run: one
 //! short run each). Figures are recorded in docs/benchmarks.md, "Many CQs
@@ -35,6 +40,11 @@ use cqd::core::{
 use cqd::sim::{sim_cq, Faults, SimChannel, SimCq};
 
 const CAPACITY: u32 = 4096;
+
+/// Busy completions per poller CPU-second (M/s), by group size.
+static BUSY_CPU: std::sync::Mutex<Vec<(usize, f64)>> = std::sync::Mutex::new(Vec::new());
+/// Poller CPU per wake-up of the latency runs, by group size.
+static WAKE_CPU: std::sync::Mutex<Vec<(usize, f64)>> = std::sync::Mutex::new(Vec::new());
 
 /// Counts completions and, when asked, the latency from the push stamp.
 struct Probe {
@@ -58,6 +68,8 @@ impl Handler for Probe {
     }
 }
 
+/// Pins the calling thread (the poller) to `cpu` on a machine with two or
+/// more.
 fn pin(cpu: usize) -> Result<(), String> {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     if cpus < 2 {
@@ -139,7 +151,6 @@ fn completion(reg: &Registration, tag: u32) -> cqd::core::Completion {
 /// p50 push → handler, in µs.
 fn event_p50(n: usize, samples: usize) -> f64 {
     let g = group(PollMode::Event, n);
-    let _ = pin(0);
     std::thread::sleep(Duration::from_millis(50));
     let mut lat = Vec::with_capacity(samples);
     for i in 0..samples {
@@ -157,7 +168,14 @@ fn event_p50(n: usize, samples: usize) -> f64 {
         }
         lat.push(g.latency_ns.load(Ordering::Acquire) as f64 / 1e3);
     }
-    let _ = g.thread.stop();
+    if let Ok(r) = g.thread.stop() {
+        // The poller's CPU per notified wake-up: what the group's size costs
+        // each wake-up, whatever the scheduler adds to the latency.
+        let per_wake = r.poller.cpu_ns as f64 / 1e3 / r.poller.sleeps.max(1) as f64;
+        if let Ok(mut v) = WAKE_CPU.lock() {
+            v.push((n, per_wake));
+        }
+    }
     lat.sort_by(f64::total_cmp);
     lat[lat.len() / 2]
 }
@@ -178,9 +196,10 @@ fn event_idle_cpu(n: usize, wall: Duration) -> f64 {
 /// Busy completions/s on the active CQ.
 fn busy_rate(n: usize, wall: Duration) -> f64 {
     let g = group(PollMode::Busy, n);
-    let _ = pin(0);
     std::thread::sleep(Duration::from_millis(50));
-    let batch: Vec<cqd::core::Completion> = (0..64).map(|t| completion(&g.reg, t)).collect();
+    // Half the CQ at a time, under one lock: the producer is not the limit.
+    let batch: Vec<cqd::core::Completion> =
+        (0..CAPACITY / 2).map(|t| completion(&g.reg, t)).collect();
     let start = Instant::now();
     let c0 = g.count.load(Ordering::Acquire);
     while start.elapsed() < wall {
@@ -193,7 +212,16 @@ fn busy_rate(n: usize, wall: Duration) -> f64 {
     }
     let handled = g.count.load(Ordering::Acquire) - c0;
     let secs = start.elapsed().as_secs_f64();
-    let _ = g.thread.stop();
+    if let Ok(r) = g.thread.stop() {
+        // Completions per second of the poller's own CPU time (all of its
+        // completions over all of its time): what the group's size costs
+        // the active CQ whatever share of a CPU the poller got.
+        let all = r.cqs.get(n / 2).map_or(0, |c| c.completions);
+        let cpu = r.poller.cpu_ns.max(1) as f64 / 1e9;
+        if let Ok(mut v) = BUSY_CPU.lock() {
+            v.push((n, all as f64 / cpu / 1e6));
+        }
+    }
     handled as f64 / secs
 }
 
@@ -289,6 +317,36 @@ fn main() {
             if met { "met" } else { "MISSED" }
         );
     }
+    let wake = WAKE_CPU.lock().map(|v| v.clone()).unwrap_or_default();
+    let of = |size| {
+        wake.iter()
+            .filter(|(n, _)| *n == size)
+            .map(|(_, c)| *c)
+            .collect()
+    };
+    let (one, many) = (stats(of(1)), stats(of(big)));
+    println!(
+        "{:<34} {:>24} {:>24} {:>7.2}x",
+        "Event poller CPU per wake-up (us)",
+        format!("{:.2} [{:.2}-{:.2}]", one.0, one.1, one.2),
+        format!("{:.2} [{:.2}-{:.2}]", many.0, many.1, many.2),
+        many.0 / one.0
+    );
+    let busy = BUSY_CPU.lock().map(|v| v.clone()).unwrap_or_default();
+    let of = |size| {
+        busy.iter()
+            .filter(|(n, _)| *n == size)
+            .map(|(_, c)| *c)
+            .collect()
+    };
+    let (one, many) = (stats(of(1)), stats(of(big)));
+    println!(
+        "{:<34} {:>24} {:>24} {:>7.2}x",
+        "Busy compl. per poller CPU-s (M/s)",
+        format!("{:.2} [{:.2}-{:.2}]", one.0, one.1, one.2),
+        format!("{:.2} [{:.2}-{:.2}]", many.0, many.1, many.2),
+        many.0 / one.0
+    );
     let n = if quick { 1000 } else { 10_000 };
     let (shared, per_cq) = descriptors(n);
     println!(

@@ -4,15 +4,24 @@
 //! # The loop
 //!
 //! 1. If a stop was requested, run the stop protocol (below) and exit.
-//! 2. Poll one round: a batch from every CQ of the group, dispatching each
-//!    completion to its handler (registrations are applied first).
+//! 2. Poll one round, dispatching each completion to its handler
+//!    (registrations are applied first): in Busy mode every CQ of the
+//!    group, otherwise the active ones (those not quiet, see `mode`), plus
+//!    the safety net's slice once per wake timeout. A CQ is polled again
+//!    while it returns full batches, up to its round budget
+//!    ([`CqOptions::round_budget`](crate::cq::CqOptions::round_budget)).
 //!    If the spill is above its high-water mark, skip the polling: only
 //!    offer the spill again (back-pressure, see
 //!    [`PollerBuilder::spill_high_water_mark`]).
 //! 3. Offer the work the handlers emitted — behind any earlier spill — to
 //!    the sink; what it refuses stays in the spill queue (each item counted
 //!    once).
-//! 4. Check asynchronous events (overflow) of every CQ.
+//! 4. Check asynchronous events (overflow): of every CQ in Busy mode or
+//!    after an asynchronous-event descriptor was ready, else of the active
+//!    ones (the safety net checks the quiet ones, slice by slice). Outside
+//!    Busy mode, look at the epoll set without blocking every 50 µs, so a
+//!    quiet CQ that fired is not left waiting while others keep the poller
+//!    busy.
 //! 5. If the round found work, go to 1. If the spill is above its mark,
 //!    wait for ring space (Busy mode: spin) and go to 1. Otherwise ask the
 //!    mode: spin (go to 1) or sleep ([`sleep_once`], the arm / re-poll /
