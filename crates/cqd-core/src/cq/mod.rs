@@ -645,6 +645,111 @@ mod tests {
     fn assert_send<T: Send>() {}
     fn assert_send_sync<T: Send + Sync>() {}
 
+    /// A source holding `left` completions (foreign wr_ids: dispatch only
+    /// counts them).
+    struct Queue {
+        left: usize,
+        fd: Doorbell,
+    }
+
+    fn queue(left: usize) -> Queue {
+        Queue {
+            left,
+            fd: Doorbell::new().unwrap(),
+        }
+    }
+
+    impl CompletionSource for Queue {
+        fn name(&self) -> &str {
+            "q"
+        }
+        fn capacity(&self) -> u32 {
+            1024
+        }
+        fn poll(&mut self, out: &mut [Completion]) -> Result<usize, SourceError> {
+            let n = out.len().min(self.left);
+            self.left -= n;
+            Ok(n)
+        }
+        fn arm(&mut self, _: ArmKind) -> Result<(), SourceError> {
+            Ok(())
+        }
+        fn event_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+            use std::os::fd::AsFd;
+            self.fd.as_fd()
+        }
+        fn take_events(&mut self) -> Result<u32, SourceError> {
+            Ok(0)
+        }
+        fn ack_events(&mut self, _: u32) -> Result<(), SourceError> {
+            Ok(())
+        }
+        fn unacked_events(&self) -> u32 {
+            0
+        }
+        fn take_async_event(&mut self) -> Option<AsyncEvent> {
+            None
+        }
+        fn destroy(&mut self) -> Result<(), SourceError> {
+            Ok(())
+        }
+    }
+
+    fn poller<W: Send + 'static>(left: usize, batch: usize, round_budget: usize) -> CqPoller<W> {
+        let options = CqOptions {
+            batch,
+            round_budget,
+            ..CqOptions::default()
+        };
+        split::<W>(queue(left), options).unwrap().0.bind()
+    }
+
+    #[test]
+    fn a_round_polls_full_batches_up_to_the_budget() {
+        let mut out = VecDeque::new();
+        // Full batches of 4 until the budget of 10 is reached: 12.
+        assert_eq!(
+            poller::<NoWork>(100, 4, 10)
+                .poll_round(&mut out, usize::MAX)
+                .unwrap(),
+            12
+        );
+        // A short batch ends the round.
+        assert_eq!(
+            poller::<NoWork>(6, 4, 10)
+                .poll_round(&mut out, usize::MAX)
+                .unwrap(),
+            6
+        );
+        // A budget below a batch still polls one batch.
+        assert_eq!(
+            poller::<NoWork>(100, 4, 1)
+                .poll_round(&mut out, usize::MAX)
+                .unwrap(),
+            4
+        );
+        // The default: 256 (eight batches of 32).
+        let mut p = split::<NoWork>(queue(1000), CqOptions::default())
+            .unwrap()
+            .0
+            .bind();
+        assert_eq!(
+            p.poll_round(&mut out, usize::MAX).unwrap(),
+            DEFAULT_ROUND_BUDGET
+        );
+    }
+
+    #[test]
+    fn a_round_stops_repeating_above_the_spill_mark() {
+        let mut p = poller::<u32>(100, 4, 100);
+        // An item already spilled, above a mark of 0: one batch only.
+        let mut out = VecDeque::from([Routed {
+            item: 7u32,
+            route: Route::Key(0),
+        }]);
+        assert_eq!(p.poll_round(&mut out, 0).unwrap(), 4);
+    }
+
     #[test]
     fn auto_traits() {
         // UnboundCq: Send (moved to its thread); CqPoller's !Send and both
