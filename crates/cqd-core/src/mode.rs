@@ -36,7 +36,9 @@
 //! timed out) a round also polls the next slice of the quiet CQs, rotating:
 //! `max(64, ⌈N / 8⌉)` of the `N` CQs, so every CQ is polled within 8 wake
 //! timeouts (within one for groups of up to 64 CQs), at a cost bounded by
-//! the slice, not the group. A quiet CQ found holding completions had a
+//! the slice, not the group. The round first takes what is already
+//! notified (without blocking), so a notification on its way is not taken
+//! for a missed one. A quiet CQ then found holding completions had a
 //! missed notification: it is counted as recovered, and becomes active and
 //! unarmed (its arm is suspect) so that it is armed afresh. CQs in error
 //! are polled by every safety round.
