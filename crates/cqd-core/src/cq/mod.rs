@@ -170,7 +170,7 @@ pub(crate) struct CqShared<W> {
     pub(crate) metrics: CqMetrics,
     /// The doorbell of the poller the CQ is bound to, once bound: one per
     /// poller, shared by every CQ of its group (see [`CqShared::ring`]).
-    pub(crate) doorbell: Mutex<Option<Arc<Doorbell>>>,
+    pub(crate) doorbell: crate::sync::Mutex<Option<Arc<Doorbell>>>,
     pub(crate) closed: AtomicBool,
     /// The CQ's budget, once attached (its counters join the snapshot;
     /// overflow events are recorded in it).
@@ -183,13 +183,20 @@ pub(crate) struct CqShared<W> {
 
 impl<W> CqShared<W> {
     /// Rings the doorbell of the poller the CQ is bound to, after a command
-    /// was queued (registration, unregistration). Before a poller installs
-    /// its doorbell there is nobody to wake: the poller applies every
-    /// queued command right after installing it
-    /// ([`CqPoller::install_doorbell`]), and the lock orders the two, so a
-    /// command is either seen there or rings the bell.
+    /// was queued (registration, unregistration). The hand-over, in order:
+    ///
+    /// 1. A handle queues its command, then locks the slot and rings the
+    ///    doorbell in it, if any.
+    /// 2. A poller binding the CQ locks the slot and installs its doorbell,
+    ///    then applies every queued command
+    ///    ([`CqPoller::install_doorbell`]).
+    ///
+    /// The slot's lock orders the two: either the handle's lock comes
+    /// second and it rings the installed bell, or it comes first, its
+    /// command was queued before, and step 2 applies it.
     pub(crate) fn ring(&self) {
-        if let Some(d) = &*self.doorbell.lock() {
+        let slot = self.doorbell.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(d) = &*slot {
             d.ring();
         }
     }
@@ -214,7 +221,7 @@ pub fn split<W: Send + 'static>(
         commands: SegQueue::new(),
         table: Mutex::new(SlotTable::default()),
         metrics: CqMetrics::default(),
-        doorbell: Mutex::new(None),
+        doorbell: crate::sync::Mutex::new(None),
         closed: AtomicBool::new(false),
         budget: Arc::default(),
         ledger: Arc::default(),
@@ -528,7 +535,12 @@ impl<W: Send + 'static> CqPoller<W> {
     /// Makes `doorbell` the one every command on this CQ rings, then
     /// applies the commands queued before (see [`CqShared::ring`]).
     pub(crate) fn install_doorbell(&mut self, doorbell: Arc<Doorbell>) {
-        *self.core.shared.doorbell.lock() = Some(Arc::clone(&doorbell));
+        *self
+            .core
+            .shared
+            .doorbell
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(&doorbell));
         self.core.doorbell = Some(doorbell);
         self.apply_commands();
     }
