@@ -167,3 +167,43 @@ fn safety_net_recovers_in_a_large_group(mode: PollMode) {
     assert_eq!(others, 0);
 }
 all_modes!(safety_net_recovers_in_a_large_group);
+
+/// A handler registered on a quiet CQ of a sleeping 100-CQ group: the
+/// group's one doorbell wakes the poller, which applies that CQ's commands,
+/// and the handler receives its completions.
+fn late_registration_on_a_quiet_cq(mode: PollMode) {
+    const CQS: usize = 100;
+    let chan = SimChannel::new().unwrap();
+    let record = Record::new(4);
+    let mut parts = Vec::new();
+    let mut unbound = Vec::new();
+    for i in 0..CQS {
+        let (producer, source) = chan.cq(format!("c{i}"), 64, Faults::default()).unwrap();
+        let (u, handle) = split::<NoWork>(source, CqOptions::default()).unwrap();
+        unbound.push(u);
+        parts.push((producer, handle));
+    }
+    let thread = spawn(mode, unbound, Duration::from_secs(30));
+    std::thread::sleep(Duration::from_millis(20));
+    let (producer, handle) = &parts[70];
+    let cq = Cq {
+        producer: producer.clone(),
+        reg: register_on(handle, &record, 70),
+        _handle: handle.clone(),
+    };
+    if sleeps(mode) {
+        assert!(
+            wait_until(Duration::from_secs(5), || thread.snapshot().control_wakeups
+                >= 1),
+            "{mode:?}: the doorbell did not wake the poller"
+        );
+    }
+    for t in 0..4 {
+        push(&cq, &record, 70, t);
+    }
+    assert!(wait_until(Duration::from_secs(5), || record.delivered() == 4));
+    let report = thread.stop().unwrap();
+    assert_eq!(record.wrong_handler.load(Ordering::Relaxed), 0);
+    assert_eq!(report.cqs[70].handlers_live, 1);
+}
+all_modes!(late_registration_on_a_quiet_cq);

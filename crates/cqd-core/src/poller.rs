@@ -57,13 +57,14 @@ mod spill;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::cq::GroupBell;
 use crate::cq::{CqPoller, UnboundCq};
 use crate::metrics::{bump, CqSnapshot, PollerMetrics, PollerSnapshot};
 pub use crate::mode::MIN_WAKE_TIMEOUT;
 use crate::mode::{sleep_once, Idle, IdlePolicy, PollMode};
 use crate::sink::WorkSink;
 use crate::sync::{AtomicBool, Ordering};
-use crate::sys::{thread_cpu_time, Doorbell};
+use crate::sys::thread_cpu_time;
 use crate::thread::{start, StartError, ThreadHandle};
 use ready::Readiness;
 pub use spill::DEFAULT_SPILL_HIGH_WATER_MARK;
@@ -204,7 +205,7 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
             let poller = self.name.clone();
             move |source| PollerError::Os { poller, op, source }
         };
-        let doorbell = Arc::new(Doorbell::new().map_err(os("eventfd"))?);
+        let doorbell = Arc::new(GroupBell::new().map_err(os("eventfd"))?);
         let sources: Vec<&dyn crate::source::CompletionSource> =
             self.cqs.iter().map(UnboundCq::source).collect();
         let readiness = Readiness::new(&sources, Arc::clone(&doorbell)).map_err(os("epoll"))?;
@@ -239,12 +240,12 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
             format!("cqd-poller-{}", self.name),
             move || setup.map_or(Ok(()), |setup| setup()),
             move || {
-                let bind = |cq: UnboundCq<W>| {
+                let bind = |(i, cq): (usize, UnboundCq<W>)| {
                     let mut cq = cq.bind();
-                    cq.install_doorbell(Arc::clone(&group_doorbell));
+                    cq.install_doorbell(Arc::clone(&group_doorbell), i);
                     cq
                 };
-                group(cqs.into_iter().map(bind).collect()).run()
+                group(cqs.into_iter().enumerate().map(bind).collect()).run()
             },
         )
         .map_err(|e| match e {
@@ -332,7 +333,7 @@ pub enum PollerError {
 pub struct PollerThread {
     name: String,
     stop: Arc<AtomicBool>,
-    doorbell: Arc<Doorbell>,
+    doorbell: Arc<GroupBell>,
     metrics: Arc<PollerMetrics>,
     join: Option<ThreadHandle<PollerReport>>,
 }

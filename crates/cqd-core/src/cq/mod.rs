@@ -170,7 +170,7 @@ pub(crate) struct CqShared<W> {
     pub(crate) metrics: CqMetrics,
     /// The doorbell of the poller the CQ is bound to, once bound: one per
     /// poller, shared by every CQ of its group (see [`CqShared::ring`]).
-    pub(crate) doorbell: crate::sync::Mutex<Option<Arc<Doorbell>>>,
+    pub(crate) doorbell: crate::sync::Mutex<Option<(Arc<GroupBell>, usize)>>,
     pub(crate) closed: AtomicBool,
     /// The CQ's budget, once attached (its counters join the snapshot;
     /// overflow events are recorded in it).
@@ -196,9 +196,61 @@ impl<W> CqShared<W> {
     /// command was queued before, and step 2 applies it.
     pub(crate) fn ring(&self) {
         let slot = self.doorbell.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(d) = &*slot {
-            d.ring();
+        if let Some((bell, index)) = &*slot {
+            bell.note(*index);
         }
+    }
+}
+
+/// A poller's one doorbell, shared by every CQ of its group: a handle that
+/// queued a command notes its CQ's index in the group and rings; the
+/// poller drains the bell, then takes the noted indices and applies the
+/// commands of those CQs only (a control wake-up costs what was rung, not
+/// the size of the group). A note made after the take rings the bell after
+/// the drain, so the next wake-up finds it.
+#[derive(Debug)]
+pub(crate) struct GroupBell {
+    bell: Doorbell,
+    noted: crate::sync::Mutex<Vec<usize>>,
+}
+
+impl GroupBell {
+    pub(crate) fn new() -> std::io::Result<Self> {
+        Ok(GroupBell {
+            bell: Doorbell::new()?,
+            noted: crate::sync::Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Notes CQ `index` of the group, then rings.
+    fn note(&self, index: usize) {
+        self.noted
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(index);
+        self.bell.ring();
+    }
+
+    /// Rings without a note (a stop).
+    pub(crate) fn ring(&self) {
+        self.bell.ring();
+    }
+
+    /// Drains the bell; if it was rung, moves the noted indices to `out`
+    /// and returns true.
+    pub(crate) fn drain(&self, out: &mut Vec<usize>) -> bool {
+        if self.bell.drain() == 0 {
+            return false;
+        }
+        let mut noted = self.noted.lock().unwrap_or_else(|p| p.into_inner());
+        out.append(&mut noted);
+        true
+    }
+}
+
+impl std::os::fd::AsFd for GroupBell {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.bell.as_fd()
     }
 }
 
@@ -268,7 +320,7 @@ struct Core<W> {
     /// Set once the CQ was found in the error state (overflow).
     in_error: bool,
     /// The doorbell installed for this CQ (the poller's), for its fd.
-    doorbell: Option<Arc<Doorbell>>,
+    doorbell: Option<Arc<GroupBell>>,
 }
 
 impl<W> Core<W> {
@@ -520,11 +572,11 @@ impl<W: Send + 'static> CqPoller<W> {
     pub fn doorbell_fd(&mut self) -> Result<std::os::fd::BorrowedFd<'_>, SourceError> {
         use std::os::fd::AsFd;
         if self.core.doorbell.is_none() {
-            let d = Doorbell::new().map_err(|source| SourceError::Os {
+            let d = GroupBell::new().map_err(|source| SourceError::Os {
                 op: "eventfd",
                 source,
             })?;
-            self.install_doorbell(Arc::new(d));
+            self.install_doorbell(Arc::new(d), 0);
         }
         match &self.core.doorbell {
             Some(d) => Ok(d.as_fd()),
@@ -532,15 +584,16 @@ impl<W: Send + 'static> CqPoller<W> {
         }
     }
 
-    /// Makes `doorbell` the one every command on this CQ rings, then
-    /// applies the commands queued before (see [`CqShared::ring`]).
-    pub(crate) fn install_doorbell(&mut self, doorbell: Arc<Doorbell>) {
+    /// Makes `doorbell` the one every command on this CQ rings, noting
+    /// `index` (the CQ's place in its group), then applies the commands
+    /// queued before (see [`CqShared::ring`]).
+    pub(crate) fn install_doorbell(&mut self, doorbell: Arc<GroupBell>, index: usize) {
         *self
             .core
             .shared
             .doorbell
             .lock()
-            .unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(&doorbell));
+            .unwrap_or_else(|p| p.into_inner()) = Some((Arc::clone(&doorbell), index));
         self.core.doorbell = Some(doorbell);
         self.apply_commands();
     }

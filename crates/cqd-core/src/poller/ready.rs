@@ -18,7 +18,8 @@
 //!    descriptor is read by that CQ; a channel says which of its CQs fired
 //!    (`SharedNotifier::take_ready`), and each of those takes its own
 //!    notifications; a ready control set drains the doorbell (and applies
-//!    queued commands) and the space doorbell.
+//!    the queued commands of the CQs whose handles rang it, see
+//!    `cq::GroupBell`) and the space doorbell.
 //!
 //! Every source of a shared channel must belong to the same poller: a
 //! token the channel reports for a CQ of no group member is ignored.
@@ -30,6 +31,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::Group;
+use crate::cq::GroupBell;
 use crate::metrics::bump;
 use crate::mode::{PollMode, SleepGroup};
 use crate::sink::{SpaceWait, WorkSink};
@@ -73,7 +75,9 @@ pub(super) struct CqState {
 pub(super) struct Readiness {
     epoll: Epoll,
     ctl: Epoll,
-    doorbell: Arc<Doorbell>,
+    doorbell: Arc<GroupBell>,
+    /// CQs whose handles rang the doorbell (commands to apply).
+    rung: Vec<usize>,
     notifiers: Vec<(Arc<dyn SharedNotifier>, HashMap<u64, usize>)>,
     pub(super) st: Vec<CqState>,
     /// Active CQs, by index.
@@ -97,7 +101,7 @@ impl Readiness {
     /// `sources` once.
     pub(super) fn new(
         sources: &[&dyn CompletionSource],
-        doorbell: Arc<Doorbell>,
+        doorbell: Arc<GroupBell>,
     ) -> io::Result<Self> {
         let mut epoll = Epoll::new()?;
         let mut ctl = Epoll::new()?;
@@ -134,6 +138,7 @@ impl Readiness {
             epoll,
             ctl,
             doorbell,
+            rung: Vec::new(),
             notifiers,
             st: vec![
                 CqState {
@@ -298,14 +303,18 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
 
     /// While not blocking (work, or spinning), looks at the epoll set every
     /// `READY_CHECK` so a quiet CQ that fired is not left waiting.
+    /// In Busy mode (which never blocks), drains the doorbell as often, so
+    /// that its notes do not pile up (every round applies commands anyway).
     pub(super) fn check_ready(&mut self, now: Instant) {
-        if matches!(self.idle.mode(), PollMode::Busy)
-            || now.saturating_duration_since(self.ready.last_check) < READY_CHECK
-        {
+        if now.saturating_duration_since(self.ready.last_check) < READY_CHECK {
             return;
         }
         self.ready.last_check = now;
-        self.collect_now();
+        if matches!(self.idle.mode(), PollMode::Busy) {
+            self.on_doorbell();
+        } else {
+            self.collect_now();
+        }
     }
 
     /// Steps 3–4 without blocking: takes what is ready now.
@@ -333,21 +342,26 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         }
         let _ = self.ready.ctl.wait(None, &mut self.ready.ctl_tokens);
         let space = self.ready.ctl_tokens.contains(&SPACE);
-        if self.ready.ctl_tokens.contains(&DOORBELL) && self.ready.doorbell.drain() > 0 {
-            bump(&self.metrics.0.control_wakeups, 1);
-            self.apply_all_commands();
+        if self.ready.ctl_tokens.contains(&DOORBELL) {
+            self.on_doorbell();
         }
         space
     }
 
-    /// Applies the queued commands of every CQ (a control wake-up: one
-    /// load per CQ without any).
-    fn apply_all_commands(&mut self) {
-        for cq in &mut self.cqs {
-            if !cq.shared().commands.is_empty() {
-                cq.apply_commands();
+    /// Drains the doorbell; if it rang, a control wake-up: applies the
+    /// commands of the CQs whose handles rang it (not of every CQ).
+    fn on_doorbell(&mut self) {
+        let mut rung = std::mem::take(&mut self.ready.rung);
+        if self.ready.doorbell.drain(&mut rung) {
+            bump(&self.metrics.0.control_wakeups, 1);
+            for &i in &rung {
+                if let Some(cq) = self.cqs.get_mut(i) {
+                    cq.apply_commands();
+                }
             }
         }
+        rung.clear();
+        self.ready.rung = rung;
     }
 
     /// Waits on the control set only (the spill's space wait, a back-off):
@@ -356,10 +370,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         self.ready
             .ctl
             .wait(Some(timeout), &mut self.ready.ctl_tokens)?;
-        if self.ready.doorbell.drain() > 0 {
-            bump(&self.metrics.0.control_wakeups, 1);
-            self.apply_all_commands();
-        }
+        self.on_doorbell();
         Ok(())
     }
 
