@@ -17,6 +17,7 @@
 //! ```
 
 mod access;
+pub mod channel;
 pub mod cq;
 pub mod device;
 pub mod engine;

@@ -110,7 +110,7 @@ use crate::sink::{Route, Routed};
 use crate::slab::{Slab, SlotLedger, SlotTable};
 use crate::source::{ArmKind, AsyncEvent, CompletionSource, SourceError};
 use crate::sync::{AtomicBool, Ordering};
-use crate::sys::Doorbell;
+
 use crate::wr_id::HandlerKey;
 
 /// Options of one CQ.
@@ -199,58 +199,6 @@ impl<W> CqShared<W> {
         if let Some((bell, index)) = &*slot {
             bell.note(*index);
         }
-    }
-}
-
-/// A poller's one doorbell, shared by every CQ of its group: a handle that
-/// queued a command notes its CQ's index in the group and rings; the
-/// poller drains the bell, then takes the noted indices and applies the
-/// commands of those CQs only (a control wake-up costs what was rung, not
-/// the size of the group). A note made after the take rings the bell after
-/// the drain, so the next wake-up finds it.
-#[derive(Debug)]
-pub(crate) struct GroupBell {
-    bell: Doorbell,
-    noted: crate::sync::Mutex<Vec<usize>>,
-}
-
-impl GroupBell {
-    pub(crate) fn new() -> std::io::Result<Self> {
-        Ok(GroupBell {
-            bell: Doorbell::new()?,
-            noted: crate::sync::Mutex::new(Vec::new()),
-        })
-    }
-
-    /// Notes CQ `index` of the group, then rings.
-    fn note(&self, index: usize) {
-        self.noted
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(index);
-        self.bell.ring();
-    }
-
-    /// Rings without a note (a stop).
-    pub(crate) fn ring(&self) {
-        self.bell.ring();
-    }
-
-    /// Drains the bell; if it was rung, moves the noted indices to `out`
-    /// and returns true.
-    pub(crate) fn drain(&self, out: &mut Vec<usize>) -> bool {
-        if self.bell.drain() == 0 {
-            return false;
-        }
-        let mut noted = self.noted.lock().unwrap_or_else(|p| p.into_inner());
-        out.append(&mut noted);
-        true
-    }
-}
-
-impl std::os::fd::AsFd for GroupBell {
-    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.bell.as_fd()
     }
 }
 
@@ -696,8 +644,11 @@ impl<W: Send + 'static> CqPoller<W> {
     }
 }
 
+mod bell;
 mod dispatch;
 mod handle;
+
+pub(crate) use bell::GroupBell;
 
 use dispatch::{apply_commands, dispatch_batch};
 pub use handle::{CqHandle, Registration};
@@ -706,6 +657,7 @@ pub use handle::{CqHandle, Registration};
 mod tests {
     use super::*;
     use crate::sink::NoWork;
+    use crate::sys::Doorbell;
 
     fn assert_send<T: Send>() {}
     fn assert_send_sync<T: Send + Sync>() {}
