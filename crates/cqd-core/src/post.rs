@@ -101,6 +101,13 @@ pub enum Refused {
         /// The handler's CQ.
         cq: String,
     },
+    /// The handler was unregistered and released: its slot may hold
+    /// another handler, and the requests would never reach this one.
+    #[error("handler {handler} was released (unregistered, nothing outstanding): it posts no more")]
+    Released {
+        /// The handler.
+        handler: crate::wr_id::HandlerKey,
+    },
     /// The queue's completions go to another CQ than the handler's: they
     /// would never reach it.
     #[error("the queue's completions go to another CQ than handler {handler}'s ({cq})")]
@@ -200,23 +207,29 @@ where
         }
         per_kind[k.index()] += 1;
     }
+    // 3 (first, so that a released handler's post is refused before it
+    // takes anything). The handler's ledger counts them before any can
+    // complete.
+    let slot = reg.ledger();
+    if !slot.add_posted_all(&per_kind) {
+        restore(wrs);
+        return Err(Refused::Released { handler: key }.into());
+    }
     // 2. Lock the queue, take the credits.
     let mut ring = account.lock();
     let credit = match ring.take_credits(wrs.len() as u32) {
         Ok(c) => c,
         Err(e) => {
             drop(ring);
+            for k in OpKind::ALL {
+                if per_kind[k.index()] > 0 {
+                    slot.sub_posted(k, per_kind[k.index()]);
+                }
+            }
             restore(wrs);
             return Err(Refused::Credits(e).into());
         }
     };
-    // 3. The handler's ledger counts them before any can complete.
-    let slot = reg.ledger();
-    for k in OpKind::ALL {
-        if per_kind[k.index()] > 0 {
-            slot.add_posted(k, per_kind[k.index()]);
-        }
-    }
     // 4. Record them in the queue's account.
     let now = Instant::now();
     for wr in wrs.iter() {

@@ -66,11 +66,9 @@
 //! wr_ids, and would only lengthen a cycle that quarantine already keeps
 //! from wrapping onto a key in use.
 
-use crossbeam_utils::CachePadded;
-
 use crate::handler::Handler;
 use crate::sink::Route;
-use crate::sync::{AtomicU64, Ordering};
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use crate::wr_id::{HandlerKey, OpKind, MAX_GENERATION, MAX_SLOT};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -89,6 +87,59 @@ use std::time::{Duration, Instant};
 /// RNR retry count; such requests should be tracked.
 pub const QUARANTINE: Duration = Duration::from_secs(60);
 
+/// Slots per ledger chunk: the arena grows by this many ledgers at a time.
+pub(crate) const CHUNK: u32 = 1024;
+
+/// The owner word's bit for "a handler holds the slot" (the low 16 bits
+/// hold its generation).
+const LIVE: u32 = 1 << 16;
+
+/// One role's counters of one slot, per kind: a cache line of their own.
+#[repr(align(64))]
+#[derive(Debug, Default)]
+struct Counters([AtomicU64; OpKind::COUNT]);
+
+/// The posters' line of one slot: the posted counters, and the word that
+/// says which handler may count in them.
+#[repr(align(64))]
+#[derive(Debug, Default)]
+struct PostLine {
+    posted: [AtomicU64; OpKind::COUNT],
+    /// `LIVE | generation` of the handler that holds the slot; without
+    /// `LIVE` while it is free.
+    owner: AtomicU32,
+    /// Posters between their check of `owner` and the end of their count
+    /// (the closing protocol of [`SlotLedger`]).
+    entering: AtomicU32,
+}
+
+/// The ledgers of [`CHUNK`] consecutive slots, allocated once and never
+/// moved: a [`SlotLedger`] is a reference to its chunk and an index, so a
+/// handler costs no allocation of its own. Each role has its own array
+/// (posted by posting threads, completed by the poller, flushed by the
+/// poller on the rare flush), one cache line per slot, so that posters and
+/// the poller never write one line and a completion touches one line of
+/// the arena.
+#[derive(Debug)]
+pub(crate) struct LedgerChunk {
+    post: Box<[PostLine]>,
+    completed: Box<[Counters]>,
+    flushed: Box<[Counters]>,
+}
+
+impl LedgerChunk {
+    fn new(slots: u32) -> Arc<Self> {
+        fn lines<T: Default>(n: u32) -> Box<[T]> {
+            (0..n).map(|_| T::default()).collect()
+        }
+        Arc::new(LedgerChunk {
+            post: lines(slots),
+            completed: lines(slots),
+            flushed: lines(slots),
+        })
+    }
+}
+
 /// Posted, completed and flushed counts of one handler, per operation kind.
 ///
 /// `posted` is written by whoever posts (the posting call,
@@ -97,62 +148,204 @@ pub const QUARANTINE: Duration = Duration::from_secs(60);
 /// path); `completed` and `flushed` only by the poller. `completed` counts
 /// every completion — success, error or flush — and `flushed` is the subset
 /// that came back with a flush error.
-#[derive(Debug, Default)]
+///
+/// The counts live in the CQ's ledger arena, one slot's worth per handler
+/// slot; this is a view of one handler's. Once its handler has been
+/// released (unregistered and drained) the slot's counts belong to the
+/// slot's next handler: every count reads 0 through this view, and a post
+/// through it is refused.
+///
+/// # Closing protocol
+///
+/// A stale registration must never count in the next handler's ledger. A
+/// poster counts only between a check of the slot's owner word and the
+/// end of its count, announced in `entering`; the poller releases a slot
+/// only by closing it:
+///
+/// 1. poster: `entering += 1` (SeqCst), then reads `owner` (SeqCst); not
+///    its key's → `entering -= 1`, refused;
+/// 2. poster: adds its posted counts, then `entering -= 1` (Release);
+/// 3. poller: writes `owner` without `LIVE` (SeqCst), then reads
+///    `entering` (SeqCst); if it is not 0, or anything is outstanding,
+///    writes `owner` back and retries later;
+/// 4. poller: zeroes every count, and releases the slot to the table.
+///
+/// Steps 1 and 3 are a store then a load on both sides, all SeqCst: at
+/// least one of them sees the other's store. Either the poster sees the
+/// slot closed and counts nothing, or the poller sees it entering and does
+/// not release; a count made before the poller's read of `entering` is
+/// seen by its check of what is outstanding (step 2's release, step 3's
+/// SeqCst read).
+#[derive(Clone)]
 pub struct SlotLedger {
-    /// Written by posting threads; on its own cache line so that posts and
-    /// completions do not bounce one line between poster and poller.
-    posted: CachePadded<[AtomicU64; OpKind::COUNT]>,
-    /// Written by the poller only.
-    completed: CachePadded<[AtomicU64; OpKind::COUNT]>,
-    /// Written by the poller only (flushes are rare).
-    flushed: [AtomicU64; OpKind::COUNT],
+    chunk: Arc<LedgerChunk>,
+    index: u32,
+    generation: u16,
+}
+
+impl Default for SlotLedger {
+    /// A ledger of its own, outside any CQ (for tests and reports).
+    fn default() -> Self {
+        let chunk = LedgerChunk::new(1);
+        chunk.post[0].owner.store(LIVE, Ordering::Release);
+        SlotLedger {
+            chunk,
+            index: 0,
+            generation: 0,
+        }
+    }
+}
+
+impl std::fmt::Debug for SlotLedger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("SlotLedger");
+        for k in OpKind::ALL {
+            let (p, c) = (self.posted(k), self.completed(k));
+            if p != 0 || c != 0 {
+                d.field(k.name(), &(p, c, self.flushed(k)));
+            }
+        }
+        d.finish()
+    }
 }
 
 impl SlotLedger {
+    #[inline]
+    fn post_line(&self) -> &PostLine {
+        &self.chunk.post[self.index as usize]
+    }
+
+    /// True while this view's handler holds the slot.
+    fn is_current(&self) -> bool {
+        self.post_line().owner.load(Ordering::Acquire) == LIVE | u32::from(self.generation)
+    }
+
+    /// `value`, or 0 once the handler no longer holds the slot (read after
+    /// the value: a count of the slot's next handler is only ever seen
+    /// together with the owner word that says so).
+    fn own(&self, value: u64) -> u64 {
+        if self.is_current() {
+            value
+        } else {
+            0
+        }
+    }
+
     /// Work requests of `kind` recorded as posted.
     pub fn posted(&self, kind: OpKind) -> u64 {
-        self.posted[kind.index()].load(Ordering::Acquire)
+        self.own(self.posted_raw(kind))
     }
 
     /// Work requests of `kind` completed: success, error or flush, and
     /// unsignaled sends retired by a later completion of their send queue.
     pub fn completed(&self, kind: OpKind) -> u64 {
-        self.completed[kind.index()].load(Ordering::Acquire)
+        self.own(self.completed_raw(kind))
     }
 
     /// Work requests of `kind` that completed with a flush error (a subset
     /// of [`completed`](Self::completed)).
     pub fn flushed(&self, kind: OpKind) -> u64 {
-        self.flushed[kind.index()].load(Ordering::Acquire)
+        self.own(self.chunk.flushed[self.index as usize].0[kind.index()].load(Ordering::Acquire))
     }
 
     /// Requests posted and not yet completed, all kinds.
     pub fn outstanding(&self) -> u64 {
+        self.own(self.outstanding_raw())
+    }
+
+    fn posted_raw(&self, kind: OpKind) -> u64 {
+        self.post_line().posted[kind.index()].load(Ordering::Acquire)
+    }
+
+    fn completed_raw(&self, kind: OpKind) -> u64 {
+        self.chunk.completed[self.index as usize].0[kind.index()].load(Ordering::Acquire)
+    }
+
+    /// Outstanding, without the owner check (the poller, whose handler
+    /// holds the slot until it closes it).
+    pub(crate) fn outstanding_raw(&self) -> u64 {
         OpKind::ALL
             .iter()
-            .map(|k| self.posted(*k).saturating_sub(self.completed(*k)))
+            .map(|k| self.posted_raw(*k).saturating_sub(self.completed_raw(*k)))
             .sum()
     }
 
-    pub(crate) fn add_posted(&self, kind: OpKind, n: u64) {
-        self.posted[kind.index()].fetch_add(n, Ordering::AcqRel);
+    /// Counts `per_kind` requests as posted, if this view's handler still
+    /// holds the slot (closing protocol steps 1–2); false, counting
+    /// nothing, once it was released.
+    pub(crate) fn add_posted_all(&self, per_kind: &[u64; OpKind::COUNT]) -> bool {
+        let line = self.post_line();
+        line.entering.fetch_add(1, Ordering::SeqCst);
+        let held = line.owner.load(Ordering::SeqCst) == LIVE | u32::from(self.generation);
+        if held {
+            for (c, &n) in line.posted.iter().zip(per_kind) {
+                if n > 0 {
+                    c.fetch_add(n, Ordering::AcqRel);
+                }
+            }
+        }
+        line.entering.fetch_sub(1, Ordering::Release);
+        held
     }
 
+    /// As [`add_posted_all`](Self::add_posted_all) for one kind.
+    pub(crate) fn add_posted(&self, kind: OpKind, n: u64) -> bool {
+        let mut per_kind = [0; OpKind::COUNT];
+        per_kind[kind.index()] = n;
+        self.add_posted_all(&per_kind)
+    }
+
+    /// Takes back counts made by [`add_posted`](Self::add_posted) (whose
+    /// requests were not posted). They keep the slot held until taken
+    /// back; a view whose handler no longer holds the slot takes back
+    /// nothing (it had counted nothing).
     pub(crate) fn sub_posted(&self, kind: OpKind, n: u64) {
-        self.posted[kind.index()].fetch_sub(n, Ordering::AcqRel);
+        if self.is_current() {
+            self.post_line().posted[kind.index()].fetch_sub(n, Ordering::AcqRel);
+        }
     }
 
     /// Owner-only (the poller thread).
     pub(crate) fn add_flushed(&self, kind: OpKind) {
-        let c = &self.flushed[kind.index()];
+        let c = &self.chunk.flushed[self.index as usize].0[kind.index()];
         c.store(c.load(Ordering::Relaxed) + 1, Ordering::Release);
     }
 
     /// Owner-only (the poller thread).
     #[inline]
     pub(crate) fn add_completed(&self, kind: OpKind) {
-        let c = &self.completed[kind.index()];
+        let c = &self.chunk.completed[self.index as usize].0[kind.index()];
         c.store(c.load(Ordering::Relaxed) + 1, Ordering::Release);
+    }
+
+    /// The line a completion writes, for a prefetch.
+    #[inline]
+    pub(crate) fn completed_line(&self) -> &impl Sized {
+        &self.chunk.completed[self.index as usize]
+    }
+
+    /// Closing protocol steps 3–4 (the poller, for a retiring handler):
+    /// true if the slot is closed to this view's handler and its counts are
+    /// zeroed for the next one; false if a poster is entering or something
+    /// is outstanding (nothing changed: try again later).
+    pub(crate) fn close(&self) -> bool {
+        let line = self.post_line();
+        let held = LIVE | u32::from(self.generation);
+        line.owner.store(u32::from(self.generation), Ordering::SeqCst);
+        if line.entering.load(Ordering::SeqCst) != 0 || self.outstanding_raw() != 0 {
+            line.owner.store(held, Ordering::SeqCst);
+            return false;
+        }
+        let i = self.index as usize;
+        for c in line
+            .posted
+            .iter()
+            .chain(&self.chunk.completed[i].0)
+            .chain(&self.chunk.flushed[i].0)
+        {
+            c.store(0, Ordering::Relaxed);
+        }
+        true
     }
 }
 
@@ -213,6 +406,9 @@ pub(crate) struct SlotTable {
     limit: u32,
     /// A slot's last generation before quarantine: `MAX_GENERATION`.
     last_generation: u16,
+    /// The ledger arena: chunk `i` holds the ledgers of slots
+    /// `i * CHUNK ..`, made when the table first grows into it.
+    chunks: Vec<Arc<LedgerChunk>>,
 }
 
 impl Default for SlotTable {
@@ -231,7 +427,32 @@ impl SlotTable {
             quarantine: VecDeque::new(),
             limit: limit.min(MAX_SLOT + 1),
             last_generation: last_generation.min(MAX_GENERATION),
+            chunks: Vec::new(),
         }
+    }
+
+    /// Allocates a slot (steps 1–4) and hands its ledger to the new
+    /// handler: the slot's counts, zeroed when its last handler was
+    /// closed, now count for `key` alone.
+    pub(crate) fn alloc_ledger(
+        &mut self,
+        cq: &str,
+    ) -> Result<(HandlerKey, SlotLedger), RegisterError> {
+        let key = self.alloc(cq)?;
+        let chunk = (key.slot() / CHUNK) as usize;
+        while self.chunks.len() <= chunk {
+            self.chunks.push(LedgerChunk::new(CHUNK));
+        }
+        let ledger = SlotLedger {
+            chunk: Arc::clone(&self.chunks[chunk]),
+            index: key.slot() % CHUNK,
+            generation: key.generation(),
+        };
+        ledger
+            .post_line()
+            .owner
+            .store(LIVE | u32::from(key.generation()), Ordering::Release);
+        Ok((key, ledger))
     }
 
     pub(crate) fn alloc(&mut self, cq: &str) -> Result<HandlerKey, RegisterError> {
@@ -307,13 +528,33 @@ impl SlotTable {
     }
 }
 
-/// One installed handler.
+/// One installed handler: everything the poller reads per completion but
+/// the completed counter (in the arena) and the handler's own state, in
+/// one cache line.
+#[repr(align(64))]
 pub(crate) struct Entry<W> {
-    pub(crate) generation: u16,
     pub(crate) handler: Box<dyn Handler<W>>,
-    pub(crate) ledger: Arc<SlotLedger>,
+    pub(crate) ledger: SlotLedger,
     pub(crate) route: Route,
+    pub(crate) generation: u16,
     pub(crate) retiring: bool,
+}
+
+/// Asks the CPU to bring the cache line of `r` in (a hint: a completion
+/// for a cold handler misses the cache; the poller asks for a batch's
+/// lines before it needs them, so that the misses overlap).
+#[inline(always)]
+pub(crate) fn prefetch<T: ?Sized>(r: &T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `_mm_prefetch` reads nothing the program observes and cannot
+    // fault whatever the address; `r` is a live reference anyway. SSE is
+    // part of the x86_64 baseline.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch::<_MM_HINT_T0>((r as *const T).cast::<i8>());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = r;
 }
 
 /// The poller's slab: handlers by slot, no lock.
@@ -344,6 +585,24 @@ impl<W> Slab<W> {
             self.entries.resize_with(i + 1, || None);
         }
         self.entries[i] = Some(entry);
+    }
+
+    /// Prefetches the entry of `slot`, if installed.
+    #[inline(always)]
+    pub(crate) fn prefetch_slot(&self, slot: u32) {
+        if let Some(e) = self.entries.get(slot as usize) {
+            prefetch(e);
+        }
+    }
+
+    /// Prefetches what a completion for the entry of `slot` touches beyond
+    /// the entry: its completed counters and its handler's state.
+    #[inline(always)]
+    pub(crate) fn prefetch_handler(&self, slot: u32) {
+        if let Some(Some(e)) = self.entries.get(slot as usize) {
+            prefetch(e.ledger.completed_line());
+            prefetch(&*e.handler);
+        }
     }
 
     /// The live entry `key` names, if its generation matches.

@@ -143,7 +143,7 @@ pub(crate) enum Command<W> {
     Register {
         key: HandlerKey,
         handler: Box<dyn Handler<W>>,
-        ledger: Arc<SlotLedger>,
+        ledger: SlotLedger,
         route: Route,
     },
     Unregister {
@@ -156,6 +156,10 @@ pub(crate) struct CqShared<W> {
     pub(crate) name: String,
     pub(crate) capacity: u32,
     pub(crate) commands: SegQueue<Command<W>>,
+    /// Set by the first command pushed after the poller last began to
+    /// apply them; only that push rings the doorbell (the registration
+    /// doorbell protocol in `handle`).
+    pub(crate) commands_rung: AtomicBool,
     pub(crate) table: Mutex<SlotTable>,
     pub(crate) metrics: CqMetrics,
     pub(crate) doorbell: Arc<Doorbell>,
@@ -189,6 +193,7 @@ pub fn split<W: Send + 'static>(
         name: source.name().to_string(),
         capacity: source.capacity(),
         commands: SegQueue::new(),
+        commands_rung: AtomicBool::new(false),
         table: Mutex::new(SlotTable::default()),
         metrics: CqMetrics::default(),
         doorbell: Arc::new(doorbell),
@@ -360,7 +365,10 @@ impl<W: Send + 'static> CqPoller<W> {
     /// # Errors
     /// When the source fails (device gone); nothing polled is lost.
     pub fn poll_once(&mut self, out: &mut VecDeque<Routed<W>>) -> Result<usize, SourceError> {
-        if !self.core.shared.commands.is_empty() {
+        // The registration doorbell protocol (step 3, in `handle`): every
+        // poll looks at the flag, so a ring consumed without a poll cannot
+        // strand a command.
+        if self.core.shared.commands_rung.load(Ordering::Acquire) {
             self.apply_commands();
         }
         let m = &self.core.shared.metrics.0;
@@ -517,7 +525,7 @@ impl<W: Send + 'static> CqPoller<W> {
         self.core
             .slab
             .iter()
-            .map(|(_, e)| e.ledger.outstanding())
+            .map(|(_, e)| e.ledger.outstanding_raw())
             .sum()
     }
 
@@ -526,7 +534,7 @@ impl<W: Send + 'static> CqPoller<W> {
     /// holds.
     pub fn accounts(&self) -> crate::ledger::ShutdownReport {
         let mut report = crate::ledger::ShutdownReport::from_ledgers(
-            self.core.slab.iter().map(|(key, e)| (key, &*e.ledger)),
+            self.core.slab.iter().map(|(key, e)| (key, &e.ledger)),
         );
         if let Some(l) = self.core.shared.ledger.get() {
             report.stuck = l.scan(Instant::now(), std::time::Duration::ZERO);
