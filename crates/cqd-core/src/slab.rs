@@ -871,4 +871,72 @@ mod tests {
         l.sub_posted(OpKind::Recv, 2);
         assert_eq!(l.outstanding(), 2);
     }
+
+    /// Closes `ledger` for its handler and releases its slot, as the
+    /// poller does.
+    fn retire(t: &mut SlotTable, key: HandlerKey, ledger: &SlotLedger) {
+        assert!(ledger.close());
+        t.release(key);
+    }
+
+    #[test]
+    fn arena_ledger_of_a_reused_slot_starts_from_zero() {
+        let mut t = SlotTable::default();
+        let (a, la) = t.alloc_ledger("cq").unwrap();
+        assert!(la.add_posted(OpKind::Send, 3));
+        la.add_completed(OpKind::Send);
+        assert!(!la.close(), "outstanding: not closed");
+        assert_eq!(la.posted(OpKind::Send), 3, "a refused close changes nothing");
+        la.add_completed(OpKind::Send);
+        la.add_completed(OpKind::Send);
+        la.add_flushed(OpKind::Send);
+        retire(&mut t, a, &la);
+        let (b, lb) = t.alloc_ledger("cq").unwrap();
+        assert_eq!(b.slot(), a.slot());
+        for k in OpKind::ALL {
+            assert_eq!((lb.posted(k), lb.completed(k), lb.flushed(k)), (0, 0, 0));
+        }
+        // The stale view reads 0 and counts nothing in the new handler's.
+        assert_eq!(la.completed(OpKind::Send), 0);
+        assert!(!la.add_posted(OpKind::Recv, 1));
+        la.sub_posted(OpKind::Recv, 1);
+        assert!(lb.add_posted(OpKind::Recv, 2));
+        assert_eq!(lb.posted(OpKind::Recv), 2);
+        assert_eq!(la.posted(OpKind::Recv), 0);
+    }
+
+    #[test]
+    fn arena_is_chunked_and_shared_by_slot() {
+        let mut t = SlotTable::default();
+        let ledgers: Vec<_> = (0..CHUNK + 1).map(|_| t.alloc_ledger("cq").unwrap()).collect();
+        assert_eq!(t.chunks.len(), 2);
+        let (k0, l0) = &ledgers[0];
+        let (k1, l1) = &ledgers[CHUNK as usize];
+        assert!(Arc::ptr_eq(&l0.chunk, &ledgers[1].1.chunk));
+        assert!(!Arc::ptr_eq(&l0.chunk, &l1.chunk));
+        assert_eq!((k0.slot(), k1.slot()), (0, CHUNK));
+        l0.add_posted(OpKind::Write, 1);
+        assert_eq!(ledgers[1].1.posted(OpKind::Write), 0);
+        assert_eq!(l1.posted(OpKind::Write), 0);
+    }
+
+    #[test]
+    fn close_waits_for_an_entering_poster() {
+        let mut t = SlotTable::default();
+        let (a, la) = t.alloc_ledger("cq").unwrap();
+        // A poster between its check and the end of its count.
+        la.post_line().entering.fetch_add(1, Ordering::SeqCst);
+        assert!(!la.close());
+        assert!(la.is_current(), "a refused close leaves the slot held");
+        la.post_line().entering.fetch_sub(1, Ordering::SeqCst);
+        retire(&mut t, a, &la);
+        assert!(!la.is_current());
+    }
+
+    #[test]
+    fn entry_is_one_cache_line() {
+        assert_eq!(std::mem::size_of::<Option<Entry<()>>>(), 64);
+        assert_eq!(std::mem::size_of::<PostLine>(), 64);
+        assert_eq!(std::mem::size_of::<Counters>(), 64);
+    }
 }
