@@ -141,7 +141,11 @@ fn a_released_registration_counts_nothing(mode: PollMode) {
 
     let new = register(&handle, &record, 1);
     assert_eq!(new.key().slot(), old.key().slot(), "the slot was reused");
-    assert_eq!(new.ledger().outstanding(), 0, "the slot's ledger starts at 0");
+    assert_eq!(
+        new.ledger().outstanding(),
+        0,
+        "the slot's ledger starts at 0"
+    );
     assert!(!old.track(OpKind::Send, 5));
     old.untrack(OpKind::Send, 5);
     let refused = old.post_recv(&qp, &mut [LoopWr::new(1, OpKind::Recv)]);

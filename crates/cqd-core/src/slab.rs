@@ -331,7 +331,8 @@ impl SlotLedger {
     pub(crate) fn close(&self) -> bool {
         let line = self.post_line();
         let held = LIVE | u32::from(self.generation);
-        line.owner.store(u32::from(self.generation), Ordering::SeqCst);
+        line.owner
+            .store(u32::from(self.generation), Ordering::SeqCst);
         if line.entering.load(Ordering::SeqCst) != 0 || self.outstanding_raw() != 0 {
             line.owner.store(held, Ordering::SeqCst);
             return false;
@@ -886,7 +887,11 @@ mod tests {
         assert!(la.add_posted(OpKind::Send, 3));
         la.add_completed(OpKind::Send);
         assert!(!la.close(), "outstanding: not closed");
-        assert_eq!(la.posted(OpKind::Send), 3, "a refused close changes nothing");
+        assert_eq!(
+            la.posted(OpKind::Send),
+            3,
+            "a refused close changes nothing"
+        );
         la.add_completed(OpKind::Send);
         la.add_completed(OpKind::Send);
         la.add_flushed(OpKind::Send);
@@ -908,7 +913,9 @@ mod tests {
     #[test]
     fn arena_is_chunked_and_shared_by_slot() {
         let mut t = SlotTable::default();
-        let ledgers: Vec<_> = (0..CHUNK + 1).map(|_| t.alloc_ledger("cq").unwrap()).collect();
+        let ledgers: Vec<_> = (0..CHUNK + 1)
+            .map(|_| t.alloc_ledger("cq").unwrap())
+            .collect();
         assert_eq!(t.chunks.len(), 2);
         let (k0, l0) = &ledgers[0];
         let (k1, l1) = &ledgers[CHUNK as usize];
