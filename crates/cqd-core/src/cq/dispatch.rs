@@ -80,10 +80,6 @@ fn retire<W>(shared: &CqShared<W>, slab: &mut Slab<W>, key: HandlerKey) -> bool 
     true
 }
 
-/// How many completions ahead of its turn a handler's counters and state
-/// are prefetched.
-const AHEAD: usize = 4;
-
 /// The slot bits of a wr_id, whatever the rest holds (for a prefetch only:
 /// dispatch decodes and checks the whole wr_id).
 #[inline(always)]
@@ -110,23 +106,23 @@ pub(super) fn dispatch_batch<W: 'static>(
     if let Some(ledger) = shared.ledger.get() {
         account_hooks(shared, slab, accounts, ledger, wcs);
     }
-    // The batch's lines, asked for before they are needed, so that the
-    // misses of cold handlers overlap instead of following one another:
-    // every entry now, each handler's counters and state `AHEAD`
-    // completions before its turn (they need its entry).
-    for wc in wcs {
-        slab.prefetch_slot(slot_of(wc.wr_id));
-    }
-    for wc in wcs.iter().take(AHEAD) {
-        slab.prefetch_handler(slot_of(wc.wr_id));
+    // With more handlers than the cache holds, the batch's lines are
+    // asked for before they are needed, so that the misses of cold
+    // handlers overlap instead of following one another: every entry,
+    // then (once the entries are on their way) each handler's counters
+    // and state. A small slab stays in the cache and skips both passes.
+    if slab.is_large() {
+        for wc in wcs {
+            slab.prefetch_slot(slot_of(wc.wr_id));
+        }
+        for wc in wcs {
+            slab.prefetch_handler(slot_of(wc.wr_id));
+        }
     }
     let mut next = 0;
     while next < wcs.len() {
         let result = catch_unwind(AssertUnwindSafe(|| {
             while let Some(wc) = wcs.get(next) {
-                if let Some(ahead) = wcs.get(next + AHEAD) {
-                    slab.prefetch_handler(slot_of(ahead.wr_id));
-                }
                 next += 1;
                 dispatch(shared, slab, options, wc, out);
             }
