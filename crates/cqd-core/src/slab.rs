@@ -87,8 +87,29 @@ use std::time::{Duration, Instant};
 /// RNR retry count; such requests should be tracked.
 pub const QUARANTINE: Duration = Duration::from_secs(60);
 
-/// Slots per ledger chunk: the arena grows by this many ledgers at a time.
+/// Slots of the arena's first two chunks; each later chunk holds as many
+/// slots as all the chunks before it, so 9 chunks cover the 262,144 slots
+/// of a CQ, small CQs allocate little, and the large chunks span whole
+/// huge pages.
 pub(crate) const CHUNK: u32 = 1024;
+
+/// The chunk holding `slot`'s ledger, and its index there: chunk 0 holds
+/// slots `0..CHUNK`, chunk `c >= 1` slots `CHUNK << (c - 1) .. CHUNK << c`.
+#[inline]
+fn chunk_of(slot: u32) -> (usize, u32) {
+    let c = (u32::BITS - (slot / CHUNK).leading_zeros()) as usize;
+    let start = if c == 0 { 0 } else { CHUNK << (c - 1) };
+    (c, slot - start)
+}
+
+/// Slots of chunk `c`.
+fn chunk_len(c: usize) -> u32 {
+    if c == 0 {
+        CHUNK
+    } else {
+        CHUNK << (c - 1)
+    }
+}
 
 /// The owner word's bit for "a handler holds the slot" (the low 16 bits
 /// hold its generation).
@@ -130,7 +151,10 @@ pub(crate) struct LedgerChunk {
 impl LedgerChunk {
     fn new(slots: u32) -> Arc<Self> {
         fn lines<T: Default>(n: u32) -> Box<[T]> {
-            (0..n).map(|_| T::default()).collect()
+            let mut v = Vec::with_capacity(n as usize);
+            crate::sys::advise_huge_pages(&v);
+            v.extend((0..n).map(|_| T::default()));
+            v.into_boxed_slice()
         }
         Arc::new(LedgerChunk {
             post: lines(slots),
@@ -440,13 +464,13 @@ impl SlotTable {
         cq: &str,
     ) -> Result<(HandlerKey, SlotLedger), RegisterError> {
         let key = self.alloc(cq)?;
-        let chunk = (key.slot() / CHUNK) as usize;
+        let (chunk, index) = chunk_of(key.slot());
         while self.chunks.len() <= chunk {
-            self.chunks.push(LedgerChunk::new(CHUNK));
+            self.chunks.push(LedgerChunk::new(chunk_len(self.chunks.len())));
         }
         let ledger = SlotLedger {
             chunk: Arc::clone(&self.chunks[chunk]),
-            index: key.slot() % CHUNK,
+            index,
             generation: key.generation(),
         };
         ledger
@@ -589,6 +613,13 @@ impl<W> Slab<W> {
     pub(crate) fn install(&mut self, key: HandlerKey, entry: Entry<W>) {
         let i = key.slot() as usize;
         if self.entries.len() <= i {
+            if i >= PREFETCH_FROM && self.entries.capacity() <= PREFETCH_FROM {
+                // Past the cache: room for every slot at once (address
+                // space only, backed as it is written), on huge pages.
+                let all = MAX_SLOT as usize + 1;
+                self.entries.reserve_exact(all - self.entries.len());
+                crate::sys::advise_huge_pages(&self.entries);
+            }
             self.entries.resize_with(i + 1, || None);
         }
         self.entries[i] = Some(entry);

@@ -1,6 +1,7 @@
 //! The few OS calls the poller needs, through rustix's safe wrappers: an
 //! eventfd to wake a sleeping poller, and `poll(2)` to sleep on the event
-//! descriptors of a poll group. No `unsafe` here.
+//! descriptors of a poll group; and one hint, `madvise(MADV_HUGEPAGE)` on
+//! the handler slab and ledger arena (the only `unsafe` here).
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -75,4 +76,35 @@ pub(crate) fn thread_cpu_time() -> Duration {
         ts.tv_sec.max(0) as u64,
         ts.tv_nsec.clamp(0, 999_999_999) as u32,
     )
+}
+
+/// Huge pages' size on x86_64 and aarch64 (with 4 KiB base pages).
+const HUGE_PAGE: usize = 2 << 20;
+
+/// Asks the kernel to back the whole huge pages inside `v`'s buffer with
+/// transparent huge pages (`MADV_HUGEPAGE`), so that a slab or arena of
+/// hundreds of thousands of handlers costs a few TLB entries instead of a
+/// TLB miss per cold handler. Call it before the buffer is touched (pages
+/// are backed when first written). A hint: a buffer smaller than a huge
+/// page, a kernel without transparent huge pages, or a refusal changes
+/// nothing.
+pub(crate) fn advise_huge_pages<T>(v: &Vec<T>) {
+    let start = v.as_ptr() as usize;
+    let end = start + v.capacity() * std::mem::size_of::<T>();
+    let first = start.next_multiple_of(HUGE_PAGE);
+    let last = end / HUGE_PAGE * HUGE_PAGE;
+    if last <= first {
+        return;
+    }
+    // SAFETY: [first, last) lies inside `v`'s allocation, which `v` keeps
+    // alive for the call, and is page-aligned. MADV_HUGEPAGE changes only
+    // how the kernel backs the range — never its contents, mapping or
+    // protection — so no reference into it is affected.
+    let _ = unsafe {
+        rustix::mm::madvise(
+            first as *mut std::ffi::c_void,
+            last - first,
+            rustix::mm::Advice::LinuxHugepage,
+        )
+    };
 }
