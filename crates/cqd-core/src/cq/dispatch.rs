@@ -30,21 +30,7 @@ pub(super) fn apply_commands<W>(shared: &CqShared<W>, slab: &mut Slab<W>) {
     let mut retry = Vec::new();
     while let Some(cmd) = shared.commands.pop() {
         match cmd {
-            Command::Register {
-                key,
-                handler,
-                ledger,
-                route,
-            } => slab.install(
-                key,
-                Entry {
-                    generation: key.generation(),
-                    handler,
-                    ledger,
-                    route,
-                    retiring: false,
-                },
-            ),
+            Command::Register { key, entry } => slab.install(key, entry),
             Command::Unregister { key } => {
                 if let Some(e) = slab.get_mut(key) {
                     e.retiring = true;

@@ -12,7 +12,7 @@ use crate::ledger::WrLedger;
 use crate::metrics::CqSnapshot;
 use crate::post::{self, PostRecv, PostSend, Refused};
 use crate::sink::Route;
-use crate::slab::{RegisterError, SlotLedger};
+use crate::slab::{Entry, RegisterError, SlotLedger};
 use crate::sync::Ordering;
 use crate::wr_id::{HandlerKey, OpKind, WrIdError};
 
@@ -82,9 +82,7 @@ impl<W: Send + 'static> CqHandle<W> {
             &self.shared,
             Command::Register {
                 key,
-                handler: Box::new(handler),
-                ledger: ledger.clone(),
-                route,
+                entry: Entry::boxed(key, handler, route, ledger.clone()),
             },
         );
         Ok(Registration {

@@ -103,11 +103,10 @@ use parking_lot::Mutex;
 use crate::account::AccountCache;
 use crate::budget::CqBudget;
 use crate::completion::Completion;
-use crate::handler::Handler;
 use crate::ledger::WrLedger;
 use crate::metrics::{batch_bucket, bump, CqMetrics};
-use crate::sink::{Route, Routed};
-use crate::slab::{Slab, SlotLedger, SlotTable};
+use crate::sink::Routed;
+use crate::slab::{Entry, Slab, SlotTable};
 use crate::source::{ArmKind, AsyncEvent, CompletionSource, SourceError};
 use crate::sync::{AtomicBool, Ordering};
 use crate::sys::Doorbell;
@@ -142,9 +141,7 @@ impl Default for CqOptions {
 pub(crate) enum Command<W> {
     Register {
         key: HandlerKey,
-        handler: Box<dyn Handler<W>>,
-        ledger: SlotLedger,
-        route: Route,
+        entry: Box<Entry<W>>,
     },
     Unregister {
         key: HandlerKey,
