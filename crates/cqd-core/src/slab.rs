@@ -176,9 +176,10 @@ impl LedgerChunk {
 ///
 /// The counts live in the CQ's ledger arena, one slot's worth per handler
 /// slot; this is a view of one handler's. Once its handler has been
-/// released (unregistered and drained) the slot's counts belong to the
-/// slot's next handler: every count reads 0 through this view, and a post
-/// through it is refused.
+/// released (unregistered and drained) a post through it is refused, and
+/// its counts stay readable, final, until the slot is given to another
+/// handler; from then on every count reads 0 through this view (the
+/// counts belong to the next handler).
 ///
 /// # Closing protocol
 ///
@@ -192,8 +193,10 @@ impl LedgerChunk {
 /// 2. poster: adds its posted counts, then `entering -= 1` (Release);
 /// 3. poller: writes `owner` without `LIVE` (SeqCst), then reads
 ///    `entering` (SeqCst); if it is not 0, or anything is outstanding,
-///    writes `owner` back and retries later;
-/// 4. poller: zeroes every count, and releases the slot to the table.
+///    writes `owner` back and retries later; else it releases the slot to
+///    the table;
+/// 4. the slot's next allocation (under the table's lock) writes `owner`
+///    with the new generation, zeroes every count, then sets `LIVE`.
 ///
 /// Steps 1 and 3 are a store then a load on both sides, all SeqCst: at
 /// least one of them sees the other's store. Either the poster sees the
@@ -245,11 +248,13 @@ impl SlotLedger {
         self.post_line().owner.load(Ordering::Acquire) == LIVE | u32::from(self.generation)
     }
 
-    /// `value`, or 0 once the handler no longer holds the slot (read after
-    /// the value: a count of the slot's next handler is only ever seen
-    /// together with the owner word that says so).
+    /// `value`, or 0 once the slot was given to another handler. The owner
+    /// word is read after the value: the next handler's allocation changes
+    /// it before it zeroes the counts (both Release), so a zeroed or new
+    /// count is only ever seen together with the owner word that says so.
     fn own(&self, value: u64) -> u64 {
-        if self.is_current() {
+        let owner = self.post_line().owner.load(Ordering::Acquire);
+        if owner & !LIVE == u32::from(self.generation) {
             value
         } else {
             0
@@ -343,10 +348,11 @@ impl SlotLedger {
         c.store(c.load(Ordering::Relaxed) + 1, Ordering::Release);
     }
 
-    /// Closing protocol steps 3–4 (the poller, for a retiring handler):
-    /// true if the slot is closed to this view's handler and its counts are
-    /// zeroed for the next one; false if a poster is entering or something
-    /// is outstanding (nothing changed: try again later).
+    /// Closing protocol step 3 (the poller, for a retiring handler): true
+    /// if the slot is closed to this view's handler (its counts stay
+    /// readable, final, until the slot's next handler is allocated); false
+    /// if a poster is entering or something is outstanding (nothing
+    /// changed: try again later).
     pub(crate) fn close(&self) -> bool {
         let line = self.post_line();
         let held = LIVE | u32::from(self.generation);
@@ -356,16 +362,26 @@ impl SlotLedger {
             line.owner.store(held, Ordering::SeqCst);
             return false;
         }
+        true
+    }
+
+    /// Closing protocol step 4 (allocation, under the table's lock): hands
+    /// the slot to this view's handler, counts zeroed.
+    fn open(&self) {
+        let line = self.post_line();
         let i = self.index as usize;
+        line.owner
+            .store(u32::from(self.generation), Ordering::Release);
         for c in line
             .posted
             .iter()
             .chain(&self.chunk.completed[i].0)
             .chain(&self.chunk.flushed[i].0)
         {
-            c.store(0, Ordering::Relaxed);
+            c.store(0, Ordering::Release);
         }
-        true
+        line.owner
+            .store(LIVE | u32::from(self.generation), Ordering::Release);
     }
 }
 
@@ -469,10 +485,7 @@ impl SlotTable {
             index,
             generation: key.generation(),
         };
-        ledger
-            .post_line()
-            .owner
-            .store(LIVE | u32::from(key.generation()), Ordering::Release);
+        ledger.open();
         Ok((key, ledger))
     }
 
@@ -979,6 +992,13 @@ mod tests {
         la.add_completed(OpKind::Send);
         la.add_flushed(OpKind::Send);
         retire(&mut t, a, &la);
+        // Released, not yet reused: the final counts, and no more posts.
+        assert_eq!(
+            (la.posted(OpKind::Send), la.completed(OpKind::Send)),
+            (3, 3)
+        );
+        assert_eq!(la.flushed(OpKind::Send), 1);
+        assert!(!la.add_posted(OpKind::Send, 1));
         let (b, lb) = t.alloc_ledger("cq").unwrap();
         assert_eq!(b.slot(), a.slot());
         for k in OpKind::ALL {
@@ -986,6 +1006,7 @@ mod tests {
         }
         // The stale view reads 0 and counts nothing in the new handler's.
         assert_eq!(la.completed(OpKind::Send), 0);
+        assert_eq!(la.flushed(OpKind::Send), 0);
         assert!(!la.add_posted(OpKind::Recv, 1));
         la.sub_posted(OpKind::Recv, 1);
         assert!(lb.add_posted(OpKind::Recv, 2));

@@ -319,8 +319,8 @@ impl Registration {
         self.ledger.sub_posted(kind, n);
     }
 
-    /// Posted, completed and flushed counts of this handler (all 0 once it
-    /// has been released).
+    /// Posted, completed and flushed counts of this handler (final once it
+    /// has been released, and all 0 once its slot holds another handler).
     pub fn ledger(&self) -> &SlotLedger {
         &self.ledger
     }
