@@ -68,7 +68,7 @@
 
 use crate::handler::Handler;
 use crate::sink::Route;
-use crate::sync::{AtomicU32, AtomicU64, Ordering};
+use crate::sync::{fence, AtomicU32, AtomicU64, Ordering};
 use crate::wr_id::{HandlerKey, OpKind, MAX_GENERATION, MAX_SLOT};
 use std::collections::VecDeque;
 use std::marker::PhantomData;
@@ -188,22 +188,24 @@ impl LedgerChunk {
 /// end of its count, announced in `entering`; the poller releases a slot
 /// only by closing it:
 ///
-/// 1. poster: `entering += 1` (SeqCst), then reads `owner` (SeqCst); not
+/// 1. poster: `entering += 1`, a SeqCst fence, then reads `owner`; not
 ///    its key's → `entering -= 1`, refused;
 /// 2. poster: adds its posted counts, then `entering -= 1` (Release);
-/// 3. poller: writes `owner` without `LIVE` (SeqCst), then reads
-///    `entering` (SeqCst); if it is not 0, or anything is outstanding,
+/// 3. poller: writes `owner` without `LIVE`, a SeqCst fence, then reads
+///    `entering` (Acquire); if it is not 0, or anything is outstanding,
 ///    writes `owner` back and retries later; else it releases the slot to
 ///    the table;
 /// 4. the slot's next allocation (under the table's lock) writes `owner`
 ///    with the new generation, zeroes every count, then sets `LIVE`.
 ///
-/// Steps 1 and 3 are a store then a load on both sides, all SeqCst: at
+/// Steps 1 and 3 are a store, a SeqCst fence and a load on both sides: at
 /// least one of them sees the other's store. Either the poster sees the
 /// slot closed and counts nothing, or the poller sees it entering and does
 /// not release; a count made before the poller's read of `entering` is
-/// seen by its check of what is outstanding (step 2's release, step 3's
-/// SeqCst read).
+/// seen by its check of what is outstanding (step 2's Release decrement,
+/// step 3's Acquire read). The loom model `slab::loom_close` checks it
+/// (SeqCst loads and stores alone are not enough there: loom treats them
+/// as acquire/release, and finds the lost count).
 #[derive(Clone)]
 pub struct SlotLedger {
     chunk: Arc<LedgerChunk>,
@@ -305,8 +307,9 @@ impl SlotLedger {
     /// nothing, once it was released.
     pub(crate) fn add_posted_all(&self, per_kind: &[u64; OpKind::COUNT]) -> bool {
         let line = self.post_line();
-        line.entering.fetch_add(1, Ordering::SeqCst);
-        let held = line.owner.load(Ordering::SeqCst) == LIVE | u32::from(self.generation);
+        line.entering.fetch_add(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        let held = line.owner.load(Ordering::Relaxed) == LIVE | u32::from(self.generation);
         if held {
             for (c, &n) in line.posted.iter().zip(per_kind) {
                 if n > 0 {
@@ -357,8 +360,9 @@ impl SlotLedger {
         let line = self.post_line();
         let held = LIVE | u32::from(self.generation);
         line.owner
-            .store(u32::from(self.generation), Ordering::SeqCst);
-        if line.entering.load(Ordering::SeqCst) != 0 || self.outstanding_raw() != 0 {
+            .store(u32::from(self.generation), Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        if line.entering.load(Ordering::Acquire) != 0 || self.outstanding_raw() != 0 {
             line.owner.store(held, Ordering::SeqCst);
             return false;
         }
@@ -1072,5 +1076,30 @@ mod tests {
         assert_eq!(std::mem::size_of::<Entry<(), Small>>(), 64);
         assert_eq!(std::mem::size_of::<PostLine>(), 64);
         assert_eq!(std::mem::size_of::<Counters>(), 64);
+    }
+}
+
+/// Loom model of the closing protocol (see [`SlotLedger`]): a poster of a
+/// retiring, drained handler racing with the poller's close.
+///
+/// Run: `RUSTFLAGS="--cfg loom" cargo test -p cqd-core --lib --release slab::loom_close`
+#[cfg(all(test, loom))]
+mod loom_close {
+    use super::*;
+
+    #[test]
+    fn a_post_and_a_close_never_both_succeed() {
+        loom::model(|| {
+            let ledger = SlotLedger::default();
+            let poster = ledger.clone();
+            let t = loom::thread::spawn(move || poster.add_posted(OpKind::Send, 1));
+            let closed = ledger.close();
+            let counted = t.join().unwrap();
+            assert!(!(closed && counted), "a count landed in a closed slot");
+            assert_eq!(ledger.posted_raw(OpKind::Send), u64::from(counted));
+            if !closed {
+                assert!(ledger.is_current(), "a refused close leaves the slot held");
+            }
+        });
     }
 }
