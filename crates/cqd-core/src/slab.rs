@@ -330,11 +330,14 @@ impl SlotLedger {
 
     /// Takes back counts made by [`add_posted`](Self::add_posted) (whose
     /// requests were not posted). They keep the slot held until taken
-    /// back; a view whose handler no longer holds the slot takes back
-    /// nothing (it had counted nothing).
+    /// back (nothing outstanding, no close), so the slot is still this
+    /// handler's: only its generation is checked, not `LIVE`, which a close
+    /// being tried clears for a moment. A view whose slot was given to
+    /// another handler takes back nothing (it had counted nothing there).
     pub(crate) fn sub_posted(&self, kind: OpKind, n: u64) {
-        if self.is_current() {
-            self.post_line().posted[kind.index()].fetch_sub(n, Ordering::AcqRel);
+        let line = self.post_line();
+        if line.owner.load(Ordering::Acquire) & !LIVE == u32::from(self.generation) {
+            line.posted[kind.index()].fetch_sub(n, Ordering::AcqRel);
         }
     }
 
@@ -657,8 +660,9 @@ impl<W> Slab<W> {
         let i = key.slot() as usize;
         if self.entries.len() <= i {
             if i >= PREFETCH_FROM && self.entries.capacity() <= PREFETCH_FROM {
-                // Past the cache: room for every slot at once (address
-                // space only, backed as it is written), on huge pages.
+                // Past the cache: room for every slot at once (4 MiB of
+                // address space, backed as it is written, in huge pages
+                // of 2 MiB), so that the table is never moved again.
                 let all = MAX_SLOT as usize + 1;
                 self.entries.reserve_exact(all - self.entries.len());
                 crate::sys::advise_huge_pages(&self.entries);
