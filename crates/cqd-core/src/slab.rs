@@ -309,7 +309,7 @@ impl SlotLedger {
         let line = self.post_line();
         line.entering.fetch_add(1, Ordering::Relaxed);
         fence(Ordering::SeqCst);
-        let held = line.owner.load(Ordering::Relaxed) == LIVE | u32::from(self.generation);
+        let held = self.is_current();
         if held {
             for (c, &n) in line.posted.iter().zip(per_kind) {
                 if n > 0 {
