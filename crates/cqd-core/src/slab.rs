@@ -69,6 +69,7 @@
 use crate::handler::Handler;
 use crate::sink::Route;
 use crate::sync::{fence, AtomicU32, AtomicU64, Ordering};
+use crate::sys;
 use crate::wr_id::{HandlerKey, OpKind, MAX_GENERATION, MAX_SLOT};
 use std::collections::VecDeque;
 use std::marker::PhantomData;
@@ -611,23 +612,6 @@ impl<W, H: Handler<W>> Entry<W, H> {
 /// for a random handler misses it.
 const PREFETCH_FROM: usize = 1024;
 
-/// Asks the CPU to bring the cache line of `r` in (a hint: a completion
-/// for a cold handler misses the cache; the poller asks for a batch's
-/// lines before it needs them, so that the misses overlap).
-#[inline(always)]
-pub(crate) fn prefetch<T: ?Sized>(r: &T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: `_mm_prefetch` reads nothing the program observes and cannot
-    // fault whatever the address; `r` is a live reference anyway. SSE is
-    // part of the x86_64 baseline.
-    unsafe {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        _mm_prefetch::<_MM_HINT_T0>((r as *const T).cast::<i8>());
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = r;
-}
-
 /// The poller's slab: handlers by slot, no lock. A slot is one pointer
 /// (16 bytes, four to a cache line), so the table of 262,144 slots takes
 /// 4 MiB.
@@ -691,12 +675,12 @@ impl<W> Slab<W> {
     #[inline(always)]
     pub(crate) fn prefetch_slot(&self, slot: u32) {
         if let Some(e) = self.entries.get(slot as usize) {
-            prefetch(e);
+            sys::prefetch(e);
         }
         let (c, i) = chunk_of(slot);
         if let Some(Some(chunk)) = self.chunks.get(c) {
             if let Some(line) = chunk.completed.get(i as usize) {
-                prefetch(line);
+                sys::prefetch(line);
             }
         }
     }
@@ -706,7 +690,7 @@ impl<W> Slab<W> {
     #[inline(always)]
     pub(crate) fn prefetch_handler(&self, slot: u32) {
         if let Some(Some(e)) = self.entries.get(slot as usize) {
-            prefetch(&**e);
+            sys::prefetch(&**e);
         }
     }
 

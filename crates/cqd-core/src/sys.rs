@@ -1,7 +1,8 @@
 //! The few OS calls the poller needs, through rustix's safe wrappers: an
 //! eventfd to wake a sleeping poller, and `poll(2)` to sleep on the event
-//! descriptors of a poll group; and one hint, `madvise(MADV_HUGEPAGE)` on
-//! the handler slab and ledger arena (the only `unsafe` here).
+//! descriptors of a poll group; and two hints, `madvise(MADV_HUGEPAGE)` on
+//! the handler slab and ledger arena and a cache-line prefetch for
+//! dispatch (the only `unsafe` here).
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -107,4 +108,21 @@ pub(crate) fn advise_huge_pages<T>(v: &Vec<T>) {
             rustix::mm::Advice::LinuxHugepage,
         )
     };
+}
+
+/// Asks the CPU to bring the cache line of `r` in (a hint: a completion
+/// for a cold handler misses the cache; the poller asks for a batch's
+/// lines before it needs them, so that the misses overlap).
+#[inline(always)]
+pub(crate) fn prefetch<T: ?Sized>(r: &T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `_mm_prefetch` reads nothing the program observes and cannot
+    // fault whatever the address; `r` is a live reference anyway. SSE is
+    // part of the x86_64 baseline.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch::<_MM_HINT_T0>((r as *const T).cast::<i8>());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = r;
 }
