@@ -1,7 +1,9 @@
 //! The few OS calls the poller needs, through rustix's safe wrappers: an
 //! eventfd to wake a sleeping poller, an epoll set in which each
 //! notification descriptor of a poll group is registered once (a wake-up
-//! returns only the ready ones). No `unsafe` here.
+//! returns only the ready ones); and two hints, `madvise(MADV_HUGEPAGE)` on
+//! the handler slab and ledger arena and a cache-line prefetch for
+//! dispatch (the only `unsafe` here).
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -115,4 +117,52 @@ pub(crate) fn thread_cpu_time() -> Duration {
         ts.tv_sec.max(0) as u64,
         ts.tv_nsec.clamp(0, 999_999_999) as u32,
     )
+}
+
+/// Huge pages' size on x86_64 and aarch64 (with 4 KiB base pages).
+const HUGE_PAGE: usize = 2 << 20;
+
+/// Asks the kernel to back the whole huge pages inside `v`'s buffer with
+/// transparent huge pages (`MADV_HUGEPAGE`), so that a slab or arena of
+/// hundreds of thousands of handlers costs a few TLB entries instead of a
+/// TLB miss per cold handler. Call it before the buffer is touched (pages
+/// are backed when first written). A hint: a buffer smaller than a huge
+/// page, a kernel without transparent huge pages, or a refusal changes
+/// nothing.
+pub(crate) fn advise_huge_pages<T>(v: &Vec<T>) {
+    let start = v.as_ptr() as usize;
+    let end = start + v.capacity() * std::mem::size_of::<T>();
+    let first = start.next_multiple_of(HUGE_PAGE);
+    let last = end / HUGE_PAGE * HUGE_PAGE;
+    if last <= first {
+        return;
+    }
+    // SAFETY: [first, last) lies inside `v`'s allocation, which `v` keeps
+    // alive for the call, and is page-aligned. MADV_HUGEPAGE changes only
+    // how the kernel backs the range — never its contents, mapping or
+    // protection — so no reference into it is affected.
+    let _ = unsafe {
+        rustix::mm::madvise(
+            first as *mut std::ffi::c_void,
+            last - first,
+            rustix::mm::Advice::LinuxHugepage,
+        )
+    };
+}
+
+/// Asks the CPU to bring the cache line of `r` in (a hint: a completion
+/// for a cold handler misses the cache; the poller asks for a batch's
+/// lines before it needs them, so that the misses overlap).
+#[inline(always)]
+pub(crate) fn prefetch<T: ?Sized>(r: &T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `_mm_prefetch` reads nothing the program observes and cannot
+    // fault whatever the address; `r` is a live reference anyway. SSE is
+    // part of the x86_64 baseline.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch::<_MM_HINT_T0>((r as *const T).cast::<i8>());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = r;
 }

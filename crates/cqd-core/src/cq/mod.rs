@@ -103,11 +103,10 @@ use parking_lot::Mutex;
 use crate::account::AccountCache;
 use crate::budget::CqBudget;
 use crate::completion::Completion;
-use crate::handler::Handler;
 use crate::ledger::WrLedger;
 use crate::metrics::{batch_bucket, bump, CqMetrics};
-use crate::sink::{Route, Routed};
-use crate::slab::{Slab, SlotLedger, SlotTable};
+use crate::sink::Routed;
+use crate::slab::{Entry, Slab, SlotTable};
 use crate::source::{ArmKind, AsyncEvent, CompletionSource, SourceError};
 use crate::sync::{AtomicBool, Ordering};
 
@@ -152,9 +151,7 @@ impl Default for CqOptions {
 pub(crate) enum Command<W> {
     Register {
         key: HandlerKey,
-        handler: Box<dyn Handler<W>>,
-        ledger: Arc<SlotLedger>,
-        route: Route,
+        entry: Box<Entry<W>>,
     },
     Unregister {
         key: HandlerKey,
@@ -166,6 +163,10 @@ pub(crate) struct CqShared<W> {
     pub(crate) name: String,
     pub(crate) capacity: u32,
     pub(crate) commands: SegQueue<Command<W>>,
+    /// Set by the first command pushed after the poller last began to
+    /// apply them; only that push rings the doorbell (the registration
+    /// doorbell protocol in `handle`).
+    pub(crate) commands_rung: AtomicBool,
     pub(crate) table: Mutex<SlotTable>,
     pub(crate) metrics: CqMetrics,
     /// The doorbell of the poller the CQ is bound to, once bound: one per
@@ -219,6 +220,7 @@ pub fn split<W: Send + 'static>(
         name: source.name().to_string(),
         capacity: source.capacity(),
         commands: SegQueue::new(),
+        commands_rung: AtomicBool::new(false),
         table: Mutex::new(SlotTable::default()),
         metrics: CqMetrics::default(),
         doorbell: crate::sync::Mutex::new(None),
@@ -393,7 +395,10 @@ impl<W: Send + 'static> CqPoller<W> {
     /// # Errors
     /// When the source fails (device gone); nothing polled is lost.
     pub fn poll_once(&mut self, out: &mut VecDeque<Routed<W>>) -> Result<usize, SourceError> {
-        if !self.core.shared.commands.is_empty() {
+        // The registration doorbell protocol (step 3, in `handle`): every
+        // poll looks at the flag, so a ring consumed without a poll cannot
+        // strand a command.
+        if self.core.shared.commands_rung.load(Ordering::Acquire) {
             self.apply_commands();
         }
         let m = &self.core.shared.metrics.0;
@@ -605,7 +610,7 @@ impl<W: Send + 'static> CqPoller<W> {
         self.core
             .slab
             .iter()
-            .map(|(_, e)| e.ledger.outstanding())
+            .map(|(_, e)| e.ledger.outstanding_raw())
             .sum()
     }
 
@@ -614,7 +619,7 @@ impl<W: Send + 'static> CqPoller<W> {
     /// holds.
     pub fn accounts(&self) -> crate::ledger::ShutdownReport {
         let mut report = crate::ledger::ShutdownReport::from_ledgers(
-            self.core.slab.iter().map(|(key, e)| (key, &*e.ledger)),
+            self.core.slab.iter().map(|(key, e)| (key, &e.ledger)),
         );
         if let Some(l) = self.core.shared.ledger.get() {
             report.stuck = l.scan(Instant::now(), std::time::Duration::ZERO);
@@ -762,7 +767,7 @@ mod tests {
         // An item already spilled, above a mark of 0: one batch only.
         let mut out = VecDeque::from([Routed {
             item: 7u32,
-            route: Route::Key(0),
+            route: crate::sink::Route::Key(0),
         }]);
         assert_eq!(p.poll_round(&mut out, 0).unwrap(), 4);
     }
