@@ -20,7 +20,17 @@
 //! post side is timed too: filling by `push_all` against filling through
 //! the posting call.
 //!
-//! `cargo bench --bench dispatch` (add `-- --quick` for a smoke run).
+//! Then the handler-count sweep: `cqd dispatch` again, on CQs with 64,
+//! 4,096, 65,536 and 262,144 handlers (the most one CQ can hold), each
+//! completion for a handler drawn at random from all of them (the fills
+//! rotate over [`SWEEP_FILLS`] random sets, so every handler is hit), with
+//! the ratio of each count's cost to the 64-handler one. The sizes run
+//! interleaved within each repetition, so that a change in the machine's
+//! load reaches all of them alike; the sweep is timed in the thread's CPU
+//! time, 15 short runs of 20 fills each.
+//!
+//! `taskset -c 1 cargo bench --bench dispatch` (add `-- --quick` for a
+//! smoke run; `-- --sweep` runs the sweep only).
 //! Figures are recorded in docs/benchmarks.md.
 
 use std::collections::{HashMap, VecDeque};
@@ -31,13 +41,17 @@ use std::time::{Duration, Instant};
 use cqd::core::budget::{BudgetOptions, CqBudget};
 use cqd::core::{
     split, Completion, CompletionSource, CqOptions, CqPoller, Failed, Handler, NoWork, OpKind,
-    Opcode, Outbox, RecvDone, Registration, SendDone, WrLedger,
+    Opcode, Outbox, RecvDone, Registration, Routed, SendDone, WrLedger,
 };
 use cqd::sim::{sim_cq, sim_cq_with_ledger, Faults, LoopWr, Loopback, SimCq};
 
 const CQ_SIZE: u32 = 65_536;
 const HANDLERS: usize = 64;
 const BATCH: usize = 32;
+/// Handler counts of the sweep.
+const SWEEP: [usize; 4] = [64, 4_096, 65_536, 262_144];
+/// Random completion sets each sweep CQ's fills rotate over.
+const SWEEP_FILLS: usize = 4;
 
 struct Count(u64);
 
@@ -97,6 +111,147 @@ fn filler<'a>(cq: &'a SimCq, wcs: &'a [Completion]) -> impl FnMut() + 'a {
     move || cq.push_all(wcs).unwrap()
 }
 
+/// A small deterministic generator (xorshift64*), so every run draws the
+/// same handlers.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        ((self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 32) as usize * n) >> 32
+    }
+}
+
+/// `CQ_SIZE` completions, each for a handler of `regs` drawn at random,
+/// sends and receives mixed.
+fn random_completions(regs: &[Registration], rng: &mut Rng) -> Vec<Completion> {
+    (0..CQ_SIZE)
+        .map(|i| {
+            let r = &regs[rng.below(regs.len())];
+            let (kind, op) = if i % 2 == 0 {
+                (OpKind::Send, Opcode::Send)
+            } else {
+                (OpKind::Recv, Opcode::Recv)
+            };
+            let mut c = Completion::success(r.wr_id(kind, i).unwrap(), op, 7);
+            c.byte_len = 512;
+            c
+        })
+        .collect()
+}
+
+/// One CQ of the handler-count sweep: its CQ, poller, registrations and
+/// random fills.
+struct SweepCq {
+    cq: SimCq,
+    poller: CqPoller<NoWork>,
+    handle: cqd::core::CqHandle<NoWork>,
+    fills: Vec<Vec<Completion>>,
+    next: usize,
+    _regs: Vec<Registration>,
+}
+
+impl SweepCq {
+    fn new(handlers: usize, rng: &mut Rng) -> Self {
+        let (cq, src) = sim_cq("sweep", CQ_SIZE, Faults::default()).unwrap();
+        let (poller, handle) = split::<NoWork>(src, CqOptions::default()).unwrap();
+        let mut poller = poller.bind();
+        let regs: Vec<Registration> = (0..handlers)
+            .map(|_| handle.register(Count(0)).unwrap())
+            .collect();
+        poller.apply_commands();
+        let fills = (0..SWEEP_FILLS)
+            .map(|_| random_completions(&regs, rng))
+            .collect();
+        SweepCq {
+            cq,
+            poller,
+            handle,
+            fills,
+            next: 0,
+            _regs: regs,
+        }
+    }
+
+    /// ns per completion over `rounds` fills, in the thread's CPU time
+    /// (the machine is shared: time spent descheduled is not the
+    /// dispatcher's).
+    fn run(&mut self, rounds: usize, out: &mut VecDeque<Routed<NoWork>>) -> f64 {
+        let (mut cpu, mut n) = (Duration::ZERO, 0usize);
+        for _ in 0..rounds {
+            self.cq
+                .push_all(&self.fills[self.next % SWEEP_FILLS])
+                .unwrap();
+            self.next += 1;
+            let start = thread_cpu();
+            loop {
+                let got = self.poller.poll_once(out).unwrap();
+                n += got;
+                if got == 0 {
+                    break;
+                }
+            }
+            cpu += thread_cpu() - start;
+        }
+        cpu.as_nanos() as f64 / n as f64
+    }
+}
+
+/// The calling thread's CPU time.
+fn thread_cpu() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+}
+
+/// The handler-count sweep (see the module documentation).
+fn sweep(rounds: usize, reps: usize) {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let start = Instant::now();
+    let mut cqs: Vec<SweepCq> = SWEEP.iter().map(|&n| SweepCq::new(n, &mut rng)).collect();
+    println!(
+        "handler-count sweep: set up in {:.2?} ({} registrations)",
+        start.elapsed(),
+        SWEEP.iter().sum::<usize>()
+    );
+    let mut out = VecDeque::new();
+    let mut ns: Vec<Vec<f64>> = vec![Vec::new(); SWEEP.len()];
+    for _ in 0..reps {
+        for (cq, v) in cqs.iter_mut().zip(&mut ns) {
+            v.push(cq.run(rounds, &mut out));
+        }
+    }
+    println!("cqd dispatch by handler count, completions spread at random over all handlers, batch {BATCH}, {reps} runs × {rounds} × {CQ_SIZE} completions, thread CPU time: median [min–max]");
+    println!(
+        "{:>9} {:>24} {:>12} {:>12}",
+        "handlers", "ns/compl", "vs 64 (med)", "vs 64 (min)"
+    );
+    let (base, base_lo, _) = stats(&mut ns[0]);
+    for (n, v) in SWEEP.iter().zip(&mut ns) {
+        let (m, lo, hi) = stats(v);
+        println!(
+            "{n:>9} {m:>8.2} [{lo:>5.2}–{hi:>6.2}] {:>11.2}x {:>11.2}x",
+            m / base,
+            lo / base_lo
+        );
+    }
+    let worst = stats(ns.last_mut().unwrap()).0 / base;
+    println!(
+        "262,144 handlers / 64 handlers = {worst:.2} (medians; goal <= 3.0): {}",
+        if worst <= 3.0 { "met" } else { "not met" }
+    );
+    for cq in &cqs {
+        let snap = cq.handle.snapshot();
+        assert_eq!(
+            snap.stale_wr_ids + snap.foreign_wr_ids,
+            0,
+            "every completion was dispatched"
+        );
+    }
+    assert!(out.is_empty());
+}
+
 /// Median, min and max.
 fn stats(v: &mut [f64]) -> (f64, f64, f64) {
     v.sort_by(f64::total_cmp);
@@ -107,6 +262,11 @@ fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let rounds = if quick { 20 } else { 400 };
     let reps = if quick { 1 } else { 5 };
+    let (sweep_rounds, sweep_reps) = if quick { (4, 1) } else { (20, 15) };
+    if std::env::args().any(|a| a == "--sweep") {
+        sweep(sweep_rounds, sweep_reps);
+        return;
+    }
 
     // cqd dispatch.
     let (cq_d, src_d) = sim_cq("dispatch", CQ_SIZE, Faults::default()).unwrap();
@@ -271,4 +431,5 @@ fn main() {
         "every completion was dispatched"
     );
     assert!(out.is_empty());
+    sweep(sweep_rounds, sweep_reps);
 }

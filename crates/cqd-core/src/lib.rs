@@ -37,6 +37,7 @@ pub mod handler;
 pub mod ledger;
 pub mod metrics;
 pub mod mode;
+pub mod notifier;
 pub mod poller;
 pub mod pool;
 pub mod post;

@@ -2,24 +2,46 @@
 //!
 //! # The sleep protocol
 //!
-//! A poller goes to sleep only after a round in which every CQ of its group
-//! polled empty. Then, in this order:
+//! An arm is one-shot: it stays in force until it fires. So the group keeps
+//! each CQ in one of two states: **active** (polled every round: it fired,
+//! found work, or is not armed) or **quiet** (armed, and polled empty after
+//! its arm took effect: any new completion notifies). Only active CQs are
+//! polled, armed and re-polled; a sleep and a wake-up cost what is ready,
+//! not the size of the group. A poller goes to sleep only after a round in
+//! which every active CQ polled empty. Then, in this order:
 //!
-//! 1. **Arm** every CQ of the group (re-arm every time: a notification is
-//!    one-shot).
-//! 2. **Re-poll** every CQ. A completion that landed after the last empty
-//!    poll but before the arm took effect is not notified (IB semantics);
-//!    without this step it would sit in the CQ until the next one. If the
-//!    re-poll finds anything, do not sleep: return to polling.
-//! 3. **Block** on the group's descriptors (each CQ's notification, each
-//!    CQ's doorbell, async events) with a timeout — the safety net.
-//! 4. **Collect** every pending notification of every CQ without blocking,
-//!    acknowledging in batches.
-//! 5. **Poll** every CQ once more. The caller keeps polling until every CQ is
-//!    empty again before it may sleep (drain to empty, never one entry per
-//!    event). A wake-up whose notification found nothing is spurious; a
-//!    timeout that found completions is a recovered missed notification.
-//!    Both are counted by the group.
+//! 1. **Arm** every active CQ that is not armed (its arm fired, or it never
+//!    had one); a CQ in error is never armed. An active CQ still armed from
+//!    an earlier cycle, which the last round polled empty, becomes quiet at
+//!    once: its arm has either not fired (and will, for the next
+//!    completion) or has, and its descriptor is ready.
+//! 2. **Re-poll** the CQs armed in step 1 — the lost-wake-up rule concerns
+//!    only them. A completion that landed after their last empty poll but
+//!    before the arm took effect is not notified (IB semantics); without
+//!    this step it would sit in the CQ until the next one. One found empty
+//!    becomes quiet. If the re-poll finds anything, do not sleep: return to
+//!    polling.
+//! 3. **Block** on the group's epoll set — each distinct notification
+//!    descriptor (a CQ's own, or a channel shared by many), the poller's
+//!    one doorbell, asynchronous events — with a timeout.
+//! 4. **Collect** the notifications of the ready descriptors only,
+//!    acknowledging in batches. A CQ that fired is no longer armed and
+//!    becomes active.
+//! 5. **Poll** the active CQs. The caller keeps polling until every active
+//!    CQ is empty again before it may sleep (drain to empty, never one
+//!    entry per event). A wake-up whose notification found nothing is
+//!    spurious.
+//!
+//! **The safety net.** Once per wake timeout (whether or not the block
+//! timed out) a round also polls the next slice of the quiet CQs, rotating:
+//! `max(64, ⌈N / 8⌉)` of the `N` CQs, so every CQ is polled within 8 wake
+//! timeouts (within one for groups of up to 64 CQs), at a cost bounded by
+//! the slice, not the group. The round first takes what is already
+//! notified (without blocking), so a notification on its way is not taken
+//! for a missed one. A quiet CQ then found holding completions had a
+//! missed notification: it is counted as recovered, and becomes active and
+//! unarmed (its arm is suspect) so that it is armed afresh. CQs in error
+//! are polled by every safety round.
 //!
 //! [`sleep_once`] is that sequence, written once against [`SleepGroup`] so
 //! that the real poller and the loom model (`tests/loom_arm.rs`) run the same
@@ -178,21 +200,29 @@ mod duration_us {
     }
 }
 
-/// What a group must offer the sleep protocol.
+/// What a group must offer the sleep protocol (steps as in the module
+/// documentation).
 pub trait SleepGroup {
     /// The group's error.
     type Error;
-    /// Step 1: arm every CQ.
-    fn arm_all(&mut self) -> Result<(), Self::Error>;
-    /// Steps 2 and 5: poll every CQ once (a batch each), dispatching;
-    /// returns the completions found.
-    fn poll_round(&mut self) -> Result<usize, Self::Error>;
-    /// Step 3: block until a descriptor is ready or `timeout` passes;
+    /// Step 1: arms every active CQ that is not armed; an active CQ that is
+    /// still armed (and polled empty in the last round) becomes quiet.
+    /// Returns how many CQs were armed now.
+    fn arm_unarmed(&mut self) -> Result<usize, Self::Error>;
+    /// Step 2: re-polls the CQs armed in step 1; each found empty becomes
+    /// quiet. Returns the completions found.
+    fn repoll_armed(&mut self) -> Result<usize, Self::Error>;
+    /// Step 3: blocks until a descriptor is ready or `timeout` passes;
     /// returns true on timeout.
     fn block(&mut self, timeout: Duration) -> Result<bool, Self::Error>;
-    /// Step 4: take and acknowledge (in batches) pending notifications;
-    /// returns how many.
+    /// Step 4: takes and acknowledges (in batches) the notifications of the
+    /// ready descriptors; each CQ that fired becomes active and unarmed.
+    /// Returns how many notifications.
     fn collect_events(&mut self) -> Result<u32, Self::Error>;
+    /// Step 5 (and every round of the caller): polls every active CQ once
+    /// (up to its round budget), dispatching; returns the completions
+    /// found.
+    fn poll_round(&mut self) -> Result<usize, Self::Error>;
 }
 
 /// What one call of [`sleep_once`] saw.
@@ -216,10 +246,10 @@ pub struct Slept {
 /// # Errors
 /// Whatever the group's operations return.
 pub fn sleep_once<G: SleepGroup>(g: &mut G, timeout: Duration) -> Result<Slept, G::Error> {
-    // 1. Arm every CQ.
-    g.arm_all()?;
-    // 2. Re-poll every CQ before sleeping.
-    let repoll_found = g.poll_round()?;
+    // 1. Arm the active CQs that are not armed; the armed ones go quiet.
+    let armed = g.arm_unarmed()?;
+    // 2. Re-poll the CQs just armed before sleeping.
+    let repoll_found = if armed > 0 { g.repoll_armed()? } else { 0 };
     if repoll_found > 0 {
         return Ok(Slept {
             repoll_found,
@@ -231,9 +261,10 @@ pub fn sleep_once<G: SleepGroup>(g: &mut G, timeout: Duration) -> Result<Slept, 
     }
     // 3. Block, with the safety timeout.
     let timed_out = g.block(timeout)?;
-    // 4. Collect (and batch-ack) every pending notification.
+    // 4. Collect (and batch-ack) the notifications of the ready descriptors.
     let events = g.collect_events()?;
-    // 5. Poll every CQ; the caller drains to empty before sleeping again.
+    // 5. Poll the active CQs; the caller drains to empty before sleeping
+    //    again.
     let found = g.poll_round()?;
     Ok(Slept {
         repoll_found,
@@ -436,20 +467,24 @@ mod tests {
 
     struct Script {
         log: Vec<&'static str>,
+        to_arm: usize,
         repoll: usize,
         after: usize,
     }
 
     impl SleepGroup for Script {
         type Error = ();
-        fn arm_all(&mut self) -> Result<(), ()> {
+        fn arm_unarmed(&mut self) -> Result<usize, ()> {
             self.log.push("arm");
-            Ok(())
+            Ok(self.to_arm)
+        }
+        fn repoll_armed(&mut self) -> Result<usize, ()> {
+            self.log.push("repoll");
+            Ok(self.repoll)
         }
         fn poll_round(&mut self) -> Result<usize, ()> {
             self.log.push("poll");
-            let first = self.log.iter().filter(|s| **s == "poll").count() == 1;
-            Ok(if first { self.repoll } else { self.after })
+            Ok(self.after)
         }
         fn block(&mut self, _: Duration) -> Result<bool, ()> {
             self.log.push("block");
@@ -465,11 +500,12 @@ mod tests {
     fn arm_then_repoll_then_block() {
         let mut g = Script {
             log: vec![],
+            to_arm: 1,
             repoll: 0,
             after: 3,
         };
         let s = sleep_once(&mut g, Duration::from_millis(1)).unwrap();
-        assert_eq!(g.log, ["arm", "poll", "block", "collect", "poll"]);
+        assert_eq!(g.log, ["arm", "repoll", "block", "collect", "poll"]);
         assert_eq!((s.blocked, s.events, s.found), (true, 1, 3));
     }
 
@@ -477,13 +513,27 @@ mod tests {
     fn repoll_finding_work_does_not_sleep() {
         let mut g = Script {
             log: vec![],
+            to_arm: 1,
             repoll: 2,
             after: 0,
         };
         let s = sleep_once(&mut g, Duration::from_millis(1)).unwrap();
-        assert_eq!(g.log, ["arm", "poll"]);
+        assert_eq!(g.log, ["arm", "repoll"]);
         assert!(!s.blocked);
         assert_eq!(s.repoll_found, 2);
+    }
+
+    #[test]
+    fn nothing_newly_armed_needs_no_repoll() {
+        let mut g = Script {
+            log: vec![],
+            to_arm: 0,
+            repoll: 5,
+            after: 0,
+        };
+        let s = sleep_once(&mut g, Duration::from_millis(1)).unwrap();
+        assert_eq!(g.log, ["arm", "block", "collect", "poll"]);
+        assert!(s.blocked);
     }
 
     #[test]

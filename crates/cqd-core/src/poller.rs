@@ -4,18 +4,28 @@
 //! # The loop
 //!
 //! 1. If a stop was requested, run the stop protocol (below) and exit.
-//! 2. Poll one round: a batch from every CQ of the group, dispatching each
-//!    completion to its handler (registrations are applied first).
+//! 2. Poll one round, dispatching each completion to its handler
+//!    (registrations are applied first): in Busy mode every CQ of the
+//!    group, otherwise the active ones (those not quiet, see `mode`), plus
+//!    the safety net's slice once per wake timeout. A CQ is polled again
+//!    while it returns full batches, up to its round budget
+//!    ([`CqOptions::round_budget`](crate::cq::CqOptions::round_budget)).
 //!    If the spill is above its high-water mark, skip the polling: only
 //!    offer the spill again (back-pressure, see
 //!    [`PollerBuilder::spill_high_water_mark`]).
 //! 3. Offer the work the handlers emitted — behind any earlier spill — to
 //!    the sink; what it refuses stays in the spill queue (each item counted
 //!    once).
-//! 4. Check asynchronous events (overflow) of every CQ.
+//! 4. Check asynchronous events (overflow): of every CQ in Busy mode or
+//!    after an asynchronous-event descriptor was ready, else of the active
+//!    ones (the safety net checks the quiet ones, slice by slice). Outside
+//!    Busy mode, look at the epoll set without blocking every 50 µs, so a
+//!    quiet CQ that fired is not left waiting while others keep the poller
+//!    busy.
 //! 5. If the round found work, go to 1. If the spill is above its mark,
 //!    wait for ring space (Busy mode: spin) and go to 1. Otherwise ask the
-//!    mode: spin (go to 1) or sleep ([`sleep_once`], the arm / re-poll /
+//!    mode: spin (go to 1; an idle Busy poller pauses, yields, then naps,
+//!    see `mode`) or sleep ([`sleep_once`], the arm / re-poll /
 //!    block protocol; with a spill the block also waits for ring space, see
 //!    `poller::spill`). A source that fails (device gone) is counted and traced,
 //!    and, if nothing else had work, the poller backs off for a tenth of the
@@ -42,21 +52,22 @@
 //!
 //! Workers are drained and joined after the pollers (see `pool`).
 
+mod ready;
 mod spill;
 
-use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::cq::GroupBell;
 use crate::cq::{CqPoller, UnboundCq};
 use crate::metrics::{bump, CqSnapshot, PollerMetrics, PollerSnapshot};
 pub use crate::mode::MIN_WAKE_TIMEOUT;
-use crate::mode::{sleep_once, Idle, IdlePolicy, PollMode, SleepGroup, Slept};
-use crate::sink::{SpaceWait, WorkSink};
-use crate::source::SourceError;
+use crate::mode::{sleep_once, Idle, IdlePolicy, PollMode};
+use crate::sink::WorkSink;
 use crate::sync::{AtomicBool, Ordering};
-use crate::sys::{thread_cpu_time, wait_readable, Doorbell};
+use crate::sys::thread_cpu_time;
 use crate::thread::{start, StartError, ThreadHandle};
+use ready::Readiness;
 pub use spill::DEFAULT_SPILL_HIGH_WATER_MARK;
 use spill::{GiveBack, Spill};
 
@@ -189,9 +200,20 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
         }
         let stop = Arc::new(AtomicBool::new(false));
         let metrics = Arc::new(PollerMetrics::default());
-        let doorbells: Vec<Arc<Doorbell>> = self.cqs.iter().map(UnboundCq::doorbell).collect();
+        // One doorbell for the whole group, and the epoll sets, made here so
+        // that a failure is the spawn's error.
+        let os = |op: &'static str| {
+            let poller = self.name.clone();
+            move |source| PollerError::Os { poller, op, source }
+        };
+        let doorbell = Arc::new(GroupBell::new().map_err(os("eventfd"))?);
+        let sources: Vec<&dyn crate::source::CompletionSource> =
+            self.cqs.iter().map(UnboundCq::source).collect();
+        let readiness = Readiness::new(&sources, Arc::clone(&doorbell)).map_err(os("epoll"))?;
+        drop(sources);
         let name = self.name.clone();
         let cqs = self.cqs;
+        let group_doorbell = Arc::clone(&doorbell);
         let (group_metrics, group_stop) = (Arc::clone(&metrics), Arc::clone(&stop));
         let group = move |cqs: Vec<CqPoller<W>>| Group {
             idle: IdlePolicy::new(self.mode, Instant::now()),
@@ -205,9 +227,7 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
             drain_timeout: self.drain_timeout,
             watchdog: self.watchdog,
             stop: group_stop,
-            ready: Vec::new(),
-            round_found: Vec::new(),
-            round_events: Vec::new(),
+            ready: readiness,
             last_block: Duration::ZERO,
             failing: false,
             sleep_failures: 0,
@@ -220,7 +240,14 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
         let join = start(
             format!("cqd-poller-{}", self.name),
             move || setup.map_or(Ok(()), |setup| setup()),
-            move || group(cqs.into_iter().map(UnboundCq::bind).collect()).run(),
+            move || {
+                let bind = |(i, cq): (usize, UnboundCq<W>)| {
+                    let mut cq = cq.bind();
+                    cq.install_doorbell(Arc::clone(&group_doorbell), i);
+                    cq
+                };
+                group(cqs.into_iter().enumerate().map(bind).collect()).run()
+            },
         )
         .map_err(|e| match e {
             StartError::Spawn(source) => PollerError::Spawn {
@@ -239,7 +266,7 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
         Ok(PollerThread {
             name,
             stop,
-            doorbells,
+            doorbell,
             metrics,
             join: Some(join),
         })
@@ -265,6 +292,17 @@ pub enum PollerError {
         given: Duration,
         /// The smallest timeout a poller honours.
         min: Duration,
+    },
+    /// The poller's doorbell or epoll set could not be made.
+    #[error("poller {poller}: {op} failed: {source}")]
+    Os {
+        /// The poller.
+        poller: String,
+        /// What was being made.
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
     },
     /// The OS refused a thread.
     #[error("could not spawn poller {poller}: {source}")]
@@ -296,7 +334,7 @@ pub enum PollerError {
 pub struct PollerThread {
     name: String,
     stop: Arc<AtomicBool>,
-    doorbells: Vec<Arc<Doorbell>>,
+    doorbell: Arc<GroupBell>,
     metrics: Arc<PollerMetrics>,
     join: Option<ThreadHandle<PollerReport>>,
 }
@@ -341,9 +379,7 @@ impl PollerThread {
 
     fn request_stop(&self) {
         self.stop.store(true, Ordering::Release);
-        for d in &self.doorbells {
-            d.ring();
-        }
+        self.doorbell.ring();
     }
 }
 
@@ -386,9 +422,7 @@ struct Group<W, S> {
     drain_timeout: Duration,
     watchdog: Option<Duration>,
     stop: Arc<AtomicBool>,
-    ready: Vec<bool>,
-    round_found: Vec<usize>,
-    round_events: Vec<u32>,
+    ready: Readiness,
     last_block: Duration,
     failing: bool,
     sleep_failures: u64,
@@ -400,8 +434,6 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         let name = self.metrics_name();
         let _span =
             tracing::debug_span!("poller", name = %name, mode = self.idle.mode().name()).entered();
-        self.round_found = vec![0; self.cqs.len()];
-        self.round_events = vec![0; self.cqs.len()];
         self.install_space_waker();
         loop {
             let m = &self.metrics.0;
@@ -413,15 +445,14 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             // 2. One round (or, above the mark, a hand-off only).
             let found = self.round();
             // 3. Hand off (inside round) and 4. async events.
-            for cq in &mut self.cqs {
-                cq.check_async();
-            }
+            self.check_async();
             // 5. Work, spin or sleep (or back off from a failing device).
             if std::mem::take(&mut self.failing) && found == 0 {
                 self.back_off();
                 continue;
             }
             let now = Instant::now();
+            self.check_ready(now);
             if self.watchdog.is_some()
                 && now.saturating_duration_since(self.last_scan) >= self.wake_timeout
             {
@@ -477,47 +508,13 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         self.poll_all()
     }
 
-    /// One batch from every CQ, then the hand-off, whatever the spill. Poll
-    /// errors are counted by the CQ and traced; the loop goes on (a vanished
-    /// device shows up as errors and async events, never a panic).
-    fn poll_all(&mut self) -> usize {
-        let mut total = 0;
-        for (i, cq) in self.cqs.iter_mut().enumerate() {
-            let n = match cq.poll_once(&mut self.spill.items) {
-                Ok(n) => n,
-                Err(e) => {
-                    // Counted by the CQ; traced at 1, 2, 4, 8… so a dead
-                    // device does not flood the log.
-                    let count = cq.shared().metrics.0.poll_errors.load(Ordering::Relaxed);
-                    if count.is_power_of_two() {
-                        tracing::error!(cq = cq.name(), error = %e, count, "poll failed");
-                    }
-                    self.failing = true;
-                    0
-                }
-            };
-            if let Some(f) = self.round_found.get_mut(i) {
-                *f = n;
-            }
-            total += n;
-        }
-        self.hand_off();
-        total
-    }
-
     /// A source is failing (device gone) and nothing else had work: do not
     /// spin on errors, in any mode. Wait a tenth of the safety timeout
     /// (1–10 ms) unless a doorbell (stop, control request) rings.
     fn back_off(&mut self) {
         let pause = self.retry_pause();
-        let fds: Vec<BorrowedFd<'_>> = self
-            .cqs
-            .iter()
-            .map(|c| c.shared().doorbell.as_fd())
-            .collect();
-        let _ = wait_readable(&fds, pause, &mut self.ready);
-        for cq in &self.cqs {
-            cq.shared().doorbell.drain();
+        if self.wait_control(pause).is_err() {
+            std::thread::sleep(pause);
         }
     }
 
@@ -550,36 +547,12 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                 bump(&m.timeouts, 1);
             }
         }
-        self.classify(&slept);
         self.record_cpu();
         let overhead = start.elapsed().saturating_sub(self.last_block);
         self.last_block = Duration::ZERO;
         self.idle.on_sleep_overhead(overhead);
         if slept.found > 0 || slept.repoll_found > 0 {
             self.idle.on_work(Instant::now());
-        }
-    }
-
-    /// Per CQ: a notification that found nothing is spurious; a timeout that
-    /// found completions is a recovered missed notification.
-    fn classify(&mut self, slept: &Slept) {
-        if !slept.blocked {
-            return;
-        }
-        for (i, cq) in self.cqs.iter().enumerate() {
-            let events = self.round_events.get(i).copied().unwrap_or(0);
-            let found = self.round_found.get(i).copied().unwrap_or(0);
-            let m = &cq.shared().metrics.0;
-            if events > 0 && found == 0 {
-                bump(&m.spurious_wakeups, 1);
-            } else if events == 0 && found > 0 && slept.timed_out {
-                bump(&m.recovered_missed_events, 1);
-                tracing::warn!(
-                    cq = cq.name(),
-                    found,
-                    "wake-up timeout found completions: a notification was missed and recovered"
-                );
-            }
         }
     }
 
@@ -607,7 +580,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             cq.apply_commands();
         }
         let deadline = Instant::now() + self.stop_timeout;
-        while self.poll_all() > 0 && Instant::now() < deadline {}
+        while self.poll_every_cq() > 0 && Instant::now() < deadline {}
         // 2. Wait for every outstanding request (flushes included).
         let started = Instant::now();
         let mut timed_out = false;
@@ -616,7 +589,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                 timed_out = true;
                 break;
             }
-            if self.poll_all() == 0 {
+            if self.poll_every_cq() == 0 {
                 std::thread::sleep(Duration::from_micros(100));
             }
         }
@@ -658,100 +631,5 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             errors: Vec::new(),
             accounts: Default::default(),
         }
-    }
-}
-
-impl<W: Send + 'static, S: WorkSink<W>> SleepGroup for Group<W, S> {
-    type Error = SourceError;
-
-    /// Arms every CQ not in error. A CQ in error (an overflow) is reported
-    /// once by [`CqPoller::arm`] and never armed again: the group sleeps on
-    /// the others, and the wake timeout polls it.
-    fn arm_all(&mut self) -> Result<(), SourceError> {
-        for cq in &mut self.cqs {
-            if cq.is_in_error() {
-                continue;
-            }
-            match cq.arm() {
-                Ok(()) | Err(SourceError::CqInError) => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
-    }
-
-    fn poll_round(&mut self) -> Result<usize, SourceError> {
-        Ok(self.round())
-    }
-
-    fn block(&mut self, timeout: Duration) -> Result<bool, SourceError> {
-        if self.stop.load(Ordering::Acquire) {
-            return Ok(false);
-        }
-        // With a spill, also wait for ring space (see `spill`, rule 2).
-        let mut timeout = timeout;
-        let mut retry = false;
-        let armed = !self.spill.items.is_empty()
-            && match self.arm_space() {
-                SpaceWait::Progress => {
-                    self.spill.skipped_block = true;
-                    return Ok(false);
-                }
-                SpaceWait::Armed => true,
-                _ => {
-                    timeout = timeout.min(self.retry_pause());
-                    retry = true;
-                    false
-                }
-            };
-        let mut fds: Vec<BorrowedFd<'_>> = Vec::with_capacity(self.cqs.len() * 3 + 1);
-        if armed {
-            fds.extend(self.spill.space.as_ref().map(|d| d.as_fd()));
-        }
-        for cq in &self.cqs {
-            fds.push(cq.event_fd());
-            fds.push(cq.shared().doorbell.as_fd());
-            if let Some(fd) = cq.source().async_fd() {
-                fds.push(fd);
-            }
-        }
-        let start = Instant::now();
-        let n = wait_readable(&fds, timeout, &mut self.ready)
-            .map_err(|source| SourceError::Os { op: "poll", source })?;
-        drop(fds);
-        self.last_block = start.elapsed();
-        let mut rung = false;
-        for cq in &self.cqs {
-            if cq.shared().doorbell.drain() > 0 {
-                rung = true;
-            }
-        }
-        if rung {
-            bump(&self.metrics.0.control_wakeups, 1);
-        }
-        if armed || retry {
-            bump(&self.metrics.0.space_waits, 1);
-        }
-        if armed {
-            self.end_space_wait();
-        }
-        // A retry pause is not the safety timeout: it proves no missed
-        // notification.
-        Ok(n == 0 && !retry)
-    }
-
-    fn collect_events(&mut self) -> Result<u32, SourceError> {
-        let mut total = 0;
-        for (i, cq) in self.cqs.iter_mut().enumerate() {
-            let n = cq.take_events()?;
-            if let Some(e) = self.round_events.get_mut(i) {
-                *e = n;
-            }
-            total += n;
-            if cq.unacked_events() >= self.ack_batch {
-                cq.ack_all()?;
-            }
-        }
-        Ok(total)
     }
 }

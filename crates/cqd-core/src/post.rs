@@ -9,8 +9,11 @@
 //!    field carries the caller's tag (at most
 //!    [`MAX_TAG`](crate::wr_id::MAX_TAG)); the call replaces it with the
 //!    wr_id that names the handler, the kind and the tag;
-//! 2. locks the queue's [`QueueAccount`] and takes the CQ's credits;
-//! 3. counts the requests as posted in the handler's ledger, per kind;
+//! 2. counts the requests as posted in the handler's ledger, per kind, or
+//!    refuses the list if the handler was released
+//!    ([`Refused::Released`]);
+//! 3. locks the queue's [`QueueAccount`] and takes the CQ's credits
+//!    (refused: the counts of step 2 are taken back);
 //! 4. appends the requests to the account (wr_id, post time, credit), in
 //!    post order;
 //! 5. calls the backend's post — still under the queue's lock, so that the
@@ -100,6 +103,15 @@ pub enum Refused {
         handler: crate::wr_id::HandlerKey,
         /// The handler's CQ.
         cq: String,
+    },
+    /// The handler was unregistered and released: its slot may hold
+    /// another handler, and the requests would never reach this one.
+    #[error(
+        "handler {handler} was released (unregistered, nothing outstanding): it posts no more"
+    )]
+    Released {
+        /// The handler.
+        handler: crate::wr_id::HandlerKey,
     },
     /// The queue's completions go to another CQ than the handler's: they
     /// would never reach it.
@@ -200,23 +212,29 @@ where
         }
         per_kind[k.index()] += 1;
     }
-    // 2. Lock the queue, take the credits.
+    // 2. The handler's ledger counts them before any can complete (and
+    // before anything is taken, so that a released handler's list is
+    // refused with nothing to undo).
+    let slot = reg.ledger();
+    if !slot.add_posted_all(&per_kind) {
+        restore(wrs);
+        return Err(Refused::Released { handler: key }.into());
+    }
+    // 3. Lock the queue, take the credits.
     let mut ring = account.lock();
     let credit = match ring.take_credits(wrs.len() as u32) {
         Ok(c) => c,
         Err(e) => {
             drop(ring);
+            for k in OpKind::ALL {
+                if per_kind[k.index()] > 0 {
+                    slot.sub_posted(k, per_kind[k.index()]);
+                }
+            }
             restore(wrs);
             return Err(Refused::Credits(e).into());
         }
     };
-    // 3. The handler's ledger counts them before any can complete.
-    let slot = reg.ledger();
-    for k in OpKind::ALL {
-        if per_kind[k.index()] > 0 {
-            slot.add_posted(k, per_kind[k.index()]);
-        }
-    }
     // 4. Record them in the queue's account.
     let now = Instant::now();
     for wr in wrs.iter() {

@@ -66,13 +66,13 @@
 //! wr_ids, and would only lengthen a cycle that quarantine already keeps
 //! from wrapping onto a key in use.
 
-use crossbeam_utils::CachePadded;
-
 use crate::handler::Handler;
 use crate::sink::Route;
-use crate::sync::{AtomicU64, Ordering};
+use crate::sync::{fence, AtomicU32, AtomicU64, Ordering};
+use crate::sys;
 use crate::wr_id::{HandlerKey, OpKind, MAX_GENERATION, MAX_SLOT};
 use std::collections::VecDeque;
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -89,6 +89,83 @@ use std::time::{Duration, Instant};
 /// RNR retry count; such requests should be tracked.
 pub const QUARANTINE: Duration = Duration::from_secs(60);
 
+/// Slots of the arena's first two chunks; each later chunk holds as many
+/// slots as all the chunks before it, so 9 chunks cover the 262,144 slots
+/// of a CQ, small CQs allocate little, and the large chunks span whole
+/// huge pages.
+pub(crate) const CHUNK: u32 = 1024;
+
+/// The chunk holding `slot`'s ledger, and its index there: chunk 0 holds
+/// slots `0..CHUNK`, chunk `c >= 1` slots `CHUNK << (c - 1) .. CHUNK << c`.
+#[inline]
+fn chunk_of(slot: u32) -> (usize, u32) {
+    let c = (u32::BITS - (slot / CHUNK).leading_zeros()) as usize;
+    let start = if c == 0 { 0 } else { CHUNK << (c - 1) };
+    (c, slot - start)
+}
+
+/// Slots of chunk `c`.
+fn chunk_len(c: usize) -> u32 {
+    if c == 0 {
+        CHUNK
+    } else {
+        CHUNK << (c - 1)
+    }
+}
+
+/// The owner word's bit for "a handler holds the slot" (the low 16 bits
+/// hold its generation).
+const LIVE: u32 = 1 << 16;
+
+/// One role's counters of one slot, per kind: a cache line of their own.
+#[repr(align(64))]
+#[derive(Debug, Default)]
+struct Counters([AtomicU64; OpKind::COUNT]);
+
+/// The posters' line of one slot: the posted counters, and the word that
+/// says which handler may count in them.
+#[repr(align(64))]
+#[derive(Debug, Default)]
+struct PostLine {
+    posted: [AtomicU64; OpKind::COUNT],
+    /// `LIVE | generation` of the handler that holds the slot; without
+    /// `LIVE` while it is free.
+    owner: AtomicU32,
+    /// Posters between their check of `owner` and the end of their count
+    /// (the closing protocol of [`SlotLedger`]).
+    entering: AtomicU32,
+}
+
+/// The ledgers of [`CHUNK`] consecutive slots, allocated once and never
+/// moved: a [`SlotLedger`] is a reference to its chunk and an index, so a
+/// handler costs no allocation of its own. Each role has its own array
+/// (posted by posting threads, completed by the poller, flushed by the
+/// poller on the rare flush), one cache line per slot, so that posters and
+/// the poller never write one line and a completion touches one line of
+/// the arena.
+#[derive(Debug)]
+pub(crate) struct LedgerChunk {
+    post: Box<[PostLine]>,
+    completed: Box<[Counters]>,
+    flushed: Box<[Counters]>,
+}
+
+impl LedgerChunk {
+    fn new(slots: u32) -> Arc<Self> {
+        fn lines<T: Default>(n: u32) -> Box<[T]> {
+            let mut v = Vec::with_capacity(n as usize);
+            crate::sys::advise_huge_pages(&v);
+            v.extend((0..n).map(|_| T::default()));
+            v.into_boxed_slice()
+        }
+        Arc::new(LedgerChunk {
+            post: lines(slots),
+            completed: lines(slots),
+            flushed: lines(slots),
+        })
+    }
+}
+
 /// Posted, completed and flushed counts of one handler, per operation kind.
 ///
 /// `posted` is written by whoever posts (the posting call,
@@ -97,62 +174,222 @@ pub const QUARANTINE: Duration = Duration::from_secs(60);
 /// path); `completed` and `flushed` only by the poller. `completed` counts
 /// every completion — success, error or flush — and `flushed` is the subset
 /// that came back with a flush error.
-#[derive(Debug, Default)]
+///
+/// The counts live in the CQ's ledger arena, one slot's worth per handler
+/// slot; this is a view of one handler's. Once its handler has been
+/// released (unregistered and drained) a post through it is refused, and
+/// its counts stay readable, final, until the slot is given to another
+/// handler; from then on every count reads 0 through this view (the
+/// counts belong to the next handler).
+///
+/// # Closing protocol
+///
+/// A stale registration must never count in the next handler's ledger. A
+/// poster counts only between a check of the slot's owner word and the
+/// end of its count, announced in `entering`; the poller releases a slot
+/// only by closing it:
+///
+/// 1. poster: `entering += 1`, a SeqCst fence, then reads `owner`; not
+///    its key's → `entering -= 1`, refused;
+/// 2. poster: adds its posted counts, then `entering -= 1` (Release);
+/// 3. poller: writes `owner` without `LIVE`, a SeqCst fence, then reads
+///    `entering` (Acquire); if it is not 0, or anything is outstanding,
+///    writes `owner` back and retries later; else it releases the slot to
+///    the table;
+/// 4. the slot's next allocation (under the table's lock) writes `owner`
+///    with the new generation, zeroes every count, then sets `LIVE`.
+///
+/// Steps 1 and 3 are a store, a SeqCst fence and a load on both sides: at
+/// least one of them sees the other's store. Either the poster sees the
+/// slot closed and counts nothing, or the poller sees it entering and does
+/// not release; a count made before the poller's read of `entering` is
+/// seen by its check of what is outstanding (step 2's Release decrement,
+/// step 3's Acquire read). The loom model `slab::loom_close` checks it
+/// (SeqCst loads and stores alone are not enough there: loom treats them
+/// as acquire/release, and finds the lost count).
+#[derive(Clone)]
 pub struct SlotLedger {
-    /// Written by posting threads; on its own cache line so that posts and
-    /// completions do not bounce one line between poster and poller.
-    posted: CachePadded<[AtomicU64; OpKind::COUNT]>,
-    /// Written by the poller only.
-    completed: CachePadded<[AtomicU64; OpKind::COUNT]>,
-    /// Written by the poller only (flushes are rare).
-    flushed: [AtomicU64; OpKind::COUNT],
+    chunk: Arc<LedgerChunk>,
+    index: u32,
+    generation: u16,
+}
+
+impl Default for SlotLedger {
+    /// A ledger of its own, outside any CQ (for tests and reports).
+    fn default() -> Self {
+        let chunk = LedgerChunk::new(1);
+        chunk.post[0].owner.store(LIVE, Ordering::Release);
+        SlotLedger {
+            chunk,
+            index: 0,
+            generation: 0,
+        }
+    }
+}
+
+impl std::fmt::Debug for SlotLedger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("SlotLedger");
+        for k in OpKind::ALL {
+            let (p, c) = (self.posted(k), self.completed(k));
+            if p != 0 || c != 0 {
+                d.field(k.name(), &(p, c, self.flushed(k)));
+            }
+        }
+        d.finish()
+    }
 }
 
 impl SlotLedger {
+    #[inline]
+    fn post_line(&self) -> &PostLine {
+        &self.chunk.post[self.index as usize]
+    }
+
+    /// True while this view's handler holds the slot.
+    fn is_current(&self) -> bool {
+        self.post_line().owner.load(Ordering::Acquire) == LIVE | u32::from(self.generation)
+    }
+
+    /// `value`, or 0 once the slot was given to another handler. The owner
+    /// word is read after the value: the next handler's allocation changes
+    /// it before it zeroes the counts (both Release), so a zeroed or new
+    /// count is only ever seen together with the owner word that says so.
+    fn own(&self, value: u64) -> u64 {
+        let owner = self.post_line().owner.load(Ordering::Acquire);
+        if owner & !LIVE == u32::from(self.generation) {
+            value
+        } else {
+            0
+        }
+    }
+
     /// Work requests of `kind` recorded as posted.
     pub fn posted(&self, kind: OpKind) -> u64 {
-        self.posted[kind.index()].load(Ordering::Acquire)
+        self.own(self.posted_raw(kind))
     }
 
     /// Work requests of `kind` completed: success, error or flush, and
     /// unsignaled sends retired by a later completion of their send queue.
     pub fn completed(&self, kind: OpKind) -> u64 {
-        self.completed[kind.index()].load(Ordering::Acquire)
+        self.own(self.completed_raw(kind))
     }
 
     /// Work requests of `kind` that completed with a flush error (a subset
     /// of [`completed`](Self::completed)).
     pub fn flushed(&self, kind: OpKind) -> u64 {
-        self.flushed[kind.index()].load(Ordering::Acquire)
+        self.own(self.chunk.flushed[self.index as usize].0[kind.index()].load(Ordering::Acquire))
     }
 
     /// Requests posted and not yet completed, all kinds.
     pub fn outstanding(&self) -> u64 {
+        self.own(self.outstanding_raw())
+    }
+
+    fn posted_raw(&self, kind: OpKind) -> u64 {
+        self.post_line().posted[kind.index()].load(Ordering::Acquire)
+    }
+
+    fn completed_raw(&self, kind: OpKind) -> u64 {
+        self.chunk.completed[self.index as usize].0[kind.index()].load(Ordering::Acquire)
+    }
+
+    /// Outstanding, without the owner check (the poller, whose handler
+    /// holds the slot until it closes it).
+    pub(crate) fn outstanding_raw(&self) -> u64 {
         OpKind::ALL
             .iter()
-            .map(|k| self.posted(*k).saturating_sub(self.completed(*k)))
+            .map(|k| self.posted_raw(*k).saturating_sub(self.completed_raw(*k)))
             .sum()
     }
 
-    pub(crate) fn add_posted(&self, kind: OpKind, n: u64) {
-        self.posted[kind.index()].fetch_add(n, Ordering::AcqRel);
+    /// Counts `per_kind` requests as posted, if this view's handler still
+    /// holds the slot (closing protocol steps 1–2); false, counting
+    /// nothing, once it was released.
+    pub(crate) fn add_posted_all(&self, per_kind: &[u64; OpKind::COUNT]) -> bool {
+        let line = self.post_line();
+        line.entering.fetch_add(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        let held = self.is_current();
+        if held {
+            for (c, &n) in line.posted.iter().zip(per_kind) {
+                if n > 0 {
+                    c.fetch_add(n, Ordering::AcqRel);
+                }
+            }
+        }
+        line.entering.fetch_sub(1, Ordering::Release);
+        held
     }
 
+    /// As [`add_posted_all`](Self::add_posted_all) for one kind.
+    pub(crate) fn add_posted(&self, kind: OpKind, n: u64) -> bool {
+        let mut per_kind = [0; OpKind::COUNT];
+        per_kind[kind.index()] = n;
+        self.add_posted_all(&per_kind)
+    }
+
+    /// Takes back counts made by [`add_posted`](Self::add_posted) (whose
+    /// requests were not posted). They keep the slot held until taken
+    /// back (nothing outstanding, no close), so the slot is still this
+    /// handler's: only its generation is checked, not `LIVE`, which a close
+    /// being tried clears for a moment. A view whose slot was given to
+    /// another handler takes back nothing (it had counted nothing there).
     pub(crate) fn sub_posted(&self, kind: OpKind, n: u64) {
-        self.posted[kind.index()].fetch_sub(n, Ordering::AcqRel);
+        let line = self.post_line();
+        if line.owner.load(Ordering::Acquire) & !LIVE == u32::from(self.generation) {
+            line.posted[kind.index()].fetch_sub(n, Ordering::AcqRel);
+        }
     }
 
     /// Owner-only (the poller thread).
     pub(crate) fn add_flushed(&self, kind: OpKind) {
-        let c = &self.flushed[kind.index()];
+        let c = &self.chunk.flushed[self.index as usize].0[kind.index()];
         c.store(c.load(Ordering::Relaxed) + 1, Ordering::Release);
     }
 
     /// Owner-only (the poller thread).
     #[inline]
     pub(crate) fn add_completed(&self, kind: OpKind) {
-        let c = &self.completed[kind.index()];
+        let c = &self.chunk.completed[self.index as usize].0[kind.index()];
         c.store(c.load(Ordering::Relaxed) + 1, Ordering::Release);
+    }
+
+    /// Closing protocol step 3 (the poller, for a retiring handler): true
+    /// if the slot is closed to this view's handler (its counts stay
+    /// readable, final, until the slot's next handler is allocated); false
+    /// if a poster is entering or something is outstanding (nothing
+    /// changed: try again later).
+    pub(crate) fn close(&self) -> bool {
+        let line = self.post_line();
+        let held = LIVE | u32::from(self.generation);
+        line.owner
+            .store(u32::from(self.generation), Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        if line.entering.load(Ordering::Acquire) != 0 || self.outstanding_raw() != 0 {
+            line.owner.store(held, Ordering::SeqCst);
+            return false;
+        }
+        true
+    }
+
+    /// Closing protocol step 4 (allocation, under the table's lock): hands
+    /// the slot to this view's handler, counts zeroed.
+    fn open(&self) {
+        let line = self.post_line();
+        let i = self.index as usize;
+        line.owner
+            .store(u32::from(self.generation), Ordering::Release);
+        for c in line
+            .posted
+            .iter()
+            .chain(&self.chunk.completed[i].0)
+            .chain(&self.chunk.flushed[i].0)
+        {
+            c.store(0, Ordering::Release);
+        }
+        line.owner
+            .store(LIVE | u32::from(self.generation), Ordering::Release);
     }
 }
 
@@ -213,6 +450,9 @@ pub(crate) struct SlotTable {
     limit: u32,
     /// A slot's last generation before quarantine: `MAX_GENERATION`.
     last_generation: u16,
+    /// The ledger arena: chunk `i` holds the ledgers of slots
+    /// `i * CHUNK ..`, made when the table first grows into it.
+    chunks: Vec<Arc<LedgerChunk>>,
 }
 
 impl Default for SlotTable {
@@ -231,7 +471,30 @@ impl SlotTable {
             quarantine: VecDeque::new(),
             limit: limit.min(MAX_SLOT + 1),
             last_generation: last_generation.min(MAX_GENERATION),
+            chunks: Vec::new(),
         }
+    }
+
+    /// Allocates a slot (steps 1–4) and hands its ledger to the new
+    /// handler: the slot's counts, zeroed when its last handler was
+    /// closed, now count for `key` alone.
+    pub(crate) fn alloc_ledger(
+        &mut self,
+        cq: &str,
+    ) -> Result<(HandlerKey, SlotLedger), RegisterError> {
+        let key = self.alloc(cq)?;
+        let (chunk, index) = chunk_of(key.slot());
+        while self.chunks.len() <= chunk {
+            self.chunks
+                .push(LedgerChunk::new(chunk_len(self.chunks.len())));
+        }
+        let ledger = SlotLedger {
+            chunk: Arc::clone(&self.chunks[chunk]),
+            index,
+            generation: key.generation(),
+        };
+        ledger.open();
+        Ok((key, ledger))
     }
 
     pub(crate) fn alloc(&mut self, cq: &str) -> Result<HandlerKey, RegisterError> {
@@ -307,18 +570,56 @@ impl SlotTable {
     }
 }
 
-/// One installed handler.
-pub(crate) struct Entry<W> {
+/// One installed handler, in one allocation with the handler's own state:
+/// what the poller reads per completion — generation, retiring flag,
+/// route, the handler's state — shares the handler's cache line (two, for
+/// a handler of more than about 24 bytes); only the completed counter is
+/// elsewhere, in the arena. `H` is the handler's type when the entry is
+/// made (at registration) and `dyn Handler<W>` in the slab.
+#[repr(align(64))]
+pub(crate) struct Entry<W, H: ?Sized = dyn Handler<W>> {
     pub(crate) generation: u16,
-    pub(crate) handler: Box<dyn Handler<W>>,
-    pub(crate) ledger: Arc<SlotLedger>,
-    pub(crate) route: Route,
     pub(crate) retiring: bool,
+    pub(crate) route: Route,
+    pub(crate) ledger: SlotLedger,
+    pub(crate) work: PhantomData<fn(W)>,
+    pub(crate) handler: H,
 }
 
-/// The poller's slab: handlers by slot, no lock.
+impl<W, H: Handler<W>> Entry<W, H> {
+    /// The entry of a new handler, for the slab (boxed, its handler's type
+    /// erased).
+    pub(crate) fn boxed(
+        key: HandlerKey,
+        handler: H,
+        route: Route,
+        ledger: SlotLedger,
+    ) -> Box<Entry<W>> {
+        Box::new(Entry {
+            generation: key.generation(),
+            retiring: false,
+            route,
+            ledger,
+            work: PhantomData,
+            handler,
+        })
+    }
+}
+
+/// Slab spans (in slots) above which dispatch prefetches: 4,096 handlers'
+/// entries, counters and state (about 150 bytes each over three lines)
+/// take 600 KiB, well inside a server core's L2; past that, a completion
+/// for a random handler misses it.
+const PREFETCH_FROM: usize = 1024;
+
+/// The poller's slab: handlers by slot, no lock. A slot is one pointer
+/// (16 bytes, four to a cache line), so the table of 262,144 slots takes
+/// 4 MiB.
 pub(crate) struct Slab<W> {
-    entries: Vec<Option<Entry<W>>>,
+    entries: Vec<Option<Box<Entry<W>>>>,
+    /// The arena's chunks, by chunk number (the poller's copies), to
+    /// prefetch a slot's counters from its number alone.
+    chunks: Vec<Option<Arc<LedgerChunk>>>,
 }
 
 impl<W> std::fmt::Debug for Slab<W> {
@@ -333,17 +634,64 @@ impl<W> Default for Slab<W> {
     fn default() -> Self {
         Slab {
             entries: Vec::new(),
+            chunks: Vec::new(),
         }
     }
 }
 
 impl<W> Slab<W> {
-    pub(crate) fn install(&mut self, key: HandlerKey, entry: Entry<W>) {
+    pub(crate) fn install(&mut self, key: HandlerKey, entry: Box<Entry<W>>) {
         let i = key.slot() as usize;
         if self.entries.len() <= i {
+            if i >= PREFETCH_FROM && self.entries.capacity() <= PREFETCH_FROM {
+                // Past the cache: room for every slot at once (4 MiB of
+                // address space, backed as it is written, in huge pages
+                // of 2 MiB), so that the table is never moved again.
+                let all = MAX_SLOT as usize + 1;
+                self.entries.reserve_exact(all - self.entries.len());
+                crate::sys::advise_huge_pages(&self.entries);
+            }
             self.entries.resize_with(i + 1, || None);
         }
+        let (c, _) = chunk_of(key.slot());
+        if self.chunks.len() <= c {
+            self.chunks.resize_with(c + 1, || None);
+        }
+        if self.chunks[c].is_none() {
+            self.chunks[c] = Some(Arc::clone(&entry.ledger.chunk));
+        }
         self.entries[i] = Some(entry);
+    }
+
+    /// True when the slab spans more slots than the cache keeps hot
+    /// ([`PREFETCH_FROM`]): dispatch then prefetches each batch's lines.
+    #[inline(always)]
+    pub(crate) fn is_large(&self) -> bool {
+        self.entries.len() > PREFETCH_FROM
+    }
+
+    /// Prefetches what `slot`'s number alone locates: its place in the
+    /// slab and its completed counters.
+    #[inline(always)]
+    pub(crate) fn prefetch_slot(&self, slot: u32) {
+        if let Some(e) = self.entries.get(slot as usize) {
+            sys::prefetch(e);
+        }
+        let (c, i) = chunk_of(slot);
+        if let Some(Some(chunk)) = self.chunks.get(c) {
+            if let Some(line) = chunk.completed.get(i as usize) {
+                sys::prefetch(line);
+            }
+        }
+    }
+
+    /// Prefetches the entry of `slot` (with its handler's state), once its
+    /// place in the slab is at hand.
+    #[inline(always)]
+    pub(crate) fn prefetch_handler(&self, slot: u32) {
+        if let Some(Some(e)) = self.entries.get(slot as usize) {
+            sys::prefetch(&**e);
+        }
     }
 
     /// The live entry `key` names, if its generation matches.
@@ -355,7 +703,7 @@ impl<W> Slab<W> {
         }
     }
 
-    pub(crate) fn remove(&mut self, key: HandlerKey) -> Option<Entry<W>> {
+    pub(crate) fn remove(&mut self, key: HandlerKey) -> Option<Box<Entry<W>>> {
         let slot = self.entries.get_mut(key.slot() as usize)?;
         match slot {
             Some(e) if e.generation == key.generation() => slot.take(),
@@ -366,7 +714,7 @@ impl<W> Slab<W> {
     /// Every installed entry with its key.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (HandlerKey, &Entry<W>)> + '_ {
         self.entries.iter().enumerate().filter_map(|(i, e)| {
-            let e = e.as_ref()?;
+            let e = e.as_deref()?;
             Some((HandlerKey::new(i as u32, e.generation)?, e))
         })
     }
@@ -611,5 +959,135 @@ mod tests {
         assert_eq!(l.outstanding(), 4);
         l.sub_posted(OpKind::Recv, 2);
         assert_eq!(l.outstanding(), 2);
+    }
+
+    /// Closes `ledger` for its handler and releases its slot, as the
+    /// poller does.
+    fn retire(t: &mut SlotTable, key: HandlerKey, ledger: &SlotLedger) {
+        assert!(ledger.close());
+        t.release(key);
+    }
+
+    #[test]
+    fn arena_ledger_of_a_reused_slot_starts_from_zero() {
+        let mut t = SlotTable::default();
+        let (a, la) = t.alloc_ledger("cq").unwrap();
+        assert!(la.add_posted(OpKind::Send, 3));
+        la.add_completed(OpKind::Send);
+        assert!(!la.close(), "outstanding: not closed");
+        assert_eq!(
+            la.posted(OpKind::Send),
+            3,
+            "a refused close changes nothing"
+        );
+        la.add_completed(OpKind::Send);
+        la.add_completed(OpKind::Send);
+        la.add_flushed(OpKind::Send);
+        retire(&mut t, a, &la);
+        // Released, not yet reused: the final counts, and no more posts.
+        assert_eq!(
+            (la.posted(OpKind::Send), la.completed(OpKind::Send)),
+            (3, 3)
+        );
+        assert_eq!(la.flushed(OpKind::Send), 1);
+        assert!(!la.add_posted(OpKind::Send, 1));
+        let (b, lb) = t.alloc_ledger("cq").unwrap();
+        assert_eq!(b.slot(), a.slot());
+        for k in OpKind::ALL {
+            assert_eq!((lb.posted(k), lb.completed(k), lb.flushed(k)), (0, 0, 0));
+        }
+        // The stale view reads 0 and counts nothing in the new handler's.
+        assert_eq!(la.completed(OpKind::Send), 0);
+        assert_eq!(la.flushed(OpKind::Send), 0);
+        assert!(!la.add_posted(OpKind::Recv, 1));
+        la.sub_posted(OpKind::Recv, 1);
+        assert!(lb.add_posted(OpKind::Recv, 2));
+        assert_eq!(lb.posted(OpKind::Recv), 2);
+        assert_eq!(la.posted(OpKind::Recv), 0);
+    }
+
+    #[test]
+    fn arena_is_chunked_and_shared_by_slot() {
+        let mut t = SlotTable::default();
+        let ledgers: Vec<_> = (0..CHUNK + 1)
+            .map(|_| t.alloc_ledger("cq").unwrap())
+            .collect();
+        assert_eq!(t.chunks.len(), 2);
+        let (k0, l0) = &ledgers[0];
+        let (k1, l1) = &ledgers[CHUNK as usize];
+        assert!(Arc::ptr_eq(&l0.chunk, &ledgers[1].1.chunk));
+        assert!(!Arc::ptr_eq(&l0.chunk, &l1.chunk));
+        assert_eq!((k0.slot(), k1.slot()), (0, CHUNK));
+        l0.add_posted(OpKind::Write, 1);
+        assert_eq!(ledgers[1].1.posted(OpKind::Write), 0);
+        assert_eq!(l1.posted(OpKind::Write), 0);
+    }
+
+    #[test]
+    fn close_waits_for_an_entering_poster() {
+        let mut t = SlotTable::default();
+        let (a, la) = t.alloc_ledger("cq").unwrap();
+        // A poster between its check and the end of its count.
+        la.post_line().entering.fetch_add(1, Ordering::SeqCst);
+        assert!(!la.close());
+        assert!(la.is_current(), "a refused close leaves the slot held");
+        la.post_line().entering.fetch_sub(1, Ordering::SeqCst);
+        retire(&mut t, a, &la);
+        assert!(!la.is_current());
+    }
+
+    struct Small(#[allow(dead_code)] u64);
+    impl Handler<()> for Small {
+        fn on_send(
+            &mut self,
+            _: &crate::handler::SendDone<'_>,
+            _: &mut crate::handler::Outbox<'_, ()>,
+        ) {
+        }
+        fn on_recv(
+            &mut self,
+            _: &crate::handler::RecvDone<'_>,
+            _: &mut crate::handler::Outbox<'_, ()>,
+        ) {
+        }
+        fn on_error(
+            &mut self,
+            _: &crate::handler::Failed<'_>,
+            _: &mut crate::handler::Outbox<'_, ()>,
+        ) {
+        }
+    }
+
+    #[test]
+    fn entry_is_one_cache_line() {
+        assert_eq!(std::mem::size_of::<Option<Box<Entry<()>>>>(), 16);
+        assert_eq!(std::mem::size_of::<Entry<(), Small>>(), 64);
+        assert_eq!(std::mem::size_of::<PostLine>(), 64);
+        assert_eq!(std::mem::size_of::<Counters>(), 64);
+    }
+}
+
+/// Loom model of the closing protocol (see [`SlotLedger`]): a poster of a
+/// retiring, drained handler racing with the poller's close.
+///
+/// Run: `RUSTFLAGS="--cfg loom" cargo test -p cqd-core --lib --release slab::loom_close`
+#[cfg(all(test, loom))]
+mod loom_close {
+    use super::*;
+
+    #[test]
+    fn a_post_and_a_close_never_both_succeed() {
+        loom::model(|| {
+            let ledger = SlotLedger::default();
+            let poster = ledger.clone();
+            let t = loom::thread::spawn(move || poster.add_posted(OpKind::Send, 1));
+            let closed = ledger.close();
+            let counted = t.join().unwrap();
+            assert!(!(closed && counted), "a count landed in a closed slot");
+            assert_eq!(ledger.posted_raw(OpKind::Send), u64::from(counted));
+            if !closed {
+                assert!(ledger.is_current(), "a refused close leaves the slot held");
+            }
+        });
     }
 }

@@ -8,6 +8,7 @@
 //! it.
 
 use std::os::fd::BorrowedFd;
+use std::sync::Arc;
 
 use crate::completion::Completion;
 
@@ -84,6 +85,9 @@ pub enum SourceError {
 ///    `take_events` consumes pending notifications without blocking and
 ///    returns how many; each must later be acknowledged with `ack_events`.
 /// 4. `destroy` fails, rather than hang, while events are unacknowledged.
+/// 5. A source on a shared channel ([`notifier`](Self::notifier)) takes
+///    only its own notifications in `take_events`, never another
+///    source's; the channel's descriptor is its `event_fd`.
 pub trait CompletionSource: Send + 'static {
     /// A short name for metrics and traces.
     fn name(&self) -> &str;
@@ -129,6 +133,16 @@ pub trait CompletionSource: Send + 'static {
         None
     }
 
+    /// The shared channel this source notifies through, if any, with the
+    /// token the channel reports when this source fired
+    /// ([`SharedNotifier::take_ready`]). `None` (the default): the source
+    /// has a descriptor of its own. A poller registers each distinct
+    /// channel once, and every source of a channel must be bound to the
+    /// same poller (as an `ibv_comp_channel` is read by one thread).
+    fn notifier(&self) -> Option<(Arc<dyn SharedNotifier>, u64)> {
+        None
+    }
+
     /// The ledger of the queues whose completions come to this CQ, with the
     /// CQ's budget: [`split`](crate::cq::split) attaches both, so that the
     /// poller retires every request posted through the posting call and
@@ -153,4 +167,23 @@ pub trait CompletionSource: Send + 'static {
     /// [`SourceError::UnackedEvents`] while notifications are
     /// unacknowledged (the CQ is then left as it is).
     fn destroy(&mut self) -> Result<(), SourceError>;
+}
+
+/// A notification descriptor several sources share (`ibv_comp_channel`):
+/// readable when any of them fired, and able to say which
+/// ([`crate::notifier`] has the bookkeeping and its protocol).
+pub trait SharedNotifier: Send + Sync + 'static {
+    /// The one descriptor of the channel.
+    fn fd(&self) -> BorrowedFd<'_>;
+
+    /// Drains the descriptor and appends to `out` the tokens of the sources
+    /// that fired since the last call. A token may come with nothing
+    /// pending (its source's `take_events` then returns 0); a source with
+    /// something pending is never left out. Each source then takes its own
+    /// notifications with [`CompletionSource::take_events`].
+    ///
+    /// # Errors
+    /// When reading the descriptor fails for a reason other than "nothing
+    /// pending".
+    fn take_ready(&self, out: &mut Vec<u64>) -> Result<(), SourceError>;
 }

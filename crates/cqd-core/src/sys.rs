@@ -1,12 +1,15 @@
 //! The few OS calls the poller needs, through rustix's safe wrappers: an
-//! eventfd to wake a sleeping poller, and `poll(2)` to sleep on the event
-//! descriptors of a poll group. No `unsafe` here.
+//! eventfd to wake a sleeping poller, an epoll set in which each
+//! notification descriptor of a poll group is registered once (a wake-up
+//! returns only the ready ones); and two hints, `madvise(MADV_HUGEPAGE)` on
+//! the handler slab and ledger arena and a cache-line prefetch for
+//! dispatch (the only `unsafe` here).
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::time::Duration;
 
-use rustix::event::{eventfd, EventfdFlags, PollFd, PollFlags};
+use rustix::event::{epoll, eventfd, EventfdFlags};
 
 /// A non-blocking eventfd used as a doorbell.
 #[derive(Debug)]
@@ -41,31 +44,70 @@ impl AsFd for Doorbell {
     }
 }
 
-/// Blocks until one of `fds` is readable or `timeout` passes. Returns the
-/// readiness of each descriptor, in order.
-pub(crate) fn wait_readable(
-    fds: &[BorrowedFd<'_>],
-    timeout: Duration,
-    ready: &mut Vec<bool>,
-) -> io::Result<usize> {
-    let mut pollfds: Vec<PollFd<'_>> = fds
-        .iter()
-        .map(|fd| PollFd::from_borrowed_fd(*fd, PollFlags::IN))
-        .collect();
-    let ts = rustix::event::Timespec {
-        tv_sec: timeout.as_secs() as _,
-        tv_nsec: timeout.subsec_nanos() as _,
-    };
-    let n = loop {
-        match rustix::event::poll(&mut pollfds, Some(&ts)) {
-            Ok(n) => break n,
-            Err(rustix::io::Errno::INTR) => continue,
-            Err(e) => return Err(e.into()),
-        }
-    };
-    ready.clear();
-    ready.extend(pollfds.iter().map(|p| !p.revents().is_empty()));
-    Ok(n)
+/// An epoll set: descriptors are registered once, level-triggered, each
+/// with a 64-bit token; a wait returns the tokens of the ready ones.
+pub(crate) struct Epoll {
+    fd: OwnedFd,
+}
+
+/// Ready descriptors taken per wait; more stay ready (level-triggered) for
+/// the next one.
+const EVENTS_PER_WAIT: usize = 256;
+
+impl std::fmt::Debug for Epoll {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Epoll").field("fd", &self.fd).finish()
+    }
+}
+
+impl Epoll {
+    pub(crate) fn new() -> io::Result<Self> {
+        Ok(Epoll {
+            fd: epoll::create(epoll::CreateFlags::CLOEXEC)?,
+        })
+    }
+
+    /// Registers `fd` (readable, level-triggered) under `token`.
+    pub(crate) fn add(&mut self, fd: BorrowedFd<'_>, token: u64) -> io::Result<()> {
+        epoll::add(
+            &self.fd,
+            fd,
+            epoll::EventData::new_u64(token),
+            epoll::EventFlags::IN,
+        )?;
+        Ok(())
+    }
+
+    /// Blocks until a registered descriptor is ready or `timeout` passes
+    /// (`None`: do not block). Appends the ready tokens to `ready`
+    /// (cleared first); returns how many.
+    pub(crate) fn wait(
+        &mut self,
+        timeout: Option<Duration>,
+        ready: &mut Vec<u64>,
+    ) -> io::Result<usize> {
+        let ts = rustix::event::Timespec {
+            tv_sec: timeout.map_or(0, |t| t.as_secs() as _),
+            tv_nsec: timeout.map_or(0, |t| t.subsec_nanos() as _),
+        };
+        let mut events = [std::mem::MaybeUninit::<epoll::Event>::uninit(); EVENTS_PER_WAIT];
+        let (got, _) = loop {
+            match epoll::wait(&self.fd, &mut events, Some(&ts)) {
+                Ok(r) => break r,
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        };
+        ready.clear();
+        ready.extend(got.iter().map(|e| e.data.u64()));
+        Ok(ready.len())
+    }
+}
+
+impl AsFd for Epoll {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
 }
 
 /// CPU time consumed by the calling thread.
@@ -75,4 +117,52 @@ pub(crate) fn thread_cpu_time() -> Duration {
         ts.tv_sec.max(0) as u64,
         ts.tv_nsec.clamp(0, 999_999_999) as u32,
     )
+}
+
+/// Huge pages' size on x86_64 and aarch64 (with 4 KiB base pages).
+const HUGE_PAGE: usize = 2 << 20;
+
+/// Asks the kernel to back the whole huge pages inside `v`'s buffer with
+/// transparent huge pages (`MADV_HUGEPAGE`), so that a slab or arena of
+/// hundreds of thousands of handlers costs a few TLB entries instead of a
+/// TLB miss per cold handler. Call it before the buffer is touched (pages
+/// are backed when first written). A hint: a buffer smaller than a huge
+/// page, a kernel without transparent huge pages, or a refusal changes
+/// nothing.
+pub(crate) fn advise_huge_pages<T>(v: &Vec<T>) {
+    let start = v.as_ptr() as usize;
+    let end = start + v.capacity() * std::mem::size_of::<T>();
+    let first = start.next_multiple_of(HUGE_PAGE);
+    let last = end / HUGE_PAGE * HUGE_PAGE;
+    if last <= first {
+        return;
+    }
+    // SAFETY: [first, last) lies inside `v`'s allocation, which `v` keeps
+    // alive for the call, and is page-aligned. MADV_HUGEPAGE changes only
+    // how the kernel backs the range — never its contents, mapping or
+    // protection — so no reference into it is affected.
+    let _ = unsafe {
+        rustix::mm::madvise(
+            first as *mut std::ffi::c_void,
+            last - first,
+            rustix::mm::Advice::LinuxHugepage,
+        )
+    };
+}
+
+/// Asks the CPU to bring the cache line of `r` in (a hint: a completion
+/// for a cold handler misses the cache; the poller asks for a batch's
+/// lines before it needs them, so that the misses overlap).
+#[inline(always)]
+pub(crate) fn prefetch<T: ?Sized>(r: &T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `_mm_prefetch` reads nothing the program observes and cannot
+    // fault whatever the address; `r` is a live reference anyway. SSE is
+    // part of the x86_64 baseline.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch::<_MM_HINT_T0>((r as *const T).cast::<i8>());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = r;
 }

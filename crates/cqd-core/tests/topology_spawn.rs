@@ -270,3 +270,26 @@ fn without_privilege_a_priority_is_an_error_or_a_warning_never_ignored() {
     );
     assert_eq!(nice, inherited);
 }
+
+/// The round budget: 256 by default, from TOML, into the CQ options.
+#[test]
+fn round_budget_reaches_the_cq_options() {
+    let text = r#"
+        [[poller]]
+        name = "rx"
+        cqs = ["rx0"]
+        round_budget = 64
+
+        [[poller]]
+        name = "tx"
+        cqs = ["tx0"]
+    "#;
+    let mut topology = TopologyConfig::from_toml(text).unwrap().validate().unwrap();
+    let rx = topology.take_poller("rx").unwrap();
+    let tx = topology.take_poller("tx").unwrap();
+    assert_eq!(rx.cq_options().round_budget, 64);
+    assert_eq!(
+        tx.cq_options().round_budget,
+        cqd_core::cq::DEFAULT_ROUND_BUDGET
+    );
+}

@@ -17,16 +17,29 @@
 //! - Fault injection ([`Faults`]): spurious, dropped and delayed
 //!   notifications, and completions injected between a poller's last empty
 //!   poll and its arm.
+//! - Shared channels ([`SimChannel`], like `ibv_comp_channel`): CQs made on
+//!   one channel have no descriptor of their own. The channel's descriptor
+//!   becomes readable when any of them fires, taking its events says which
+//!   fired ([`SharedNotifier::take_ready`]), and each CQ still counts and
+//!   acknowledges only its own notifications (as `ibv_ack_cq_events` does).
+//!   Their asynchronous events share the channel's second descriptor (as a
+//!   verbs context has one async descriptor).
+//! - Polling an empty CQ takes no lock (one atomic load), as reading an
+//!   empty CQE's owner bit does on hardware.
 
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use cqd_core::completion::Completion;
 use cqd_core::ledger::WrLedger;
-use cqd_core::source::{ArmKind, AsyncEvent, CompletionSource, SourceError};
+use cqd_core::notifier::Member;
+use cqd_core::source::{ArmKind, AsyncEvent, CompletionSource, SharedNotifier, SourceError};
+
+use crate::channel::ChannelInner;
+pub use crate::channel::SimChannel;
 use parking_lot::Mutex;
 use rustix::event::{eventfd, EventfdFlags};
 
@@ -134,6 +147,19 @@ impl State {
     }
 }
 
+/// How a CQ notifies: its own descriptors, or a channel's.
+#[derive(Debug)]
+pub(crate) enum Notify {
+    Own {
+        event_fd: OwnedFd,
+        async_fd: OwnedFd,
+    },
+    Channel {
+        chan: Arc<ChannelInner>,
+        member: Arc<Member>,
+    },
+}
+
 #[derive(Debug)]
 struct Shared {
     name: String,
@@ -142,11 +168,15 @@ struct Shared {
     /// when it has one); `split` attaches it.
     ledger: WrLedger,
     state: Mutex<State>,
-    event_fd: OwnedFd,
-    async_fd: OwnedFd,
+    notify: Notify,
     /// Asynchronous events queued in `state`: the poller checks this every
     /// loop, so with none pending it costs one load, no lock, no syscall.
     async_pending: AtomicUsize,
+    /// Entries in the ring (written under the lock): an empty poll reads
+    /// only this.
+    queued: AtomicUsize,
+    /// Destroyed or vanished (written under the lock).
+    dead: AtomicBool,
 }
 
 impl Shared {
@@ -155,7 +185,54 @@ impl Shared {
     fn raise(&self, st: &mut State, ev: AsyncEvent) {
         st.async_events.push_back(ev);
         self.async_pending.fetch_add(1, Ordering::Release);
-        Shared::signal(&self.async_fd);
+        match &self.notify {
+            Notify::Own { async_fd, .. } => Shared::signal(async_fd),
+            Notify::Channel { chan, .. } => {
+                chan.async_total.fetch_add(1, Ordering::SeqCst);
+                Shared::signal(&chan.async_fd);
+            }
+        }
+    }
+
+    /// An asynchronous event was taken; `empty`: none left on this CQ.
+    fn async_taken(&self, empty: bool) {
+        let mut buf = [0u8; 8];
+        match &self.notify {
+            Notify::Own { async_fd, .. } => {
+                if empty {
+                    let _ = rustix::io::read(async_fd, &mut buf);
+                }
+            }
+            Notify::Channel { chan, .. } => {
+                // The shared descriptor is drained when no CQ of the channel
+                // has one left, and signalled again if one was raised
+                // meanwhile.
+                if chan.async_total.fetch_sub(1, Ordering::SeqCst) == 1 {
+                    let _ = rustix::io::read(&chan.async_fd, &mut buf);
+                    if chan.async_total.load(Ordering::SeqCst) > 0 {
+                        Shared::signal(&chan.async_fd);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Delivers one notification (no faults applied).
+    fn notify(&self) {
+        match &self.notify {
+            Notify::Own { event_fd, .. } => Shared::signal(event_fd),
+            Notify::Channel { chan, member } => {
+                chan.fired.fire(member);
+                Shared::signal(&chan.event_fd);
+            }
+        }
+    }
+
+    /// Mirrors the ring's length and liveness for the lock-free empty poll.
+    fn publish(&self, st: &State) {
+        self.queued.store(st.ring.len(), Ordering::Release);
+        self.dead
+            .store(st.destroyed || st.vanished, Ordering::Release);
     }
 
     fn signal(fd: &OwnedFd) {
@@ -179,11 +256,11 @@ impl Shared {
             let by = st.faults.delay_by;
             std::thread::spawn(move || {
                 std::thread::sleep(by);
-                Shared::signal(&me.event_fd);
+                me.notify();
             });
             return;
         }
-        Shared::signal(&self.event_fd);
+        self.notify();
     }
 }
 
@@ -220,18 +297,39 @@ pub fn sim_cq_with_ledger(
     faults: Faults,
     ledger: WrLedger,
 ) -> Result<(SimCq, SimCqSource), SimCqError> {
+    let flags = EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC;
+    check_capacity(capacity)?;
+    let event_fd = eventfd(0, flags).map_err(std::io::Error::from)?;
+    let async_fd = eventfd(0, flags).map_err(std::io::Error::from)?;
+    make_cq(
+        name.into(),
+        capacity,
+        faults,
+        ledger,
+        Notify::Own { event_fd, async_fd },
+    )
+}
+
+pub(crate) fn check_capacity(capacity: u32) -> Result<(), SimCqError> {
     if capacity == 0 || capacity > MAX_CQE {
         return Err(SimCqError::BadCapacity {
             requested: capacity,
             max: MAX_CQE,
         });
     }
-    let flags = EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC;
-    let event_fd = eventfd(0, flags).map_err(std::io::Error::from)?;
-    let async_fd = eventfd(0, flags).map_err(std::io::Error::from)?;
+    Ok(())
+}
+
+pub(crate) fn make_cq(
+    name: String,
+    capacity: u32,
+    faults: Faults,
+    ledger: WrLedger,
+    notify: Notify,
+) -> Result<(SimCq, SimCqSource), SimCqError> {
     let seed = faults.seed | 1;
     let shared = Arc::new(Shared {
-        name: name.into(),
+        name,
         capacity,
         ledger,
         state: Mutex::new(State {
@@ -246,9 +344,10 @@ pub fn sim_cq_with_ledger(
             rng: seed,
             stats: SimCqStats::default(),
         }),
-        event_fd,
-        async_fd,
+        notify,
         async_pending: AtomicUsize::new(0),
+        queued: AtomicUsize::new(0),
+        dead: AtomicBool::new(false),
     });
     Ok((
         SimCq {
@@ -313,6 +412,7 @@ impl SimCq {
         }
         st.ring.push_back(wc);
         st.stats.pushed += 1;
+        self.shared.publish(st);
         let fires = match st.arm {
             Some(ArmKind::Next) => true,
             Some(ArmKind::Solicited) => solicited || !wc.status.is_success(),
@@ -395,6 +495,7 @@ impl SimCq {
         let mut st = self.shared.state.lock();
         if !st.vanished {
             st.vanished = true;
+            self.shared.publish(&st);
             self.shared.raise(&mut st, AsyncEvent::DeviceFatal);
         }
     }
@@ -434,6 +535,14 @@ impl CompletionSource for SimCqSource {
     }
 
     fn poll(&mut self, out: &mut [Completion]) -> Result<usize, SourceError> {
+        if self.shared.queued.load(Ordering::Acquire) == 0
+            && !self.shared.dead.load(Ordering::Acquire)
+        {
+            // Empty: no lock. A push under way lands after this poll; the
+            // arm / re-poll order holds because a push publishes the length
+            // before it releases the lock an arm takes.
+            return Ok(0);
+        }
         let mut st = self.shared.state.lock();
         if st.vanished {
             return Err(gone(&self.shared.name));
@@ -445,6 +554,7 @@ impl CompletionSource for SimCqSource {
         for (slot, wc) in out.iter_mut().zip(st.ring.drain(..n)) {
             *slot = wc;
         }
+        self.shared.publish(&st);
         Ok(n)
     }
 
@@ -470,6 +580,7 @@ impl CompletionSource for SimCqSource {
                     st.stats.injected += 1;
                 }
             }
+            self.shared.publish(&st);
         }
         st.arm = Some(kind);
         let spurious = st.faults.spurious;
@@ -477,18 +588,40 @@ impl CompletionSource for SimCqSource {
             st.stats.spurious += 1;
             st.stats.notified += 1;
             st.arm = None;
-            Shared::signal(&self.shared.event_fd);
+            self.shared.notify();
         }
         Ok(())
     }
 
     fn event_fd(&self) -> BorrowedFd<'_> {
-        self.shared.event_fd.as_fd()
+        match &self.shared.notify {
+            Notify::Own { event_fd, .. } => event_fd.as_fd(),
+            Notify::Channel { chan, .. } => chan.event_fd.as_fd(),
+        }
+    }
+
+    fn notifier(&self) -> Option<(Arc<dyn SharedNotifier>, u64)> {
+        match &self.shared.notify {
+            Notify::Own { .. } => None,
+            Notify::Channel { chan, member } => {
+                let chan: Arc<dyn SharedNotifier> = Arc::clone(chan) as _;
+                Some((chan, member.token()))
+            }
+        }
     }
 
     fn take_events(&mut self) -> Result<u32, SourceError> {
+        let event_fd = match &self.shared.notify {
+            Notify::Own { event_fd, .. } => event_fd,
+            Notify::Channel { member, .. } => {
+                // Only this CQ's notifications, never another's.
+                let n = member.take();
+                self.unacked = self.unacked.saturating_add(n);
+                return Ok(n);
+            }
+        };
         let mut buf = [0u8; 8];
-        match rustix::io::read(&self.shared.event_fd, &mut buf) {
+        match rustix::io::read(event_fd, &mut buf) {
             Ok(8) => {
                 let n = u64::from_ne_bytes(buf).min(u64::from(u32::MAX)) as u32;
                 self.unacked = self.unacked.saturating_add(n);
@@ -513,7 +646,10 @@ impl CompletionSource for SimCqSource {
     }
 
     fn async_fd(&self) -> Option<BorrowedFd<'_>> {
-        Some(self.shared.async_fd.as_fd())
+        Some(match &self.shared.notify {
+            Notify::Own { async_fd, .. } => async_fd.as_fd(),
+            Notify::Channel { chan, .. } => chan.async_fd.as_fd(),
+        })
     }
 
     fn take_async_event(&mut self) -> Option<AsyncEvent> {
@@ -524,10 +660,7 @@ impl CompletionSource for SimCqSource {
         let ev = st.async_events.pop_front();
         if ev.is_some() {
             self.shared.async_pending.fetch_sub(1, Ordering::Release);
-        }
-        if st.async_events.is_empty() {
-            let mut buf = [0u8; 8];
-            let _ = rustix::io::read(&self.shared.async_fd, &mut buf);
+            self.shared.async_taken(st.async_events.is_empty());
         }
         ev
     }
@@ -541,6 +674,7 @@ impl CompletionSource for SimCqSource {
         let mut st = self.shared.state.lock();
         st.destroyed = true;
         st.ring.clear();
+        self.shared.publish(&st);
         Ok(())
     }
 }
@@ -652,5 +786,19 @@ mod tests {
         let mut buf = [Completion::default(); 4];
         assert_eq!(src.poll(&mut buf).unwrap(), 1);
         assert_eq!(buf[0].wr_id, 9);
+    }
+
+    #[test]
+    fn an_empty_poll_sees_a_push_and_a_vanish() {
+        let (cq, mut src) = sim_cq("t", 8, Faults::default()).unwrap();
+        let mut buf = [Completion::default(); 4];
+        assert_eq!(src.poll(&mut buf).unwrap(), 0);
+        cq.push(wc(1), false).unwrap();
+        assert_eq!(src.poll(&mut buf).unwrap(), 1);
+        cq.vanish();
+        assert!(matches!(
+            src.poll(&mut buf),
+            Err(SourceError::DeviceGone(_))
+        ));
     }
 }

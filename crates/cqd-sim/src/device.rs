@@ -72,7 +72,7 @@ use cqd_core::ledger::WrLedger;
 use cqd_core::{split, CqHandle, CqOptions, UnboundCq};
 use parking_lot::Mutex;
 
-use crate::cq::{sim_cq_with_ledger, Faults, SimCq, SimCqSource, MAX_CQE};
+use crate::cq::{sim_cq_with_ledger, Faults, SimChannel, SimCq, SimCqSource, MAX_CQE};
 use crate::error::VerbsError;
 use crate::fabric::Fabric;
 use crate::pd::Pd;
@@ -137,6 +137,10 @@ pub struct CqConfig {
     pub faults: Faults,
     /// The CQ budget's switches (admission on by default).
     pub budget: BudgetOptions,
+    /// The completion channel the CQ notifies through, shared with other
+    /// CQs (`ibv_create_cq`'s `channel`); `None` (the default): a
+    /// descriptor of its own.
+    pub channel: Option<SimChannel>,
 }
 
 impl Device {
@@ -184,7 +188,10 @@ impl Device {
         let name = name.into();
         let budget = CqBudget::new(name.clone(), cqe, config.budget);
         let ledger = WrLedger::with_budget(budget.clone());
-        let (producer, source) = sim_cq_with_ledger(name, cqe, config.faults, ledger.clone())?;
+        let (producer, source) = match &config.channel {
+            Some(chan) => chan.cq_with_ledger(name, cqe, config.faults, ledger.clone())?,
+            None => sim_cq_with_ledger(name, cqe, config.faults, ledger.clone())?,
+        };
         let cq = Cq {
             inner: Arc::new(CqInner {
                 device: self.inner.id,

@@ -17,6 +17,7 @@
 //! ```
 
 mod access;
+pub mod channel;
 pub mod cq;
 pub mod device;
 pub mod engine;
@@ -32,8 +33,8 @@ mod state;
 pub mod wr;
 
 pub use cq::{
-    sim_cq, sim_cq_with_ledger, Faults, PushError, SimCq, SimCqError, SimCqSource, SimCqStats,
-    MAX_CQE,
+    sim_cq, sim_cq_with_ledger, Faults, PushError, SimChannel, SimCq, SimCqError, SimCqSource,
+    SimCqStats, MAX_CQE,
 };
 pub use device::{Cq, CqConfig, Device, DeviceAttr};
 pub use engine::{Engine, NicFaults, NicStats, TimedModel};

@@ -17,45 +17,60 @@ use crate::metrics::bump;
 use crate::sink::Routed;
 use crate::slab::{Entry, Slab};
 use crate::sync::Ordering;
-use crate::wr_id::{HandlerKey, Side, WrId};
+use crate::wr_id::{HandlerKey, Side, WrId, SLOT_MASK, SLOT_SHIFT};
 
+/// Applies every pending command. Registration doorbell protocol step 2
+/// (in `handle`): the flag is cleared first, then the queue is drained to
+/// empty, so a command pushed after the clear rings again and one pushed
+/// before it is popped here. A retiring handler that cannot be closed yet
+/// (a poster entering its slot) is pushed back, and applied at the next
+/// poll, not in this drain.
 pub(super) fn apply_commands<W>(shared: &CqShared<W>, slab: &mut Slab<W>) {
+    shared.commands_rung.swap(false, Ordering::AcqRel);
+    let mut retry = Vec::new();
     while let Some(cmd) = shared.commands.pop() {
         match cmd {
-            Command::Register {
-                key,
-                handler,
-                ledger,
-                route,
-            } => slab.install(
-                key,
-                Entry {
-                    generation: key.generation(),
-                    handler,
-                    ledger,
-                    route,
-                    retiring: false,
-                },
-            ),
+            Command::Register { key, entry } => slab.install(key, entry),
             Command::Unregister { key } => {
                 if let Some(e) = slab.get_mut(key) {
                     e.retiring = true;
-                    if e.ledger.outstanding() == 0 {
-                        retire(shared, slab, key);
+                    if e.ledger.outstanding_raw() == 0 && !retire(shared, slab, key) {
+                        retry.push(key);
                     }
                 }
             }
         }
     }
+    for key in retry {
+        super::handle::push_command(shared, Command::Unregister { key });
+    }
 }
 
-fn retire<W>(shared: &CqShared<W>, slab: &mut Slab<W>, key: HandlerKey) {
+/// Releases a drained, retiring handler: closes its ledger (see
+/// [`SlotLedger`](crate::slab::SlotLedger)), drops it and frees its slot.
+/// False if the ledger could not be closed (a poster is entering it, or it
+/// posted again): the handler stays.
+fn retire<W>(shared: &CqShared<W>, slab: &mut Slab<W>, key: HandlerKey) -> bool {
+    let Some(e) = slab.get_mut(key) else {
+        return true;
+    };
+    if !e.ledger.close() {
+        return false;
+    }
     if slab.remove(key).is_some() {
         shared.table.lock().release(key);
         let m = &shared.metrics.0;
         m.handlers_live.fetch_sub(1, Ordering::Relaxed);
         m.unregistrations.fetch_add(1, Ordering::Relaxed);
     }
+    true
+}
+
+/// The slot bits of a wr_id, whatever the rest holds (for a prefetch only:
+/// dispatch decodes and checks the whole wr_id).
+#[inline(always)]
+fn slot_of(wr_id: u64) -> u32 {
+    ((wr_id >> SLOT_SHIFT) & SLOT_MASK) as u32
 }
 
 /// Routes a batch. One `catch_unwind` covers the batch: the cursor moves
@@ -76,6 +91,19 @@ pub(super) fn dispatch_batch<W: 'static>(
     // accounts skips.
     if let Some(ledger) = shared.ledger.get() {
         account_hooks(shared, slab, accounts, ledger, wcs);
+    }
+    // With more handlers than the cache holds, the batch's lines are
+    // asked for before they are needed, so that the misses of cold
+    // handlers overlap instead of following one another: every entry,
+    // then (once the entries are on their way) each handler's counters
+    // and state. A small slab stays in the cache and skips both passes.
+    if slab.is_large() {
+        for wc in wcs {
+            slab.prefetch_slot(slot_of(wc.wr_id));
+        }
+        for wc in wcs {
+            slab.prefetch_handler(slot_of(wc.wr_id));
+        }
     }
     let mut next = 0;
     while next < wcs.len() {
@@ -288,8 +316,10 @@ fn handler_panicked<W>(shared: &CqShared<W>, wc: &Completion) {
 fn retire_if_drained<W>(shared: &CqShared<W>, slab: &mut Slab<W>, key: HandlerKey) {
     if slab
         .get_mut(key)
-        .is_some_and(|e| e.ledger.outstanding() == 0)
+        .is_some_and(|e| e.ledger.outstanding_raw() == 0)
+        && !retire(shared, slab, key)
     {
-        retire(shared, slab, key);
+        // A poster is entering the slot: try again at the next poll.
+        super::handle::push_command(shared, Command::Unregister { key });
     }
 }

@@ -12,7 +12,7 @@ use crate::ledger::WrLedger;
 use crate::metrics::CqSnapshot;
 use crate::post::{self, PostRecv, PostSend, Refused};
 use crate::sink::Route;
-use crate::slab::{RegisterError, SlotLedger};
+use crate::slab::{Entry, RegisterError, SlotLedger};
 use crate::sync::Ordering;
 use crate::wr_id::{HandlerKey, OpKind, WrIdError};
 
@@ -73,19 +73,18 @@ impl<W: Send + 'static> CqHandle<W> {
                 cq: self.shared.name.clone(),
             });
         }
-        let key = self.shared.table.lock().alloc(&self.shared.name)?;
-        let ledger = Arc::new(SlotLedger::default());
+        let (key, ledger) = self.shared.table.lock().alloc_ledger(&self.shared.name)?;
         let route = route.unwrap_or(Route::Key(u64::from(key.slot())));
-        self.shared.commands.push(Command::Register {
-            key,
-            handler: Box::new(handler),
-            ledger: Arc::clone(&ledger),
-            route,
-        });
         let m = &self.shared.metrics.0;
         m.handlers_live.fetch_add(1, Ordering::Relaxed);
         m.registrations.fetch_add(1, Ordering::Relaxed);
-        self.shared.doorbell.ring();
+        push_command(
+            &self.shared,
+            Command::Register {
+                key,
+                entry: Entry::boxed(key, handler, route, ledger.clone()),
+            },
+        );
         Ok(Registration {
             key,
             ledger,
@@ -106,8 +105,7 @@ impl<W: Send + 'static> CqHandle<W> {
                 key,
             });
         }
-        self.shared.commands.push(Command::Unregister { key });
-        self.shared.doorbell.ring();
+        push_command(&self.shared, Command::Unregister { key });
         Ok(())
     }
 
@@ -157,6 +155,46 @@ impl<W: Send + 'static> CqHandle<W> {
     }
 }
 
+/// Sends a command to the poller, ringing its doorbell only if no push
+/// since the poller last began to apply commands has rung it.
+///
+/// # Registration doorbell protocol
+///
+/// A registration costs one doorbell write (an eventfd write, about
+/// 700 ns) only when the poller may not know there is work; a burst of
+/// registrations costs one. The parts:
+///
+/// 1. A pusher pushes its command, then swaps `commands_rung` to true
+///    (AcqRel); it rings the doorbell only if the flag was false.
+/// 2. The poller, applying commands, first swaps the flag to false
+///    (AcqRel), then pops until the queue is empty.
+/// 3. The poller looks at the flag at the start of every poll (and
+///    applies commands if it is set). A ring notes the CQ in its poller's
+///    one doorbell (`cq::bell`): the poller drains the bell, then applies
+///    the commands of every CQ noted (step 2 for each), whether or not it
+///    polls that CQ (a quiet CQ of the sleep protocol is not polled). A CQ
+///    not yet bound notes nothing; binding it applies every queued
+///    command.
+///
+/// No command is stranded. Take a command `c` whose pusher found the flag
+/// already true (and did not ring). The flag was set by a ring-bearing
+/// push (step 1) and is still set: the poller has not cleared it since.
+/// The poller clears it only at step 2, after which it pops everything
+/// pushed before the clear — the clear reads the flag's latest value, so
+/// it synchronizes with `c`'s swap, which follows `c`'s push. So `c` is
+/// applied by the next step 2, and step 3 makes one happen: the poller's
+/// next poll sees the flag set (it stays set until a step 2), and the
+/// ring that set it carries the CQ's note, so the poller that drains that
+/// ring applies this CQ's commands (or, before the CQ is bound, the
+/// binding does). A command pushed after a clear finds the flag false (or
+/// set by another push after the clear, which rang) and rings.
+pub(super) fn push_command<W>(shared: &CqShared<W>, command: Command<W>) {
+    shared.commands.push(command);
+    if !shared.commands_rung.swap(true, Ordering::AcqRel) {
+        shared.ring();
+    }
+}
+
 /// A registered handler's posting side: posts work requests with every
 /// account kept, in one call ([`post_send`](Self::post_send),
 /// [`post_recv`](Self::post_recv)). Cloneable; use it from any thread that
@@ -164,7 +202,7 @@ impl<W: Send + 'static> CqHandle<W> {
 #[derive(Clone)]
 pub struct Registration {
     key: HandlerKey,
-    ledger: Arc<SlotLedger>,
+    ledger: SlotLedger,
     cq: Arc<str>,
     cq_ledger: Arc<OnceLock<WrLedger>>,
 }
@@ -270,8 +308,12 @@ impl Registration {
     /// completed. Unsignaled sends posted this way never complete unless
     /// their queue's account also records them
     /// ([`WrLedger::posted`]); prefer [`post_send`](Self::post_send).
-    pub fn track(&self, kind: OpKind, n: u64) {
-        self.ledger.add_posted(kind, n);
+    ///
+    /// Returns false, recording nothing, once the handler has been released
+    /// (unregistered and drained): its slot may hold another handler, and
+    /// a request posted now would never reach this one.
+    pub fn track(&self, kind: OpKind, n: u64) -> bool {
+        self.ledger.add_posted(kind, n)
     }
 
     /// The expert path: takes back `n` requests recorded by
@@ -280,7 +322,8 @@ impl Registration {
         self.ledger.sub_posted(kind, n);
     }
 
-    /// Posted, completed and flushed counts of this handler.
+    /// Posted, completed and flushed counts of this handler (final once it
+    /// has been released, and all 0 once its slot holds another handler).
     pub fn ledger(&self) -> &SlotLedger {
         &self.ledger
     }

@@ -103,14 +103,13 @@ use parking_lot::Mutex;
 use crate::account::AccountCache;
 use crate::budget::CqBudget;
 use crate::completion::Completion;
-use crate::handler::Handler;
 use crate::ledger::WrLedger;
 use crate::metrics::{batch_bucket, bump, CqMetrics};
-use crate::sink::{Route, Routed};
-use crate::slab::{Slab, SlotLedger, SlotTable};
+use crate::sink::Routed;
+use crate::slab::{Entry, Slab, SlotTable};
 use crate::source::{ArmKind, AsyncEvent, CompletionSource, SourceError};
 use crate::sync::{AtomicBool, Ordering};
-use crate::sys::Doorbell;
+
 use crate::wr_id::HandlerKey;
 
 /// Options of one CQ.
@@ -126,7 +125,16 @@ pub struct CqOptions {
     pub trace_completions: bool,
     /// Measure time spent in handlers (two clock reads per batch).
     pub measure_handlers: bool,
+    /// Completions a poller takes from this CQ per round at most (default
+    /// [`DEFAULT_ROUND_BUDGET`], as the kernel's `ib_cq` polls in interrupt
+    /// context): it polls the CQ again while it returns full batches, up to
+    /// this budget, before moving to the next CQ. Every CQ is still visited
+    /// every round; a busy CQ is no longer served one batch per sweep.
+    pub round_budget: usize,
 }
+
+/// The default [`CqOptions::round_budget`].
+pub const DEFAULT_ROUND_BUDGET: usize = 256;
 
 impl Default for CqOptions {
     fn default() -> Self {
@@ -135,6 +143,7 @@ impl Default for CqOptions {
             arm: ArmKind::Next,
             trace_completions: false,
             measure_handlers: false,
+            round_budget: DEFAULT_ROUND_BUDGET,
         }
     }
 }
@@ -142,9 +151,7 @@ impl Default for CqOptions {
 pub(crate) enum Command<W> {
     Register {
         key: HandlerKey,
-        handler: Box<dyn Handler<W>>,
-        ledger: Arc<SlotLedger>,
-        route: Route,
+        entry: Box<Entry<W>>,
     },
     Unregister {
         key: HandlerKey,
@@ -156,9 +163,15 @@ pub(crate) struct CqShared<W> {
     pub(crate) name: String,
     pub(crate) capacity: u32,
     pub(crate) commands: SegQueue<Command<W>>,
+    /// Set by the first command pushed after the poller last began to
+    /// apply them; only that push rings the doorbell (the registration
+    /// doorbell protocol in `handle`).
+    pub(crate) commands_rung: AtomicBool,
     pub(crate) table: Mutex<SlotTable>,
     pub(crate) metrics: CqMetrics,
-    pub(crate) doorbell: Arc<Doorbell>,
+    /// The doorbell of the poller the CQ is bound to, once bound: one per
+    /// poller, shared by every CQ of its group (see [`CqShared::ring`]).
+    pub(crate) doorbell: crate::sync::Mutex<Option<(Arc<GroupBell>, usize)>>,
     pub(crate) closed: AtomicBool,
     /// The CQ's budget, once attached (its counters join the snapshot;
     /// overflow events are recorded in it).
@@ -169,29 +182,48 @@ pub(crate) struct CqShared<W> {
     pub(crate) ledger: Arc<OnceLock<WrLedger>>,
 }
 
+impl<W> CqShared<W> {
+    /// Rings the doorbell of the poller the CQ is bound to, after a command
+    /// was queued (registration, unregistration). The hand-over, in order:
+    ///
+    /// 1. A handle queues its command, then locks the slot and rings the
+    ///    doorbell in it, if any.
+    /// 2. A poller binding the CQ locks the slot and installs its doorbell,
+    ///    then applies every queued command
+    ///    ([`CqPoller::install_doorbell`]).
+    ///
+    /// The slot's lock orders the two: either the handle's lock comes
+    /// second and it rings the installed bell, or it comes first, its
+    /// command was queued before, and step 2 applies it.
+    pub(crate) fn ring(&self) {
+        let slot = self.doorbell.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((bell, index)) = &*slot {
+            bell.note(*index);
+        }
+    }
+}
+
 /// Makes the two halves of a CQ from a backend's source: the
 /// [`UnboundCq`] (to be bound on the thread that polls it) and the
 /// [`CqHandle`], with the source's ledger and budget attached
 /// ([`CompletionSource::ledger`]).
 ///
 /// # Errors
-/// When the doorbell eventfd cannot be made.
+/// None today (kept for backends' and future set-up failures); a CQ
+/// makes no descriptor of its own (its poller's doorbell serves it).
 pub fn split<W: Send + 'static>(
     source: impl CompletionSource,
     options: CqOptions,
 ) -> Result<(UnboundCq<W>, CqHandle<W>), SourceError> {
-    let doorbell = Doorbell::new().map_err(|source| SourceError::Os {
-        op: "eventfd",
-        source,
-    })?;
     let batch = options.batch.clamp(1, 4096);
     let shared = Arc::new(CqShared {
         name: source.name().to_string(),
         capacity: source.capacity(),
         commands: SegQueue::new(),
+        commands_rung: AtomicBool::new(false),
         table: Mutex::new(SlotTable::default()),
         metrics: CqMetrics::default(),
-        doorbell: Arc::new(doorbell),
+        doorbell: crate::sync::Mutex::new(None),
         closed: AtomicBool::new(false),
         budget: Arc::default(),
         ledger: Arc::default(),
@@ -212,6 +244,7 @@ pub fn split<W: Send + 'static>(
         options,
         finished: false,
         in_error: false,
+        doorbell: None,
     };
     Ok((
         UnboundCq {
@@ -236,6 +269,8 @@ struct Core<W> {
     finished: bool,
     /// Set once the CQ was found in the error state (overflow).
     in_error: bool,
+    /// The doorbell installed for this CQ (the poller's), for its fd.
+    doorbell: Option<Arc<GroupBell>>,
 }
 
 impl<W> Core<W> {
@@ -307,6 +342,10 @@ impl<W: Send + 'static> UnboundCq<W> {
         }
     }
 
+    pub(crate) fn source(&self) -> &dyn CompletionSource {
+        &*self.core.source
+    }
+
     /// Binds the CQ to the calling thread: the returned [`CqPoller`] can
     /// poll, arm and acknowledge it, and can never leave this thread.
     pub fn bind(self) -> CqPoller<W> {
@@ -314,10 +353,6 @@ impl<W: Send + 'static> UnboundCq<W> {
             core: self.core,
             _not_send: PhantomData,
         }
-    }
-
-    pub(crate) fn doorbell(&self) -> Arc<Doorbell> {
-        Arc::clone(&self.core.shared.doorbell)
     }
 }
 
@@ -360,7 +395,10 @@ impl<W: Send + 'static> CqPoller<W> {
     /// # Errors
     /// When the source fails (device gone); nothing polled is lost.
     pub fn poll_once(&mut self, out: &mut VecDeque<Routed<W>>) -> Result<usize, SourceError> {
-        if !self.core.shared.commands.is_empty() {
+        // The registration doorbell protocol (step 3, in `handle`): every
+        // poll looks at the flag, so a ring consumed without a poll cannot
+        // strand a command.
+        if self.core.shared.commands_rung.load(Ordering::Acquire) {
             self.apply_commands();
         }
         let m = &self.core.shared.metrics.0;
@@ -479,10 +517,65 @@ impl<W: Send + 'static> CqPoller<W> {
     }
 
     /// The descriptor that is rung when a handle registers or unregisters a
-    /// handler, or a stop is requested.
-    pub fn doorbell_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+    /// handler (for a custom loop: a poller thread installs its own, one
+    /// for its whole group). The first call makes it.
+    ///
+    /// # Errors
+    /// When the eventfd cannot be made.
+    pub fn doorbell_fd(&mut self) -> Result<std::os::fd::BorrowedFd<'_>, SourceError> {
         use std::os::fd::AsFd;
-        self.core.shared.doorbell.as_fd()
+        if self.core.doorbell.is_none() {
+            let d = GroupBell::new().map_err(|source| SourceError::Os {
+                op: "eventfd",
+                source,
+            })?;
+            self.install_doorbell(Arc::new(d), 0);
+        }
+        match &self.core.doorbell {
+            Some(d) => Ok(d.as_fd()),
+            None => unreachable!("installed above"),
+        }
+    }
+
+    /// Makes `doorbell` the one every command on this CQ rings, noting
+    /// `index` (the CQ's place in its group), then applies the commands
+    /// queued before (see [`CqShared::ring`]).
+    pub(crate) fn install_doorbell(&mut self, doorbell: Arc<GroupBell>, index: usize) {
+        *self
+            .core
+            .shared
+            .doorbell
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some((Arc::clone(&doorbell), index));
+        self.core.doorbell = Some(doorbell);
+        self.apply_commands();
+    }
+
+    /// Polls up to the round budget: again while the CQ returns full
+    /// batches ([`CqOptions::round_budget`]) and `out` holds at most
+    /// `spill_mark` items (so the spill's bound of `poller::spill` is that
+    /// of one batch per CQ). Returns the completions polled; an error after
+    /// some were polled ends the round quietly (the next round meets it
+    /// again).
+    pub(crate) fn poll_round(
+        &mut self,
+        out: &mut VecDeque<Routed<W>>,
+        spill_mark: usize,
+    ) -> Result<usize, SourceError> {
+        let batch = self.core.buf.len();
+        let budget = self.core.options.round_budget.max(1);
+        let mut total = 0;
+        loop {
+            let n = match self.poll_once(out) {
+                Ok(n) => n,
+                Err(e) if total == 0 => return Err(e),
+                Err(_) => return Ok(total),
+            };
+            total += n;
+            if n < batch || total >= budget || out.len() > spill_mark {
+                return Ok(total);
+            }
+        }
     }
 
     /// Handles pending asynchronous events: counts them, traces them at
@@ -517,7 +610,7 @@ impl<W: Send + 'static> CqPoller<W> {
         self.core
             .slab
             .iter()
-            .map(|(_, e)| e.ledger.outstanding())
+            .map(|(_, e)| e.ledger.outstanding_raw())
             .sum()
     }
 
@@ -526,7 +619,7 @@ impl<W: Send + 'static> CqPoller<W> {
     /// holds.
     pub fn accounts(&self) -> crate::ledger::ShutdownReport {
         let mut report = crate::ledger::ShutdownReport::from_ledgers(
-            self.core.slab.iter().map(|(key, e)| (key, &*e.ledger)),
+            self.core.slab.iter().map(|(key, e)| (key, &e.ledger)),
         );
         if let Some(l) = self.core.shared.ledger.get() {
             report.stuck = l.scan(Instant::now(), std::time::Duration::ZERO);
@@ -554,14 +647,13 @@ impl<W: Send + 'static> CqPoller<W> {
     pub(crate) fn shared(&self) -> &CqShared<W> {
         &self.core.shared
     }
-
-    pub(crate) fn source(&self) -> &dyn CompletionSource {
-        &*self.core.source
-    }
 }
 
+mod bell;
 mod dispatch;
 mod handle;
+
+pub(crate) use bell::GroupBell;
 
 use dispatch::{apply_commands, dispatch_batch};
 pub use handle::{CqHandle, Registration};
@@ -570,9 +662,115 @@ pub use handle::{CqHandle, Registration};
 mod tests {
     use super::*;
     use crate::sink::NoWork;
+    use crate::sys::Doorbell;
 
     fn assert_send<T: Send>() {}
     fn assert_send_sync<T: Send + Sync>() {}
+
+    /// A source holding `left` completions (foreign wr_ids: dispatch only
+    /// counts them).
+    struct Queue {
+        left: usize,
+        fd: Doorbell,
+    }
+
+    fn queue(left: usize) -> Queue {
+        Queue {
+            left,
+            fd: Doorbell::new().unwrap(),
+        }
+    }
+
+    impl CompletionSource for Queue {
+        fn name(&self) -> &str {
+            "q"
+        }
+        fn capacity(&self) -> u32 {
+            1024
+        }
+        fn poll(&mut self, out: &mut [Completion]) -> Result<usize, SourceError> {
+            let n = out.len().min(self.left);
+            self.left -= n;
+            Ok(n)
+        }
+        fn arm(&mut self, _: ArmKind) -> Result<(), SourceError> {
+            Ok(())
+        }
+        fn event_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+            use std::os::fd::AsFd;
+            self.fd.as_fd()
+        }
+        fn take_events(&mut self) -> Result<u32, SourceError> {
+            Ok(0)
+        }
+        fn ack_events(&mut self, _: u32) -> Result<(), SourceError> {
+            Ok(())
+        }
+        fn unacked_events(&self) -> u32 {
+            0
+        }
+        fn take_async_event(&mut self) -> Option<AsyncEvent> {
+            None
+        }
+        fn destroy(&mut self) -> Result<(), SourceError> {
+            Ok(())
+        }
+    }
+
+    fn poller<W: Send + 'static>(left: usize, batch: usize, round_budget: usize) -> CqPoller<W> {
+        let options = CqOptions {
+            batch,
+            round_budget,
+            ..CqOptions::default()
+        };
+        split::<W>(queue(left), options).unwrap().0.bind()
+    }
+
+    #[test]
+    fn a_round_polls_full_batches_up_to_the_budget() {
+        let mut out = VecDeque::new();
+        // Full batches of 4 until the budget of 10 is reached: 12.
+        assert_eq!(
+            poller::<NoWork>(100, 4, 10)
+                .poll_round(&mut out, usize::MAX)
+                .unwrap(),
+            12
+        );
+        // A short batch ends the round.
+        assert_eq!(
+            poller::<NoWork>(6, 4, 10)
+                .poll_round(&mut out, usize::MAX)
+                .unwrap(),
+            6
+        );
+        // A budget below a batch still polls one batch.
+        assert_eq!(
+            poller::<NoWork>(100, 4, 1)
+                .poll_round(&mut out, usize::MAX)
+                .unwrap(),
+            4
+        );
+        // The default: 256 (eight batches of 32).
+        let mut p = split::<NoWork>(queue(1000), CqOptions::default())
+            .unwrap()
+            .0
+            .bind();
+        assert_eq!(
+            p.poll_round(&mut out, usize::MAX).unwrap(),
+            DEFAULT_ROUND_BUDGET
+        );
+    }
+
+    #[test]
+    fn a_round_stops_repeating_above_the_spill_mark() {
+        let mut p = poller::<u32>(100, 4, 100);
+        // An item already spilled, above a mark of 0: one batch only.
+        let mut out = VecDeque::from([Routed {
+            item: 7u32,
+            route: crate::sink::Route::Key(0),
+        }]);
+        assert_eq!(p.poll_round(&mut out, 0).unwrap(), 4);
+    }
 
     #[test]
     fn auto_traits() {

@@ -20,7 +20,8 @@
 //!    2. at or below the mark it then runs the CQ sleep protocol
 //!       (`mode::sleep_once`) and blocks on the CQs' notifications *and* the
 //!       space doorbell; above the mark it blocks on the space doorbell and
-//!       the CQs' doorbells (stop, registrations) only;
+//!       the poller's doorbell (stop, registrations) only (the control set
+//!       of `poller::ready`);
 //!    3. either way with the safety timeout; on return it drains the space
 //!       doorbell, disarms the sink and offers again.
 //!
@@ -33,7 +34,9 @@
 //! in a round that starts with `spill <= mark` (rule 1; the re-poll and
 //! post-wake polls of the sleep protocol are rounds too, and a re-poll that
 //! finds completions ends the sleep before any further poll). One round
-//! polls at most `B_i` completions from CQ `i` (its `CqOptions::batch`), and
+//! polls at most `B_i` completions from CQ `i` (its `CqOptions::batch`) —
+//! it polls a CQ again within its round budget only while the spill is at
+//! or below the mark, so the repeat polls keep the bound — and
 //! each completion makes its handler emit at most `m` items (a property of
 //! the application's handlers: cqd does not cap an outbox). A hand-off only
 //! removes items. So at every moment, before and after the hand-off:
@@ -49,7 +52,6 @@
 //! ([`PollerBuilder::on_undelivered`]).
 
 use std::collections::VecDeque;
-use std::os::fd::{AsFd, BorrowedFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Duration;
@@ -59,7 +61,7 @@ use crate::metrics::{bump, raise};
 use crate::mode::PollMode;
 use crate::sink::{Routed, SpaceWait, SpaceWaker, WorkSink};
 use crate::sync::Ordering;
-use crate::sys::{wait_readable, Doorbell};
+use crate::sys::Doorbell;
 
 /// The default high-water mark of a poller's spill: four default batches.
 pub const DEFAULT_SPILL_HIGH_WATER_MARK: usize = 128;
@@ -92,6 +94,11 @@ impl<W> Spill<W> {
             give_back,
             skipped_block: false,
         }
+    }
+
+    /// The high-water mark.
+    pub(super) fn mark(&self) -> usize {
+        self.mark
     }
 
     /// Rule 1: the poller must not poll.
@@ -143,6 +150,10 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             tracing::warn!("no eventfd for the space wake-up; spills retry on a timer");
             return;
         };
+        if let Err(e) = self.ready.add_space(&doorbell) {
+            tracing::warn!(error = %e, "space doorbell not in the epoll set; spills retry on a timer");
+            return;
+        }
         let doorbell = Arc::new(doorbell);
         let ring = Arc::clone(&doorbell);
         if self
@@ -221,14 +232,14 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         if matches!(self.idle.mode(), PollMode::Busy) {
             self.idle.spin();
         } else {
-            self.wait_for_space(self.wake_timeout, true);
+            self.wait_for_space(self.wake_timeout);
         }
     }
 
-    /// Sleeps until a worker frees space, `timeout` passes or (with
-    /// `doorbells`) a CQ's doorbell rings (stop, registrations); never on
-    /// the CQs' notifications.
-    pub(super) fn wait_for_space(&mut self, timeout: Duration, doorbells: bool) {
+    /// Sleeps until a worker frees space, `timeout` passes or the poller's
+    /// doorbell rings (stop, registrations); never on the CQs'
+    /// notifications.
+    pub(super) fn wait_for_space(&mut self, timeout: Duration) {
         let armed = match self.arm_space() {
             SpaceWait::Progress => return,
             SpaceWait::Armed => true,
@@ -239,28 +250,10 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         } else {
             timeout.min(self.retry_pause())
         };
-        let mut fds: Vec<BorrowedFd<'_>> = Vec::with_capacity(self.cqs.len() + 1);
-        if armed {
-            fds.extend(self.spill.space.as_ref().map(|d| d.as_fd()));
-        }
-        if doorbells {
-            fds.extend(self.cqs.iter().map(|c| c.shared().doorbell.as_fd()));
-        }
-        let waited = wait_readable(&fds, timeout, &mut self.ready);
-        drop(fds);
-        if waited.is_err() {
+        // The control set: the poller's doorbell and the space doorbell,
+        // never the CQs' notifications.
+        if self.wait_control(timeout).is_err() {
             std::thread::sleep(self.retry_pause().min(timeout));
-        }
-        if doorbells {
-            // Drain every doorbell (no short cut), then count one wake-up.
-            let rung = self
-                .cqs
-                .iter()
-                .filter(|c| c.shared().doorbell.drain() > 0)
-                .count();
-            if rung > 0 {
-                bump(&self.metrics.0.control_wakeups, 1);
-            }
         }
         bump(&self.metrics.0.space_waits, 1);
         if armed {
@@ -278,7 +271,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             if self.spill.items.is_empty() || now >= deadline {
                 break;
             }
-            self.wait_for_space((deadline - now).min(self.wake_timeout), false);
+            self.wait_for_space((deadline - now).min(self.wake_timeout));
         }
         let left: Vec<W> = self.spill.items.drain(..).map(|r| r.item).collect();
         self.spill.counted = 0;

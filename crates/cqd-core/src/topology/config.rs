@@ -63,6 +63,12 @@ pub struct PollerConfig {
     /// Completions taken per poll call.
     #[serde(default = "default_batch")]
     pub batch: u32,
+    /// Completions taken from one CQ per round at most: it is polled again
+    /// while it returns full batches, up to this
+    /// ([`CqOptions::round_budget`](crate::cq::CqOptions::round_budget));
+    /// 0 or less than a batch means one batch.
+    #[serde(default = "default_round_budget")]
+    pub round_budget: u32,
     /// Where the thread may run.
     #[serde(default)]
     pub placement: Placement,
@@ -92,6 +98,10 @@ pub struct PoolConfig {
     /// Scheduling priority applied at spawn; absent keeps the inherited one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<Priority>,
+}
+
+fn default_round_budget() -> u32 {
+    crate::cq::DEFAULT_ROUND_BUDGET as u32
 }
 
 fn default_batch() -> u32 {

@@ -143,6 +143,7 @@ impl PollerConfig {
             cqs: Vec::new(),
             mode: ModeConfig::default(),
             batch: 32,
+            round_budget: crate::cq::DEFAULT_ROUND_BUDGET as u32,
             placement: Placement::Unpinned,
             priority: None,
         }
@@ -163,6 +164,12 @@ impl PollerConfig {
     /// Sets `batch`.
     pub fn batch(mut self, batch: u32) -> Self {
         self.batch = batch;
+        self
+    }
+
+    /// Sets `round_budget`.
+    pub fn round_budget(mut self, completions: u32) -> Self {
+        self.round_budget = completions;
         self
     }
 

@@ -111,10 +111,12 @@ impl PollerPlan {
         self.config.batch
     }
 
-    /// CQ options with the planned poll batch, for `split`.
+    /// CQ options with the planned poll batch and round budget, for
+    /// `split`.
     pub fn cq_options(&self) -> crate::cq::CqOptions {
         crate::cq::CqOptions {
             batch: self.config.batch as usize,
+            round_budget: self.config.round_budget as usize,
             ..Default::default()
         }
     }

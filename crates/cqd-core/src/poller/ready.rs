@@ -1,0 +1,571 @@
+//! The group's readiness: which CQs are active or quiet, the epoll set that
+//! says which fired, and the safety net — the poller's side of the sleep
+//! protocol of `mode` (steps 1–5 and "The safety net" there).
+//!
+//! # The epoll sets
+//!
+//! 1. At spawn, every distinct notification descriptor of the group is
+//!    registered once in the main set: a CQ's own descriptor under its
+//!    index, a shared channel ([`SharedNotifier`]) once under its channel
+//!    number, each distinct asynchronous-event descriptor once. A control
+//!    set holds the poller's one doorbell (stop, registrations) and, once
+//!    the sink took its waker, the space doorbell; the control set is
+//!    itself registered in the main set.
+//! 2. A block waits on the main set (level-triggered: a descriptor stays
+//!    ready until it is drained, so nothing is lost between a wake-up and
+//!    the collect); a wait for ring space waits on the control set only.
+//! 3. The collect touches only what the wait returned: a CQ's own
+//!    descriptor is read by that CQ; a channel says which of its CQs fired
+//!    (`SharedNotifier::take_ready`), and each of those takes its own
+//!    notifications; a ready control set drains the doorbell (and applies
+//!    the queued commands of the CQs whose handles rang it, see
+//!    `cq::GroupBell`) and the space doorbell.
+//!
+//! Every source of a shared channel must belong to the same poller: a
+//! token the channel reports for a CQ of no group member is ignored.
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::Group;
+use crate::cq::GroupBell;
+use crate::metrics::bump;
+use crate::mode::{PollMode, SleepGroup};
+use crate::sink::{SpaceWait, WorkSink};
+use crate::source::{CompletionSource, SharedNotifier, SourceError};
+use crate::sync::Ordering;
+use crate::sys::{Doorbell, Epoll};
+
+/// Main-set token of the control set.
+const CTL: u64 = u64::MAX;
+/// Main-set tokens of shared channels: `NOTIFIER | channel number`.
+const NOTIFIER: u64 = 1 << 62;
+/// Main-set tokens of asynchronous-event descriptors.
+const ASYNC: u64 = 1 << 61;
+/// Control-set tokens.
+const DOORBELL: u64 = 0;
+const SPACE: u64 = 1;
+
+/// The safety net polls at least this many quiet CQs per wake timeout…
+pub(super) const SAFETY_MIN_SLICE: usize = 64;
+/// …and at least `1 / SAFETY_SWEEP` of the group, so every CQ is polled
+/// within this many wake timeouts.
+pub(super) const SAFETY_SWEEP: usize = 8;
+/// While the poller does not block (it has work, or spins), it still looks
+/// at the epoll set this often so that quiet CQs are not starved.
+const READY_CHECK: Duration = Duration::from_micros(50);
+
+/// One CQ's place in the sleep protocol.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct CqState {
+    /// Its one-shot arm is in force (not seen firing).
+    armed: bool,
+    /// Polled every round (on the active list); otherwise quiet.
+    active: bool,
+    /// In error: never armed, polled by every safety round.
+    errored: bool,
+    /// Notifications collected since its last poll.
+    events: u32,
+}
+
+/// The epoll sets and the per-CQ states.
+pub(super) struct Readiness {
+    epoll: Epoll,
+    ctl: Epoll,
+    doorbell: Arc<GroupBell>,
+    /// CQs whose handles rang the doorbell (commands to apply).
+    rung: Vec<usize>,
+    notifiers: Vec<(Arc<dyn SharedNotifier>, HashMap<u64, usize>)>,
+    pub(super) st: Vec<CqState>,
+    /// Active CQs, by index.
+    active: Vec<usize>,
+    /// CQs armed by the current step 1.
+    just_armed: Vec<usize>,
+    errored: Vec<usize>,
+    tokens: Vec<u64>,
+    ctl_tokens: Vec<u64>,
+    scratch: Vec<u64>,
+    /// The next CQ the safety net polls.
+    cursor: usize,
+    last_safety: Instant,
+    last_check: Instant,
+    /// An asynchronous-event descriptor was ready: check every CQ.
+    async_ready: bool,
+}
+
+impl Readiness {
+    /// Step 1 of "The epoll sets": registers every distinct descriptor of
+    /// `sources` once.
+    pub(super) fn new(
+        sources: &[&dyn CompletionSource],
+        doorbell: Arc<GroupBell>,
+    ) -> io::Result<Self> {
+        let mut epoll = Epoll::new()?;
+        let mut ctl = Epoll::new()?;
+        ctl.add(doorbell.as_fd(), DOORBELL)?;
+        epoll.add(ctl.as_fd(), CTL)?;
+        let mut notifiers: Vec<(Arc<dyn SharedNotifier>, HashMap<u64, usize>)> = Vec::new();
+        let mut async_fds = std::collections::HashSet::new();
+        for (i, s) in sources.iter().enumerate() {
+            match s.notifier() {
+                Some((n, token)) => {
+                    let k = match notifiers
+                        .iter()
+                        .position(|(m, _)| std::ptr::addr_eq(Arc::as_ptr(m), Arc::as_ptr(&n)))
+                    {
+                        Some(k) => k,
+                        None => {
+                            epoll.add(n.fd(), NOTIFIER | notifiers.len() as u64)?;
+                            notifiers.push((n, HashMap::new()));
+                            notifiers.len() - 1
+                        }
+                    };
+                    notifiers[k].1.insert(token, i);
+                }
+                None => epoll.add(s.event_fd(), i as u64)?,
+            }
+            if let Some(fd) = s.async_fd() {
+                if async_fds.insert(fd.as_raw_fd()) {
+                    epoll.add(fd, ASYNC | async_fds.len() as u64)?;
+                }
+            }
+        }
+        let now = Instant::now();
+        Ok(Readiness {
+            epoll,
+            ctl,
+            doorbell,
+            rung: Vec::new(),
+            notifiers,
+            st: vec![
+                CqState {
+                    active: true,
+                    ..CqState::default()
+                };
+                sources.len()
+            ],
+            active: (0..sources.len()).collect(),
+            just_armed: Vec::new(),
+            errored: Vec::new(),
+            tokens: Vec::new(),
+            ctl_tokens: Vec::new(),
+            scratch: Vec::new(),
+            cursor: 0,
+            last_safety: now,
+            last_check: now,
+            async_ready: false,
+        })
+    }
+
+    /// Registers the space doorbell in the control set.
+    pub(super) fn add_space(&mut self, space: &Doorbell) -> io::Result<()> {
+        self.ctl.add(space.as_fd(), SPACE)
+    }
+
+    fn make_active(&mut self, i: usize) {
+        if let Some(s) = self.st.get_mut(i) {
+            if !s.active {
+                s.active = true;
+                self.active.push(i);
+            }
+        }
+    }
+}
+
+impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
+    /// Polls CQ `i` up to its round budget; a notification collected since
+    /// its last poll that finds nothing is counted as spurious.
+    fn poll_cq(&mut self, i: usize) -> usize {
+        let mark = self.spill.mark();
+        let Some(cq) = self.cqs.get_mut(i) else {
+            return 0;
+        };
+        let n = match cq.poll_round(&mut self.spill.items, mark) {
+            Ok(n) => n,
+            Err(e) => {
+                // Counted by the CQ; traced at 1, 2, 4, 8… so a dead
+                // device does not flood the log.
+                let count = cq.shared().metrics.0.poll_errors.load(Ordering::Relaxed);
+                if count.is_power_of_two() {
+                    tracing::error!(cq = cq.name(), error = %e, count, "poll failed");
+                }
+                self.failing = true;
+                0
+            }
+        };
+        if let Some(s) = self.ready.st.get_mut(i) {
+            if s.events > 0 {
+                if n == 0 {
+                    bump(&cq.shared().metrics.0.spurious_wakeups, 1);
+                }
+                s.events = 0;
+            }
+        }
+        n
+    }
+
+    /// One round: in Busy mode every CQ, otherwise the active CQs (and the
+    /// safety slice when due); then the hand-off.
+    pub(super) fn poll_all(&mut self) -> usize {
+        let mut total = 0;
+        if matches!(self.idle.mode(), PollMode::Busy) {
+            for i in 0..self.cqs.len() {
+                total += self.poll_cq(i);
+            }
+        } else {
+            for j in 0..self.ready.active.len() {
+                let i = self.ready.active[j];
+                total += self.poll_cq(i);
+            }
+            // Due once per wake timeout; the slack keeps a block that ends
+            // a hair early from putting it off by a whole timeout.
+            let slack = self.wake_timeout / 16;
+            if self.ready.last_safety.elapsed() + slack >= self.wake_timeout {
+                total += self.safety_round();
+            }
+        }
+        self.hand_off();
+        total
+    }
+
+    /// Polls every CQ (the stop, step 1 and 2).
+    pub(super) fn poll_every_cq(&mut self) -> usize {
+        let mut total = 0;
+        for i in 0..self.cqs.len() {
+            total += self.poll_cq(i);
+        }
+        self.hand_off();
+        total
+    }
+
+    /// The safety net (see `mode`): the next slice of quiet CQs, and every
+    /// CQ in error. A quiet CQ found holding completions missed a
+    /// notification: counted, traced, made active and unarmed.
+    fn safety_round(&mut self) -> usize {
+        self.ready.last_safety = Instant::now();
+        // Take what is already notified first: a CQ whose notification is
+        // on its way is active, not a missed one.
+        self.ready.last_check = self.ready.last_safety;
+        self.collect_now();
+        let n = self.cqs.len();
+        let slice = n.min(SAFETY_MIN_SLICE.max(n.div_ceil(SAFETY_SWEEP)));
+        let mut total = 0;
+        for _ in 0..slice {
+            let i = self.ready.cursor;
+            self.ready.cursor = (i + 1) % n;
+            if let Some(cq) = self.cqs.get_mut(i) {
+                cq.check_async();
+            }
+            if self.ready.st[i].active || self.ready.st[i].errored {
+                continue;
+            }
+            let found = self.poll_cq(i);
+            if found > 0 {
+                let cq = &self.cqs[i];
+                bump(&cq.shared().metrics.0.recovered_missed_events, 1);
+                tracing::warn!(
+                    cq = cq.name(),
+                    found,
+                    "safety net found completions: a notification was missed and recovered"
+                );
+                self.ready.st[i].armed = false;
+                self.ready.make_active(i);
+            }
+            total += found;
+        }
+        for j in 0..self.ready.errored.len() {
+            let i = self.ready.errored[j];
+            total += self.poll_cq(i);
+        }
+        total
+    }
+
+    /// Asynchronous events: every CQ in Busy mode or after an async
+    /// descriptor was ready; otherwise the active ones (the safety round
+    /// checks the quiet ones slice by slice).
+    pub(super) fn check_async(&mut self) {
+        if matches!(self.idle.mode(), PollMode::Busy) || std::mem::take(&mut self.ready.async_ready)
+        {
+            for cq in &mut self.cqs {
+                cq.check_async();
+            }
+        } else {
+            for &i in &self.ready.active {
+                if let Some(cq) = self.cqs.get_mut(i) {
+                    cq.check_async();
+                }
+            }
+        }
+    }
+
+    /// While not blocking (work, or spinning), looks at the epoll set every
+    /// `READY_CHECK` so a quiet CQ that fired is not left waiting.
+    /// In Busy mode (which never blocks), drains the doorbell as often, so
+    /// that its notes do not pile up (every round applies commands anyway).
+    pub(super) fn check_ready(&mut self, now: Instant) {
+        if now.saturating_duration_since(self.ready.last_check) < READY_CHECK {
+            return;
+        }
+        self.ready.last_check = now;
+        if matches!(self.idle.mode(), PollMode::Busy) {
+            self.on_doorbell();
+        } else {
+            self.collect_now();
+        }
+    }
+
+    /// Steps 3–4 without blocking: takes what is ready now.
+    fn collect_now(&mut self) {
+        if self.ready.epoll.wait(None, &mut self.ready.tokens).is_ok()
+            && !self.ready.tokens.is_empty()
+        {
+            if self.on_control() {
+                // No space wait is armed outside a block: a late ring.
+                self.drain_space();
+            }
+            if let Err(e) = self.collect_events() {
+                tracing::error!(error = %e, "collecting notifications failed");
+                self.failing = true;
+            }
+        }
+    }
+
+    /// A ready control set: drains the doorbell (a control wake-up: apply
+    /// queued commands) and the space doorbell. Returns whether space was
+    /// signalled.
+    fn on_control(&mut self) -> bool {
+        if !self.ready.tokens.contains(&CTL) {
+            return false;
+        }
+        let _ = self.ready.ctl.wait(None, &mut self.ready.ctl_tokens);
+        let space = self.ready.ctl_tokens.contains(&SPACE);
+        if self.ready.ctl_tokens.contains(&DOORBELL) {
+            self.on_doorbell();
+        }
+        space
+    }
+
+    /// Drains the doorbell; if it rang, a control wake-up: applies the
+    /// commands of the CQs whose handles rang it (not of every CQ).
+    fn on_doorbell(&mut self) {
+        let mut rung = std::mem::take(&mut self.ready.rung);
+        if self.ready.doorbell.drain(&mut rung) {
+            bump(&self.metrics.0.control_wakeups, 1);
+            for &i in &rung {
+                if let Some(cq) = self.cqs.get_mut(i) {
+                    cq.apply_commands();
+                }
+            }
+        }
+        rung.clear();
+        self.ready.rung = rung;
+    }
+
+    /// Waits on the control set only (the spill's space wait, a back-off):
+    /// until the doorbell or the space doorbell rings or `timeout` passes.
+    pub(super) fn wait_control(&mut self, timeout: Duration) -> io::Result<()> {
+        self.ready
+            .ctl
+            .wait(Some(timeout), &mut self.ready.ctl_tokens)?;
+        self.on_doorbell();
+        Ok(())
+    }
+
+    /// Drains the space doorbell when no space wait is armed (a late ring).
+    fn drain_space(&self) {
+        if let Some(d) = &self.spill.space {
+            d.drain();
+        }
+    }
+}
+
+impl<W: Send + 'static, S: WorkSink<W>> SleepGroup for Group<W, S> {
+    type Error = SourceError;
+
+    /// Step 1. A CQ in error (an overflow) is reported once by
+    /// [`CqPoller::arm`](crate::cq::CqPoller::arm) and never armed again:
+    /// it leaves the active list for the safety rounds.
+    fn arm_unarmed(&mut self) -> Result<usize, SourceError> {
+        let r = &mut self.ready;
+        r.just_armed.clear();
+        let active = std::mem::take(&mut r.active);
+        let mut result = Ok(());
+        for &i in &active {
+            let (Some(cq), Some(s)) = (self.cqs.get_mut(i), r.st.get_mut(i)) else {
+                continue;
+            };
+            if result.is_err() {
+                r.active.push(i);
+                continue;
+            }
+            if cq.is_in_error() {
+                s.active = false;
+                if !std::mem::replace(&mut s.errored, true) {
+                    r.errored.push(i);
+                }
+                continue;
+            }
+            if s.armed {
+                // Armed earlier and polled empty by the last round: quiet.
+                s.active = false;
+                continue;
+            }
+            match cq.arm() {
+                Ok(()) => {
+                    s.armed = true;
+                    r.just_armed.push(i);
+                    r.active.push(i);
+                }
+                Err(SourceError::CqInError) => {
+                    s.active = false;
+                    if !std::mem::replace(&mut s.errored, true) {
+                        r.errored.push(i);
+                    }
+                }
+                Err(e) => {
+                    r.active.push(i);
+                    result = Err(e);
+                }
+            }
+        }
+        result.map(|()| self.ready.just_armed.len())
+    }
+
+    /// Step 2.
+    fn repoll_armed(&mut self) -> Result<usize, SourceError> {
+        if self.spill.above_mark() {
+            return Ok(0);
+        }
+        let mut total = 0;
+        let armed = std::mem::take(&mut self.ready.just_armed);
+        for &i in &armed {
+            let n = self.poll_cq(i);
+            total += n;
+            if n == 0 {
+                self.ready.st[i].active = false;
+            }
+        }
+        self.ready.just_armed = armed;
+        let st = &self.ready.st;
+        self.ready.active.retain(|&i| st[i].active);
+        self.hand_off();
+        Ok(total)
+    }
+
+    /// Step 3: the main epoll set (with a spill, the space doorbell is in
+    /// it through the control set: see `spill`, rule 2).
+    fn block(&mut self, timeout: Duration) -> Result<bool, SourceError> {
+        if self.stop.load(Ordering::Acquire) {
+            return Ok(false);
+        }
+        let mut timeout = timeout;
+        let mut retry = false;
+        let armed = !self.spill.items.is_empty()
+            && match self.arm_space() {
+                SpaceWait::Progress => {
+                    self.spill.skipped_block = true;
+                    return Ok(false);
+                }
+                SpaceWait::Armed => true,
+                _ => {
+                    timeout = timeout.min(self.retry_pause());
+                    retry = true;
+                    false
+                }
+            };
+        let start = Instant::now();
+        let n = self
+            .ready
+            .epoll
+            .wait(Some(timeout), &mut self.ready.tokens)
+            .map_err(|source| SourceError::Os {
+                op: "epoll_wait",
+                source,
+            })?;
+        self.last_block = start.elapsed();
+        self.ready.last_check = Instant::now();
+        let space = self.on_control();
+        if armed || retry {
+            bump(&self.metrics.0.space_waits, 1);
+        }
+        if armed {
+            self.end_space_wait();
+        } else if space {
+            self.drain_space();
+        }
+        // A retry pause is not the safety timeout.
+        Ok(n == 0 && !retry)
+    }
+
+    /// Step 4: only the ready descriptors.
+    fn collect_events(&mut self) -> Result<u32, SourceError> {
+        let mut total = 0;
+        let tokens = std::mem::take(&mut self.ready.tokens);
+        let mut result = Ok(());
+        for &t in &tokens {
+            if t == CTL {
+                continue;
+            }
+            if t & NOTIFIER != 0 {
+                let k = (t & !NOTIFIER) as usize;
+                let mut fired = std::mem::take(&mut self.ready.scratch);
+                fired.clear();
+                if let Some((n, map)) = self.ready.notifiers.get(k) {
+                    if let Err(e) = n.take_ready(&mut fired) {
+                        result = Err(e);
+                    }
+                    for tok in &mut fired {
+                        *tok = map.get(tok).map_or(u64::MAX, |&i| i as u64);
+                    }
+                }
+                for &i in &fired {
+                    if i != u64::MAX {
+                        match self.take_cq_events(i as usize) {
+                            Ok(n) => total += n,
+                            Err(e) => result = Err(e),
+                        }
+                    }
+                }
+                self.ready.scratch = fired;
+            } else if t & ASYNC != 0 {
+                self.ready.async_ready = true;
+            } else {
+                match self.take_cq_events(t as usize) {
+                    Ok(n) => total += n,
+                    Err(e) => result = Err(e),
+                }
+            }
+        }
+        self.ready.tokens = tokens;
+        self.ready.tokens.clear();
+        result.map(|()| total)
+    }
+
+    fn poll_round(&mut self) -> Result<usize, SourceError> {
+        Ok(self.round())
+    }
+}
+
+impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
+    /// Takes CQ `i`'s own notifications; if any, it fired: unarmed and
+    /// active. Acknowledges once `ack_batch` are pending.
+    fn take_cq_events(&mut self, i: usize) -> Result<u32, SourceError> {
+        let Some(cq) = self.cqs.get_mut(i) else {
+            return Ok(0);
+        };
+        let n = cq.take_events()?;
+        if cq.unacked_events() >= self.ack_batch {
+            cq.ack_all()?;
+        }
+        if n > 0 {
+            let s = &mut self.ready.st[i];
+            s.events = s.events.saturating_add(n);
+            s.armed = false;
+            self.ready.make_active(i);
+        }
+        Ok(n)
+    }
+}
