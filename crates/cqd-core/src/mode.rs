@@ -79,7 +79,9 @@
 //! waits for the end of the current nap, which is never longer than the
 //! spell so far and at most [`BUSY_NAP_MAX`] (plus the timer slack the
 //! kernel adds to a sleep, 50 µs by default). Naps are counted in
-//! `PollerSnapshot::naps`. To spin without ever sleeping for a while after
+//! `PollerSnapshot::naps`. A poller pinned alone on its core can turn naps
+//! off (`PollerBuilder::busy_naps(false)`): it then pauses and yields, never
+//! sleeps. To spin without ever sleeping for a while after
 //! each completion, use `Hybrid` with that window: it spins (pause, then
 //! yield) for the whole window before it sleeps on a notification.
 
@@ -299,6 +301,8 @@ pub(crate) struct IdlePolicy {
     spin_since: Option<Instant>,
     /// Busy mode: the next nap.
     nap: Duration,
+    /// Busy mode: naps allowed (off for a poller alone on its core).
+    naps: bool,
 }
 
 const PERIOD: Duration = Duration::from_millis(100);
@@ -327,7 +331,16 @@ impl IdlePolicy {
             spins: 0,
             spin_since: None,
             nap: BUSY_NAP_MIN,
+            naps: true,
         }
+    }
+
+    /// Busy mode without naps: pause hints, then yields, never a sleep
+    /// (for a poller pinned alone on its core, where naps would only add
+    /// latency).
+    pub(crate) fn without_naps(mut self) -> Self {
+        self.naps = false;
+        self
     }
 
     pub(crate) fn mode(&self) -> PollMode {
@@ -437,7 +450,7 @@ impl IdlePolicy {
         let idle = now.saturating_duration_since(*self.spin_since.get_or_insert(now));
         if idle < BUSY_PAUSE_FOR {
             self.pause();
-        } else if idle < BUSY_YIELD_UNTIL {
+        } else if idle < BUSY_YIELD_UNTIL || !self.naps {
             std::thread::yield_now();
         } else {
             std::thread::sleep(self.nap);
@@ -578,6 +591,16 @@ mod tests {
         p.on_work(Instant::now());
         assert_eq!(p.idle_spin(), Duration::ZERO);
         assert_eq!(p.next_nap(), BUSY_NAP_MIN);
+    }
+
+    #[test]
+    fn busy_without_naps_never_sleeps() {
+        let mut p = IdlePolicy::new(PollMode::Busy, Instant::now()).without_naps();
+        assert_eq!(p.idle_spin(), Duration::ZERO);
+        std::thread::sleep(BUSY_YIELD_UNTIL * 2);
+        for _ in 0..100 {
+            assert_eq!(p.idle_spin(), Duration::ZERO, "a yield, never a nap");
+        }
     }
 
     #[test]

@@ -92,6 +92,7 @@ pub struct PollerBuilder<W, S> {
     setup: Option<Setup>,
     spill_mark: usize,
     give_back: Option<GiveBack<W>>,
+    busy_naps: bool,
 }
 
 impl<W, S> std::fmt::Debug for PollerBuilder<W, S> {
@@ -121,12 +122,24 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
             setup: None,
             spill_mark: DEFAULT_SPILL_HIGH_WATER_MARK,
             give_back: None,
+            busy_naps: true,
         }
     }
 
     /// The poll mode.
     pub fn mode(mut self, mode: PollMode) -> Self {
         self.mode = mode;
+        self
+    }
+
+    /// Busy mode: whether an idle poller naps (default on: after 100 µs
+    /// with nothing found it sleeps 10 µs to 1 ms at a time, so that other
+    /// threads on its CPU run, at the cost of up to a nap's latency for the
+    /// first completion after a quiet spell; see [`crate::mode`]). Turn it
+    /// off only for a poller pinned alone on its core: it then pauses and
+    /// yields, never sleeps. Other modes ignore it.
+    pub fn busy_naps(mut self, on: bool) -> Self {
+        self.busy_naps = on;
         self
     }
 
@@ -216,7 +229,14 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
         let group_doorbell = Arc::clone(&doorbell);
         let (group_metrics, group_stop) = (Arc::clone(&metrics), Arc::clone(&stop));
         let group = move |cqs: Vec<CqPoller<W>>| Group {
-            idle: IdlePolicy::new(self.mode, Instant::now()),
+            idle: {
+                let idle = IdlePolicy::new(self.mode, Instant::now());
+                if self.busy_naps {
+                    idle
+                } else {
+                    idle.without_naps()
+                }
+            },
             cqs,
             sink: self.sink,
             spill: Spill::new(self.spill_mark, self.give_back),

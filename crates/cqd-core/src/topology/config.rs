@@ -69,6 +69,11 @@ pub struct PollerConfig {
     /// 0 or less than a batch means one batch.
     #[serde(default = "default_round_budget")]
     pub round_budget: u32,
+    /// Busy mode: nap when idle so other threads on the CPU run (default
+    /// true); false only for a poller pinned alone on its core
+    /// (`PollerBuilder::busy_naps`).
+    #[serde(default = "default_busy_naps")]
+    pub busy_naps: bool,
     /// Where the thread may run.
     #[serde(default)]
     pub placement: Placement,
@@ -98,6 +103,10 @@ pub struct PoolConfig {
     /// Scheduling priority applied at spawn; absent keeps the inherited one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<Priority>,
+}
+
+fn default_busy_naps() -> bool {
+    true
 }
 
 fn default_round_budget() -> u32 {

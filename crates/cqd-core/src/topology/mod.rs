@@ -144,6 +144,7 @@ impl PollerConfig {
             mode: ModeConfig::default(),
             batch: 32,
             round_budget: crate::cq::DEFAULT_ROUND_BUDGET as u32,
+            busy_naps: true,
             placement: Placement::Unpinned,
             priority: None,
         }
@@ -164,6 +165,12 @@ impl PollerConfig {
     /// Sets `batch`.
     pub fn batch(mut self, batch: u32) -> Self {
         self.batch = batch;
+        self
+    }
+
+    /// Sets `busy_naps`.
+    pub fn busy_naps(mut self, on: bool) -> Self {
+        self.busy_naps = on;
         self
     }
 

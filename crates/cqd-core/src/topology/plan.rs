@@ -151,6 +151,7 @@ impl PollerPlan {
         let mode = self.config.mode;
         let builder = crate::poller::PollerBuilder::new(self.index.to_string(), sink)
             .mode(mode.poll_mode())
+            .busy_naps(self.config.busy_naps)
             .on_start(move || spec.apply().map_err(|e| e.to_string()));
         match mode.timeout() {
             Some(timeout) => builder.wake_timeout(timeout),
