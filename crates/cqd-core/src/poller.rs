@@ -533,7 +533,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
     /// (1–10 ms) unless a doorbell (stop, control request) rings.
     fn back_off(&mut self) {
         let pause = self.retry_pause();
-        if self.wait_control(pause).is_err() {
+        if self.back_off_on_events(pause).is_err() {
             std::thread::sleep(pause);
         }
     }

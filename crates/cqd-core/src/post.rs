@@ -231,6 +231,7 @@ where
                     slot.sub_posted(k, per_kind[k.index()]);
                 }
             }
+            reg.taken_back();
             restore(wrs);
             return Err(Refused::Credits(e).into());
         }
@@ -252,6 +253,7 @@ where
     for wr in rest.iter() {
         slot.sub_posted(kind(wr), 1);
     }
+    reg.taken_back();
     restore(rest);
     Err(err)
 }

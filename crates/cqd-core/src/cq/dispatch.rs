@@ -39,6 +39,15 @@ pub(super) fn apply_commands<W>(shared: &CqShared<W>, slab: &mut Slab<W>) {
                     }
                 }
             }
+            Command::Recheck { key } => {
+                if slab
+                    .get_mut(key)
+                    .is_some_and(|e| e.retiring && e.ledger.outstanding_raw() == 0)
+                    && !retire(shared, slab, key)
+                {
+                    retry.push(key);
+                }
+            }
         }
     }
     for key in retry {

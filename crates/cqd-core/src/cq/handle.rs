@@ -85,11 +85,17 @@ impl<W: Send + 'static> CqHandle<W> {
                 entry: Entry::boxed(key, handler, route, ledger.clone()),
             },
         );
+        let weak = Arc::downgrade(&self.shared);
         Ok(Registration {
             key,
             ledger,
             cq: Arc::from(self.shared.name.as_str()),
             cq_ledger: Arc::clone(&self.shared.ledger),
+            recheck: Arc::new(move |key| {
+                if let Some(shared) = weak.upgrade() {
+                    push_command(&shared, Command::Recheck { key });
+                }
+            }),
         })
     }
 
@@ -205,6 +211,8 @@ pub struct Registration {
     ledger: SlotLedger,
     cq: Arc<str>,
     cq_ledger: Arc<OnceLock<WrLedger>>,
+    /// Asks the poller to re-check the handler for retirement.
+    recheck: Arc<dyn Fn(HandlerKey) + Send + Sync>,
 }
 
 impl std::fmt::Debug for Registration {
@@ -320,6 +328,16 @@ impl Registration {
     /// [`track`](Self::track) whose post failed.
     pub fn untrack(&self, kind: OpKind, n: u64) {
         self.ledger.sub_posted(kind, n);
+        self.taken_back();
+    }
+
+    /// Counts were taken back (a post that failed): if nothing is
+    /// outstanding now, a retiring handler is drained with no completion
+    /// coming to say so; the poller re-checks it.
+    pub(crate) fn taken_back(&self) {
+        if self.ledger.outstanding_raw() == 0 {
+            (self.recheck)(self.key);
+        }
     }
 
     /// Posted, completed and flushed counts of this handler (final once it

@@ -156,6 +156,11 @@ pub(crate) enum Command<W> {
     Unregister {
         key: HandlerKey,
     },
+    /// A poster took back counts (a post that failed): a retiring handler
+    /// may now be drained, with no completion coming to say so.
+    Recheck {
+        key: HandlerKey,
+    },
 }
 
 /// What the two halves of a CQ share.

@@ -73,6 +73,8 @@ pub(super) struct CqState {
 
 /// The epoll sets and the per-CQ states.
 pub(super) struct Readiness {
+    /// The shared channels this poller serves, claimed for it alone.
+    _claims: Vec<Claimed>,
     epoll: Epoll,
     ctl: Epoll,
     doorbell: Arc<GroupBell>,
@@ -108,6 +110,7 @@ impl Readiness {
         ctl.add(doorbell.as_fd(), DOORBELL)?;
         epoll.add(ctl.as_fd(), CTL)?;
         let mut notifiers: Vec<(Arc<dyn SharedNotifier>, HashMap<u64, usize>)> = Vec::new();
+        let mut claims = Vec::new();
         let mut async_fds = std::collections::HashSet::new();
         for (i, s) in sources.iter().enumerate() {
             match s.notifier() {
@@ -118,8 +121,11 @@ impl Readiness {
                     {
                         Some(k) => k,
                         None => {
+                            claim(&n)?;
+                            let claimed = Claimed(Arc::clone(&n));
                             epoll.add(n.fd(), NOTIFIER | notifiers.len() as u64)?;
                             notifiers.push((n, HashMap::new()));
+                            claims.push(claimed);
                             notifiers.len() - 1
                         }
                     };
@@ -135,6 +141,7 @@ impl Readiness {
         }
         let now = Instant::now();
         Ok(Readiness {
+            _claims: claims,
             epoll,
             ctl,
             doorbell,
@@ -167,11 +174,55 @@ impl Readiness {
 
     fn make_active(&mut self, i: usize) {
         if let Some(s) = self.st.get_mut(i) {
-            if !s.active {
+            if !s.active && !s.errored {
                 s.active = true;
                 self.active.push(i);
             }
         }
+    }
+
+    /// Moves CQ `i` to the errored list (polled by every safety round,
+    /// never armed again); it leaves the active list at the next arm step.
+    fn mark_errored(&mut self, i: usize) {
+        if let Some(s) = self.st.get_mut(i) {
+            s.active = false;
+            if !std::mem::replace(&mut s.errored, true) {
+                self.errored.push(i);
+            }
+        }
+    }
+}
+
+/// The shared channels claimed by a poller, by address: a channel reports
+/// the CQs that fired and forgets them, so a second poller taking its
+/// tokens would lose the first one's notifications. One poller per channel.
+static CLAIMED: parking_lot::Mutex<Vec<usize>> = parking_lot::Mutex::new(Vec::new());
+
+fn address(n: &Arc<dyn SharedNotifier>) -> usize {
+    Arc::as_ptr(n).cast::<()>() as usize
+}
+
+/// Claims `n` for the calling poller.
+fn claim(n: &Arc<dyn SharedNotifier>) -> io::Result<()> {
+    let mut claimed = CLAIMED.lock();
+    if claimed.contains(&address(n)) {
+        return Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            "a shared completion channel serves one poller, and this one already serves another: put every CQ of the channel in one poll group",
+        ));
+    }
+    claimed.push(address(n));
+    Ok(())
+}
+
+/// A claim, released when the poller's readiness goes. It holds the
+/// channel, so its address cannot be reused while claimed.
+struct Claimed(Arc<dyn SharedNotifier>);
+
+impl Drop for Claimed {
+    fn drop(&mut self) {
+        let a = address(&self.0);
+        CLAIMED.lock().retain(|c| *c != a);
     }
 }
 
@@ -179,10 +230,16 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
     /// Polls CQ `i` up to its round budget; a notification collected since
     /// its last poll that finds nothing is counted as spurious.
     fn poll_cq(&mut self, i: usize) -> usize {
+        self.try_poll_cq(i).unwrap_or(0)
+    }
+
+    /// As [`poll_cq`](Self::poll_cq), telling a failed poll from an empty
+    /// one. A CQ whose device is gone leaves the active list for the
+    /// errored one (polled by every safety round), so that one dead CQ does
+    /// not keep its whole group backing off.
+    fn try_poll_cq(&mut self, i: usize) -> Option<usize> {
         let mark = self.spill.mark();
-        let Some(cq) = self.cqs.get_mut(i) else {
-            return 0;
-        };
+        let cq = self.cqs.get_mut(i)?;
         let n = match cq.poll_round(&mut self.spill.items, mark) {
             Ok(n) => n,
             Err(e) => {
@@ -193,7 +250,10 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                     tracing::error!(cq = cq.name(), error = %e, count, "poll failed");
                 }
                 self.failing = true;
-                0
+                if matches!(e, SourceError::DeviceGone(_)) {
+                    self.ready.mark_errored(i);
+                }
+                return None;
             }
         };
         if let Some(s) = self.ready.st.get_mut(i) {
@@ -204,7 +264,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                 s.events = 0;
             }
         }
-        n
+        Some(n)
     }
 
     /// One round: in Busy mode every CQ, otherwise the active CQs (and the
@@ -317,6 +377,21 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         }
     }
 
+    /// The back-off of a failing group: waits `pause` on the whole epoll
+    /// set, not on the control set only, and collects what fired, so that
+    /// healthy quiet CQs of the group keep their latency.
+    pub(super) fn back_off_on_events(&mut self, pause: Duration) -> io::Result<()> {
+        self.ready.epoll.wait(Some(pause), &mut self.ready.tokens)?;
+        self.ready.last_check = Instant::now();
+        if self.on_control() {
+            self.drain_space();
+        }
+        if let Err(e) = self.collect_events() {
+            tracing::error!(error = %e, "collecting notifications failed");
+        }
+        Ok(())
+    }
+
     /// Steps 3–4 without blocking: takes what is ready now.
     fn collect_now(&mut self) {
         if self.ready.epoll.wait(None, &mut self.ready.tokens).is_ok()
@@ -401,6 +476,10 @@ impl<W: Send + 'static, S: WorkSink<W>> SleepGroup for Group<W, S> {
                 r.active.push(i);
                 continue;
             }
+            if s.errored {
+                s.active = false;
+                continue;
+            }
             if cq.is_in_error() {
                 s.active = false;
                 if !std::mem::replace(&mut s.errored, true) {
@@ -419,7 +498,7 @@ impl<W: Send + 'static, S: WorkSink<W>> SleepGroup for Group<W, S> {
                     r.just_armed.push(i);
                     r.active.push(i);
                 }
-                Err(SourceError::CqInError) => {
+                Err(SourceError::CqInError | SourceError::DeviceGone(_)) => {
                     s.active = false;
                     if !std::mem::replace(&mut s.errored, true) {
                         r.errored.push(i);
@@ -442,10 +521,12 @@ impl<W: Send + 'static, S: WorkSink<W>> SleepGroup for Group<W, S> {
         let mut total = 0;
         let armed = std::mem::take(&mut self.ready.just_armed);
         for &i in &armed {
-            let n = self.poll_cq(i);
-            total += n;
-            if n == 0 {
-                self.ready.st[i].active = false;
+            match self.try_poll_cq(i) {
+                Some(0) => self.ready.st[i].active = false,
+                Some(n) => total += n,
+                // A failed re-poll is no proof of an empty CQ: it stays
+                // active, and the sleep does not block on it.
+                None => total += 1,
             }
         }
         self.ready.just_armed = armed;
@@ -557,14 +638,16 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             return Ok(0);
         };
         let n = cq.take_events()?;
-        if cq.unacked_events() >= self.ack_batch {
-            cq.ack_all()?;
-        }
+        // The notification is consumed: the CQ is active before anything
+        // else can fail.
         if n > 0 {
             let s = &mut self.ready.st[i];
             s.events = s.events.saturating_add(n);
             s.armed = false;
             self.ready.make_active(i);
+        }
+        if cq.unacked_events() >= self.ack_batch {
+            cq.ack_all()?;
         }
         Ok(n)
     }
