@@ -317,36 +317,27 @@ fn main() {
             if met { "met" } else { "MISSED" }
         );
     }
-    let wake = WAKE_CPU.lock().map(|v| v.clone()).unwrap_or_default();
-    let of = |size| {
-        wake.iter()
-            .filter(|(n, _)| *n == size)
-            .map(|(_, c)| *c)
-            .collect()
+    // Rows of per-run figures gathered by size: the median [min-max] of
+    // each size and the ratio.
+    let row = |label: &str, samples: &std::sync::Mutex<Vec<(usize, f64)>>| {
+        let all = samples.lock().map(|v| v.clone()).unwrap_or_default();
+        let of = |size| {
+            all.iter()
+                .filter(|(n, _)| *n == size)
+                .map(|(_, c)| *c)
+                .collect()
+        };
+        let (one, many) = (stats(of(1)), stats(of(big)));
+        println!(
+            "{:<34} {:>24} {:>24} {:>7.2}x",
+            label,
+            format!("{:.2} [{:.2}-{:.2}]", one.0, one.1, one.2),
+            format!("{:.2} [{:.2}-{:.2}]", many.0, many.1, many.2),
+            many.0 / one.0
+        );
     };
-    let (one, many) = (stats(of(1)), stats(of(big)));
-    println!(
-        "{:<34} {:>24} {:>24} {:>7.2}x",
-        "Event poller CPU per wake-up (us)",
-        format!("{:.2} [{:.2}-{:.2}]", one.0, one.1, one.2),
-        format!("{:.2} [{:.2}-{:.2}]", many.0, many.1, many.2),
-        many.0 / one.0
-    );
-    let busy = BUSY_CPU.lock().map(|v| v.clone()).unwrap_or_default();
-    let of = |size| {
-        busy.iter()
-            .filter(|(n, _)| *n == size)
-            .map(|(_, c)| *c)
-            .collect()
-    };
-    let (one, many) = (stats(of(1)), stats(of(big)));
-    println!(
-        "{:<34} {:>24} {:>24} {:>7.2}x",
-        "Busy compl. per poller CPU-s (M/s)",
-        format!("{:.2} [{:.2}-{:.2}]", one.0, one.1, one.2),
-        format!("{:.2} [{:.2}-{:.2}]", many.0, many.1, many.2),
-        many.0 / one.0
-    );
+    row("Event poller CPU per wake-up (us)", &WAKE_CPU);
+    row("Busy compl. per poller CPU-s (M/s)", &BUSY_CPU);
     let n = if quick { 1000 } else { 10_000 };
     let (shared, per_cq) = descriptors(n);
     println!(
