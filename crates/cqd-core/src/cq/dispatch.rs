@@ -97,8 +97,9 @@ pub(super) fn dispatch_batch<W: 'static>(
     // Every polled entry has left the CQ, whatever its dispatch finds
     // (stale included): retire what it covers in its queue's account and
     // return those credits first, in one pass that a CQ without queue
-    // accounts skips.
-    if let Some(ledger) = shared.ledger.get() {
+    // accounts skips (a ledger whose epoch is still 0 never had a queue:
+    // opening one moves it before the queue can post).
+    if let Some(ledger) = shared.ledger.get().filter(|l| l.epoch() != 0) {
         account_hooks(shared, slab, accounts, ledger, wcs);
     }
     // With more handlers than the cache holds, the batch's lines are
