@@ -68,9 +68,15 @@ impl Handler for Count {
 }
 
 fn completions(regs: &[Registration]) -> Vec<Completion> {
+    mixed(regs, |i| i % regs.len())
+}
+
+/// `CQ_SIZE` completions, sends and receives alternating, the `i`th for
+/// handler `pick(i)`.
+fn mixed(regs: &[Registration], mut pick: impl FnMut(usize) -> usize) -> Vec<Completion> {
     (0..CQ_SIZE)
         .map(|i| {
-            let r = &regs[i as usize % regs.len()];
+            let r = &regs[pick(i as usize)];
             let (kind, op) = if i % 2 == 0 {
                 (OpKind::Send, Opcode::Send)
             } else {
@@ -127,19 +133,7 @@ impl Rng {
 /// `CQ_SIZE` completions, each for a handler of `regs` drawn at random,
 /// sends and receives mixed.
 fn random_completions(regs: &[Registration], rng: &mut Rng) -> Vec<Completion> {
-    (0..CQ_SIZE)
-        .map(|i| {
-            let r = &regs[rng.below(regs.len())];
-            let (kind, op) = if i % 2 == 0 {
-                (OpKind::Send, Opcode::Send)
-            } else {
-                (OpKind::Recv, Opcode::Recv)
-            };
-            let mut c = Completion::success(r.wr_id(kind, i).unwrap(), op, 7);
-            c.byte_len = 512;
-            c
-        })
-        .collect()
+    mixed(regs, |_| rng.below(regs.len()))
 }
 
 /// One CQ of the handler-count sweep: its CQ, poller, registrations and

@@ -190,6 +190,19 @@ fn cq_from(
     (sim, poller, handle, regs)
 }
 
+/// Pushes receives `0..n` and waits until the poller holds all their work
+/// as spill (its sink takes nothing).
+fn spill_all(sim: &SimCq, regs: &[Registration], poller: &cqd::core::PollerThread, n: usize) {
+    for tag in 0..n {
+        sim.push(recv(regs, tag), false).unwrap();
+    }
+    assert!(
+        wait_until(Duration::from_secs(10), || poller.snapshot().spill_len
+            == n as u64),
+        "the spill never held {n} items"
+    );
+}
+
 /// Receive completion `tag` of connection `tag % conns`.
 fn recv(regs: &[Registration], tag: usize) -> Completion {
     let conn = tag % regs.len();
@@ -443,13 +456,7 @@ fn each_spilled_item_counts_once() {
         .cq(cq)
         .spawn()
         .unwrap();
-    for tag in 0..500 {
-        sim.push(recv(&regs, tag), false).unwrap();
-    }
-    assert!(wait_until(Duration::from_secs(10), || poller
-        .snapshot()
-        .spill_len
-        == 500));
+    spill_all(&sim, &regs, &poller, 500);
     // Let the poller retry a good many times.
     assert!(wait_until(Duration::from_secs(10), || poller
         .snapshot()
@@ -541,13 +548,7 @@ fn stop_hands_back_what_the_sink_never_took() {
         .cq(cq)
         .spawn()
         .unwrap();
-    for tag in 0..100 {
-        sim.push(recv(&regs, tag), false).unwrap();
-    }
-    assert!(wait_until(Duration::from_secs(10), || poller
-        .snapshot()
-        .spill_len
-        == 100));
+    spill_all(&sim, &regs, &poller, 100);
     let started = Instant::now();
     let report = cqd::core::shutdown(|| {}, [poller], []);
     assert!(started.elapsed() < Duration::from_secs(5));
@@ -592,13 +593,7 @@ fn a_drain_that_times_out_still_leaves_the_hand_over_its_time() {
         .cq(cq)
         .spawn()
         .unwrap();
-    for tag in 0..100 {
-        sim.push(recv(&regs, tag), false).unwrap();
-    }
-    assert!(wait_until(Duration::from_secs(10), || poller
-        .snapshot()
-        .spill_len
-        == 100));
+    spill_all(&sim, &regs, &poller, 100);
     // A request that will never complete: the drain waits it out.
     regs[0].track(cqd::core::OpKind::Send, 1);
     *opens.lock().unwrap() = Some(Instant::now() + Duration::from_millis(180));

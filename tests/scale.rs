@@ -49,26 +49,38 @@ fn push(cq: &Cq, record: &Record, id: u64, t: u32) {
         .unwrap();
 }
 
+/// A CQ's producer and handle.
+type Part = (SimCq, CqHandle<NoWork>);
+
+/// `n` CQs of 64 entries on one channel: their unbound halves for a poller,
+/// and each one's producer and handle.
+fn channel_group(n: usize) -> (Vec<UnboundCq<NoWork>>, Vec<Part>) {
+    let chan = SimChannel::new().unwrap();
+    (0..n)
+        .map(|i| {
+            let (producer, source) = chan.cq(format!("c{i}"), 64, Faults::default()).unwrap();
+            let (u, handle) = split::<NoWork>(source, CqOptions::default()).unwrap();
+            (u, (producer, handle))
+        })
+        .unzip()
+}
+
 /// 100 CQs on one channel: completions on a few of them, at different
 /// times, each reach their own handler once; no notification is missed or
 /// taken by another CQ, and quiet CQs are armed once, not once per sleep.
 fn a_channel_group_serves_every_cq(mode: PollMode) {
     const CQS: usize = 100;
-    let chan = SimChannel::new().unwrap();
     let record = Record::new(64);
-    let mut cqs = Vec::new();
-    let mut unbound = Vec::new();
-    for i in 0..CQS {
-        let (producer, source) = chan.cq(format!("c{i}"), 64, Faults::default()).unwrap();
-        let (u, handle) = split(source, CqOptions::default()).unwrap();
-        let reg = register_on(&handle, &record, i as u64);
-        unbound.push(u);
-        cqs.push(Cq {
+    let (unbound, parts) = channel_group(CQS);
+    let cqs: Vec<Cq> = parts
+        .into_iter()
+        .enumerate()
+        .map(|(i, (producer, handle))| Cq {
             producer,
-            reg,
+            reg: register_on(&handle, &record, i as u64),
             _handle: handle,
-        });
-    }
+        })
+        .collect();
     let thread = spawn(mode, unbound, Duration::from_secs(30));
     let busy = [3usize, 50, 99, 3, 7, 50, 0, 99];
     for (round, &c) in busy.iter().enumerate() {
@@ -173,16 +185,8 @@ all_modes!(safety_net_recovers_in_a_large_group);
 /// and the handler receives its completions.
 fn late_registration_on_a_quiet_cq(mode: PollMode) {
     const CQS: usize = 100;
-    let chan = SimChannel::new().unwrap();
     let record = Record::new(4);
-    let mut parts = Vec::new();
-    let mut unbound = Vec::new();
-    for i in 0..CQS {
-        let (producer, source) = chan.cq(format!("c{i}"), 64, Faults::default()).unwrap();
-        let (u, handle) = split::<NoWork>(source, CqOptions::default()).unwrap();
-        unbound.push(u);
-        parts.push((producer, handle));
-    }
+    let (unbound, parts) = channel_group(CQS);
     let thread = spawn(mode, unbound, Duration::from_secs(30));
     std::thread::sleep(Duration::from_millis(20));
     let (producer, handle) = &parts[70];
