@@ -24,6 +24,7 @@ use super::qp::{sv, Pending, SvQp};
 use super::remote::Remote;
 use super::set_bad;
 use super::xfer::{read_from, write_to, Span};
+use crate::model::device::DEAD_ERRNO;
 use crate::model::qp::QpState;
 use crate::model::wc::{
     access, opcode, send_completes, send_flags, send_wc_opcode, wr, WcStatus, WC_WITH_IMM,
@@ -183,6 +184,10 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
     let Some(r) = ss.remote.as_ref() else {
         return Outcome::WaitPeer;
     };
+    if r.dead() {
+        // The responder's device died (model::device): it never answers.
+        return Outcome::Done(WcStatus::RetryExcErr, 0);
+    }
     let st = r.state();
     if st.not_ready_yet() {
         return Outcome::WaitPeer;
@@ -381,8 +386,15 @@ fn own(mut w: Wr) -> Wr {
     w
 }
 
-/// Retry waiting WRs in order until one has to wait again.
+/// Retry waiting WRs in order until one has to wait again. On a dead
+/// context they are dropped: nothing can complete there any more, and the
+/// progress thread must not retry them forever.
 pub fn progress(q: &SvQp, ss: &mut SendSide) {
+    if q.ctx().dead() {
+        ss.pending.clear();
+        ss.set_waiting(q, false);
+        return;
+    }
     while let Some(w) = ss.pending.pop_front() {
         match execute(q, ss, &w) {
             Outcome::Done(s, len) => complete(q, ss, &w, s, len),
@@ -410,6 +422,11 @@ pub unsafe extern "C" fn post_send(
 ) -> libc::c_int {
     // SAFETY: caller contract.
     let q = unsafe { sv(qp) };
+    if q.ctx().dead() && !wrp.is_null() {
+        // SAFETY: caller contract.
+        unsafe { set_bad(bad, wrp) };
+        return DEAD_ERRNO;
+    }
     let mut ss = q.lock_send();
     if !ss.pending.is_empty() {
         progress(q, &mut ss);
