@@ -445,3 +445,52 @@ fn concurrent_posters_one_poller() {
     assert_eq!(poll(rcq, 2 * N as usize).len(), 2 * N as usize);
     poll_none(rcq, Duration::from_millis(10));
 }
+
+#[test]
+fn zero_length_rdma_needs_no_key_or_address() {
+    needs_launcher!("zero_length_rdma_needs_no_key_or_address");
+    // The InfiniBand spec checks neither R_Key nor address of a zero-length
+    // RDMA operation; middleware flushes RC endpoints with such a WRITE.
+    let p = pair();
+    let buf = Buf::new(&p.dev, 64, 3);
+    let bogus = |opcode, flags| Send {
+        imm: 0x55u32.to_be(),
+        remote_addr: 0xdead_beef_0000,
+        rkey: 0,
+        ..send(opcode, flags)
+    };
+    assert_eq!(post_send(p.a, &buf, 0, 0, 1, bogus(WR_WRITE, SIGNALED)), 0);
+    let c = poll(p.cq_a, 1)[0];
+    assert_eq!(
+        (c.wr_id, c.status, c.opcode, c.byte_len),
+        (1, WC_SUCCESS, ibv_wc_opcode::IBV_WC_RDMA_WRITE, 0)
+    );
+    assert_eq!(post_send(p.a, &buf, 0, 0, 2, bogus(WR_READ, SIGNALED)), 0);
+    let c = poll(p.cq_a, 1)[0];
+    assert_eq!(
+        (c.wr_id, c.status, c.opcode, c.byte_len),
+        (2, WC_SUCCESS, ibv_wc_opcode::IBV_WC_RDMA_READ, 0)
+    );
+    // With immediate: still consumes a receive and delivers the immediate.
+    post_recv(p.b, &buf, 32, 32, 77);
+    assert_eq!(
+        post_send(p.a, &buf, 0, 0, 3, bogus(WR_WRITE_IMM, SIGNALED)),
+        0
+    );
+    let r = poll(p.cq_b, 1)[0];
+    assert_eq!(
+        (r.wr_id, r.status, r.opcode, r.byte_len, r.imm),
+        (
+            77,
+            WC_SUCCESS,
+            ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM,
+            0,
+            0x55u32.to_be()
+        )
+    );
+    assert_eq!(poll(p.cq_a, 1)[0].status, WC_SUCCESS);
+    assert!(buf.data.iter().all(|&b| b == 3), "nothing was written");
+    // A non-empty WRITE with that key is still refused.
+    assert_eq!(post_send(p.a, &buf, 0, 1, 4, bogus(WR_WRITE, SIGNALED)), 0);
+    assert_eq!(poll(p.cq_a, 1)[0].status, WC_REM_ACCESS);
+}

@@ -8,7 +8,8 @@
 //! 3. SEND / WRITE-with-immediate take a receive WQE from the responder's
 //!    ring or SRQ — none: the WR waits (infinite RNR retry);
 //! 4. validate the responder's buffers against the responder's MR table
-//!    (rkey, PD, range, access) — failure: `REM_ACCESS_ERR` (WRITE/READ), or
+//!    (rkey, PD, range, access; none of it for a zero-length WRITE/READ, as
+//!    the spec says) — failure: `REM_ACCESS_ERR` (WRITE/READ), or
 //!    a receive-side `LOC_PROT_ERR`/`LOC_LEN_ERR` and a `REM_OP_ERR`/
 //!    `REM_INV_REQ_ERR` here (SEND);
 //! 5. move the bytes (`xfer`), push the responder's receive CQE, then ours.
@@ -117,6 +118,14 @@ fn check(
     info.is_some_and(|m| {
         m.pd == pd && m.contains(addr, len) && (need == 0 || m.access & need == need)
     })
+}
+
+/// The responder's check of an RDMA WRITE/READ target: rkey, PD, range and
+/// access against its MR table. A zero-length transfer checks neither key
+/// nor address (InfiniBand spec, C9-88: R_Key and VA need not be valid when
+/// the DMA length is zero); the QP's remote access flags still apply.
+fn remote_ok(r: &Remote, pd: u32, w: &Wr, len: u64, need: u32) -> bool {
+    len == 0 || check(mr_lookup(r.mrs(), w.rkey), pd, w.remote_addr, len, need)
 }
 
 fn local_spans(q: &SvQp, w: &Wr, out: &mut [Span; MAX_SGE]) -> Option<u64> {
@@ -272,13 +281,7 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
         }
         wr::RDMA_WRITE | wr::RDMA_WRITE_WITH_IMM => {
             let ok = rh.access.load(Ordering::Acquire) & access::REMOTE_WRITE != 0
-                && check(
-                    mr_lookup(r.mrs(), w.rkey),
-                    rh.pd,
-                    w.remote_addr,
-                    len,
-                    access::REMOTE_WRITE,
-                );
+                && remote_ok(r, rh.pd, w, len, access::REMOTE_WRITE);
             if !ok {
                 return Outcome::Done(WcStatus::RemAccessErr, 0);
             }
@@ -324,13 +327,7 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
         }
         wr::RDMA_READ => {
             let ok = rh.access.load(Ordering::Acquire) & access::REMOTE_READ != 0
-                && check(
-                    mr_lookup(r.mrs(), w.rkey),
-                    rh.pd,
-                    w.remote_addr,
-                    len,
-                    access::REMOTE_READ,
-                );
+                && remote_ok(r, rh.pd, w, len, access::REMOTE_READ);
             if !ok {
                 return Outcome::Done(WcStatus::RemAccessErr, 0);
             }
