@@ -300,6 +300,12 @@ pub unsafe extern "C" fn query_device_ex(
     a.max_srq_sge = layout::MAX_SGE as i32;
     a.max_pkeys = 1;
     a.phys_port_cnt = 1;
+    // Past orig_attr only what the caller's structure holds (an older
+    // application passes a shorter one).
+    if size >= offset_of!(ibv::ibv_device_attr_ex, phys_port_cnt_ex) + 4 {
+        // SAFETY: `attr` is writable for `size` bytes, which cover the field.
+        unsafe { (*attr).phys_port_cnt_ex = 1 };
+    }
     0
 }
 
@@ -411,6 +417,10 @@ pub unsafe extern "C" fn reg_mr(
     let (c, pdid) = unsafe { (inner((*pd).context), pd_id(pd)) };
     if c.dead() {
         return super::dead();
+    }
+    if !crate::model::wc::access::mr_access_ok(access as u32) {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
     }
     let (index, key) = {
         let mut a = c.mr.lock().unwrap_or_else(|e| e.into_inner());

@@ -90,13 +90,14 @@ pub unsafe extern "C" fn create_cq(
     ctx: *mut ibv::ibv_context,
     cqe: c_int,
     channel: *mut ibv::ibv_comp_channel,
-    _comp_vector: c_int,
+    comp_vector: c_int,
 ) -> *mut ibv::ibv_cq {
     // SAFETY: caller contract.
-    unsafe { make_cq(ctx, cqe, channel) }.cast()
+    unsafe { make_cq(ctx, cqe, channel, comp_vector) }.cast()
 }
 
-/// Build a CQ (both creation paths).
+/// Build a CQ (both creation paths). EINVAL for a size outside
+/// 1..=`MAX_CQE` or a `comp_vector` outside 0..`num_comp_vectors`.
 ///
 /// # Safety
 /// As [`create_cq`].
@@ -104,13 +105,16 @@ pub unsafe fn make_cq(
     ctx: *mut ibv::ibv_context,
     cqe: c_int,
     channel: *mut ibv::ibv_comp_channel,
+    comp_vector: c_int,
 ) -> *mut SvCq {
     // SAFETY: caller contract.
     let c = unsafe { inner(ctx) };
     if c.dead() {
         return super::dead();
     }
-    if cqe <= 0 || cqe as u32 > limits::MAX_CQE {
+    // SAFETY: caller contract: a live context (alloc_context set the count).
+    let vectors = unsafe { (*ctx).num_comp_vectors };
+    if cqe <= 0 || cqe as u32 > limits::MAX_CQE || !(0..vectors).contains(&comp_vector) {
         set_errno(libc::EINVAL);
         return std::ptr::null_mut();
     }

@@ -235,12 +235,12 @@ pub unsafe extern "C" fn create_cq_ex(
         set_errno(libc::EOPNOTSUPP);
         return std::ptr::null_mut();
     }
-    let Ok(cqe) = c_int::try_from(a.cqe) else {
+    let (Ok(cqe), Ok(vector)) = (c_int::try_from(a.cqe), c_int::try_from(a.comp_vector)) else {
         set_errno(libc::EINVAL);
         return std::ptr::null_mut();
     };
     // SAFETY: caller contract.
-    let raw = unsafe { make_cq(ctx, cqe, a.channel) };
+    let raw = unsafe { make_cq(ctx, cqe, a.channel, vector) };
     if raw.is_null() {
         return std::ptr::null_mut();
     }
