@@ -214,4 +214,14 @@ pub trait Handler<W = NoWork>: Send + 'static {
     /// reported a status or opcode this cqd does not know
     /// ([`Failed::is_anomaly`]): either way the request is over.
     fn on_error(&mut self, failed: &Failed<'_>, out: &mut Outbox<'_, W>);
+
+    /// An asynchronous event of a queue this handler owns (a QP or SRQ
+    /// made with this handler as its owner): called on the poller thread
+    /// within one loop of the event. The requests of a QP in the error
+    /// state still come, flushed, to [`on_error`](Self::on_error). The
+    /// default does nothing (the poller has already counted and traced
+    /// the event).
+    fn on_async(&mut self, event: &crate::source::AsyncEvent) {
+        let _ = event;
+    }
 }

@@ -64,5 +64,5 @@ pub use poller::{PollerBuilder, PollerReport, PollerThread};
 pub use post::{PostRecv, PostSend, Refused, SendRequest, WorkRequest};
 pub use shutdown::{shutdown, shutdown_with, ShutdownOptions, SystemReport};
 pub use sink::{NoSink, NoWork, Route, Routed, SpaceWait, SpaceWaker, WorkSink};
-pub use source::{ArmKind, AsyncEvent, CompletionSource, SourceError};
+pub use source::{ArmKind, AsyncEvent, CompletionSource, QpEvent, SourceError, SrqEvent};
 pub use wr_id::{HandlerKey, OpKind, Side, WrId};

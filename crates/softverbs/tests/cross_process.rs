@@ -281,3 +281,96 @@ fn sender(mut ch: Chan) {
     }
     ch.send("2");
 }
+
+/// `softverbs_inject_device_fatal`, found as applications find it.
+fn inject_device_fatal(ctx: *mut ibv_context) -> i32 {
+    let p = unsafe {
+        libc::dlsym(
+            libc::RTLD_DEFAULT,
+            c"softverbs_inject_device_fatal".as_ptr(),
+        )
+    };
+    assert!(!p.is_null(), "softverbs_inject_device_fatal not found");
+    let f: unsafe extern "C" fn(*mut ibv_context) -> i32 = unsafe { std::mem::transmute(p) };
+    unsafe { f(ctx) }
+}
+
+#[test]
+fn cross_process_peer_of_dead_context_gets_retry_exceeded() {
+    if let Some(ch) = child_chan() {
+        return peer_of_dead(ch);
+    }
+    if !launcher_or_skip("cross_process_peer_of_dead_context_gets_retry_exceeded") {
+        return;
+    }
+    let (mut child, mut ch) = spawn("cross_process_peer_of_dead_context_gets_retry_exceeded");
+    let dev = Dev::open();
+    let cq = dev.cq(64, null_mut());
+    let q1 = dev.qp(cq, cq, null_mut());
+    let q2 = dev.qp(cq, cq, null_mut());
+    let target = Buf::new(&dev, 64, 0);
+    ch.send(&format!(
+        "{} {} {} {}",
+        qpn(q1),
+        qpn(q2),
+        target.addr(),
+        target.rkey()
+    ));
+    let p = ch.recv();
+    connect(q1, p[0] as u32);
+    connect(q2, p[1] as u32);
+    post_recv(q1, &target, 0, 8, 1);
+    ch.send("ready");
+    // The peer's first send arrived; its second waits for a receive.
+    assert_eq!(poll(cq, 1)[0].status, WC_SUCCESS);
+    assert_eq!(ch.recv(), vec![1]);
+    assert_eq!(inject_device_fatal(dev.ctx), 0);
+    ch.send("dead");
+    assert_eq!(ch.recv(), vec![2], "peer saw RETRY_EXC_ERR");
+    assert!(child.wait().expect("wait").success(), "peer process failed");
+    assert!(
+        target.data[8..].iter().all(|&b| b == 0),
+        "nothing written after death"
+    );
+    for q in [q1, q2] {
+        assert_eq!(unsafe { ibv_destroy_qp(q) }, 0);
+    }
+    assert_eq!(unsafe { ibv_destroy_cq(cq) }, 0);
+}
+
+fn peer_of_dead(mut ch: Chan) {
+    let dev = Dev::open();
+    let cq = dev.cq(64, null_mut());
+    let r = ch.recv();
+    let (q1, q2) = (dev.qp(cq, cq, null_mut()), dev.qp(cq, cq, null_mut()));
+    ch.send(&format!("{} {}", qpn(q1), qpn(q2)));
+    connect(q1, r[0] as u32);
+    connect(q2, r[1] as u32);
+    let (raddr, rkey) = (r[2], r[3] as u32);
+    let _ready = ch.recv();
+    let src = Buf::new(&dev, 64, 9);
+    assert_eq!(post_send(q1, &src, 0, 8, 1, send(WR_SEND, SIGNALED)), 0);
+    assert_eq!(poll(cq, 1)[0].status, WC_SUCCESS);
+    assert_eq!(post_send(q1, &src, 0, 8, 2, send(WR_SEND, SIGNALED)), 0);
+    ch.send("1");
+    let _dead = ch.recv();
+    let w = poll(cq, 1)[0];
+    assert_eq!(
+        (w.wr_id, w.status),
+        (2, ibv_wc_status::IBV_WC_RETRY_EXC_ERR),
+        "the send waiting when the peer's device died"
+    );
+    let wr = Send {
+        remote_addr: raddr + 8,
+        rkey,
+        ..send(WR_WRITE, SIGNALED)
+    };
+    assert_eq!(post_send(q2, &src, 0, 8, 3, wr), 0);
+    let w = poll(cq, 1)[0];
+    assert_eq!(
+        (w.wr_id, w.status),
+        (3, ibv_wc_status::IBV_WC_RETRY_EXC_ERR),
+        "a WRITE after death"
+    );
+    ch.send("2");
+}

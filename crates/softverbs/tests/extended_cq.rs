@@ -18,22 +18,6 @@ macro_rules! needs_launcher {
     };
 }
 
-/// `ibv_create_cq_ex` as verbs.h's inline does it. rdma-sys 0.3's wrapper
-/// cannot be used: its `verbs_get_ctx` compares `abi_compat` with
-/// `u32::MAX` instead of `UINTPTR_MAX`, so on 64-bit it never finds the
-/// extended context and answers EOPNOTSUPP for every device.
-fn create_cq_ex(ctx: *mut ibv_context, attr: *mut ibv_cq_init_attr_ex) -> *mut ibv_cq_ex {
-    unsafe {
-        assert_eq!((*ctx).abi_compat as usize, usize::MAX, "extended context");
-        let off = std::mem::offset_of!(verbs_context, context);
-        let vctx = ctx.cast::<u8>().sub(off).cast::<verbs_context>();
-        let f = (*vctx)
-            .create_cq_ex
-            .expect("libibverbs installs create_cq_ex");
-        f(ctx, attr)
-    }
-}
-
 #[test]
 fn extended_cq_single_threaded() {
     needs_launcher!("extended_cq_single_threaded");

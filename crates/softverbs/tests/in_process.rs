@@ -445,3 +445,114 @@ fn concurrent_posters_one_poller() {
     assert_eq!(poll(rcq, 2 * N as usize).len(), 2 * N as usize);
     poll_none(rcq, Duration::from_millis(10));
 }
+
+#[test]
+fn zero_length_rdma_needs_no_key_or_address() {
+    needs_launcher!("zero_length_rdma_needs_no_key_or_address");
+    // The InfiniBand spec checks neither R_Key nor address of a zero-length
+    // RDMA operation; middleware flushes RC endpoints with such a WRITE.
+    let p = pair();
+    let buf = Buf::new(&p.dev, 64, 3);
+    let bogus = |opcode, flags| Send {
+        imm: 0x55u32.to_be(),
+        remote_addr: 0xdead_beef_0000,
+        rkey: 0,
+        ..send(opcode, flags)
+    };
+    assert_eq!(post_send(p.a, &buf, 0, 0, 1, bogus(WR_WRITE, SIGNALED)), 0);
+    let c = poll(p.cq_a, 1)[0];
+    assert_eq!(
+        (c.wr_id, c.status, c.opcode, c.byte_len),
+        (1, WC_SUCCESS, ibv_wc_opcode::IBV_WC_RDMA_WRITE, 0)
+    );
+    assert_eq!(post_send(p.a, &buf, 0, 0, 2, bogus(WR_READ, SIGNALED)), 0);
+    let c = poll(p.cq_a, 1)[0];
+    assert_eq!(
+        (c.wr_id, c.status, c.opcode, c.byte_len),
+        (2, WC_SUCCESS, ibv_wc_opcode::IBV_WC_RDMA_READ, 0)
+    );
+    // With immediate: still consumes a receive and delivers the immediate.
+    post_recv(p.b, &buf, 32, 32, 77);
+    assert_eq!(
+        post_send(p.a, &buf, 0, 0, 3, bogus(WR_WRITE_IMM, SIGNALED)),
+        0
+    );
+    let r = poll(p.cq_b, 1)[0];
+    assert_eq!(
+        (r.wr_id, r.status, r.opcode, r.byte_len, r.imm),
+        (
+            77,
+            WC_SUCCESS,
+            ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM,
+            0,
+            0x55u32.to_be()
+        )
+    );
+    assert_eq!(poll(p.cq_a, 1)[0].status, WC_SUCCESS);
+    assert!(buf.data.iter().all(|&b| b == 3), "nothing was written");
+    // A non-empty WRITE with that key is still refused.
+    assert_eq!(post_send(p.a, &buf, 0, 1, 4, bogus(WR_WRITE, SIGNALED)), 0);
+    assert_eq!(poll(p.cq_a, 1)[0].status, WC_REM_ACCESS);
+}
+
+#[test]
+fn query_device_ex_counts_the_port() {
+    needs_launcher!("query_device_ex_counts_the_port");
+    let dev = Dev::open();
+    let mut a: ibv_device_attr_ex = unsafe { std::mem::zeroed() };
+    assert_eq!(query_device_ex(dev.ctx, &mut a), 0);
+    assert_eq!(a.orig_attr.phys_port_cnt, 1);
+    assert_eq!(a.phys_port_cnt_ex, 1, "phys_port_cnt_ex");
+}
+
+fn errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+#[test]
+fn comp_vector_must_be_below_num_comp_vectors() {
+    needs_launcher!("comp_vector_must_be_below_num_comp_vectors");
+    let dev = Dev::open();
+    let n = unsafe { (*dev.ctx).num_comp_vectors };
+    assert_eq!(n, 1);
+    for v in [n, n + 5, -1] {
+        let cq = unsafe { ibv_create_cq(dev.ctx, 4, null_mut(), null_mut(), v) };
+        assert!(cq.is_null(), "create_cq accepted comp_vector {v}");
+        assert_eq!(errno(), libc::EINVAL, "create_cq comp_vector {v}");
+    }
+    let mut attr: ibv_cq_init_attr_ex = unsafe { std::mem::zeroed() };
+    attr.cqe = 4;
+    attr.comp_vector = n as u32;
+    assert!(create_cq_ex(dev.ctx, &mut attr).is_null(), "create_cq_ex");
+    assert_eq!(errno(), libc::EINVAL, "create_cq_ex");
+    // The last valid vector works on both paths.
+    let cq = unsafe { ibv_create_cq(dev.ctx, 4, null_mut(), null_mut(), n - 1) };
+    assert!(!cq.is_null());
+    attr.comp_vector = (n - 1) as u32;
+    let cqx = create_cq_ex(dev.ctx, &mut attr);
+    assert!(!cqx.is_null());
+    assert_eq!(unsafe { ibv_destroy_cq(cq) }, 0);
+    assert_eq!(unsafe { ibv_destroy_cq(ibv_cq_ex_to_cq(cqx)) }, 0);
+}
+
+#[test]
+fn reg_mr_remote_write_or_atomic_needs_local_write() {
+    needs_launcher!("reg_mr_remote_write_or_atomic_needs_local_write");
+    let dev = Dev::open();
+    let mut data = vec![0u8; 64];
+    let addr = data.as_mut_ptr();
+    let local = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
+    let rw = ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
+    let rr = ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
+    let ra = ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0;
+    let reg = |access: u32| unsafe { ibv_reg_mr(dev.pd, addr.cast(), 64, access as i32) };
+    for bad in [rw, ra, rw | ra, rw | rr] {
+        assert!(reg(bad).is_null(), "access {bad:#x} accepted");
+        assert_eq!(errno(), libc::EINVAL, "access {bad:#x}");
+    }
+    for good in [0, rr, local, local | rw, local | ra, local | rw | rr | ra] {
+        let mr = reg(good);
+        assert!(!mr.is_null(), "access {good:#x} refused");
+        assert_eq!(unsafe { ibv_dereg_mr(mr) }, 0);
+    }
+}

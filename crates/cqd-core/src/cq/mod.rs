@@ -600,9 +600,29 @@ impl<W: Send + 'static> CqPoller<W> {
                 self.enter_error("it overflowed");
             } else {
                 tracing::error!(cq = %self.core.shared.name, event = ?ev, "asynchronous event");
+                self.route_async(&ev);
             }
         }
         n
+    }
+
+    /// Gives `ev` to its owning handler, if it names one that is still
+    /// installed (a panic is caught and counted, as for completions).
+    fn route_async(&mut self, ev: &AsyncEvent) {
+        let Some(key) = ev.owner() else {
+            return;
+        };
+        let Some(entry) = self.core.slab.get_mut(key) else {
+            tracing::warn!(cq = %self.core.shared.name, %key, event = ?ev,
+                "asynchronous event for a handler that is gone");
+            return;
+        };
+        let handler = &mut entry.handler;
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler.on_async(ev))).is_err()
+        {
+            bump(&self.core.shared.metrics.0.handler_panics, 1);
+            tracing::error!(cq = %self.core.shared.name, %key, event = ?ev, "handler panicked in on_async");
+        }
     }
 
     /// Applies pending registrations and unregistrations.

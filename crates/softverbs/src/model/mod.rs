@@ -2,9 +2,11 @@
 //! shared with `cqd-sim` through a common model crate.
 //!
 //! Everything here is plain Rust: the QP state machine, the work-completion
-//! statuses and opcodes of the verbs ABI, the completion-queue arm rule and
-//! the flush rule. The provider consults these; it never re-states them.
+//! statuses and opcodes of the verbs ABI, the completion-queue arm rule,
+//! the flush rule and the device-death rule. The provider consults these;
+//! it never re-states them.
 
 pub mod cq;
+pub mod device;
 pub mod qp;
 pub mod wc;

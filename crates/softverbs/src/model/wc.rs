@@ -74,6 +74,16 @@ pub mod access {
     pub const REMOTE_WRITE: u32 = 2;
     /// `IBV_ACCESS_REMOTE_READ`.
     pub const REMOTE_READ: u32 = 4;
+    /// `IBV_ACCESS_REMOTE_ATOMIC`.
+    pub const REMOTE_ATOMIC: u32 = 8;
+
+    /// Whether `flags` may register a memory region: remote write or
+    /// remote atomic access requires local write, as the kernel and every
+    /// rdma-core device require (the HCA writes into the region on the
+    /// peer's behalf).
+    pub fn mr_access_ok(flags: u32) -> bool {
+        flags & (REMOTE_WRITE | REMOTE_ATOMIC) == 0 || flags & LOCAL_WRITE != 0
+    }
 }
 
 /// The send-side completion opcode of a work-request opcode, or `None` for an
@@ -108,5 +118,14 @@ mod tests {
         assert_eq!(send_wc_opcode(5), None);
         assert!(send_completes(false, WcStatus::RemAccessErr));
         assert!(!send_completes(false, WcStatus::Success));
+    }
+
+    #[test]
+    fn remote_write_or_atomic_needs_local_write() {
+        use access::*;
+        assert!(mr_access_ok(0) && mr_access_ok(REMOTE_READ));
+        assert!(mr_access_ok(LOCAL_WRITE | REMOTE_WRITE | REMOTE_ATOMIC));
+        assert!(!mr_access_ok(REMOTE_WRITE) && !mr_access_ok(REMOTE_ATOMIC));
+        assert!(!mr_access_ok(REMOTE_READ | REMOTE_WRITE));
     }
 }

@@ -60,6 +60,12 @@ pub unsafe extern "C" fn ibv_create_comp_channel(
         // SAFETY: forwarding the caller's argument unchanged.
         return unsafe { f(ctx) };
     }
+    // SAFETY: `ctx_is_ours`: a live context of this provider.
+    if unsafe { super::context::inner(ctx) }.dead() {
+        // A creation command on a dead device (model::device).
+        set_errno(crate::model::device::DEAD_ERRNO);
+        return std::ptr::null_mut();
+    }
     let mut fds = [0i32; 2];
     // SAFETY: `fds` is a valid 2-int array.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {

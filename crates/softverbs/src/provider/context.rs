@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::{set_errno, CONTEXT_OPS, CTX_OFFSET};
+use crate::model::device::DEAD_ERRNO;
 use crate::shm::layout::{
     self, CtxHeader, MrInfo, MrSlot, CTX_BYTES, MAGIC, MR_INDEX_BITS, MR_SLOTS,
 };
@@ -37,8 +38,9 @@ pub struct ContextInner {
     pub pid: u32,
     /// The context segment (header + MR table).
     pub seg: Arc<Segment>,
-    /// Write end of the async-event pipe, kept so reads block instead of EOF.
-    pub async_w: OwnedFd,
+    /// Write end of the async-event pipe, kept so reads block instead of
+    /// EOF; closed after the `IBV_EVENT_DEVICE_FATAL` record (provider::fatal).
+    pub async_w: Mutex<Option<OwnedFd>>,
     /// Read end number (the `async_fd` libibverbs reads and closes).
     pub async_r: i32,
     mr: Mutex<MrAlloc>,
@@ -52,6 +54,18 @@ struct MrAlloc {
 }
 
 impl ContextInner {
+    /// The shared header.
+    pub fn hdr(&self) -> &CtxHeader {
+        // SAFETY: the segment starts with the CtxHeader written at creation
+        // and lives as long as `self`.
+        unsafe { &*self.seg.base().cast::<CtxHeader>() }
+    }
+
+    /// Whether the device died for this context (model::device).
+    pub fn dead(&self) -> bool {
+        self.hdr().dead.load(Ordering::Acquire) != 0
+    }
+
     /// This context's MR table.
     pub fn mrs(&self) -> &[MrSlot] {
         // SAFETY: the segment is CTX_BYTES long and lives as long as `self`.
@@ -97,6 +111,11 @@ fn make_inner() -> std::io::Result<ContextInner> {
     }
     // SAFETY: fds[1] is the fresh write end, owned from here on.
     let async_w = unsafe { OwnedFd::from_raw_fd(fds[1]) };
+    // Our own event writes never block: a full pipe (thousands of unread
+    // events) drops the record. Only the write end's file description
+    // changes; libibverbs' reads on fds[0] still block.
+    // SAFETY: fcntl on the write end we own.
+    unsafe { libc::fcntl(fds[1], libc::F_SETFL, libc::O_NONBLOCK) };
     let pid = std::process::id();
     // SAFETY: the segment was just created (zeroed), is CTX_BYTES long and
     // nobody else knows its id yet.
@@ -111,7 +130,7 @@ fn make_inner() -> std::io::Result<ContextInner> {
         id,
         pid,
         seg,
-        async_w,
+        async_w: Mutex::new(Some(async_w)),
         async_r: fds[0],
         mr: Mutex::new(MrAlloc {
             free: (1..MR_SLOTS as u32).rev().collect(),
@@ -233,13 +252,18 @@ pub mod limits {
 /// `query_device_ex` (v44 routes `ibv_query_device` here too).
 ///
 /// # Safety
-/// `attr` is writable for `attr_size` bytes.
+/// `ctx` is a live softverbs context; `attr` is writable for `attr_size`
+/// bytes.
 pub unsafe extern "C" fn query_device_ex(
-    _ctx: *mut ibv::ibv_context,
+    ctx: *mut ibv::ibv_context,
     _input: *const ibv::ibv_query_device_ex_input,
     attr: *mut ibv::ibv_device_attr_ex,
     attr_size: usize,
 ) -> c_int {
+    // SAFETY: caller contract: a live context of ours.
+    if unsafe { inner(ctx) }.dead() {
+        return DEAD_ERRNO;
+    }
     if attr.is_null() || attr_size < std::mem::size_of::<ibv::ibv_device_attr>() {
         return libc::EINVAL;
     }
@@ -276,18 +300,28 @@ pub unsafe extern "C" fn query_device_ex(
     a.max_srq_sge = layout::MAX_SGE as i32;
     a.max_pkeys = 1;
     a.phys_port_cnt = 1;
+    // Past orig_attr only what the caller's structure holds (an older
+    // application passes a shorter one).
+    if size >= offset_of!(ibv::ibv_device_attr_ex, phys_port_cnt_ex) + 4 {
+        // SAFETY: `attr` is writable for `size` bytes, which cover the field.
+        unsafe { (*attr).phys_port_cnt_ex = 1 };
+    }
     0
 }
 
 /// `query_port`.
 ///
 /// # Safety
-/// `attr` is writable.
+/// `ctx` is a live softverbs context; `attr` is writable.
 pub unsafe extern "C" fn query_port(
-    _ctx: *mut ibv::ibv_context,
+    ctx: *mut ibv::ibv_context,
     port: u8,
     attr: *mut ibv::ibv_port_attr,
 ) -> c_int {
+    // SAFETY: caller contract.
+    if unsafe { inner(ctx) }.dead() {
+        return DEAD_ERRNO;
+    }
     if port != 1 || attr.is_null() {
         return libc::EINVAL;
     }
@@ -325,6 +359,9 @@ pub struct SvPd {
 pub unsafe extern "C" fn alloc_pd(ctx: *mut ibv::ibv_context) -> *mut ibv::ibv_pd {
     // SAFETY: caller contract.
     let c = unsafe { inner(ctx) };
+    if c.dead() {
+        return super::dead();
+    }
     let id = c.next_pd.fetch_add(1, Ordering::Relaxed);
     let pd = Box::new(SvPd {
         pd: ibv::ibv_pd {
@@ -378,6 +415,13 @@ pub unsafe extern "C" fn reg_mr(
 ) -> *mut ibv::ibv_mr {
     // SAFETY: caller contract.
     let (c, pdid) = unsafe { (inner((*pd).context), pd_id(pd)) };
+    if c.dead() {
+        return super::dead();
+    }
+    if !crate::model::wc::access::mr_access_ok(access as u32) {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
     let (index, key) = {
         let mut a = c.mr.lock().unwrap_or_else(|e| e.into_inner());
         let Some(index) = a.free.pop() else {

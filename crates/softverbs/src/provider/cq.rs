@@ -5,12 +5,13 @@ use std::ffi::c_int;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 
-use super::context::{inner, limits};
+use super::context::{inner, limits, ContextInner};
 use super::cq_iter::CqIter;
 use super::notify::CqPort;
 use super::qp::SvQp;
 use super::set_errno;
 use crate::model::cq::arm_state;
+use crate::model::device::DEAD_ERRNO;
 use crate::shm::layout::{ring_offset, seg_bytes, CqHeader, Cqe, MAGIC};
 use crate::shm::ring::Ring;
 use crate::shm::segment::IdKind;
@@ -28,6 +29,8 @@ pub struct SvCq {
     pub iter: CqIter,
     /// CQ id (segment `cq-<id>`).
     pub id: u32,
+    /// Owning context (its `dead` flag).
+    pub ctx: *const ContextInner,
     /// The ring and its notification state.
     pub port: CqPort,
     /// QPs using this CQ as send CQ (their send queues progress on poll).
@@ -47,6 +50,13 @@ pub struct SvCq {
 pub const EMPTY_POLLS_BEFORE_YIELD: u32 = 128;
 
 impl SvCq {
+    /// Whether the device died for the owning context (model::device).
+    pub fn dead(&self) -> bool {
+        // SAFETY: a context outlives its CQs (verbs rule: destroy before
+        // close).
+        unsafe { &*self.ctx }.dead()
+    }
+
     /// Retry the waiting sends of QPs that use this CQ as send CQ.
     pub fn progress_waiting(&self) {
         let s = self;
@@ -80,13 +90,14 @@ pub unsafe extern "C" fn create_cq(
     ctx: *mut ibv::ibv_context,
     cqe: c_int,
     channel: *mut ibv::ibv_comp_channel,
-    _comp_vector: c_int,
+    comp_vector: c_int,
 ) -> *mut ibv::ibv_cq {
     // SAFETY: caller contract.
-    unsafe { make_cq(ctx, cqe, channel) }.cast()
+    unsafe { make_cq(ctx, cqe, channel, comp_vector) }.cast()
 }
 
-/// Build a CQ (both creation paths).
+/// Build a CQ (both creation paths). EINVAL for a size outside
+/// 1..=`MAX_CQE` or a `comp_vector` outside 0..`num_comp_vectors`.
 ///
 /// # Safety
 /// As [`create_cq`].
@@ -94,8 +105,16 @@ pub unsafe fn make_cq(
     ctx: *mut ibv::ibv_context,
     cqe: c_int,
     channel: *mut ibv::ibv_comp_channel,
+    comp_vector: c_int,
 ) -> *mut SvCq {
-    if cqe <= 0 || cqe as u32 > limits::MAX_CQE {
+    // SAFETY: caller contract.
+    let c = unsafe { inner(ctx) };
+    if c.dead() {
+        return super::dead();
+    }
+    // SAFETY: caller contract: a live context (alloc_context set the count).
+    let vectors = unsafe { (*ctx).num_comp_vectors };
+    if cqe <= 0 || cqe as u32 > limits::MAX_CQE || !(0..vectors).contains(&comp_vector) {
         set_errno(libc::EINVAL);
         return std::ptr::null_mut();
     }
@@ -108,8 +127,6 @@ pub unsafe fn make_cq(
         set_errno(libc::EINVAL);
         return std::ptr::null_mut();
     };
-    // SAFETY: caller contract.
-    let c = unsafe { inner(ctx) };
     let cap = Ring::<Cqe>::capacity_for(cqe as usize);
     let ids = match Ids::get() {
         Ok(i) => i,
@@ -150,6 +167,7 @@ pub unsafe fn make_cq(
         // pthread objects whose zero value is the static initialiser).
         cq: unsafe { std::mem::zeroed() },
         id,
+        ctx: c,
         port,
         send_qps: Mutex::new(Vec::new()),
         waiting: AtomicU32::new(0),
@@ -198,12 +216,16 @@ pub unsafe extern "C" fn destroy_cq(cq: *mut ibv::ibv_cq) -> c_int {
 }
 
 /// `poll_cq`: progress waiting sends of QPs on this CQ, then drain the ring.
+/// On a dead context: `-EIO` (model::device), whatever the ring holds.
 ///
 /// # Safety
 /// `cq` is live; `wc` has room for `n` entries.
 pub unsafe extern "C" fn poll_cq(cq: *mut ibv::ibv_cq, n: c_int, wc: *mut ibv::ibv_wc) -> c_int {
     // SAFETY: caller contract.
     let s = unsafe { sv(cq) };
+    if s.dead() {
+        return -DEAD_ERRNO;
+    }
     s.progress_waiting();
     let mut got = 0;
     while got < n.max(0) {
@@ -251,6 +273,9 @@ unsafe fn fill_wc(wc: *mut ibv::ibv_wc, e: &Cqe) {
 pub unsafe extern "C" fn req_notify_cq(cq: *mut ibv::ibv_cq, solicited_only: c_int) -> c_int {
     // SAFETY: caller contract.
     let s = unsafe { sv(cq) };
+    if s.dead() {
+        return DEAD_ERRNO;
+    }
     s.port.arm(arm_state(solicited_only != 0));
     0
 }

@@ -10,6 +10,10 @@
 //! 3. `end_poll` releases the lock (step 4);
 //! 4. the `read_*` functions read the current completion (step 2).
 //!
+//! On a dead context (model::device) `start_poll` answers EIO without taking
+//! the lock (no `end_poll` follows an error), `next_poll` answers EIO and
+//! keeps it (its `end_poll` follows).
+//!
 //! A CQ created with `IBV_CREATE_CQ_ATTR_SINGLE_THREADED` gets the
 //! lock-free variants of `start_poll`/`end_poll` (the `LOCK` parameter):
 //! the application promised one polling thread. `ibv_poll_cq` on an
@@ -25,8 +29,10 @@
 
 use std::ffi::{c_int, c_uint};
 
+use super::context::inner;
 use super::cq::{make_cq, SvCq};
 use super::set_errno;
+use crate::model::device::DEAD_ERRNO;
 use crate::sys::ibv;
 
 /// `IBV_WC_EX_WITH_{BYTE_LEN,IMM,QP_NUM,SRC_QP,SLID,SL,DLID_PATH_BITS}`.
@@ -82,6 +88,10 @@ unsafe extern "C" fn start_poll<const LOCK: bool>(
 ) -> c_int {
     // SAFETY: caller contract: `cq` is live for this call.
     let s = unsafe { sv_ex(cq) };
+    if s.dead() {
+        // Like ENOENT, an error is not followed by end_poll: no lock held.
+        return DEAD_ERRNO;
+    }
     s.progress_waiting();
     if LOCK {
         s.iter.lock();
@@ -107,6 +117,10 @@ unsafe extern "C" fn start_poll<const LOCK: bool>(
 /// The verbs contract (module docs): called by the thread whose
 /// `start_poll` on `cq` succeeded, before its `end_poll`.
 unsafe extern "C" fn next_poll(cq: *mut ibv::ibv_cq_ex) -> c_int {
+    // SAFETY: caller contract: `cq` is live.
+    if unsafe { sv_ex(cq) }.dead() {
+        return DEAD_ERRNO;
+    }
     // SAFETY: 1. caller contract: `cq` is live; 2. this thread owns the
     // iteration since its successful start_poll (lock held, or a
     // single-threaded CQ).
@@ -210,6 +224,10 @@ pub unsafe extern "C" fn create_cq_ex(
     attr: *mut ibv::ibv_cq_init_attr_ex,
 ) -> *mut ibv::ibv_cq_ex {
     // SAFETY: caller contract.
+    if unsafe { inner(ctx) }.dead() {
+        return super::dead();
+    }
+    // SAFETY: caller contract.
     let a = unsafe { &*attr };
     let flags_ok = a.comp_mask & !MASK_FLAGS == 0
         && (a.comp_mask & MASK_FLAGS == 0 || a.flags & !SINGLE_THREADED == 0);
@@ -217,12 +235,12 @@ pub unsafe extern "C" fn create_cq_ex(
         set_errno(libc::EOPNOTSUPP);
         return std::ptr::null_mut();
     }
-    let Ok(cqe) = c_int::try_from(a.cqe) else {
+    let (Ok(cqe), Ok(vector)) = (c_int::try_from(a.cqe), c_int::try_from(a.comp_vector)) else {
         set_errno(libc::EINVAL);
         return std::ptr::null_mut();
     };
     // SAFETY: caller contract.
-    let raw = unsafe { make_cq(ctx, cqe, a.channel) };
+    let raw = unsafe { make_cq(ctx, cqe, a.channel, vector) };
     if raw.is_null() {
         return std::ptr::null_mut();
     }

@@ -8,6 +8,7 @@ pub mod context;
 pub mod cq;
 pub mod cq_ex;
 pub mod cq_iter;
+pub mod fatal;
 pub mod notify;
 pub mod progress;
 pub mod qp;
@@ -212,6 +213,13 @@ pub unsafe fn set_bad<T>(bad: *mut *mut T, v: *mut T) {
         // SAFETY: non-null and writable per the contract.
         unsafe { *bad = v };
     }
+}
+
+/// `EIO` and `errno` for a creation verb on a dead context
+/// (model::device), null to return.
+pub fn dead<T>() -> *mut T {
+    set_errno(crate::model::device::DEAD_ERRNO);
+    std::ptr::null_mut()
 }
 
 /// Set errno (for verbs that return NULL).

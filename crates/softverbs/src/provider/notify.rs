@@ -94,10 +94,7 @@ impl CqPort {
                     .asy
                     .get_or_init(|| open_peer_fd(h.pid, h.async_fd.load(Ordering::Relaxed)));
                 if let Some(fd) = fd {
-                    let mut rec = [0u8; 16];
-                    rec[..8].copy_from_slice(&h.cq_ptr.to_ne_bytes());
-                    rec[8..12].copy_from_slice(&EVENT_CQ_ERR.to_ne_bytes());
-                    write_all(fd, &rec);
+                    write_all(fd, &super::fatal::async_record(h.cq_ptr, EVENT_CQ_ERR));
                 }
             }
             return;

@@ -11,6 +11,7 @@ use super::cq::{sv as sv_cq, SvCq};
 use super::send::SendSide;
 use super::srq::SvSrq;
 use super::{set_bad, set_errno};
+use crate::model::device::DEAD_ERRNO;
 use crate::model::qp::{self as m, QpState};
 use crate::model::wc::{opcode, WcStatus};
 use crate::shm::layout::{ring_offset, seg_bytes, Cqe, QpHeader, RecvWqe, Sge, MAGIC, MAX_SGE};
@@ -173,7 +174,11 @@ pub unsafe extern "C" fn create_qp(
     attr: *mut ibv::ibv_qp_init_attr,
 ) -> *mut ibv::ibv_qp {
     // SAFETY: caller contract.
-    let a = unsafe { &mut *attr };
+    let (a, ctx) = unsafe { (&mut *attr, (*pd).context) };
+    // SAFETY: `ctx` is a live softverbs context (caller contract).
+    if unsafe { inner(ctx) }.dead() {
+        return super::dead();
+    }
     if a.qp_type != QPT_RC {
         set_errno(libc::EOPNOTSUPP);
         return std::ptr::null_mut();
@@ -183,7 +188,7 @@ pub unsafe extern "C" fn create_qp(
         return std::ptr::null_mut();
     }
     // SAFETY: caller contract.
-    let (ctx, pdid) = unsafe { ((*pd).context, pd_id(pd)) };
+    let pdid = unsafe { pd_id(pd) };
     // SAFETY: `ctx` is a live softverbs context.
     let c = unsafe { inner(ctx) };
     let srq = a.srq.cast::<SvSrq>() as *const SvSrq;
@@ -340,6 +345,9 @@ pub unsafe extern "C" fn modify_qp(
 ) -> c_int {
     // SAFETY: caller contract.
     let (q, a) = unsafe { (sv(qp), &*attr) };
+    if q.ctx().dead() {
+        return DEAD_ERRNO;
+    }
     let mut ss = q.lock_send();
     let cur = q.state();
     let next = if mask & m::ATTR_STATE != 0 {
@@ -414,6 +422,9 @@ pub unsafe extern "C" fn query_qp(
 ) -> c_int {
     // SAFETY: caller contract.
     let q = unsafe { sv(qp) };
+    if q.ctx().dead() {
+        return DEAD_ERRNO;
+    }
     let st = q.attr.lock().unwrap_or_else(|e| e.into_inner());
     // SAFETY: `attr` is writable (caller contract); copying a plain C struct.
     unsafe {
@@ -474,6 +485,11 @@ pub unsafe extern "C" fn post_recv(
 ) -> c_int {
     // SAFETY: caller contract.
     let q = unsafe { sv(qp) };
+    if q.ctx().dead() && !wr.is_null() {
+        // SAFETY: caller contract.
+        unsafe { set_bad(bad, wr) };
+        return DEAD_ERRNO;
+    }
     while !wr.is_null() {
         // SAFETY: `wr` is a node of the caller's valid chain.
         let w = unsafe { &*wr };

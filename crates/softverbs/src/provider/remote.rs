@@ -83,6 +83,15 @@ impl Remote {
         QpState::from_u32(self.hdr().state.load(Ordering::Acquire)).unwrap_or(QpState::Err)
     }
 
+    /// Whether the device died for the responder's context (its shared
+    /// `dead` flag, model::device).
+    pub fn dead(&self) -> bool {
+        // SAFETY: a context segment starts with its header (checked in
+        // open); lives with `ctx`.
+        let h = unsafe { &*self.ctx.base().cast::<CtxHeader>() };
+        h.dead.load(Ordering::Acquire) != 0
+    }
+
     /// The responder's MR table.
     pub fn mrs(&self) -> &[MrSlot] {
         // SAFETY: CTX_BYTES checked in open; lives with `ctx`.

@@ -8,7 +8,8 @@
 //! 3. SEND / WRITE-with-immediate take a receive WQE from the responder's
 //!    ring or SRQ — none: the WR waits (infinite RNR retry);
 //! 4. validate the responder's buffers against the responder's MR table
-//!    (rkey, PD, range, access) — failure: `REM_ACCESS_ERR` (WRITE/READ), or
+//!    (rkey, PD, range, access; none of it for a zero-length WRITE/READ, as
+//!    the spec says) — failure: `REM_ACCESS_ERR` (WRITE/READ), or
 //!    a receive-side `LOC_PROT_ERR`/`LOC_LEN_ERR` and a `REM_OP_ERR`/
 //!    `REM_INV_REQ_ERR` here (SEND);
 //! 5. move the bytes (`xfer`), push the responder's receive CQE, then ours.
@@ -24,6 +25,7 @@ use super::qp::{sv, Pending, SvQp};
 use super::remote::Remote;
 use super::set_bad;
 use super::xfer::{read_from, write_to, Span};
+use crate::model::device::DEAD_ERRNO;
 use crate::model::qp::QpState;
 use crate::model::wc::{
     access, opcode, send_completes, send_flags, send_wc_opcode, wr, WcStatus, WC_WITH_IMM,
@@ -118,6 +120,14 @@ fn check(
     })
 }
 
+/// The responder's check of an RDMA WRITE/READ target: rkey, PD, range and
+/// access against its MR table. A zero-length transfer checks neither key
+/// nor address (InfiniBand spec, C9-88: R_Key and VA need not be valid when
+/// the DMA length is zero); the QP's remote access flags still apply.
+fn remote_ok(r: &Remote, pd: u32, w: &Wr, len: u64, need: u32) -> bool {
+    len == 0 || check(mr_lookup(r.mrs(), w.rkey), pd, w.remote_addr, len, need)
+}
+
 fn local_spans(q: &SvQp, w: &Wr, out: &mut [Span; MAX_SGE]) -> Option<u64> {
     let mrs = q.ctx().mrs();
     let need = if w.opcode == wr::RDMA_READ {
@@ -183,6 +193,10 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
     let Some(r) = ss.remote.as_ref() else {
         return Outcome::WaitPeer;
     };
+    if r.dead() {
+        // The responder's device died (model::device): it never answers.
+        return Outcome::Done(WcStatus::RetryExcErr, 0);
+    }
     let st = r.state();
     if st.not_ready_yet() {
         return Outcome::WaitPeer;
@@ -267,13 +281,7 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
         }
         wr::RDMA_WRITE | wr::RDMA_WRITE_WITH_IMM => {
             let ok = rh.access.load(Ordering::Acquire) & access::REMOTE_WRITE != 0
-                && check(
-                    mr_lookup(r.mrs(), w.rkey),
-                    rh.pd,
-                    w.remote_addr,
-                    len,
-                    access::REMOTE_WRITE,
-                );
+                && remote_ok(r, rh.pd, w, len, access::REMOTE_WRITE);
             if !ok {
                 return Outcome::Done(WcStatus::RemAccessErr, 0);
             }
@@ -319,13 +327,7 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
         }
         wr::RDMA_READ => {
             let ok = rh.access.load(Ordering::Acquire) & access::REMOTE_READ != 0
-                && check(
-                    mr_lookup(r.mrs(), w.rkey),
-                    rh.pd,
-                    w.remote_addr,
-                    len,
-                    access::REMOTE_READ,
-                );
+                && remote_ok(r, rh.pd, w, len, access::REMOTE_READ);
             if !ok {
                 return Outcome::Done(WcStatus::RemAccessErr, 0);
             }
@@ -381,8 +383,15 @@ fn own(mut w: Wr) -> Wr {
     w
 }
 
-/// Retry waiting WRs in order until one has to wait again.
+/// Retry waiting WRs in order until one has to wait again. On a dead
+/// context they are dropped: nothing can complete there any more, and the
+/// progress thread must not retry them forever.
 pub fn progress(q: &SvQp, ss: &mut SendSide) {
+    if q.ctx().dead() {
+        ss.pending.clear();
+        ss.set_waiting(q, false);
+        return;
+    }
     while let Some(w) = ss.pending.pop_front() {
         match execute(q, ss, &w) {
             Outcome::Done(s, len) => complete(q, ss, &w, s, len),
@@ -410,6 +419,11 @@ pub unsafe extern "C" fn post_send(
 ) -> libc::c_int {
     // SAFETY: caller contract.
     let q = unsafe { sv(qp) };
+    if q.ctx().dead() && !wrp.is_null() {
+        // SAFETY: caller contract.
+        unsafe { set_bad(bad, wrp) };
+        return DEAD_ERRNO;
+    }
     let mut ss = q.lock_send();
     if !ss.pending.is_empty() {
         progress(q, &mut ss);

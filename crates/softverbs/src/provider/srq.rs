@@ -4,9 +4,10 @@
 use std::ffi::c_int;
 use std::sync::Arc;
 
-use super::context::{inner, limits, pd_id};
+use super::context::{inner, limits, pd_id, ContextInner};
 use super::qp::{fail, recv_wqe};
 use super::set_bad;
+use crate::model::device::DEAD_ERRNO;
 use crate::shm::layout::{ring_offset, seg_bytes, RecvWqe, SrqHeader, MAGIC, MAX_SGE};
 use crate::shm::ring::Ring;
 use crate::shm::segment::IdKind;
@@ -21,10 +22,20 @@ pub struct SvSrq {
     pub vsrq: VerbsSrq,
     /// SRQ id.
     pub id: u32,
+    /// Owning context (its `dead` flag).
+    ctx: *const ContextInner,
     seg: Arc<Segment>,
     ring: Ring<RecvWqe>,
     max_sge: u32,
     limit: u32,
+}
+
+impl SvSrq {
+    /// Whether the device died for the owning context (model::device).
+    fn dead(&self) -> bool {
+        // SAFETY: a context outlives its SRQs (verbs rule).
+        unsafe { &*self.ctx }.dead()
+    }
 }
 
 /// `create_srq`.
@@ -36,12 +47,15 @@ pub unsafe extern "C" fn create_srq(
     attr: *mut ibv::ibv_srq_init_attr,
 ) -> *mut ibv::ibv_srq {
     // SAFETY: caller contract.
-    let a = unsafe { &mut (*attr).attr };
+    let (a, c) = unsafe { (&mut (*attr).attr, inner((*pd).context)) };
+    if c.dead() {
+        return super::dead();
+    }
     if a.max_wr == 0 || a.max_wr > limits::MAX_QP_WR || a.max_sge as usize > MAX_SGE {
         return fail(libc::EINVAL);
     }
     // SAFETY: caller contract.
-    let (c, pdid) = unsafe { (inner((*pd).context), pd_id(pd)) };
+    let pdid = unsafe { pd_id(pd) };
     let cap = Ring::<RecvWqe>::capacity_for(a.max_wr as usize);
     let Ok(ids) = Ids::get() else {
         return fail(libc::EIO);
@@ -69,6 +83,7 @@ pub unsafe extern "C" fn create_srq(
         // SAFETY: plain C data; zero is valid (glibc pthread initialisers).
         vsrq: unsafe { std::mem::zeroed() },
         id,
+        ctx: c,
         seg,
         ring,
         max_sge: a.max_sge.max(1),
@@ -106,6 +121,11 @@ pub unsafe extern "C" fn post_srq_recv(
     // SAFETY: caller contract.
     let s = unsafe { &*srq.cast::<SvSrq>() };
     let _ = &s.seg;
+    if s.dead() && !wr.is_null() {
+        // SAFETY: caller contract.
+        unsafe { set_bad(bad, wr) };
+        return DEAD_ERRNO;
+    }
     while !wr.is_null() {
         // SAFETY: a node of the caller's chain.
         let w = unsafe { &*wr };
@@ -137,6 +157,9 @@ pub unsafe extern "C" fn modify_srq(
 ) -> c_int {
     // SAFETY: caller contract.
     let (s, a) = unsafe { (&mut *srq.cast::<SvSrq>(), &*attr) };
+    if s.dead() {
+        return DEAD_ERRNO;
+    }
     if mask & 1 != 0 && a.max_wr as usize > s.ring.capacity() {
         return libc::EINVAL;
     }
@@ -153,6 +176,9 @@ pub unsafe extern "C" fn modify_srq(
 pub unsafe extern "C" fn query_srq(srq: *mut ibv::ibv_srq, attr: *mut ibv::ibv_srq_attr) -> c_int {
     // SAFETY: caller contract.
     let (s, a) = unsafe { (&*srq.cast::<SvSrq>(), &mut *attr) };
+    if s.dead() {
+        return DEAD_ERRNO;
+    }
     a.max_wr = s.ring.capacity() as u32;
     a.max_sge = s.max_sge;
     a.srq_limit = s.limit;

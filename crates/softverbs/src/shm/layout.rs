@@ -32,6 +32,10 @@ pub struct CtxHeader {
     pub async_fd: i32,
     /// Context id.
     pub id: u32,
+    /// Non-zero once the device died for this context
+    /// (`softverbs_inject_device_fatal`): requesters of every process check
+    /// it before touching the context's QPs, MRs or CQs.
+    pub dead: AtomicU32,
 }
 
 /// One memory-region slot. `key` is 0 when free; readers check it before and
@@ -274,6 +278,18 @@ mod tests {
             (offset_of!(SrqHeader, magic), offset_of!(SrqHeader, pid)),
             (0, 4)
         );
+    }
+
+    #[test]
+    fn ctx_header_layout() {
+        use std::mem::offset_of;
+        // Peers of other processes read `dead` at this offset; the MR table
+        // starts right after the 64-byte header.
+        assert_eq!(offset_of!(CtxHeader, async_fd), 8);
+        assert_eq!(offset_of!(CtxHeader, id), 12);
+        assert_eq!(offset_of!(CtxHeader, dead), 16);
+        assert_eq!(size_of::<CtxHeader>(), 64);
+        assert_eq!(CTX_BYTES, 64 + MR_SLOTS * 32);
     }
 
     #[test]

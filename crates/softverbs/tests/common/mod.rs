@@ -97,6 +97,40 @@ impl Dev {
     }
 }
 
+/// `ibv_create_cq_ex` as verbs.h's inline does it. rdma-sys 0.3's wrapper
+/// cannot be used: its `verbs_get_ctx` compares `abi_compat` with
+/// `u32::MAX` instead of `UINTPTR_MAX`, so on 64-bit it never finds the
+/// extended context and answers EOPNOTSUPP for every device.
+pub fn create_cq_ex(ctx: *mut ibv_context, attr: *mut ibv_cq_init_attr_ex) -> *mut ibv_cq_ex {
+    unsafe {
+        assert_eq!((*ctx).abi_compat as usize, usize::MAX, "extended context");
+        let off = std::mem::offset_of!(verbs_context, context);
+        let vctx = ctx.cast::<u8>().sub(off).cast::<verbs_context>();
+        let f = (*vctx)
+            .create_cq_ex
+            .expect("libibverbs installs create_cq_ex");
+        f(ctx, attr)
+    }
+}
+
+/// `ibv_query_device_ex` through the `verbs_context` slot (rdma-sys 0.3's
+/// wrapper has the `create_cq_ex` defect above).
+pub fn query_device_ex(ctx: *mut ibv_context, attr: &mut ibv_device_attr_ex) -> i32 {
+    unsafe {
+        let off = std::mem::offset_of!(verbs_context, context);
+        let vctx = ctx.cast::<u8>().sub(off).cast::<verbs_context>();
+        let f = (*vctx)
+            .query_device_ex
+            .expect("the provider installs query_device_ex");
+        f(
+            ctx,
+            std::ptr::null(),
+            attr,
+            std::mem::size_of::<ibv_device_attr_ex>(),
+        )
+    }
+}
+
 pub struct Buf {
     pub data: Vec<u8>,
     pub mr: *mut ibv_mr,

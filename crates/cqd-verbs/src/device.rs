@@ -1,0 +1,627 @@
+//! Devices: the list, opening one by name, its attributes and ports, and the
+//! reader of its asynchronous events.
+//!
+//! # Asynchronous events
+//!
+//! A device has one asynchronous-event descriptor (`ibv_context::async_fd`)
+//! for all its objects, while its CQs may be polled by several pollers; a
+//! poller that read it would take the others' events. So each open device
+//! has one reader thread, blocked in `poll(2)` on that descriptor (it costs
+//! nothing while nothing happens). For each event it copies what the event
+//! names, acks it at once (`ibv_destroy_qp` and friends wait for the ack),
+//! and hands it on:
+//!
+//! - `IBV_EVENT_CQ_ERR` → [`AsyncEvent::CqOverflow`] in that CQ's inbox;
+//!   its poller takes it within one loop (the inbox's descriptor is in the
+//!   poller's epoll set) and puts the CQ in the error state;
+//! - QP events (fatal, request and access errors, last WQE reached …) →
+//!   [`AsyncEvent::Qp`] in the inbox of the QP's send CQ, naming the QP's
+//!   owning handler, whose [`on_async`](cqd_core::Handler::on_async) the
+//!   poller calls;
+//! - SRQ limit and error → [`AsyncEvent::Srq`], likewise, on the CQ of the
+//!   SRQ's owner;
+//! - port active / down and the other port events, and device fatal → the
+//!   device's callback ([`Context::on_device_event`]) and counters
+//!   ([`Context::event_counts`]); device fatal also goes to every CQ of the
+//!   device as [`AsyncEvent::DeviceFatal`], and later verbs fail with
+//!   [`VerbsError::DeviceGone`].
+
+use std::collections::HashMap;
+use std::fmt;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+
+use cqd_core::source::{AsyncEvent, QpEvent, SrqEvent};
+use cqd_core::wr_id::HandlerKey;
+use parking_lot::Mutex;
+
+use crate::error::VerbsError;
+use crate::inbox::AsyncInbox;
+use crate::pd::Pd;
+use crate::sys::{self, event, Element};
+
+/// The devices libibverbs lists, by name.
+///
+/// # Errors
+/// [`VerbsError::NoDevice`] when the list cannot be read (no RDMA support:
+/// the errno says why).
+pub fn devices() -> Result<Vec<sys::DeviceName>, VerbsError> {
+    sys::device_names().map_err(|e| {
+        no_device(
+            "(any)",
+            e.to_string(),
+            e.raw_os_error().unwrap_or(0),
+            Vec::new(),
+        )
+    })
+}
+
+const HINT: &str =
+    "; on a machine without RDMA hardware run the program under softverbs-run (docs/softverbs.md)";
+
+fn no_device(wanted: &str, reason: String, errno: i32, seen: Vec<String>) -> VerbsError {
+    VerbsError::NoDevice {
+        wanted: wanted.to_string(),
+        reason,
+        errno,
+        seen,
+        hint: HINT,
+    }
+}
+
+/// What a device can do (the part of `ibv_device_attr` cqd uses).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceAttr {
+    /// Largest CQ.
+    pub max_cqe: u32,
+    /// Largest queue depth.
+    pub max_qp_wr: u32,
+    /// Most SGEs per request.
+    pub max_sge: u32,
+    /// Largest SRQ.
+    pub max_srq_wr: u32,
+    /// Physical ports.
+    pub phys_port_cnt: u8,
+    /// Completion vectors (`num_comp_vectors`).
+    pub num_comp_vectors: u32,
+}
+
+/// A device event that concerns no CQ: a port changed, or the device failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DeviceEvent {
+    /// `IBV_EVENT_PORT_ACTIVE`
+    PortActive(u8),
+    /// `IBV_EVENT_PORT_ERR`: the link went down.
+    PortDown(u8),
+    /// LID, P_Key, GID, SM change or client re-register on a port, by its
+    /// `ibv_event_type` number.
+    PortChange(u8, u32),
+    /// `IBV_EVENT_DEVICE_FATAL`: every object of the device is unusable.
+    Fatal,
+    /// An event whose object cqd does not track (a QP or SRQ made outside
+    /// cqd, a WQ), by its `ibv_event_type` number.
+    Unrouted(u32),
+}
+
+/// Counts of the asynchronous events a device reported.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EventCounts {
+    /// All events read (each was acked).
+    pub total: u64,
+    /// CQ errors (overflows).
+    pub cq_errors: u64,
+    /// QP events.
+    pub qp_events: u64,
+    /// SRQ events.
+    pub srq_events: u64,
+    /// Port active.
+    pub port_active: u64,
+    /// Port down.
+    pub port_down: u64,
+    /// Device fatal.
+    pub device_fatal: u64,
+    /// Events naming an object cqd does not track.
+    pub unrouted: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    total: AtomicU64,
+    cq_errors: AtomicU64,
+    qp_events: AtomicU64,
+    srq_events: AtomicU64,
+    port_active: AtomicU64,
+    port_down: AtomicU64,
+    device_fatal: AtomicU64,
+    unrouted: AtomicU64,
+}
+
+/// Where an object's events go.
+pub(crate) enum Route {
+    /// A CQ: its inbox and token.
+    Cq {
+        inbox: Weak<AsyncInbox>,
+        token: u64,
+        capacity: u32,
+    },
+    /// A QP: its number, owner and the inbox of its send CQ.
+    Qp {
+        qp_num: u32,
+        owner: Option<HandlerKey>,
+        inbox: Weak<AsyncInbox>,
+        token: u64,
+    },
+    /// An SRQ: its number, owner and the inbox of its owner's CQ.
+    Srq {
+        srq_num: u32,
+        owner: Option<HandlerKey>,
+        inbox: Weak<AsyncInbox>,
+        token: u64,
+    },
+}
+
+type Callback = Box<dyn Fn(DeviceEvent) + Send + Sync>;
+
+pub(crate) struct ContextInner {
+    pub(crate) ctx: NonNull<sys::ibv_context>,
+    pub(crate) name: String,
+    pub(crate) attr: DeviceAttr,
+    pub(crate) fatal: AtomicBool,
+    routes: Mutex<HashMap<usize, Route>>,
+    callback: Mutex<Option<Callback>>,
+    counters: Counters,
+    stop: OwnedFd,
+    reader: Mutex<Option<JoinHandle<()>>>,
+}
+
+// SAFETY: libibverbs contexts are thread-safe (every verb may be called
+// from any thread); the pointer is only used through `sys`.
+unsafe impl Send for ContextInner {}
+// SAFETY: as above.
+unsafe impl Sync for ContextInner {}
+
+impl fmt::Debug for ContextInner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Context")
+            .field("name", &self.name)
+            .field("fatal", &self.fatal.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl ContextInner {
+    /// Fails with `DeviceGone` after a fatal event.
+    pub(crate) fn check(&self) -> Result<(), VerbsError> {
+        if self.fatal.load(Ordering::Acquire) {
+            return Err(VerbsError::DeviceGone {
+                device: self.name.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn add_route(&self, ptr: usize, route: Route) {
+        self.routes.lock().insert(ptr, route);
+    }
+
+    pub(crate) fn remove_route(&self, ptr: usize) {
+        self.routes.lock().remove(&ptr);
+    }
+
+    /// Hands one event on (see the module documentation).
+    fn deliver(&self, ty: u32, element: Element) {
+        let c = &self.counters;
+        c.total.fetch_add(1, Ordering::Relaxed);
+        let device_event = match element {
+            Element::Port(port) => Some(match ty {
+                event::PORT_ACTIVE => {
+                    c.port_active.fetch_add(1, Ordering::Relaxed);
+                    DeviceEvent::PortActive(port)
+                }
+                event::PORT_ERR => {
+                    c.port_down.fetch_add(1, Ordering::Relaxed);
+                    DeviceEvent::PortDown(port)
+                }
+                other => DeviceEvent::PortChange(port, other),
+            }),
+            Element::Device if ty == event::DEVICE_FATAL => {
+                c.device_fatal.fetch_add(1, Ordering::Relaxed);
+                self.fatal.store(true, Ordering::Release);
+                for route in self.routes.lock().values() {
+                    if let Route::Cq { inbox, token, .. } = route {
+                        if let Some(inbox) = inbox.upgrade() {
+                            inbox.push(*token, AsyncEvent::DeviceFatal);
+                        }
+                    }
+                }
+                Some(DeviceEvent::Fatal)
+            }
+            Element::Device => {
+                c.unrouted.fetch_add(1, Ordering::Relaxed);
+                Some(DeviceEvent::Unrouted(ty))
+            }
+            Element::Cq(p) | Element::Qp(p) | Element::Srq(p) => {
+                let routes = self.routes.lock();
+                let routed = match (routes.get(&p), element) {
+                    (
+                        Some(Route::Cq {
+                            inbox,
+                            token,
+                            capacity,
+                        }),
+                        Element::Cq(_),
+                    ) => {
+                        c.cq_errors.fetch_add(1, Ordering::Relaxed);
+                        inbox.upgrade().map(|i| {
+                            i.push(
+                                *token,
+                                AsyncEvent::CqOverflow {
+                                    capacity: *capacity,
+                                    lost: 0,
+                                },
+                            )
+                        })
+                    }
+                    (
+                        Some(Route::Qp {
+                            qp_num,
+                            owner,
+                            inbox,
+                            token,
+                        }),
+                        Element::Qp(_),
+                    ) => {
+                        c.qp_events.fetch_add(1, Ordering::Relaxed);
+                        let ev = AsyncEvent::Qp {
+                            qp_num: *qp_num,
+                            kind: qp_event(ty),
+                            owner: *owner,
+                        };
+                        inbox.upgrade().map(|i| i.push(*token, ev))
+                    }
+                    (
+                        Some(Route::Srq {
+                            srq_num,
+                            owner,
+                            inbox,
+                            token,
+                        }),
+                        Element::Srq(_),
+                    ) => {
+                        c.srq_events.fetch_add(1, Ordering::Relaxed);
+                        let kind = if ty == event::SRQ_LIMIT_REACHED {
+                            SrqEvent::LimitReached
+                        } else {
+                            SrqEvent::Error
+                        };
+                        let ev = AsyncEvent::Srq {
+                            srq_num: *srq_num,
+                            kind,
+                            owner: *owner,
+                        };
+                        inbox.upgrade().map(|i| i.push(*token, ev))
+                    }
+                    _ => None,
+                };
+                drop(routes);
+                if routed.is_some() {
+                    None
+                } else {
+                    c.unrouted.fetch_add(1, Ordering::Relaxed);
+                    Some(DeviceEvent::Unrouted(ty))
+                }
+            }
+        };
+        if let Some(ev) = device_event {
+            match ev {
+                DeviceEvent::Fatal => {
+                    tracing::error!(device = %self.name, "RDMA device reported a fatal error")
+                }
+                DeviceEvent::PortDown(port) => {
+                    tracing::warn!(device = %self.name, port, "port down")
+                }
+                other => tracing::info!(device = %self.name, event = ?other, "device event"),
+            }
+            if let Some(cb) = self.callback.lock().as_ref() {
+                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cb(ev))).is_err() {
+                    tracing::error!(device = %self.name, "device event callback panicked");
+                }
+            }
+        }
+    }
+}
+
+fn qp_event(ty: u32) -> QpEvent {
+    match ty {
+        event::QP_FATAL => QpEvent::Fatal,
+        event::QP_REQ_ERR => QpEvent::RequestError,
+        event::QP_ACCESS_ERR => QpEvent::AccessError,
+        event::COMM_EST => QpEvent::CommunicationEstablished,
+        event::SQ_DRAINED => QpEvent::SendQueueDrained,
+        event::PATH_MIG => QpEvent::PathMigrated,
+        event::PATH_MIG_ERR => QpEvent::PathMigrationError,
+        _ => QpEvent::LastWqeReached,
+    }
+}
+
+/// The reader thread's loop: wait for the async descriptor (or the stop
+/// descriptor), read every pending event, hand each on.
+fn read_events(inner: Weak<ContextInner>, async_fd: i32, stop_fd: i32) {
+    loop {
+        let mut fds = [
+            libc::pollfd {
+                fd: async_fd,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: stop_fd,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: `fds` is a valid array of two pollfd; both descriptors
+        // stay open until this thread is joined (ContextInner's drop).
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if r < 0 {
+            if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            tracing::error!(error = %std::io::Error::last_os_error(), "poll on the async descriptor failed; no more async events");
+            return;
+        }
+        if fds[1].revents != 0 {
+            return;
+        }
+        let Some(ctx) = inner.upgrade() else {
+            return;
+        };
+        if fds[0].revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0
+            && fds[0].revents & libc::POLLIN == 0
+        {
+            tracing::error!(device = %ctx.name, "the async descriptor closed; no more async events");
+            return;
+        }
+        loop {
+            // SAFETY: the context is open while `ctx` is held; its async
+            // descriptor was made non-blocking at open.
+            match unsafe { sys::get_async_event(ctx.ctx) } {
+                Ok(Some((ty, element))) => ctx.deliver(ty, element),
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::error!(device = %ctx.name, error = %e, "ibv_get_async_event failed");
+                    break;
+                }
+            }
+        }
+    }
+}
+
+impl Drop for ContextInner {
+    fn drop(&mut self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live buffer to our eventfd.
+        unsafe { libc::write(self.stop.as_raw_fd(), one.as_ptr().cast(), 8) };
+        if let Some(h) = self.reader.lock().take() {
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
+        }
+        // SAFETY: every object of the context holds an `Arc` to it, so all
+        // are gone; the reader thread has stopped using it.
+        if let Err(e) = unsafe { sys::close_device(self.ctx) } {
+            tracing::error!(device = %self.name, error = %e, "ibv_close_device failed");
+        }
+    }
+}
+
+/// An open RDMA device (`ibv_context`), shared by everything made on it.
+/// Cloning is cheap; the device is closed when the last clone and the last
+/// object made on it are gone.
+#[derive(Clone, Debug)]
+pub struct Context {
+    pub(crate) inner: Arc<ContextInner>,
+}
+
+impl Context {
+    /// Opens the device called `name`.
+    ///
+    /// # Errors
+    /// [`VerbsError::NoDevice`] (with the errno and the devices seen) when
+    /// there is no such device or it cannot be opened.
+    pub fn open(name: &str) -> Result<Context, VerbsError> {
+        Self::open_inner(Some(name))
+    }
+
+    /// Opens the first device libibverbs lists.
+    ///
+    /// # Errors
+    /// As [`open`](Self::open).
+    pub fn open_first() -> Result<Context, VerbsError> {
+        Self::open_inner(None)
+    }
+
+    fn open_inner(name: Option<&str>) -> Result<Context, VerbsError> {
+        let wanted = name.unwrap_or("(any)");
+        let (ctx, dev_name) = match sys::open_device(name) {
+            Ok(x) => x,
+            Err(sys::OpenFailure::List(e)) => {
+                return Err(no_device(
+                    wanted,
+                    format!("the device list could not be read: {e}"),
+                    e.raw_os_error().unwrap_or(0),
+                    Vec::new(),
+                ))
+            }
+            Err(sys::OpenFailure::NotFound(seen)) => {
+                let reason = if seen.is_empty() {
+                    "libibverbs lists no device".to_string()
+                } else {
+                    "no device has that name".to_string()
+                };
+                return Err(no_device(wanted, reason, libc::ENODEV, seen));
+            }
+            Err(sys::OpenFailure::Open(n, e)) => {
+                return Err(no_device(
+                    wanted,
+                    format!("ibv_open_device({n}) failed: {e}"),
+                    e.raw_os_error().unwrap_or(0),
+                    vec![n],
+                ))
+            }
+        };
+        // From here on a failure must close the context.
+        let close = |e: VerbsError| {
+            // SAFETY: nothing was made on the context yet.
+            let _ = unsafe { sys::close_device(ctx) };
+            e
+        };
+        // SAFETY: `ctx` is open.
+        let raw = unsafe { sys::query_device(ctx) }
+            .map_err(|e| close(VerbsError::verb("ibv_query_device", dev_name.clone(), e)))?;
+        // SAFETY: `ctx` is open.
+        let comp_vectors = unsafe { ctx.as_ref() }.num_comp_vectors;
+        let attr = DeviceAttr {
+            max_cqe: raw.max_cqe.max(0) as u32,
+            max_qp_wr: raw.max_qp_wr.max(0) as u32,
+            max_sge: raw.max_sge.max(0) as u32,
+            max_srq_wr: raw.max_srq_wr.max(0) as u32,
+            phys_port_cnt: raw.phys_port_cnt,
+            num_comp_vectors: comp_vectors.max(0) as u32,
+        };
+        // SAFETY: `ctx` is open.
+        let afd = unsafe { sys::async_fd(ctx) };
+        sys::make_nonblocking(afd)
+            .map_err(|e| close(VerbsError::verb("fcntl(async_fd)", dev_name.clone(), e)))?;
+        let stop = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)
+            .map_err(|e| close(VerbsError::verb("eventfd", dev_name.clone(), e.into())))?;
+        let stop_fd = stop.as_raw_fd();
+        let inner = Arc::new(ContextInner {
+            ctx,
+            name: dev_name.clone(),
+            attr,
+            fatal: AtomicBool::new(false),
+            routes: Mutex::new(HashMap::new()),
+            callback: Mutex::new(None),
+            counters: Counters::default(),
+            stop,
+            reader: Mutex::new(None),
+        });
+        let weak = Arc::downgrade(&inner);
+        let handle = std::thread::Builder::new()
+            .name(format!("cqd-async-{dev_name}"))
+            .spawn(move || read_events(weak, afd, stop_fd))
+            .map_err(|e| VerbsError::verb("spawn (async event reader)", dev_name.clone(), e))?;
+        *inner.reader.lock() = Some(handle);
+        Ok(Context { inner })
+    }
+
+    /// The device's name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// The device's attributes.
+    pub fn attr(&self) -> DeviceAttr {
+        self.inner.attr
+    }
+
+    /// True once the device reported a fatal error.
+    pub fn is_gone(&self) -> bool {
+        self.inner.fatal.load(Ordering::Acquire)
+    }
+
+    /// A port's state and addresses.
+    ///
+    /// # Errors
+    /// `ibv_query_port` failed.
+    pub fn port(&self, port: u8) -> Result<PortInfo, VerbsError> {
+        self.inner.check()?;
+        // SAFETY: the context is open while `self` lives.
+        let a = unsafe { sys::query_port(self.inner.ctx, port) }.map_err(|e| {
+            VerbsError::verb("ibv_query_port", format!("{} port {port}", self.name()), e)
+        })?;
+        Ok(PortInfo {
+            port,
+            lid: a.lid,
+            active: a.state == rdma_sys::ibv_port_state::IBV_PORT_ACTIVE,
+            active_mtu: crate::qp::Mtu::from_raw(a.active_mtu),
+            link_layer: a.link_layer,
+            gid_table_len: a.gid_tbl_len.max(0) as u32,
+        })
+    }
+
+    /// A port's GID at `index`.
+    ///
+    /// # Errors
+    /// `ibv_query_gid` failed.
+    pub fn gid(&self, port: u8, index: u8) -> Result<[u8; 16], VerbsError> {
+        self.inner.check()?;
+        // SAFETY: the context is open while `self` lives.
+        unsafe { sys::query_gid(self.inner.ctx, port, i32::from(index)) }.map_err(|e| {
+            VerbsError::verb(
+                "ibv_query_gid",
+                format!("{} port {port} index {index}", self.name()),
+                e,
+            )
+        })
+    }
+
+    /// Allocates a protection domain.
+    ///
+    /// # Errors
+    /// `ibv_alloc_pd` failed, or the device is gone.
+    pub fn alloc_pd(&self) -> Result<Pd, VerbsError> {
+        Pd::new(self)
+    }
+
+    /// Sets the callback for device-level events (port changes, fatal
+    /// error, events of objects cqd does not track). It runs on the
+    /// device's event reader thread; a panic is caught and traced.
+    pub fn on_device_event(&self, f: impl Fn(DeviceEvent) + Send + Sync + 'static) {
+        *self.inner.callback.lock() = Some(Box::new(f));
+    }
+
+    /// The asynchronous events read so far.
+    pub fn event_counts(&self) -> EventCounts {
+        let c = &self.inner.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        EventCounts {
+            total: l(&c.total),
+            cq_errors: l(&c.cq_errors),
+            qp_events: l(&c.qp_events),
+            srq_events: l(&c.srq_events),
+            port_active: l(&c.port_active),
+            port_down: l(&c.port_down),
+            device_fatal: l(&c.device_fatal),
+            unrouted: l(&c.unrouted),
+        }
+    }
+
+    /// The raw `ibv_context`, for verbs cqd does not wrap. It stays open
+    /// while this `Context` (or anything made on it) lives.
+    pub fn as_raw(&self) -> *mut rdma_sys::ibv_context {
+        self.inner.ctx.as_ptr()
+    }
+}
+
+/// A port's state (the part of `ibv_port_attr` an endpoint needs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PortInfo {
+    /// The port number.
+    pub port: u8,
+    /// Its LID (InfiniBand; 0 on RoCE).
+    pub lid: u16,
+    /// True when the port is `IBV_PORT_ACTIVE`.
+    pub active: bool,
+    /// The active MTU.
+    pub active_mtu: crate::qp::Mtu,
+    /// `IBV_LINK_LAYER_*`.
+    pub link_layer: u8,
+    /// Entries of the GID table.
+    pub gid_table_len: u32,
+}

@@ -1,0 +1,948 @@
+//! Reliable-connected queue pairs: creation with admission, the endpoint
+//! exchange, INIT → RTR → RTS, and posting through cqd's posting call.
+//!
+//! A QP is made on a send CQ and a receive CQ (or an SRQ); its depths are
+//! admitted on those CQs' budgets against the entries the device really
+//! granted, so a CQ cannot overflow, and its queues' accounts are opened in
+//! the CQs' ledgers, so every request posted through
+//! [`Registration::post_send`](cqd_core::Registration::post_send) /
+//! [`post_recv`](cqd_core::Registration::post_recv) is retired by the
+//! poller with its credits. There is no other way to post on a [`Qp`]:
+//! the posting call is the only door.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use cqd_core::account::{Queue, QueueAccount};
+use cqd_core::budget::Admission;
+use cqd_core::post::{PostRecv, PostSend, SendRequest, WorkRequest};
+use cqd_core::wr_id::{HandlerKey, OpKind};
+use parking_lot::Mutex;
+
+use crate::cq::{Cq, CqInner};
+use crate::device::Route;
+use crate::error::{PostError, VerbsError};
+use crate::pd::{Access, MrInner, Pd, PdInner, RemoteAddr, Sge};
+use crate::srq::{Srq, SrqInner};
+use crate::sys;
+
+/// A path MTU (`enum ibv_mtu`).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
+pub enum Mtu {
+    /// 256 bytes.
+    M256,
+    /// 512 bytes.
+    M512,
+    /// 1024 bytes.
+    M1024,
+    /// 2048 bytes.
+    M2048,
+    /// 4096 bytes.
+    M4096,
+}
+
+impl Mtu {
+    /// From `enum ibv_mtu` (1..=5); anything else is 1024 (the verbs
+    /// default a port reports before it is up).
+    pub fn from_raw(raw: u32) -> Mtu {
+        match raw {
+            1 => Mtu::M256,
+            2 => Mtu::M512,
+            4 => Mtu::M2048,
+            5 => Mtu::M4096,
+            _ => Mtu::M1024,
+        }
+    }
+
+    /// As `enum ibv_mtu`.
+    pub fn to_raw(self) -> u32 {
+        match self {
+            Mtu::M256 => 1,
+            Mtu::M512 => 2,
+            Mtu::M1024 => 3,
+            Mtu::M2048 => 4,
+            Mtu::M4096 => 5,
+        }
+    }
+
+    /// From a size in bytes (256, 512, 1024, 2048, 4096).
+    pub fn from_bytes(bytes: u32) -> Option<Mtu> {
+        Some(match bytes {
+            256 => Mtu::M256,
+            512 => Mtu::M512,
+            1024 => Mtu::M1024,
+            2048 => Mtu::M2048,
+            4096 => Mtu::M4096,
+            _ => return None,
+        })
+    }
+
+    /// The size in bytes.
+    pub fn bytes(self) -> u32 {
+        128 << self.to_raw()
+    }
+}
+
+/// What a peer needs to connect to a QP, exchanged out of band (TCP,
+/// a file, rdma_cm's private data): serde makes it any format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct Endpoint {
+    /// The port's LID (InfiniBand; 0 on RoCE).
+    pub lid: u16,
+    /// The GID used for a global route (RoCE, or routed InfiniBand); all
+    /// zero for none.
+    pub gid: [u8; 16],
+    /// The QP number.
+    pub qpn: u32,
+    /// The first packet sequence number the QP sends (24 bits).
+    pub psn: u32,
+    /// The path MTU this side can use.
+    pub mtu: Mtu,
+}
+
+impl Endpoint {
+    /// True if a global route header is needed (a non-zero GID).
+    pub fn has_gid(&self) -> bool {
+        self.gid != [0; 16]
+    }
+}
+
+/// The depths of a QP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpCap {
+    /// Send queue depth.
+    pub max_send_wr: u32,
+    /// Receive queue depth (ignored with an SRQ).
+    pub max_recv_wr: u32,
+    /// SGEs per send request.
+    pub max_send_sge: u32,
+    /// SGEs per receive.
+    pub max_recv_sge: u32,
+    /// Inline bytes per send.
+    pub max_inline_data: u32,
+}
+
+impl Default for QpCap {
+    fn default() -> Self {
+        QpCap {
+            max_send_wr: 64,
+            max_recv_wr: 64,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        }
+    }
+}
+
+/// How to make a QP.
+#[derive(Debug, Clone)]
+pub struct QpInit<'a> {
+    /// The CQ of its send completions.
+    pub send_cq: &'a Cq,
+    /// The CQ of its receive completions (may be the same).
+    pub recv_cq: &'a Cq,
+    /// An SRQ to draw receives from.
+    pub srq: Option<&'a Srq>,
+    /// Depths.
+    pub cap: QpCap,
+    /// Every send signaled (`sq_sig_all`).
+    pub sq_sig_all: bool,
+    /// The handler that owns the QP: its asynchronous events (fatal, access
+    /// errors, last WQE reached) go to its `on_async`.
+    pub owner: Option<HandlerKey>,
+}
+
+impl<'a> QpInit<'a> {
+    /// A QP on `send_cq` and `recv_cq` with the given depths.
+    pub fn new(send_cq: &'a Cq, recv_cq: &'a Cq, cap: QpCap) -> Self {
+        QpInit {
+            send_cq,
+            recv_cq,
+            srq: None,
+            cap,
+            sq_sig_all: false,
+            owner: None,
+        }
+    }
+
+    /// Receives from `srq`.
+    pub fn with_srq(mut self, srq: &'a Srq) -> Self {
+        self.srq = Some(srq);
+        self
+    }
+
+    /// Owned by `handler` (see [`QpInit::owner`]).
+    pub fn owned_by(mut self, handler: HandlerKey) -> Self {
+        self.owner = Some(handler);
+        self
+    }
+}
+
+/// How to bring a QP to RTS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectOptions {
+    /// The local port.
+    pub port: u8,
+    /// The local GID index for a global route; `None`: no GRH unless the
+    /// peer sent a GID (then index 0).
+    pub gid_index: Option<u8>,
+    /// The path MTU; `None`: the smaller of the two endpoints'.
+    pub mtu: Option<Mtu>,
+    /// What the peer may do to our memory through this QP.
+    pub access: Access,
+    /// Service level.
+    pub sl: u8,
+    /// Local ACK timeout (4.096 µs × 2^timeout).
+    pub timeout: u8,
+    /// Transport retries.
+    pub retry_cnt: u8,
+    /// RNR retries (7: forever).
+    pub rnr_retry: u8,
+    /// Minimal RNR NAK timer.
+    pub min_rnr_timer: u8,
+    /// Outstanding RDMA READs / atomics as initiator and as target.
+    pub max_rd_atomic: u8,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        ConnectOptions {
+            port: 1,
+            gid_index: None,
+            mtu: None,
+            access: Access(Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0 | Access::LOCAL_WRITE.0),
+            sl: 0,
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            min_rnr_timer: 12,
+            max_rd_atomic: 1,
+        }
+    }
+}
+
+/// A send-side operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WrOp {
+    /// SEND.
+    Send,
+    /// SEND with immediate data (network order as given).
+    SendWithImm(u32),
+    /// RDMA WRITE.
+    Write(RemoteAddr),
+    /// RDMA WRITE with immediate: also consumes a receive on the peer.
+    WriteWithImm(RemoteAddr, u32),
+    /// RDMA READ into the local SGEs.
+    Read(RemoteAddr),
+}
+
+/// A send-side work request (`ibv_send_wr`). On the way into the posting
+/// call `wr_id` holds the caller's tag; the call replaces it with the
+/// encoded wr_id (and puts the tag back if the request was not posted).
+#[derive(Debug, Clone, Copy)]
+pub struct SendWr<'a> {
+    /// Tag in, wr_id out (see the type's documentation).
+    pub wr_id: u64,
+    /// The operation.
+    pub op: WrOp,
+    /// Local memory.
+    pub sg_list: &'a [Sge<'a>],
+    /// A completion on success (`IBV_SEND_SIGNALED`); errors always
+    /// complete.
+    pub signaled: bool,
+    /// `IBV_SEND_SOLICITED`.
+    pub solicited: bool,
+    /// `IBV_SEND_INLINE`: the data is copied at post time (up to the QP's
+    /// `max_inline_data`).
+    pub inline: bool,
+}
+
+impl<'a> SendWr<'a> {
+    /// A signaled request with tag `tag`.
+    pub fn new(tag: u64, op: WrOp, sg_list: &'a [Sge<'a>]) -> Self {
+        SendWr {
+            wr_id: tag,
+            op,
+            sg_list,
+            signaled: true,
+            solicited: false,
+            inline: false,
+        }
+    }
+
+    /// Without a completion on success.
+    pub fn unsignaled(mut self) -> Self {
+        self.signaled = false;
+        self
+    }
+
+    /// With the solicited flag.
+    pub fn solicited(mut self) -> Self {
+        self.solicited = true;
+        self
+    }
+
+    /// With the inline flag.
+    pub fn inline(mut self) -> Self {
+        self.inline = true;
+        self
+    }
+}
+
+impl WorkRequest for SendWr<'_> {
+    fn wr_id(&self) -> u64 {
+        self.wr_id
+    }
+    fn set_wr_id(&mut self, wr_id: u64) {
+        self.wr_id = wr_id;
+    }
+}
+
+impl SendRequest for SendWr<'_> {
+    fn kind(&self) -> OpKind {
+        match self.op {
+            WrOp::Send | WrOp::SendWithImm(_) => OpKind::Send,
+            WrOp::Write(_) | WrOp::WriteWithImm(..) => OpKind::Write,
+            WrOp::Read(_) => OpKind::Read,
+        }
+    }
+    fn signaled(&self) -> bool {
+        self.signaled
+    }
+}
+
+/// A receive (`ibv_recv_wr`); `wr_id` as for [`SendWr`].
+#[derive(Debug, Clone, Copy)]
+pub struct RecvWr<'a> {
+    /// Tag in, wr_id out.
+    pub wr_id: u64,
+    /// Where the message lands.
+    pub sg_list: &'a [Sge<'a>],
+}
+
+impl<'a> RecvWr<'a> {
+    /// A receive with tag `tag` into `sg_list`.
+    pub fn new(tag: u64, sg_list: &'a [Sge<'a>]) -> Self {
+        RecvWr {
+            wr_id: tag,
+            sg_list,
+        }
+    }
+}
+
+impl WorkRequest for RecvWr<'_> {
+    fn wr_id(&self) -> u64 {
+        self.wr_id
+    }
+    fn set_wr_id(&mut self, wr_id: u64) {
+        self.wr_id = wr_id;
+    }
+}
+
+/// The regions a queue posted with, kept until the queue is destroyed (see
+/// `pd`'s module documentation).
+#[derive(Default)]
+pub(crate) struct Pins {
+    regions: Mutex<HashMap<usize, Arc<MrInner>>>,
+}
+
+impl Pins {
+    pub(crate) fn pin(&self, sges: &[Sge<'_>]) {
+        if sges.is_empty() {
+            return;
+        }
+        let mut r = self.regions.lock();
+        for s in sges {
+            r.entry(Arc::as_ptr(&s.mr.inner) as usize)
+                .or_insert_with(|| Arc::clone(&s.mr.inner));
+        }
+    }
+}
+
+/// Checks the SGEs of request `index` against the queue's limits and the
+/// queue's domain.
+pub(crate) fn check_sges(
+    queue: &dyn Fn() -> String,
+    index: usize,
+    sges: &[Sge<'_>],
+    max: u32,
+    pd: &Arc<PdInner>,
+) -> Result<(), PostError> {
+    if sges.len() > max as usize {
+        return Err(PostError::Invalid {
+            queue: queue(),
+            index,
+            why: format!("{} SGEs, the queue allows {max}", sges.len()),
+        });
+    }
+    if let Some(s) = sges.iter().find(|s| !s.mr.same_pd(pd)) {
+        return Err(PostError::Invalid {
+            queue: queue(),
+            index,
+            why: format!(
+                "SGE of region lkey {:#x} of another protection domain",
+                s.mr.lkey()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Builds the linked `ibv_recv_wr` list of `wrs` and posts it.
+pub(crate) fn post_recv_list(
+    target: sys::RecvTarget,
+    queue: &dyn Fn() -> String,
+    max_sge: u32,
+    pd: &Arc<PdInner>,
+    pins: &Pins,
+    wrs: &[RecvWr<'_>],
+) -> Result<(), (usize, PostError)> {
+    let mut sges = Vec::with_capacity(wrs.iter().map(|w| w.sg_list.len()).sum());
+    for (i, w) in wrs.iter().enumerate() {
+        check_sges(queue, i, w.sg_list, max_sge, pd).map_err(|e| (i, e))?;
+        sges.extend(w.sg_list.iter().map(Sge::raw));
+    }
+    let mut raw: Vec<sys::ibv_recv_wr> = Vec::with_capacity(wrs.len());
+    let mut at = 0usize;
+    for w in wrs {
+        raw.push(sys::ibv_recv_wr {
+            wr_id: w.wr_id,
+            next: std::ptr::null_mut(),
+            sg_list: if w.sg_list.is_empty() {
+                std::ptr::null_mut()
+            } else {
+                // SAFETY: `at` is within `sges` (sum of the lengths).
+                unsafe { sges.as_mut_ptr().add(at) }
+            },
+            num_sge: w.sg_list.len() as i32,
+        });
+        at += w.sg_list.len();
+    }
+    link(&mut raw, |w, next| w.next = next);
+    for w in wrs {
+        pins.pin(w.sg_list);
+    }
+    // SAFETY: the target is live (its owner holds it); the list is linked
+    // with a null tail; its SGEs name regions pinned above until the queue
+    // is destroyed.
+    unsafe { sys::post_recv(target, &mut raw) }.map_err(|(i, e)| {
+        (
+            i,
+            PostError::Device {
+                verb: match target {
+                    sys::RecvTarget::Qp(_) => "ibv_post_recv",
+                    sys::RecvTarget::Srq(_) => "ibv_post_srq_recv",
+                },
+                queue: queue(),
+                index: i,
+                source: e,
+            },
+        )
+    })
+}
+
+/// Links `v[i]` to `v[i + 1]`, the last to null.
+fn link<T>(v: &mut [T], set: impl Fn(&mut T, *mut T)) {
+    let n = v.len();
+    let base = v.as_mut_ptr();
+    for i in 0..n {
+        let next = if i + 1 < n {
+            // SAFETY: `i + 1 < n`: inside the slice.
+            unsafe { base.add(i + 1) }
+        } else {
+            std::ptr::null_mut()
+        };
+        // SAFETY: `i < n`: inside the slice; no other reference is live.
+        set(unsafe { &mut *base.add(i) }, next);
+    }
+}
+
+struct QpInner {
+    qp: NonNull<sys::ibv_qp>,
+    qpn: u32,
+    pd: Arc<PdInner>,
+    send_cq: Arc<CqInner>,
+    recv_cq: Arc<CqInner>,
+    srq: Option<Arc<SrqInner>>,
+    cap: QpCap,
+    send_account: Arc<QueueAccount>,
+    recv_account: Arc<QueueAccount>,
+    pins: Pins,
+    _admissions: Vec<Admission>,
+}
+
+// SAFETY: libibverbs QPs may be posted to and modified from any thread;
+// the pointer is only used through `sys`.
+unsafe impl Send for QpInner {}
+// SAFETY: as above.
+unsafe impl Sync for QpInner {}
+
+/// A reliable-connected queue pair.
+pub struct Qp {
+    inner: QpInner,
+}
+
+impl fmt::Debug for Qp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Qp")
+            .field("qpn", &self.inner.qpn)
+            .field("send_cq", &self.inner.send_cq.name)
+            .field("recv_cq", &self.inner.recv_cq.name)
+            .field("cap", &self.inner.cap)
+            .finish()
+    }
+}
+
+impl Pd {
+    /// Creates an RC QP in RESET and admits its depths on its CQs: the
+    /// send depth the device granted on the send CQ, the receive depth (or
+    /// the SRQ's) on the receive CQ. A CQ that cannot hold them refuses
+    /// the QP ([`VerbsError::Budget`]) and nothing is left behind.
+    ///
+    /// # Errors
+    /// CQs or SRQ of another device or domain ([`VerbsError::Invalid`]);
+    /// `ibv_create_qp` failed; admission refused.
+    pub fn create_qp(&self, init: &QpInit<'_>) -> Result<Qp, VerbsError> {
+        self.inner.ctx.check()?;
+        for cq in [init.send_cq, init.recv_cq] {
+            if !Arc::ptr_eq(&cq.inner.channel.ctx, &self.inner.ctx) {
+                return Err(VerbsError::Invalid(format!(
+                    "CQ {} belongs to another device context",
+                    cq.name()
+                )));
+            }
+        }
+        if let Some(srq) = init.srq {
+            if !Arc::ptr_eq(&srq.inner.pd, &self.inner) {
+                return Err(VerbsError::Invalid(
+                    "the SRQ belongs to another protection domain".into(),
+                ));
+            }
+        }
+        // SAFETY: plain C data; all-zero is a valid value.
+        let mut attr: sys::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        attr.send_cq = init.send_cq.inner.cq.as_ptr();
+        attr.recv_cq = init.recv_cq.inner.cq.as_ptr();
+        attr.srq = init
+            .srq
+            .map_or(std::ptr::null_mut(), |s| s.inner.srq.as_ptr());
+        attr.qp_type = sys::ibv_qp_type::IBV_QPT_RC;
+        attr.sq_sig_all = i32::from(init.sq_sig_all);
+        attr.cap.max_send_wr = init.cap.max_send_wr;
+        attr.cap.max_recv_wr = if init.srq.is_some() {
+            0
+        } else {
+            init.cap.max_recv_wr
+        };
+        attr.cap.max_send_sge = init.cap.max_send_sge;
+        attr.cap.max_recv_sge = if init.srq.is_some() {
+            0
+        } else {
+            init.cap.max_recv_sge
+        };
+        attr.cap.max_inline_data = init.cap.max_inline_data;
+        // SAFETY: the domain, CQs and SRQ are live objects of one device
+        // (checked above), held by `self` and `init`.
+        let qp = unsafe { sys::create_qp(self.inner.pd, &mut attr) }.map_err(|e| {
+            VerbsError::verb(
+                "ibv_create_qp",
+                format!("RC QP on {}", init.send_cq.name()),
+                e,
+            )
+        })?;
+        // From here a failure destroys the QP.
+        let destroy = |e: VerbsError| {
+            // SAFETY: nothing was posted on the new QP.
+            let _ = unsafe { sys::destroy_qp(qp) };
+            e
+        };
+        // SAFETY: `qp` is live.
+        let qpn = unsafe { sys::qp_num(qp) };
+        // The device may grant more than asked: admit what it granted.
+        let granted = QpCap {
+            max_send_wr: attr.cap.max_send_wr.max(init.cap.max_send_wr),
+            max_recv_wr: if init.srq.is_some() {
+                0
+            } else {
+                attr.cap.max_recv_wr.max(init.cap.max_recv_wr)
+            },
+            max_send_sge: attr.cap.max_send_sge.max(init.cap.max_send_sge),
+            max_recv_sge: attr.cap.max_recv_sge.max(init.cap.max_recv_sge),
+            max_inline_data: attr.cap.max_inline_data.max(init.cap.max_inline_data),
+        };
+        let mut admissions = Vec::with_capacity(2);
+        admissions.push(
+            init.send_cq
+                .budget()
+                .admit(&format!("QP {qpn} send queue"), granted.max_send_wr)
+                .map_err(|e| destroy(e.into()))?,
+        );
+        match init.srq {
+            Some(srq) => {
+                admissions.push(
+                    init.recv_cq
+                        .budget()
+                        .admit_srq(srq.number(), srq.depth())
+                        .map_err(|e| destroy(e.into()))?,
+                );
+                init.recv_cq
+                    .ledger()
+                    .attach_srq_user(qpn, &srq.inner.account)
+                    .map_err(|e| destroy(e.into()))?;
+            }
+            None => admissions.push(
+                init.recv_cq
+                    .budget()
+                    .admit(&format!("QP {qpn} receive queue"), granted.max_recv_wr)
+                    .map_err(|e| destroy(e.into()))?,
+            ),
+        }
+        let send_account = init.send_cq.ledger().open_queue(qpn, Queue::Send);
+        let recv_account = match init.srq {
+            Some(srq) => Arc::clone(&srq.inner.account),
+            None => init.recv_cq.ledger().open_queue(qpn, Queue::Recv),
+        };
+        self.inner.ctx.add_route(
+            qp.as_ptr() as usize,
+            Route::Qp {
+                qp_num: qpn,
+                owner: init.owner,
+                inbox: Arc::downgrade(&init.send_cq.inner.channel.inbox),
+                token: init.send_cq.inner.token,
+            },
+        );
+        Ok(Qp {
+            inner: QpInner {
+                qp,
+                qpn,
+                pd: Arc::clone(&self.inner),
+                send_cq: Arc::clone(&init.send_cq.inner),
+                recv_cq: Arc::clone(&init.recv_cq.inner),
+                srq: init.srq.map(|s| Arc::clone(&s.inner)),
+                cap: granted,
+                send_account,
+                recv_account,
+                pins: Pins::default(),
+                _admissions: admissions,
+            },
+        })
+    }
+}
+
+impl Qp {
+    /// The QP number.
+    pub fn qpn(&self) -> u32 {
+        self.inner.qpn
+    }
+
+    /// The depths the device granted.
+    pub fn cap(&self) -> QpCap {
+        self.inner.cap
+    }
+
+    /// This side's endpoint, to send to the peer: the port's LID, the GID
+    /// at `opts.gid_index` (if any), the QP number, `psn` and the port's
+    /// active MTU.
+    ///
+    /// # Errors
+    /// The port or GID query failed.
+    pub fn endpoint(&self, opts: &ConnectOptions, psn: u32) -> Result<Endpoint, VerbsError> {
+        let ctx = crate::device::Context {
+            inner: Arc::clone(&self.inner.pd.ctx),
+        };
+        let port = ctx.port(opts.port)?;
+        let gid = match opts.gid_index {
+            Some(i) => ctx.gid(opts.port, i)?,
+            None => [0; 16],
+        };
+        Ok(Endpoint {
+            lid: port.lid,
+            gid,
+            qpn: self.inner.qpn,
+            psn: psn & 0xff_ffff,
+            mtu: port.active_mtu,
+        })
+    }
+
+    fn modify(
+        &self,
+        attr: &mut sys::ibv_qp_attr,
+        mask: u32,
+        what: &'static str,
+    ) -> Result<(), VerbsError> {
+        self.inner.pd.ctx.check()?;
+        // SAFETY: the QP is live while `self` is.
+        unsafe { sys::modify_qp(self.inner.qp, attr, mask) }
+            .map_err(|e| VerbsError::verb(what, format!("QP {}", self.inner.qpn), e))
+    }
+
+    /// RESET → INIT → RTR → RTS towards `remote`, this side sending from
+    /// `local_psn`.
+    ///
+    /// # Errors
+    /// A transition the device refused (the error names it).
+    pub fn connect(
+        &self,
+        remote: &Endpoint,
+        local_psn: u32,
+        opts: &ConnectOptions,
+    ) -> Result<(), VerbsError> {
+        use sys::ibv_qp_attr_mask as m;
+        // SAFETY: plain C data; all-zero is a valid value.
+        let mut a: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = sys::ibv_qp_state::IBV_QPS_INIT;
+        a.pkey_index = 0;
+        a.port_num = opts.port;
+        a.qp_access_flags = opts.access.0;
+        self.modify(
+            &mut a,
+            (m::IBV_QP_STATE | m::IBV_QP_PKEY_INDEX | m::IBV_QP_PORT | m::IBV_QP_ACCESS_FLAGS).0,
+            "ibv_modify_qp(INIT)",
+        )?;
+        let ctx = crate::device::Context {
+            inner: Arc::clone(&self.inner.pd.ctx),
+        };
+        let local_mtu = ctx.port(opts.port)?.active_mtu;
+        // SAFETY: as above.
+        let mut a: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = sys::ibv_qp_state::IBV_QPS_RTR;
+        a.path_mtu = opts.mtu.unwrap_or(local_mtu.min(remote.mtu)).to_raw();
+        a.dest_qp_num = remote.qpn;
+        a.rq_psn = remote.psn & 0xff_ffff;
+        a.max_dest_rd_atomic = opts.max_rd_atomic;
+        a.min_rnr_timer = opts.min_rnr_timer;
+        a.ah_attr.dlid = remote.lid;
+        a.ah_attr.sl = opts.sl;
+        a.ah_attr.port_num = opts.port;
+        if remote.has_gid() || opts.gid_index.is_some() {
+            a.ah_attr.is_global = 1;
+            a.ah_attr.grh.dgid.raw = remote.gid;
+            a.ah_attr.grh.hop_limit = 1;
+            a.ah_attr.grh.sgid_index = opts.gid_index.unwrap_or(0);
+        }
+        self.modify(
+            &mut a,
+            (m::IBV_QP_STATE
+                | m::IBV_QP_AV
+                | m::IBV_QP_PATH_MTU
+                | m::IBV_QP_DEST_QPN
+                | m::IBV_QP_RQ_PSN
+                | m::IBV_QP_MAX_DEST_RD_ATOMIC
+                | m::IBV_QP_MIN_RNR_TIMER)
+                .0,
+            "ibv_modify_qp(RTR)",
+        )?;
+        // SAFETY: as above.
+        let mut a: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = sys::ibv_qp_state::IBV_QPS_RTS;
+        a.timeout = opts.timeout;
+        a.retry_cnt = opts.retry_cnt;
+        a.rnr_retry = opts.rnr_retry;
+        a.sq_psn = local_psn & 0xff_ffff;
+        a.max_rd_atomic = opts.max_rd_atomic;
+        self.modify(
+            &mut a,
+            (m::IBV_QP_STATE
+                | m::IBV_QP_TIMEOUT
+                | m::IBV_QP_RETRY_CNT
+                | m::IBV_QP_RNR_RETRY
+                | m::IBV_QP_SQ_PSN
+                | m::IBV_QP_MAX_QP_RD_ATOMIC)
+                .0,
+            "ibv_modify_qp(RTS)",
+        )
+    }
+
+    /// Moves the QP to the error state: every outstanding request, both
+    /// sides, completes flushed (`IBV_WC_WR_FLUSH_ERR`) and later posts
+    /// flush at once. The way to stop a connection with its accounting
+    /// intact: flush, let the poller retire everything
+    /// ([`outstanding`](Self::outstanding) reaches 0), then drop.
+    ///
+    /// # Errors
+    /// The device refused the transition.
+    pub fn to_error(&self) -> Result<(), VerbsError> {
+        // SAFETY: plain C data; all-zero is a valid value.
+        let mut a: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = sys::ibv_qp_state::IBV_QPS_ERR;
+        self.modify(
+            &mut a,
+            sys::ibv_qp_attr_mask::IBV_QP_STATE.0,
+            "ibv_modify_qp(ERR)",
+        )
+    }
+
+    /// Requests posted on the QP (both sides; an SRQ's count separately)
+    /// and not yet retired by the poller.
+    pub fn outstanding(&self) -> usize {
+        let recv = if self.inner.srq.is_some() {
+            0
+        } else {
+            self.inner.recv_account.outstanding()
+        };
+        self.inner.send_account.outstanding() + recv
+    }
+
+    /// The raw `ibv_qp`, for verbs cqd does not wrap (never post on it:
+    /// the posting call keeps the accounts).
+    pub fn as_raw(&self) -> *mut sys::ibv_qp {
+        self.inner.qp.as_ptr()
+    }
+
+    fn queue_name(&self, side: &str) -> String {
+        format!("QP {} {side} queue", self.inner.qpn)
+    }
+}
+
+impl PostSend for Qp {
+    type Wr<'a> = SendWr<'a>;
+    type Error = PostError;
+
+    fn send_account(&self) -> &QueueAccount {
+        &self.inner.send_account
+    }
+
+    fn post_send_raw(&self, wrs: &[SendWr<'_>]) -> Result<(), (usize, PostError)> {
+        let q = &self.inner;
+        let name = || self.queue_name("send");
+        let mut sges = Vec::with_capacity(wrs.iter().map(|w| w.sg_list.len()).sum());
+        for (i, w) in wrs.iter().enumerate() {
+            check_sges(&name, i, w.sg_list, q.cap.max_send_sge, &q.pd).map_err(|e| (i, e))?;
+            if w.inline {
+                let len: u64 = w.sg_list.iter().map(|s| u64::from(s.len)).sum();
+                if len > u64::from(q.cap.max_inline_data) {
+                    return Err((
+                        i,
+                        PostError::Invalid {
+                            queue: name(),
+                            index: i,
+                            why: format!(
+                                "{len} inline bytes, the QP allows {}",
+                                q.cap.max_inline_data
+                            ),
+                        },
+                    ));
+                }
+            }
+            sges.extend(w.sg_list.iter().map(Sge::raw));
+        }
+        let mut raw: Vec<sys::ibv_send_wr> = Vec::with_capacity(wrs.len());
+        let mut at = 0usize;
+        for w in wrs {
+            // SAFETY: plain C data; all-zero is a valid value.
+            let mut r: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+            r.wr_id = w.wr_id;
+            r.sg_list = if w.sg_list.is_empty() {
+                std::ptr::null_mut()
+            } else {
+                // SAFETY: `at` is within `sges` (sum of the lengths).
+                unsafe { sges.as_mut_ptr().add(at) }
+            };
+            r.num_sge = w.sg_list.len() as i32;
+            at += w.sg_list.len();
+            use sys::ibv_wr_opcode as o;
+            let (opcode, imm, remote) = match w.op {
+                WrOp::Send => (o::IBV_WR_SEND, None, None),
+                WrOp::SendWithImm(imm) => (o::IBV_WR_SEND_WITH_IMM, Some(imm), None),
+                WrOp::Write(ra) => (o::IBV_WR_RDMA_WRITE, None, Some(ra)),
+                WrOp::WriteWithImm(ra, imm) => (o::IBV_WR_RDMA_WRITE_WITH_IMM, Some(imm), Some(ra)),
+                WrOp::Read(ra) => (o::IBV_WR_RDMA_READ, None, Some(ra)),
+            };
+            r.opcode = opcode;
+            if let Some(imm) = imm {
+                r.imm_data_invalidated_rkey_union.imm_data = imm;
+            }
+            if let Some(ra) = remote {
+                r.wr.rdma = rdma_sys::rdma_t {
+                    remote_addr: ra.addr,
+                    rkey: ra.rkey,
+                };
+            }
+            use sys::ibv_send_flags as f;
+            let mut flags = 0;
+            if w.signaled {
+                flags |= f::IBV_SEND_SIGNALED.0;
+            }
+            if w.solicited {
+                flags |= f::IBV_SEND_SOLICITED.0;
+            }
+            if w.inline {
+                flags |= f::IBV_SEND_INLINE.0;
+            }
+            r.send_flags = flags;
+            raw.push(r);
+        }
+        link(&mut raw, |w, next| w.next = next);
+        for w in wrs {
+            if !w.inline {
+                q.pins.pin(w.sg_list);
+            }
+        }
+        // SAFETY: the QP is live; the list is linked with a null tail; its
+        // SGEs name regions pinned above until the QP is destroyed (inline
+        // data is copied by the call).
+        unsafe { sys::post_send(q.qp, &mut raw) }.map_err(|(i, e)| {
+            (
+                i,
+                PostError::Device {
+                    verb: "ibv_post_send",
+                    queue: name(),
+                    index: i,
+                    source: e,
+                },
+            )
+        })
+    }
+}
+
+impl PostRecv for Qp {
+    type Wr<'a> = RecvWr<'a>;
+    type Error = PostError;
+
+    fn recv_account(&self) -> &QueueAccount {
+        &self.inner.recv_account
+    }
+
+    fn post_recv_raw(&self, wrs: &[RecvWr<'_>]) -> Result<(), (usize, PostError)> {
+        let q = &self.inner;
+        if let Some(srq) = &q.srq {
+            return Err((
+                0,
+                PostError::Invalid {
+                    queue: self.queue_name("receive"),
+                    index: 0,
+                    why: format!("the QP draws on SRQ {}: post receives to the SRQ", srq.srqn),
+                },
+            ));
+        }
+        post_recv_list(
+            sys::RecvTarget::Qp(q.qp),
+            &|| self.queue_name("receive"),
+            q.cap.max_recv_sge,
+            &q.pd,
+            &q.pins,
+            wrs,
+        )
+    }
+}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        let q = &self.inner;
+        q.pd.ctx.remove_route(q.qp.as_ptr() as usize);
+        // SAFETY: the QP is live; after this the device touches none of the
+        // memory its requests named (the pins go with `self`).
+        if let Err(e) = unsafe { sys::destroy_qp(q.qp) } {
+            tracing::error!(qpn = q.qpn, error = %e, "ibv_destroy_qp failed");
+        }
+        q.send_account.close();
+        if q.recv_account.queue() == Queue::Recv {
+            q.recv_account.close();
+        }
+    }
+}
