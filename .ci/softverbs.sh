@@ -14,6 +14,7 @@ apt-get install -y -qq ibverbs-utils perftest libibverbs-dev librdmacm-dev libcl
 
 cargo build -p softverbs --release
 cargo test -p softverbs --release --no-run
+cargo test -p cqd-verbs --release --no-run
 REL=${CARGO_TARGET_DIR:-$ROOT/target}/release
 cp -f "$REL/libsoftverbs.so" "$REL/libsoftverbs-rdmav34.so"
 RUN=$REL/softverbs-run
@@ -93,5 +94,8 @@ if [[ $fail -ne 0 ]]; then exit 1; fi
 
 # Our integration tests, through the real libibverbs, under the launcher.
 timeout 300 "$RUN" cargo test -p softverbs --release
+# cqd on real verbs (crates/cqd-verbs): its tests need the device, so they
+# run here, under the launcher (outside it they print SKIPPED).
+timeout 600 "$RUN" cargo test -p cqd-verbs --release
 
 echo "softverbs CI done in $(( $(date +%s) - start )) s"

@@ -510,7 +510,11 @@ pub fn completion_of(wc: &sys::ibv_wc) -> Completion {
 
 impl VerbsCqSource {
     fn error(&self, op: &'static str, e: std::io::Error) -> SourceError {
-        if self.cq.channel.ctx.fatal.load(Ordering::Acquire) {
+        // EIO / ENODEV from a CQ verb is a dead device, whether or not its
+        // reader has handed on the fatal event yet.
+        if self.cq.channel.ctx.fatal.load(Ordering::Acquire)
+            || matches!(e.raw_os_error(), Some(libc::EIO | libc::ENODEV))
+        {
             return SourceError::DeviceGone(format!(
                 "{} (CQ {})",
                 self.cq.channel.ctx.name, self.cq.name
