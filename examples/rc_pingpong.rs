@@ -346,7 +346,7 @@ fn run(o: &Options) -> Result<(), String> {
         max_inline_data: 0,
     };
     let qp = pd
-        .create_qp(&QpInit::new(&cq, &cq, cap).owned_by(reg.key()))
+        .create_qp(&QpInit::new(&cq, &cq, cap).owned_by(&reg))
         .map_err(|e| format!("Couldn't create QP: {e}"))?;
     let inline = qp.cap().max_inline_data >= o.size;
 

@@ -164,7 +164,7 @@ pub(crate) enum Route {
     },
 }
 
-type Callback = Box<dyn Fn(DeviceEvent) + Send + Sync>;
+type Callback = Arc<dyn Fn(DeviceEvent) + Send + Sync>;
 
 pub(crate) struct ContextInner {
     pub(crate) ctx: NonNull<sys::ibv_context>,
@@ -326,7 +326,9 @@ impl ContextInner {
                 }
                 other => tracing::info!(device = %self.name, event = ?other, "device event"),
             }
-            if let Some(cb) = self.callback.lock().as_ref() {
+            // Called outside the lock: the callback may set a new one.
+            let cb = self.callback.lock().clone();
+            if let Some(cb) = cb {
                 if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cb(ev))).is_err() {
                     tracing::error!(device = %self.name, "device event callback panicked");
                 }
@@ -388,18 +390,24 @@ fn read_events(inner: Weak<ContextInner>, async_fd: i32, stop_fd: i32) {
             tracing::error!(device = %ctx.name, "the async descriptor closed; no more async events");
             return;
         }
-        loop {
+        let stop = loop {
             // SAFETY: the context is open while `ctx` is held; its async
             // descriptor was made non-blocking at open.
             match unsafe { sys::get_async_event(ctx.ctx) } {
                 Ok(Some((ty, element))) => ctx.deliver(ty, element),
-                Ok(None) => break,
+                Ok(None) => break false,
                 Err(e) => {
                     // A dead device's descriptor (EIO): nothing more will come.
                     tracing::error!(device = %ctx.name, error = %e, "ibv_get_async_event failed; no more async events");
-                    return;
+                    break true;
                 }
             }
+        };
+        // If this was the last reference, the context closes here, on this
+        // thread, with the descriptors: do not poll them again.
+        drop(ctx);
+        if stop || inner.strong_count() == 0 {
+            return;
         }
     }
 }
@@ -582,9 +590,11 @@ impl Context {
 
     /// Sets the callback for device-level events (port changes, fatal
     /// error, events of objects cqd does not track). It runs on the
-    /// device's event reader thread; a panic is caught and traced.
+    /// device's event reader thread; a panic is caught and traced. A
+    /// callback that holds a clone of this `Context` keeps the device open
+    /// (a reference cycle): capture what it needs, not the context.
     pub fn on_device_event(&self, f: impl Fn(DeviceEvent) + Send + Sync + 'static) {
-        *self.inner.callback.lock() = Some(Box::new(f));
+        *self.inner.callback.lock() = Some(Arc::new(f));
     }
 
     /// The asynchronous events read so far.

@@ -206,9 +206,15 @@ fn an_adopted_cq_is_polled_by_cqd_and_destroyed_by_its_owner() {
     let raw_cq = unsafe { rdma_sys::ibv_create_cq(raw_ctx, 128, TOKEN as usize as *mut _, ch, 0) };
     assert!(!raw_cq.is_null());
     {
+        let chan = unsafe { ctx.adopt_comp_channel(ch) }.unwrap();
         let (cq, source) =
-            unsafe { ctx.adopt_cq("adopted", raw_cq, ch, TOKEN, BudgetOptions::default()) }
+            unsafe { ctx.adopt_cq("adopted", raw_cq, &chan, TOKEN, BudgetOptions::default()) }
                 .unwrap();
+        // The token names one CQ of the channel.
+        assert!(matches!(
+            unsafe { ctx.adopt_cq("again", raw_cq, &chan, TOKEN, BudgetOptions::default()) },
+            Err(VerbsError::Invalid(_))
+        ));
         assert!(cq.capacity() >= 128);
         let (unbound, handle) = cqd_core::split::<NoWork>(source, CqOptions::default()).unwrap();
         let counts = Counts::default();
@@ -239,7 +245,7 @@ fn an_adopted_cq_is_polled_by_cqd_and_destroyed_by_its_owner() {
             report.cqs[0].events > 0,
             "event mode slept on the adopted channel"
         );
-        drop((a, b, reg, handle, cq));
+        drop((a, b, reg, handle, cq, chan));
     }
     // cqd never destroys the application's objects; every event it read is
     // acked, so these return at once.
@@ -401,4 +407,76 @@ fn destroy_refuses_with_unacked_events_and_never_hangs() {
     s2.ack_events(0).unwrap();
     s2.destroy().unwrap();
     drop((s2, cq2));
+}
+
+/// A malformed request anywhere in the list refuses the whole list before
+/// the device sees any of it; an owner registered on another CQ is refused;
+/// region copies are exact at every alignment.
+#[test]
+fn malformed_lists_owners_and_region_copies() {
+    needs_launcher!("malformed_lists_owners_and_region_copies");
+    let ctx = Context::open_first().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let (cq, _u, handle) = ctx
+        .create_dispatched_cq::<NoWork>("cq", 512, CqSpec::default(), CqOptions::default())
+        .unwrap();
+    let (other, _u2, other_handle) = ctx
+        .create_dispatched_cq::<NoWork>("other", 64, CqSpec::default(), CqOptions::default())
+        .unwrap();
+    let (a, _b) = pair(&pd, &cq, &cq, QpCap::default());
+    let reg = handle.register(Counts::default()).unwrap();
+    let mr = pd.reg_mr(4096, Access::ALL_RDMA).unwrap();
+    let one = [mr.sge(0, 8)];
+    let two = [mr.sge(0, 8), mr.sge(8, 8)];
+    let mut wrs = [
+        SendWr::new(1, WrOp::Send, &one),
+        SendWr::new(2, WrOp::Send, &one),
+        SendWr::new(3, WrOp::Send, &two),
+    ];
+    match reg.post_send(&a, &mut wrs) {
+        Err(PostError::Invalid { index: 2, .. }) => {}
+        other => panic!("expected Invalid at 2, got {other:?}"),
+    }
+    assert_eq!(wrs.map(|w| w.wr_id), [1, 2, 3], "every tag is back");
+    assert_eq!(reg.ledger().posted(OpKind::Send), 0, "nothing counted");
+    assert_eq!(a.outstanding(), 0, "nothing recorded");
+    // The owner must be registered on one of the QP's CQs.
+    let stranger = other_handle.register(Counts::default()).unwrap();
+    match pd.create_qp(&QpInit::new(&cq, &cq, QpCap::default()).owned_by(&stranger)) {
+        Err(VerbsError::Invalid(m)) => assert!(m.contains("neither"), "{m}"),
+        other => panic!("expected Invalid, got {other:?}"),
+    }
+    assert!(pd
+        .create_qp(
+            &QpInit::new(
+                &cq,
+                &other,
+                QpCap {
+                    max_recv_wr: 16,
+                    ..QpCap::default()
+                }
+            )
+            .owned_by(&stranger)
+        )
+        .is_ok());
+    // Copies in and out at every alignment and length around a word.
+    let data: Vec<u8> = (0..64u8).collect();
+    for off in 0..17 {
+        for len in [0usize, 1, 7, 8, 9, 15, 16, 17, 40] {
+            mr.fill(0, 128, 0xee);
+            mr.write(off, &data[..len]);
+            let mut back = vec![0u8; len];
+            mr.read(off, &mut back);
+            assert_eq!(back, data[..len], "offset {off} len {len}");
+            let all = mr.to_vec();
+            assert!(
+                all[..off].iter().all(|&b| b == 0xee),
+                "bytes before {off} untouched"
+            );
+            assert!(
+                all[off + len..128].iter().all(|&b| b == 0xee),
+                "bytes after untouched"
+            );
+        }
+    }
 }

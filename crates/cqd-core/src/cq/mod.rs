@@ -599,7 +599,14 @@ impl<W: Send + 'static> CqPoller<W> {
                 tracing::error!(cq = %self.core.shared.name, capacity, lost, "CQ overflow: completions were lost");
                 self.enter_error("it overflowed");
             } else {
-                tracing::error!(cq = %self.core.shared.name, event = ?ev, "asynchronous event");
+                match ev {
+                    AsyncEvent::Qp { .. } | AsyncEvent::Srq { .. } => {
+                        tracing::warn!(cq = %self.core.shared.name, event = ?ev, "asynchronous event")
+                    }
+                    _ => {
+                        tracing::error!(cq = %self.core.shared.name, event = ?ev, "asynchronous event")
+                    }
+                }
                 self.route_async(&ev);
             }
         }
