@@ -83,7 +83,8 @@ pub struct Args {
     /// Device size of each server [default: 64MiB, 16MiB with --quick].
     #[arg(long, value_parser = parse_size)]
     pub device_size: Option<u64>,
-    /// How long the load runs (e.g. 8s, 500ms, 1m).
+    /// How long the load runs (e.g. 10s, 500ms, 1m) [default: 10s, 2s with
+    /// --quick, 2.5s per mode with --compare-modes].
     #[arg(long, value_parser = parse_duration)]
     pub duration: Option<Duration>,
     /// Stop after this many requests instead of a duration.
@@ -278,7 +279,7 @@ impl Args {
             (None, Some(d)) => Stop::After(d),
             (None, None) if self.quick => Stop::After(Duration::from_secs(2)),
             (None, None) if self.compare_modes => Stop::After(Duration::from_millis(2500)),
-            (None, None) => Stop::After(Duration::from_secs(8)),
+            (None, None) => Stop::After(Duration::from_secs(10)),
         };
         Ok(Config {
             backend: self.backend,
@@ -379,7 +380,7 @@ mod tests {
     #[test]
     fn the_defaults_are_a_valid_ten_second_run() {
         let c = args(&[]).check().unwrap();
-        assert_eq!(c.stop, Stop::After(Duration::from_secs(8)));
+        assert_eq!(c.stop, Stop::After(Duration::from_secs(10)));
         assert_eq!(c.blocks_per_server, 16384);
         let q = args(&["--quick"]).check().unwrap();
         assert_eq!(q.stop, Stop::After(Duration::from_secs(2)));

@@ -437,12 +437,12 @@ impl Report {
             let b = cq.budget.as_ref();
             let _ = writeln!(
                 s,
-                "cq {:<7} capacity {}, {} completions, {} flushes, {} errors, {} stale, overflows {}, credits high water {}",
+                "cq {:<7} capacity {}, {} completions, {} flushes, {} other errors, {} stale, overflows {}, credits high water {}",
                 cq.name,
                 cq.capacity,
                 cq.completions,
                 cq.flushes,
-                cq.errors(),
+                cq.errors().saturating_sub(cq.flushes),
                 cq.stale_wr_ids,
                 cq.overflows,
                 b.map_or(0, |b| b.credits_high_water)
@@ -545,7 +545,7 @@ pub fn compare_table(rows: &[CompareRow]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<9} {:>10} {:>9} {:>9} {:>9} {:>11} {:>9} {:>11} {:>7}  {}",
+        "{:<9} {:>10} {:>9} {:>9} {:>9} {:>11} {:>9} {:>11} {:>7}  verdicts",
         "mode",
         "ops/s",
         "p50 µs",
@@ -555,7 +555,6 @@ pub fn compare_table(rows: &[CompareRow]) -> String {
         "events",
         "empty polls",
         "spills",
-        "verdicts"
     );
     for r in rows {
         let _ = writeln!(

@@ -73,9 +73,7 @@ pub fn run_on<N: Node>(
         mode.or(cfg.mode),
         cfg.workers,
     )?;
-    for w in &layout.warnings {
-        tracing::warn!("topology: {w}");
-    }
+    // validate() logged its warnings already; the report lists them too.
     let mode_name = mode
         .or(cfg.mode)
         .map_or_else(|| "topology".to_string(), |m| m.name().to_string());

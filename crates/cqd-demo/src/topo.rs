@@ -139,11 +139,13 @@ pub fn resolve(
                     ld = true;
                     load_cqs.push(k);
                 }
-                None => return bad(format!(
+                None => {
+                    return bad(format!(
                     "poller[{i}] {:?} names CQ {cq:?}; the demo makes CQs named srv<i> (server i) \
                          and load<k> (the load generator's k-th CQ)",
                     p.name
-                )),
+                ))
+                }
             }
         }
         match (srv, ld) {

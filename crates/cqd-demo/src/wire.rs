@@ -185,7 +185,7 @@ fn u64_at(b: &[u8; MSG_LEN], at: usize) -> u64 {
 fn header<'a>(
     bytes: &'a [u8],
     magic: [u8; 4],
-    reserved: &[std::ops::Range<usize>],
+    reserved: &[(usize, usize)],
 ) -> Result<&'a [u8; MSG_LEN], WireError> {
     let b: &[u8; MSG_LEN] = bytes
         .try_into()
@@ -197,8 +197,8 @@ fn header<'a>(
     if b[4] != VERSION {
         return Err(WireError::BadVersion(b[4]));
     }
-    for range in reserved {
-        if let Some(offset) = range.clone().find(|&i| b[i] != 0) {
+    for &(from, to) in reserved {
+        if let Some(offset) = (from..to).find(|&i| b[i] != 0) {
             return Err(WireError::Reserved {
                 offset,
                 value: b[offset],
@@ -229,7 +229,7 @@ impl Request {
     /// # Errors
     /// [`WireError`] for anything but a well-formed version-1 request.
     pub fn decode(bytes: &[u8]) -> Result<Self, WireError> {
-        let b = header(bytes, REQ_MAGIC, &[40..MSG_LEN])?;
+        let b = header(bytes, REQ_MAGIC, &[(40, MSG_LEN)])?;
         Ok(Request {
             op: BlockOp::from_code(b[5])?,
             slot: u16_at(b, 6),
@@ -272,7 +272,7 @@ impl Reply {
     /// # Errors
     /// [`WireError`] for anything but a well-formed version-1 reply.
     pub fn decode(bytes: &[u8]) -> Result<Self, WireError> {
-        let b = header(bytes, REPLY_MAGIC, &[18..24, 32..MSG_LEN])?;
+        let b = header(bytes, REPLY_MAGIC, &[(18, 24), (32, MSG_LEN)])?;
         Ok(Reply {
             op: BlockOp::from_code(b[5])?,
             slot: u16_at(b, 6),
