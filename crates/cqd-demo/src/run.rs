@@ -216,6 +216,7 @@ pub fn run_on<N: Node>(
     let bar = progress_bar(cfg);
     let shared = std::sync::Arc::clone(load.shared());
     let load_started = Instant::now();
+    tracing::info!(stop = ?cfg.stop, "load: run");
     load.enter(Phase::Run);
     let mut last = (Instant::now(), 0u64);
     let mut rate = 0.0;
@@ -233,7 +234,7 @@ pub fn run_on<N: Node>(
             Stop::Ops(_) => bar.set_position(counts.completed + counts.failed),
         }
         bar.set_message(format!(
-            "{:>9.0} ops/s  {:>10} ops  {} failed",
+            "{:>7.0} ops/s {:>9} ops {} failed",
             rate, counts.completed, counts.failed
         ));
         load.check_timeouts(cfg.op_timeout);
@@ -248,6 +249,7 @@ pub fn run_on<N: Node>(
             break;
         }
     }
+    tracing::info!(inflight = shared.inflight(), "load: drain");
     load.enter(Phase::Drain);
     let timeout = cfg.op_timeout;
     let drained = load.wait_idle(DRAIN, &mut || load.check_timeouts(timeout));
@@ -256,6 +258,10 @@ pub fn run_on<N: Node>(
 
     // Read every block back.
     let verify_started = Instant::now();
+    tracing::info!(
+        blocks = cfg.blocks_per_server * u64::from(cfg.servers),
+        "load: read back every block"
+    );
     load.enter(Phase::Verify);
     let verified = load.wait_idle(DRAIN + Duration::from_secs(20), &mut || {
         load.check_timeouts(timeout)
@@ -264,6 +270,7 @@ pub fn run_on<N: Node>(
     let verify_elapsed = verify_started.elapsed();
 
     // Shutdown: servers' workers idle, then QPs to error, pollers, pool.
+    tracing::info!("shutdown: workers idle, QPs to error, pollers, pool");
     let mut quiet = true;
     for s in &servers {
         quiet &= s.quiesce(Duration::from_secs(5));
@@ -327,7 +334,7 @@ fn progress_bar(cfg: &Config) -> ProgressBar {
             ProgressDrawTarget::hidden()
         },
     );
-    if let Ok(style) = ProgressStyle::with_template("{spinner} [{bar:30}] {percent:>3}% {msg}") {
+    if let Ok(style) = ProgressStyle::with_template("{spinner} [{bar:20}] {percent:>3}% {msg}") {
         bar.set_style(style.progress_chars("=> "));
     }
     bar
