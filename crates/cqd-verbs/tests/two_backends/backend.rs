@@ -105,6 +105,8 @@ pub trait Backend: Sized + 'static {
     fn retryable(e: &Self::PostErr) -> bool;
     /// Makes the device go away (hot unplug, fatal error).
     fn kill(dev: &Self::Dev);
+    /// True once the device is known to be gone.
+    fn is_gone(dev: &Self::Dev) -> bool;
 
     /// A CQ split for dispatch: the NIC's side, the polling right, the
     /// handle.
@@ -289,6 +291,10 @@ impl Backend for Sim {
 
     fn kill(dev: &Self::Dev) {
         dev.dev.vanish();
+    }
+
+    fn is_gone(dev: &Self::Dev) -> bool {
+        dev.dev.is_gone()
     }
 }
 
@@ -486,5 +492,9 @@ impl Backend for Verbs {
         // SAFETY: the context is open while `dev` holds it.
         let rc = unsafe { inject(dev.ctx.as_raw()) };
         assert_eq!(rc, 0, "softverbs_inject_device_fatal failed: {rc}");
+    }
+
+    fn is_gone(dev: &Self::Dev) -> bool {
+        dev.ctx.is_gone()
     }
 }
