@@ -67,8 +67,18 @@ pub trait Backend: Sized + 'static {
     fn open() -> Self::Dev;
     /// Another device that can reach `dev`'s QPs (same fabric).
     fn open_peer(dev: &Self::Dev) -> Self::Dev;
+    /// A completion channel several CQs can share.
+    type Channel: Clone;
     /// A CQ of at least `cqe` entries; admission off lets it overflow.
     fn cq(dev: &Self::Dev, name: &str, cqe: u32, admission: bool) -> (Self::Cq, Self::Source);
+    fn channel(dev: &Self::Dev) -> Self::Channel;
+    /// A CQ that notifies through `channel` (admission on).
+    fn cq_on(
+        dev: &Self::Dev,
+        name: &str,
+        cqe: u32,
+        channel: &Self::Channel,
+    ) -> (Self::Cq, Self::Source);
     /// The entries the CQ really has.
     fn capacity(cq: &Self::Cq) -> u32;
     /// Credits in use on the CQ's budget.
@@ -107,6 +117,18 @@ pub trait Backend: Sized + 'static {
     fn kill(dev: &Self::Dev);
     /// True once the device is known to be gone.
     fn is_gone(dev: &Self::Dev) -> bool;
+
+    /// As [`dispatched_cq`](Self::dispatched_cq), on a shared channel.
+    fn dispatched_cq_on(
+        dev: &Self::Dev,
+        name: &str,
+        cqe: u32,
+        channel: &Self::Channel,
+    ) -> (Self::Cq, UnboundCq<NoWork>, CqHandle<NoWork>) {
+        let (cq, source) = Self::cq_on(dev, name, cqe, channel);
+        let (unbound, handle) = split::<NoWork>(source, CqOptions::default()).expect("split");
+        (cq, unbound, handle)
+    }
 
     /// A CQ split for dispatch: the NIC's side, the polling right, the
     /// handle.
@@ -171,6 +193,25 @@ impl Backend for Sim {
     fn cq(dev: &Self::Dev, name: &str, cqe: u32, admission: bool) -> (Self::Cq, Self::Source) {
         let config = cqd_sim::CqConfig {
             budget: budget(admission),
+            ..cqd_sim::CqConfig::default()
+        };
+        dev.dev.create_cq(name, cqe, config).expect("create_cq")
+    }
+
+    type Channel = cqd_sim::SimChannel;
+
+    fn channel(_: &Self::Dev) -> Self::Channel {
+        cqd_sim::SimChannel::new().expect("channel")
+    }
+
+    fn cq_on(
+        dev: &Self::Dev,
+        name: &str,
+        cqe: u32,
+        channel: &Self::Channel,
+    ) -> (Self::Cq, Self::Source) {
+        let config = cqd_sim::CqConfig {
+            channel: Some(channel.clone()),
             ..cqd_sim::CqConfig::default()
         };
         dev.dev.create_cq(name, cqe, config).expect("create_cq")
@@ -352,6 +393,25 @@ impl Backend for Verbs {
     fn cq(dev: &Self::Dev, name: &str, cqe: u32, admission: bool) -> (Self::Cq, Self::Source) {
         let spec = cqd_verbs::CqSpec {
             budget: budget(admission),
+            ..cqd_verbs::CqSpec::default()
+        };
+        dev.ctx.create_cq(name, cqe, spec).expect("create_cq")
+    }
+
+    type Channel = cqd_verbs::CompChannel;
+
+    fn channel(dev: &Self::Dev) -> Self::Channel {
+        dev.ctx.create_comp_channel().expect("channel")
+    }
+
+    fn cq_on(
+        dev: &Self::Dev,
+        name: &str,
+        cqe: u32,
+        channel: &Self::Channel,
+    ) -> (Self::Cq, Self::Source) {
+        let spec = cqd_verbs::CqSpec {
+            channel: Some(channel.clone()),
             ..cqd_verbs::CqSpec::default()
         };
         dev.ctx.create_cq(name, cqe, spec).expect("create_cq")
