@@ -1007,6 +1007,74 @@ fn device_gone<B: Backend>(mode_name: &str) {
     drop((a, cq, pcq));
 }
 
+/// A dead device's CQ in a poller's group with a living device's CQ: the
+/// dead one must not hold the group back (a failing source makes a
+/// poller back off for a tenth of its wake timeout when nothing else had
+/// work; a CQ whose device is gone leaves the active list for that).
+fn device_gone_group<B: Backend>(mode_name: &str) {
+    let dev = B::open();
+    let peer = B::open_peer(&dev);
+    let (dcq, du, dh) = B::dispatched_cq(&dev, "dying", 256, true);
+    let (lcq, lu, lh) = B::dispatched_cq(&peer, "living", 256, true);
+    let (da, db) = B::pair(&dev, &dcq, &dcq, Cap::default());
+    let (la, lb) = B::pair(&peer, &lcq, &lcq, Cap::default());
+    let (dm, lm) = (B::reg_mr(&dev, 4096), B::reg_mr(&peer, 4096));
+    let (dlog, llog) = (Log::default(), Log::default());
+    let dreg = dh.register(Recorder(dlog.clone())).unwrap();
+    let lreg = lh.register(Recorder(llog.clone())).unwrap();
+    // Back-off pauses of 10 ms: 100 round trips held back by them would
+    // take a second.
+    let t = cqd_core::PollerBuilder::new("group", cqd_core::NoSink)
+        .mode(mode(mode_name))
+        .wake_timeout(Duration::from_millis(100))
+        .drain_timeout(Duration::from_millis(300))
+        .cq(du)
+        .cq(lu)
+        .spawn()
+        .expect("spawn the poller");
+    let rs = [B::sge(&dm, 0, 64)];
+    let mut r: Vec<_> = (0..4).map(|t| B::recv_wr(t, &rs)).collect();
+    dreg.post_recv(&da, &mut r).unwrap();
+    B::kill(&dev);
+    // Known gone (cqd-verbs: once its event reader has read the fatal
+    // event, see `device_gone_first_poll`), and noticed by the poller.
+    assert!(wait_until(Duration::from_secs(5), || B::is_gone(&dev)
+        && dh.snapshot().poll_errors + dh.snapshot().arm_errors >= 1));
+    let src = [B::sge(&lm, 0, 8)];
+    let start = Instant::now();
+    for i in 0..100u32 {
+        lreg.post_send(
+            &la,
+            &mut [B::send_wr(i, Op::Write(B::remote(&lm, 64)), &src, true)],
+        )
+        .unwrap();
+        assert!(wait_until(Duration::from_secs(5), || llog.len() == i as usize + 1));
+    }
+    let took = start.elapsed();
+    assert!(
+        took < Duration::from_millis(500),
+        "{}: 100 round trips on the living CQ took {took:?}: the dead CQ holds its group back",
+        B::NAME
+    );
+    let report = within("stopping", Duration::from_secs(10), move || {
+        cqd_core::shutdown(
+            || {
+                B::to_error(&la);
+                B::to_error(&lb);
+            },
+            [t],
+            [],
+        )
+    });
+    let p = &report.pollers[0];
+    let w = account(p, &lreg, OpKind::Write).expect("the living writes");
+    assert_eq!((w.posted, w.completed), (100, 100));
+    let r = account(p, &dreg, OpKind::Recv).expect("the dead receives");
+    assert_eq!((r.posted, r.completed), (4, 0), "died with the device");
+    assert!(dlog.snapshot().is_empty());
+    drop((da, db, dcq, lcq));
+}
+
 /// The source's side of a dying device, without a poller: once the
 /// device is known to be gone, polls and arms fail with `DeviceGone`, and
 /// the fatal event is there to take.
@@ -1353,6 +1421,39 @@ macro_rules! matrix {
     };
 }
 
+/// As `matrix!`, every test ignored with `$why` (a known bug, kept as its
+/// regression test: run with `--include-ignored`).
+macro_rules! matrix_ignored {
+    ($why:literal, $scenario:ident: $($mode:ident),+) => {
+        mod $scenario {
+            mod sim {
+                $(
+                    #[test]
+                    #[ignore = $why]
+                    fn $mode() {
+                        let name = concat!(stringify!($scenario), "::sim::", stringify!($mode));
+                        crate::run::<crate::backend::Sim>(name, || {
+                            crate::$scenario::<crate::backend::Sim>(stringify!($mode))
+                        });
+                    }
+                )+
+            }
+            mod verbs {
+                $(
+                    #[test]
+                    #[ignore = $why]
+                    fn $mode() {
+                        let name = concat!(stringify!($scenario), "::verbs::", stringify!($mode));
+                        crate::run::<crate::backend::Verbs>(name, || {
+                            crate::$scenario::<crate::backend::Verbs>(stringify!($mode))
+                        });
+                    }
+                )+
+            }
+        }
+    };
+}
+
 matrix!(exactly_once: busy, event, hybrid, adaptive);
 matrix!(send_recv_one_cq: busy, event, hybrid, adaptive);
 matrix!(errors_by_side: busy, event, hybrid, adaptive);
@@ -1366,6 +1467,15 @@ matrix!(destroy_unacked: direct);
 matrix!(events_acked_at_stop: event, hybrid, adaptive);
 matrix!(shared_channel: busy, event, hybrid, adaptive);
 matrix!(device_gone: busy, event, hybrid, adaptive);
+// Fails on both backends today (cqd-core's poller, not a backend): a dead
+// CQ keeps its group backing off 10 ms per idle round in Busy mode always
+// (Busy polls every CQ every round, the errored one included) and often in
+// the other modes (an errored CQ stays in the list of active CQs until the
+// next sleep, which a backing-off group never reaches).
+matrix_ignored!(
+    "cqd-core: a dead CQ keeps its poller's group backing off",
+    device_gone_group: busy, event, hybrid, adaptive
+);
 matrix!(device_gone_source: direct);
 
 mod device_gone_first_poll {
