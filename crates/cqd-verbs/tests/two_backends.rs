@@ -460,6 +460,28 @@ fn unsignaled<B: Backend>(mode_name: &str) {
     assert_each_once("signaled", &evs, OpKind::Write, (0..50).map(|r| r * 4 + 3));
     assert_eq!(B::outstanding(&a), 0, "the unsignaled writes were retired");
     assert_eq!(B::credits_in_use(&cq), 0);
+    // Another handler's unsignaled writes on the same send queue are
+    // retired by this handler's next signaled one, in both ledgers; the
+    // other handler, unregistered meanwhile, retires once they are.
+    let x = h.register(Recorder(Log::default())).unwrap();
+    let mut l: Vec<_> = (500..503)
+        .map(|t| B::send_wr(t, Op::Write(dst), &src, false))
+        .collect();
+    x.post_send(&a, &mut l).unwrap();
+    h.unregister(x.key()).unwrap();
+    std::thread::sleep(Duration::from_millis(10));
+    assert_eq!(x.ledger().outstanding(), 3, "no completion of their own");
+    assert_eq!(h.snapshot().handlers_live, 2, "retiring, not gone");
+    reg.post_send(&a, &mut [B::send_wr(600, Op::Write(dst), &src, true)])
+        .unwrap();
+    assert!(
+        wait_until(Duration::from_secs(10), || x.ledger().outstanding() == 0
+            && h.snapshot().handlers_live == 1),
+        "{}: the other handler's unsignaled writes were not retired",
+        B::NAME
+    );
+    assert_eq!(x.ledger().completed(OpKind::Write), 3);
+    assert!(wait_until(Duration::from_secs(10), || log.len() == 51));
     // Unsignaled sends waiting for receives d never posts: each flushes
     // exactly once (an error always completes).
     let mut l: Vec<_> = (1000..1004)
@@ -469,7 +491,7 @@ fn unsignaled<B: Backend>(mode_name: &str) {
     std::thread::sleep(Duration::from_millis(20));
     assert_eq!(reg.ledger().outstanding(), 4, "nothing hidden: 4 in flight");
     B::to_error(&c);
-    assert!(wait_until(Duration::from_secs(10), || log.len() == 54));
+    assert!(wait_until(Duration::from_secs(10), || log.len() == 55));
     let flushed: Vec<_> = (1000..1004)
         .map(|t| (Side::Send, OpKind::Send, t, Status::WrFlush))
         .collect();
@@ -478,7 +500,7 @@ fn unsignaled<B: Backend>(mode_name: &str) {
     assert_clean("unsignaled", &report);
     let p = &report.pollers[0];
     let acc = |k| account(p, &reg, k).map(|a| (a.posted, a.completed, a.flushed));
-    assert_eq!(acc(OpKind::Write), Some((200, 200, 0)));
+    assert_eq!(acc(OpKind::Write), Some((201, 201, 0)));
     assert_eq!(acc(OpKind::Send), Some((4, 4, 4)));
     assert_eq!(B::credits_in_use(&cq), 0);
     drop((b, d));
