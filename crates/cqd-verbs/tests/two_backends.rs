@@ -1058,8 +1058,7 @@ fn device_gone_group<B: Backend>(mode_name: &str) {
     let mut r: Vec<_> = (0..4).map(|t| B::recv_wr(t, &rs)).collect();
     dreg.post_recv(&da, &mut r).unwrap();
     B::kill(&dev);
-    // Known gone (cqd-verbs: once its event reader has read the fatal
-    // event, see `device_gone_first_poll`), and noticed by the poller.
+    // Known gone, and noticed by the poller.
     assert!(wait_until(Duration::from_secs(5), || B::is_gone(&dev)
         && dh.snapshot().poll_errors + dh.snapshot().arm_errors >= 1));
     let src = [B::sge(&lm, 0, 8)];
@@ -1104,9 +1103,8 @@ fn device_gone_source<B: Backend>(_: &str) {
     let dev = B::open();
     let (cq, mut source) = B::cq(&dev, "gone-source", 256, true);
     B::kill(&dev);
-    // cqd-verbs learns of the death from its event reader thread, which
-    // reads IBV_EVENT_DEVICE_FATAL shortly after the device died (see
-    // `device_gone_first_poll` for the poll before that).
+    // The device says so too (cqd-verbs: once its event reader has read
+    // IBV_EVENT_DEVICE_FATAL; `device_gone_first_poll` polls before that).
     assert!(wait_until(Duration::from_secs(5), || B::is_gone(&dev)));
     let mut buf = [cqd_core::Completion::default(); 4];
     let polled = source.poll(&mut buf);
@@ -1500,30 +1498,7 @@ matrix_ignored!(
 );
 matrix!(device_gone_source: direct);
 
-mod device_gone_first_poll {
-    mod sim {
-        #[test]
-        fn direct() {
-            crate::run::<crate::backend::Sim>("device_gone_first_poll::sim::direct", || {
-                crate::device_gone_first_poll::<crate::backend::Sim>("direct")
-            });
-        }
-    }
-    mod verbs {
-        /// Fails today: cqd-verbs answers the first poll after the death
-        /// with `SourceError::Os` carrying a stale errno (its `sys::poll_cq`
-        /// reads errno, which a provider returning `-EIO` never set), and
-        /// reports `DeviceGone` only once its event reader thread has read
-        /// the fatal event.
-        #[test]
-        #[ignore = "cqd-verbs: first poll after a device death is Os(stale errno), not DeviceGone"]
-        fn direct() {
-            crate::run::<crate::backend::Verbs>("device_gone_first_poll::verbs::direct", || {
-                crate::device_gone_first_poll::<crate::backend::Verbs>("direct")
-            });
-        }
-    }
-}
+matrix!(device_gone_first_poll: direct);
 
 macro_rules! two_processes {
     ($($mode:ident),+) => {
