@@ -364,9 +364,6 @@ pub struct VerbsDev {
     pub pd: cqd_verbs::Pd,
 }
 
-/// Endpoint and the region a peer may read and write, as sent out of band.
-pub type VerbsEndpoint = cqd_verbs::Endpoint;
-
 impl Backend for Verbs {
     const NAME: &'static str = "verbs";
     const OVERFLOW_STICKY: bool = false;
@@ -378,7 +375,7 @@ impl Backend for Verbs {
     type PostErr = cqd_verbs::PostError;
     type Sge<'a> = cqd_verbs::Sge<'a>;
     type Remote = cqd_verbs::RemoteAddr;
-    type Endpoint = VerbsEndpoint;
+    type Endpoint = cqd_verbs::Endpoint;
 
     fn open() -> Self::Dev {
         let ctx = cqd_verbs::Context::open_first().expect("open the softverbs device");
