@@ -344,6 +344,88 @@ fn send_recv_one_cq<B: Backend>(mode_name: &str) {
 }
 
 // ---------------------------------------------------------------------
+// A shared receive queue: four QPs draw on one SRQ; each receive reaches
+// the handler that posted it, named by the QP that consumed it, with that
+// QP's message.
+// ---------------------------------------------------------------------
+
+fn srq_shared<B: Backend>(mode_name: &str) {
+    const QPS: usize = 4;
+    const EACH: usize = 10;
+    let dev = B::open();
+    let (cq, u, h) = B::dispatched_cq(&dev, "srq", 1024, true);
+    let srq = B::srq(&dev, 64);
+    let pairs: Vec<(B::Qp, B::Qp)> = (0..QPS)
+        .map(|_| {
+            let a = B::qp(&dev, &cq, &cq, Cap::default());
+            let b = B::qp_on_srq(&dev, &cq, &cq, &srq, Cap::default());
+            B::connect(&a, &B::endpoint(&b));
+            B::connect(&b, &B::endpoint(&a));
+            (a, b)
+        })
+        .collect();
+    let (ma, mb) = (B::reg_mr(&dev, 4096), B::reg_mr(&dev, 8192));
+    let log = Log::default();
+    let reg = h.register(Recorder(log.clone())).unwrap();
+    let t = poller("srq", mode(mode_name), vec![u]);
+    let n = QPS * EACH;
+    let rsg: Vec<_> = (0..n).map(|i| [B::sge(&mb, i * 64, 64)]).collect();
+    let mut r: Vec<_> = (0..n).map(|i| B::srq_recv_wr(i as u32, &rsg[i])).collect();
+    reg.post_recv(&srq, &mut r).unwrap();
+    // Message k of QP i: 8 bytes naming both.
+    let msg = |i: usize, k: usize| [b'q', i as u8, b'm', k as u8, 0xa5, 0x5a, i as u8, k as u8];
+    for (i, (a, _)) in pairs.iter().enumerate() {
+        for k in 0..EACH {
+            B::write(&ma, (i * EACH + k) * 8, &msg(i, k));
+        }
+        let ssg: Vec<_> = (0..EACH)
+            .map(|k| [B::sge(&ma, (i * EACH + k) * 8, 8)])
+            .collect();
+        let mut s: Vec<_> = (0..EACH)
+            .map(|k| B::send_wr(1000 + (i * EACH + k) as u32, Op::Send, &ssg[k], true))
+            .collect();
+        reg.post_send(a, &mut s).unwrap();
+    }
+    assert!(
+        wait_until(Duration::from_secs(10), || log.len() == 2 * n),
+        "{}: {} of {} completions",
+        B::NAME,
+        log.len(),
+        2 * n
+    );
+    let report = cqd_core::shutdown(|| {}, [t], []);
+    assert_clean("srq_shared", &report);
+    let evs = log.snapshot();
+    assert!(evs.iter().all(|e| e.ok), "{evs:?}");
+    assert_each_once("srq", &evs, OpKind::Recv, 0..n as u32);
+    assert_each_once("srq", &evs, OpKind::Send, (0..n as u32).map(|t| 1000 + t));
+    let qpns: Vec<u32> = pairs.iter().map(|(_, b)| B::qpn(b)).collect();
+    let mut got: HashMap<(usize, usize), u32> = HashMap::new();
+    for e in evs.iter().filter(|e| e.kind == OpKind::Recv) {
+        let i = qpns
+            .iter()
+            .position(|q| *q == e.qp)
+            .unwrap_or_else(|| panic!("{}: receive {e:?} names no SRQ user", B::NAME));
+        assert_eq!(e.byte_len, 8, "{e:?}");
+        let mut buf = [0u8; 8];
+        B::read(&mb, e.tag as usize * 64, &mut buf);
+        assert_eq!(
+            (buf[0], buf[1] as usize),
+            (b'q', i),
+            "receive {e:?} holds {buf:?}"
+        );
+        assert_eq!(buf, msg(i, buf[3] as usize), "receive {e:?}");
+        *got.entry((i, buf[3] as usize)).or_default() += 1;
+    }
+    assert_eq!(got.len(), n, "every message arrived once");
+    assert!(got.values().all(|c| *c == 1));
+    let p = &report.pollers[0];
+    let acc = |k| account(p, &reg, k).map(|a| (a.posted, a.completed, a.flushed));
+    assert_eq!(acc(OpKind::Recv), Some((n as u64, n as u64, 0)));
+    assert_eq!(B::credits_in_use(&cq), 0);
+}
+
+// ---------------------------------------------------------------------
 // Errors and flushes routed by side: a QP moved to ERR flushes both of its
 // queues; errors of either side reach on_error with the side and kind
 // given at post time (the device's opcode is undefined there).
@@ -1553,6 +1635,7 @@ macro_rules! matrix_ignored {
 
 matrix!(exactly_once: busy, event, hybrid, adaptive);
 matrix!(send_recv_one_cq: busy, event, hybrid, adaptive);
+matrix!(srq_shared: busy, event, hybrid, adaptive);
 matrix!(errors_by_side: busy, event, hybrid, adaptive);
 matrix!(unsignaled: busy, event, hybrid, adaptive);
 matrix!(drain_and_shutdown: busy, event, hybrid, adaptive);

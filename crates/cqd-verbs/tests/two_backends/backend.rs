@@ -54,6 +54,8 @@ pub trait Backend: Sized + 'static {
         + Send
         + Sync
         + 'static;
+    /// A shared receive queue.
+    type Srq: PostRecv<Error = Self::PostErr> + Send + Sync + 'static;
     type Mr: Send + Sync + 'static;
     type PostErr: Debug + Display;
     type Sge<'a>: Copy
@@ -88,6 +90,20 @@ pub trait Backend: Sized + 'static {
     /// An RC QP in RESET on `send_cq` / `recv_cq`.
     fn qp(dev: &Self::Dev, send_cq: &Self::Cq, recv_cq: &Self::Cq, cap: Cap) -> Self::Qp;
     fn qpn(qp: &Self::Qp) -> u32;
+    /// An SRQ of `depth` receives.
+    fn srq(dev: &Self::Dev, depth: u32) -> Self::Srq;
+    /// An RC QP in RESET whose receives come from `srq`.
+    fn qp_on_srq(
+        dev: &Self::Dev,
+        send_cq: &Self::Cq,
+        recv_cq: &Self::Cq,
+        srq: &Self::Srq,
+        cap: Cap,
+    ) -> Self::Qp;
+    fn srq_recv_wr<'a, 'b: 'a>(
+        tag: u32,
+        sg: &'a [Self::Sge<'b>],
+    ) -> <Self::Srq as PostRecv>::Wr<'a>;
     /// Requests of the QP (both queues) not yet retired by its poller.
     fn outstanding(qp: &Self::Qp) -> usize;
     fn endpoint(qp: &Self::Qp) -> Self::Endpoint;
@@ -172,6 +188,7 @@ impl Backend for Sim {
     type Cq = cqd_sim::Cq;
     type Source = cqd_sim::SimCqSource;
     type Qp = cqd_sim::Qp;
+    type Srq = cqd_sim::Srq;
     type Mr = cqd_sim::Mr;
     type PostErr = cqd_sim::PostError;
     type Sge<'a> = cqd_sim::Sge;
@@ -242,6 +259,31 @@ impl Backend for Sim {
 
     fn qpn(qp: &Self::Qp) -> u32 {
         qp.qpn()
+    }
+
+    fn srq(dev: &Self::Dev, depth: u32) -> Self::Srq {
+        dev.pd.create_srq(depth, 4).expect("create_srq")
+    }
+
+    fn qp_on_srq(
+        dev: &Self::Dev,
+        send_cq: &Self::Cq,
+        recv_cq: &Self::Cq,
+        srq: &Self::Srq,
+        cap: Cap,
+    ) -> Self::Qp {
+        let cap = cqd_sim::QpCap {
+            max_send_wr: cap.send,
+            max_recv_wr: cap.recv,
+            ..cqd_sim::QpCap::default()
+        };
+        dev.pd
+            .create_qp(&cqd_sim::QpInit::new(send_cq, recv_cq, cap).with_srq(srq))
+            .expect("create_qp on an SRQ")
+    }
+
+    fn srq_recv_wr<'a, 'b: 'a>(tag: u32, sg: &'a [cqd_sim::Sge]) -> cqd_sim::RecvWr<'a> {
+        cqd_sim::RecvWr::new(u64::from(tag), sg)
     }
 
     fn outstanding(qp: &Self::Qp) -> usize {
@@ -371,6 +413,7 @@ impl Backend for Verbs {
     type Cq = cqd_verbs::Cq;
     type Source = cqd_verbs::VerbsCqSource;
     type Qp = cqd_verbs::Qp;
+    type Srq = cqd_verbs::Srq;
     type Mr = cqd_verbs::Mr;
     type PostErr = cqd_verbs::PostError;
     type Sge<'a> = cqd_verbs::Sge<'a>;
@@ -439,6 +482,37 @@ impl Backend for Verbs {
 
     fn qpn(qp: &Self::Qp) -> u32 {
         qp.qpn()
+    }
+
+    fn srq(dev: &Self::Dev, depth: u32) -> Self::Srq {
+        dev.pd
+            .create_srq(cqd_verbs::SrqInit {
+                max_wr: depth,
+                max_sge: 1,
+                owner: None,
+            })
+            .expect("create_srq")
+    }
+
+    fn qp_on_srq(
+        dev: &Self::Dev,
+        send_cq: &Self::Cq,
+        recv_cq: &Self::Cq,
+        srq: &Self::Srq,
+        cap: Cap,
+    ) -> Self::Qp {
+        let cap = cqd_verbs::QpCap {
+            max_send_wr: cap.send,
+            max_recv_wr: cap.recv,
+            ..cqd_verbs::QpCap::default()
+        };
+        dev.pd
+            .create_qp(&cqd_verbs::QpInit::new(send_cq, recv_cq, cap).with_srq(srq))
+            .expect("create_qp on an SRQ")
+    }
+
+    fn srq_recv_wr<'a, 'b: 'a>(tag: u32, sg: &'a [cqd_verbs::Sge<'b>]) -> cqd_verbs::RecvWr<'a> {
+        cqd_verbs::RecvWr::new(u64::from(tag), sg)
     }
 
     fn outstanding(qp: &Self::Qp) -> usize {
