@@ -466,6 +466,14 @@ fn errors_by_side<B: Backend>(mode_name: &str) {
         .chain((10..13).map(|t| (Side::Send, OpKind::Send, t, Status::WrFlush)))
         .collect();
     assert_eq!(log.errors(), sorted(expected.clone()), "{}", B::NAME);
+    // Posts to a QP in ERR are accepted and flush at once, on their side.
+    reg.post_recv(&a1, &mut [B::recv_wr(5, &rs)]).unwrap();
+    reg.post_send(&a1, &mut [B::send_wr(13, Op::Send, &ss, true)])
+        .unwrap();
+    expected.push((Side::Recv, OpKind::Recv, 5, Status::WrFlush));
+    expected.push((Side::Send, OpKind::Send, 13, Status::WrFlush));
+    assert!(wait_until(Duration::from_secs(10), || log.len() == 10));
+    assert_eq!(log.errors(), sorted(expected.clone()), "{}", B::NAME);
     // 2. An RDMA WRITE beyond the peer's region: a send-side error.
     let (addr, rkey) = B::remote_parts(B::remote(&m, 0));
     let beyond = B::remote_from(addr + 8192, rkey);
@@ -480,7 +488,7 @@ fn errors_by_side<B: Backend>(mode_name: &str) {
         .unwrap();
     expected.push((Side::Recv, OpKind::Recv, 30, Status::LocalLength));
     expected.push((Side::Send, OpKind::Send, 31, Status::RemoteInvalidRequest));
-    assert!(wait_until(Duration::from_secs(10), || log.len() == 11));
+    assert!(wait_until(Duration::from_secs(10), || log.len() == 13));
     assert_eq!(log.errors(), sorted(expected), "{}", B::NAME);
     assert!(log.snapshot().iter().all(|e| !e.ok), "no success expected");
     let qps = [&a1, &b1, &a2, &b2, &a3, &b3];
@@ -496,11 +504,11 @@ fn errors_by_side<B: Backend>(mode_name: &str) {
     assert_clean("errors_by_side", &report);
     let p = &report.pollers[0];
     let acc = |k| account(p, &reg, k).map(|a| (a.posted, a.completed, a.flushed));
-    assert_eq!(acc(OpKind::Send), Some((4, 4, 3)));
-    assert_eq!(acc(OpKind::Recv), Some((6, 6, 5)));
+    assert_eq!(acc(OpKind::Send), Some((5, 5, 4)));
+    assert_eq!(acc(OpKind::Recv), Some((7, 7, 6)));
     assert_eq!(acc(OpKind::Write), Some((1, 1, 0)));
     assert_log_matches_ledger("errors_by_side", &log, &reg);
-    assert_eq!(p.cqs[0].flushes, 8);
+    assert_eq!(p.cqs[0].flushes, 10);
 }
 
 // ---------------------------------------------------------------------
