@@ -20,9 +20,7 @@
 //! softverbs-run, root)` to fd 2 and passes; the sim half always runs.
 //! `CQD_SUITE_TIMES=1` prints each test's run time to fd 2.
 //!
-//! A cell that fails for a known bug is ignored with the bug as its reason
-//! (`matrix_ignored!`, `qp_dropped_unflushed`): it is the bug's regression
-//! test, run with `--include-ignored`.
+//! Every cell runs on both backends; none is ignored.
 #![allow(missing_docs)]
 
 #[path = "two_backends/backend.rs"]
@@ -1608,39 +1606,6 @@ macro_rules! matrix {
     };
 }
 
-/// As `matrix!`, every test ignored with `$why` (a known bug, kept as its
-/// regression test: run with `--include-ignored`).
-macro_rules! matrix_ignored {
-    ($why:literal, $scenario:ident: $($mode:ident),+) => {
-        mod $scenario {
-            mod sim {
-                $(
-                    #[test]
-                    #[ignore = $why]
-                    fn $mode() {
-                        let name = concat!(stringify!($scenario), "::sim::", stringify!($mode));
-                        crate::run::<crate::backend::Sim>(name, || {
-                            crate::$scenario::<crate::backend::Sim>(stringify!($mode))
-                        });
-                    }
-                )+
-            }
-            mod verbs {
-                $(
-                    #[test]
-                    #[ignore = $why]
-                    fn $mode() {
-                        let name = concat!(stringify!($scenario), "::verbs::", stringify!($mode));
-                        crate::run::<crate::backend::Verbs>(name, || {
-                            crate::$scenario::<crate::backend::Verbs>(stringify!($mode))
-                        });
-                    }
-                )+
-            }
-        }
-    };
-}
-
 matrix!(exactly_once: busy, event, hybrid, adaptive);
 matrix!(send_recv_one_cq: busy, event, hybrid, adaptive);
 matrix!(srq_shared: busy, event, hybrid, adaptive);
@@ -1650,29 +1615,10 @@ matrix!(drain_and_shutdown: busy, event, hybrid, adaptive);
 matrix!(stop_in_flight: busy, event, hybrid, adaptive);
 matrix!(qp_dropped_after_flush: busy, event, hybrid, adaptive);
 
-/// The simulator flushes a dropped QP's requests (its `Qp` drop goes to
-/// ERR first); cqd-verbs destroys the QP as it is, so no completion ever
-/// comes for them: the stop waits out its drain timeout and reports them
-/// missing (docs: flush, drain, then drop — `Qp::to_error`).
-mod qp_dropped_unflushed {
-    mod sim {
-        #[test]
-        fn event() {
-            crate::run::<crate::backend::Sim>("qp_dropped_unflushed::sim::event", || {
-                crate::qp_dropped_unflushed::<crate::backend::Sim>("event")
-            });
-        }
-    }
-    mod verbs {
-        #[test]
-        #[ignore = "cqd-verbs: a Qp dropped with requests outstanding leaves them unaccounted for"]
-        fn event() {
-            crate::run::<crate::backend::Verbs>("qp_dropped_unflushed::verbs::event", || {
-                crate::qp_dropped_unflushed::<crate::backend::Verbs>("event")
-            });
-        }
-    }
-}
+// A QP dropped with requests outstanding: both backends flush them and
+// account every flush (cqd-verbs keeps the QP, in ERR, until its CQ's
+// poller has retired them; devices discard a destroyed QP's completions).
+matrix!(qp_dropped_unflushed: busy, event, hybrid, adaptive);
 
 matrix!(overflow: busy, event, hybrid, adaptive);
 // The source's own contract: no poller, no mode.
