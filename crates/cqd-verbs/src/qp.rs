@@ -427,23 +427,40 @@ pub(crate) fn post_recv_list(
     for w in wrs {
         pins.pin(w.sg_list);
     }
+    let verb = match target {
+        sys::RecvTarget::Qp(_) => "ibv_post_recv",
+        sys::RecvTarget::Srq(_) => "ibv_post_srq_recv",
+    };
     // SAFETY: the target is live (its owner holds it); the list is linked
     // with a null tail; its SGEs name regions pinned above until the queue
     // is destroyed.
-    unsafe { sys::post_recv(target, &mut raw) }.map_err(|(i, e)| {
-        (
-            i,
-            PostError::Device {
-                verb: match target {
-                    sys::RecvTarget::Qp(_) => "ibv_post_recv",
-                    sys::RecvTarget::Srq(_) => "ibv_post_srq_recv",
-                },
-                queue: queue(),
-                index: i,
-                source: e,
-            },
-        )
-    })
+    unsafe { sys::post_recv(target, &mut raw) }
+        .map_err(|(i, e)| (i, device_error(pd, verb, queue(), i, e)))
+}
+
+/// A post the device refused: a gone device (its fatal event read, or
+/// EIO / ENODEV) or the refused request named with its errno.
+fn device_error(
+    pd: &PdInner,
+    verb: &'static str,
+    queue: String,
+    index: usize,
+    e: std::io::Error,
+) -> PostError {
+    if pd.ctx.fatal.load(std::sync::atomic::Ordering::Acquire)
+        || matches!(e.raw_os_error(), Some(libc::EIO | libc::ENODEV))
+    {
+        return PostError::DeviceGone {
+            device: pd.ctx.name.clone(),
+            queue,
+        };
+    }
+    PostError::Device {
+        verb,
+        queue,
+        index,
+        source: e,
+    }
 }
 
 /// Links `v[i]` to `v[i + 1]`, the last to null.
@@ -934,17 +951,8 @@ impl PostSend for Qp {
         // SAFETY: the QP is live; the list is linked with a null tail; its
         // SGEs name regions pinned above until the QP is destroyed (inline
         // data is copied by the call).
-        unsafe { sys::post_send(q.qp, &mut raw) }.map_err(|(i, e)| {
-            (
-                i,
-                PostError::Device {
-                    verb: "ibv_post_send",
-                    queue: name(),
-                    index: i,
-                    source: e,
-                },
-            )
-        })
+        unsafe { sys::post_send(q.qp, &mut raw) }
+            .map_err(|(i, e)| (i, device_error(&q.pd, "ibv_post_send", name(), i, e)))
     }
 }
 

@@ -964,6 +964,8 @@ fn overflow<B: Backend>(mode_name: &str) {
         // so the ledger counts at least what arrived.
         assert!(w.completed >= delivered, "{w:?}, {delivered} delivered");
     }
+    // Either way, an overflow is never a clean stop.
+    assert!(!report.is_clean(), "an overflow is never a clean stop");
     drop(b);
 }
 
