@@ -1681,15 +1681,9 @@ matrix!(destroy_unacked: direct);
 matrix!(events_acked_at_stop: event, hybrid, adaptive);
 matrix!(shared_channel: busy, event, hybrid, adaptive);
 matrix!(device_gone: busy, event, hybrid, adaptive);
-// Fails on both backends today (cqd-core's poller, not a backend): a dead
-// CQ keeps its group backing off 10 ms per idle round in Busy mode always
-// (Busy polls every CQ every round, the errored one included) and often in
-// the other modes (an errored CQ stays in the list of active CQs until the
-// next sleep, which a backing-off group never reaches).
-matrix_ignored!(
-    "cqd-core: a dead CQ keeps its poller's group backing off",
-    device_gone_group: busy, event, hybrid, adaptive
-);
+// A dead CQ must not slow the living CQs of its group (it leaves the
+// polled set for the errored list, polled once per safety round).
+matrix!(device_gone_group: busy, event, hybrid, adaptive);
 matrix!(device_gone_source: direct);
 
 matrix!(device_gone_first_poll: direct);
