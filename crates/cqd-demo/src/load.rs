@@ -300,7 +300,11 @@ impl<N: Node> LoadConn<N> {
                     .find(|&b| v.claim(b * u64::from(spec.servers) + u64::from(self.server)));
                 match found {
                     Some(b) => (op, b, false),
-                    None => return false,
+                    None => {
+                        // Not issued after all: give the count back.
+                        sh.issued.fetch_sub(1, Ordering::Relaxed);
+                        return false;
+                    }
                 }
             }
             Phase::Verify => {
