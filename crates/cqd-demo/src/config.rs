@@ -105,6 +105,10 @@ pub struct Args {
     /// A request older than this fails its connection.
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     pub op_timeout: Duration,
+    /// How long each poller's stop waits for outstanding requests (a
+    /// longer wait is reported as unbalanced accounts).
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    pub drain_timeout: Duration,
     /// Simulated NIC: chance per executed request of a transport error.
     #[arg(long, default_value_t = 0.0)]
     pub fault_rate: f64,
@@ -166,6 +170,9 @@ pub struct Config {
     /// Request timeout.
     #[serde(with = "secs")]
     pub op_timeout: Duration,
+    /// Pollers' drain timeout at the stop.
+    #[serde(with = "secs")]
+    pub drain_timeout: Duration,
     /// Simulated transport error rate.
     pub fault_rate: f64,
     /// Seed.
@@ -269,6 +276,12 @@ impl Args {
         if self.op_timeout < Duration::from_millis(10) {
             return bad(format!("--op-timeout {:?}: at least 10ms", self.op_timeout));
         }
+        if self.drain_timeout < Duration::from_millis(10) {
+            return bad(format!(
+                "--drain-timeout {:?}: at least 10ms",
+                self.drain_timeout
+            ));
+        }
         if self.workers == Some(0) {
             return bad("--workers 0: the server needs at least one worker".into());
         }
@@ -294,6 +307,7 @@ impl Args {
             mode: self.mode,
             workers: self.workers,
             op_timeout: self.op_timeout,
+            drain_timeout: self.drain_timeout,
             fault_rate: self.fault_rate,
             seed: self.seed,
             topology: self.topology.clone(),

@@ -180,7 +180,7 @@ pub fn run_on<N: Node>(
         let mut b = a
             .plan
             .poller_builder::<ServerWork<N>, PoolSink<ServerWork<N>>>(sink)
-            .drain_timeout(Duration::from_secs(5));
+            .drain_timeout(cfg.drain_timeout);
         for s in &a.cqs {
             if let Some(cq) = servers[*s as usize].take_cq() {
                 b = b.cq(cq);
@@ -198,7 +198,7 @@ pub fn run_on<N: Node>(
         let mut b = a
             .plan
             .poller_builder::<cqd_core::NoWork, NoSink>(NoSink)
-            .drain_timeout(Duration::from_secs(5));
+            .drain_timeout(cfg.drain_timeout);
         for k in &a.cqs {
             if let Some(cq) = load.take_cq(*k as usize) {
                 b = b.cq(cq);

@@ -20,8 +20,8 @@
 //! counting from 1; the zeroed device is version 0). Its data is a
 //! pseudo-random stream seeded by (run seed, `b`, `v`), whose first 16
 //! bytes are `b` and `v` themselves, so a mismatch can say what the block
-//! held instead ("block 17 holds version 3 of block 17, expected version
-//! 5"). The verifier keeps, per block, the version and a 64-bit checksum
+//! returned instead ("a read of block 17 returned version 3 of block 17,
+//! expected version 5"). The verifier keeps, per block, the version and a 64-bit checksum
 //! of the data of the last write that **completed successfully**.
 //!
 //! # Failures
@@ -272,7 +272,7 @@ impl Verifier {
         outcome
     }
 
-    /// What a mismatching block holds, in words.
+    /// What a mismatching read returned, in words.
     fn describe(&self, block: u64, version: u64, data: &[u8]) -> String {
         let want = if version == 0 {
             "zeros (never written)".to_string()
@@ -281,13 +281,13 @@ impl Verifier {
         };
         if data.len() != self.block_size {
             return format!(
-                "block {block}: read {} bytes, expected {} ({want})",
+                "a read of block {block} returned {} bytes, expected {} ({want})",
                 data.len(),
                 self.block_size
             );
         }
         if checksum(data) == self.zero_sum {
-            return format!("block {block} holds zeros, expected {want}");
+            return format!("a read of block {block} returned zeros, expected {want}");
         }
         let mut h = [0u8; 8];
         h.copy_from_slice(&data[0..8]);
@@ -297,9 +297,9 @@ impl Verifier {
         let mut expect = vec![0u8; self.block_size];
         self.pattern(b, v, &mut expect);
         if expect == data {
-            format!("block {block} holds version {v} of block {b}, expected {want}")
+            format!("a read of block {block} returned version {v} of block {b}, expected {want}")
         } else {
-            format!("block {block} holds data that no write produced (torn or corrupt), expected {want}")
+            format!("a read of block {block} returned data that no write produced (torn or corrupt), expected {want}")
         }
     }
 
@@ -396,7 +396,7 @@ mod tests {
         match v.finish_read(1, Some(&old)) {
             ReadOutcome::Mismatch(m) => {
                 assert!(
-                    m.contains("holds version 1 of block 1, expected version 2"),
+                    m.contains("returned version 1 of block 1, expected version 2"),
                     "{m}"
                 )
             }
@@ -417,12 +417,12 @@ mod tests {
         assert!(v.claim(1));
         assert!(matches!(
             v.finish_read(1, Some(&vec![0u8; BS])),
-            ReadOutcome::Mismatch(m) if m.contains("holds zeros")
+            ReadOutcome::Mismatch(m) if m.contains("returned zeros")
         ));
         assert!(v.claim(1));
         assert!(matches!(
             v.finish_read(1, Some(&old[..100])),
-            ReadOutcome::Mismatch(m) if m.contains("read 100 bytes")
+            ReadOutcome::Mismatch(m) if m.contains("returned 100 bytes")
         ));
         assert_eq!(v.counts().mismatches, 5);
         assert_eq!(v.mismatch_notes().len(), 5);

@@ -64,6 +64,14 @@ pub struct SimRegion(Mr);
 #[derive(Debug)]
 pub struct SimLink(Qp);
 
+impl SimLink {
+    /// The simulated QP (its state machine, for tests and fault
+    /// injection).
+    pub fn qp(&self) -> &Qp {
+        &self.0
+    }
+}
+
 /// A simulated QP's endpoint: its number on the shared fabric.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SimEndpoint {
