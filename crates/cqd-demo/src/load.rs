@@ -406,10 +406,13 @@ impl<N: Node> LoadConn<N> {
     /// A request finished with `status`: check it, count it, go on.
     fn finish(&self, slot: u32, f: InFlight, status: ReplyStatus) {
         let sh = &*self.shared;
+        // Throughout: the next request is issued before this one leaves
+        // the in-flight count, so the count never reads 0 while the slot
+        // goes on (the read-back's end is "nothing in flight").
         if status != ReplyStatus::Ok {
             tracing::warn!(conn = %self.name, ?status, op = ?f.op, "request refused by the server");
-            self.fail(f);
             self.issue(slot);
+            self.fail(f);
             return;
         }
         match f.op {
@@ -445,8 +448,8 @@ impl<N: Node> LoadConn<N> {
             };
             c.fetch_add(1, Ordering::Relaxed);
         }
-        sh.inflight.fetch_sub(1, Ordering::AcqRel);
         self.issue(slot);
+        sh.inflight.fetch_sub(1, Ordering::AcqRel);
     }
 
     /// Kills the connection: QP to error, every request in flight failed.
@@ -606,6 +609,13 @@ impl<N: Node> Load<N> {
         conns_per_cq: u32,
         spec: LoadSpec,
     ) -> Result<Load<N>, crate::DemoError> {
+        if spec.depth > node.max_qp_wr() {
+            return Err(crate::DemoError::Config(format!(
+                "queue depth {} is deeper than the device's queues ({}): lower --qd",
+                spec.depth,
+                node.max_qp_wr()
+            )));
+        }
         let all: Vec<u32> = (0..conns_per_cq)
             .flat_map(|_| [spec.depth, spec.depth])
             .collect();
@@ -769,11 +779,37 @@ impl<N: Node> Load<N> {
         }
     }
 
+    /// True when the read-back is over: nothing in flight, and every
+    /// server's blocks were all issued or its connections are all dead.
+    pub fn verify_done(&self) -> bool {
+        let sh = &self.shared;
+        sh.inflight() == 0
+            && (0..sh.spec.servers).all(|s| {
+                sh.verify_cursor[s as usize].load(Ordering::Acquire) >= sh.spec.blocks_per_server
+                    || self
+                        .conns
+                        .iter()
+                        .filter(|c| c.server == s)
+                        .all(|c| c.is_dead())
+            })
+    }
+
     /// Waits until nothing is in flight; on `timeout`, kills every
     /// connection (their requests fail) and returns false.
     pub fn wait_idle(&self, timeout: Duration, tick: &mut dyn FnMut()) -> bool {
+        self.wait_until(timeout, tick, &|| self.shared.inflight() == 0)
+    }
+
+    /// Waits until `done`; on `timeout`, kills every connection (their
+    /// requests fail) and returns false.
+    pub fn wait_until(
+        &self,
+        timeout: Duration,
+        tick: &mut dyn FnMut(),
+        done: &dyn Fn() -> bool,
+    ) -> bool {
         let deadline = Instant::now() + timeout;
-        while self.shared.inflight() > 0 {
+        while !done() {
             if Instant::now() >= deadline {
                 for c in &self.conns {
                     c.kill("still waiting for replies at the drain deadline");

@@ -263,9 +263,11 @@ pub fn run_on<N: Node>(
         "load: read back every block"
     );
     load.enter(Phase::Verify);
-    let verified = load.wait_idle(DRAIN + Duration::from_secs(20), &mut || {
-        load.check_timeouts(timeout)
-    });
+    let verified = load.wait_until(
+        DRAIN + Duration::from_secs(20),
+        &mut || load.check_timeouts(timeout),
+        &|| load.verify_done(),
+    );
     load.enter(Phase::Drain);
     let verify_elapsed = verify_started.elapsed();
 

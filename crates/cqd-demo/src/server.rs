@@ -536,6 +536,15 @@ impl<N: Node> Server<N> {
         options: CqOptions,
     ) -> Result<Server<N>, crate::DemoError> {
         let d = spec.depths();
+        if d.send > node.max_qp_wr() {
+            return Err(crate::DemoError::Config(format!(
+                "queue depth {} needs send queues of {} entries on the server, the device makes at \
+                 most {}: lower --qd",
+                spec.depth,
+                d.send,
+                node.max_qp_wr()
+            )));
+        }
         let per_conn = [d.send, d.recv];
         let all: Vec<u32> = (0..spec.connections).flat_map(|_| per_conn).collect();
         let depth = cqd_core::cq_depth_for(&all, 2, node.max_cqe()).map_err(|needed| {

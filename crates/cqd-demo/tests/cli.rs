@@ -359,3 +359,28 @@ fn the_shipped_topology_file_runs() {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stdout));
     assert!(text(&out.stdout).contains("mode event"));
 }
+
+#[test]
+fn one_request_in_flight_still_reads_back_every_block() {
+    // With a single slot, the in-flight count would touch 0 between two
+    // requests if the next were counted only after the last one left; the
+    // read-back must not take that for its end (it did, in two runs of
+    // three with the release build, before the fix).
+    for n in 0..3 {
+        let path = tmp(&format!("qd1-{n}.json"));
+        let out = run(&[
+            "--qd",
+            "1",
+            "--connections",
+            "1",
+            "--device-size",
+            "1MiB",
+            "--duration",
+            "200ms",
+            "--json",
+            path.to_str().unwrap(),
+        ]);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stdout));
+        assert_eq!(json(&path)["load"]["verify_matched"], 256);
+    }
+}

@@ -23,6 +23,33 @@ enum Fault {
     /// `to_error` resets the QP: its queued requests vanish without a
     /// completion, as on hardware.
     ResetInsteadOfFlush,
+    /// Copies into regions take a millisecond (a slow host).
+    SlowWrites,
+}
+
+/// A region that may be slow to write.
+#[derive(Debug)]
+struct FRegion {
+    inner: SimRegion,
+    slow: bool,
+}
+
+impl Region for FRegion {
+    fn len(&self) -> u64 {
+        self.inner.len()
+    }
+    fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), BackendError> {
+        self.inner.read(offset, out)
+    }
+    fn write(&self, offset: u64, data: &[u8]) -> Result<(), BackendError> {
+        if self.slow {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        self.inner.write(offset, data)
+    }
+    fn remote(&self, offset: u64) -> cqd_demo::backend::Remote {
+        self.inner.remote(offset)
+    }
 }
 
 #[derive(Debug)]
@@ -39,7 +66,7 @@ struct FaultyLink {
 }
 
 impl Link for FaultyLink {
-    type Region = SimRegion;
+    type Region = FRegion;
     type Endpoint = SimEndpoint;
 
     fn qpn(&self) -> u32 {
@@ -55,21 +82,19 @@ impl Link for FaultyLink {
         &self,
         reg: &Registration,
         tag: u32,
-        region: &SimRegion,
+        region: &FRegion,
         offset: u64,
         len: u32,
     ) -> Result<(), BackendError> {
-        self.inner.post_recv(reg, tag, region, offset, len)
+        self.inner.post_recv(reg, tag, &region.inner, offset, len)
     }
-    fn post_send(&self, reg: &Registration, ops: &[Op<'_, SimRegion>]) -> Result<(), BackendError> {
-        if !matches!(self.fault, Fault::Misdirect) {
-            return self.inner.post_send(reg, ops);
-        }
+    fn post_send(&self, reg: &Registration, ops: &[Op<'_, FRegion>]) -> Result<(), BackendError> {
         let ops: Vec<Op<'_, SimRegion>> = ops
             .iter()
             .map(|op| {
                 let mut offset = op.offset;
-                if matches!(op.verb, Verb::Write(_))
+                if matches!(self.fault, Fault::Misdirect)
+                    && matches!(op.verb, Verb::Write(_))
                     && self.writes.fetch_add(1, Ordering::Relaxed) % 20 == 19
                     && op.offset + 2 * u64::from(op.len) <= op.region.len()
                 {
@@ -78,7 +103,7 @@ impl Link for FaultyLink {
                 Op {
                     tag: op.tag,
                     verb: op.verb,
-                    region: op.region,
+                    region: &op.region.inner,
                     offset,
                     len: op.len,
                     signaled: op.signaled,
@@ -99,7 +124,7 @@ impl Link for FaultyLink {
 
 impl Node for Faulty {
     type Cq = cqd_sim::Cq;
-    type Region = SimRegion;
+    type Region = FRegion;
     type Link = FaultyLink;
 
     fn name(&self) -> &str {
@@ -119,8 +144,11 @@ impl Node for Faulty {
     ) -> Result<(cqd_sim::Cq, UnboundCq<W>, CqHandle<W>), BackendError> {
         self.inner.create_cq(name, depth, options)
     }
-    fn reg_region(&self, len: u64) -> Result<SimRegion, BackendError> {
-        self.inner.reg_region(len)
+    fn reg_region(&self, len: u64) -> Result<FRegion, BackendError> {
+        Ok(FRegion {
+            inner: self.inner.reg_region(len)?,
+            slow: matches!(self.fault, Fault::SlowWrites),
+        })
     }
     fn create_link(&self, cq: &cqd_sim::Cq, depths: Depths) -> Result<FaultyLink, BackendError> {
         Ok(FaultyLink {
@@ -132,14 +160,14 @@ impl Node for Faulty {
 }
 
 fn config(extra: &[&str]) -> cqd_demo::config::Config {
-    let mut v = vec![
-        "cqd-demo",
-        "--duration",
-        "500ms",
-        "--device-size",
-        "2MiB",
-        "--no-progress",
-    ];
+    // Defaults a test may override.
+    let mut v = vec!["cqd-demo", "--no-progress"];
+    if !extra.contains(&"--device-size") {
+        v.extend_from_slice(&["--device-size", "2MiB"]);
+    }
+    if !extra.contains(&"--ops") {
+        v.extend_from_slice(&["--duration", "500ms"]);
+    }
     v.extend_from_slice(extra);
     Args::try_parse_from(v).unwrap().check().unwrap()
 }
@@ -205,4 +233,33 @@ fn queues_reset_instead_of_flushed_fail_the_accounts_verdict() {
     assert!(d.contains("drain timed out"), "{d}");
     // The data was fine.
     assert!(r.verdicts.data.passed, "{}", r.verdicts.data.detail);
+}
+
+#[test]
+fn a_single_slot_on_a_slow_host_still_reads_back_every_block() {
+    // One slot, and every copy into a buffer takes a millisecond: the
+    // read-back ends when every block was read, not when the in-flight
+    // count happens to read 0 between two requests.
+    let fabric = SimFabric::new(0.0, 1);
+    let cfg = config(&[
+        "--qd",
+        "1",
+        "--connections",
+        "1",
+        "--device-size",
+        "1MiB",
+        "--ops",
+        "50",
+    ]);
+    let r = run_on(&cfg, None, |name| Faulty {
+        inner: fabric.open(name),
+        fault: if name == "load" {
+            Fault::SlowWrites
+        } else {
+            Fault::None
+        },
+    })
+    .unwrap();
+    assert_eq!(r.load.verify_matched, 256, "{}", r.text());
+    assert!(r.passed(), "{}", r.text());
 }
