@@ -450,13 +450,22 @@ impl Report {
         }
         for pool in &self.system.pools {
             let items: Vec<String> = pool.workers.iter().map(|w| w.items.to_string()).collect();
-            let _ = writeln!(
+            let sum = |f: fn(&cqd_core::pool::WorkerSnapshot) -> u64| -> u64 {
+                pool.workers.iter().map(f).sum()
+            };
+            let _ =
+                writeln!(
                 s,
-                "pool {}   {} items over {} workers ({}), {} panics",
+                "pool {}   {} items over {} workers ({}) in {} batches, {} parks, {} wake-ups, \
+                 deepest ring {}, {} panics",
                 pool.name,
                 pool.items(),
                 pool.workers.len(),
                 items.join(" + "),
+                sum(|w| w.batches),
+                sum(|w| w.parks),
+                sum(|w| w.wakeups),
+                pool.workers.iter().map(|w| w.depth_high_water).max().unwrap_or(0),
                 pool.panics()
             );
         }
