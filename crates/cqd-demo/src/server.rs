@@ -476,11 +476,15 @@ impl<N: Node> Handler<ServerWork<N>> for SrvHandler<N> {
             }
             _ => {}
         }
-        c.break_conn(&format!(
-            "{} completed with {:?}",
-            f.kind().name(),
-            f.status()
-        ));
+        // A flush at the close is the end of the connection's life, not
+        // a failure.
+        if !(f.is_flush() && c.closing.load(Ordering::Acquire)) {
+            c.break_conn(&format!(
+                "{} completed with {:?}",
+                f.kind().name(),
+                f.status()
+            ));
+        }
     }
 }
 

@@ -92,6 +92,10 @@ fn a_short_run_passes_both_verdicts_and_writes_json() {
     assert!(r["load"]["writes"].as_u64().unwrap() > 0);
     assert_eq!(r["load"]["failed"], 0);
     assert_eq!(r["verify"]["mismatches"], 0);
+    // The close flushed the receives; that broke no connection.
+    assert_eq!(r["servers"][0]["broken"], 0, "{}", r["servers"]);
+    assert_eq!(r["servers"][0]["errors"], 0, "{}", r["servers"]);
+    assert_eq!(r["load"]["dead_connections"], 0);
     // Every block of the 4 MiB device was read back and matched.
     assert_eq!(r["load"]["verify_matched"], 1024);
     assert!(r["latency"]["p99_us"].as_f64().unwrap() > 0.0);
