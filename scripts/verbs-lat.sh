@@ -4,6 +4,7 @@
 # against cqd's examples/send_lat in busy and in event mode.
 #
 #   scripts/verbs-lat.sh [RUNS] [ITERS]      # defaults: 5 runs, 10000 iterations
+#   PIN=0 scripts/verbs-lat.sh               # nothing pinned: the scheduler decides
 #
 # Every contender is a server/client pair of processes over 127.0.0.1, the
 # server pinned to CPU 0 and the client to CPU 1 (taskset for both; cqd's
@@ -20,6 +21,12 @@ cd "$(dirname "$0")/.."
 
 runs=${1:-5}
 iters=${2:-10000}
+pin=${PIN:-1}
+if [[ $pin == 0 ]]; then
+  on0=() on1=() nopin=(--no-pin) placement="nothing pinned"
+else
+  on0=(taskset -c 0) on1=(taskset -c 1) nopin=() placement="server on CPU 0, client on CPU 1"
+fi
 if [[ $(id -u) -ne 0 ]]; then
   echo "SKIPPED: needs softverbs-run, which needs root"
   exit 0
@@ -44,16 +51,16 @@ port=$((20000 + $$ % 10000))
 out=$(mktemp)
 trap 'rm -rf "$SOFTVERBS_DIR" "$out" "$out.srv"' EXIT
 
-# pair NAME CMD...: runs CMD as server on CPU 0 and CMD 127.0.0.1 as client
-# on CPU 1; prints the client's t_typical in µs.
+# pair NAME CMD...: runs CMD as server (on CPU 0) and CMD 127.0.0.1 as
+# client (on CPU 1); prints the client's t_typical in µs.
 pair() {
   local name=$1
   shift
   port=$((port + 1))
-  taskset -c 0 timeout 120 "$run" "$@" -p "$port" >"$out.srv" 2>&1 &
+  "${on0[@]}" timeout 120 "$run" "$@" -p "$port" >"$out.srv" 2>&1 &
   local srv=$!
   sleep 0.5
-  if ! taskset -c 1 timeout 120 "$run" "$@" -p "$port" 127.0.0.1 >"$out" 2>&1; then
+  if ! "${on1[@]}" timeout 120 "$run" "$@" -p "$port" 127.0.0.1 >"$out" 2>&1; then
     wait "$srv" || true
     echo "scripts/verbs-lat.sh: $name failed:" >&2
     cat "$out" "$out.srv" >&2
@@ -70,9 +77,9 @@ names=("ib_send_lat" "cqd busy" "ib_send_lat -e" "cqd event")
 declare -A got
 for ((r = 1; r <= runs; r++)); do
   got["ib_send_lat"]+=" $(pair perftest ib_send_lat -n "$iters")"
-  got["cqd busy"]+=" $(pair cqd "$send_lat" --mode busy -n "$iters")"
+  got["cqd busy"]+=" $(pair cqd "$send_lat" --mode busy "${nopin[@]}" -n "$iters")"
   got["ib_send_lat -e"]+=" $(pair perftest-e ib_send_lat -e -n "$iters")"
-  got["cqd event"]+=" $(pair cqd "$send_lat" --mode event -n "$iters")"
+  got["cqd event"]+=" $(pair cqd "$send_lat" --mode event "${nopin[@]}" -n "$iters")"
   echo "run $r/$runs:$(for n in "${names[@]}"; do printf ' %s=%s' "${n// /_}" "${got[$n]##* }"; done)" >&2
 done
 
@@ -82,7 +89,7 @@ stats() {
 }
 
 echo
-echo "SEND/RECV ping-pong on softverbs, 2-byte messages, $iters iterations, $runs runs ($(date -u +%F))"
+echo "SEND/RECV ping-pong on softverbs, 2-byte messages, $iters iterations, $runs runs, $placement ($(date -u +%F))"
 echo "t_typical (median one-way latency = RTT/2) in µs of the client: median (min–max) over the runs"
 printf '%-16s %-26s %s\n' "contender" "t_typical µs" "ratio (medians)"
 declare -A med
