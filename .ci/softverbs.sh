@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# softverbs proof (issue 5): rdma-core's own clients and our integration tests
-# run on the userspace device, under softverbs-run. Root, no stdin, idempotent.
+# softverbs proof (issue 5): rdma-core's own clients, cqd's rc_pingpong example
+# against rdma-core's, and our integration tests run on the userspace device,
+# under softverbs-run. Root, no stdin, idempotent.
 # Every client pair talks over 127.0.0.1 only, each on its own port, each
 # command under `timeout`; any failure fails the script.
 set -euo pipefail
@@ -14,9 +15,16 @@ apt-get install -y -qq ibverbs-utils perftest libibverbs-dev librdmacm-dev libcl
 
 cargo build -p softverbs --release
 cargo test -p softverbs --release --no-run
+cargo test -p cqd-verbs --release --no-run
 REL=${CARGO_TARGET_DIR:-$ROOT/target}/release
 cp -f "$REL/libsoftverbs.so" "$REL/libsoftverbs-rdmav34.so"
 RUN=$REL/softverbs-run
+# cqd's drop-in for ibv_rc_pingpong (examples/rc_pingpong.rs), for the mixed
+# pairs below.
+cargo build --release --features verbs --example rc_pingpong
+CQD_PP=$REL/examples/rc_pingpong
+# Its unit tests (wire format, command line, message pattern): no device needed.
+cargo test --release --features verbs --example rc_pingpong
 
 # One segment directory per CI run, removed at the end.
 export SOFTVERBS_DIR=/dev/shm/softverbs-ci-$$
@@ -65,6 +73,35 @@ pair() {
     fi
 }
 
+# mixed NAME PORT SERVER CLIENT ARGS... : server `SERVER ARGS -p PORT`, client
+# `CLIENT ARGS -p PORT 127.0.0.1` (one of them cqd's rc_pingpong, the other
+# rdma-core's); both must exit 0 and print their result lines, and neither may
+# report bad data (run them with -c: the server checks what it received, cqd's
+# client also checks the echo).
+mixed() {
+    local name=$1 port=$2 server=$3 client=$4; shift 4
+    local s=$LOGS/$name.server.log c=$LOGS/$name.client.log
+    timeout 60 "$RUN" "$server" "$@" -p "$port" >"$s" 2>&1 &
+    local spid=$!
+    if ! wait_listen "$port"; then
+        echo "FAIL $name: server did not listen on port $port"; cat "$s"; fail=$((fail + 1))
+        wait "$spid" || true
+        return
+    fi
+    local crc=0 src=0
+    timeout 60 "$RUN" "$client" "$@" -p "$port" 127.0.0.1 >"$c" 2>&1 || crc=$?
+    wait "$spid" || src=$?
+    if [[ $crc -ne 0 || $src -ne 0 ]] || ! grep -q 'iters in' "$s" || ! grep -q 'iters in' "$c" \
+        || grep -q 'invalid data' "$s" "$c"; then
+        echo "FAIL $name (client rc=$crc, server rc=$src)"
+        echo "--- server"; cat "$s"; echo "--- client"; cat "$c"
+        fail=$((fail + 1))
+    else
+        passed=$((passed + 1))
+        echo "ok   $name: server: $(grep 'iters in' "$s" | tr -s ' \t' ' ') | client: $(grep 'iters in' "$c" | tr -s ' \t' ' ')"
+    fi
+}
+
 single() { # NAME CHECK_REGEX CMD...
     local name=$1 check=$2; shift 2
     local l=$LOGS/$name.log rc=0
@@ -87,11 +124,20 @@ pair ib_write_bw $((BASE + 5)) '^ *65536 ' ib_write_bw -s 65536 -n 5000
 pair ib_read_bw $((BASE + 6)) '^ *65536 ' ib_read_bw -s 65536 -n 5000
 pair ib_send_lat $((BASE + 7)) '^ *2 ' ib_send_lat -n 10000
 pair ib_write_lat $((BASE + 8)) '^ *2 ' ib_write_lat -n 10000
+# cqd's rc_pingpong against the unmodified ibv_rc_pingpong, each side in turn,
+# polling and with -e, data check on.
+mixed cqd_server_rc_pingpong $((BASE + 9)) "$CQD_PP" ibv_rc_pingpong -c -n 5000
+mixed cqd_client_rc_pingpong $((BASE + 10)) ibv_rc_pingpong "$CQD_PP" -c -n 5000
+mixed cqd_server_rc_pingpong_events $((BASE + 11)) "$CQD_PP" ibv_rc_pingpong -e -c -n 5000
+mixed cqd_client_rc_pingpong_events $((BASE + 12)) ibv_rc_pingpong "$CQD_PP" -e -c -n 5000
 
 echo "clients: $passed passed, $fail failed"
 if [[ $fail -ne 0 ]]; then exit 1; fi
 
 # Our integration tests, through the real libibverbs, under the launcher.
 timeout 300 "$RUN" cargo test -p softverbs --release
+# cqd on real verbs (crates/cqd-verbs): its tests need the device, so they
+# run here, under the launcher (outside it they print SKIPPED).
+timeout 600 "$RUN" cargo test -p cqd-verbs --release
 
 echo "softverbs CI done in $(( $(date +%s) - start )) s"

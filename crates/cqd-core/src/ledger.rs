@@ -152,6 +152,11 @@ impl WrLedger {
         self.inner.budget.as_ref()
     }
 
+    /// True if both are the same ledger (clones of one CQ's).
+    pub fn same_as(&self, other: &WrLedger) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
     pub(crate) fn same(&self, other: &Weak<LedgerInner>) -> bool {
         std::ptr::eq(Arc::as_ptr(&self.inner), other.as_ptr())
     }

@@ -93,6 +93,20 @@ impl ChannelInner {
         }))
     }
 
+    pub(crate) fn has_token(&self, token: u64) -> bool {
+        self.members.lock().contains_key(&token)
+    }
+
+    /// A token no CQ of the channel uses (adopted CQs bring their own).
+    fn fresh_token(&self) -> u64 {
+        loop {
+            let t = self.next_token.fetch_add(1, Ordering::Relaxed);
+            if !self.has_token(t) {
+                return t;
+            }
+        }
+    }
+
     fn fd(&self) -> BorrowedFd<'_> {
         // SAFETY: the channel is live while `self` is; the descriptor is
         // closed only by `ibv_destroy_comp_channel` in our drop.
@@ -102,6 +116,14 @@ impl ChannelInner {
     /// Reads every pending event (`ibv_get_cq_event` to EAGAIN) and counts
     /// each on its CQ (steps 1–4 of `cqd_core::notifier`).
     fn drain(&self) -> Result<(), SourceError> {
+        if self.ctx.fatal.load(Ordering::Acquire) {
+            // A disassociated device's channel may stay readable (an error
+            // condition) with nothing to read: say so, do not spin on it.
+            return Err(SourceError::DeviceGone(format!(
+                "{} (completion channel)",
+                self.ctx.name
+            )));
+        }
         loop {
             // SAFETY: the channel is live and non-blocking.
             match unsafe { sys::get_cq_event(self.ch) } {
@@ -380,7 +402,7 @@ impl Context {
                 })?
             }
         };
-        let token = channel.next_token.fetch_add(1, Ordering::Relaxed);
+        let token = channel.fresh_token();
         // SAFETY: the context is open; the channel is a live channel of it.
         let (cq, flavor) = unsafe {
             sys::create_cq(
@@ -472,6 +494,7 @@ pub(crate) unsafe fn adopt_parts(
         ledger,
         leftover: Mutex::new(0),
     });
+    inner.channel.inbox.open(token);
     let source = VerbsCqSource {
         cq: Arc::clone(&inner),
         unacked: 0,
@@ -510,7 +533,11 @@ pub fn completion_of(wc: &sys::ibv_wc) -> Completion {
 
 impl VerbsCqSource {
     fn error(&self, op: &'static str, e: std::io::Error) -> SourceError {
-        if self.cq.channel.ctx.fatal.load(Ordering::Acquire) {
+        // EIO / ENODEV from a CQ verb is a dead device, whether or not its
+        // reader has handed on the fatal event yet.
+        if self.cq.channel.ctx.fatal.load(Ordering::Acquire)
+            || matches!(e.raw_os_error(), Some(libc::EIO | libc::ENODEV))
+        {
             return SourceError::DeviceGone(format!(
                 "{} (CQ {})",
                 self.cq.channel.ctx.name, self.cq.name
@@ -622,5 +649,7 @@ impl Drop for VerbsCqSource {
         // Events read and not acked go with the CQ's last holder, which
         // acks them before `ibv_destroy_cq`.
         *self.cq.leftover.lock() += std::mem::take(&mut self.unacked);
+        // Nobody takes this CQ's asynchronous events any more.
+        self.cq.channel.inbox.close(self.cq.token);
     }
 }

@@ -28,7 +28,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -164,7 +164,7 @@ pub(crate) enum Route {
     },
 }
 
-type Callback = Box<dyn Fn(DeviceEvent) + Send + Sync>;
+type Callback = Arc<dyn Fn(DeviceEvent) + Send + Sync>;
 
 pub(crate) struct ContextInner {
     pub(crate) ctx: NonNull<sys::ibv_context>,
@@ -326,7 +326,9 @@ impl ContextInner {
                 }
                 other => tracing::info!(device = %self.name, event = ?other, "device event"),
             }
-            if let Some(cb) = self.callback.lock().as_ref() {
+            // Called outside the lock: the callback may set a new one.
+            let cb = self.callback.lock().clone();
+            if let Some(cb) = cb {
                 if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cb(ev))).is_err() {
                     tracing::error!(device = %self.name, "device event callback panicked");
                 }
@@ -351,61 +353,68 @@ fn qp_event(ty: u32) -> QpEvent {
 /// The reader thread's loop: wait for the async descriptor (or the stop
 /// descriptor), read every pending event, hand each on.
 fn read_events(inner: Weak<ContextInner>, async_fd: i32, stop_fd: i32) {
+    use rustix::event::{PollFd, PollFlags};
+    // SAFETY: both descriptors stay open until this thread has stopped:
+    // the context (owner of the async descriptor) and the stop eventfd are
+    // closed by ContextInner's drop, after it has joined this thread (or
+    // on this thread, when it held the last reference, after the loop).
+    let (afd, sfd) = unsafe {
+        (
+            BorrowedFd::borrow_raw(async_fd),
+            BorrowedFd::borrow_raw(stop_fd),
+        )
+    };
     loop {
         let mut fds = [
-            libc::pollfd {
-                fd: async_fd,
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: stop_fd,
-                events: libc::POLLIN,
-                revents: 0,
-            },
+            PollFd::new(&afd, PollFlags::IN),
+            PollFd::new(&sfd, PollFlags::IN),
         ];
-        // SAFETY: `fds` is a valid array of two pollfd; both descriptors
-        // stay open until this thread is joined (ContextInner's drop).
-        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
-        if r < 0 {
-            if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
-                continue;
+        match rustix::event::poll(&mut fds, None) {
+            Ok(_) => {}
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => {
+                tracing::error!(error = %e, "poll on the async descriptor failed; no more async events");
+                return;
             }
-            tracing::error!(error = %std::io::Error::last_os_error(), "poll on the async descriptor failed; no more async events");
-            return;
         }
-        if fds[1].revents != 0 {
+        let (async_ev, stop_ev) = (fds[0].revents(), fds[1].revents());
+        if !stop_ev.is_empty() {
             return;
         }
         let Some(ctx) = inner.upgrade() else {
             return;
         };
-        if fds[0].revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0
-            && fds[0].revents & libc::POLLIN == 0
+        if !async_ev.contains(PollFlags::IN)
+            && async_ev.intersects(PollFlags::ERR | PollFlags::HUP | PollFlags::NVAL)
         {
             tracing::error!(device = %ctx.name, "the async descriptor closed; no more async events");
             return;
         }
-        loop {
+        let stop = loop {
             // SAFETY: the context is open while `ctx` is held; its async
             // descriptor was made non-blocking at open.
             match unsafe { sys::get_async_event(ctx.ctx) } {
                 Ok(Some((ty, element))) => ctx.deliver(ty, element),
-                Ok(None) => break,
+                Ok(None) => break false,
                 Err(e) => {
-                    tracing::error!(device = %ctx.name, error = %e, "ibv_get_async_event failed");
-                    break;
+                    // A dead device's descriptor (EIO): nothing more will come.
+                    tracing::error!(device = %ctx.name, error = %e, "ibv_get_async_event failed; no more async events");
+                    break true;
                 }
             }
+        };
+        // If this was the last reference, the context closes here, on this
+        // thread, with the descriptors: do not poll them again.
+        drop(ctx);
+        if stop || inner.strong_count() == 0 {
+            return;
         }
     }
 }
 
 impl Drop for ContextInner {
     fn drop(&mut self) {
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: writes 8 bytes from a live buffer to our eventfd.
-        unsafe { libc::write(self.stop.as_raw_fd(), one.as_ptr().cast(), 8) };
+        let _ = rustix::io::write(&self.stop, &1u64.to_ne_bytes());
         if let Some(h) = self.reader.lock().take() {
             if h.thread().id() != std::thread::current().id() {
                 let _ = h.join();
@@ -581,9 +590,11 @@ impl Context {
 
     /// Sets the callback for device-level events (port changes, fatal
     /// error, events of objects cqd does not track). It runs on the
-    /// device's event reader thread; a panic is caught and traced.
+    /// device's event reader thread; a panic is caught and traced. A
+    /// callback that holds a clone of this `Context` keeps the device open
+    /// (a reference cycle): capture what it needs, not the context.
     pub fn on_device_event(&self, f: impl Fn(DeviceEvent) + Send + Sync + 'static) {
-        *self.inner.callback.lock() = Some(Box::new(f));
+        *self.inner.callback.lock() = Some(Arc::new(f));
     }
 
     /// The asynchronous events read so far.

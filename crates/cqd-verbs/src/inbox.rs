@@ -9,7 +9,14 @@
 //! woken for every event, and never spins on an eventfd left readable
 //! with nothing to take. With nothing pending, a take is one atomic load
 //! (the poller calls it on every loop in Busy mode).
+//!
+//! Only CQs whose source is alive take events, so the inbox keeps their
+//! tokens ([`open`](AsyncInbox::open) / [`close`](AsyncInbox::close)):
+//! an event for any other CQ is dropped (traced) rather than kept where no
+//! one would take it — which would leave the eventfd readable forever and
+//! spin a level-triggered poller.
 
+use std::collections::HashSet;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -22,7 +29,13 @@ use rustix::event::{eventfd, EventfdFlags};
 pub(crate) struct AsyncInbox {
     efd: OwnedFd,
     len: AtomicUsize,
-    events: Mutex<Vec<(u64, AsyncEvent)>>,
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    events: Vec<(u64, AsyncEvent)>,
+    live: HashSet<u64>,
 }
 
 impl AsyncInbox {
@@ -30,7 +43,7 @@ impl AsyncInbox {
         Ok(AsyncInbox {
             efd: eventfd(0, EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC)?,
             len: AtomicUsize::new(0),
-            events: Mutex::new(Vec::new()),
+            state: Mutex::new(State::default()),
         })
     }
 
@@ -38,16 +51,43 @@ impl AsyncInbox {
         self.efd.as_fd()
     }
 
-    /// Queues `ev` for the CQ `token`.
+    /// A source for CQ `token` exists: its events are kept.
+    pub(crate) fn open(&self, token: u64) {
+        self.state.lock().live.insert(token);
+    }
+
+    /// CQ `token`'s source is gone: its events are dropped, now and later.
+    pub(crate) fn close(&self, token: u64) {
+        let mut st = self.state.lock();
+        st.live.remove(&token);
+        st.events.retain(|(t, _)| *t != token);
+        self.settle(&st);
+    }
+
+    /// Queues `ev` for the CQ `token` (dropped if it has no source).
     pub(crate) fn push(&self, token: u64, ev: AsyncEvent) {
-        let mut events = self.events.lock();
-        events.push((token, ev));
-        self.len.store(events.len(), Ordering::Release);
-        if events.len() == 1 {
+        let mut st = self.state.lock();
+        if !st.live.contains(&token) {
+            tracing::warn!(event = ?ev, "asynchronous event for a CQ nobody polls: dropped");
+            return;
+        }
+        st.events.push((token, ev));
+        self.len.store(st.events.len(), Ordering::Release);
+        if st.events.len() == 1 {
             // Empty → non-empty: readable (under the lock: the invariant).
             if let Err(e) = rustix::io::write(&self.efd, &1u64.to_ne_bytes()) {
                 tracing::error!(error = %e, "async inbox: eventfd write failed");
             }
+        }
+    }
+
+    /// After a removal: publishes the length and, if empty, drains the
+    /// eventfd (non-empty → empty, under the lock: the invariant).
+    fn settle(&self, st: &State) {
+        let was = self.len.swap(st.events.len(), Ordering::AcqRel);
+        if was > 0 && st.events.is_empty() {
+            let mut buf = [0u8; 8];
+            let _ = rustix::io::read(&self.efd, &mut buf);
         }
     }
 
@@ -62,15 +102,10 @@ impl AsyncInbox {
 
     #[cold]
     fn take_slow(&self, token: u64) -> Option<AsyncEvent> {
-        let mut events = self.events.lock();
-        let i = events.iter().position(|(t, _)| *t == token)?;
-        let (_, ev) = events.remove(i);
-        self.len.store(events.len(), Ordering::Release);
-        if events.is_empty() {
-            // Non-empty → empty: drained (under the lock: the invariant).
-            let mut buf = [0u8; 8];
-            let _ = rustix::io::read(&self.efd, &mut buf);
-        }
+        let mut st = self.state.lock();
+        let i = st.events.iter().position(|(t, _)| *t == token)?;
+        let (_, ev) = st.events.remove(i);
+        self.settle(&st);
         Some(ev)
     }
 
@@ -95,6 +130,9 @@ mod tests {
     #[test]
     fn readable_exactly_while_something_is_pending() {
         let i = AsyncInbox::new().unwrap();
+        for t in 1..=3 {
+            i.open(t);
+        }
         assert!(!readable(&i));
         assert_eq!(i.take(1), None);
         i.push(1, AsyncEvent::DeviceFatal);
@@ -127,6 +165,8 @@ mod tests {
     #[test]
     fn each_cq_takes_its_own_in_order() {
         let i = AsyncInbox::new().unwrap();
+        i.open(0);
+        i.open(1);
         for n in 0..4 {
             i.push(n % 2, AsyncEvent::Other(n as u32));
         }
@@ -136,5 +176,23 @@ mod tests {
         assert_eq!(i.take(0), Some(AsyncEvent::Other(0)));
         assert_eq!(i.take(0), Some(AsyncEvent::Other(2)));
         assert!(!readable(&i));
+    }
+
+    #[test]
+    fn events_of_a_cq_without_a_source_never_keep_the_fd_readable() {
+        let i = AsyncInbox::new().unwrap();
+        i.open(1);
+        // No source for CQ 2: dropped at once.
+        i.push(2, AsyncEvent::DeviceFatal);
+        assert!(!readable(&i));
+        assert_eq!(i.len(), 0);
+        // CQ 1's source goes with an event pending: purged, fd drained.
+        i.push(1, AsyncEvent::DeviceFatal);
+        assert!(readable(&i));
+        i.close(1);
+        assert!(!readable(&i));
+        assert_eq!(i.take(1), None);
+        i.push(1, AsyncEvent::DeviceFatal);
+        assert!(!readable(&i), "a closed CQ gets nothing more");
     }
 }

@@ -11,6 +11,7 @@
 use std::alloc::Layout;
 use std::fmt;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use crate::device::{Context, ContextInner};
@@ -163,9 +164,8 @@ pub(crate) struct MrInner {
     pd: Arc<PdInner>,
 }
 
-// SAFETY: the buffer is only accessed through raw copies (the device may
-// write it concurrently, which no reference could allow); the MR handle is
-// used only to deregister it once.
+// SAFETY: the buffer is only accessed through atomics (`Mr::split`), and
+// by the device; the MR handle is used only to deregister it once.
 unsafe impl Send for MrInner {}
 // SAFETY: as above.
 unsafe impl Sync for MrInner {}
@@ -267,38 +267,52 @@ impl Mr {
         }
     }
 
-    /// Copies `out.len()` bytes from `offset` out of the region. The device
-    /// may be writing the same bytes (that is the caller's protocol to
-    /// avoid); the copy never makes a reference to them.
+    /// Copies `out.len()` bytes from `offset` out of the region.
+    ///
+    /// The region is shared (the device, other threads holding a clone):
+    /// copies are made with relaxed atomic loads and stores, so concurrent
+    /// access to the same bytes gives unspecified (possibly torn) contents,
+    /// never undefined behaviour. Ordering them is the application's
+    /// protocol (a completion, a message).
     ///
     /// # Panics
     /// When the range is outside the region.
     pub fn read(&self, offset: usize, out: &mut [u8]) {
         self.check(offset, out.len());
-        // SAFETY: the range is inside the live buffer (checked); `out` is a
-        // distinct Rust buffer.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.inner.buf.as_ptr().add(offset),
-                out.as_mut_ptr(),
-                out.len(),
-            );
+        let (head, words, tail) = self.split(offset, out.len());
+        let (o_head, rest) = out.split_at_mut(head.len());
+        let (o_words, o_tail) = rest.split_at_mut(words.len() * 8);
+        for (d, s) in o_head.iter_mut().zip(head) {
+            *d = s.load(Ordering::Relaxed);
+        }
+        for (d, s) in o_words.chunks_exact_mut(8).zip(words) {
+            d.copy_from_slice(&s.load(Ordering::Relaxed).to_ne_bytes());
+        }
+        for (d, s) in o_tail.iter_mut().zip(tail) {
+            *d = s.load(Ordering::Relaxed);
         }
     }
 
-    /// Copies `data` into the region at `offset`.
+    /// Copies `data` into the region at `offset` (see [`read`](Self::read)
+    /// for concurrent access).
     ///
     /// # Panics
     /// When the range is outside the region.
     pub fn write(&self, offset: usize, data: &[u8]) {
         self.check(offset, data.len());
-        // SAFETY: as in `read`.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                data.as_ptr(),
-                self.inner.buf.as_ptr().add(offset),
-                data.len(),
-            );
+        let (head, words, tail) = self.split(offset, data.len());
+        let (d_head, rest) = data.split_at(head.len());
+        let (d_words, d_tail) = rest.split_at(words.len() * 8);
+        for (s, d) in d_head.iter().zip(head) {
+            d.store(*s, Ordering::Relaxed);
+        }
+        for (s, d) in d_words.chunks_exact(8).zip(words) {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(s);
+            d.store(u64::from_ne_bytes(b), Ordering::Relaxed);
+        }
+        for (s, d) in d_tail.iter().zip(tail) {
+            d.store(*s, Ordering::Relaxed);
         }
     }
 
@@ -308,8 +322,46 @@ impl Mr {
     /// When the range is outside the region.
     pub fn fill(&self, offset: usize, len: usize, byte: u8) {
         self.check(offset, len);
-        // SAFETY: as in `read`.
-        unsafe { std::ptr::write_bytes(self.inner.buf.as_ptr().add(offset), byte, len) };
+        let (head, words, tail) = self.split(offset, len);
+        let word = u64::from_ne_bytes([byte; 8]);
+        for d in head.iter().chain(tail) {
+            d.store(byte, Ordering::Relaxed);
+        }
+        for d in words {
+            d.store(word, Ordering::Relaxed);
+        }
+    }
+
+    /// `len` bytes at `offset` (in range) as atomics: unaligned head
+    /// bytes, aligned 8-byte words, tail bytes.
+    fn split(&self, offset: usize, len: usize) -> (&[AtomicU8], &[AtomicU64], &[AtomicU8]) {
+        let base = self.inner.buf.as_ptr();
+        // SAFETY: `offset` is inside the buffer (checked by the caller).
+        let start = unsafe { base.add(offset) };
+        let head_len = start.align_offset(8).min(len);
+        let words = (len - head_len) / 8;
+        let tail_len = len - head_len - words * 8;
+        // SAFETY: the three ranges partition `offset..offset + len`, inside
+        // the live buffer (checked by the caller); the words are 8-aligned.
+        // The buffer is only ever accessed through atomics from Rust (the
+        // device's writes are outside Rust's memory model), so atomic views
+        // of it are sound; `AtomicU8`/`AtomicU64` have the layout of
+        // `u8`/`u64`.
+        unsafe {
+            (
+                std::slice::from_raw_parts(start.cast::<AtomicU8>(), head_len),
+                if words == 0 {
+                    // The pointer may be unaligned when no word fits.
+                    &[]
+                } else {
+                    std::slice::from_raw_parts(start.add(head_len).cast::<AtomicU64>(), words)
+                },
+                std::slice::from_raw_parts(
+                    start.add(head_len + words * 8).cast::<AtomicU8>(),
+                    tail_len,
+                ),
+            )
+        }
     }
 
     /// A copy of the whole region.
@@ -381,7 +433,9 @@ impl RemoteAddr {
     /// `offset` bytes further.
     pub fn offset(self, offset: u64) -> RemoteAddr {
         RemoteAddr {
-            addr: self.addr + offset,
+            // A peer's address: never a panic (a wrapped address is the
+            // peer's to refuse with a remote access error).
+            addr: self.addr.wrapping_add(offset),
             rkey: self.rkey,
         }
     }

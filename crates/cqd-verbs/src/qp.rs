@@ -17,8 +17,9 @@ use std::sync::Arc;
 
 use cqd_core::account::{Queue, QueueAccount};
 use cqd_core::budget::Admission;
+use cqd_core::cq::Registration;
 use cqd_core::post::{PostRecv, PostSend, SendRequest, WorkRequest};
-use cqd_core::wr_id::{HandlerKey, OpKind};
+use cqd_core::wr_id::OpKind;
 use parking_lot::Mutex;
 
 use crate::cq::{Cq, CqInner};
@@ -149,11 +150,10 @@ pub struct QpInit<'a> {
     pub srq: Option<&'a Srq>,
     /// Depths.
     pub cap: QpCap,
-    /// Every send signaled (`sq_sig_all`).
-    pub sq_sig_all: bool,
     /// The handler that owns the QP: its asynchronous events (fatal, access
-    /// errors, last WQE reached) go to its `on_async`.
-    pub owner: Option<HandlerKey>,
+    /// errors, last WQE reached) go to its `on_async`. It must be
+    /// registered on the send or the receive CQ (checked).
+    pub owner: Option<&'a Registration>,
 }
 
 impl<'a> QpInit<'a> {
@@ -164,7 +164,6 @@ impl<'a> QpInit<'a> {
             recv_cq,
             srq: None,
             cap,
-            sq_sig_all: false,
             owner: None,
         }
     }
@@ -176,7 +175,7 @@ impl<'a> QpInit<'a> {
     }
 
     /// Owned by `handler` (see [`QpInit::owner`]).
-    pub fn owned_by(mut self, handler: HandlerKey) -> Self {
+    pub fn owned_by(mut self, handler: &'a Registration) -> Self {
         self.owner = Some(handler);
         self
     }
@@ -403,8 +402,9 @@ pub(crate) fn post_recv_list(
     wrs: &[RecvWr<'_>],
 ) -> Result<(), (usize, PostError)> {
     let mut sges = Vec::with_capacity(wrs.iter().map(|w| w.sg_list.len()).sum());
+    // Checked whole before the device sees any (a refusal posted nothing).
     for (i, w) in wrs.iter().enumerate() {
-        check_sges(queue, i, w.sg_list, max_sge, pd).map_err(|e| (i, e))?;
+        check_sges(queue, i, w.sg_list, max_sge, pd).map_err(|e| (0, e))?;
         sges.extend(w.sg_list.iter().map(Sge::raw));
     }
     let mut raw: Vec<sys::ibv_recv_wr> = Vec::with_capacity(wrs.len());
@@ -524,6 +524,14 @@ impl Pd {
                 ));
             }
         }
+        if let Some(reg) = init.owner {
+            if !reg.is_on(init.send_cq.ledger()) && !reg.is_on(init.recv_cq.ledger()) {
+                return Err(VerbsError::Invalid(format!(
+                    "QP owner {} is registered on neither of the QP's CQs",
+                    reg.key()
+                )));
+            }
+        }
         // SAFETY: plain C data; all-zero is a valid value.
         let mut attr: sys::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
         attr.send_cq = init.send_cq.inner.cq.as_ptr();
@@ -532,7 +540,10 @@ impl Pd {
             .srq
             .map_or(std::ptr::null_mut(), |s| s.inner.srq.as_ptr());
         attr.qp_type = sys::ibv_qp_type::IBV_QPT_RC;
-        attr.sq_sig_all = i32::from(init.sq_sig_all);
+        // Signaling is per request (`SendWr::signaled`), which the posting
+        // call records; a QP-wide `sq_sig_all` would make unsignaled-marked
+        // requests complete unannounced, so cqd never sets it.
+        attr.sq_sig_all = 0;
         attr.cap.max_send_wr = init.cap.max_send_wr;
         attr.cap.max_recv_wr = if init.srq.is_some() {
             0
@@ -607,13 +618,20 @@ impl Pd {
             Some(srq) => Arc::clone(&srq.inner.account),
             None => init.recv_cq.ledger().open_queue(qpn, Queue::Recv),
         };
+        // The QP's events go to the poller of its owner's CQ.
+        let (owner, event_cq) = match init.owner {
+            Some(reg) if reg.is_on(init.send_cq.ledger()) => (Some(reg.key()), init.send_cq),
+            Some(reg) if reg.is_on(init.recv_cq.ledger()) => (Some(reg.key()), init.recv_cq),
+            // Checked before the QP was made.
+            Some(_) | None => (None, init.send_cq),
+        };
         self.inner.ctx.add_route(
             qp.as_ptr() as usize,
             Route::Qp {
                 qp_num: qpn,
-                owner: init.owner,
-                inbox: Arc::downgrade(&init.send_cq.inner.channel.inbox),
-                token: init.send_cq.inner.token,
+                owner,
+                inbox: Arc::downgrade(&event_cq.inner.channel.inbox),
+                token: event_cq.inner.token,
             },
         );
         Ok(Qp {
@@ -722,7 +740,7 @@ impl Qp {
         if remote.has_gid() || opts.gid_index.is_some() {
             a.ah_attr.is_global = 1;
             a.ah_attr.grh.dgid.raw = remote.gid;
-            a.ah_attr.grh.hop_limit = 1;
+            a.ah_attr.grh.hop_limit = 64;
             a.ah_attr.grh.sgid_index = opts.gid_index.unwrap_or(0);
         }
         self.modify(
@@ -810,14 +828,16 @@ impl PostSend for Qp {
     fn post_send_raw(&self, wrs: &[SendWr<'_>]) -> Result<(), (usize, PostError)> {
         let q = &self.inner;
         let name = || self.queue_name("send");
+        // The whole list is checked before the device sees any of it: a
+        // refusal here posted nothing (0), whichever request is bad.
         let mut sges = Vec::with_capacity(wrs.iter().map(|w| w.sg_list.len()).sum());
         for (i, w) in wrs.iter().enumerate() {
-            check_sges(&name, i, w.sg_list, q.cap.max_send_sge, &q.pd).map_err(|e| (i, e))?;
+            check_sges(&name, i, w.sg_list, q.cap.max_send_sge, &q.pd).map_err(|e| (0, e))?;
             if w.inline {
                 let len: u64 = w.sg_list.iter().map(|s| u64::from(s.len)).sum();
                 if len > u64::from(q.cap.max_inline_data) {
                     return Err((
-                        i,
+                        0,
                         PostError::Invalid {
                             queue: name(),
                             index: i,

@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use cqd_core::account::QueueAccount;
+use cqd_core::cq::Registration;
 use cqd_core::post::PostRecv;
-use cqd_core::wr_id::HandlerKey;
 
 use crate::cq::Cq;
 use crate::device::Route;
@@ -73,7 +73,7 @@ pub struct SrqInit<'a> {
     pub max_sge: u32,
     /// The handler that owns it and the CQ whose poller gets its events
     /// (limit reached, error): `on_async` of that handler.
-    pub owner: Option<(HandlerKey, &'a Cq)>,
+    pub owner: Option<(&'a Registration, &'a Cq)>,
 }
 
 impl Pd {
@@ -84,15 +84,25 @@ impl Pd {
     pub fn create_srq(&self, init: SrqInit<'_>) -> Result<Srq, VerbsError> {
         self.inner.ctx.check()?;
         // SAFETY: the domain is live while `self` is.
-        let srq =
-            unsafe { sys::create_srq(self.inner.pd, init.max_wr, init.max_sge) }.map_err(|e| {
-                VerbsError::verb("ibv_create_srq", format!("{} receives", init.max_wr), e)
-            })?;
+        let (srq, depth, max_sge) = unsafe {
+            sys::create_srq(self.inner.pd, init.max_wr, init.max_sge)
+        }
+        .map_err(|e| VerbsError::verb("ibv_create_srq", format!("{} receives", init.max_wr), e))?;
         // A basic SRQ has no number verbs would give; this one names it in
         // the CQ budgets' admission tables and the ledgers.
         static NEXT: AtomicU32 = AtomicU32::new(1);
         let srqn = NEXT.fetch_add(1, Ordering::Relaxed);
         if let Some((owner, cq)) = init.owner {
+            if !owner.is_on(cq.ledger()) {
+                // SAFETY: nothing was posted on the new SRQ.
+                let _ = unsafe { sys::destroy_srq(srq) };
+                return Err(VerbsError::Invalid(format!(
+                    "SRQ owner {} is not registered on CQ {}",
+                    owner.key(),
+                    cq.name()
+                )));
+            }
+            let owner = owner.key();
             self.inner.ctx.add_route(
                 srq.as_ptr() as usize,
                 Route::Srq {
@@ -107,8 +117,10 @@ impl Pd {
             inner: Arc::new(SrqInner {
                 srq,
                 srqn,
-                depth: init.max_wr,
-                max_sge: init.max_sge,
+                // What the device granted: admission covers every receive
+                // the SRQ can hold.
+                depth,
+                max_sge,
                 pd: Arc::clone(&self.inner),
                 account: QueueAccount::srq(srqn),
                 pins: Pins::default(),

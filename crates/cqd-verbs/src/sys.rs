@@ -432,8 +432,11 @@ pub(crate) unsafe fn poll_cq(
     // SAFETY: the caller's contract; `out` has room for `n` entries.
     let got = unsafe { poll(cq.as_ptr(), n, out.as_mut_ptr()) };
     if got < 0 {
-        // Providers return a negative value on error, errno optional.
-        return Err(last_error(libc::EIO));
+        // Providers return -1 with errno, or -errno without setting it.
+        return Err(match got {
+            -1 => last_error(libc::EIO),
+            e => io::Error::from_raw_os_error(-e),
+        });
     }
     Ok((got as usize).min(out.len()))
 }
@@ -609,20 +612,28 @@ fn bad_index<T>(base: *mut T, bad: *mut T, len: usize) -> usize {
     (x - b) / size
 }
 
+/// Creates an SRQ; returns it with the depth and SGEs the device granted
+/// (at least those asked).
+///
 /// # Safety
 /// `pd` is live.
 pub(crate) unsafe fn create_srq(
     pd: NonNull<ibv_pd>,
     max_wr: u32,
     max_sge: u32,
-) -> io::Result<NonNull<ibv_srq>> {
+) -> io::Result<(NonNull<ibv_srq>, u32, u32)> {
     // SAFETY: plain C data; all-zero is a valid value.
     let mut attr: ibv_srq_init_attr = unsafe { std::mem::zeroed() };
     attr.attr.max_wr = max_wr;
     attr.attr.max_sge = max_sge;
     // SAFETY: the caller's contract.
-    NonNull::new(unsafe { rdma_sys::ibv_create_srq(pd.as_ptr(), &mut attr) })
-        .ok_or_else(|| last_error(libc::EINVAL))
+    let srq = NonNull::new(unsafe { rdma_sys::ibv_create_srq(pd.as_ptr(), &mut attr) })
+        .ok_or_else(|| last_error(libc::EINVAL))?;
+    Ok((
+        srq,
+        attr.attr.max_wr.max(max_wr),
+        attr.attr.max_sge.max(max_sge),
+    ))
 }
 
 /// # Safety

@@ -281,6 +281,13 @@ impl Registration {
 
     /// Checks that the queue's completions come to this handler's CQ (an
     /// SRQ that serves no CQ yet is bound to this one).
+    /// True if the handler belongs to the CQ whose ledger is `ledger` (a
+    /// backend checks this before it routes a queue's events to the
+    /// handler).
+    pub fn is_on(&self, ledger: &crate::ledger::WrLedger) -> bool {
+        self.cq_ledger.get().is_some_and(|l| l.same_as(ledger))
+    }
+
     pub(crate) fn attach(&self, account: &QueueAccount) -> Result<(), Refused> {
         let Some(ledger) = self.cq_ledger.get() else {
             return Err(Refused::Unattached {

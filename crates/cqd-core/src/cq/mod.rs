@@ -599,7 +599,14 @@ impl<W: Send + 'static> CqPoller<W> {
                 tracing::error!(cq = %self.core.shared.name, capacity, lost, "CQ overflow: completions were lost");
                 self.enter_error("it overflowed");
             } else {
-                tracing::error!(cq = %self.core.shared.name, event = ?ev, "asynchronous event");
+                match ev {
+                    AsyncEvent::Qp { .. } | AsyncEvent::Srq { .. } => {
+                        tracing::warn!(cq = %self.core.shared.name, event = ?ev, "asynchronous event")
+                    }
+                    _ => {
+                        tracing::error!(cq = %self.core.shared.name, event = ?ev, "asynchronous event")
+                    }
+                }
                 self.route_async(&ev);
             }
         }
@@ -749,6 +756,136 @@ mod tests {
             ..CqOptions::default()
         };
         split::<W>(queue(left), options).unwrap().0.bind()
+    }
+
+    /// A source whose only content is a list of asynchronous events.
+    struct Events {
+        events: std::sync::Arc<parking_lot::Mutex<VecDeque<AsyncEvent>>>,
+        fd: Doorbell,
+    }
+
+    impl CompletionSource for Events {
+        fn name(&self) -> &str {
+            "events"
+        }
+        fn capacity(&self) -> u32 {
+            16
+        }
+        fn poll(&mut self, _: &mut [Completion]) -> Result<usize, SourceError> {
+            Ok(0)
+        }
+        fn arm(&mut self, _: ArmKind) -> Result<(), SourceError> {
+            Ok(())
+        }
+        fn event_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+            use std::os::fd::AsFd;
+            self.fd.as_fd()
+        }
+        fn take_events(&mut self) -> Result<u32, SourceError> {
+            Ok(0)
+        }
+        fn ack_events(&mut self, _: u32) -> Result<(), SourceError> {
+            Ok(())
+        }
+        fn unacked_events(&self) -> u32 {
+            0
+        }
+        fn take_async_event(&mut self) -> Option<AsyncEvent> {
+            self.events.lock().pop_front()
+        }
+        fn destroy(&mut self) -> Result<(), SourceError> {
+            Ok(())
+        }
+    }
+
+    /// Records the asynchronous events it is given; panics on the second.
+    struct Owner(std::sync::Arc<parking_lot::Mutex<Vec<AsyncEvent>>>);
+
+    impl crate::handler::Handler for Owner {
+        fn on_send(
+            &mut self,
+            _: &crate::handler::SendDone<'_>,
+            _: &mut crate::handler::Outbox<'_, NoWork>,
+        ) {
+        }
+        fn on_recv(
+            &mut self,
+            _: &crate::handler::RecvDone<'_>,
+            _: &mut crate::handler::Outbox<'_, NoWork>,
+        ) {
+        }
+        fn on_error(
+            &mut self,
+            _: &crate::handler::Failed<'_>,
+            _: &mut crate::handler::Outbox<'_, NoWork>,
+        ) {
+        }
+        fn on_async(&mut self, event: &AsyncEvent) {
+            let mut seen = self.0.lock();
+            seen.push(event.clone());
+            if seen.len() == 2 {
+                drop(seen);
+                panic!("a handler that panics in on_async");
+            }
+        }
+    }
+
+    #[test]
+    fn queue_events_reach_their_owner_and_only_it() {
+        use crate::source::{QpEvent, SrqEvent};
+        let seen = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let other = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let queue = std::sync::Arc::new(parking_lot::Mutex::new(VecDeque::new()));
+        let (unbound, handle) = split::<NoWork>(
+            Events {
+                events: queue.clone(),
+                fd: Doorbell::new().unwrap(),
+            },
+            CqOptions::default(),
+        )
+        .unwrap();
+        let owner = handle.register(Owner(seen.clone())).unwrap();
+        let bystander = handle.register(Owner(other.clone())).unwrap();
+        let gone = handle.register(Owner(other.clone())).unwrap();
+        let gone_key = gone.key();
+        handle.unregister(gone_key).unwrap();
+        drop(gone);
+        let mut p = unbound.bind();
+        p.apply_commands();
+        let events = [
+            AsyncEvent::Qp {
+                qp_num: 17,
+                kind: QpEvent::Fatal,
+                owner: Some(owner.key()),
+            },
+            // No owner: counted and traced only.
+            AsyncEvent::Qp {
+                qp_num: 18,
+                kind: QpEvent::AccessError,
+                owner: None,
+            },
+            // An owner that is gone: counted, traced, nobody called.
+            AsyncEvent::Srq {
+                srq_num: 3,
+                kind: SrqEvent::LimitReached,
+                owner: Some(gone_key),
+            },
+            // The owner panics on this one: caught and counted.
+            AsyncEvent::Srq {
+                srq_num: 4,
+                kind: SrqEvent::Error,
+                owner: Some(owner.key()),
+            },
+        ];
+        queue.lock().extend(events.iter().cloned());
+        assert_eq!(p.check_async(), 4);
+        assert_eq!(*seen.lock(), vec![events[0].clone(), events[3].clone()]);
+        assert!(other.lock().is_empty(), "no other handler is called");
+        let m = handle.snapshot();
+        assert_eq!(m.async_events, 4);
+        assert_eq!(m.handler_panics, 1);
+        assert_eq!(m.overflows, 0, "queue events do not put the CQ in error");
+        drop(bystander);
     }
 
     #[test]
