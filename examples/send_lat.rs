@@ -37,15 +37,17 @@
 //! Without `softverbs-run` (or a real device) it prints
 //! `SKIPPED: needs softverbs-run` and exits 0.
 
+use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use cqd::core::{
     CqOptions, Failed, Handler, NoSink, NoWork, Outbox, PollMode, PollerBuilder, RecvDone,
-    Registration, SendDone,
+    Registration, SendDone, UnboundCq,
 };
 use cqd::verbs::{
     Access, ConnectOptions, Context, CqSpec, Endpoint, Mr, Mtu, Qp, QpCap, QpInit, RecvWr, SendWr,
@@ -67,6 +69,7 @@ struct Args {
     cq_mod: u64,
     cpu: Option<usize>,
     pin: bool,
+    step: bool,
     host: Option<String>,
 }
 
@@ -79,6 +82,7 @@ fn parse_args() -> Result<Args, String> {
         cq_mod: 64,
         cpu: None,
         pin: true,
+        step: false,
         host: None,
     };
     let mut it = std::env::args().skip(1);
@@ -105,10 +109,17 @@ fn parse_args() -> Result<Args, String> {
             "--cq-mod" => a.cq_mod = num("--cq-mod", value("--cq-mod")?)?.clamp(1, 64),
             "--cpu" => a.cpu = Some(num("--cpu", value("--cpu")?)? as usize),
             "--no-pin" => a.pin = false,
+            "--loop" => {
+                a.step = match value("--loop")?.as_str() {
+                    "thread" => false,
+                    "step" => true,
+                    other => return Err(format!("--loop thread|step, not {other}")),
+                }
+            }
             host if !host.starts_with('-') && a.host.is_none() => a.host = Some(host.into()),
             other => {
                 return Err(format!(
-                    "unknown argument {other} (send_lat [--mode busy|event] [-p PORT] [-n ITERS] [-s SIZE] [--cq-mod N] [--cpu N | --no-pin] [HOST])"
+                    "unknown argument {other} (send_lat [--mode busy|event] [-p PORT] [-n ITERS] [-s SIZE] [--cq-mod N] [--cpu N | --no-pin] [--loop thread|step] [HOST])"
                 ))
             }
         }
@@ -214,6 +225,109 @@ impl Handler for PingPong {
             self.fail(format!("{} {} failed: {}", f.kind(), f.tag(), f.status()));
         }
     }
+}
+
+/// Pins the calling thread to `cpu`, if any.
+fn pin(cpu: Option<usize>) -> Result<(), String> {
+    match cpu {
+        None => Ok(()),
+        Some(id) => core_affinity::set_for_current(core_affinity::CoreId { id })
+            .then_some(())
+            .ok_or(format!("could not pin to CPU {id}")),
+    }
+}
+
+/// The side's poller: cqd's poller thread, or a loop of its own over the
+/// step API (`--loop step`).
+enum Poller {
+    Thread(cqd::core::PollerThread),
+    Step(StepLoop),
+}
+
+/// A poll loop written on `CqPoller`'s step API: poll; when empty, spin
+/// (busy) or arm, poll again and block on the CQ's descriptor (event).
+struct StepLoop {
+    stop: Arc<AtomicBool>,
+    join: std::thread::JoinHandle<Result<(), String>>,
+}
+
+impl StepLoop {
+    /// Stops the loop after the QP was flushed: it polls until nothing is
+    /// outstanding, acknowledges every event and destroys the CQ.
+    fn stop(self) -> Result<(), String> {
+        self.stop.store(true, Ordering::Release);
+        self.join
+            .join()
+            .map_err(|_| "the poll loop panicked".to_string())?
+    }
+}
+
+fn step_loop(
+    unbound: UnboundCq<NoWork>,
+    mode: PollMode,
+    cpu: Option<usize>,
+) -> Result<StepLoop, String> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&stop);
+    let (ready_tx, ready_rx) = sync_channel(1);
+    let join = std::thread::Builder::new()
+        .name("send_lat-step".into())
+        .spawn(move || -> Result<(), String> {
+            let pinned = pin(cpu);
+            let _ = ready_tx.send(pinned.clone());
+            pinned?;
+            let e = |e: cqd::core::SourceError| e.to_string();
+            let mut p = unbound.bind();
+            p.apply_commands();
+            let mut out = VecDeque::new();
+            let safety = rustix::time::Timespec {
+                tv_sec: 0,
+                tv_nsec: 100_000_000,
+            };
+            while !flag.load(Ordering::Acquire) {
+                if p.poll_once(&mut out).map_err(e)? > 0 {
+                    continue;
+                }
+                if mode != PollMode::Event {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                p.arm().map_err(e)?;
+                if p.poll_once(&mut out).map_err(e)? > 0 {
+                    continue;
+                }
+                {
+                    let fd = p.event_fd();
+                    let mut fds = [rustix::event::PollFd::new(
+                        &fd,
+                        rustix::event::PollFlags::IN,
+                    )];
+                    rustix::event::poll(&mut fds, Some(&safety)).map_err(|e| e.to_string())?;
+                }
+                p.take_events().map_err(e)?;
+                if p.unacked_events() >= 16 {
+                    p.ack_all().map_err(e)?;
+                }
+            }
+            // The flush: everything posted completes (the QP is in error).
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while p.outstanding() > 0 && Instant::now() < deadline {
+                p.poll_once(&mut out).map_err(e)?;
+            }
+            let left = p.outstanding();
+            let _ = p.take_events();
+            p.ack_all().map_err(e)?;
+            p.destroy().map_err(e)?;
+            if left > 0 {
+                return Err(format!("{left} requests never completed"));
+            }
+            Ok(())
+        })
+        .map_err(|e| e.to_string())?;
+    ready_rx
+        .recv()
+        .map_err(|_| "the poll loop died".to_string())??;
+    Ok(StepLoop { stop, join })
 }
 
 /// `lid qpn psn mtu gid` on one line.
@@ -348,19 +462,20 @@ fn run(args: &Args) -> Result<Vec<f64>, String> {
         None if args.pin => core_affinity::get_core_ids().and_then(|ids| ids.first().map(|c| c.id)),
         None => None,
     };
-    let poller = PollerBuilder::new("send_lat", NoSink)
-        .mode(args.mode)
-        // Pinned alone on its core: pause and yield, never nap.
-        .busy_naps(cpu.is_none())
-        .on_start(move || match cpu {
-            None => Ok(()),
-            Some(id) => core_affinity::set_for_current(core_affinity::CoreId { id })
-                .then_some(())
-                .ok_or(format!("could not pin to CPU {id}")),
-        })
-        .cq(unbound)
-        .spawn()
-        .map_err(|e| e.to_string())?;
+    let poller = if args.step {
+        Poller::Step(step_loop(unbound, args.mode, cpu)?)
+    } else {
+        Poller::Thread(
+            PollerBuilder::new("send_lat", NoSink)
+                .mode(args.mode)
+                // Pinned alone on its core: pause and yield, never nap.
+                .busy_naps(cpu.is_none())
+                .on_start(move || pin(cpu))
+                .cq(unbound)
+                .spawn()
+                .map_err(|e| e.to_string())?,
+        )
+    };
 
     // Both sides' receives are posted: the client starts.
     sync(&mut stream, &mut reader)?;
@@ -377,15 +492,20 @@ fn run(args: &Args) -> Result<Vec<f64>, String> {
         .map_err(|_| "the exchange did not finish (timeout)".to_string())?;
     // Both sides are done before either flushes its QP.
     sync(&mut stream, &mut reader)?;
-    let report = poller
-        .stop_with(|| {
-            let _ = qp.to_error();
-        })
-        .map_err(|e| e.to_string())?;
+    let _ = qp.to_error();
+    let balanced = match poller {
+        Poller::Thread(t) => {
+            let report = t.stop().map_err(|e| e.to_string())?;
+            report
+                .accounts
+                .is_balanced()
+                .then_some(())
+                .ok_or(format!("unbalanced accounts: {}", report.accounts))
+        }
+        Poller::Step(s) => s.stop(),
+    };
     let stamps = outcome?;
-    if !report.accounts.is_balanced() {
-        return Err(format!("unbalanced accounts: {}", report.accounts));
-    }
+    balanced?;
     let mut lat: Vec<f64> = stamps
         .windows(2)
         .map(|w| (w[1] - w[0]) as f64 / 2e3)

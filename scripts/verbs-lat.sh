@@ -9,11 +9,13 @@
 # Every contender is a server/client pair of processes over 127.0.0.1, the
 # server pinned to CPU 0 and the client to CPU 1 (taskset for both; cqd's
 # poller thread also pins itself, with core_affinity, to the first CPU its
-# process may use). The contenders take turns
-# within each run, so a change in the machine's load reaches all of them.
-# Each figure is the client's t_typical (median one-way latency = half the
-# round trip, 2-byte messages). The table gives the median over the runs
-# with min–max, and the ratios of the medians.
+# process may use). The contenders take turns within each run, so a change
+# in the machine's load reaches all of them. Each figure is the client's
+# t_typical (median one-way latency = half the round trip, 2-byte
+# messages). cqd runs its poller thread (PollerBuilder, send_lat's default
+# --loop thread); the row "cqd event, step" is send_lat's own loop on
+# CqPoller's step API (--loop step). The table gives the median over the runs with min–max,
+# the ratios of the medians, and the same ratios taken run by run.
 #
 # Needs root (softverbs-run makes a private mount namespace) and perftest.
 set -euo pipefail
@@ -73,13 +75,14 @@ pair() {
   esac
 }
 
-names=("ib_send_lat" "cqd busy" "ib_send_lat -e" "cqd event")
+names=("ib_send_lat" "cqd busy" "ib_send_lat -e" "cqd event" "cqd event, step")
 declare -A got
 for ((r = 1; r <= runs; r++)); do
   got["ib_send_lat"]+=" $(pair perftest ib_send_lat -n "$iters")"
   got["cqd busy"]+=" $(pair cqd "$send_lat" --mode busy "${nopin[@]}" -n "$iters")"
   got["ib_send_lat -e"]+=" $(pair perftest-e ib_send_lat -e -n "$iters")"
   got["cqd event"]+=" $(pair cqd "$send_lat" --mode event "${nopin[@]}" -n "$iters")"
+  got["cqd event, step"]+=" $(pair cqd "$send_lat" --mode event --loop step "${nopin[@]}" -n "$iters")"
   echo "run $r/$runs:$(for n in "${names[@]}"; do printf ' %s=%s' "${n// /_}" "${got[$n]##* }"; done)" >&2
 done
 
@@ -91,7 +94,7 @@ stats() {
 echo
 echo "SEND/RECV ping-pong on softverbs, 2-byte messages, $iters iterations, $runs runs, $placement ($(date -u +%F))"
 echo "t_typical (median one-way latency = RTT/2) in µs of the client: median (min–max) over the runs"
-printf '%-16s %-26s %s\n' "contender" "t_typical µs" "ratio (medians)"
+printf '%-18s %-26s %s\n' "contender" "t_typical µs" "ratio (medians)"
 declare -A med
 for n in "${names[@]}"; do
   # shellcheck disable=SC2086
@@ -100,10 +103,20 @@ for n in "${names[@]}"; do
   ratio=""
   case $n in
     "cqd busy") ratio=$(awk -v a="$m" -v b="${med[ib_send_lat]}" 'BEGIN { printf "%.2fx ib_send_lat", a / b }') ;;
-    "cqd event") ratio=$(awk -v a="$m" -v b="${med[ib_send_lat -e]}" 'BEGIN { printf "%.2fx ib_send_lat -e", a / b }') ;;
+    "cqd event"*) ratio=$(awk -v a="$m" -v b="${med[ib_send_lat -e]}" 'BEGIN { printf "%.2fx ib_send_lat -e", a / b }') ;;
   esac
-  printf '%-16s %-26s %s\n' "$n" "$m ($lo–$hi)" "$ratio"
+  printf '%-18s %-26s %s\n' "$n" "$m ($lo–$hi)" "$ratio"
 done
+# The same ratios run by run (each run's contenders ran back to back).
+paired() {
+  local -a a b r
+  read -r -a a <<<"${got[$1]}"
+  read -r -a b <<<"${got[$2]}"
+  for i in "${!a[@]}"; do r+=("$(awk -v x="${a[$i]}" -v y="${b[$i]}" 'BEGIN { printf "%.3f", x / y }')"); done
+  read -r m lo hi <<<"$(stats "${r[@]}")"
+  printf '%.2f (%.2f–%.2f)' "$m" "$lo" "$hi"
+}
+echo "run by run: cqd busy / ib_send_lat $(paired "cqd busy" ib_send_lat); cqd event / ib_send_lat -e $(paired "cqd event" "ib_send_lat -e"); step loop $(paired "cqd event, step" "ib_send_lat -e")"
 verdict() { awk -v a="$1" -v b="$2" 'BEGIN { r = a / b; printf "%.2f (goal <= 1.15): %s", r, (r <= 1.15 ? "met" : "not met") }'; }
 echo "cqd busy / ib_send_lat     = $(verdict "${med[cqd busy]}" "${med[ib_send_lat]}")"
 echo "cqd event / ib_send_lat -e = $(verdict "${med[cqd event]}" "${med[ib_send_lat -e]}")"
