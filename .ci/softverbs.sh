@@ -48,38 +48,12 @@ wait_listen() { # port: wait until something listens on 127.0.0.1/0.0.0.0:port
     return 1
 }
 
-# pair NAME PORT CHECK_REGEX CMD ARGS... : server `CMD ARGS -p PORT`, client
-# `CMD ARGS -p PORT 127.0.0.1`; both must exit 0 and the client log must match.
-pair() {
-    local name=$1 port=$2 check=$3; shift 3
-    local s=$LOGS/$name.server.log c=$LOGS/$name.client.log
-    timeout 60 "$RUN" "$@" -p "$port" >"$s" 2>&1 &
-    local spid=$!
-    if ! wait_listen "$port"; then
-        echo "FAIL $name: server did not listen on port $port"; cat "$s"; fail=$((fail + 1))
-        wait "$spid" || true
-        return
-    fi
-    local crc=0 src=0
-    timeout 60 "$RUN" "$@" -p "$port" 127.0.0.1 >"$c" 2>&1 || crc=$?
-    wait "$spid" || src=$?
-    if [[ $crc -ne 0 || $src -ne 0 ]] || ! grep -Eq "$check" "$c"; then
-        echo "FAIL $name (client rc=$crc, server rc=$src)"
-        echo "--- server"; cat "$s"; echo "--- client"; cat "$c"
-        fail=$((fail + 1))
-    else
-        passed=$((passed + 1))
-        echo "ok   $name: $(grep -E "$check" "$c" | tail -1 | tr -s ' \t' ' ')"
-    fi
-}
-
-# mixed NAME PORT SERVER CLIENT ARGS... : server `SERVER ARGS -p PORT`, client
-# `CLIENT ARGS -p PORT 127.0.0.1` (one of them cqd's rc_pingpong, the other
-# rdma-core's); both must exit 0 and print their result lines, and neither may
-# report bad data (run them with -c: the server checks what it received, cqd's
-# client also checks the echo).
-mixed() {
-    local name=$1 port=$2 server=$3 client=$4; shift 4
+# duo NAME PORT CHECK_REGEX SIDES SERVER CLIENT ARGS... : server
+# `SERVER ARGS -p PORT`, client `CLIENT ARGS -p PORT 127.0.0.1`; both must
+# exit 0, neither may report bad data, and the client log (SIDES=client) or
+# both logs (SIDES=both) must match CHECK_REGEX.
+duo() {
+    local name=$1 port=$2 check=$3 sides=$4 server=$5 client=$6; shift 6
     local s=$LOGS/$name.server.log c=$LOGS/$name.client.log
     timeout 60 "$RUN" "$server" "$@" -p "$port" >"$s" 2>&1 &
     local spid=$!
@@ -88,18 +62,38 @@ mixed() {
         wait "$spid" || true
         return
     fi
-    local crc=0 src=0
+    local crc=0 src=0 logs=("$c")
     timeout 60 "$RUN" "$client" "$@" -p "$port" 127.0.0.1 >"$c" 2>&1 || crc=$?
     wait "$spid" || src=$?
-    if [[ $crc -ne 0 || $src -ne 0 ]] || ! grep -q 'iters in' "$s" || ! grep -q 'iters in' "$c" \
-        || grep -q 'invalid data' "$s" "$c"; then
+    [[ $sides == both ]] && logs=("$s" "$c")
+    local ok=1 l
+    [[ $crc -eq 0 && $src -eq 0 ]] || ok=0
+    for l in "${logs[@]}"; do grep -Eq "$check" "$l" || ok=0; done
+    grep -q 'invalid data' "$s" "$c" && ok=0
+    if [[ $ok -eq 0 ]]; then
         echo "FAIL $name (client rc=$crc, server rc=$src)"
         echo "--- server"; cat "$s"; echo "--- client"; cat "$c"
         fail=$((fail + 1))
     else
         passed=$((passed + 1))
-        echo "ok   $name: server: $(grep 'iters in' "$s" | tr -s ' \t' ' ') | client: $(grep 'iters in' "$c" | tr -s ' \t' ' ')"
+        local line=""
+        for l in "${logs[@]}"; do line+=" $(basename "$l" .log | sed "s/^$name.//"): $(grep -E "$check" "$l" | tail -1 | tr -s ' \t' ' ')"; done
+        echo "ok   $name:$line"
     fi
+}
+
+# pair NAME PORT CHECK_REGEX CMD ARGS... : one program on both sides.
+pair() {
+    local name=$1 port=$2 check=$3 cmd=$4; shift 4
+    duo "$name" "$port" "$check" client "$cmd" "$cmd" "$@"
+}
+
+# mixed NAME PORT SERVER CLIENT ARGS... : cqd's rc_pingpong on one side,
+# rdma-core's on the other; both print their result lines (run with -c: the
+# server checks what it received, cqd's client also checks the echo).
+mixed() {
+    local name=$1 port=$2 server=$3 client=$4; shift 4
+    duo "$name" "$port" 'iters in' both "$server" "$client" "$@"
 }
 
 single() { # NAME CHECK_REGEX CMD...

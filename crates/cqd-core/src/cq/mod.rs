@@ -700,16 +700,18 @@ mod tests {
     fn assert_send_sync<T: Send + Sync>() {}
 
     /// A source holding `left` completions (foreign wr_ids: dispatch only
-    /// counts them).
+    /// counts them) and the asynchronous events in `events`.
     struct Queue {
         left: usize,
         fd: Doorbell,
+        events: std::sync::Arc<parking_lot::Mutex<VecDeque<AsyncEvent>>>,
     }
 
     fn queue(left: usize) -> Queue {
         Queue {
             left,
             fd: Doorbell::new().unwrap(),
+            events: Default::default(),
         }
     }
 
@@ -742,7 +744,7 @@ mod tests {
             0
         }
         fn take_async_event(&mut self) -> Option<AsyncEvent> {
-            None
+            self.events.lock().pop_front()
         }
         fn destroy(&mut self) -> Result<(), SourceError> {
             Ok(())
@@ -756,46 +758,6 @@ mod tests {
             ..CqOptions::default()
         };
         split::<W>(queue(left), options).unwrap().0.bind()
-    }
-
-    /// A source whose only content is a list of asynchronous events.
-    struct Events {
-        events: std::sync::Arc<parking_lot::Mutex<VecDeque<AsyncEvent>>>,
-        fd: Doorbell,
-    }
-
-    impl CompletionSource for Events {
-        fn name(&self) -> &str {
-            "events"
-        }
-        fn capacity(&self) -> u32 {
-            16
-        }
-        fn poll(&mut self, _: &mut [Completion]) -> Result<usize, SourceError> {
-            Ok(0)
-        }
-        fn arm(&mut self, _: ArmKind) -> Result<(), SourceError> {
-            Ok(())
-        }
-        fn event_fd(&self) -> std::os::fd::BorrowedFd<'_> {
-            use std::os::fd::AsFd;
-            self.fd.as_fd()
-        }
-        fn take_events(&mut self) -> Result<u32, SourceError> {
-            Ok(0)
-        }
-        fn ack_events(&mut self, _: u32) -> Result<(), SourceError> {
-            Ok(())
-        }
-        fn unacked_events(&self) -> u32 {
-            0
-        }
-        fn take_async_event(&mut self) -> Option<AsyncEvent> {
-            self.events.lock().pop_front()
-        }
-        fn destroy(&mut self) -> Result<(), SourceError> {
-            Ok(())
-        }
     }
 
     /// Records the asynchronous events it is given; panics on the second.
@@ -835,15 +797,9 @@ mod tests {
         use crate::source::{QpEvent, SrqEvent};
         let seen = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
         let other = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
-        let queue = std::sync::Arc::new(parking_lot::Mutex::new(VecDeque::new()));
-        let (unbound, handle) = split::<NoWork>(
-            Events {
-                events: queue.clone(),
-                fd: Doorbell::new().unwrap(),
-            },
-            CqOptions::default(),
-        )
-        .unwrap();
+        let source = queue(0);
+        let queue = source.events.clone();
+        let (unbound, handle) = split::<NoWork>(source, CqOptions::default()).unwrap();
         let owner = handle.register(Owner(seen.clone())).unwrap();
         let bystander = handle.register(Owner(other.clone())).unwrap();
         let gone = handle.register(Owner(other.clone())).unwrap();
