@@ -533,7 +533,7 @@ fn main() {
         return;
     }
     let quick = std::env::args().any(|a| a == "--quick");
-    let (rounds, reps) = if quick { (10, 1) } else { (200, 5) };
+    let (rounds, reps) = if quick { (10, 1) } else { (200, 9) };
     pin(POLLER_CPU);
 
     let ctx = Context::open_first().expect("open the device");
