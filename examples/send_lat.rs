@@ -13,16 +13,20 @@
 //! `-n` (default 10,000) SENDs of `-s` bytes (default 2, inline) on one RC
 //! QP pair. Each side:
 //!
-//! - runs one cqd poller thread (`PollerBuilder`, `--mode busy|event`),
-//!   pinned (core_affinity) to `--cpu`, by default to the first CPU the
-//!   process may use (run the two sides under `taskset -c 0` and
-//!   `taskset -c 1`; `--no-pin` leaves it to the scheduler), over one CQ that takes both its send
-//!   and its receive completions;
-//! - has one handler. Its `on_recv` re-posts the receive and posts the
-//!   next SEND — both through `Registration::post_recv` / `post_send`, the
-//!   only posting call — after taking a timestamp, as `ib_send_lat` takes
-//!   one before each post. The client's first SEND is posted by the main
-//!   thread, which starts the exchange.
+//! - runs one cqd poller thread (`PollerBuilder`, `--mode busy|event`)
+//!   over one CQ that takes both its send and its receive completions, or
+//!   with `--loop step` a loop of its own on `CqPoller`'s step API (poll;
+//!   when empty, spin, or arm, poll again and block on the CQ's
+//!   descriptor). The thread is pinned (core_affinity) to `--cpu`, by
+//!   default to the first CPU the process may use (run the two sides under
+//!   `taskset -c 0` and `taskset -c 1`); `--no-pin` leaves it to the
+//!   scheduler;
+//! - has one handler. Its `on_recv` takes a timestamp, as `ib_send_lat`
+//!   takes one before each post, and posts the next SEND, then gives the
+//!   receive buffer back, in lists of 16 — both through
+//!   `Registration::post_send` / `post_recv`, the only posting call. The
+//!   client's first SEND is posted by the main thread, which starts the
+//!   exchange;
 //! - signals one SEND in `--cq-mod` (default 64) and the last one, as
 //!   perftest moderates send completions; the unsignaled ones are retired
 //!   by the next signaled completion of their queue (cqd's accounting).
