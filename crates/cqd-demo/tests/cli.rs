@@ -85,7 +85,10 @@ fn a_short_run_passes_both_verdicts_and_writes_json() {
     assert!(stdout.contains("verdict data:     PASSED"), "{stdout}");
     assert!(stdout.contains("verdict accounts: PASSED"), "{stdout}");
     // stdout is a pipe here, as in CI: no progress bar, no escapes.
-    assert!(!stdout.contains('\u{1b}') && !stdout.contains('\r'), "{stdout:?}");
+    assert!(
+        !stdout.contains('\u{1b}') && !stdout.contains('\r'),
+        "{stdout:?}"
+    );
     let r = json(&path);
     assert_eq!(r["verdicts"]["data"]["passed"], true);
     assert_eq!(r["verdicts"]["accounts"]["passed"], true);
