@@ -372,8 +372,11 @@ impl<N: Node> LoadSide<N> {
             "load: read back every block"
         );
         load.enter(Phase::Verify);
+        // A backstop only (stuck requests fail by the op timeout): room
+        // for 5,000 blocks a second, however large the devices.
+        let blocks = cfg.blocks_per_server * u64::from(cfg.servers);
         let verified = load.wait_until(
-            DRAIN + Duration::from_secs(20),
+            DRAIN + Duration::from_secs(20) + Duration::from_secs(blocks / 5_000),
             &mut || load.check_timeouts(timeout),
             &|| load.verify_done(),
         );
