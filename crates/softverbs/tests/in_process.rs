@@ -379,12 +379,21 @@ fn destroy_order_is_enforced_and_clean() {
     assert_eq!(unsafe { ibv_destroy_cq(p.cq_b) }, libc::EBUSY);
     assert_eq!(unsafe { ibv_destroy_qp(p.b) }, 0);
     assert_eq!(unsafe { ibv_destroy_cq(p.cq_b) }, 0);
-    // The peer is gone: a send now fails instead of hanging.
+    // The peer is gone: a send now fails instead of hanging, after the
+    // transport timeout (connect's timeout 14 and retry_cnt 7: 4.096 µs ×
+    // 2^14 per try, 8 tries), as the responder never answers.
     let buf = Buf::new(&p.dev, 64, 0);
+    let t0 = std::time::Instant::now();
     assert_eq!(post_send(p.a, &buf, 0, 8, 1, send(WR_SEND, SIGNALED)), 0);
     assert_eq!(
         poll(p.cq_a, 1)[0].status,
         ibv_wc_status::IBV_WC_RETRY_EXC_ERR
+    );
+    let timeout = std::time::Duration::from_nanos(4096 * (1 << 14) * 8);
+    assert!(
+        t0.elapsed() >= timeout,
+        "RETRY_EXC_ERR after {:?}, before the transport timeout {timeout:?}",
+        t0.elapsed()
     );
     assert_eq!(unsafe { ibv_destroy_qp(p.a) }, 0);
     assert_eq!(unsafe { ibv_destroy_cq(p.cq_a) }, 0);

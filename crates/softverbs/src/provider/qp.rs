@@ -443,6 +443,7 @@ pub unsafe extern "C" fn modify_qp(
             // SAFETY: both are valid ibv_ah_attr values (plain C data).
             unsafe { std::ptr::copy_nonoverlapping(&a.ah_attr, &mut st.ah_attr, 1) };
         }
+        ss.transport_timeout = m::transport_timeout(st.timeout, st.retry_cnt);
     }
     if mask & m::ATTR_ACCESS_FLAGS != 0 {
         q.hdr().access.store(a.qp_access_flags, Ordering::Release);
