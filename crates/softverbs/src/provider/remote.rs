@@ -12,6 +12,7 @@ use super::notify::CqPort;
 use crate::model::event::{srq_limit_fires, SRQ_LIMIT_REACHED};
 use crate::model::qp::QpState;
 use crate::model::wc::{opcode, WcStatus};
+use crate::shm::doorbell::{Doorbell, Watch};
 use crate::shm::layout::{
     mr_table, ring_offset, Cqe, CtxHeader, MrSlot, QpHeader, RecvWqe, SrqHeader, CTX_BYTES, MAGIC,
 };
@@ -136,6 +137,30 @@ impl Remote {
         })
     }
 
+    /// Announce a sleeper on every doorbell that rings when a request to
+    /// this responder may get through (its QP's; its SRQ's too), reading
+    /// their values (shm::doorbell). Retry the request after this, then
+    /// sleep on [`Armed::watches`]; dropping the guard disarms.
+    pub fn arm(&self) -> Armed {
+        let mut a = Armed {
+            bells: Vec::with_capacity(2),
+        };
+        let qp_bell = std::ptr::addr_of!(self.hdr().doorbell);
+        a.bells
+            .push((Arc::clone(&self.qp), qp_bell, self.hdr().doorbell.arm()));
+        if let Some((seg, _)) = &self.srq {
+            // SAFETY: an SRQ segment starts with its header (checked in
+            // open); `seg` is kept alive with the pointer in the guard.
+            let h = unsafe { &*seg.base().cast::<SrqHeader>() };
+            a.bells.push((
+                Arc::clone(seg),
+                std::ptr::addr_of!(h.doorbell),
+                h.doorbell.arm(),
+            ));
+        }
+        a
+    }
+
     /// Whether the process owning the responder exited (or crashed): it
     /// will never answer. A system call on the other-process path, so only
     /// asked when a request is not going through.
@@ -232,6 +257,9 @@ impl Remote {
                 Err(now) => cur = now,
             }
         };
+        if moved {
+            h.doorbell.ring();
+        }
         if let Some(ty) = event {
             events::raise(self.ctx_hdr(), &h.events, &h.gone, h.qp_ptr, ty);
         }
@@ -248,6 +276,35 @@ impl Remote {
                     ..Cqe::default()
                 });
             }
+        }
+    }
+}
+
+/// Doorbells armed by [`Remote::arm`]; each keeps its segment mapped, so a
+/// sleeper never watches an unmapped word even if the requester QP is
+/// destroyed meanwhile.
+#[derive(Debug)]
+pub struct Armed {
+    bells: Vec<(Arc<Segment>, *const Doorbell, u32)>,
+}
+
+impl Armed {
+    /// The words to sleep on.
+    pub fn watches(&self) -> impl Iterator<Item = Watch<'_>> {
+        self.bells.iter().map(|&(_, b, val)| Watch {
+            // SAFETY: `b` points into the segment held next to it.
+            word: unsafe { &(*b).seq },
+            val,
+            private: false,
+        })
+    }
+}
+
+impl Drop for Armed {
+    fn drop(&mut self) {
+        for &(_, b, _) in &self.bells {
+            // SAFETY: as in `watches`.
+            unsafe { (*b).disarm() };
         }
     }
 }

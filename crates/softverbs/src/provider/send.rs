@@ -440,6 +440,14 @@ fn silent_too_long(ss: &SendSide, w: &mut Wr) -> bool {
     ss.transport_timeout.is_some_and(|d| t0.elapsed() >= d)
 }
 
+/// When the WR at the head of the queue runs out of retries, if its
+/// responder is silent and the QP's timeout is finite (the progress
+/// thread's wake-up time).
+pub fn silence_deadline(ss: &SendSide) -> Option<Instant> {
+    let since = ss.pending.front()?.silent_since?;
+    Some(since + ss.transport_timeout?)
+}
+
 /// Retry waiting WRs in order until one has to wait again. On a dead
 /// context they are dropped: nothing can complete there any more, and the
 /// progress thread must not retry them forever.
