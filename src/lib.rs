@@ -32,9 +32,8 @@
 //! 2. **Handlers.** A [`Handler`](crate::core::Handler) has three callbacks,
 //!    `on_send`, `on_recv` and `on_error` (flushes included), called on the
 //!    poller thread. It must not block: heavy work goes through its
-//!    [`Outbox`](crate::core::Outbox) to a worker pool
-//!    ([`core::pool`]), routed by
-//!    [`Route`](crate::core::Route). Registering one gives a
+//!    [`Outbox`](crate::core::Outbox) to a worker pool ([`core::pool`]),
+//!    routed by [`Route`](crate::core::Route). Registering one gives a
 //!    [`Registration`](crate::core::Registration).
 //! 3. **Posting.** The registration's `post_send` and `post_recv` are the one
 //!    way to post: each request's tag goes in its wr_id field, and the call
@@ -43,9 +42,8 @@
 //! 4. **Pollers.** A [`PollerBuilder`](crate::core::PollerBuilder) starts a
 //!    poller thread over a group of CQs in a
 //!    [`PollMode`](crate::core::PollMode): Busy, Event, Hybrid or Adaptive
-//!    (the default; [`core::mode`]). In a server the
-//!    threads come from a topology file checked before any thread starts
-//!    ([`core::topology`]).
+//!    (the default; [`core::mode`]). In a server the threads come from a
+//!    topology file checked before any thread starts ([`core::topology`]).
 //! 5. **Stopping.** [`shutdown`](crate::core::shutdown()) flushes, stops
 //!    the pollers (each drains its CQs until every request is accounted for),
 //!    then joins the pools, and returns a
