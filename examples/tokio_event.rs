@@ -1,0 +1,3 @@
+//! cqd's event mode driven from tokio (being written).
+
+fn main() {}

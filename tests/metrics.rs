@@ -1,0 +1,1 @@
+//! The metrics exporter on the simulated NIC (being written).
