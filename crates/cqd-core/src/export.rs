@@ -40,10 +40,13 @@
 //!   `cqd_cq_batches_total{size=…}` is always published and the histogram
 //!   is not.
 //!
-//! Handles are registered with the recorder in force (thread-local, else
-//! global) at the first publication and kept; when the recorder in force
-//! changes (a global recorder installed later, another local one) they are
-//! registered again, and the histogram starts over with everything so far.
+//! [`MetricsExporter::publish`] publishes through the recorder in force on
+//! the calling thread (a local one, as in tests, else the global one),
+//! registering its handles at each call. The exporter's thread publishes
+//! through the global recorder and keeps its handles from one publication
+//! to the next; if the global recorder is installed after the thread
+//! started, it registers them again, and the histogram starts over with
+//! every batch so far.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -397,10 +400,22 @@ fn write<S>(fields: &[Field<S>], handles: &[Handle], snap: &S) {
     }
 }
 
-/// The recorder in force on this thread, by address: handles registered
-/// with another are registered again.
+/// The recorder in force on this thread, by address. Only the exporter's
+/// thread keys its handles by it: there the recorder is the global one or
+/// the facade's no-op one, both static, so an address names one recorder
+/// for good. (A local recorder's address can be reused by the next one once
+/// it is dropped, so `publish` never keeps handles.)
 fn recorder_id() -> usize {
     ::metrics::with_recorder(|r| (r as *const dyn Recorder).cast::<()>() as usize)
+}
+
+/// Whether `handles` must be registered (again): always when not kept
+/// (`cached` is `None`), else when registered with another recorder.
+fn stale<H>(handles: &Option<(usize, H)>, cached: Option<usize>) -> bool {
+    match cached {
+        Some(id) => handles.as_ref().map(|h| h.0) != Some(id),
+        None => true,
+    }
 }
 
 fn describe(r: &dyn Recorder, def: &MetricDef) {
@@ -436,9 +451,9 @@ impl CqEntry {
         vec![Label::new("cq", Arc::clone(&self.name))]
     }
 
-    fn publish(&mut self, recorder: usize, options: &Options, now: Instant) {
+    fn publish(&mut self, cached: Option<usize>, options: &Options, now: Instant) {
         let snap = self.cq.snapshot();
-        if self.handles.as_ref().map(|h| h.0) != Some(recorder) {
+        if stale(&self.handles, cached) {
             let labels = self.labels();
             let batches = BATCH_SIZE_LABELS
                 .iter()
@@ -456,8 +471,11 @@ impl CqEntry {
                 budget: None,
                 ledger: None,
             };
-            self.handles = Some((recorder, handles));
-            self.fed = [0; BATCH_BUCKETS];
+            if cached.is_some() {
+                // A new recorder: the histogram starts over.
+                self.fed = [0; BATCH_BUCKETS];
+            }
+            self.handles = Some((cached.unwrap_or_default(), handles));
         }
         let labels = self.labels();
         let Some((_, h)) = self.handles.as_mut() else {
@@ -504,6 +522,9 @@ impl CqEntry {
                 write(&LEDGER_FIELDS, handles, &ledger.snapshot(now));
             }
         }
+        if cached.is_none() {
+            self.handles = None;
+        }
     }
 }
 
@@ -513,14 +534,18 @@ struct PollerEntry {
 }
 
 impl PollerEntry {
-    fn publish(&mut self, recorder: usize) {
+    fn publish(&mut self, cached: Option<usize>) {
         let snap = self.monitor.snapshot();
-        if self.handles.as_ref().map(|h| h.0) != Some(recorder) {
+        if stale(&self.handles, cached) {
             let labels = [Label::new("poller", self.monitor.name().to_string())];
-            self.handles = Some((recorder, register(&POLLER_FIELDS, &labels)));
+            let handles = register(&POLLER_FIELDS, &labels);
+            self.handles = Some((cached.unwrap_or_default(), handles));
         }
         if let Some((_, h)) = &self.handles {
             write(&POLLER_FIELDS, h, &snap);
+        }
+        if cached.is_none() {
+            self.handles = None;
         }
     }
 }
@@ -537,9 +562,9 @@ struct PoolEntry {
 }
 
 impl PoolEntry {
-    fn publish(&mut self, recorder: usize) {
+    fn publish(&mut self, cached: Option<usize>) {
         let snap = self.monitor.snapshot();
-        if self.handles.as_ref().map(|h| h.0) != Some(recorder) {
+        if stale(&self.handles, cached) {
             let name: Arc<str> = Arc::from(self.monitor.name());
             let pool = [Label::new("pool", Arc::clone(&name))];
             let indexed = |key: &'static str, i: usize| {
@@ -557,7 +582,7 @@ impl PoolEntry {
                     .map(|i| register(&SINK_FIELDS, &indexed("sink", i)))
                     .collect(),
             };
-            self.handles = Some((recorder, handles));
+            self.handles = Some((cached.unwrap_or_default(), handles));
         }
         if let Some((_, h)) = &self.handles {
             write(&POOL_FIELDS, &h.pool, &snap);
@@ -567,6 +592,9 @@ impl PoolEntry {
             for (handles, s) in h.sinks.iter().zip(&snap.sinks) {
                 write(&SINK_FIELDS, handles, s);
             }
+        }
+        if cached.is_none() {
+            self.handles = None;
         }
     }
 }
@@ -759,29 +787,41 @@ impl MetricsExporter {
     }
 
     /// Samples every registered object once and publishes it through the
-    /// recorder in force on this thread. The first publication to a
-    /// recorder also describes every metric of [`catalog`] to it.
+    /// recorder in force on this thread — a local one (as in tests) or the
+    /// global one — describing every metric of [`catalog`] to it. Its
+    /// handles are registered at each call (a lookup in the recorder per
+    /// metric); the thread of [`spawn`](Self::spawn) keeps its handles.
     pub fn publish(&self) {
-        let recorder = recorder_id();
+        self.publish_with(None);
+    }
+
+    /// Publishes through handles kept from one call to the next, registered
+    /// again when the recorder in force changes: for the exporter's thread
+    /// (see [`recorder_id`]).
+    fn publish_kept(&self) {
+        self.publish_with(Some(recorder_id()));
+    }
+
+    fn publish_with(&self, cached: Option<usize>) {
         let now = Instant::now();
         let mut r = self.lock();
-        if r.described != Some(recorder) {
+        if cached.is_none() || r.described != cached {
             ::metrics::with_recorder(|rec| {
                 for def in catalog() {
                     describe(rec, def);
                 }
             });
-            r.described = Some(recorder);
+            r.described = cached;
         }
         let options = r.options;
         for cq in &mut r.cqs {
-            cq.publish(recorder, &options, now);
+            cq.publish(cached, &options, now);
         }
         for p in &mut r.pollers {
-            p.publish(recorder);
+            p.publish(cached);
         }
         for p in &mut r.pools {
-            p.publish(recorder);
+            p.publish(cached);
         }
     }
 
@@ -806,12 +846,12 @@ impl MetricsExporter {
             .spawn(move || {
                 let mut next = Instant::now();
                 loop {
-                    exporter.publish();
+                    exporter.publish_kept();
                     next += period;
                     loop {
                         if flag.load(Ordering::Acquire) {
                             // The last publication: the final counters.
-                            exporter.publish();
+                            exporter.publish_kept();
                             return;
                         }
                         let now = Instant::now();
@@ -1088,7 +1128,7 @@ mod tests {
     }
 
     #[test]
-    fn a_new_recorder_gets_everything_so_far() {
+    fn kept_handles_follow_the_recorder_and_a_new_one_gets_everything() {
         let (wcs, source) = feed("cq");
         let (unbound, handle) = split::<NoWork>(source, CqOptions::default()).unwrap();
         let mut p = unbound.bind();
@@ -1097,16 +1137,28 @@ mod tests {
         drain(&mut p); // batches of 32 and 8
         let exporter = MetricsExporter::new().batch_histogram(true);
         exporter.add_cq(&handle).unwrap();
+        // The thread's way: handles kept for a recorder, registered again
+        // for another (both alive: two addresses).
         let first = DebuggingRecorder::new();
-        ::metrics::with_local_recorder(&first, || exporter.publish());
+        let s1 = first.snapshotter();
+        ::metrics::with_local_recorder(&first, || exporter.publish_kept());
+        assert_eq!(counter(&values(&s1), "cqd_cq_completions_total{cq=cq}"), 40);
+        wcs.lock()
+            .push_back(Completion::success(7, Opcode::Send, 1));
+        drain(&mut p); // a batch of 1
+        ::metrics::with_local_recorder(&first, || exporter.publish_kept());
+        let v = values(&s1);
+        assert_eq!(counter(&v, "cqd_cq_completions_total{cq=cq}"), 41);
+        assert_eq!(samples(&v, "cqd_cq_batch_size{cq=cq}"), [1.0]);
         let second = DebuggingRecorder::new();
         let s2 = second.snapshotter();
-        ::metrics::with_local_recorder(&second, || exporter.publish());
+        ::metrics::with_local_recorder(&second, || exporter.publish_kept());
         let v = values(&s2);
-        assert_eq!(counter(&v, "cqd_cq_completions_total{cq=cq}"), 40);
+        assert_eq!(counter(&v, "cqd_cq_completions_total{cq=cq}"), 41);
         let mut h = samples(&v, "cqd_cq_batch_size{cq=cq}");
         h.sort_by(f64::total_cmp);
-        assert_eq!(h, [8.0, 32.0]);
+        assert_eq!(h, [1.0, 8.0, 32.0], "everything so far");
+        drop(first);
     }
 
     #[test]
