@@ -1,4 +1,4 @@
-//! cqd's counters through the [`metrics`](::metrics) facade (feature
+//! cqd's counters through the [`metrics`] facade (feature
 //! `metrics`), so that Prometheus or any other recorder shows them.
 //!
 //! The hot path does not change: CQs, pollers and pools keep their
