@@ -48,14 +48,17 @@ pub struct SystemReport {
 
 impl SystemReport {
     /// True when nothing was lost: every request was accounted for
-    /// (completed or flushed), every work item was handed to a worker, and
-    /// nothing failed while stopping.
+    /// (completed or flushed), every work item was handed to a worker, no
+    /// CQ overflowed (an overflow loses completions even when a later one
+    /// retires what they covered), and nothing failed while stopping.
     pub fn is_clean(&self) -> bool {
         self.errors.is_empty()
-            && self
-                .pollers
-                .iter()
-                .all(|p| p.accounts.is_balanced() && p.undelivered == 0 && p.errors.is_empty())
+            && self.pollers.iter().all(|p| {
+                p.accounts.is_balanced()
+                    && p.undelivered == 0
+                    && p.errors.is_empty()
+                    && p.cqs.iter().all(|c| c.overflows == 0)
+            })
     }
 }
 

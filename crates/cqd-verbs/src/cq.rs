@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::os::fd::BorrowedFd;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use cqd_core::budget::{BudgetOptions, BudgetSnapshot, CqBudget};
@@ -35,6 +35,7 @@ use parking_lot::Mutex;
 use crate::device::{Context, ContextInner, Route};
 use crate::error::VerbsError;
 use crate::inbox::AsyncInbox;
+use crate::qp::QpInner;
 use crate::sys::{self, CqFlavor};
 
 /// The largest batch one `ibv_poll_cq` call asks for.
@@ -223,6 +224,12 @@ pub(crate) struct CqInner {
     pub(crate) ledger: WrLedger,
     /// Events read by the source and not yet acked when it let go.
     leftover: Mutex<u32>,
+    /// QPs dropped with requests outstanding, in ERR, destroyed once the
+    /// poller has retired their flushes (see [`crate::Qp`]).
+    zombies: Mutex<Vec<QpInner>>,
+    has_zombies: AtomicBool,
+    /// The source (the poller's half) exists.
+    source_alive: AtomicBool,
 }
 
 // SAFETY: the CQ pointer is polled only by the one source (which is Send,
@@ -231,6 +238,50 @@ pub(crate) struct CqInner {
 unsafe impl Send for CqInner {}
 // SAFETY: as above.
 unsafe impl Sync for CqInner {}
+
+impl CqInner {
+    /// True while this CQ's source exists (a poller can retire flushes).
+    pub(crate) fn poller_alive(&self) -> bool {
+        self.source_alive.load(Ordering::Acquire)
+    }
+
+    /// Keeps a flushed QP until its flushes are retired.
+    pub(crate) fn bury(&self, qp: QpInner) {
+        let mut z = self.zombies.lock();
+        if !self.poller_alive() {
+            // The source went meanwhile: nobody will reap it.
+            drop(z);
+            drop(qp);
+            return;
+        }
+        z.push(qp);
+        self.has_zombies.store(true, Ordering::Release);
+    }
+
+    /// Destroys the buried QPs whose flushes are all retired (the poller
+    /// thread, between polls).
+    #[cold]
+    fn reap(&self) {
+        let done: Vec<QpInner> = {
+            let mut z = self.zombies.lock();
+            let (done, keep) = std::mem::take(&mut *z)
+                .into_iter()
+                .partition(|q| q.outstanding() == 0);
+            *z = keep;
+            self.has_zombies.store(!z.is_empty(), Ordering::Release);
+            done
+        };
+        drop(done);
+    }
+
+    /// The source is gone: every buried QP goes now.
+    fn bury_all(&self) {
+        self.source_alive.store(false, Ordering::Release);
+        let all = std::mem::take(&mut *self.zombies.lock());
+        self.has_zombies.store(false, Ordering::Release);
+        drop(all);
+    }
+}
 
 impl Drop for CqInner {
     fn drop(&mut self) {
@@ -493,6 +544,9 @@ pub(crate) unsafe fn adopt_parts(
         budget,
         ledger,
         leftover: Mutex::new(0),
+        zombies: Mutex::new(Vec::new()),
+        has_zombies: AtomicBool::new(false),
+        source_alive: AtomicBool::new(true),
     });
     inner.channel.inbox.open(token);
     let source = VerbsCqSource {
@@ -565,6 +619,9 @@ impl CompletionSource for VerbsCqSource {
 
     #[inline]
     fn poll(&mut self, out: &mut [Completion]) -> Result<usize, SourceError> {
+        if self.cq.has_zombies.load(Ordering::Acquire) {
+            self.cq.reap();
+        }
         let want = out.len().min(self.wcs.len());
         // SAFETY: this source is the CQ's only poller (it is owned by one
         // thread; CqInner never polls); `poll` is the CQ's provider's.
@@ -651,5 +708,7 @@ impl Drop for VerbsCqSource {
         *self.cq.leftover.lock() += std::mem::take(&mut self.unacked);
         // Nobody takes this CQ's asynchronous events any more.
         self.cq.channel.inbox.close(self.cq.token);
+        // Nobody retires flushes any more: buried QPs go now.
+        self.cq.bury_all();
     }
 }

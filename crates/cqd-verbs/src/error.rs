@@ -100,6 +100,15 @@ pub enum PostError {
         #[source]
         source: io::Error,
     },
+    /// The device reported a fatal error (or the post failed with EIO /
+    /// ENODEV): nothing of the list was posted from the refused request on.
+    #[error("{queue}: RDMA device {device} is gone")]
+    DeviceGone {
+        /// The device.
+        device: String,
+        /// The queue.
+        queue: String,
+    },
     /// A request is malformed for this queue (too many SGEs, inline data
     /// too long), found before the device was called.
     #[error("{queue}: work request {index}: {why}")]

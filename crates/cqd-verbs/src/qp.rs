@@ -427,23 +427,40 @@ pub(crate) fn post_recv_list(
     for w in wrs {
         pins.pin(w.sg_list);
     }
+    let verb = match target {
+        sys::RecvTarget::Qp(_) => "ibv_post_recv",
+        sys::RecvTarget::Srq(_) => "ibv_post_srq_recv",
+    };
     // SAFETY: the target is live (its owner holds it); the list is linked
     // with a null tail; its SGEs name regions pinned above until the queue
     // is destroyed.
-    unsafe { sys::post_recv(target, &mut raw) }.map_err(|(i, e)| {
-        (
-            i,
-            PostError::Device {
-                verb: match target {
-                    sys::RecvTarget::Qp(_) => "ibv_post_recv",
-                    sys::RecvTarget::Srq(_) => "ibv_post_srq_recv",
-                },
-                queue: queue(),
-                index: i,
-                source: e,
-            },
-        )
-    })
+    unsafe { sys::post_recv(target, &mut raw) }
+        .map_err(|(i, e)| (i, device_error(pd, verb, queue(), i, e)))
+}
+
+/// A post the device refused: a gone device (its fatal event read, or
+/// EIO / ENODEV) or the refused request named with its errno.
+fn device_error(
+    pd: &PdInner,
+    verb: &'static str,
+    queue: String,
+    index: usize,
+    e: std::io::Error,
+) -> PostError {
+    if pd.ctx.fatal.load(std::sync::atomic::Ordering::Acquire)
+        || matches!(e.raw_os_error(), Some(libc::EIO | libc::ENODEV))
+    {
+        return PostError::DeviceGone {
+            device: pd.ctx.name.clone(),
+            queue,
+        };
+    }
+    PostError::Device {
+        verb,
+        queue,
+        index,
+        source: e,
+    }
 }
 
 /// Links `v[i]` to `v[i + 1]`, the last to null.
@@ -462,7 +479,7 @@ fn link<T>(v: &mut [T], set: impl Fn(&mut T, *mut T)) {
     }
 }
 
-struct QpInner {
+pub(crate) struct QpInner {
     qp: NonNull<sys::ibv_qp>,
     qpn: u32,
     pd: Arc<PdInner>,
@@ -482,9 +499,42 @@ unsafe impl Send for QpInner {}
 // SAFETY: as above.
 unsafe impl Sync for QpInner {}
 
+impl QpInner {
+    /// Requests posted on the QP (an SRQ's counted separately) and not yet
+    /// retired by the poller.
+    pub(crate) fn outstanding(&self) -> usize {
+        let recv = if self.srq.is_some() {
+            0
+        } else {
+            self.recv_account.outstanding()
+        };
+        self.send_account.outstanding() + recv
+    }
+}
+
+impl Drop for QpInner {
+    fn drop(&mut self) {
+        self.pd.ctx.remove_route(self.qp.as_ptr() as usize);
+        // SAFETY: the QP is live; after this the device touches none of the
+        // memory its requests named (the pins go with `self`).
+        if let Err(e) = unsafe { sys::destroy_qp(self.qp) } {
+            tracing::error!(qpn = self.qpn, error = %e, "ibv_destroy_qp failed");
+        }
+        self.send_account.close();
+        if self.recv_account.queue() == Queue::Recv {
+            self.recv_account.close();
+        }
+    }
+}
+
 /// A reliable-connected queue pair.
+///
+/// Dropped with requests outstanding, it is moved to the error state and
+/// kept (not yet destroyed) until its send CQ's poller has retired every
+/// flush, so that the accounts stay exact: devices discard the completions
+/// of a destroyed QP. If that poller is gone, it is destroyed at once.
 pub struct Qp {
-    inner: QpInner,
+    inner: std::mem::ManuallyDrop<QpInner>,
 }
 
 impl fmt::Debug for Qp {
@@ -635,7 +685,7 @@ impl Pd {
             },
         );
         Ok(Qp {
-            inner: QpInner {
+            inner: std::mem::ManuallyDrop::new(QpInner {
                 qp,
                 qpn,
                 pd: Arc::clone(&self.inner),
@@ -647,7 +697,7 @@ impl Pd {
                 recv_account,
                 pins: Pins::default(),
                 _admissions: admissions,
-            },
+            }),
         })
     }
 }
@@ -798,12 +848,7 @@ impl Qp {
     /// Requests posted on the QP (both sides; an SRQ's count separately)
     /// and not yet retired by the poller.
     pub fn outstanding(&self) -> usize {
-        let recv = if self.inner.srq.is_some() {
-            0
-        } else {
-            self.inner.recv_account.outstanding()
-        };
-        self.inner.send_account.outstanding() + recv
+        self.inner.outstanding()
     }
 
     /// The raw `ibv_qp`, for verbs cqd does not wrap (never post on it:
@@ -906,17 +951,8 @@ impl PostSend for Qp {
         // SAFETY: the QP is live; the list is linked with a null tail; its
         // SGEs name regions pinned above until the QP is destroyed (inline
         // data is copied by the call).
-        unsafe { sys::post_send(q.qp, &mut raw) }.map_err(|(i, e)| {
-            (
-                i,
-                PostError::Device {
-                    verb: "ibv_post_send",
-                    queue: name(),
-                    index: i,
-                    source: e,
-                },
-            )
-        })
+        unsafe { sys::post_send(q.qp, &mut raw) }
+            .map_err(|(i, e)| (i, device_error(&q.pd, "ibv_post_send", name(), i, e)))
     }
 }
 
@@ -953,16 +989,26 @@ impl PostRecv for Qp {
 
 impl Drop for Qp {
     fn drop(&mut self) {
-        let q = &self.inner;
-        q.pd.ctx.remove_route(q.qp.as_ptr() as usize);
-        // SAFETY: the QP is live; after this the device touches none of the
-        // memory its requests named (the pins go with `self`).
-        if let Err(e) = unsafe { sys::destroy_qp(q.qp) } {
-            tracing::error!(qpn = q.qpn, error = %e, "ibv_destroy_qp failed");
+        // SAFETY: `drop` runs once and `self.inner` is not used after.
+        let inner = unsafe { std::mem::ManuallyDrop::take(&mut self.inner) };
+        if inner.outstanding() == 0 || !inner.send_cq.poller_alive() {
+            drop(inner);
+            return;
         }
-        q.send_account.close();
-        if q.recv_account.queue() == Queue::Recv {
-            q.recv_account.close();
+        // Flush everything, and let the poller retire the flushes before
+        // the QP goes (its CQ reaps it: `CqInner::reap`).
+        // SAFETY: plain C data; all-zero is a valid value.
+        let mut a: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = sys::ibv_qp_state::IBV_QPS_ERR;
+        let state = sys::ibv_qp_attr_mask::IBV_QP_STATE.0;
+        // SAFETY: the QP is live (destroyed only by `QpInner`'s drop).
+        let moved = unsafe { sys::modify_qp(inner.qp, &mut a, state) };
+        if let Err(e) = moved {
+            tracing::warn!(qpn = inner.qpn, error = %e, "dropped QP could not be moved to ERR; destroyed with requests outstanding");
+            drop(inner);
+            return;
         }
+        let cq = Arc::clone(&inner.send_cq);
+        cq.bury(inner);
     }
 }

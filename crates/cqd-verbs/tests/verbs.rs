@@ -480,3 +480,138 @@ fn malformed_lists_owners_and_region_copies() {
         }
     }
 }
+
+#[derive(Clone, Default)]
+struct AsyncLog(Arc<parking_lot::Mutex<Vec<cqd_core::AsyncEvent>>>, Counts);
+
+impl Handler for AsyncLog {
+    fn on_send(&mut self, d: &SendDone<'_>, o: &mut Outbox<'_, NoWork>) {
+        self.1.on_send(d, o);
+    }
+    fn on_recv(&mut self, d: &RecvDone<'_>, o: &mut Outbox<'_, NoWork>) {
+        self.1.on_recv(d, o);
+    }
+    fn on_error(&mut self, f: &Failed<'_>, o: &mut Outbox<'_, NoWork>) {
+        self.1.on_error(f, o);
+    }
+    fn on_async(&mut self, event: &cqd_core::AsyncEvent) {
+        self.0.lock().push(event.clone());
+    }
+}
+
+/// The device's QP and SRQ events reach their owner's `on_async` on the
+/// owner's CQ poller: a responder's access violation (QP_ACCESS_ERR, the
+/// QP then flushes), the last WQE of a QP on an SRQ, and the SRQ's limit.
+#[test]
+fn queue_events_reach_the_owning_handler() {
+    needs_launcher!("queue_events_reach_the_owning_handler");
+    use cqd_core::{AsyncEvent, QpEvent, SrqEvent};
+    use cqd_verbs::SrqInit;
+    let ctx = Context::open_first().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let (req_cq, req_u, req_h) = ctx
+        .create_dispatched_cq::<NoWork>("requester", 256, CqSpec::default(), CqOptions::default())
+        .unwrap();
+    let (resp_cq, resp_u, resp_h) = ctx
+        .create_dispatched_cq::<NoWork>("responder", 1024, CqSpec::default(), CqOptions::default())
+        .unwrap();
+    let requester = AsyncLog::default();
+    let responder = AsyncLog::default();
+    let req_reg = req_h.register(requester.clone()).unwrap();
+    let resp_reg = resp_h.register(responder.clone()).unwrap();
+    let srq = pd
+        .create_srq(SrqInit {
+            max_wr: 16,
+            max_sge: 1,
+            owner: Some((&resp_reg, &resp_cq)),
+        })
+        .unwrap();
+    let a = pd
+        .create_qp(&QpInit::new(&req_cq, &req_cq, QpCap::default()).owned_by(&req_reg))
+        .unwrap();
+    let b = pd
+        .create_qp(
+            &QpInit::new(&resp_cq, &resp_cq, QpCap::default())
+                .with_srq(&srq)
+                .owned_by(&resp_reg),
+        )
+        .unwrap();
+    let o = ConnectOptions::default();
+    let (ea, eb) = (a.endpoint(&o, 1).unwrap(), b.endpoint(&o, 2).unwrap());
+    a.connect(&eb, 1, &o).unwrap();
+    b.connect(&ea, 2, &o).unwrap();
+    let threads = [req_u, resp_u].map(|u| {
+        // Receives left on an SRQ are never flushed (no QP owns them): the
+        // stop waits for them only briefly.
+        PollerBuilder::new("events", NoSink)
+            .mode(PollMode::Event)
+            .drain_timeout(Duration::from_millis(100))
+            .cq(u)
+            .spawn()
+            .unwrap()
+    });
+    let mr = pd.reg_mr(4096, Access::ALL_RDMA).unwrap();
+    let rs = [mr.sge(0, 64)];
+    // Eight receives on the SRQ, its limit armed at 8: the first one taken
+    // crosses it.
+    let mut recvs: Vec<RecvWr<'_>> = (0..8).map(|t| RecvWr::new(t, &rs)).collect();
+    resp_reg.post_recv(&srq, &mut recvs).unwrap();
+    srq.arm_limit(8).unwrap();
+    let ss = [mr.sge(1024, 8)];
+    req_reg
+        .post_send(&a, &mut [SendWr::new(1, WrOp::Send, &ss)])
+        .unwrap();
+    wait_for("the SRQ limit event", || {
+        responder.0.lock().iter().any(|e| {
+            matches!(
+                e,
+                AsyncEvent::Srq {
+                    kind: SrqEvent::LimitReached,
+                    ..
+                }
+            )
+        })
+    });
+    // A WRITE with a bad rkey: the requester's completion is a remote
+    // access error; the responder gets QP_ACCESS_ERR, goes to ERR, and (on
+    // an SRQ) LAST_WQE_REACHED.
+    let bad = cqd_verbs::RemoteAddr {
+        addr: mr.addr(),
+        rkey: mr.rkey() ^ 0x5a5a,
+    };
+    req_reg
+        .post_send(&a, &mut [SendWr::new(2, WrOp::Write(bad), &ss)])
+        .unwrap();
+    wait_for("the responder's QP events", || {
+        let seen = responder.0.lock();
+        let access = seen.iter().any(|e| {
+            matches!(e, AsyncEvent::Qp { kind: QpEvent::AccessError, qp_num, owner } if *qp_num == b.qpn() && *owner == Some(resp_reg.key()))
+        });
+        let last = seen.iter().any(|e| {
+            matches!(
+                e,
+                AsyncEvent::Qp {
+                    kind: QpEvent::LastWqeReached,
+                    ..
+                }
+            )
+        });
+        access && last
+    });
+    wait_for("the requester's error completion", || {
+        requester.1.get()[2] == 1
+    });
+    assert!(
+        requester.0.lock().is_empty(),
+        "the requester's QP gets no event, only its completion"
+    );
+    assert_eq!(ctx.event_counts().qp_events, 2);
+    assert_eq!(ctx.event_counts().srq_events, 1);
+    assert_eq!(ctx.event_counts().unrouted, 0);
+    a.to_error().unwrap();
+    for t in threads {
+        let r = t.stop().unwrap();
+        assert!(r.errors.is_empty(), "{:?}", r.errors);
+    }
+    drop((a, b, srq));
+}

@@ -374,3 +374,98 @@ fn peer_of_dead(mut ch: Chan) {
     );
     ch.send("2");
 }
+
+/// Read one async event of `ctx` (within 5 s), check type and element, ack.
+fn expect_async(ctx: *mut ibv_context, ty: u32, element: usize) {
+    assert!(
+        fd_readable(unsafe { (*ctx).async_fd }, 5000),
+        "no async event (wanted type {ty})"
+    );
+    let mut ev: ibv_async_event = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { ibv_get_async_event(ctx, &mut ev) }, 0);
+    let got = unsafe { *(std::ptr::addr_of!(ev.event_type) as *const u32) };
+    assert_eq!(
+        (got, unsafe { ev.element.qp } as usize),
+        (ty, element),
+        "event type and element"
+    );
+    unsafe { ibv_ack_async_event(&mut ev) };
+}
+
+#[test]
+fn cross_process_responder_events_reach_the_owner() {
+    if let Some(ch) = child_chan() {
+        return violator(ch);
+    }
+    if !launcher_or_skip("cross_process_responder_events_reach_the_owner") {
+        return;
+    }
+    let (mut child, mut ch) = spawn("cross_process_responder_events_reach_the_owner");
+    let dev = Dev::open();
+    let cq = dev.cq(64, null_mut());
+    let srq = dev.srq(16);
+    let buf = Buf::new(&dev, 64, 0);
+    post_srq_recv(srq, &buf, 0, 32, 1);
+    post_srq_recv(srq, &buf, 32, 32, 2);
+    let mut a: ibv_srq_attr = unsafe { std::mem::zeroed() };
+    a.srq_limit = 2;
+    let m = ibv_srq_attr_mask::IBV_SRQ_LIMIT.0 as i32;
+    assert_eq!(unsafe { ibv_modify_srq(srq, &mut a, m) }, 0);
+    let q1 = dev.qp(cq, cq, null_mut());
+    let q2 = dev.qp(cq, cq, srq);
+    ch.send(&format!(
+        "{} {} {} {}",
+        qpn(q1),
+        qpn(q2),
+        buf.addr(),
+        buf.rkey()
+    ));
+    let p = ch.recv();
+    connect(q1, p[0] as u32);
+    connect(q2, p[1] as u32);
+    ch.send("ready");
+    assert_eq!(ch.recv(), vec![1], "requester finished");
+    // The records were written by the requester's process into this
+    // process's async pipe, naming this process's objects.
+    expect_async(dev.ctx, 15, srq as usize); // SRQ_LIMIT_REACHED
+    expect_async(dev.ctx, 3, q1 as usize); // QP_ACCESS_ERR
+    expect_async(dev.ctx, 3, q2 as usize); // QP_ACCESS_ERR
+    expect_async(dev.ctx, 16, q2 as usize); // QP_LAST_WQE_REACHED
+    assert!(!fd_readable(unsafe { (*dev.ctx).async_fd }, 50));
+    assert!(
+        child.wait().expect("wait").success(),
+        "requester process failed"
+    );
+    assert_eq!(poll(cq, 1)[0].status, WC_SUCCESS, "the SEND via the SRQ");
+    for q in [q1, q2] {
+        assert_eq!(unsafe { ibv_destroy_qp(q) }, 0);
+    }
+    assert_eq!(unsafe { ibv_destroy_srq(srq) }, 0);
+    assert_eq!(unsafe { ibv_destroy_cq(cq) }, 0);
+}
+
+fn violator(mut ch: Chan) {
+    let dev = Dev::open();
+    let cq = dev.cq(64, null_mut());
+    let r = ch.recv();
+    let (q1, q2) = (dev.qp(cq, cq, null_mut()), dev.qp(cq, cq, null_mut()));
+    ch.send(&format!("{} {}", qpn(q1), qpn(q2)));
+    connect(q1, r[0] as u32);
+    connect(q2, r[1] as u32);
+    let (raddr, rkey) = (r[2], r[3] as u32);
+    let _ready = ch.recv();
+    let src = Buf::new(&dev, 64, 9);
+    // One receive taken from the SRQ armed at 2: one left, below the limit.
+    assert_eq!(post_send(q2, &src, 0, 8, 1, send(WR_SEND, SIGNALED)), 0);
+    assert_eq!(poll(cq, 1)[0].status, WC_SUCCESS);
+    for (i, q) in [q1, q2].into_iter().enumerate() {
+        let bad = Send {
+            remote_addr: raddr,
+            rkey: rkey ^ 0x0100_0000,
+            ..send(WR_WRITE, SIGNALED)
+        };
+        assert_eq!(post_send(q, &src, 0, 8, 2 + i as u64, bad), 0);
+        assert_eq!(poll(cq, 1)[0].status, WC_REM_ACCESS);
+    }
+    ch.send("1");
+}

@@ -249,7 +249,13 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                 if count.is_power_of_two() {
                     tracing::error!(cq = cq.name(), error = %e, count, "poll failed");
                 }
-                self.failing = true;
+                // A CQ already on the errored list is polled once per safety
+                // round only: its failure is expected, and must not make the
+                // group back off.
+                let errored = self.ready.st.get(i).is_some_and(|s| s.errored);
+                if !errored {
+                    self.failing = true;
+                }
                 if matches!(e, SourceError::DeviceGone(_)) {
                     self.ready.mark_errored(i);
                 }
@@ -271,19 +277,34 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
     /// safety slice when due); then the hand-off.
     pub(super) fn poll_all(&mut self) -> usize {
         let mut total = 0;
+        // Due once per wake timeout; the slack keeps a block that ends a
+        // hair early from putting it off by a whole timeout.
+        let slack = self.wake_timeout / 16;
+        let safety_due = self.ready.last_safety.elapsed() + slack >= self.wake_timeout;
         if matches!(self.idle.mode(), PollMode::Busy) {
+            // Every CQ but those in error, which wait for the safety time.
             for i in 0..self.cqs.len() {
-                total += self.poll_cq(i);
+                if !self.ready.st[i].errored {
+                    total += self.poll_cq(i);
+                }
+            }
+            if safety_due && !self.ready.errored.is_empty() {
+                self.ready.last_safety = Instant::now();
+                for j in 0..self.ready.errored.len() {
+                    let i = self.ready.errored[j];
+                    total += self.poll_cq(i);
+                }
             }
         } else {
             for j in 0..self.ready.active.len() {
                 let i = self.ready.active[j];
-                total += self.poll_cq(i);
+                // A CQ marked errored this round leaves the list at the
+                // next arm step; until then it is not polled here.
+                if !self.ready.st[i].errored {
+                    total += self.poll_cq(i);
+                }
             }
-            // Due once per wake timeout; the slack keeps a block that ends
-            // a hair early from putting it off by a whole timeout.
-            let slack = self.wake_timeout / 16;
-            if self.ready.last_safety.elapsed() + slack >= self.wake_timeout {
+            if safety_due {
                 total += self.safety_round();
             }
         }

@@ -3,10 +3,12 @@
 //!
 //! Everything here is plain Rust: the QP state machine, the work-completion
 //! statuses and opcodes of the verbs ABI, the completion-queue arm rule,
-//! the flush rule and the device-death rule. The provider consults these;
+//! the flush rule, the device-death rule and the rules of QP/SRQ
+//! asynchronous events (responder errors, last WQE, SRQ limit). The provider consults these;
 //! it never re-states them.
 
 pub mod cq;
 pub mod device;
+pub mod event;
 pub mod qp;
 pub mod wc;

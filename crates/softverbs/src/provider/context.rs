@@ -123,6 +123,7 @@ fn make_inner() -> std::io::Result<ContextInner> {
         let h = seg.base().cast::<CtxHeader>();
         (*h).pid = pid;
         (*h).async_fd = fds[0];
+        (*h).async_ino = super::events::pipe_ino(fds[0]);
         (*h).id = id;
         (*h).magic = MAGIC;
     }
@@ -212,6 +213,18 @@ pub unsafe extern "C" fn free_context(ctx: *mut ibv::ibv_context) {
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .remove(&(ctx as usize));
+    // No event can be read any more: free the QPs and SRQs kept for records
+    // that were still unread when they were destroyed (provider::events).
+    for (obj, kind) in super::events::take_zombies(ctx as usize) {
+        // SAFETY: a zombie is the allocation of a destroyed object whose
+        // fields were already dropped, recorded once and freed once here.
+        unsafe {
+            match kind {
+                super::events::Kind::Qp => super::qp::free_zombie(obj),
+                super::events::Kind::Srq => super::srq::free_zombie(obj),
+            }
+        }
+    }
     // SAFETY: `ctx` lies CTX_OFFSET into an SvContext (offset 0 of vctx).
     let sv = unsafe { ctx.cast::<u8>().sub(CTX_OFFSET).cast::<SvContext>() };
     // SAFETY: `inner` came from Box::into_raw in alloc_context; last use.
@@ -231,11 +244,30 @@ pub unsafe extern "C" fn free_context(ctx: *mut ibv::ibv_context) {
     }
 }
 
-/// `async_event`: nothing to do per event.
+/// `async_event`, which `ibv_get_async_event` calls after reading each
+/// record: count the records read per QP/SRQ, so that destroy knows which
+/// ones the application must still ack (provider::events).
 ///
 /// # Safety
-/// Any arguments.
-pub unsafe extern "C" fn async_event(_ctx: *mut ibv::ibv_context, _ev: *mut ibv::ibv_async_event) {}
+/// `ev` is null or the event libibverbs just filled.
+pub unsafe extern "C" fn async_event(_ctx: *mut ibv::ibv_context, ev: *mut ibv::ibv_async_event) {
+    if ev.is_null() {
+        return;
+    }
+    // SAFETY: `ev` is valid (caller contract); the type is read as a plain
+    // u32 (a value outside rdma-sys's enum must not be read as the enum),
+    // the element as a pointer-sized integer (every member is plain data).
+    let (ty, obj) = unsafe {
+        (
+            std::ptr::addr_of!((*ev).event_type).cast::<u32>().read(),
+            (*ev).element.qp as usize,
+        )
+    };
+    use crate::model::event::{names_qp, names_srq};
+    if names_qp(ty) || names_srq(ty) {
+        super::events::on_read(obj);
+    }
+}
 
 /// Device limits (also used for query_qp/caps).
 pub mod limits {

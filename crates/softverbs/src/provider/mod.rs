@@ -8,6 +8,7 @@ pub mod context;
 pub mod cq;
 pub mod cq_ex;
 pub mod cq_iter;
+pub mod events;
 pub mod fatal;
 pub mod notify;
 pub mod progress;

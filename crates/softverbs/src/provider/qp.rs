@@ -110,12 +110,16 @@ impl SvQp {
         self.send.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Move to ERR and flush both queues (model::qp flush rule).
+    /// Move to ERR and flush both queues (model::qp flush rule); a QP on
+    /// an SRQ then gets its last-WQE event when due (model::event).
+    /// Idempotent: a QP a requester already moved to ERR gets its waiting
+    /// sends flushed.
     pub fn to_error(&self, ss: &mut SendSide) {
         self.hdr()
             .state
-            .store(QpState::Err as u32, Ordering::Release);
+            .store(QpState::Err as u32, Ordering::SeqCst);
         self.flush(ss);
+        super::events::last_wqe(self.ctx().hdr(), self.hdr());
     }
 
     /// Complete every waiting send and (without SRQ) every posted receive
@@ -146,6 +150,17 @@ impl SvQp {
             qp_num: self.qpn,
             ..Cqe::default()
         });
+    }
+
+    /// After a receive was pushed: if a requester moved the QP to ERR
+    /// meanwhile (its flush may have missed the new WQE), flush the ring.
+    fn recheck_error(&self) {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.state() == QpState::Err {
+            while let Some(r) = self.rq.pop() {
+                self.flush_recv(r.wr_id);
+            }
+        }
     }
 
     /// Retry sends waiting for the responder, unless another thread holds
@@ -279,6 +294,7 @@ pub unsafe extern "C" fn create_qp(
         q.qp_num = qpn;
         q.state = QpState::Reset as u32;
         q.qp_type = QPT_RC;
+        (*hdr).qp_ptr = raw as u64;
         (*raw).recv_cq().recv_users.fetch_add(1, Ordering::AcqRel);
         (*raw)
             .send_cq()
@@ -287,6 +303,7 @@ pub unsafe extern "C" fn create_qp(
             .unwrap_or_else(|e| e.into_inner())
             .push(raw as usize);
     }
+    super::events::register(raw as usize, ctx as usize, super::events::Kind::Qp);
     raw.cast()
 }
 
@@ -299,13 +316,17 @@ pub unsafe fn sv<'a>(qp: *mut ibv::ibv_qp) -> &'a SvQp {
     unsafe { &*qp.cast::<SvQp>() }
 }
 
-/// `destroy_qp`: peers see ERR; no completions are generated.
+/// `destroy_qp`: peers see ERR; no completions or events are generated.
+/// Waits until the application acked the async events it read for the QP
+/// (libibverbs' rule); see provider::events for records still unread.
 ///
 /// # Safety
 /// `qp` was made by [`create_qp`]; not used afterwards.
 pub unsafe extern "C" fn destroy_qp(qp: *mut ibv::ibv_qp) -> c_int {
     // SAFETY: caller contract.
     let q = unsafe { sv(qp) };
+    // Events protocol: no record after this (requesters check it).
+    q.hdr().gone.store(1, Ordering::SeqCst);
     {
         let mut ss = q.lock_send();
         q.hdr().state.store(QpState::Err as u32, Ordering::Release);
@@ -323,9 +344,44 @@ pub unsafe extern "C" fn destroy_qp(qp: *mut ibv::ibv_qp) -> c_int {
         .unwrap_or_else(|e| e.into_inner())
         .retain(|&p| p != qp as usize);
     q.recv_cq().recv_users.fetch_sub(1, Ordering::AcqRel);
-    // SAFETY: caller contract: last use of the box.
-    drop(unsafe { Box::from_raw(qp.cast::<SvQp>()) });
+    let written = q.hdr().events.load(Ordering::SeqCst);
+    match super::events::retire(qp as usize, written) {
+        super::events::Retire::Free { read } => {
+            // SAFETY: `qp` is live until the free below; its mutex and
+            // condition variable are zeroed (static initialisers) or
+            // initialised by libibverbs.
+            unsafe {
+                super::events::wait_acks(
+                    std::ptr::addr_of_mut!((*qp).mutex).cast(),
+                    std::ptr::addr_of_mut!((*qp).cond).cast(),
+                    std::ptr::addr_of!((*qp).events_completed),
+                    read,
+                );
+            }
+            // SAFETY: caller contract: last use of the box.
+            drop(unsafe { Box::from_raw(qp.cast::<SvQp>()) });
+        }
+        super::events::Retire::Zombie => {
+            // SAFETY: move the provider state out and drop it (segment
+            // unlinked, references released); the allocation stays, so its
+            // `verbs_qp` part (plain C data) remains valid for the
+            // ibv_ack_async_event of a record still unread. Freed by
+            // `free_zombie` when the context closes, never dropped again.
+            drop(unsafe { std::ptr::read(qp.cast::<SvQp>()) });
+        }
+    }
     0
+}
+
+/// Free the memory of a QP destroyed while event records naming it were
+/// unread (its fields were dropped by `destroy_qp`).
+///
+/// # Safety
+/// `obj` is such a zombie, freed once.
+pub unsafe fn free_zombie(obj: usize) {
+    // SAFETY: caller contract: the Box allocation of an SvQp, contents
+    // already dropped.
+    unsafe { std::alloc::dealloc(obj as *mut u8, std::alloc::Layout::new::<SvQp>()) };
 }
 
 macro_rules! copy_if {
@@ -397,9 +453,10 @@ pub unsafe extern "C" fn modify_qp(
     }
     if mask & m::ATTR_STATE != 0 {
         match next {
-            QpState::Err if cur != QpState::Err => q.to_error(&mut ss),
+            QpState::Err => q.to_error(&mut ss),
             QpState::Reset => {
                 q.hdr().state.store(next as u32, Ordering::Release);
+                q.hdr().last_wqe.store(0, Ordering::Release);
                 ss.pending.clear();
                 ss.set_waiting(q, false);
                 while q.rq.pop().is_some() {}
@@ -511,6 +568,8 @@ pub unsafe extern "C" fn post_recv(
             // SAFETY: caller contract.
             unsafe { set_bad(bad, wr) };
             return libc::ENOMEM;
+        } else {
+            q.recheck_error();
         }
         wr = w.next;
     }

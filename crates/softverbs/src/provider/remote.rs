@@ -6,10 +6,13 @@ use std::io;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use super::events;
 use super::notify::CqPort;
+use crate::model::event::{srq_limit_fires, SRQ_LIMIT_REACHED};
 use crate::model::qp::QpState;
+use crate::model::wc::{opcode, WcStatus};
 use crate::shm::layout::{
-    mr_table, ring_offset, CtxHeader, MrSlot, QpHeader, RecvWqe, SrqHeader, CTX_BYTES, MAGIC,
+    mr_table, ring_offset, Cqe, CtxHeader, MrSlot, QpHeader, RecvWqe, SrqHeader, CTX_BYTES, MAGIC,
 };
 use crate::shm::ring::Ring;
 use crate::shm::Segment;
@@ -58,6 +61,10 @@ impl Remote {
         } else {
             let s = Segment::open(&format!("srq-{srq_id}"))?;
             let off = ring_offset::<SrqHeader>();
+            // SAFETY: the length is checked before the header is read.
+            if s.len() < off || unsafe { (*s.base().cast::<SrqHeader>()).magic } != MAGIC {
+                return Err(seg_err());
+            }
             // SAFETY: as for the QP ring.
             let r =
                 unsafe { Ring::attach(s.base().add(off), s.len() - off) }.ok_or_else(seg_err)?;
@@ -86,10 +93,7 @@ impl Remote {
     /// Whether the device died for the responder's context (its shared
     /// `dead` flag, model::device).
     pub fn dead(&self) -> bool {
-        // SAFETY: a context segment starts with its header (checked in
-        // open); lives with `ctx`.
-        let h = unsafe { &*self.ctx.base().cast::<CtxHeader>() };
-        h.dead.load(Ordering::Acquire) != 0
+        self.ctx_hdr().dead.load(Ordering::Acquire) != 0
     }
 
     /// The responder's MR table.
@@ -98,11 +102,105 @@ impl Remote {
         unsafe { mr_table(self.ctx.base()) }
     }
 
-    /// Take a receive WQE from the responder's ring or SRQ.
+    fn ctx_hdr(&self) -> &CtxHeader {
+        // SAFETY: a context segment starts with its header (checked in
+        // open); lives with `ctx`.
+        unsafe { &*self.ctx.base().cast::<CtxHeader>() }
+    }
+
+    /// Take a receive WQE from the responder's ring or SRQ. Taking one from
+    /// an armed SRQ may raise its limit event (model::event).
     pub fn pop_recv(&self) -> Option<RecvWqe> {
-        match &self.srq {
-            Some((_, r)) => r.pop(),
-            None => self.rq.pop(),
+        let Some((seg, ring)) = &self.srq else {
+            return self.rq.pop();
+        };
+        let wqe = ring.pop()?;
+        // SAFETY: an SRQ segment starts with its header (its ring was
+        // attached after it in open); lives with `seg`.
+        let h = unsafe { &*seg.base().cast::<SrqHeader>() };
+        let limit = h.limit.load(Ordering::Acquire);
+        if srq_limit_fires(limit, ring.len())
+            && h.limit
+                .compare_exchange(limit, 0, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        {
+            events::raise(
+                self.ctx_hdr(),
+                &h.events,
+                &h.gone,
+                h.srq_ptr,
+                SRQ_LIMIT_REACHED,
+            );
+        }
+        Some(wqe)
+    }
+
+    /// Enter the responder part of a request. For a responder on an SRQ
+    /// this is counted until the guard drops, so that its last-WQE event
+    /// comes after every receive completion of ours (model::event).
+    pub fn enter(&self) -> Inside<'_> {
+        let counted = self.srq.is_some();
+        if counted {
+            self.hdr().inflight.fetch_add(1, Ordering::SeqCst);
+        }
+        Inside { r: self, counted }
+    }
+
+    /// The responder detected an error (model::event): move its QP to ERR
+    /// if it still accepts requests (flushing its own receive queue: the
+    /// owner may not run again for a while), then raise `event` for it.
+    /// An SRQ responder's last-WQE event follows when the [`Inside`] guard
+    /// drops.
+    pub fn fail(&self, event: Option<u32>) {
+        let h = self.hdr();
+        let mut cur = h.state.load(Ordering::Acquire);
+        let moved = loop {
+            if !QpState::from_u32(cur).is_some_and(QpState::accepts_incoming) {
+                break false;
+            }
+            match h.state.compare_exchange(
+                cur,
+                QpState::Err as u32,
+                Ordering::SeqCst,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => break true,
+                Err(now) => cur = now,
+            }
+        };
+        if let Some(ty) = event {
+            events::raise(self.ctx_hdr(), &h.events, &h.gone, h.qp_ptr, ty);
+        }
+        if moved && self.srq.is_none() {
+            // Pairs with the fence of the owner's post_recv: a receive it
+            // pushes is flushed either here or there.
+            std::sync::atomic::fence(Ordering::SeqCst);
+            while let Some(w) = self.rq.pop() {
+                self.cq.push(Cqe {
+                    wr_id: w.wr_id,
+                    status: WcStatus::WrFlushErr as u32,
+                    opcode: opcode::RECV,
+                    qp_num: h.qpn,
+                    ..Cqe::default()
+                });
+            }
+        }
+    }
+}
+
+/// A requester inside the responder part of a request ([`Remote::enter`]).
+#[derive(Debug)]
+pub struct Inside<'a> {
+    r: &'a Remote,
+    counted: bool,
+}
+
+impl Drop for Inside<'_> {
+    fn drop(&mut self) {
+        if self.counted {
+            let h = self.r.hdr();
+            h.inflight.fetch_sub(1, Ordering::SeqCst);
+            events::last_wqe(self.r.ctx_hdr(), h);
         }
     }
 }

@@ -11,7 +11,8 @@
 //!    (rkey, PD, range, access; none of it for a zero-length WRITE/READ, as
 //!    the spec says) — failure: `REM_ACCESS_ERR` (WRITE/READ), or
 //!    a receive-side `LOC_PROT_ERR`/`LOC_LEN_ERR` and a `REM_OP_ERR`/
-//!    `REM_INV_REQ_ERR` here (SEND);
+//!    `REM_INV_REQ_ERR` here (SEND); the responder QP goes to ERR and
+//!    raises its asynchronous event (model::event, `Remote::fail`);
 //! 5. move the bytes (`xfer`), push the responder's receive CQE, then ours.
 //!
 //! Waiting WRs keep their order and are retried by later `post_send` calls
@@ -176,6 +177,15 @@ fn recv_cqe(
     }
 }
 
+/// The responder detected an error (model::event): its QP goes to ERR and
+/// raises its event; the requester completes with `status`.
+fn responder_failed(r: &Remote, status: WcStatus) -> Outcome {
+    if let Some(event) = crate::model::event::responder_error(status) {
+        r.fail(event);
+    }
+    Outcome::Done(status, 0)
+}
+
 fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
     let mut local = [Span::default(); MAX_SGE];
     let Some(len) = local_spans(q, w, &mut local) else {
@@ -197,6 +207,9 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
         // The responder's device died (model::device): it never answers.
         return Outcome::Done(WcStatus::RetryExcErr, 0);
     }
+    // Inside the responder from here to the return (its last-WQE event
+    // waits for us, model::event).
+    let _inside = r.enter();
     let st = r.state();
     if st.not_ready_yet() {
         return Outcome::WaitPeer;
@@ -233,7 +246,7 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
                         0,
                         opcode::RECV,
                     ));
-                    return Outcome::Done(WcStatus::RemOpErr, 0);
+                    return responder_failed(r, WcStatus::RemOpErr);
                 }
                 dst[i] = Span {
                     addr: s.addr,
@@ -251,7 +264,7 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
                     0,
                     opcode::RECV,
                 ));
-                return Outcome::Done(WcStatus::RemInvReqErr, 0);
+                return responder_failed(r, WcStatus::RemInvReqErr);
             }
             // SAFETY: local spans were validated against our MR table (or are
             // the caller's inline buffers); remote spans against the
@@ -266,7 +279,7 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
                     0,
                     opcode::RECV,
                 ));
-                return Outcome::Done(WcStatus::RemOpErr, 0);
+                return responder_failed(r, WcStatus::RemOpErr);
             }
             r.cq.push(recv_cqe(
                 r,
@@ -283,7 +296,7 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
             let ok = rh.access.load(Ordering::Acquire) & access::REMOTE_WRITE != 0
                 && remote_ok(r, rh.pd, w, len, access::REMOTE_WRITE);
             if !ok {
-                return Outcome::Done(WcStatus::RemAccessErr, 0);
+                return responder_failed(r, WcStatus::RemAccessErr);
             }
             let wqe = if w.opcode == wr::RDMA_WRITE_WITH_IMM {
                 match r.pop_recv() {
@@ -310,7 +323,7 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
                         opcode::RECV_RDMA_WITH_IMM,
                     ));
                 }
-                return Outcome::Done(WcStatus::RemAccessErr, 0);
+                return responder_failed(r, WcStatus::RemAccessErr);
             }
             if let Some(wqe) = wqe {
                 r.cq.push(recv_cqe(
@@ -329,7 +342,7 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
             let ok = rh.access.load(Ordering::Acquire) & access::REMOTE_READ != 0
                 && remote_ok(r, rh.pd, w, len, access::REMOTE_READ);
             if !ok {
-                return Outcome::Done(WcStatus::RemAccessErr, 0);
+                return responder_failed(r, WcStatus::RemAccessErr);
             }
             let src = [Span {
                 addr: w.remote_addr,
@@ -337,7 +350,7 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
             }];
             // SAFETY: local spans validated with LOCAL_WRITE; remote as above.
             if !unsafe { read_from(pid, local, &src) } {
-                return Outcome::Done(WcStatus::RemAccessErr, 0);
+                return responder_failed(r, WcStatus::RemAccessErr);
             }
             Outcome::Done(WcStatus::Success, len as u32)
         }
@@ -390,6 +403,12 @@ pub fn progress(q: &SvQp, ss: &mut SendSide) {
     if q.ctx().dead() {
         ss.pending.clear();
         ss.set_waiting(q, false);
+        return;
+    }
+    if q.state() == QpState::Err {
+        // A requester of ours moved us to ERR as a responder (model::event):
+        // the sends still waiting are flushed, as the flush rule says.
+        q.to_error(ss);
         return;
     }
     while let Some(w) = ss.pending.pop_front() {

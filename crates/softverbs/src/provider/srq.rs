@@ -2,12 +2,14 @@
 //! `srq-<id>`) that requesters of every attached QP pop from.
 
 use std::ffi::c_int;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::context::{inner, limits, pd_id, ContextInner};
 use super::qp::{fail, recv_wqe};
 use super::set_bad;
 use crate::model::device::DEAD_ERRNO;
+use crate::model::event::srq_limit_ok;
 use crate::shm::layout::{ring_offset, seg_bytes, RecvWqe, SrqHeader, MAGIC, MAX_SGE};
 use crate::shm::ring::Ring;
 use crate::shm::segment::IdKind;
@@ -27,10 +29,17 @@ pub struct SvSrq {
     seg: Arc<Segment>,
     ring: Ring<RecvWqe>,
     max_sge: u32,
-    limit: u32,
 }
 
 impl SvSrq {
+    /// The shared header (the armed limit lives there: requesters of every
+    /// process take receives and apply the limit rule, model::event).
+    fn hdr(&self) -> &SrqHeader {
+        // SAFETY: the segment starts with the SrqHeader written at creation
+        // and lives as long as `self`.
+        unsafe { &*self.seg.base().cast::<SrqHeader>() }
+    }
+
     /// Whether the device died for the owning context (model::device).
     fn dead(&self) -> bool {
         // SAFETY: a context outlives its SRQs (verbs rule).
@@ -87,26 +96,69 @@ pub unsafe extern "C" fn create_srq(
         seg,
         ring,
         max_sge: a.max_sge.max(1),
-        limit: a.srq_limit,
     });
     let raw = Box::into_raw(srq);
     // SAFETY: the live box; libibverbs fills context/pd/srq_context after.
+    // The SRQ id is not known to anybody yet: the header is still ours.
     unsafe {
         (*raw).vsrq.srq.handle = id;
         (*raw).vsrq.srq_num = id;
+        (*h).srq_ptr = raw as u64;
     }
+    // `srq_limit` is ignored at creation (ibv_create_srq(3)): the limit is
+    // armed by ibv_modify_srq only.
+    // SAFETY: `pd` is live (caller contract).
+    let ctx = unsafe { (*pd).context };
+    super::events::register(raw as usize, ctx as usize, super::events::Kind::Srq);
     raw.cast()
 }
 
-/// `destroy_srq`.
+/// `destroy_srq`. Waits until the application acked the async events it
+/// read for the SRQ (libibverbs' rule); see provider::events for records
+/// still unread.
 ///
 /// # Safety
 /// `srq` was made by [`create_srq`]; not used afterwards.
 pub unsafe extern "C" fn destroy_srq(srq: *mut ibv::ibv_srq) -> c_int {
-    // SAFETY: caller contract.
-    let s = unsafe { Box::from_raw(srq.cast::<SvSrq>()) };
-    drop(s);
+    // SAFETY: caller contract: live until freed below.
+    let s = unsafe { &*srq.cast::<SvSrq>() };
+    s.hdr().gone.store(1, Ordering::SeqCst);
+    s.hdr().limit.store(0, Ordering::Release);
+    let written = s.hdr().events.load(Ordering::SeqCst);
+    match super::events::retire(srq as usize, written) {
+        super::events::Retire::Free { read } => {
+            // SAFETY: `srq` is live; libibverbs initialised its mutex and
+            // condition variable in ibv_create_srq.
+            unsafe {
+                super::events::wait_acks(
+                    std::ptr::addr_of_mut!((*srq).mutex).cast(),
+                    std::ptr::addr_of_mut!((*srq).cond).cast(),
+                    std::ptr::addr_of!((*srq).events_completed),
+                    read,
+                );
+            }
+            // SAFETY: caller contract: last use of the box.
+            drop(unsafe { Box::from_raw(srq.cast::<SvSrq>()) });
+        }
+        super::events::Retire::Zombie => {
+            // SAFETY: as in destroy_qp: the provider state is dropped, the
+            // allocation (its `verbs_srq` part, plain C data) is kept for
+            // an unread record's ack and freed by `free_zombie`.
+            drop(unsafe { std::ptr::read(srq.cast::<SvSrq>()) });
+        }
+    }
     0
+}
+
+/// Free the memory of an SRQ destroyed while event records naming it were
+/// unread (its fields were dropped by `destroy_srq`).
+///
+/// # Safety
+/// `obj` is such a zombie, freed once.
+pub unsafe fn free_zombie(obj: usize) {
+    // SAFETY: caller contract: the Box allocation of an SvSrq, contents
+    // already dropped.
+    unsafe { std::alloc::dealloc(obj as *mut u8, std::alloc::Layout::new::<SvSrq>()) };
 }
 
 /// `post_srq_recv`.
@@ -145,8 +197,14 @@ pub unsafe extern "C" fn post_srq_recv(
     0
 }
 
-/// `modify_srq`: the limit is recorded (no limit event is raised); resizing
-/// is not supported.
+/// `IBV_SRQ_MAX_WR`.
+const SRQ_MAX_WR: c_int = 1;
+/// `IBV_SRQ_LIMIT`.
+const SRQ_LIMIT: c_int = 2;
+
+/// `modify_srq`: `IBV_SRQ_LIMIT` arms (limit > 0) or disarms (0) the limit
+/// event (model::event); EINVAL for a limit above the SRQ's capacity.
+/// Resizing is not supported (a larger `max_wr`: EINVAL).
 ///
 /// # Safety
 /// `srq` is live; `attr` valid.
@@ -156,15 +214,18 @@ pub unsafe extern "C" fn modify_srq(
     mask: c_int,
 ) -> c_int {
     // SAFETY: caller contract.
-    let (s, a) = unsafe { (&mut *srq.cast::<SvSrq>(), &*attr) };
+    let (s, a) = unsafe { (&*srq.cast::<SvSrq>(), &*attr) };
     if s.dead() {
         return DEAD_ERRNO;
     }
-    if mask & 1 != 0 && a.max_wr as usize > s.ring.capacity() {
+    if mask & SRQ_MAX_WR != 0 && a.max_wr as usize > s.ring.capacity() {
         return libc::EINVAL;
     }
-    if mask & 2 != 0 {
-        s.limit = a.srq_limit;
+    if mask & SRQ_LIMIT != 0 {
+        if !srq_limit_ok(a.srq_limit, s.ring.capacity()) {
+            return libc::EINVAL;
+        }
+        s.hdr().limit.store(a.srq_limit, Ordering::Release);
     }
     0
 }
@@ -181,7 +242,7 @@ pub unsafe extern "C" fn query_srq(srq: *mut ibv::ibv_srq, attr: *mut ibv::ibv_s
     }
     a.max_wr = s.ring.capacity() as u32;
     a.max_sge = s.max_sge;
-    a.srq_limit = s.limit;
+    a.srq_limit = s.hdr().limit.load(Ordering::Acquire);
     0
 }
 

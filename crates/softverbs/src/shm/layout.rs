@@ -28,7 +28,7 @@ pub struct CtxHeader {
     /// Owning process.
     pub pid: u32,
     /// Read end of the async-event pipe in the owner (opened by peers through
-    /// `/proc/<pid>/fd/<n>` to raise `IBV_EVENT_CQ_ERR`).
+    /// `/proc/<pid>/fd/<n>` to raise asynchronous events).
     pub async_fd: i32,
     /// Context id.
     pub id: u32,
@@ -36,6 +36,11 @@ pub struct CtxHeader {
     /// (`softverbs_inject_device_fatal`): requesters of every process check
     /// it before touching the context's QPs, MRs or CQs.
     pub dead: AtomicU32,
+    _pad: u32,
+    /// Inode of the async-event pipe: a peer that opened
+    /// `/proc/<pid>/fd/<async_fd>` checks it, so a descriptor number reused
+    /// after the context closed never receives an event record.
+    pub async_ino: u64,
 }
 
 /// One memory-region slot. `key` is 0 when free; readers check it before and
@@ -229,6 +234,20 @@ pub struct QpHeader {
     pub state: AtomicU32,
     /// `qp_access_flags` (remote access the QP allows).
     pub access: AtomicU32,
+    /// Requesters inside the responder part of a request right now (counted
+    /// only for QPs on an SRQ: `IBV_EVENT_QP_LAST_WQE_REACHED` waits for
+    /// them, provider::events).
+    pub inflight: AtomicU32,
+    /// Non-zero once `IBV_EVENT_QP_LAST_WQE_REACHED` was raised for the
+    /// current stay in ERR (cleared by RESET).
+    pub last_wqe: AtomicU32,
+    /// Event records written for this QP (provider::events).
+    pub events: AtomicU32,
+    /// Non-zero once the owner destroys the QP: no more event records.
+    pub gone: AtomicU32,
+    _pad: u32,
+    /// The `struct ibv_qp *` in the owner's address space (event element).
+    pub qp_ptr: u64,
 }
 
 /// An SRQ's header, followed by its receive ring.
@@ -243,6 +262,16 @@ pub struct SrqHeader {
     pub ctx: u32,
     /// Protection domain id.
     pub pd: u32,
+    /// Armed limit (`ibv_modify_srq(IBV_SRQ_LIMIT)`), 0 when disarmed
+    /// (model::srq).
+    pub limit: AtomicU32,
+    /// Event records written for this SRQ (provider::events).
+    pub events: AtomicU32,
+    /// Non-zero once the owner destroys the SRQ: no more event records.
+    pub gone: AtomicU32,
+    _pad: u32,
+    /// The `struct ibv_srq *` in the owner's address space (event element).
+    pub srq_ptr: u64,
 }
 
 /// Size of a segment holding header `H` then a ring of `cap` `T`s.
@@ -288,8 +317,30 @@ mod tests {
         assert_eq!(offset_of!(CtxHeader, async_fd), 8);
         assert_eq!(offset_of!(CtxHeader, id), 12);
         assert_eq!(offset_of!(CtxHeader, dead), 16);
+        assert_eq!(offset_of!(CtxHeader, async_ino), 24);
         assert_eq!(size_of::<CtxHeader>(), 64);
         assert_eq!(CTX_BYTES, 64 + MR_SLOTS * 32);
+    }
+
+    #[test]
+    fn qp_and_srq_header_layout() {
+        use std::mem::offset_of;
+        // Requesters in other processes read and write these fields at
+        // these offsets.
+        assert_eq!(offset_of!(QpHeader, state), 28);
+        assert_eq!(offset_of!(QpHeader, access), 32);
+        assert_eq!(offset_of!(QpHeader, inflight), 36);
+        assert_eq!(offset_of!(QpHeader, last_wqe), 40);
+        assert_eq!(offset_of!(QpHeader, events), 44);
+        assert_eq!(offset_of!(QpHeader, gone), 48);
+        assert_eq!(offset_of!(QpHeader, qp_ptr), 56);
+        assert_eq!(size_of::<QpHeader>(), 64);
+        assert_eq!(offset_of!(SrqHeader, pd), 12);
+        assert_eq!(offset_of!(SrqHeader, limit), 16);
+        assert_eq!(offset_of!(SrqHeader, events), 20);
+        assert_eq!(offset_of!(SrqHeader, gone), 24);
+        assert_eq!(offset_of!(SrqHeader, srq_ptr), 32);
+        assert_eq!(size_of::<SrqHeader>(), 64);
     }
 
     #[test]

@@ -207,6 +207,13 @@ impl<T: Copy> Ring<T> {
         }
     }
 
+    /// Entries in the ring (a racy snapshot: claimed slots count as filled).
+    pub fn len(&self) -> usize {
+        let h = self.hdr();
+        let head = h.head.load(Ordering::Acquire);
+        h.tail.load(Ordering::Acquire).saturating_sub(head) as usize
+    }
+
     /// Whether the ring looks empty (a racy hint).
     pub fn is_empty(&self) -> bool {
         let h = self.hdr();
@@ -231,6 +238,7 @@ mod tests {
             assert!(r.push(i).is_ok());
         }
         assert_eq!(r.push(99), Err(99));
+        assert_eq!(r.len(), 8);
         for i in 0..8 {
             assert_eq!(r.pop(), Some(i));
         }

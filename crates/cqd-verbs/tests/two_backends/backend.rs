@@ -1,0 +1,631 @@
+//! The one seam between the scenarios and a NIC: what a scenario needs of a
+//! backend (a device, CQs, connected QP pairs, memory, work requests), for
+//! the simulated NIC (cqd-sim) and for libibverbs on softverbs (cqd-verbs).
+//! Posting itself is not here: scenarios post through a handler's
+//! `Registration`, generic over cqd_core's `PostSend` / `PostRecv`.
+
+use std::fmt::{Debug, Display};
+
+use cqd_core::budget::BudgetOptions;
+use cqd_core::post::{PostRecv, PostSend};
+use cqd_core::{split, CompletionSource, CqHandle, CqOptions, NoWork, UnboundCq};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+/// A send-side operation, backend-neutral.
+#[derive(Debug, Clone, Copy)]
+pub enum Op<R> {
+    Send,
+    SendImm(u32),
+    Write(R),
+    WriteImm(R, u32),
+    Read(R),
+}
+
+/// Queue depths.
+#[derive(Debug, Clone, Copy)]
+pub struct Cap {
+    pub send: u32,
+    pub recv: u32,
+}
+
+impl Default for Cap {
+    fn default() -> Self {
+        Cap { send: 64, recv: 64 }
+    }
+}
+
+pub trait Backend: Sized + 'static {
+    /// `sim` or `verbs`, for names and messages.
+    const NAME: &'static str;
+    /// True when an overflowed CQ loses every later completion, as
+    /// hardware's CQ in error does (the simulator); false when it accepts
+    /// completions again once polled (softverbs, docs/softverbs.md
+    /// "Limits").
+    const OVERFLOW_STICKY: bool;
+    /// A device (and, for verbs, its protection domain).
+    type Dev: Clone + Send + Sync + 'static;
+    /// The NIC's side of a CQ (what QPs are made on).
+    type Cq: Clone + Send + Sync + 'static;
+    /// The poller's side of a CQ.
+    type Source: CompletionSource;
+    type Qp: PostSend<Error = Self::PostErr>
+        + PostRecv<Error = Self::PostErr>
+        + Send
+        + Sync
+        + 'static;
+    /// A shared receive queue.
+    type Srq: PostRecv<Error = Self::PostErr> + Send + Sync + 'static;
+    type Mr: Send + Sync + 'static;
+    type PostErr: Debug + Display;
+    type Sge<'a>: Copy
+    where
+        Self: 'a;
+    type Remote: Copy + Send + Sync + Debug + 'static;
+    /// What a peer needs to connect to a QP, sent out of band as JSON.
+    type Endpoint: Serialize + DeserializeOwned + Clone + Debug;
+
+    /// A fresh device (its own fabric for the simulator).
+    fn open() -> Self::Dev;
+    /// Another device that can reach `dev`'s QPs (same fabric).
+    fn open_peer(dev: &Self::Dev) -> Self::Dev;
+    /// A completion channel several CQs can share.
+    type Channel: Clone;
+    /// A CQ of at least `cqe` entries; admission off lets it overflow.
+    fn cq(dev: &Self::Dev, name: &str, cqe: u32, admission: bool) -> (Self::Cq, Self::Source);
+    fn channel(dev: &Self::Dev) -> Self::Channel;
+    /// A CQ that notifies through `channel` (admission on).
+    fn cq_on(
+        dev: &Self::Dev,
+        name: &str,
+        cqe: u32,
+        channel: &Self::Channel,
+    ) -> (Self::Cq, Self::Source);
+    /// The entries the CQ really has.
+    fn capacity(cq: &Self::Cq) -> u32;
+    /// Credits in use on the CQ's budget.
+    fn credits_in_use(cq: &Self::Cq) -> u64;
+    /// Overflows the CQ's budget recorded.
+    fn budget_overflows(cq: &Self::Cq) -> u64;
+    /// An RC QP in RESET on `send_cq` / `recv_cq`.
+    fn qp(dev: &Self::Dev, send_cq: &Self::Cq, recv_cq: &Self::Cq, cap: Cap) -> Self::Qp;
+    fn qpn(qp: &Self::Qp) -> u32;
+    /// An SRQ of `depth` receives.
+    fn srq(dev: &Self::Dev, depth: u32) -> Self::Srq;
+    /// An RC QP in RESET whose receives come from `srq`.
+    fn qp_on_srq(
+        dev: &Self::Dev,
+        send_cq: &Self::Cq,
+        recv_cq: &Self::Cq,
+        srq: &Self::Srq,
+        cap: Cap,
+    ) -> Self::Qp;
+    fn srq_recv_wr<'a, 'b: 'a>(
+        tag: u32,
+        sg: &'a [Self::Sge<'b>],
+    ) -> <Self::Srq as PostRecv>::Wr<'a>;
+    /// Requests of the QP (both queues) not yet retired by its poller.
+    fn outstanding(qp: &Self::Qp) -> usize;
+    fn endpoint(qp: &Self::Qp) -> Self::Endpoint;
+    /// RESET → INIT → RTR → RTS towards `peer`; a send waits for its
+    /// receive (RNR retry for ever).
+    fn connect(qp: &Self::Qp, peer: &Self::Endpoint);
+    /// Moves the QP to the error state (both queues flush).
+    fn to_error(qp: &Self::Qp);
+    /// A zeroed region with local write and remote read/write access.
+    fn reg_mr(dev: &Self::Dev, len: usize) -> Self::Mr;
+    fn sge<'a>(mr: &'a Self::Mr, offset: usize, len: u32) -> Self::Sge<'a>;
+    fn remote(mr: &Self::Mr, offset: usize) -> Self::Remote;
+    fn remote_parts(r: Self::Remote) -> (u64, u32);
+    fn remote_from(addr: u64, rkey: u32) -> Self::Remote;
+    fn read(mr: &Self::Mr, offset: usize, out: &mut [u8]);
+    fn write(mr: &Self::Mr, offset: usize, data: &[u8]);
+    fn send_wr<'a, 'b: 'a>(
+        tag: u32,
+        op: Op<Self::Remote>,
+        sg: &'a [Self::Sge<'b>],
+        signaled: bool,
+    ) -> <Self::Qp as PostSend>::Wr<'a>;
+    fn recv_wr<'a, 'b: 'a>(tag: u32, sg: &'a [Self::Sge<'b>]) -> <Self::Qp as PostRecv>::Wr<'a>;
+    /// The queue is full or the CQ has no credits: post again later.
+    fn retryable(e: &Self::PostErr) -> bool;
+    /// Makes the device go away (hot unplug, fatal error).
+    fn kill(dev: &Self::Dev);
+    /// True once the device is known to be gone.
+    fn is_gone(dev: &Self::Dev) -> bool;
+
+    /// As [`dispatched_cq`](Self::dispatched_cq), on a shared channel.
+    fn dispatched_cq_on(
+        dev: &Self::Dev,
+        name: &str,
+        cqe: u32,
+        channel: &Self::Channel,
+    ) -> (Self::Cq, UnboundCq<NoWork>, CqHandle<NoWork>) {
+        let (cq, source) = Self::cq_on(dev, name, cqe, channel);
+        let (unbound, handle) = split::<NoWork>(source, CqOptions::default()).expect("split");
+        (cq, unbound, handle)
+    }
+
+    /// A CQ split for dispatch: the NIC's side, the polling right, the
+    /// handle.
+    fn dispatched_cq(
+        dev: &Self::Dev,
+        name: &str,
+        cqe: u32,
+        admission: bool,
+    ) -> (Self::Cq, UnboundCq<NoWork>, CqHandle<NoWork>) {
+        let (cq, source) = Self::cq(dev, name, cqe, admission);
+        let (unbound, handle) = split::<NoWork>(source, CqOptions::default()).expect("split");
+        (cq, unbound, handle)
+    }
+
+    /// Two QPs connected to each other: `a` on `cq_a`, `b` on `cq_b`.
+    fn pair(dev: &Self::Dev, cq_a: &Self::Cq, cq_b: &Self::Cq, cap: Cap) -> (Self::Qp, Self::Qp) {
+        let a = Self::qp(dev, cq_a, cq_a, cap);
+        let b = Self::qp(dev, cq_b, cq_b, cap);
+        let (ea, eb) = (Self::endpoint(&a), Self::endpoint(&b));
+        Self::connect(&a, &eb);
+        Self::connect(&b, &ea);
+        (a, b)
+    }
+}
+
+fn budget(admission: bool) -> BudgetOptions {
+    BudgetOptions {
+        admission,
+        credits: None,
+    }
+}
+
+/// The simulated NIC, inline engine.
+#[derive(Debug)]
+pub struct Sim;
+
+impl Backend for Sim {
+    const NAME: &'static str = "sim";
+    const OVERFLOW_STICKY: bool = true;
+    type Dev = SimDev;
+    type Cq = cqd_sim::Cq;
+    type Source = cqd_sim::SimCqSource;
+    type Qp = cqd_sim::Qp;
+    type Srq = cqd_sim::Srq;
+    type Mr = cqd_sim::Mr;
+    type PostErr = cqd_sim::PostError;
+    type Sge<'a> = cqd_sim::Sge;
+    type Remote = cqd_sim::RemoteAddr;
+    type Endpoint = u32;
+
+    fn open() -> Self::Dev {
+        SimDev::new(cqd_sim::Fabric::inline().open_device("sim0", cqd_sim::DeviceAttr::default()))
+    }
+
+    fn open_peer(dev: &Self::Dev) -> Self::Dev {
+        SimDev::new(
+            dev.dev
+                .fabric()
+                .open_device("sim-peer", cqd_sim::DeviceAttr::default()),
+        )
+    }
+
+    fn cq(dev: &Self::Dev, name: &str, cqe: u32, admission: bool) -> (Self::Cq, Self::Source) {
+        let config = cqd_sim::CqConfig {
+            budget: budget(admission),
+            ..cqd_sim::CqConfig::default()
+        };
+        dev.dev.create_cq(name, cqe, config).expect("create_cq")
+    }
+
+    type Channel = cqd_sim::SimChannel;
+
+    fn channel(_: &Self::Dev) -> Self::Channel {
+        cqd_sim::SimChannel::new().expect("channel")
+    }
+
+    fn cq_on(
+        dev: &Self::Dev,
+        name: &str,
+        cqe: u32,
+        channel: &Self::Channel,
+    ) -> (Self::Cq, Self::Source) {
+        let config = cqd_sim::CqConfig {
+            channel: Some(channel.clone()),
+            ..cqd_sim::CqConfig::default()
+        };
+        dev.dev.create_cq(name, cqe, config).expect("create_cq")
+    }
+
+    fn capacity(cq: &Self::Cq) -> u32 {
+        cq.capacity()
+    }
+
+    fn credits_in_use(cq: &Self::Cq) -> u64 {
+        cq.budget_snapshot().credits_in_use
+    }
+
+    fn budget_overflows(cq: &Self::Cq) -> u64 {
+        cq.budget_snapshot().overflows
+    }
+
+    fn qp(dev: &Self::Dev, send_cq: &Self::Cq, recv_cq: &Self::Cq, cap: Cap) -> Self::Qp {
+        let cap = cqd_sim::QpCap {
+            max_send_wr: cap.send,
+            max_recv_wr: cap.recv,
+            ..cqd_sim::QpCap::default()
+        };
+        dev.pd
+            .create_qp(&cqd_sim::QpInit::new(send_cq, recv_cq, cap))
+            .expect("create_qp")
+    }
+
+    fn qpn(qp: &Self::Qp) -> u32 {
+        qp.qpn()
+    }
+
+    fn srq(dev: &Self::Dev, depth: u32) -> Self::Srq {
+        dev.pd.create_srq(depth, 4).expect("create_srq")
+    }
+
+    fn qp_on_srq(
+        dev: &Self::Dev,
+        send_cq: &Self::Cq,
+        recv_cq: &Self::Cq,
+        srq: &Self::Srq,
+        cap: Cap,
+    ) -> Self::Qp {
+        let cap = cqd_sim::QpCap {
+            max_send_wr: cap.send,
+            max_recv_wr: cap.recv,
+            ..cqd_sim::QpCap::default()
+        };
+        dev.pd
+            .create_qp(&cqd_sim::QpInit::new(send_cq, recv_cq, cap).with_srq(srq))
+            .expect("create_qp on an SRQ")
+    }
+
+    fn srq_recv_wr<'a, 'b: 'a>(tag: u32, sg: &'a [cqd_sim::Sge]) -> cqd_sim::RecvWr<'a> {
+        cqd_sim::RecvWr::new(u64::from(tag), sg)
+    }
+
+    fn outstanding(qp: &Self::Qp) -> usize {
+        use cqd_core::post::{PostRecv, PostSend};
+        qp.send_account().outstanding() + qp.recv_account().outstanding()
+    }
+
+    fn endpoint(qp: &Self::Qp) -> u32 {
+        qp.qpn()
+    }
+
+    fn connect(qp: &Self::Qp, peer: &u32) {
+        use cqd_sim::{Access, Modify};
+        let access = Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC;
+        qp.modify(Modify::Init { access }).expect("INIT");
+        qp.modify(Modify::Rtr { remote_qpn: *peer }).expect("RTR");
+        qp.modify(Modify::Rts {
+            rnr_retry: 7,
+            retry_cnt: 7,
+        })
+        .expect("RTS");
+    }
+
+    fn to_error(qp: &Self::Qp) {
+        qp.modify(cqd_sim::Modify::Err).expect("ERR");
+    }
+
+    fn reg_mr(dev: &Self::Dev, len: usize) -> Self::Mr {
+        dev.pd.reg_mr(len, cqd_sim::Access::ALL).expect("reg_mr")
+    }
+
+    fn sge(mr: &Self::Mr, offset: usize, len: u32) -> cqd_sim::Sge {
+        mr.sge(offset as u64, len)
+    }
+
+    fn remote(mr: &Self::Mr, offset: usize) -> Self::Remote {
+        mr.remote(offset as u64)
+    }
+
+    fn remote_parts(r: Self::Remote) -> (u64, u32) {
+        (r.addr, r.rkey)
+    }
+
+    fn remote_from(addr: u64, rkey: u32) -> Self::Remote {
+        cqd_sim::RemoteAddr { addr, rkey }
+    }
+
+    fn read(mr: &Self::Mr, offset: usize, out: &mut [u8]) {
+        mr.read(offset as u64, out).expect("read");
+    }
+
+    fn write(mr: &Self::Mr, offset: usize, data: &[u8]) {
+        mr.write(offset as u64, data).expect("write");
+    }
+
+    fn send_wr<'a, 'b: 'a>(
+        tag: u32,
+        op: Op<Self::Remote>,
+        sg: &'a [cqd_sim::Sge],
+        signaled: bool,
+    ) -> cqd_sim::SendWr<'a> {
+        use cqd_sim::WrOp;
+        let op = match op {
+            Op::Send => WrOp::Send,
+            Op::SendImm(imm) => WrOp::SendWithImm(imm),
+            Op::Write(r) => WrOp::Write(r),
+            Op::WriteImm(r, imm) => WrOp::WriteWithImm(r, imm),
+            Op::Read(r) => WrOp::Read(r),
+        };
+        let wr = cqd_sim::SendWr::new(u64::from(tag), op, sg);
+        if signaled {
+            wr
+        } else {
+            wr.unsignaled()
+        }
+    }
+
+    fn recv_wr<'a, 'b: 'a>(tag: u32, sg: &'a [cqd_sim::Sge]) -> cqd_sim::RecvWr<'a> {
+        cqd_sim::RecvWr::new(u64::from(tag), sg)
+    }
+
+    fn retryable(e: &Self::PostErr) -> bool {
+        matches!(
+            e,
+            cqd_sim::PostError::QueueFull { .. } | cqd_sim::PostError::Credits(_)
+        )
+    }
+
+    fn kill(dev: &Self::Dev) {
+        dev.dev.vanish();
+    }
+
+    fn is_gone(dev: &Self::Dev) -> bool {
+        dev.dev.is_gone()
+    }
+}
+
+/// A simulated device and the one protection domain of a test.
+#[derive(Debug, Clone)]
+pub struct SimDev {
+    pub dev: cqd_sim::Device,
+    pub pd: cqd_sim::Pd,
+}
+
+impl SimDev {
+    fn new(dev: cqd_sim::Device) -> Self {
+        let pd = dev.alloc_pd();
+        SimDev { dev, pd }
+    }
+}
+
+/// libibverbs on the softverbs device.
+#[derive(Debug)]
+pub struct Verbs;
+
+/// A verbs device: its context and one protection domain.
+#[derive(Debug, Clone)]
+pub struct VerbsDev {
+    pub ctx: cqd_verbs::Context,
+    pub pd: cqd_verbs::Pd,
+}
+
+impl Backend for Verbs {
+    const NAME: &'static str = "verbs";
+    const OVERFLOW_STICKY: bool = false;
+    type Dev = VerbsDev;
+    type Cq = cqd_verbs::Cq;
+    type Source = cqd_verbs::VerbsCqSource;
+    type Qp = cqd_verbs::Qp;
+    type Srq = cqd_verbs::Srq;
+    type Mr = cqd_verbs::Mr;
+    type PostErr = cqd_verbs::PostError;
+    type Sge<'a> = cqd_verbs::Sge<'a>;
+    type Remote = cqd_verbs::RemoteAddr;
+    type Endpoint = cqd_verbs::Endpoint;
+
+    fn open() -> Self::Dev {
+        let ctx = cqd_verbs::Context::open_first().expect("open the softverbs device");
+        let pd = ctx.alloc_pd().expect("alloc_pd");
+        VerbsDev { ctx, pd }
+    }
+
+    fn open_peer(_: &Self::Dev) -> Self::Dev {
+        Self::open()
+    }
+
+    fn cq(dev: &Self::Dev, name: &str, cqe: u32, admission: bool) -> (Self::Cq, Self::Source) {
+        let spec = cqd_verbs::CqSpec {
+            budget: budget(admission),
+            ..cqd_verbs::CqSpec::default()
+        };
+        dev.ctx.create_cq(name, cqe, spec).expect("create_cq")
+    }
+
+    type Channel = cqd_verbs::CompChannel;
+
+    fn channel(dev: &Self::Dev) -> Self::Channel {
+        dev.ctx.create_comp_channel().expect("channel")
+    }
+
+    fn cq_on(
+        dev: &Self::Dev,
+        name: &str,
+        cqe: u32,
+        channel: &Self::Channel,
+    ) -> (Self::Cq, Self::Source) {
+        let spec = cqd_verbs::CqSpec {
+            channel: Some(channel.clone()),
+            ..cqd_verbs::CqSpec::default()
+        };
+        dev.ctx.create_cq(name, cqe, spec).expect("create_cq")
+    }
+
+    fn capacity(cq: &Self::Cq) -> u32 {
+        cq.capacity()
+    }
+
+    fn credits_in_use(cq: &Self::Cq) -> u64 {
+        cq.budget_snapshot().credits_in_use
+    }
+
+    fn budget_overflows(cq: &Self::Cq) -> u64 {
+        cq.budget_snapshot().overflows
+    }
+
+    fn qp(dev: &Self::Dev, send_cq: &Self::Cq, recv_cq: &Self::Cq, cap: Cap) -> Self::Qp {
+        let cap = cqd_verbs::QpCap {
+            max_send_wr: cap.send,
+            max_recv_wr: cap.recv,
+            ..cqd_verbs::QpCap::default()
+        };
+        dev.pd
+            .create_qp(&cqd_verbs::QpInit::new(send_cq, recv_cq, cap))
+            .expect("create_qp")
+    }
+
+    fn qpn(qp: &Self::Qp) -> u32 {
+        qp.qpn()
+    }
+
+    fn srq(dev: &Self::Dev, depth: u32) -> Self::Srq {
+        dev.pd
+            .create_srq(cqd_verbs::SrqInit {
+                max_wr: depth,
+                max_sge: 1,
+                owner: None,
+            })
+            .expect("create_srq")
+    }
+
+    fn qp_on_srq(
+        dev: &Self::Dev,
+        send_cq: &Self::Cq,
+        recv_cq: &Self::Cq,
+        srq: &Self::Srq,
+        cap: Cap,
+    ) -> Self::Qp {
+        let cap = cqd_verbs::QpCap {
+            max_send_wr: cap.send,
+            max_recv_wr: cap.recv,
+            ..cqd_verbs::QpCap::default()
+        };
+        dev.pd
+            .create_qp(&cqd_verbs::QpInit::new(send_cq, recv_cq, cap).with_srq(srq))
+            .expect("create_qp on an SRQ")
+    }
+
+    fn srq_recv_wr<'a, 'b: 'a>(tag: u32, sg: &'a [cqd_verbs::Sge<'b>]) -> cqd_verbs::RecvWr<'a> {
+        cqd_verbs::RecvWr::new(u64::from(tag), sg)
+    }
+
+    fn outstanding(qp: &Self::Qp) -> usize {
+        qp.outstanding()
+    }
+
+    fn endpoint(qp: &Self::Qp) -> Self::Endpoint {
+        qp.endpoint(&cqd_verbs::ConnectOptions::default(), qp.qpn() & 0xffff)
+            .expect("endpoint")
+    }
+
+    fn connect(qp: &Self::Qp, peer: &Self::Endpoint) {
+        qp.connect(
+            peer,
+            qp.qpn() & 0xffff,
+            &cqd_verbs::ConnectOptions::default(),
+        )
+        .expect("connect");
+    }
+
+    fn to_error(qp: &Self::Qp) {
+        qp.to_error().expect("to_error");
+    }
+
+    fn reg_mr(dev: &Self::Dev, len: usize) -> Self::Mr {
+        dev.pd
+            .reg_mr(len, cqd_verbs::Access::ALL_RDMA)
+            .expect("reg_mr")
+    }
+
+    fn sge<'a>(mr: &'a Self::Mr, offset: usize, len: u32) -> cqd_verbs::Sge<'a> {
+        mr.sge(offset, len)
+    }
+
+    fn remote(mr: &Self::Mr, offset: usize) -> Self::Remote {
+        mr.remote(offset)
+    }
+
+    fn remote_parts(r: Self::Remote) -> (u64, u32) {
+        (r.addr, r.rkey)
+    }
+
+    fn remote_from(addr: u64, rkey: u32) -> Self::Remote {
+        cqd_verbs::RemoteAddr { addr, rkey }
+    }
+
+    fn read(mr: &Self::Mr, offset: usize, out: &mut [u8]) {
+        mr.read(offset, out);
+    }
+
+    fn write(mr: &Self::Mr, offset: usize, data: &[u8]) {
+        mr.write(offset, data);
+    }
+
+    fn send_wr<'a, 'b: 'a>(
+        tag: u32,
+        op: Op<Self::Remote>,
+        sg: &'a [cqd_verbs::Sge<'b>],
+        signaled: bool,
+    ) -> cqd_verbs::SendWr<'a> {
+        use cqd_verbs::WrOp;
+        let op = match op {
+            Op::Send => WrOp::Send,
+            Op::SendImm(imm) => WrOp::SendWithImm(imm),
+            Op::Write(r) => WrOp::Write(r),
+            Op::WriteImm(r, imm) => WrOp::WriteWithImm(r, imm),
+            Op::Read(r) => WrOp::Read(r),
+        };
+        let wr = cqd_verbs::SendWr::new(u64::from(tag), op, sg);
+        if signaled {
+            wr
+        } else {
+            wr.unsignaled()
+        }
+    }
+
+    fn recv_wr<'a, 'b: 'a>(tag: u32, sg: &'a [cqd_verbs::Sge<'b>]) -> cqd_verbs::RecvWr<'a> {
+        cqd_verbs::RecvWr::new(u64::from(tag), sg)
+    }
+
+    fn retryable(e: &Self::PostErr) -> bool {
+        match e {
+            cqd_verbs::PostError::Refused(cqd_core::Refused::Credits(_)) => true,
+            cqd_verbs::PostError::Device { source, .. } => {
+                source.raw_os_error() == Some(libc::ENOMEM)
+            }
+            _ => false,
+        }
+    }
+
+    fn kill(dev: &Self::Dev) {
+        type Inject = unsafe extern "C" fn(*mut cqd_verbs::raw::ibv_context) -> i32;
+        // SAFETY: dlsym with a NUL-terminated name; RTLD_DEFAULT searches
+        // the global scope, where softverbs-run preloads the provider.
+        let sym = unsafe {
+            libc::dlsym(
+                libc::RTLD_DEFAULT,
+                c"softverbs_inject_device_fatal".as_ptr(),
+            )
+        };
+        assert!(
+            !sym.is_null(),
+            "softverbs_inject_device_fatal not found: not running on softverbs"
+        );
+        // SAFETY: the symbol is the function docs/softverbs.md documents,
+        // with this signature.
+        let inject: Inject = unsafe { std::mem::transmute::<*mut libc::c_void, Inject>(sym) };
+        // SAFETY: the context is open while `dev` holds it.
+        let rc = unsafe { inject(dev.ctx.as_raw()) };
+        assert_eq!(rc, 0, "softverbs_inject_device_fatal failed: {rc}");
+    }
+
+    fn is_gone(dev: &Self::Dev) -> bool {
+        dev.ctx.is_gone()
+    }
+}
