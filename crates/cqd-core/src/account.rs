@@ -378,7 +378,13 @@ pub(crate) struct AccountCache {
     pub(crate) silent: Vec<u64>,
     /// Scratch: closed accounts the batch drained, to detach.
     closed: Vec<(u32, Side, Arc<QueueAccount>)>,
+    /// Scratch: each completion's queue key ([`DONE`] once retired or for
+    /// a wr_id that is not cqd's).
+    keys: Vec<u64>,
 }
+
+/// A completion of the batch that is already accounted (or not cqd's).
+const DONE: u64 = u64::MAX;
 
 impl fmt::Debug for AccountCache {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -401,39 +407,52 @@ impl AccountCache {
             self.map.clear();
             self.epoch = epoch;
         }
+        // Each completion's queue, decoded once.
+        self.keys.clear();
+        self.keys
+            .extend(wcs.iter().map(|wc| match WrId::decode(wc.wr_id) {
+                Ok(id) => cache_key(wc.qp_num, id.kind.side()),
+                Err(_) => DONE,
+            }));
         let mut credits = 0;
-        let mut i = 0;
-        while i < wcs.len() {
-            let wc = &wcs[i];
-            i += 1;
-            let Ok(id) = WrId::decode(wc.wr_id) else {
+        for i in 0..wcs.len() {
+            let key = self.keys[i];
+            if key == DONE {
                 continue;
-            };
-            let (qp, side) = (wc.qp_num, id.kind.side());
+            }
+            let (qp, side) = (
+                wcs[i].qp_num,
+                if key & 1 == 1 { Side::Recv } else { Side::Send },
+            );
             let account = self
                 .map
-                .entry(cache_key(qp, side))
+                .entry(key)
                 .or_insert_with(|| ledger.lookup(qp, side));
             let Some(account) = account else {
                 continue;
             };
+            // Every completion of this queue in the batch, in batch order
+            // (a queue's completions come in its order), under one lock:
+            // completions of several queues interleaved in a batch (sends
+            // and receives of one QP) cost one lock per queue, not one per
+            // completion.
+            let mine = self.keys[i..].iter_mut().zip(&wcs[i..]);
             if account.has_prev() {
-                let ok = wc.status.is_success();
-                credits += account.retire_chained(wc.wr_id, ok, &mut self.silent);
+                for (k, wc) in mine {
+                    if *k == key {
+                        *k = DONE;
+                        let ok = wc.status.is_success();
+                        credits += account.retire_chained(wc.wr_id, ok, &mut self.silent);
+                    }
+                }
                 continue;
             }
-            // One lock for the run of completions of this queue.
             let mut ring = account.lock();
-            let ok = wc.status.is_success();
-            credits += ring.retire(wc.wr_id, ok, &mut self.silent).0;
-            while let Some(next) = wcs.get(i) {
-                match WrId::decode(next.wr_id) {
-                    Ok(n) if next.qp_num == qp && n.kind.side() == side => {
-                        let ok = next.status.is_success();
-                        credits += ring.retire(next.wr_id, ok, &mut self.silent).0;
-                        i += 1;
-                    }
-                    _ => break,
+            for (k, wc) in mine {
+                if *k == key {
+                    *k = DONE;
+                    let ok = wc.status.is_success();
+                    credits += ring.retire(wc.wr_id, ok, &mut self.silent).0;
                 }
             }
             let drained = ring.ring.is_empty();

@@ -348,19 +348,59 @@ impl WorkRequest for RecvWr<'_> {
 #[derive(Default)]
 pub(crate) struct Pins {
     regions: Mutex<HashMap<usize, Arc<MrInner>>>,
+    /// The region pinned last: a queue that posts with one region (the
+    /// usual case) takes no lock after its first post.
+    last: std::sync::atomic::AtomicUsize,
 }
 
 impl Pins {
     pub(crate) fn pin(&self, sges: &[Sge<'_>]) {
-        if sges.is_empty() {
-            return;
-        }
-        let mut r = self.regions.lock();
+        use std::sync::atomic::Ordering;
         for s in sges {
-            r.entry(Arc::as_ptr(&s.mr.inner) as usize)
+            let key = Arc::as_ptr(&s.mr.inner) as usize;
+            // A region once pinned stays pinned while the queue lives.
+            if self.last.load(Ordering::Relaxed) == key {
+                continue;
+            }
+            self.regions
+                .lock()
+                .entry(key)
                 .or_insert_with(|| Arc::clone(&s.mr.inner));
+            self.last.store(key, Ordering::Relaxed);
         }
     }
+}
+
+/// Per-thread scratch lists for building `ibv_*_wr` chains: a post
+/// allocates nothing once its thread has posted a list as long.
+struct Scratch {
+    sges: Vec<sys::ibv_sge>,
+    send: Vec<sys::ibv_send_wr>,
+    recv: Vec<sys::ibv_recv_wr>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = const {
+        std::cell::RefCell::new(Scratch { sges: Vec::new(), send: Vec::new(), recv: Vec::new() })
+    };
+}
+
+/// Runs `f` with this thread's scratch lists, emptied (fresh ones if the
+/// thread's are in use).
+fn with_scratch<T>(f: impl FnOnce(&mut Scratch) -> T) -> T {
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut s) => {
+            s.sges.clear();
+            s.send.clear();
+            s.recv.clear();
+            f(&mut s)
+        }
+        Err(_) => f(&mut Scratch {
+            sges: Vec::new(),
+            send: Vec::new(),
+            recv: Vec::new(),
+        }),
+    })
 }
 
 /// Checks the SGEs of request `index` against the queue's limits and the
@@ -401,41 +441,44 @@ pub(crate) fn post_recv_list(
     pins: &Pins,
     wrs: &[RecvWr<'_>],
 ) -> Result<(), (usize, PostError)> {
-    let mut sges = Vec::with_capacity(wrs.iter().map(|w| w.sg_list.len()).sum());
-    // Checked whole before the device sees any (a refusal posted nothing).
-    for (i, w) in wrs.iter().enumerate() {
-        check_sges(queue, i, w.sg_list, max_sge, pd).map_err(|e| (0, e))?;
-        sges.extend(w.sg_list.iter().map(Sge::raw));
-    }
-    let mut raw: Vec<sys::ibv_recv_wr> = Vec::with_capacity(wrs.len());
-    let mut at = 0usize;
-    for w in wrs {
-        raw.push(sys::ibv_recv_wr {
-            wr_id: w.wr_id,
-            next: std::ptr::null_mut(),
-            sg_list: if w.sg_list.is_empty() {
-                std::ptr::null_mut()
-            } else {
-                // SAFETY: `at` is within `sges` (sum of the lengths).
-                unsafe { sges.as_mut_ptr().add(at) }
-            },
-            num_sge: w.sg_list.len() as i32,
-        });
-        at += w.sg_list.len();
-    }
-    link(&mut raw, |w, next| w.next = next);
-    for w in wrs {
-        pins.pin(w.sg_list);
-    }
-    let verb = match target {
-        sys::RecvTarget::Qp(_) => "ibv_post_recv",
-        sys::RecvTarget::Srq(_) => "ibv_post_srq_recv",
-    };
-    // SAFETY: the target is live (its owner holds it); the list is linked
-    // with a null tail; its SGEs name regions pinned above until the queue
-    // is destroyed.
-    unsafe { sys::post_recv(target, &mut raw) }
-        .map_err(|(i, e)| (i, device_error(pd, verb, queue(), i, e)))
+    with_scratch(|sc| {
+        let Scratch {
+            sges, recv: raw, ..
+        } = sc;
+        // Checked whole before the device sees any (a refusal posted nothing).
+        for (i, w) in wrs.iter().enumerate() {
+            check_sges(queue, i, w.sg_list, max_sge, pd).map_err(|e| (0, e))?;
+            sges.extend(w.sg_list.iter().map(Sge::raw));
+        }
+        let mut at = 0usize;
+        for w in wrs {
+            raw.push(sys::ibv_recv_wr {
+                wr_id: w.wr_id,
+                next: std::ptr::null_mut(),
+                sg_list: if w.sg_list.is_empty() {
+                    std::ptr::null_mut()
+                } else {
+                    // SAFETY: `at` is within `sges` (sum of the lengths).
+                    unsafe { sges.as_mut_ptr().add(at) }
+                },
+                num_sge: w.sg_list.len() as i32,
+            });
+            at += w.sg_list.len();
+        }
+        link(raw, |w, next| w.next = next);
+        for w in wrs {
+            pins.pin(w.sg_list);
+        }
+        let verb = match target {
+            sys::RecvTarget::Qp(_) => "ibv_post_recv",
+            sys::RecvTarget::Srq(_) => "ibv_post_srq_recv",
+        };
+        // SAFETY: the target is live (its owner holds it); the list is linked
+        // with a null tail; its SGEs name regions pinned above until the queue
+        // is destroyed.
+        unsafe { sys::post_recv(target, raw) }
+            .map_err(|(i, e)| (i, device_error(pd, verb, queue(), i, e)))
+    })
 }
 
 /// A post the device refused: a gone device (its fatal event read, or
@@ -875,84 +918,89 @@ impl PostSend for Qp {
         let name = || self.queue_name("send");
         // The whole list is checked before the device sees any of it: a
         // refusal here posted nothing (0), whichever request is bad.
-        let mut sges = Vec::with_capacity(wrs.iter().map(|w| w.sg_list.len()).sum());
-        for (i, w) in wrs.iter().enumerate() {
-            check_sges(&name, i, w.sg_list, q.cap.max_send_sge, &q.pd).map_err(|e| (0, e))?;
-            if w.inline {
-                let len: u64 = w.sg_list.iter().map(|s| u64::from(s.len)).sum();
-                if len > u64::from(q.cap.max_inline_data) {
-                    return Err((
-                        0,
-                        PostError::Invalid {
-                            queue: name(),
-                            index: i,
-                            why: format!(
-                                "{len} inline bytes, the QP allows {}",
-                                q.cap.max_inline_data
-                            ),
-                        },
-                    ));
+        with_scratch(|sc| {
+            let Scratch {
+                sges, send: raw, ..
+            } = sc;
+            for (i, w) in wrs.iter().enumerate() {
+                check_sges(&name, i, w.sg_list, q.cap.max_send_sge, &q.pd).map_err(|e| (0, e))?;
+                if w.inline {
+                    let len: u64 = w.sg_list.iter().map(|s| u64::from(s.len)).sum();
+                    if len > u64::from(q.cap.max_inline_data) {
+                        return Err((
+                            0,
+                            PostError::Invalid {
+                                queue: name(),
+                                index: i,
+                                why: format!(
+                                    "{len} inline bytes, the QP allows {}",
+                                    q.cap.max_inline_data
+                                ),
+                            },
+                        ));
+                    }
+                }
+                sges.extend(w.sg_list.iter().map(Sge::raw));
+            }
+            let mut at = 0usize;
+            for w in wrs {
+                // SAFETY: plain C data; all-zero is a valid value.
+                let mut r: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+                r.wr_id = w.wr_id;
+                r.sg_list = if w.sg_list.is_empty() {
+                    std::ptr::null_mut()
+                } else {
+                    // SAFETY: `at` is within `sges` (sum of the lengths).
+                    unsafe { sges.as_mut_ptr().add(at) }
+                };
+                r.num_sge = w.sg_list.len() as i32;
+                at += w.sg_list.len();
+                use sys::ibv_wr_opcode as o;
+                let (opcode, imm, remote) = match w.op {
+                    WrOp::Send => (o::IBV_WR_SEND, None, None),
+                    WrOp::SendWithImm(imm) => (o::IBV_WR_SEND_WITH_IMM, Some(imm), None),
+                    WrOp::Write(ra) => (o::IBV_WR_RDMA_WRITE, None, Some(ra)),
+                    WrOp::WriteWithImm(ra, imm) => {
+                        (o::IBV_WR_RDMA_WRITE_WITH_IMM, Some(imm), Some(ra))
+                    }
+                    WrOp::Read(ra) => (o::IBV_WR_RDMA_READ, None, Some(ra)),
+                };
+                r.opcode = opcode;
+                if let Some(imm) = imm {
+                    r.imm_data_invalidated_rkey_union.imm_data = imm;
+                }
+                if let Some(ra) = remote {
+                    r.wr.rdma = rdma_sys::rdma_t {
+                        remote_addr: ra.addr,
+                        rkey: ra.rkey,
+                    };
+                }
+                use sys::ibv_send_flags as f;
+                let mut flags = 0;
+                if w.signaled {
+                    flags |= f::IBV_SEND_SIGNALED.0;
+                }
+                if w.solicited {
+                    flags |= f::IBV_SEND_SOLICITED.0;
+                }
+                if w.inline {
+                    flags |= f::IBV_SEND_INLINE.0;
+                }
+                r.send_flags = flags;
+                raw.push(r);
+            }
+            link(raw, |w, next| w.next = next);
+            for w in wrs {
+                if !w.inline {
+                    q.pins.pin(w.sg_list);
                 }
             }
-            sges.extend(w.sg_list.iter().map(Sge::raw));
-        }
-        let mut raw: Vec<sys::ibv_send_wr> = Vec::with_capacity(wrs.len());
-        let mut at = 0usize;
-        for w in wrs {
-            // SAFETY: plain C data; all-zero is a valid value.
-            let mut r: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
-            r.wr_id = w.wr_id;
-            r.sg_list = if w.sg_list.is_empty() {
-                std::ptr::null_mut()
-            } else {
-                // SAFETY: `at` is within `sges` (sum of the lengths).
-                unsafe { sges.as_mut_ptr().add(at) }
-            };
-            r.num_sge = w.sg_list.len() as i32;
-            at += w.sg_list.len();
-            use sys::ibv_wr_opcode as o;
-            let (opcode, imm, remote) = match w.op {
-                WrOp::Send => (o::IBV_WR_SEND, None, None),
-                WrOp::SendWithImm(imm) => (o::IBV_WR_SEND_WITH_IMM, Some(imm), None),
-                WrOp::Write(ra) => (o::IBV_WR_RDMA_WRITE, None, Some(ra)),
-                WrOp::WriteWithImm(ra, imm) => (o::IBV_WR_RDMA_WRITE_WITH_IMM, Some(imm), Some(ra)),
-                WrOp::Read(ra) => (o::IBV_WR_RDMA_READ, None, Some(ra)),
-            };
-            r.opcode = opcode;
-            if let Some(imm) = imm {
-                r.imm_data_invalidated_rkey_union.imm_data = imm;
-            }
-            if let Some(ra) = remote {
-                r.wr.rdma = rdma_sys::rdma_t {
-                    remote_addr: ra.addr,
-                    rkey: ra.rkey,
-                };
-            }
-            use sys::ibv_send_flags as f;
-            let mut flags = 0;
-            if w.signaled {
-                flags |= f::IBV_SEND_SIGNALED.0;
-            }
-            if w.solicited {
-                flags |= f::IBV_SEND_SOLICITED.0;
-            }
-            if w.inline {
-                flags |= f::IBV_SEND_INLINE.0;
-            }
-            r.send_flags = flags;
-            raw.push(r);
-        }
-        link(&mut raw, |w, next| w.next = next);
-        for w in wrs {
-            if !w.inline {
-                q.pins.pin(w.sg_list);
-            }
-        }
-        // SAFETY: the QP is live; the list is linked with a null tail; its
-        // SGEs name regions pinned above until the QP is destroyed (inline
-        // data is copied by the call).
-        unsafe { sys::post_send(q.qp, &mut raw) }
-            .map_err(|(i, e)| (i, device_error(&q.pd, "ibv_post_send", name(), i, e)))
+            // SAFETY: the QP is live; the list is linked with a null tail; its
+            // SGEs name regions pinned above until the QP is destroyed (inline
+            // data is copied by the call).
+            unsafe { sys::post_send(q.qp, raw) }
+                .map_err(|(i, e)| (i, device_error(&q.pd, "ibv_post_send", name(), i, e)))
+        })
     }
 }
 

@@ -1,0 +1,721 @@
+//! Per-completion cost of routing real verbs completions, side by side in
+//! one run, on one softverbs CQ:
+//!
+//! - `hand-written`: `ibv_poll_cq` (rdma-sys) in batches of 32 and a
+//!   `match` on the wr_id, which the poster encoded by hand (kind, handler,
+//!   sequence), calling the handler's method directly: what users write
+//!   today;
+//! - `cqd dispatch`: the same CQ through cqd's poller (`CqPoller::poll_once`,
+//!   batch 32) to 64 registered handlers; the poster posts through the
+//!   posting call (`Registration::post_send` / `post_recv`), so each
+//!   completion also retires its queue account's entry and returns its CQ
+//!   credit;
+//! - `mutex map`: `ibv_poll_cq`, then per completion a lock of a
+//!   `Mutex<HashMap<u64, u32>>` (wr_id → handler) to remove the entry that
+//!   the posting thread inserted (one lock per request) before it posted,
+//!   as some RDMA crates route. The value is the handler's index, the
+//!   kindest form of that design (no callback allocation per request).
+//!
+//! Two streams, the same for all three contenders: two RC QP pairs on the
+//! CQ, and each round the posting thread posts 1,024 requests in lists of
+//! 8 per handler (64 handlers, round robin) on one pair:
+//!
+//! - `SEND/RECV`: 512 receives on the pair's responder, then 512 signaled
+//!   64-byte SENDs from its requester: receive and send completions
+//!   alternate (two queues: the accounting's worst case, one account lock
+//!   per completion);
+//! - `RDMA WRITE`: 1,024 signaled 64-byte WRITEs: every completion from one
+//!   send queue (one account lock per batch).
+//!
+//! And three settings:
+//!
+//! - `quiet`: the poster posts a round, then the poller drains a round's
+//!   worth while the poster waits;
+//! - `concurrent, other pair`: the poster posts the next round while the
+//!   poller drains, rounds alternating between the two QP pairs: insert
+//!   (post) and remove (completion) run at once, on different queues;
+//! - `concurrent, same pair`: the same on one pair: the poster posts on the
+//!   very queues whose completions are being retired.
+//!
+//! In every setting the CQ holds more than the round needs, so every poll
+//! of a timed round returns completions and the time measured is the
+//! consumption only (the poller thread's wall time per completion). The
+//! poller (this thread) is pinned to CPU 1 and the poster to CPU 0; each
+//! run of the bench gives every contender its turn in each stream and
+//! setting, and the tables give the median with the min–max over the runs.
+//!
+//! Then the conversion cost: `cqd_verbs::completion_of` (ibv_wc → cqd's
+//! `Completion`) over batches of 32 real `ibv_wc`s captured from the CQ.
+//!
+//! ```text
+//! cargo build -p softverbs --release    # and copy libsoftverbs.so to libsoftverbs-rdmav34.so
+//! CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER=$PWD/target/release/softverbs-run \
+//!     cargo bench --features verbs --bench verbs_dispatch
+//! ```
+//!
+//! (`-- --quick`: one short run, a smoke test.) Without softverbs-run (or
+//! a real device) it prints `SKIPPED: needs softverbs-run` and exits 0.
+//! Figures are recorded in docs/benchmarks.md.
+
+use std::collections::{HashMap, VecDeque};
+use std::hint::black_box;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::{Duration, Instant};
+
+use cqd::core::{
+    Completion, CqOptions, CqPoller, Failed, Handler, NoWork, Outbox, RecvDone, Registration,
+    SendDone,
+};
+use cqd::verbs::{
+    completion_of, Access, ConnectOptions, Context, Cq, CqSpec, Mr, Qp, QpCap, QpInit, RecvWr,
+    SendWr, Sge, WrOp,
+};
+use rdma_sys::{ibv_recv_wr, ibv_send_wr, ibv_sge, ibv_wc};
+
+const HANDLERS: usize = 64;
+/// Requests per post call: one handler's list.
+const LIST: usize = 8;
+/// SENDs (and receives) per round.
+const PAIRS: usize = 512;
+/// Completions per round.
+const ROUND: usize = 2 * PAIRS;
+const BATCH: usize = 32;
+const MSG: u32 = 64;
+const CQ_ENTRIES: u32 = 32_768;
+/// Each queue's depth: up to two rounds (and a batch) are outstanding.
+const DEPTH: u32 = 4096;
+/// The hand-encoded wr_id's kind (top two bits).
+const KIND_RECV: u64 = 1 << 62;
+const KIND_SEND: u64 = 2 << 62;
+const KIND_WRITE: u64 = 3 << 62;
+const POLLER_CPU: usize = 1;
+const POSTER_CPU: usize = 0;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Contender {
+    Raw,
+    Cqd,
+    Map,
+}
+
+const CONTENDERS: [Contender; 3] = [Contender::Raw, Contender::Cqd, Contender::Map];
+
+impl Contender {
+    fn name(self) -> &'static str {
+        match self {
+            Contender::Raw => "hand-written ibv_poll_cq + match",
+            Contender::Cqd => "cqd dispatch (poller + handlers)",
+            Contender::Map => "mutex map (insert on post, remove on completion)",
+        }
+    }
+}
+
+/// cqd's handlers: what dispatch.rs's count.
+struct Count(u64);
+
+impl Handler for Count {
+    fn on_send(&mut self, d: &SendDone<'_>, _: &mut Outbox<'_, NoWork>) {
+        self.0 += u64::from(d.tag());
+    }
+    fn on_recv(&mut self, d: &RecvDone<'_>, _: &mut Outbox<'_, NoWork>) {
+        self.0 += u64::from(d.byte_len());
+    }
+    fn on_error(&mut self, _: &Failed<'_>, _: &mut Outbox<'_, NoWork>) {
+        self.0 += 1;
+    }
+}
+
+/// The hand-written loop's handlers: the same work, called directly.
+#[derive(Default)]
+struct Plain(u64);
+
+impl Plain {
+    #[inline]
+    fn on_send(&mut self, tag: u32) {
+        self.0 += u64::from(tag);
+    }
+    #[inline]
+    fn on_recv(&mut self, byte_len: u32) {
+        self.0 += u64::from(byte_len);
+    }
+}
+
+type Map = Arc<Mutex<HashMap<u64, u32>>>;
+
+/// What the posting thread puts on the CQ each round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stream {
+    /// 512 receives on QP b, then 512 SENDs on QP a: receive and send
+    /// completions alternate (two queues, the accounting's worst case).
+    SendRecv,
+    /// 1,024 RDMA WRITEs on QP a into QP b's side of the region: every
+    /// completion from one send queue.
+    Write,
+}
+
+const STREAMS: [Stream; 2] = [Stream::SendRecv, Stream::Write];
+
+impl Stream {
+    fn name(self) -> &'static str {
+        match self {
+            Stream::SendRecv => "SEND/RECV (receive and send completions alternate)",
+            Stream::Write => "RDMA WRITE (one send queue)",
+        }
+    }
+}
+
+/// When the posting thread posts, and where.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Setting {
+    /// A round is posted, then drained while the poster waits.
+    Quiet,
+    /// The next round is posted while the poller drains, on the other QP
+    /// pair (rounds alternate between two pairs): concurrent insert and
+    /// remove, on different queues.
+    Other,
+    /// The next round is posted while the poller drains, on the same QP
+    /// pair: the poster posts on the very queues being retired.
+    Same,
+}
+
+const SETTINGS: [Setting; 3] = [Setting::Quiet, Setting::Other, Setting::Same];
+
+impl Setting {
+    fn name(self) -> &'static str {
+        match self {
+            Setting::Quiet => "quiet",
+            Setting::Other => "concurrent, other pair",
+            Setting::Same => "concurrent, same pair",
+        }
+    }
+
+    fn concurrent(self) -> bool {
+        self != Setting::Quiet
+    }
+
+    /// The QP pair round `r` is posted on.
+    fn pair(self, r: usize) -> usize {
+        match self {
+            Setting::Same => 0,
+            _ => r % 2,
+        }
+    }
+}
+
+/// One measurement, for the posting thread.
+#[derive(Clone, Copy)]
+struct Job {
+    who: Contender,
+    stream: Stream,
+    setting: Setting,
+    rounds: usize,
+}
+
+/// The posting thread's side.
+struct Poster {
+    /// Two QP pairs (a → b): requests are posted on a's send queue and
+    /// b's receive queue.
+    pairs: Vec<(Arc<Qp>, Arc<Qp>)>,
+    /// The pair of the round being posted.
+    cur: usize,
+    mr: Mr,
+    regs: Vec<Registration>,
+    map: Map,
+    barrier: Arc<Barrier>,
+    seq: u64,
+}
+
+impl Poster {
+    /// Posts one round (see the module documentation); returns its time.
+    fn post_round(&mut self, who: Contender, stream: Stream, pair: usize) -> Duration {
+        self.cur = pair;
+        let start = Instant::now();
+        let parts: &[(u64, usize)] = match stream {
+            Stream::SendRecv => &[(KIND_RECV, PAIRS), (KIND_SEND, PAIRS)],
+            Stream::Write => &[(KIND_WRITE, ROUND)],
+        };
+        for &(side, n) in parts {
+            for list in 0..n / LIST {
+                let h = list % HANDLERS;
+                match who {
+                    Contender::Cqd => self.post_cqd(side, h),
+                    Contender::Raw | Contender::Map => {
+                        self.post_raw(side, h, who == Contender::Map)
+                    }
+                }
+            }
+        }
+        start.elapsed()
+    }
+
+    fn post_cqd(&mut self, side: u64, h: usize) {
+        let mr = &self.mr;
+        let sges: [[Sge<'_>; 1]; LIST] = std::array::from_fn(|i| [mr.sge(buf(side, i), MSG)]);
+        let tag = self.seq & 0xffff;
+        self.seq += LIST as u64;
+        let reg = &self.regs[h];
+        if side == KIND_RECV {
+            let mut wrs: [RecvWr<'_>; LIST] =
+                std::array::from_fn(|i| RecvWr::new(tag + i as u64, &sges[i]));
+            reg.post_recv(&*self.pairs[self.cur].1, &mut wrs)
+                .expect("post_recv");
+        } else {
+            let op = |i: usize| match side {
+                KIND_WRITE => WrOp::Write(mr.remote(buf(KIND_RECV, i))),
+                _ => WrOp::Send,
+            };
+            let mut wrs: [SendWr<'_>; LIST] =
+                std::array::from_fn(|i| SendWr::new(tag + i as u64, op(i), &sges[i]));
+            reg.post_send(&*self.pairs[self.cur].0, &mut wrs)
+                .expect("post_send");
+        }
+    }
+
+    /// A list of LIST raw requests of handler `h`, with hand-encoded
+    /// wr_ids (and, for the mutex map, one insert per request first).
+    fn post_raw(&mut self, side: u64, h: usize, map: bool) {
+        let lkey = self.mr.lkey();
+        let mut sges: [ibv_sge; LIST] = std::array::from_fn(|i| ibv_sge {
+            addr: self.mr.addr() + buf(side, i) as u64,
+            length: MSG,
+            lkey,
+        });
+        let ids: [u64; LIST] = std::array::from_fn(|i| {
+            side | (h as u64) << 32 | ((self.seq + i as u64) & 0xffff_ffff)
+        });
+        self.seq += LIST as u64;
+        if map {
+            for id in ids {
+                self.map.lock().unwrap().insert(id, h as u32);
+            }
+        }
+        let base = sges.as_mut_ptr();
+        if side == KIND_RECV {
+            let mut wrs: [ibv_recv_wr; LIST] = std::array::from_fn(|i| ibv_recv_wr {
+                wr_id: ids[i],
+                next: std::ptr::null_mut(),
+                // SAFETY: `i < LIST`, inside `sges`.
+                sg_list: unsafe { base.add(i) },
+                num_sge: 1,
+            });
+            link(&mut wrs, |w, n| w.next = n);
+            let mut bad = std::ptr::null_mut();
+            let qp = self.pairs[self.cur].1.as_raw();
+            // SAFETY: the QP is live (held by `self.pairs`); the list is linked
+            // with a null tail; its SGEs name the registered region, which
+            // outlives every request (it is dropped after the last drain).
+            let r = unsafe { rdma_sys::ibv_post_recv(qp, wrs.as_mut_ptr(), &mut bad) };
+            assert_eq!(r, 0, "ibv_post_recv");
+        } else {
+            let mut wrs: [ibv_send_wr; LIST] = std::array::from_fn(|i| {
+                // SAFETY: plain C data; all-zero is a valid value.
+                let mut w: ibv_send_wr = unsafe { std::mem::zeroed() };
+                w.wr_id = ids[i];
+                // SAFETY: `i < LIST`, inside `sges`.
+                w.sg_list = unsafe { base.add(i) };
+                w.num_sge = 1;
+                if side == KIND_WRITE {
+                    w.opcode = rdma_sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+                    w.wr.rdma = rdma_sys::rdma_t {
+                        remote_addr: self.mr.addr() + buf(KIND_RECV, i) as u64,
+                        rkey: self.mr.rkey(),
+                    };
+                } else {
+                    w.opcode = rdma_sys::ibv_wr_opcode::IBV_WR_SEND;
+                }
+                w.send_flags = rdma_sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+                w
+            });
+            link(&mut wrs, |w, n| w.next = n);
+            let mut bad = std::ptr::null_mut();
+            let qp = self.pairs[self.cur].0.as_raw();
+            // SAFETY: as for the receives, on a live QP of `self.pairs`.
+            let r = unsafe { rdma_sys::ibv_post_send(qp, wrs.as_mut_ptr(), &mut bad) };
+            assert_eq!(r, 0, "ibv_post_send");
+        }
+    }
+
+    /// Runs one measurement's posting side; returns ns per request posted
+    /// in the timed rounds.
+    fn run(&mut self, job: Job) -> f64 {
+        let s = job.setting;
+        self.post_round(job.who, job.stream, s.pair(0));
+        self.barrier.wait();
+        let mut posting = Duration::ZERO;
+        for r in 1..=job.rounds {
+            if !s.concurrent() {
+                posting += self.post_round(job.who, job.stream, s.pair(r));
+            }
+            self.barrier.wait();
+            if s.concurrent() {
+                posting += self.post_round(job.who, job.stream, s.pair(r));
+            }
+            self.barrier.wait();
+        }
+        posting.as_nanos() as f64 / (job.rounds * ROUND) as f64
+    }
+}
+
+/// Offset of request `i`'s buffer: SENDs and WRITEs from the first page,
+/// receives (and WRITEs) into the second.
+fn buf(side: u64, i: usize) -> usize {
+    if side == KIND_RECV {
+        4096 + i * MSG as usize
+    } else {
+        i * MSG as usize
+    }
+}
+
+/// Links `v[i]` to `v[i + 1]`, the last to null.
+fn link<T>(v: &mut [T], set: impl Fn(&mut T, *mut T)) {
+    let base = v.as_mut_ptr();
+    for i in 0..v.len() {
+        let next = if i + 1 < v.len() {
+            // SAFETY: `i + 1 < len`: inside the slice.
+            unsafe { base.add(i + 1) }
+        } else {
+            std::ptr::null_mut()
+        };
+        // SAFETY: `i < len`: inside the slice; no other reference is live.
+        set(unsafe { &mut *base.add(i) }, next);
+    }
+}
+
+/// The polling side: this thread.
+struct Consumer {
+    cq: Cq,
+    poller: CqPoller<NoWork>,
+    out: VecDeque<cqd::core::Routed<NoWork>>,
+    plain: Vec<Plain>,
+    map: Map,
+    wcs: Vec<ibv_wc>,
+    /// Real `ibv_wc`s kept for the conversion measurement.
+    captured: Vec<ibv_wc>,
+    bad: u64,
+}
+
+impl Consumer {
+    fn poll_raw(&mut self) -> usize {
+        // SAFETY: the CQ is live (held by `self.cq`) and polled by this
+        // thread only (cqd's poller, on this thread too, is not polling
+        // it now); `wcs` has room for BATCH entries.
+        let n =
+            unsafe { rdma_sys::ibv_poll_cq(self.cq.as_raw(), BATCH as i32, self.wcs.as_mut_ptr()) };
+        assert!(n >= 0, "ibv_poll_cq failed");
+        n as usize
+    }
+
+    #[inline]
+    fn raw(&mut self) -> usize {
+        let n = self.poll_raw();
+        for wc in &self.wcs[..n] {
+            if wc.status != rdma_sys::ibv_wc_status::IBV_WC_SUCCESS {
+                self.bad += 1;
+                continue;
+            }
+            let h = (wc.wr_id >> 32 & 0xffff) as usize;
+            match wc.wr_id & (3 << 62) {
+                KIND_RECV => self.plain[h].on_recv(wc.byte_len),
+                KIND_SEND | KIND_WRITE => self.plain[h].on_send(wc.wr_id as u32 & 0xffff),
+                _ => self.bad += 1,
+            }
+        }
+        if self.captured.len() < 4096 {
+            for wc in &self.wcs[..n] {
+                // SAFETY: `ibv_wc` is plain C data (rdma-sys derives no
+                // Clone for it): a bitwise copy is a valid value.
+                self.captured.push(unsafe { std::ptr::read(wc) });
+            }
+        }
+        n
+    }
+
+    #[inline]
+    fn mapped(&mut self) -> usize {
+        let n = self.poll_raw();
+        for wc in &self.wcs[..n] {
+            let Some(h) = self.map.lock().unwrap().remove(&wc.wr_id) else {
+                self.bad += 1;
+                continue;
+            };
+            if wc.status != rdma_sys::ibv_wc_status::IBV_WC_SUCCESS {
+                self.bad += 1;
+                continue;
+            }
+            match wc.wr_id & (3 << 62) {
+                KIND_RECV => self.plain[h as usize].on_recv(wc.byte_len),
+                KIND_SEND | KIND_WRITE => self.plain[h as usize].on_send(wc.wr_id as u32 & 0xffff),
+                _ => self.bad += 1,
+            }
+        }
+        n
+    }
+
+    fn drain_once(&mut self, who: Contender) -> usize {
+        match who {
+            Contender::Raw => self.raw(),
+            Contender::Cqd => self.poller.poll_once(&mut self.out).expect("poll"),
+            Contender::Map => self.mapped(),
+        }
+    }
+
+    /// One measurement's polling side: ns per completion in the timed
+    /// rounds.
+    fn run(&mut self, job: Job, barrier: &Barrier) -> f64 {
+        let mut consumed = 0usize;
+        let mut timed = Duration::ZERO;
+        let mut timed_n = 0usize;
+        barrier.wait(); // the first round is on the CQ
+        for k in 1..=job.rounds {
+            barrier.wait();
+            let before = consumed;
+            let target = k * ROUND - BATCH;
+            let start = Instant::now();
+            while consumed < target {
+                consumed += self.drain_once(job.who);
+            }
+            timed += start.elapsed();
+            timed_n += consumed - before;
+            barrier.wait();
+        }
+        // The rest, untimed: every request posted is consumed.
+        let all = (job.rounds + 1) * ROUND;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while consumed < all {
+            consumed += self.drain_once(job.who);
+            assert!(Instant::now() < deadline, "the CQ did not drain");
+        }
+        assert_eq!(
+            consumed,
+            all,
+            "{} consumed more than posted",
+            job.who.name()
+        );
+        timed.as_nanos() as f64 / timed_n as f64
+    }
+
+    /// ns per `completion_of`, over batches of 32 captured `ibv_wc`s.
+    fn conversion(&self, reps: usize) -> f64 {
+        let mut out = [Completion::default(); BATCH];
+        let n = self.captured.len() / BATCH * BATCH;
+        assert!(n > 0, "no ibv_wc captured");
+        let start = Instant::now();
+        for _ in 0..reps {
+            for chunk in black_box(&self.captured[..n]).chunks_exact(BATCH) {
+                for (slot, wc) in out.iter_mut().zip(chunk) {
+                    *slot = completion_of(wc);
+                }
+                black_box(&out);
+            }
+        }
+        start.elapsed().as_nanos() as f64 / (reps * n) as f64
+    }
+}
+
+/// Median, min and max.
+fn stats(v: &mut [f64]) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v[0], v[v.len() - 1])
+}
+
+fn pin(cpu: usize) {
+    if !core_affinity::set_for_current(core_affinity::CoreId { id: cpu }) {
+        eprintln!("verbs_dispatch: could not pin to CPU {cpu}; running unpinned");
+    }
+}
+
+fn main() {
+    let device = std::env::var_os("SOFTVERBS_RUN").is_some()
+        || cqd::verbs::devices().is_ok_and(|d| !d.is_empty());
+    if !device {
+        println!("SKIPPED: needs softverbs-run (no RDMA device)");
+        return;
+    }
+    let quick = std::env::args().any(|a| a == "--quick");
+    let (rounds, reps) = if quick { (10, 1) } else { (200, 9) };
+    pin(POLLER_CPU);
+
+    let ctx = Context::open_first().expect("open the device");
+    let pd = ctx.alloc_pd().expect("PD");
+    let options = CqOptions {
+        batch: BATCH,
+        ..CqOptions::default()
+    };
+    let (cq, unbound, handle) = ctx
+        .create_dispatched_cq::<NoWork>("verbs_dispatch", CQ_ENTRIES, CqSpec::default(), options)
+        .expect("CQ");
+    let cap = |send, recv| QpCap {
+        max_send_wr: send,
+        max_recv_wr: recv,
+        ..QpCap::default()
+    };
+    let opts = ConnectOptions::default();
+    let pairs: Vec<(Arc<Qp>, Arc<Qp>)> = (0..2)
+        .map(|_| {
+            let a = pd
+                .create_qp(&QpInit::new(&cq, &cq, cap(DEPTH, 1)))
+                .expect("QP a");
+            let b = pd
+                .create_qp(&QpInit::new(&cq, &cq, cap(1, DEPTH)))
+                .expect("QP b");
+            let (ea, eb) = (a.endpoint(&opts, 1).unwrap(), b.endpoint(&opts, 2).unwrap());
+            a.connect(&eb, 1, &opts).expect("connect a");
+            b.connect(&ea, 2, &opts).expect("connect b");
+            (Arc::new(a), Arc::new(b))
+        })
+        .collect();
+    let mr = pd.reg_mr(8192, Access::ALL_RDMA).expect("MR");
+    let regs: Vec<Registration> = (0..HANDLERS)
+        .map(|_| handle.register(Count(0)).unwrap())
+        .collect();
+    let mut poller = unbound.bind();
+    poller.apply_commands();
+    let map: Map = Arc::new(Mutex::new(HashMap::new()));
+    let barrier = Arc::new(Barrier::new(2));
+
+    let (jobs, job_rx): (Sender<Job>, Receiver<Job>) = channel();
+    let (post_tx, post_ns) = channel::<f64>();
+    let mut poster = Poster {
+        pairs: pairs.clone(),
+        cur: 0,
+        mr: mr.clone(),
+        regs: regs.clone(),
+        map: Arc::clone(&map),
+        barrier: Arc::clone(&barrier),
+        seq: 0,
+    };
+    let posting = std::thread::spawn(move || {
+        pin(POSTER_CPU);
+        for job in job_rx {
+            let ns = poster.run(job);
+            if post_tx.send(ns).is_err() {
+                break;
+            }
+        }
+    });
+
+    let mut consumer = Consumer {
+        cq: cq.clone(),
+        poller,
+        out: VecDeque::new(),
+        plain: (0..HANDLERS).map(|_| Plain::default()).collect(),
+        map: Arc::clone(&map),
+        // SAFETY: plain C data; all-zero is a valid value.
+        wcs: (0..BATCH).map(|_| unsafe { std::mem::zeroed() }).collect(),
+        captured: Vec::new(),
+        bad: 0,
+    };
+    // [stream][setting][contender] → per-run figures.
+    let mut poll: [[[Vec<f64>; 3]; 3]; 2] = Default::default();
+    let mut post: [[[Vec<f64>; 3]; 3]; 2] = Default::default();
+    let mut conv = Vec::new();
+    for _ in 0..reps {
+        for (t, stream) in STREAMS.into_iter().enumerate() {
+            for (s, setting) in SETTINGS.into_iter().enumerate() {
+                for (c, who) in CONTENDERS.into_iter().enumerate() {
+                    let job = Job {
+                        who,
+                        stream,
+                        setting,
+                        rounds,
+                    };
+                    jobs.send(job).unwrap();
+                    poll[t][s][c].push(consumer.run(job, &barrier));
+                    post[t][s][c].push(post_ns.recv().unwrap());
+                }
+            }
+        }
+        conv.push(consumer.conversion(if quick { 20 } else { 2000 }));
+    }
+    drop(jobs);
+    posting.join().unwrap();
+
+    println!(
+        "verbs dispatch on softverbs: one CQ, two RC QP pairs, {ROUND} completions per round posted in lists of {LIST} over {HANDLERS} handlers, batch {BATCH}; {reps} runs × {rounds} timed rounds per contender, stream and setting; poller pinned to CPU {POLLER_CPU}, poster to CPU {POSTER_CPU}"
+    );
+    let verdict = |ok: bool| if ok { "met" } else { "not met" };
+    for (t, stream) in STREAMS.into_iter().enumerate() {
+        println!();
+        println!(
+            "{}: ns per completion (poller thread, wall time), median [min–max] (× the hand-written loop)",
+            stream.name()
+        );
+        print!("{:<50}", "path");
+        for setting in SETTINGS {
+            print!(" {:>33}", setting.name());
+        }
+        println!();
+        let mut med = [[0.0; 3]; 3];
+        for (s, row) in med.iter_mut().enumerate() {
+            for (c, m) in row.iter_mut().enumerate() {
+                *m = stats(&mut poll[t][s][c]).0;
+            }
+        }
+        for (c, who) in CONTENDERS.into_iter().enumerate() {
+            print!("{:<50}", who.name());
+            for s in 0..SETTINGS.len() {
+                let (m, lo, hi) = stats(&mut poll[t][s][c]);
+                print!(
+                    " {:>7.2} [{:>6.2}–{:>6.2}] {:>6.2}x",
+                    m,
+                    lo,
+                    hi,
+                    m / med[s][0]
+                );
+            }
+            println!();
+        }
+        for (s, setting) in SETTINGS.into_iter().enumerate() {
+            let vs_hw = med[s][1] / med[s][0];
+            let map = med[s][2] / med[s][1];
+            print!(
+                "{:<24} cqd / hand-written = {vs_hw:.2} (goal <= 1.5): {:<8} mutex map / cqd = {map:.2}",
+                setting.name(),
+                verdict(vs_hw <= 1.5)
+            );
+            if setting.concurrent() {
+                print!(" (goal >= 5.0): {}", verdict(map >= 5.0));
+            }
+            println!();
+        }
+        println!("post side, ns per request (posting thread), median [min–max]:");
+        for (c, who) in CONTENDERS.into_iter().enumerate() {
+            print!("  {:<48}", who.name());
+            for (s, setting) in SETTINGS.into_iter().enumerate() {
+                let (m, lo, hi) = stats(&mut post[t][s][c]);
+                print!(" {}: {m:.1} [{lo:.1}–{hi:.1}];", setting.name());
+            }
+            println!();
+        }
+    }
+    let (cm, clo, chi) = stats(&mut conv);
+    println!();
+    println!(
+        "ibv_wc -> Completion (cqd_verbs::completion_of), batches of {BATCH} real ibv_wc: {cm:.2} [{clo:.2}–{chi:.2}] ns per completion"
+    );
+    // Every stream and setting, the untimed first round and drain included.
+    let per_contender = reps * STREAMS.len() * SETTINGS.len() * (rounds + 1) * ROUND;
+
+    // Every completion reached its handler, every account balanced.
+    assert_eq!(consumer.bad, 0, "hand-written or map: bad completions");
+    assert!(map.lock().unwrap().is_empty(), "map entries left");
+    let snap = handle.snapshot();
+    assert_eq!(
+        snap.stale_wr_ids + snap.foreign_wr_ids,
+        0,
+        "cqd: undispatched"
+    );
+    assert_eq!(
+        snap.completions as usize, per_contender,
+        "cqd saw exactly its stream"
+    );
+    assert!(regs.iter().all(|r| r.ledger().outstanding() == 0));
+    assert_eq!(
+        cq.budget_snapshot().credits_in_use,
+        0,
+        "every credit came back"
+    );
+    assert!(consumer.out.is_empty());
+    black_box(consumer.plain.iter().map(|p| p.0).sum::<u64>());
+}
