@@ -1,0 +1,209 @@
+//! The transport under the demo: what the server and the load generator
+//! need from an RDMA device, and nothing more.
+//!
+//! The demo's logic (handlers, workers, the verifier) is written once
+//! against three traits:
+//!
+//! - [`Node`]: one device and protection domain (a server, or the load
+//!   generator): makes dispatched CQs, registered [`Region`]s and RC
+//!   [`Link`]s (queue pairs).
+//! - [`Region`]: a registered buffer the node owns; its bytes are copied in
+//!   and out (never borrowed: the NIC may write it at any time), and it can
+//!   be named to a peer ([`Region::remote`]).
+//! - [`Link`]: one RC queue pair: an [`Endpoint`](Link::Endpoint) to hand
+//!   to the peer, `connect` with the peer's, and posting through a cqd
+//!   [`Registration`] only (the posting call keeps every account).
+//!
+//! `sim` implements them on cqd-sim (every node on one simulated fabric,
+//! endpoints exchanged in-process). A verbs implementation maps one to one
+//! onto cqd-verbs: `Node` = `Context` + `Pd` (`create_dispatched_cq`,
+//! `reg_mr`, `create_qp`), `Region` = `Mr` (`read`/`write`/`remote`),
+//! `Link` = `Qp` (`endpoint`/`connect`, `SendWr::new(tag, WrOp::…, &[mr.sge(off,
+//! len)])`, `Registration::post_send`/`post_recv`), `Endpoint` = its serde
+//! `Endpoint`, exchanged over TCP by `serve`/`load`.
+
+pub mod sim;
+
+use std::fmt::Debug;
+
+use cqd_core::{CqHandle, CqOptions, Registration, UnboundCq};
+
+/// A peer's buffer: what a request names for one-sided RDMA.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Remote {
+    /// The address in the peer's region.
+    pub addr: u64,
+    /// The peer region's remote key.
+    pub rkey: u32,
+}
+
+/// A send-side operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verb {
+    /// SEND the local bytes (consumes a receive on the peer).
+    Send,
+    /// RDMA WRITE the local bytes to the peer's buffer.
+    Write(Remote),
+    /// RDMA READ the peer's buffer into the local bytes.
+    Read(Remote),
+}
+
+/// One send-side work request: `verb` on `len` bytes at `offset` of
+/// `region`, with the handler's `tag` (at most 2^24 − 1).
+#[derive(Debug)]
+pub struct Op<'a, R> {
+    /// Comes back in the completion.
+    pub tag: u32,
+    /// What to do.
+    pub verb: Verb,
+    /// The local memory.
+    pub region: &'a R,
+    /// Where in it.
+    pub offset: u64,
+    /// How many bytes.
+    pub len: u32,
+    /// Whether a success produces a completion (errors always do).
+    pub signaled: bool,
+}
+
+/// Queue depths of a link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Depths {
+    /// Send queue.
+    pub send: u32,
+    /// Receive queue.
+    pub recv: u32,
+}
+
+/// What a backend call refused, in words.
+#[derive(Debug, thiserror::Error)]
+#[error("{what}: {source}")]
+pub struct BackendError {
+    /// What was being done ("post a receive on QP 12").
+    pub what: String,
+    /// The backend's error.
+    #[source]
+    pub source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+impl BackendError {
+    /// Wraps `source` with what was being done.
+    pub fn new(
+        what: impl Into<String>,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        BackendError {
+            what: what.into(),
+            source: source.into(),
+        }
+    }
+}
+
+/// A registered buffer owned by a node.
+pub trait Region: Send + Sync + Debug + 'static {
+    /// Its size in bytes.
+    fn len(&self) -> u64;
+    /// True for an empty region.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Copies `out.len()` bytes at `offset` out.
+    ///
+    /// # Errors
+    /// Out of bounds.
+    fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), BackendError>;
+    /// Copies `data` in at `offset`.
+    ///
+    /// # Errors
+    /// Out of bounds.
+    fn write(&self, offset: u64, data: &[u8]) -> Result<(), BackendError>;
+    /// The address of `offset` for a peer's one-sided requests.
+    fn remote(&self, offset: u64) -> Remote;
+}
+
+/// One RC queue pair.
+pub trait Link: Send + Sync + Debug + 'static {
+    /// The node's region type.
+    type Region: Region;
+    /// What the peer needs to connect (serde: a verbs backend sends it
+    /// over TCP).
+    type Endpoint: Clone + Debug + Send + serde::Serialize + serde::de::DeserializeOwned;
+
+    /// The QP number (for traces and reports).
+    fn qpn(&self) -> u32;
+    /// This side's endpoint.
+    ///
+    /// # Errors
+    /// The device refused.
+    fn endpoint(&self) -> Result<Self::Endpoint, BackendError>;
+    /// Connects to the peer's endpoint (RESET → INIT → RTR → RTS).
+    ///
+    /// # Errors
+    /// The device refused a transition.
+    fn connect(&self, peer: &Self::Endpoint) -> Result<(), BackendError>;
+    /// Posts one receive of `len` bytes at `offset` of `region`, through
+    /// `reg`'s posting call.
+    ///
+    /// # Errors
+    /// The post was refused (nothing was posted).
+    fn post_recv(
+        &self,
+        reg: &Registration,
+        tag: u32,
+        region: &Self::Region,
+        offset: u64,
+        len: u32,
+    ) -> Result<(), BackendError>;
+    /// Posts `ops` in order, through `reg`'s posting call.
+    ///
+    /// # Errors
+    /// The post was refused; the sim posts all or nothing, verbs may have
+    /// posted a prefix (accounted as posted: its completions will come).
+    fn post_send(
+        &self,
+        reg: &Registration,
+        ops: &[Op<'_, Self::Region>],
+    ) -> Result<(), BackendError>;
+    /// Moves the QP to the error state: every outstanding request comes
+    /// back flushed.
+    fn to_error(&self);
+}
+
+/// One device and protection domain.
+pub trait Node: Send + Sync + Debug + 'static {
+    /// A CQ's backend side (QPs are created on it).
+    type Cq: Send + Sync + Debug + 'static;
+    /// Registered buffers.
+    type Region: Region;
+    /// Queue pairs.
+    type Link: Link<Region = Self::Region>;
+
+    /// The node's name.
+    fn name(&self) -> &str;
+    /// The largest CQ the device makes.
+    fn max_cqe(&self) -> u32;
+    /// The deepest queue the device makes.
+    fn max_qp_wr(&self) -> u32;
+    /// A CQ of `depth` entries with its poller's two halves (budget and
+    /// ledger attached).
+    ///
+    /// # Errors
+    /// The device refused.
+    #[allow(clippy::type_complexity)]
+    fn create_cq<W: Send + 'static>(
+        &self,
+        name: &str,
+        depth: u32,
+        options: CqOptions,
+    ) -> Result<(Self::Cq, UnboundCq<W>, CqHandle<W>), BackendError>;
+    /// A zeroed region of `len` bytes, local write and remote read/write.
+    ///
+    /// # Errors
+    /// The device refused (too large).
+    fn reg_region(&self, len: u64) -> Result<Self::Region, BackendError>;
+    /// An RC QP whose send and receive completions both go to `cq`.
+    ///
+    /// # Errors
+    /// The device refused (admission on the CQ, depths).
+    fn create_link(&self, cq: &Self::Cq, depths: Depths) -> Result<Self::Link, BackendError>;
+}

@@ -1,0 +1,846 @@
+//! The load generator: closed-loop block requests over N connections to
+//! one or more servers, with every read checked by the [`Verifier`].
+//!
+//! Blocks are striped over the servers: global block `g` lives on server
+//! `g % S` as its block `g / S`. A connection talks to one server; each of
+//! its `depth` request slots owns a request buffer and a data buffer, and
+//! issues the next request as soon as its last one finished (the reply and
+//! the request's own SEND completion both arrived). Every request first
+//! claims its block in the verifier, so at most one request per block is in
+//! flight in the whole load generator (see `verify`).
+//!
+//! The handler of a connection runs on a load poller: it checks replies,
+//! verifies read data, records latencies and issues the next request, all
+//! without blocking. A connection dies on the first error (a failed or
+//! flushed completion, a reply that does not decode or names no request in
+//! flight, a request older than the op timeout): its QP goes to error and
+//! every request in flight on it is recorded as **failed** at once; later
+//! completions for them are ignored.
+
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use cqd_core::{
+    CqHandle, CqOptions, Failed, Handler, NoWork, OpKind, Outbox, RecvDone, Registration, SendDone,
+    UnboundCq,
+};
+use hdrhistogram::Histogram;
+use parking_lot::Mutex;
+
+use crate::backend::{BackendError, Depths, Link, Node, Op, Region, Verb};
+use crate::verify::{ReadOutcome, Verifier};
+use crate::wire::{BlockOp, Reply, ReplyStatus, Request, MSG_LEN};
+
+const MSG: u64 = MSG_LEN as u64;
+
+/// What the load generator is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Phase {
+    /// Random reads and writes.
+    Run = 0,
+    /// No new requests; in-flight ones finish.
+    Drain = 1,
+    /// Reading back every block once.
+    Verify = 2,
+}
+
+/// Settings of the load.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadSpec {
+    /// Servers (blocks are striped over them).
+    pub servers: u32,
+    /// Blocks per server.
+    pub blocks_per_server: u64,
+    /// Block size in bytes.
+    pub block_size: u32,
+    /// Requests in flight per connection.
+    pub depth: u32,
+    /// Percentage of reads (0–100).
+    pub read_pct: u32,
+    /// Stop issuing after this many requests (0: no limit).
+    pub op_limit: u64,
+    /// Seed of the block choice and the data patterns.
+    pub seed: u64,
+}
+
+/// Counters of the load generator (a snapshot).
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct LoadCounts {
+    /// Requests issued in the run phase.
+    pub issued: u64,
+    /// Requests that completed successfully in the run phase.
+    pub completed: u64,
+    /// Of those, reads.
+    pub reads: u64,
+    /// Of those, writes.
+    pub writes: u64,
+    /// Requests that failed (error reply, failed or flushed transfer, dead
+    /// connection, timeout), both phases.
+    pub failed: u64,
+    /// Replies that did not decode or matched no request.
+    pub bad_replies: u64,
+    /// Requests that timed out.
+    pub timeouts: u64,
+    /// Connections that died.
+    pub dead_connections: u64,
+    /// Blocks read back in the verify phase.
+    pub verify_read: u64,
+    /// Of those, matching what was written.
+    pub verify_matched: u64,
+    /// Of those, not matching.
+    pub verify_mismatched: u64,
+    /// Of those, unknown after a failed write.
+    pub verify_unknown: u64,
+    /// Read-backs that failed.
+    pub verify_failed: u64,
+}
+
+/// State shared by every connection of the load generator.
+#[derive(Debug)]
+pub struct LoadShared {
+    spec: LoadSpec,
+    verifier: Arc<Verifier>,
+    phase: AtomicU8,
+    closing: AtomicBool,
+    issued: AtomicU64,
+    completed: AtomicU64,
+    reads: AtomicU64,
+    writes: AtomicU64,
+    failed: AtomicU64,
+    bad_replies: AtomicU64,
+    timeouts: AtomicU64,
+    dead: AtomicU64,
+    inflight: AtomicI64,
+    verify_cursor: Vec<AtomicU64>,
+    verify_read: AtomicU64,
+    verify_matched: AtomicU64,
+    verify_mismatched: AtomicU64,
+    verify_unknown: AtomicU64,
+    verify_failed: AtomicU64,
+}
+
+impl LoadShared {
+    fn phase(&self) -> Phase {
+        match self.phase.load(Ordering::Acquire) {
+            0 => Phase::Run,
+            2 => Phase::Verify,
+            _ => Phase::Drain,
+        }
+    }
+
+    /// The counters now.
+    pub fn counts(&self) -> LoadCounts {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        LoadCounts {
+            issued: l(&self.issued).min(if self.spec.op_limit > 0 {
+                self.spec.op_limit
+            } else {
+                u64::MAX
+            }),
+            completed: l(&self.completed),
+            reads: l(&self.reads),
+            writes: l(&self.writes),
+            failed: l(&self.failed),
+            bad_replies: l(&self.bad_replies),
+            timeouts: l(&self.timeouts),
+            dead_connections: l(&self.dead),
+            verify_read: l(&self.verify_read),
+            verify_matched: l(&self.verify_matched),
+            verify_mismatched: l(&self.verify_mismatched),
+            verify_unknown: l(&self.verify_unknown),
+            verify_failed: l(&self.verify_failed),
+        }
+    }
+
+    /// Requests in flight now.
+    pub fn inflight(&self) -> i64 {
+        self.inflight.load(Ordering::Acquire)
+    }
+
+    /// The verifier.
+    pub fn verifier(&self) -> &Verifier {
+        &self.verifier
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct InFlight {
+    op: BlockOp,
+    global: u64,
+    version: u64,
+    sum: u64,
+    id: u64,
+    started: Instant,
+    verify: bool,
+}
+
+#[derive(Debug)]
+struct Slot {
+    op: Option<InFlight>,
+    sent: bool,
+    reply: Option<ReplyStatus>,
+    rng: u64,
+    next_id: u64,
+    scratch: Vec<u8>,
+}
+
+/// The load generator's side of one connection.
+#[derive(Debug)]
+pub struct LoadConn<N: Node> {
+    name: String,
+    server: u32,
+    link: N::Link,
+    reg: OnceLock<Registration>,
+    /// Requests `[0, depth)`, reply receives `[depth, 2 depth)` (64 bytes
+    /// each), then one data buffer per slot.
+    region: N::Region,
+    depth: u32,
+    block_size: u32,
+    slots: Vec<Mutex<Slot>>,
+    dead: AtomicBool,
+    shared: Arc<LoadShared>,
+    hist: Mutex<Histogram<u64>>,
+}
+
+fn next(rng: &mut u64) -> u64 {
+    *rng ^= *rng << 13;
+    *rng ^= *rng >> 7;
+    *rng ^= *rng << 17;
+    *rng
+}
+
+impl<N: Node> LoadConn<N> {
+    /// The link (to connect it).
+    pub fn link(&self) -> &N::Link {
+        &self.link
+    }
+
+    /// The connection's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The connection's handler registration (for the report).
+    pub fn registration(&self) -> Option<&Registration> {
+        self.reg.get()
+    }
+
+    fn reg(&self) -> Result<&Registration, BackendError> {
+        self.reg.get().ok_or_else(|| {
+            BackendError::new(
+                format!("{}: post", self.name),
+                "the connection's handler is not registered",
+            )
+        })
+    }
+
+    fn data_off(&self, slot: u32) -> u64 {
+        2 * u64::from(self.depth) * MSG + u64::from(slot) * u64::from(self.block_size)
+    }
+
+    /// Posts every reply receive (after `connect`).
+    ///
+    /// # Errors
+    /// A refused post.
+    pub fn post_receives(&self) -> Result<(), BackendError> {
+        let reg = self.reg()?;
+        for i in 0..self.depth {
+            let at = u64::from(self.depth + i) * MSG;
+            self.link
+                .post_recv(reg, i, &self.region, at, MSG_LEN as u32)?;
+        }
+        Ok(())
+    }
+
+    /// Whether the connection died.
+    pub fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::Acquire)
+    }
+
+    /// Issues a request on every idle slot.
+    pub fn kick(&self) {
+        for slot in 0..self.depth {
+            self.issue(slot);
+        }
+    }
+
+    /// Issues the next request on `slot` if the phase wants one; false if
+    /// nothing was issued.
+    fn issue(&self, slot: u32) -> bool {
+        let sh = &*self.shared;
+        let v = &*sh.verifier;
+        let spec = &sh.spec;
+        let mut s = self.slots[slot as usize].lock();
+        if s.op.is_some() || self.is_dead() {
+            return false;
+        }
+        let phase = sh.phase();
+        let (op, local, verify) = match phase {
+            Phase::Run => {
+                if spec.op_limit > 0 && sh.issued.fetch_add(1, Ordering::Relaxed) >= spec.op_limit {
+                    return false;
+                }
+                if spec.op_limit == 0 {
+                    sh.issued.fetch_add(1, Ordering::Relaxed);
+                }
+                let r = next(&mut s.rng);
+                let op = if (r % 100) < u64::from(spec.read_pct) {
+                    BlockOp::Read
+                } else {
+                    BlockOp::Write
+                };
+                // Probe from a random block for one nobody has in flight;
+                // there are more blocks than requests in flight (checked by
+                // the config), so one is free.
+                let start = (r >> 8) % spec.blocks_per_server;
+                let found = (0..spec.blocks_per_server)
+                    .map(|i| (start + i) % spec.blocks_per_server)
+                    .find(|&b| v.claim(b * u64::from(spec.servers) + u64::from(self.server)));
+                match found {
+                    Some(b) => (op, b, false),
+                    None => {
+                        // Not issued after all: give the count back.
+                        sh.issued.fetch_sub(1, Ordering::Relaxed);
+                        return false;
+                    }
+                }
+            }
+            Phase::Verify => {
+                let local = sh.verify_cursor[self.server as usize].fetch_add(1, Ordering::Relaxed);
+                if local >= spec.blocks_per_server {
+                    return false;
+                }
+                if !v.claim(local * u64::from(spec.servers) + u64::from(self.server)) {
+                    // Nothing else runs now: a claimed block is a bug; say so.
+                    tracing::error!(conn = %self.name, block = local, "block still claimed in the verify phase");
+                    sh.verify_failed.fetch_add(1, Ordering::Relaxed);
+                    return false;
+                }
+                (BlockOp::Read, local, true)
+            }
+            Phase::Drain => return false,
+        };
+        let global = local * u64::from(spec.servers) + u64::from(self.server);
+        let data_off = self.data_off(slot);
+        let (version, sum) = match op {
+            BlockOp::Write => {
+                let mut scratch = std::mem::take(&mut s.scratch);
+                let vs = v.prepare_write(global, &mut scratch);
+                let wrote = self.region.write(data_off, &scratch);
+                s.scratch = scratch;
+                if let Err(e) = wrote {
+                    v.finish_write(global, vs.0, vs.1, false);
+                    drop(s);
+                    self.kill(&e.to_string());
+                    return false;
+                }
+                vs
+            }
+            BlockOp::Read => (0, 0),
+        };
+        s.next_id += 1;
+        let id = (u64::from(slot) << 48) | s.next_id;
+        let req = Request {
+            op,
+            slot: slot as u16,
+            id,
+            block: local,
+            len: self.block_size,
+            remote: self.region.remote(data_off),
+        };
+        let req_off = u64::from(slot) * MSG;
+        let flight = InFlight {
+            op,
+            global,
+            version,
+            sum,
+            id,
+            started: Instant::now(),
+            verify,
+        };
+        s.op = Some(flight);
+        s.sent = false;
+        s.reply = None;
+        sh.inflight.fetch_add(1, Ordering::AcqRel);
+        let posted = self.region.write(req_off, &req.encode()).and_then(|()| {
+            let send = Op {
+                tag: slot,
+                verb: Verb::Send,
+                region: &self.region,
+                offset: req_off,
+                len: MSG_LEN as u32,
+                signaled: true,
+            };
+            self.link.post_send(self.reg()?, &[send])
+        });
+        if let Err(e) = posted {
+            let flight = s.op.take();
+            drop(s);
+            if let Some(f) = flight {
+                self.fail(f);
+            }
+            self.kill(&e.to_string());
+            return false;
+        }
+        true
+    }
+
+    /// Records a failed request and releases its block.
+    fn fail(&self, f: InFlight) {
+        let sh = &*self.shared;
+        match f.op {
+            BlockOp::Write => sh.verifier.finish_write(f.global, f.version, f.sum, false),
+            BlockOp::Read => {
+                sh.verifier.finish_read(f.global, None);
+            }
+        }
+        sh.failed.fetch_add(1, Ordering::Relaxed);
+        if f.verify {
+            sh.verify_failed.fetch_add(1, Ordering::Relaxed);
+        }
+        sh.inflight.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// A request finished with `status`: check it, count it, go on.
+    fn finish(&self, slot: u32, f: InFlight, status: ReplyStatus) {
+        let sh = &*self.shared;
+        // Throughout: the next request is issued before this one leaves
+        // the in-flight count, so the count never reads 0 while the slot
+        // goes on (the read-back's end is "nothing in flight").
+        if status != ReplyStatus::Ok {
+            tracing::warn!(conn = %self.name, ?status, op = ?f.op, "request refused by the server");
+            self.issue(slot);
+            self.fail(f);
+            return;
+        }
+        match f.op {
+            BlockOp::Write => sh.verifier.finish_write(f.global, f.version, f.sum, true),
+            BlockOp::Read => {
+                let mut data = vec![0u8; self.block_size as usize];
+                let outcome = match self.region.read(self.data_off(slot), &mut data) {
+                    Ok(()) => sh.verifier.finish_read(f.global, Some(&data)),
+                    Err(e) => {
+                        tracing::error!(conn = %self.name, "read back the data buffer: {e}");
+                        sh.verifier.finish_read(f.global, None)
+                    }
+                };
+                if f.verify {
+                    sh.verify_read.fetch_add(1, Ordering::Relaxed);
+                    let c = match outcome {
+                        ReadOutcome::Matched => &sh.verify_matched,
+                        ReadOutcome::Mismatch(_) => &sh.verify_mismatched,
+                        ReadOutcome::Unverifiable => &sh.verify_unknown,
+                        ReadOutcome::Failed => &sh.verify_failed,
+                    };
+                    c.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        if !f.verify {
+            let ns = f.started.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
+            self.hist.lock().saturating_record(ns.max(1));
+            sh.completed.fetch_add(1, Ordering::Relaxed);
+            let c = match f.op {
+                BlockOp::Read => &sh.reads,
+                BlockOp::Write => &sh.writes,
+            };
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+        self.issue(slot);
+        sh.inflight.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Kills the connection: QP to error, every request in flight failed.
+    pub fn kill(&self, why: &str) {
+        if self.dead.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.shared.dead.fetch_add(1, Ordering::Relaxed);
+        if !self.shared.closing.load(Ordering::Acquire) {
+            tracing::warn!(conn = %self.name, "connection failed: {why}");
+        }
+        self.link.to_error();
+        for slot in &self.slots {
+            let f = slot.lock().op.take();
+            if let Some(f) = f {
+                self.fail(f);
+            }
+        }
+    }
+
+    /// Kills the connection if a request has waited longer than `limit`.
+    pub fn check_timeouts(&self, limit: Duration) {
+        let now = Instant::now();
+        let late = self.slots.iter().any(|s| {
+            s.lock()
+                .op
+                .is_some_and(|f| now.saturating_duration_since(f.started) > limit)
+        });
+        if late && !self.is_dead() {
+            self.shared.timeouts.fetch_add(1, Ordering::Relaxed);
+            self.kill(&format!(
+                "a request waited more than {limit:?} for its reply"
+            ));
+        }
+    }
+
+    /// Marks the slot's SEND or reply done; finishes the request when both
+    /// are.
+    fn progress(&self, slot: u32, id: Option<u64>, reply: Option<ReplyStatus>) -> bool {
+        let Some(cell) = self.slots.get(slot as usize) else {
+            return false;
+        };
+        let mut s = cell.lock();
+        let Some(f) = s.op else {
+            return false;
+        };
+        if let Some(id) = id {
+            if f.id != id {
+                return false;
+            }
+        }
+        match reply {
+            Some(status) => s.reply = Some(status),
+            None => s.sent = true,
+        }
+        if let (true, Some(status)) = (s.sent, s.reply) {
+            s.op = None;
+            drop(s);
+            self.finish(slot, f, status);
+        }
+        true
+    }
+}
+
+/// The handler of one load connection.
+#[derive(Debug)]
+pub struct LoadHandler<N: Node> {
+    conn: Arc<LoadConn<N>>,
+}
+
+impl<N: Node> Handler for LoadHandler<N> {
+    fn on_send(&mut self, d: &SendDone<'_>, _: &mut Outbox<'_, NoWork>) {
+        if d.kind() == OpKind::Send {
+            // A SEND of a request that already failed is not an error.
+            self.conn.progress(d.tag(), None, None);
+        }
+    }
+
+    fn on_recv(&mut self, d: &RecvDone<'_>, _: &mut Outbox<'_, NoWork>) {
+        let c = &self.conn;
+        let i = d.tag();
+        if i >= c.depth {
+            c.kill(&format!("a receive completed with unknown tag {i}"));
+            return;
+        }
+        let at = u64::from(c.depth + i) * MSG;
+        let mut buf = [0u8; MSG_LEN];
+        let len = (d.byte_len() as usize).min(MSG_LEN);
+        if let Err(e) = c.region.read(at, &mut buf[..len]) {
+            c.kill(&e.to_string());
+            return;
+        }
+        if let Err(e) = c
+            .reg()
+            .and_then(|reg| c.link.post_recv(reg, i, &c.region, at, MSG_LEN as u32))
+        {
+            c.kill(&e.to_string());
+            return;
+        }
+        let reply = if d.byte_len() as usize > MSG_LEN {
+            Err(crate::wire::WireError::Length {
+                len: d.byte_len() as usize,
+            })
+        } else {
+            Reply::decode(&buf[..len])
+        };
+        match reply {
+            Ok(r) => {
+                if !c.progress(u32::from(r.slot), Some(r.id), Some(r.status)) && !c.is_dead() {
+                    c.shared.bad_replies.fetch_add(1, Ordering::Relaxed);
+                    c.kill(&format!(
+                        "a reply for slot {} id {:#x} that matches no request in flight",
+                        r.slot, r.id
+                    ));
+                }
+            }
+            Err(e) => {
+                c.shared.bad_replies.fetch_add(1, Ordering::Relaxed);
+                c.kill(&format!("malformed reply: {e}"));
+            }
+        }
+    }
+
+    fn on_error(&mut self, f: &Failed<'_>, _: &mut Outbox<'_, NoWork>) {
+        let c = &self.conn;
+        if f.is_flush() && (c.is_dead() || c.shared.closing.load(Ordering::Acquire)) {
+            return;
+        }
+        c.kill(&format!(
+            "{} completed with {:?}",
+            f.kind().name(),
+            f.status()
+        ));
+    }
+}
+
+/// The load generator: its node, CQs and connections.
+#[derive(Debug)]
+pub struct Load<N: Node> {
+    node: N,
+    cqs: Vec<N::Cq>,
+    unbound: Vec<Option<UnboundCq<NoWork>>>,
+    handles: Vec<CqHandle<NoWork>>,
+    conns: Vec<Arc<LoadConn<N>>>,
+    shared: Arc<LoadShared>,
+}
+
+impl<N: Node> Load<N> {
+    /// A load generator on `node` with one CQ per name, each sized for
+    /// `conns_per_cq` connections.
+    ///
+    /// # Errors
+    /// A CQ too large for the device, or the device refused.
+    pub fn new(
+        node: N,
+        cqs: &[(String, CqOptions)],
+        conns_per_cq: u32,
+        spec: LoadSpec,
+    ) -> Result<Load<N>, crate::DemoError> {
+        if spec.depth > node.max_qp_wr() {
+            return Err(crate::DemoError::Config(format!(
+                "queue depth {} is deeper than the device's queues ({}): lower --qd",
+                spec.depth,
+                node.max_qp_wr()
+            )));
+        }
+        let all: Vec<u32> = (0..conns_per_cq)
+            .flat_map(|_| [spec.depth, spec.depth])
+            .collect();
+        let depth = cqd_core::cq_depth_for(&all, 2, node.max_cqe()).map_err(|needed| {
+            crate::DemoError::Config(format!(
+                "a load CQ needs {needed} entries for {conns_per_cq} connections at queue depth {}, \
+                 the device makes at most {}: lower --connections or --qd, or add load CQs to the topology",
+                spec.depth,
+                node.max_cqe()
+            ))
+        })?;
+        let mut made = Vec::new();
+        let mut unbound = Vec::new();
+        let mut handles = Vec::new();
+        for (name, options) in cqs {
+            let (cq, u, h) = node.create_cq::<NoWork>(name, depth, options.clone())?;
+            made.push(cq);
+            unbound.push(Some(u));
+            handles.push(h);
+        }
+        let verifier = Arc::new(Verifier::new(
+            spec.blocks_per_server * u64::from(spec.servers),
+            spec.block_size as usize,
+            spec.seed,
+        ));
+        let shared = Arc::new(LoadShared {
+            spec,
+            verifier,
+            phase: AtomicU8::new(Phase::Drain as u8),
+            closing: AtomicBool::new(false),
+            issued: AtomicU64::new(0),
+            completed: AtomicU64::new(0),
+            reads: AtomicU64::new(0),
+            writes: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
+            bad_replies: AtomicU64::new(0),
+            timeouts: AtomicU64::new(0),
+            dead: AtomicU64::new(0),
+            inflight: AtomicI64::new(0),
+            verify_cursor: (0..spec.servers).map(|_| AtomicU64::new(0)).collect(),
+            verify_read: AtomicU64::new(0),
+            verify_matched: AtomicU64::new(0),
+            verify_mismatched: AtomicU64::new(0),
+            verify_unknown: AtomicU64::new(0),
+            verify_failed: AtomicU64::new(0),
+        });
+        Ok(Load {
+            node,
+            cqs: made,
+            unbound,
+            handles,
+            conns: Vec::new(),
+            shared,
+        })
+    }
+
+    /// The polling right of load CQ `i`, for its poller (once).
+    pub fn take_cq(&mut self, i: usize) -> Option<UnboundCq<NoWork>> {
+        self.unbound.get_mut(i)?.take()
+    }
+
+    /// A new connection to server `server`, on load CQ `cq` (connect its
+    /// link, then [`LoadConn::post_receives`]).
+    ///
+    /// # Errors
+    /// The device refused, or the handler could not be registered.
+    pub fn connect(
+        &mut self,
+        server: u32,
+        cq: usize,
+    ) -> Result<Arc<LoadConn<N>>, crate::DemoError> {
+        let spec = self.shared.spec;
+        let depth = spec.depth;
+        let cq_ref = self
+            .cqs
+            .get(cq)
+            .ok_or_else(|| crate::DemoError::Setup(format!("no load CQ {cq}")))?;
+        let link = self.node.create_link(
+            cq_ref,
+            Depths {
+                send: depth,
+                recv: depth,
+            },
+        )?;
+        let region = self.node.reg_region(
+            2 * u64::from(depth) * MSG + u64::from(depth) * u64::from(spec.block_size),
+        )?;
+        let index = self.conns.len();
+        let conn = Arc::new(LoadConn {
+            name: format!("load/c{index}->srv{server}"),
+            server,
+            link,
+            reg: OnceLock::new(),
+            region,
+            depth,
+            block_size: spec.block_size,
+            slots: (0..depth)
+                .map(|s| {
+                    let mut rng =
+                        spec.seed ^ ((index as u64) << 32 | u64::from(s)) ^ 0x2545_f491_4f6c_dd1d;
+                    if rng == 0 {
+                        rng = 1;
+                    }
+                    next(&mut rng);
+                    Mutex::new(Slot {
+                        op: None,
+                        sent: false,
+                        reply: None,
+                        rng,
+                        next_id: 0,
+                        scratch: vec![0u8; spec.block_size as usize],
+                    })
+                })
+                .collect(),
+            dead: AtomicBool::new(false),
+            shared: Arc::clone(&self.shared),
+            hist: Mutex::new(
+                Histogram::new_with_bounds(1, 3_600_000_000_000, 3)
+                    .map_err(|e| crate::DemoError::Setup(format!("histogram: {e}")))?,
+            ),
+        });
+        let reg = self.handles[cq]
+            .register(LoadHandler {
+                conn: Arc::clone(&conn),
+            })
+            .map_err(|e| crate::DemoError::Setup(format!("{}: register: {e}", conn.name)))?;
+        let _ = conn.reg.set(reg);
+        self.conns.push(Arc::clone(&conn));
+        Ok(conn)
+    }
+
+    /// The shared state and counters.
+    pub fn shared(&self) -> &Arc<LoadShared> {
+        &self.shared
+    }
+
+    /// The connections.
+    pub fn conns(&self) -> &[Arc<LoadConn<N>>] {
+        &self.conns
+    }
+
+    /// Enters `phase` and, for the run and verify phases, fills every slot.
+    pub fn enter(&self, phase: Phase) {
+        self.shared.phase.store(phase as u8, Ordering::Release);
+        if phase != Phase::Drain {
+            for c in &self.conns {
+                c.kick();
+            }
+        }
+    }
+
+    /// True when every connection is dead.
+    pub fn all_dead(&self) -> bool {
+        self.conns.iter().all(|c| c.is_dead())
+    }
+
+    /// Kills connections with requests older than `limit`.
+    pub fn check_timeouts(&self, limit: Duration) {
+        for c in &self.conns {
+            c.check_timeouts(limit);
+        }
+    }
+
+    /// True when the read-back is over: nothing in flight, and every
+    /// server's blocks were all issued or its connections are all dead.
+    pub fn verify_done(&self) -> bool {
+        let sh = &self.shared;
+        sh.inflight() == 0
+            && (0..sh.spec.servers).all(|s| {
+                sh.verify_cursor[s as usize].load(Ordering::Acquire) >= sh.spec.blocks_per_server
+                    || self
+                        .conns
+                        .iter()
+                        .filter(|c| c.server == s)
+                        .all(|c| c.is_dead())
+            })
+    }
+
+    /// Waits until nothing is in flight; on `timeout`, kills every
+    /// connection (their requests fail) and returns false.
+    pub fn wait_idle(&self, timeout: Duration, tick: &mut dyn FnMut()) -> bool {
+        self.wait_until(timeout, tick, &|| self.shared.inflight() == 0)
+    }
+
+    /// Waits until `done`; on `timeout`, kills every connection (their
+    /// requests fail) and returns false.
+    pub fn wait_until(
+        &self,
+        timeout: Duration,
+        tick: &mut dyn FnMut(),
+        done: &dyn Fn() -> bool,
+    ) -> bool {
+        let deadline = Instant::now() + timeout;
+        while !done() {
+            if Instant::now() >= deadline {
+                for c in &self.conns {
+                    c.kill("still waiting for replies at the drain deadline");
+                }
+                return false;
+            }
+            tick();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+
+    /// The shutdown's flush step: every QP to error.
+    pub fn flush(&self) {
+        self.shared.closing.store(true, Ordering::Release);
+        for c in &self.conns {
+            c.dead.store(true, Ordering::Release);
+            c.link.to_error();
+        }
+    }
+
+    /// Every connection's latencies, merged (nanoseconds); `None` without
+    /// connections.
+    pub fn latencies(&self) -> Option<Histogram<u64>> {
+        let mut all = self.conns.first()?.hist.lock().clone();
+        for c in self.conns.iter().skip(1) {
+            // Same bounds everywhere: adding cannot fail; saturate anyway.
+            if all.add(&*c.hist.lock()).is_err() {
+                tracing::warn!(conn = %c.name, "latency histogram out of range");
+            }
+        }
+        Some(all)
+    }
+}

@@ -1,0 +1,585 @@
+//! The report of a run: figures, metrics and the two verdicts, as text and
+//! as JSON.
+//!
+//! The verdicts are computed from what the run recorded, never assumed:
+//!
+//! - **data**: no read (during the load or the read-back) returned data
+//!   other than the last completed write, and the read-back matched every
+//!   block of every server;
+//! - **accounts**: for every handler and kind, on every poller, posted ==
+//!   completed + flushed (cqd's ledgers, `PollerReport::accounts`), the
+//!   drains did not time out, and the shutdown lost nothing
+//!   (`SystemReport::is_clean`).
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use cqd_core::topology::ModeConfig;
+use cqd_core::SystemReport;
+
+use crate::backend::Node;
+use crate::config::Config;
+use crate::load::{Load, LoadCounts};
+use crate::server::{Server, ServerCounts};
+use crate::verify::VerifyCounts;
+
+/// Latency percentiles, in microseconds.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Latency {
+    /// Requests measured.
+    pub count: u64,
+    /// Mean.
+    pub mean_us: f64,
+    /// Median.
+    pub p50_us: f64,
+    /// 90th percentile.
+    pub p90_us: f64,
+    /// 99th.
+    pub p99_us: f64,
+    /// 99.9th.
+    pub p999_us: f64,
+    /// Largest.
+    pub max_us: f64,
+}
+
+/// What the simulated NIC did.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct NicCounts {
+    /// Requests executed.
+    pub executed: u64,
+    /// Error completions.
+    pub errors: u64,
+    /// Flushes.
+    pub flushed: u64,
+    /// Errors injected by --fault-rate.
+    pub injected_errors: u64,
+}
+
+/// One verdict.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Verdict {
+    /// Passed?
+    pub passed: bool,
+    /// Why, in words.
+    pub detail: String,
+}
+
+/// Both verdicts.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Verdicts {
+    /// Every block read back matches what was written.
+    pub data: Verdict,
+    /// posted == completed + flushed for every handler and kind.
+    pub accounts: Verdict,
+}
+
+/// One poller's figures.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PollerRow {
+    /// Its name in the topology.
+    pub name: String,
+    /// "server" or "load".
+    pub role: String,
+    /// Its mode.
+    pub mode: String,
+    /// CPU time over the run's wall time, percent of one CPU.
+    pub cpu_pct: f64,
+    /// Completions polled.
+    pub completions: u64,
+    /// Poll calls.
+    pub polls: u64,
+    /// Poll calls that found nothing.
+    pub empty_polls: u64,
+    /// Completion events (notifications).
+    pub events: u64,
+    /// Sleeps.
+    pub sleeps: u64,
+    /// Work items spilled (a full ring).
+    pub spills: u64,
+    /// Items handed to workers.
+    pub handed_off: u64,
+}
+
+/// One handler's account of one kind.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct AccountRow {
+    /// The connection the handler serves.
+    pub handler: String,
+    /// The operation kind.
+    pub kind: String,
+    /// Posted.
+    pub posted: u64,
+    /// Completed by a success or an error (flushes not included).
+    pub completed: u64,
+    /// Completed by a flush.
+    pub flushed: u64,
+    /// posted − completed − flushed.
+    pub missing: u64,
+}
+
+/// Everything a run reports.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Report {
+    /// The mode ("topology": as the file says).
+    pub mode: String,
+    /// The configuration.
+    pub config: Config,
+    /// Seconds of load.
+    pub elapsed_s: f64,
+    /// Seconds of read-back.
+    pub verify_s: f64,
+    /// Requests per second (successful, load phase).
+    pub ops_per_s: f64,
+    /// Data moved per second, MiB.
+    pub mib_per_s: f64,
+    /// Latencies of successful requests.
+    pub latency: Latency,
+    /// The load generator's counters.
+    pub load: LoadCounts,
+    /// The verifier's counters.
+    pub verify: VerifyCounts,
+    /// Mismatches described (the first few).
+    pub mismatches: Vec<String>,
+    /// Blocks left unknown by failed writes.
+    pub unknown_blocks: u64,
+    /// Per server.
+    pub servers: Vec<ServerCounts>,
+    /// Per poller.
+    pub pollers: Vec<PollerRow>,
+    /// Per handler and kind.
+    pub accounts: Vec<AccountRow>,
+    /// The simulated NIC.
+    pub nic: Option<NicCounts>,
+    /// The verdicts.
+    pub verdicts: Verdicts,
+    /// What went wrong along the way.
+    pub notes: Vec<String>,
+    /// The topology used, as TOML.
+    pub topology: String,
+    /// Its warnings.
+    pub topology_warnings: Vec<String>,
+    /// cqd's full shutdown report (pollers, CQs, pools).
+    pub system: SystemReport,
+}
+
+/// What [`build`] needs.
+#[derive(Debug)]
+pub struct Inputs<'a, N: Node> {
+    /// The configuration.
+    pub cfg: &'a Config,
+    /// The mode's name.
+    pub mode: String,
+    /// The load generator.
+    pub load: &'a Load<N>,
+    /// The servers.
+    pub servers: &'a [Server<N>],
+    /// cqd's shutdown report.
+    pub system: SystemReport,
+    /// Handler names by (poller, slot, generation).
+    pub names: HashMap<(usize, u32, u16), String>,
+    /// Each poller's (name, role, mode), in the system report's order.
+    pub roles: Vec<(String, &'static str, ModeConfig)>,
+    /// The load phase.
+    pub load_elapsed: Duration,
+    /// The read-back.
+    pub verify_elapsed: Duration,
+    /// Pollers' lifetime.
+    pub wall: Duration,
+    /// The topology as TOML.
+    pub topology_toml: String,
+    /// Its warnings.
+    pub topology_warnings: Vec<String>,
+    /// What went wrong along the way.
+    pub notes: Vec<String>,
+}
+
+fn mode_name(m: &ModeConfig) -> &'static str {
+    match m {
+        ModeConfig::Busy => "busy",
+        ModeConfig::Event { .. } => "event",
+        ModeConfig::Hybrid { .. } => "hybrid",
+        ModeConfig::Adaptive { .. } => "adaptive",
+    }
+}
+
+/// Gathers the report and computes the verdicts.
+pub fn build<N: Node>(i: Inputs<'_, N>) -> Report {
+    let shared = i.load.shared();
+    let load = shared.counts();
+    let verifier = shared.verifier();
+    let verify = verifier.counts();
+    let us = |ns: u64| ns as f64 / 1e3;
+    let latency = i
+        .load
+        .latencies()
+        .map_or_else(Latency::default, |h| Latency {
+            count: h.len(),
+            mean_us: h.mean() / 1e3,
+            p50_us: us(h.value_at_quantile(0.5)),
+            p90_us: us(h.value_at_quantile(0.9)),
+            p99_us: us(h.value_at_quantile(0.99)),
+            p999_us: us(h.value_at_quantile(0.999)),
+            max_us: us(h.max()),
+        });
+    let secs = i.load_elapsed.as_secs_f64().max(1e-9);
+    let wall = i.wall.as_secs_f64().max(1e-9);
+    let pollers: Vec<PollerRow> = i
+        .system
+        .pollers
+        .iter()
+        .zip(&i.roles)
+        .map(|(p, (name, role, mode))| PollerRow {
+            name: name.clone(),
+            role: role.to_string(),
+            mode: mode_name(mode).to_string(),
+            cpu_pct: 100.0 * p.poller.cpu_ns as f64 / 1e9 / wall,
+            completions: p.cqs.iter().map(|c| c.completions).sum(),
+            polls: p.cqs.iter().map(|c| c.polls).sum(),
+            empty_polls: p.cqs.iter().map(|c| c.empty_polls).sum(),
+            events: p.cqs.iter().map(|c| c.events).sum(),
+            sleeps: p.poller.sleeps,
+            spills: p.poller.spills,
+            handed_off: p.poller.handed_off,
+        })
+        .collect();
+    let mut accounts = Vec::new();
+    for (pi, p) in i.system.pollers.iter().enumerate() {
+        for a in &p.accounts.accounts {
+            let handler = i
+                .names
+                .get(&(pi, a.handler.0, a.handler.1))
+                .cloned()
+                .unwrap_or_else(|| format!("poller {pi} handler {}.{}", a.handler.0, a.handler.1));
+            accounts.push(AccountRow {
+                handler,
+                kind: a.kind.name().to_string(),
+                posted: a.posted,
+                completed: a.completed.saturating_sub(a.flushed),
+                flushed: a.flushed,
+                missing: a.missing(),
+            });
+        }
+    }
+    let blocks = verifier.blocks();
+    let unknown = verifier.unknown_blocks();
+    let data = {
+        let mut why = Vec::new();
+        if verify.mismatches > 0 {
+            why.push(format!(
+                "{} reads returned data that was not written",
+                verify.mismatches
+            ));
+        }
+        if load.verify_matched < blocks {
+            why.push(format!(
+                "read back {} of {blocks} blocks matching ({} unknown after failed writes, {} read-backs failed)",
+                load.verify_matched, load.verify_unknown, load.verify_failed
+            ));
+        }
+        if verify.reads_matched == 0 {
+            why.push("no read was verified".into());
+        }
+        if why.is_empty() {
+            Verdict {
+                passed: true,
+                detail: format!(
+                    "{} reads during the load and all {blocks} blocks read back match what was written \
+                     ({} writes)",
+                    verify.reads_matched - load.verify_matched,
+                    verify.writes_ok
+                ),
+            }
+        } else {
+            Verdict {
+                passed: false,
+                detail: why.join("; "),
+            }
+        }
+    };
+    let accounts_verdict = {
+        let posted: u64 = accounts.iter().map(|a| a.posted).sum();
+        let completed: u64 = accounts.iter().map(|a| a.completed).sum();
+        let flushed: u64 = accounts.iter().map(|a| a.flushed).sum();
+        let bad: Vec<String> = accounts
+            .iter()
+            .filter(|a| a.posted != a.completed + a.flushed)
+            .map(|a| {
+                format!(
+                    "{} {}: posted {} != completed {} + flushed {}",
+                    a.handler, a.kind, a.posted, a.completed, a.flushed
+                )
+            })
+            .collect();
+        let timed_out = i.system.pollers.iter().any(|p| p.accounts.timed_out);
+        if bad.is_empty() && !timed_out && i.system.is_clean() && !accounts.is_empty() {
+            Verdict {
+                passed: true,
+                detail: format!(
+                    "{} handler accounts: posted {posted} == completed {completed} + flushed {flushed}",
+                    accounts.len()
+                ),
+            }
+        } else {
+            let mut why = bad;
+            if timed_out {
+                why.push("a poller's drain timed out".into());
+            }
+            why.extend(i.system.errors.iter().cloned());
+            if accounts.is_empty() {
+                why.push("no accounts were reported".into());
+            }
+            Verdict {
+                passed: false,
+                detail: why.join("; "),
+            }
+        }
+    };
+    Report {
+        mode: i.mode,
+        config: i.cfg.clone(),
+        elapsed_s: secs,
+        verify_s: i.verify_elapsed.as_secs_f64(),
+        ops_per_s: load.completed as f64 / secs,
+        mib_per_s: load.completed as f64 * f64::from(i.cfg.block_size) / secs / (1 << 20) as f64,
+        latency,
+        load,
+        verify,
+        mismatches: verifier.mismatch_notes(),
+        unknown_blocks: unknown,
+        servers: i.servers.iter().map(|s| s.counts()).collect(),
+        pollers,
+        accounts,
+        nic: None,
+        verdicts: Verdicts {
+            data,
+            accounts: accounts_verdict,
+        },
+        notes: i.notes,
+        topology: i.topology_toml,
+        topology_warnings: i.topology_warnings,
+        system: i.system,
+    }
+}
+
+impl Report {
+    /// Both verdicts passed and no request failed.
+    pub fn passed(&self) -> bool {
+        self.verdicts.data.passed && self.verdicts.accounts.passed && self.load.failed == 0
+    }
+
+    /// The report as text.
+    pub fn text(&self) -> String {
+        let mut s = String::new();
+        let c = &self.config;
+        let _ = writeln!(
+            s,
+            "cqd-demo: {} server(s) × {} blocks of {} B, {} connection(s) × qd {}, {}% reads, mode {}",
+            c.servers, c.blocks_per_server, c.block_size, c.connections, c.qd, c.read_pct, self.mode
+        );
+        let l = &self.load;
+        let _ =
+            writeln!(
+            s,
+            "load      {:.2} s: {} ops ({} reads, {} writes), {:.0} ops/s, {:.1} MiB/s; {} failed",
+            self.elapsed_s, l.completed, l.reads, l.writes, self.ops_per_s, self.mib_per_s, l.failed
+        );
+        let t = &self.latency;
+        let _ = writeln!(
+            s,
+            "latency   p50 {:.1} µs  p90 {:.1} µs  p99 {:.1} µs  p99.9 {:.1} µs  max {:.1} µs  ({} samples)",
+            t.p50_us, t.p90_us, t.p99_us, t.p999_us, t.max_us, t.count
+        );
+        let v = &self.verify;
+        let _ = writeln!(
+            s,
+            "verify    {} reads matched, {} mismatched, {} unverifiable; read-back {} blocks in {:.2} s: {} matched",
+            v.reads_matched, v.mismatches, v.reads_unverifiable, l.verify_read, self.verify_s, l.verify_matched
+        );
+        for (i, sv) in self.servers.iter().enumerate() {
+            let _ = writeln!(
+                s,
+                "server {i}  {} reads, {} writes, {} MiB moved, {} malformed, {} refused, {} deferred replies, {} errors, {} flushed",
+                sv.reads, sv.writes, sv.bytes >> 20, sv.malformed, sv.rejected, sv.deferred, sv.errors, sv.flushed
+            );
+        }
+        let _ = writeln!(
+            s,
+            "{:<10} {:<7} {:<9} {:>6} {:>11} {:>11} {:>11} {:>9} {:>9} {:>7}",
+            "poller",
+            "role",
+            "mode",
+            "cpu%",
+            "completions",
+            "polls",
+            "empty",
+            "events",
+            "sleeps",
+            "spills"
+        );
+        for p in &self.pollers {
+            let _ = writeln!(
+                s,
+                "{:<10} {:<7} {:<9} {:>6.1} {:>11} {:>11} {:>11} {:>9} {:>9} {:>7}",
+                p.name,
+                p.role,
+                p.mode,
+                p.cpu_pct,
+                p.completions,
+                p.polls,
+                p.empty_polls,
+                p.events,
+                p.sleeps,
+                p.spills
+            );
+        }
+        for cq in self.system.pollers.iter().flat_map(|p| &p.cqs) {
+            let b = cq.budget.as_ref();
+            let _ = writeln!(
+                s,
+                "cq {:<7} capacity {}, {} completions, {} flushes, {} other errors, {} stale, overflows {}, credits high water {}",
+                cq.name,
+                cq.capacity,
+                cq.completions,
+                cq.flushes,
+                cq.errors().saturating_sub(cq.flushes),
+                cq.stale_wr_ids,
+                cq.overflows,
+                b.map_or(0, |b| b.credits_high_water)
+            );
+        }
+        for pool in &self.system.pools {
+            let items: Vec<String> = pool.workers.iter().map(|w| w.items.to_string()).collect();
+            let sum = |f: fn(&cqd_core::pool::WorkerSnapshot) -> u64| -> u64 {
+                pool.workers.iter().map(f).sum()
+            };
+            let _ =
+                writeln!(
+                s,
+                "pool {}   {} items over {} workers ({}) in {} batches, {} parks, {} wake-ups, \
+                 deepest ring {}, {} panics",
+                pool.name,
+                pool.items(),
+                pool.workers.len(),
+                items.join(" + "),
+                sum(|w| w.batches),
+                sum(|w| w.parks),
+                sum(|w| w.wakeups),
+                pool.workers.iter().map(|w| w.depth_high_water).max().unwrap_or(0),
+                pool.panics()
+            );
+        }
+        if let Some(n) = &self.nic {
+            let _ = writeln!(
+                s,
+                "nic       {} executed, {} errors ({} injected), {} flushed",
+                n.executed, n.errors, n.injected_errors, n.flushed
+            );
+        }
+        for n in &self.notes {
+            let _ = writeln!(s, "note      {n}");
+        }
+        for m in &self.mismatches {
+            let _ = writeln!(s, "mismatch  {m}");
+        }
+        let word = |v: &Verdict| if v.passed { "PASSED" } else { "FAILED" };
+        let _ = writeln!(
+            s,
+            "verdict data:     {} — {}",
+            word(&self.verdicts.data),
+            self.verdicts.data.detail
+        );
+        let _ = writeln!(
+            s,
+            "verdict accounts: {} — {}",
+            word(&self.verdicts.accounts),
+            self.verdicts.accounts.detail
+        );
+        if l.failed > 0 {
+            let _ = writeln!(
+                s,
+                "{} requests failed (reported as failed, never as done)",
+                l.failed
+            );
+        }
+        s
+    }
+}
+
+/// One row of the mode comparison.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CompareRow {
+    /// The mode.
+    pub mode: String,
+    /// Requests per second.
+    pub ops_per_s: f64,
+    /// Median latency, µs.
+    pub p50_us: f64,
+    /// 99th percentile, µs.
+    pub p99_us: f64,
+    /// 99.9th percentile, µs.
+    pub p999_us: f64,
+    /// All pollers' CPU, percent of one CPU.
+    pub poller_cpu_pct: f64,
+    /// Completion events.
+    pub events: u64,
+    /// Empty polls.
+    pub empty_polls: u64,
+    /// Spills.
+    pub spills: u64,
+    /// Both verdicts passed, no request failed.
+    pub passed: bool,
+}
+
+impl CompareRow {
+    /// The row of a report.
+    pub fn of(r: &Report) -> CompareRow {
+        CompareRow {
+            mode: r.mode.clone(),
+            ops_per_s: r.ops_per_s,
+            p50_us: r.latency.p50_us,
+            p99_us: r.latency.p99_us,
+            p999_us: r.latency.p999_us,
+            poller_cpu_pct: r.pollers.iter().map(|p| p.cpu_pct).sum(),
+            events: r.pollers.iter().map(|p| p.events).sum(),
+            empty_polls: r.pollers.iter().map(|p| p.empty_polls).sum(),
+            spills: r.pollers.iter().map(|p| p.spills).sum(),
+            passed: r.passed(),
+        }
+    }
+}
+
+/// The comparison table.
+pub fn compare_table(rows: &[CompareRow]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{:<9} {:>10} {:>9} {:>9} {:>9} {:>11} {:>9} {:>11} {:>7}  verdicts",
+        "mode",
+        "ops/s",
+        "p50 µs",
+        "p99 µs",
+        "p99.9 µs",
+        "poller cpu%",
+        "events",
+        "empty polls",
+        "spills",
+    );
+    for r in rows {
+        let _ = writeln!(
+            s,
+            "{:<9} {:>10.0} {:>9.1} {:>9.1} {:>9.1} {:>11.1} {:>9} {:>11} {:>7}  {}",
+            r.mode,
+            r.ops_per_s,
+            r.p50_us,
+            r.p99_us,
+            r.p999_us,
+            r.poller_cpu_pct,
+            r.events,
+            r.empty_polls,
+            r.spills,
+            if r.passed { "passed" } else { "FAILED" }
+        );
+    }
+    s
+}

@@ -1,0 +1,517 @@
+//! One run: the two halves — [`ServerSide`] (servers, their pollers and
+//! the worker pool) and [`LoadSide`] (the load generator and its pollers) —
+//! joined by connections, then the load, the read-back, each half's
+//! shutdown and the report.
+//!
+//! [`run_on`] puts both halves in one process and hands each connection's
+//! endpoints over in memory. A two-process transport runs `ServerSide` in
+//! `serve` and `LoadSide` in `load`, exchanging the endpoints of each
+//! [`SrvConn`] / [`LoadConn`] pair over a socket instead; each half stops
+//! on its own (load first: it stops posting before the servers close).
+
+use std::collections::HashMap;
+use std::io::IsTerminal;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cqd_core::pool::{Pool, PoolSink};
+use cqd_core::topology::{ModeConfig, PoolPlan};
+use cqd_core::{NoSink, NoWork, PollerThread, Registration, ShutdownOptions, SystemReport};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::backend::sim::SimFabric;
+use crate::backend::{Link, Node};
+use crate::config::{Config, ModeArg, Stop};
+use crate::load::{Load, LoadConn, LoadSpec, Phase};
+use crate::report::{self, Report};
+use crate::server::{Server, ServerSpec, ServerWork, SrvConn};
+use crate::topo::{self, Assigned};
+use crate::DemoError;
+
+/// How long the load may take to finish what is in flight.
+const DRAIN: Duration = Duration::from_secs(10);
+
+/// Runs the demo once on the simulated NIC, in `mode` (None: the
+/// topology's modes).
+///
+/// # Errors
+/// Bad topology, setup failures. Failed requests and failed verdicts are
+/// in the report, not errors.
+pub fn run_sim(cfg: &Config, mode: Option<ModeArg>) -> Result<Report, DemoError> {
+    let fabric = SimFabric::new(cfg.fault_rate, cfg.seed);
+    let open = |name: &str| fabric.open(name);
+    let mut report = run_on(cfg, mode, open)?;
+    let nic = fabric.stats();
+    report.nic = Some(report::NicCounts {
+        executed: nic.executed,
+        errors: nic.errors,
+        flushed: nic.flushed,
+        injected_errors: nic.injected_errors,
+    });
+    Ok(report)
+}
+
+/// Handler names by (poller index, slot, generation), for the accounts.
+pub type Names = HashMap<(usize, u32, u16), String>;
+
+/// A poller's (name, role, mode), for the report.
+pub type Role = (String, &'static str, ModeConfig);
+
+fn name_of(names: &mut Names, poller: usize, reg: Option<&Registration>, name: &str) {
+    if let Some(reg) = reg {
+        let k = reg.key();
+        names
+            .entry((poller, k.slot(), k.generation()))
+            .and_modify(|n| {
+                n.push('|');
+                n.push_str(name);
+            })
+            .or_insert_with(|| name.to_string());
+    }
+}
+
+/// What a stopped half leaves for the report.
+#[derive(Debug)]
+pub struct Stopped<T> {
+    /// The half's state (servers, or the load generator).
+    pub state: T,
+    /// Its pollers' and pool's final reports.
+    pub system: SystemReport,
+    /// Its pollers, in `system`'s order.
+    pub roles: Vec<Role>,
+    /// Its handlers' names, by poller index in `system`.
+    pub names: Names,
+    /// What went wrong while stopping.
+    pub notes: Vec<String>,
+}
+
+/// The servers of a run, their pollers and their worker pool.
+#[derive(Debug)]
+pub struct ServerSide<N: Node> {
+    servers: Vec<Server<N>>,
+    pollers: Vec<PollerThread>,
+    pool: Pool,
+    roles: Vec<Role>,
+    poller_of: HashMap<u32, usize>,
+    names: Names,
+}
+
+impl<N: Node> ServerSide<N> {
+    /// Makes `cfg.servers` servers on nodes from `open` (server `i` on
+    /// node `srv<i>`, sized for `conns(i)` connections), spawns the pool
+    /// and the pollers of `plans`.
+    ///
+    /// # Errors
+    /// Setup failures.
+    pub fn start(
+        cfg: &Config,
+        plans: Vec<Assigned>,
+        pool: PoolPlan,
+        conns: impl Fn(u32) -> u32,
+        open: &impl Fn(&str) -> N,
+    ) -> Result<Self, DemoError> {
+        let mut poller_of = HashMap::new();
+        for (pi, a) in plans.iter().enumerate() {
+            for &s in &a.cqs {
+                poller_of.insert(s, pi);
+            }
+        }
+        let mut servers = Vec::new();
+        for s in 0..cfg.servers {
+            let pi = *poller_of
+                .get(&s)
+                .ok_or_else(|| DemoError::Topology(format!("no poller for srv{s}")))?;
+            let spec = ServerSpec {
+                device_bytes: cfg.device_size,
+                block_size: cfg.block_size,
+                depth: cfg.qd,
+                connections: conns(s),
+            };
+            let name = format!("srv{s}");
+            servers.push(Server::new(
+                open(&name),
+                &name,
+                spec,
+                plans[pi].plan.cq_options(),
+            )?);
+        }
+        let (pool, sinks) = pool
+            .spawn(plans.len(), |_| |w: ServerWork<N>| w.run())
+            .map_err(|e| DemoError::Setup(format!("pool {}: {e}", topo::POOL)))?;
+        let mut pollers = Vec::new();
+        let mut roles = Vec::new();
+        for (a, sink) in plans.into_iter().zip(sinks) {
+            let name = a.plan.name().to_string();
+            let mode = a.plan.mode();
+            let mut b = a
+                .plan
+                .poller_builder::<ServerWork<N>, PoolSink<ServerWork<N>>>(sink)
+                .drain_timeout(cfg.drain_timeout);
+            for s in &a.cqs {
+                if let Some(cq) = servers.get_mut(*s as usize).and_then(Server::take_cq) {
+                    b = b.cq(cq);
+                }
+            }
+            pollers.push(
+                b.spawn()
+                    .map_err(|e| DemoError::Setup(format!("poller {name}: {e}")))?,
+            );
+            roles.push((name, "server", mode));
+        }
+        Ok(ServerSide {
+            servers,
+            pollers,
+            pool,
+            roles,
+            poller_of,
+            names: Names::new(),
+        })
+    }
+
+    /// A new connection on server `server` (connect its link to the
+    /// peer's endpoint, then [`SrvConn::post_receives`]).
+    ///
+    /// # Errors
+    /// No such server, or the device refused.
+    pub fn accept(&mut self, server: u32) -> Result<Arc<SrvConn<N>>, DemoError> {
+        let srv = self
+            .servers
+            .get_mut(server as usize)
+            .ok_or_else(|| DemoError::Setup(format!("no server {server}")))?;
+        let conn = srv.accept()?;
+        let pi = self.poller_of.get(&server).copied().unwrap_or(0);
+        name_of(&mut self.names, pi, conn.registration(), conn.name());
+        Ok(conn)
+    }
+
+    /// Closes: waits for the workers to go idle, moves every QP to error,
+    /// stops the pollers (which collect every flush), joins the pool.
+    pub fn stop(self) -> Stopped<Vec<Server<N>>> {
+        let mut notes = Vec::new();
+        for s in &self.servers {
+            if !s.quiesce(Duration::from_secs(5)) {
+                notes.push(format!("{}: workers still busy at the close", s.name()));
+            }
+        }
+        let servers = self.servers;
+        let system = cqd_core::shutdown_with(
+            ShutdownOptions::default().pool_join_timeout(Duration::from_secs(10)),
+            || servers.iter().for_each(Server::flush),
+            self.pollers,
+            [self.pool],
+        );
+        Stopped {
+            state: servers,
+            system,
+            roles: self.roles,
+            names: self.names,
+            notes,
+        }
+    }
+}
+
+/// The load generator of a run and its pollers.
+#[derive(Debug)]
+pub struct LoadSide<N: Node> {
+    load: Load<N>,
+    pollers: Vec<PollerThread>,
+    roles: Vec<Role>,
+    poller_of: HashMap<u32, usize>,
+    load_cqs: u32,
+    names: Names,
+}
+
+/// How the load went.
+#[derive(Debug, Clone)]
+pub struct Driven {
+    /// The load phase.
+    pub load_elapsed: Duration,
+    /// The read-back.
+    pub verify_elapsed: Duration,
+    /// What went wrong.
+    pub notes: Vec<String>,
+}
+
+impl<N: Node> LoadSide<N> {
+    /// Makes the load generator on node `load` from `open`, with the CQs
+    /// `load0` … of `plans`, and spawns its pollers.
+    ///
+    /// # Errors
+    /// Setup failures.
+    pub fn start(
+        cfg: &Config,
+        plans: Vec<Assigned>,
+        load_cqs: u32,
+        open: &impl Fn(&str) -> N,
+    ) -> Result<Self, DemoError> {
+        let mut poller_of = HashMap::new();
+        for (pi, a) in plans.iter().enumerate() {
+            for &k in &a.cqs {
+                poller_of.insert(k, pi);
+            }
+        }
+        let specs = (0..load_cqs)
+            .map(|k| {
+                let pi = poller_of.get(&k).copied().unwrap_or(0);
+                let options = plans
+                    .get(pi)
+                    .map(|a| a.plan.cq_options())
+                    .ok_or_else(|| DemoError::Topology(format!("no poller for load{k}")))?;
+                Ok((format!("load{k}"), options))
+            })
+            .collect::<Result<Vec<_>, DemoError>>()?;
+        let spec = LoadSpec {
+            servers: cfg.servers,
+            blocks_per_server: cfg.blocks_per_server,
+            block_size: cfg.block_size,
+            depth: cfg.qd,
+            read_pct: cfg.read_pct,
+            op_limit: match cfg.stop {
+                Stop::Ops(n) => n,
+                Stop::After(_) => 0,
+            },
+            seed: cfg.seed,
+        };
+        let conns_per_cq = cfg.connections.div_ceil(load_cqs.max(1));
+        let mut load = Load::new(open("load"), &specs, conns_per_cq, spec)?;
+        let mut pollers = Vec::new();
+        let mut roles = Vec::new();
+        for a in plans {
+            let name = a.plan.name().to_string();
+            let mode = a.plan.mode();
+            let mut b = a
+                .plan
+                .poller_builder::<NoWork, NoSink>(NoSink)
+                .drain_timeout(cfg.drain_timeout);
+            for k in &a.cqs {
+                if let Some(cq) = load.take_cq(*k as usize) {
+                    b = b.cq(cq);
+                }
+            }
+            pollers.push(
+                b.spawn()
+                    .map_err(|e| DemoError::Setup(format!("poller {name}: {e}")))?,
+            );
+            roles.push((name, "load", mode));
+        }
+        Ok(LoadSide {
+            load,
+            pollers,
+            roles,
+            poller_of,
+            load_cqs,
+            names: Names::new(),
+        })
+    }
+
+    /// A new connection to server `server`, on the load CQs in turn
+    /// (connect its link to the peer's endpoint, then
+    /// [`LoadConn::post_receives`]).
+    ///
+    /// # Errors
+    /// The device refused.
+    pub fn connect(&mut self, server: u32) -> Result<Arc<LoadConn<N>>, DemoError> {
+        let k = self.load.conns().len() as u32 % self.load_cqs.max(1);
+        let conn = self.load.connect(server, k as usize)?;
+        let pi = self.poller_of.get(&k).copied().unwrap_or(0);
+        name_of(&mut self.names, pi, conn.registration(), conn.name());
+        Ok(conn)
+    }
+
+    /// Runs the load (progress bar on a terminal), drains it and reads
+    /// every block back.
+    pub fn drive(&self, cfg: &Config) -> Driven {
+        let load = &self.load;
+        let bar = progress_bar(cfg);
+        let shared = Arc::clone(load.shared());
+        let started = Instant::now();
+        tracing::info!(stop = ?cfg.stop, "load: run");
+        load.enter(Phase::Run);
+        let mut last = (Instant::now(), 0u64);
+        let mut rate = 0.0;
+        loop {
+            std::thread::sleep(Duration::from_millis(50));
+            let now = Instant::now();
+            let counts = shared.counts();
+            if now.duration_since(last.0) >= Duration::from_millis(250) {
+                rate =
+                    (counts.completed - last.1) as f64 / now.duration_since(last.0).as_secs_f64();
+                last = (now, counts.completed);
+            }
+            let elapsed = started.elapsed();
+            match cfg.stop {
+                Stop::After(d) => bar.set_position(elapsed.min(d).as_millis() as u64),
+                Stop::Ops(_) => bar.set_position(counts.completed + counts.failed),
+            }
+            bar.set_message(format!(
+                "{:>7.0} ops/s {:>9} ops {} failed",
+                rate, counts.completed, counts.failed
+            ));
+            load.check_timeouts(cfg.op_timeout);
+            let done = match cfg.stop {
+                Stop::After(d) => elapsed >= d,
+                Stop::Ops(n) => counts.issued >= n && shared.inflight() == 0,
+            };
+            if done || load.all_dead() {
+                if load.all_dead() && !done {
+                    tracing::error!("every connection failed: the load stops early");
+                }
+                break;
+            }
+        }
+        tracing::info!(inflight = shared.inflight(), "load: drain");
+        load.enter(Phase::Drain);
+        let timeout = cfg.op_timeout;
+        let drained = load.wait_idle(DRAIN, &mut || load.check_timeouts(timeout));
+        let load_elapsed = started.elapsed();
+        bar.finish_and_clear();
+
+        let verify_started = Instant::now();
+        tracing::info!(
+            blocks = cfg.blocks_per_server * u64::from(cfg.servers),
+            "load: read back every block"
+        );
+        load.enter(Phase::Verify);
+        // A backstop only (stuck requests fail by the op timeout): room
+        // for 5,000 blocks a second, however large the devices.
+        let blocks = cfg.blocks_per_server * u64::from(cfg.servers);
+        let verified = load.wait_until(
+            DRAIN + Duration::from_secs(20) + Duration::from_secs(blocks / 5_000),
+            &mut || load.check_timeouts(timeout),
+            &|| load.verify_done(),
+        );
+        load.enter(Phase::Drain);
+        let mut notes = Vec::new();
+        if !drained {
+            notes.push(
+                "requests were still in flight at the drain deadline: their connections were failed"
+                    .into(),
+            );
+        }
+        if !verified {
+            notes.push(
+                "the read-back did not finish by its deadline: its connections were failed".into(),
+            );
+        }
+        Driven {
+            load_elapsed,
+            verify_elapsed: verify_started.elapsed(),
+            notes,
+        }
+    }
+
+    /// Stops: every QP to error, the pollers collect every flush.
+    pub fn stop(self) -> Stopped<Load<N>> {
+        let load = self.load;
+        let system = cqd_core::shutdown(|| load.flush(), self.pollers, []);
+        Stopped {
+            state: load,
+            system,
+            roles: self.roles,
+            names: self.names,
+            notes: Vec::new(),
+        }
+    }
+}
+
+/// Runs the demo once on nodes made by `open`: both halves in this
+/// process, endpoints exchanged in memory.
+///
+/// # Errors
+/// As [`run_sim`].
+pub fn run_on<N: Node>(
+    cfg: &Config,
+    mode: Option<ModeArg>,
+    open: impl Fn(&str) -> N,
+) -> Result<Report, DemoError> {
+    let setup_started = Instant::now();
+    let layout = topo::resolve(
+        topo::load(cfg.topology.as_deref())?,
+        cfg.servers,
+        mode.or(cfg.mode),
+        cfg.workers,
+    )?;
+    // validate() logged its warnings already; the report lists them too.
+    let mode_name = mode
+        .or(cfg.mode)
+        .map_or_else(|| "topology".to_string(), |m| m.name().to_string());
+    let threads_started = Instant::now();
+    let conns = |s: u32| {
+        (0..cfg.connections)
+            .filter(|c| c % cfg.servers == s)
+            .count() as u32
+    };
+    let mut server_side = ServerSide::start(cfg, layout.server_pollers, layout.pool, conns, &open)?;
+    let mut load_side = LoadSide::start(cfg, layout.load_pollers, layout.load_cqs, &open)?;
+    for c in 0..cfg.connections {
+        let s = c % cfg.servers;
+        let srv = server_side.accept(s)?;
+        let cli = load_side.connect(s)?;
+        // The exchange a two-process run does over its socket.
+        let (a, b) = (srv.link().endpoint()?, cli.link().endpoint()?);
+        srv.link().connect(&b)?;
+        cli.link().connect(&a)?;
+        srv.post_receives()?;
+        cli.post_receives()?;
+    }
+    tracing::info!(setup = ?setup_started.elapsed(), "servers, load and threads up");
+
+    let driven = load_side.drive(cfg);
+    tracing::info!("shutdown: the load side, then the servers");
+    let load = load_side.stop();
+    let servers = server_side.stop();
+    let wall = threads_started.elapsed();
+
+    // One system report: the servers' pollers first, then the load's.
+    let offset = servers.system.pollers.len();
+    let mut system = servers.system;
+    system.pollers.extend(load.system.pollers);
+    system.pools.extend(load.system.pools);
+    system.errors.extend(load.system.errors);
+    let mut names = servers.names;
+    names.extend(
+        load.names
+            .into_iter()
+            .map(|((p, slot, gen), n)| ((p + offset, slot, gen), n)),
+    );
+    let mut roles = servers.roles;
+    roles.extend(load.roles);
+    let mut notes = driven.notes;
+    notes.extend(servers.notes);
+    notes.extend(load.notes);
+    Ok(report::build(report::Inputs {
+        cfg,
+        mode: mode_name,
+        load: &load.state,
+        servers: &servers.state,
+        system,
+        names,
+        roles,
+        load_elapsed: driven.load_elapsed,
+        verify_elapsed: driven.verify_elapsed,
+        wall,
+        topology_toml: layout.toml,
+        topology_warnings: layout.warnings,
+        notes,
+    }))
+}
+
+fn progress_bar(cfg: &Config) -> ProgressBar {
+    let visible = cfg.progress && std::io::stdout().is_terminal();
+    let len = match cfg.stop {
+        Stop::After(d) => d.as_millis() as u64,
+        Stop::Ops(n) => n,
+    };
+    let bar = ProgressBar::with_draw_target(
+        Some(len),
+        if visible {
+            ProgressDrawTarget::stdout()
+        } else {
+            ProgressDrawTarget::hidden()
+        },
+    );
+    if let Ok(style) = ProgressStyle::with_template("{spinner} [{bar:20}] {percent:>3}% {msg}") {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}

@@ -1,0 +1,307 @@
+//! The demo's thread layout: a cqd topology file (docs/topology.md) whose
+//! CQ names say what each poller serves.
+//!
+//! - `srv<i>`: the CQ of server `i` (all its connections, sends and
+//!   receives). Every server's CQ must have a poller; a server the file
+//!   does not name (`--servers` above the file's count) is given to the
+//!   server pollers in turn.
+//! - `load<k>`: a CQ of the load generator; connections are spread over
+//!   `load0`, `load1`, … in turn. The file must name them from 0 without
+//!   gaps.
+//! - A poller serves server CQs or load CQs, not both (their handlers hand
+//!   different work: servers to the pool, load handlers to no one).
+//! - The pool `io` is the servers' worker pool (fed by every server
+//!   poller).
+//!
+//! Flags override the file: `--mode` sets every poller's mode,
+//! `--workers` the pool's threads.
+
+use cqd_core::topology::{ModeConfig, PollerPlan, PoolPlan, TopologyConfig};
+
+use crate::config::ModeArg;
+use crate::DemoError;
+
+/// The built-in layout, a copy of `examples/demo-topology.toml`.
+pub const BUILT_IN: &str = include_str!("../../../examples/demo-topology.toml");
+
+/// The name of the servers' worker pool.
+pub const POOL: &str = "io";
+
+/// A poller's plan and the CQs it serves.
+#[derive(Debug)]
+pub struct Assigned {
+    /// The validated plan.
+    pub plan: PollerPlan,
+    /// Server indices (server pollers) or load CQ indices (load pollers).
+    pub cqs: Vec<u32>,
+}
+
+/// The checked layout of one run.
+#[derive(Debug)]
+pub struct Layout {
+    /// Pollers of server CQs.
+    pub server_pollers: Vec<Assigned>,
+    /// Pollers of load CQs.
+    pub load_pollers: Vec<Assigned>,
+    /// The servers' worker pool.
+    pub pool: PoolPlan,
+    /// Load CQs (`load0` … `load<n-1>`).
+    pub load_cqs: u32,
+    /// What `validate` warned about.
+    pub warnings: Vec<String>,
+    /// The resolved configuration, as TOML (for the report).
+    pub toml: String,
+}
+
+enum Role {
+    Server(u32),
+    Load(u32),
+}
+
+fn role(cq: &str) -> Option<Role> {
+    let num = |rest: &str| -> Option<u32> {
+        (!rest.is_empty()
+            && rest.bytes().all(|b| b.is_ascii_digit())
+            && (rest == "0" || !rest.starts_with('0')))
+        .then(|| rest.parse().ok())
+        .flatten()
+    };
+    if let Some(rest) = cq.strip_prefix("srv") {
+        return num(rest).map(Role::Server);
+    }
+    if let Some(rest) = cq.strip_prefix("load") {
+        return num(rest).map(Role::Load);
+    }
+    None
+}
+
+/// The mode a `--mode` flag stands for.
+pub fn mode_config(mode: ModeArg) -> ModeConfig {
+    match mode {
+        ModeArg::Busy => ModeConfig::Busy,
+        ModeArg::Event => ModeConfig::Event { timeout_ms: 100 },
+        ModeArg::Hybrid => ModeConfig::Hybrid {
+            spin_window_us: 50,
+            timeout_ms: 100,
+        },
+        ModeArg::Adaptive => ModeConfig::default(),
+    }
+}
+
+/// Reads the layout (the file, or the built-in one).
+///
+/// # Errors
+/// [`DemoError::Topology`] for a file that cannot be read or parsed.
+pub fn load(path: Option<&std::path::Path>) -> Result<TopologyConfig, DemoError> {
+    let parsed = match path {
+        Some(p) => TopologyConfig::from_file(p),
+        None => TopologyConfig::from_toml(BUILT_IN),
+    };
+    parsed.map_err(|e| match path {
+        Some(p) => DemoError::Topology(format!("{}: {e}", p.display())),
+        None => DemoError::Topology(format!("built-in layout: {e}")),
+    })
+}
+
+/// Checks `config` against the demo's rules, applies the flags, validates
+/// it (cqd's `validate`) and hands out the plans.
+///
+/// # Errors
+/// [`DemoError::Topology`] naming the poller, CQ or pool at fault.
+pub fn resolve(
+    mut config: TopologyConfig,
+    servers: u32,
+    mode: Option<ModeArg>,
+    workers: Option<usize>,
+) -> Result<Layout, DemoError> {
+    let bad = |m: String| Err(DemoError::Topology(m));
+    let mut server_pollers = Vec::new();
+    let mut load_pollers = Vec::new();
+    let mut named_servers = vec![false; servers as usize];
+    let mut load_cqs = Vec::new();
+    for (i, p) in config.pollers.iter().enumerate() {
+        let (mut srv, mut ld) = (false, false);
+        for cq in &p.cqs {
+            match role(cq) {
+                Some(Role::Server(s)) if s < servers => {
+                    srv = true;
+                    named_servers[s as usize] = true;
+                }
+                Some(Role::Server(_)) => {
+                    return bad(format!(
+                        "poller[{i}] {:?} names CQ {cq:?}, but the run has {servers} server(s) \
+                         (srv0 to srv{}); raise --servers or remove it",
+                        p.name,
+                        servers - 1
+                    ))
+                }
+                Some(Role::Load(k)) => {
+                    ld = true;
+                    load_cqs.push(k);
+                }
+                None => {
+                    return bad(format!(
+                    "poller[{i}] {:?} names CQ {cq:?}; the demo makes CQs named srv<i> (server i) \
+                         and load<k> (the load generator's k-th CQ)",
+                    p.name
+                ))
+                }
+            }
+        }
+        match (srv, ld) {
+            (true, true) => {
+                return bad(format!(
+                    "poller[{i}] {:?} has both server and load CQs; give each its own poller",
+                    p.name
+                ))
+            }
+            (true, false) => server_pollers.push(i),
+            (false, true) => load_pollers.push(i),
+            // An empty list: validate() names it.
+            (false, false) => {}
+        }
+    }
+    if server_pollers.is_empty() {
+        return bad("no poller serves a server CQ (srv0, srv1, …)".into());
+    }
+    load_cqs.sort_unstable();
+    if load_cqs.is_empty() {
+        return bad("no poller serves a load CQ (load0, load1, …)".into());
+    }
+    if let Some((k, _)) = load_cqs.iter().enumerate().find(|(k, &c)| *k as u32 != c) {
+        return bad(format!(
+            "load CQs must be load0 to load<n-1> without gaps; load{k} is missing"
+        ));
+    }
+    for (s, named) in named_servers.iter().enumerate() {
+        if !named {
+            let p = server_pollers[s % server_pollers.len()];
+            tracing::info!(poller = %config.pollers[p].name, "srv{s} not in the layout: added");
+            config.pollers[p].cqs.push(format!("srv{s}"));
+        }
+    }
+    if let Some(mode) = mode {
+        for p in &mut config.pollers {
+            p.mode = mode_config(mode);
+        }
+    }
+    match config.pools.iter_mut().find(|p| p.name == POOL) {
+        Some(pool) => {
+            if let Some(w) = workers {
+                pool.threads = w;
+            }
+        }
+        None => return bad(format!("no pool named {POOL:?} (the servers' workers)")),
+    }
+    let toml = config
+        .to_toml()
+        .map_err(|e| DemoError::Topology(e.to_string()))?;
+    let cqs_of = |i: usize| -> Vec<u32> {
+        config.pollers[i]
+            .cqs
+            .iter()
+            .filter_map(|c| match role(c) {
+                Some(Role::Server(s)) | Some(Role::Load(s)) => Some(s),
+                None => None,
+            })
+            .collect()
+    };
+    let server_cqs: Vec<(String, Vec<u32>)> = server_pollers
+        .iter()
+        .map(|&i| (config.pollers[i].name.clone(), cqs_of(i)))
+        .collect();
+    let load_cqs_of: Vec<(String, Vec<u32>)> = load_pollers
+        .iter()
+        .map(|&i| (config.pollers[i].name.clone(), cqs_of(i)))
+        .collect();
+    let mut topology = config
+        .validate()
+        .map_err(|e| DemoError::Topology(e.to_string()))?;
+    let warnings = topology.warnings().iter().map(|w| w.to_string()).collect();
+    let mut take = |list: Vec<(String, Vec<u32>)>| -> Result<Vec<Assigned>, DemoError> {
+        list.into_iter()
+            .map(|(name, cqs)| {
+                let plan = topology.take_poller(&name).ok_or_else(|| {
+                    DemoError::Topology(format!("poller {name:?} vanished in validation"))
+                })?;
+                Ok(Assigned { plan, cqs })
+            })
+            .collect()
+    };
+    let server_pollers = take(server_cqs)?;
+    let load_pollers = take(load_cqs_of)?;
+    let pool = topology
+        .take_pool(POOL)
+        .ok_or_else(|| DemoError::Topology(format!("no pool named {POOL:?}")))?;
+    Ok(Layout {
+        server_pollers,
+        load_pollers,
+        pool,
+        load_cqs: load_cqs.len() as u32,
+        warnings,
+        toml,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(text: &str, servers: u32) -> Result<Layout, DemoError> {
+        resolve(
+            TopologyConfig::from_toml(text).unwrap(),
+            servers,
+            None,
+            None,
+        )
+    }
+
+    #[test]
+    fn the_built_in_layout_resolves_and_grows_with_servers() {
+        let l = resolve(load(None).unwrap(), 3, Some(ModeArg::Busy), Some(3)).unwrap();
+        let served: Vec<u32> = l
+            .server_pollers
+            .iter()
+            .flat_map(|a| a.cqs.clone())
+            .collect();
+        assert_eq!(served.len(), 3, "srv1 and srv2 were added: {served:?}");
+        assert!(l.load_cqs >= 1);
+        assert_eq!(l.pool.threads(), 3);
+        assert!(l.toml.contains("busy"));
+    }
+
+    #[test]
+    fn names_the_demo_does_not_make_are_refused() {
+        let base = "[[pool]]\nname = \"io\"\nthreads = 1\n";
+        let e = layout(
+            &format!("[[poller]]\nname = \"a\"\ncqs = [\"rx0\"]\n{base}"),
+            1,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("\"rx0\""), "{e}");
+        let e = layout(
+            &format!("[[poller]]\nname = \"a\"\ncqs = [\"srv0\", \"load0\"]\n{base}"),
+            1,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("both server and load"), "{e}");
+        let e = layout(
+            &format!("[[poller]]\nname = \"a\"\ncqs = [\"srv0\", \"srv1\"]\n[[poller]]\nname = \"b\"\ncqs = [\"load0\"]\n{base}"),
+            1,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("raise --servers"), "{e}");
+        let e = layout(
+            &format!("[[poller]]\nname = \"a\"\ncqs = [\"srv0\"]\n[[poller]]\nname = \"b\"\ncqs = [\"load1\"]\n{base}"),
+            1,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("load0 is missing"), "{e}");
+        let e = layout(
+            "[[poller]]\nname = \"a\"\ncqs = [\"srv0\"]\n[[poller]]\nname = \"b\"\ncqs = [\"load0\"]\n",
+            1,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("no pool named \"io\""), "{e}");
+    }
+}
