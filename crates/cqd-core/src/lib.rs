@@ -33,6 +33,8 @@ pub mod account;
 pub mod budget;
 pub mod completion;
 pub mod cq;
+#[cfg(feature = "metrics")]
+pub mod export;
 pub mod handler;
 pub mod ledger;
 pub mod metrics;
@@ -55,12 +57,14 @@ pub mod wr_id;
 pub use budget::{cq_depth_for, Admission, BudgetError, BudgetOptions, BudgetSnapshot, CqBudget};
 pub use completion::{Completion, Opcode, Status, WcFlags};
 pub use cq::{split, CqHandle, CqOptions, CqPoller, Registration, UnboundCq};
+#[cfg(feature = "metrics")]
+pub use export::MetricsExporter;
 pub use handler::{Failed, Handler, Outbox, RecvDone, SendDone};
 pub use ledger::{
     drain, KindAccount, Queue, QueueAccount, ShutdownReport, StuckWr, Watchdog, WrLedger,
 };
 pub use mode::{Adaptive, PollMode};
-pub use poller::{PollerBuilder, PollerReport, PollerThread};
+pub use poller::{PollerBuilder, PollerMonitor, PollerReport, PollerThread};
 pub use post::{PostRecv, PostSend, Refused, SendRequest, WorkRequest};
 pub use shutdown::{shutdown, shutdown_with, ShutdownOptions, SystemReport};
 pub use sink::{NoSink, NoWork, Route, Routed, SpaceWait, SpaceWaker, WorkSink};

@@ -370,6 +370,16 @@ impl PollerThread {
         self.metrics.snapshot(&self.name)
     }
 
+    /// A cloneable, `Sync` handle to the thread's counters, for a metrics
+    /// thread. It outlives the thread: after the stop it reads the final
+    /// counters.
+    pub fn monitor(&self) -> PollerMonitor {
+        PollerMonitor {
+            name: self.name.clone(),
+            metrics: Arc::clone(&self.metrics),
+        }
+    }
+
     /// Stops the thread (see "Stopping" in the module documentation) and
     /// returns its final report.
     ///
@@ -409,6 +419,26 @@ impl Drop for PollerThread {
             self.request_stop();
             let _ = join.join();
         }
+    }
+}
+
+/// A read-only handle to a poller thread's counters
+/// ([`PollerThread::monitor`]); cheap to clone.
+#[derive(Debug, Clone)]
+pub struct PollerMonitor {
+    name: String,
+    metrics: Arc<PollerMetrics>,
+}
+
+impl PollerMonitor {
+    /// The poller's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The counters now.
+    pub fn snapshot(&self) -> PollerSnapshot {
+        self.metrics.snapshot(&self.name)
     }
 }
 

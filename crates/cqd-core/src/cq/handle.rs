@@ -125,6 +125,11 @@ impl<W: Send + 'static> CqHandle<W> {
         snap
     }
 
+    /// The CQ's ledger of queue accounts, if one is attached.
+    pub fn ledger(&self) -> Option<&WrLedger> {
+        self.shared.ledger.get()
+    }
+
     /// The budget's counters, if a budget is attached.
     pub fn budget_snapshot(&self) -> Option<BudgetSnapshot> {
         self.shared.budget.get().map(CqBudget::snapshot)

@@ -296,6 +296,11 @@ pub struct PoolMonitor {
 }
 
 impl PoolMonitor {
+    /// The pool's name.
+    pub fn name(&self) -> &str {
+        &self.shared.counters.name
+    }
+
     /// The counters now.
     pub fn snapshot(&self) -> PoolSnapshot {
         self.shared.counters.snapshot()
