@@ -11,6 +11,7 @@
 //! | [`core`] | always | the dispatcher: CQ rights, handlers, pollers and poll modes, the posting call, worker pools, topology, shutdown, metrics (crate `cqd-core`) |
 //! | [`sim`] | `sim` (default) | a simulated RDMA NIC with hardware semantics and fault injection (crate `cqd-sim`) |
 //! | [`verbs`] | `verbs` | real RDMA through libibverbs (crate `cqd-verbs`); needs rdma-core's headers and libclang to build |
+//! | `core::export` | `metrics` | cqd's counters published through the `metrics` crate's facade |
 //!
 //! The repository's `docs/guide.md` is the user's guide (choosing a poll
 //! mode, sizing, handlers, shutdown, metrics); `docs/architecture.md`
@@ -50,7 +51,9 @@
 //!    [`SystemReport`](crate::core::SystemReport): posted == completed for
 //!    every handler and kind, or exactly what is missing.
 //! 6. **Metrics.** Every CQ, poller, budget, ledger and pool has a serde
-//!    snapshot ([`core::metrics`]).
+//!    snapshot ([`core::metrics`]); with the `metrics` feature,
+//!    `core::export::MetricsExporter` also publishes them through the
+//!    `metrics` crate's facade (the repository's `docs/metrics.md`).
 //!
 //! The whole path on the simulated NIC: a topology with one poller and a
 //! pool of two workers, a handler per connection that hands each received
