@@ -137,5 +137,8 @@ timeout 300 "$RUN" cargo test -p softverbs --release
 # cqd on real verbs (crates/cqd-verbs): its tests need the device, so they
 # run here, under the launcher (outside it they print SKIPPED).
 timeout 600 "$RUN" cargo test -p cqd-verbs --release
+# The real-path dispatch benchmark, smoke run on the device.
+CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$RUN" timeout 600 \
+    cargo bench --features verbs --bench verbs_dispatch -- --quick
 
 echo "softverbs CI done in $(( $(date +%s) - start )) s"
