@@ -564,3 +564,103 @@ fn violator(mut ch: Chan) {
     }
     ch.send("1");
 }
+
+const ATOMIC_EACH: u64 = 20_000;
+
+/// Fetch-and-adds on one word from this process (through its own loopback
+/// QPs: the same-process path) and from another process (process_vm_*) at
+/// the same time: no update is lost and every original value is returned
+/// exactly once, so the two paths are atomic with respect to each other.
+#[test]
+fn cross_process_atomics_are_atomic_among_processes() {
+    if let Some(ch) = child_chan() {
+        return atomic_adder(ch);
+    }
+    if !launcher_or_skip("cross_process_atomics_are_atomic_among_processes") {
+        return;
+    }
+    let (mut child, mut ch) = spawn("cross_process_atomics_are_atomic_among_processes");
+    let dev = Dev::open();
+    let target = Buf::with_access(&dev, 64, 0, ACCESS_ATOMIC);
+    let cq = dev.cq(64, null_mut());
+    let responder = dev.qp(cq, cq, null_mut());
+    // Our own requester toward a loopback responder of ours.
+    let lcq = dev.cq(64, null_mut());
+    let la = dev.qp(lcq, lcq, null_mut());
+    let lb = dev.qp(lcq, lcq, null_mut());
+    connect_full(la, qpn(lb), 14, 7, ACCESS_ATOMIC);
+    connect_full(lb, qpn(la), 14, 7, ACCESS_ATOMIC);
+    ch.send(&format!(
+        "{} {} {}",
+        qpn(responder),
+        target.addr() + 8,
+        target.rkey()
+    ));
+    let peer = ch.recv()[0] as u32;
+    connect_full(responder, peer, 14, 7, ACCESS_ATOMIC);
+    ch.send("go");
+    let local = Buf::new(&dev, 8, 0);
+    let mut seen = Vec::new();
+    for i in 0..ATOMIC_EACH {
+        let r = post_atomic(
+            la,
+            &local,
+            0,
+            i,
+            WR_FETCH_ADD,
+            target.addr() + 8,
+            target.rkey(),
+            1,
+            0,
+        );
+        assert_eq!(r, 0);
+        assert_eq!(poll(lcq, 1)[0].status, WC_SUCCESS);
+        seen.push(word(&local, 0));
+    }
+    seen.extend(ch.recv());
+    assert!(
+        child.wait().expect("wait").success(),
+        "adder process failed"
+    );
+    assert_eq!(word(&target, 8), 2 * ATOMIC_EACH, "no lost update");
+    assert_eq!((word(&target, 0), word(&target, 16)), (0, 0));
+    seen.sort_unstable();
+    assert!(
+        seen == (0..2 * ATOMIC_EACH).collect::<Vec<_>>(),
+        "each original value returned once"
+    );
+}
+
+fn atomic_adder(mut ch: Chan) {
+    let dev = Dev::open();
+    let cq = dev.cq(64, null_mut());
+    let qp = dev.qp(cq, cq, null_mut());
+    let r = ch.recv();
+    let (peer, raddr, rkey) = (r[0] as u32, r[1], r[2] as u32);
+    ch.send(&format!("{}", qpn(qp)));
+    connect_full(qp, peer, 14, 7, ACCESS_ATOMIC);
+    let _go = ch.recv();
+    let local = Buf::new(&dev, 8, 0);
+    let mut seen = Vec::new();
+    for i in 0..ATOMIC_EACH {
+        assert_eq!(
+            post_atomic(qp, &local, 0, i, WR_FETCH_ADD, raddr, rkey, 1, 0),
+            0
+        );
+        let c = poll(cq, 1)[0];
+        assert_eq!(
+            (c.status, c.opcode, c.byte_len),
+            (WC_SUCCESS, ibv_wc_opcode::IBV_WC_FETCH_ADD, 8)
+        );
+        seen.push(word(&local, 0));
+    }
+    // A compare that cannot match returns the word and leaves it.
+    assert_eq!(
+        post_atomic(qp, &local, 0, 99, WR_CMP_SWAP, raddr, rkey, u64::MAX, 0),
+        0
+    );
+    assert_eq!(poll(cq, 1)[0].status, WC_SUCCESS);
+    assert!(word(&local, 0) >= ATOMIC_EACH, "read after our own adds");
+    let line: Vec<String> = seen.iter().map(u64::to_string).collect();
+    ch.send(&line.join(" "));
+}

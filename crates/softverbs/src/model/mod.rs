@@ -7,6 +7,7 @@
 //! asynchronous events (responder errors, last WQE, SRQ limit). The provider consults these;
 //! it never re-states them.
 
+pub mod atomic;
 pub mod cq;
 pub mod device;
 pub mod event;

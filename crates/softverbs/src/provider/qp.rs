@@ -426,6 +426,15 @@ pub unsafe extern "C" fn modify_qp(
             return libc::EINVAL;
         }
     }
+    // The device's limits on outstanding READ/atomic requests
+    // (`max_qp_init_rd_atom`, `max_qp_rd_atom`): larger is EINVAL, as the
+    // kernel answers. Each request completes before post_send returns, so
+    // at most one is ever outstanding and any accepted limit is honoured.
+    if (mask & m::ATTR_MAX_QP_RD_ATOMIC != 0 && a.max_rd_atomic > limits::MAX_RD_ATOM)
+        || (mask & m::ATTR_MAX_DEST_RD_ATOMIC != 0 && a.max_dest_rd_atomic > limits::MAX_RD_ATOM)
+    {
+        return libc::EINVAL;
+    }
     {
         let mut st = q.attr.lock().unwrap_or_else(|e| e.into_inner());
         let st = &mut **st;

@@ -55,6 +55,10 @@ pub struct Wr {
     nsge: usize,
     remote_addr: u64,
     rkey: u32,
+    /// Atomics: the compare (CMP_AND_SWP) or add (FETCH_AND_ADD) operand.
+    compare_add: u64,
+    /// Atomics: the swap operand (CMP_AND_SWP).
+    swap: u64,
     owned: Option<Vec<u8>>,
     since: Option<Instant>,
     /// Since when the responder has not answered this WR at all (the
@@ -143,12 +147,10 @@ fn remote_ok(r: &Remote, pd: u32, w: &Wr, len: u64, need: u32) -> bool {
 
 fn local_spans(q: &SvQp, w: &Wr, out: &mut [Span; MAX_SGE]) -> Option<u64> {
     let mrs = q.ctx().mrs();
-    let need = if w.opcode == wr::RDMA_READ {
-        access::LOCAL_WRITE
-    } else {
-        0
-    };
-    let inline = w.flags & send_flags::INLINE != 0 && w.opcode != wr::RDMA_READ;
+    // READ and atomics write into the local buffers.
+    let writes_local = w.opcode == wr::RDMA_READ || wr::is_atomic(w.opcode);
+    let need = if writes_local { access::LOCAL_WRITE } else { 0 };
+    let inline = w.flags & send_flags::INLINE != 0 && !writes_local;
     let mut total = 0u64;
     for (i, s) in w.sge[..w.nsge].iter().enumerate() {
         if !inline
@@ -391,8 +393,65 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
             }
             Outcome::Done(WcStatus::Success, len as u32)
         }
+        wr::ATOMIC_CMP_AND_SWP | wr::ATOMIC_FETCH_AND_ADD => atomic(r, w, local, len),
         _ => Outcome::Done(WcStatus::LocQpOpErr, 0),
     }
+}
+
+/// The responder part of a remote atomic (model::atomic): access checks,
+/// alignment, the read-modify-write under the machine-wide lock of the
+/// word, then the original value into our scatter list.
+fn atomic(r: &Remote, w: &Wr, local: &[Span], local_len: u64) -> Outcome {
+    use crate::model::atomic::{aligned, AtomicOp, ATOMIC_LEN};
+    if local_len < u64::from(ATOMIC_LEN) {
+        // Where the original value goes is too short: our own error,
+        // found before the request leaves (nothing happens remotely).
+        return Outcome::Done(WcStatus::LocLenErr, 0);
+    }
+    let rh = r.hdr();
+    let ok = rh.access.load(Ordering::Acquire) & access::REMOTE_ATOMIC != 0
+        && check(
+            mr_lookup(r.mrs(), w.rkey),
+            rh.pd,
+            w.remote_addr,
+            u64::from(ATOMIC_LEN),
+            access::REMOTE_ATOMIC,
+        );
+    if !ok {
+        return responder_failed(r, WcStatus::RemAccessErr);
+    }
+    if !aligned(w.remote_addr) {
+        return responder_failed(r, WcStatus::RemInvReqErr);
+    }
+    let op = if w.opcode == wr::ATOMIC_CMP_AND_SWP {
+        AtomicOp::CmpSwap {
+            compare: w.compare_add,
+            swap: w.swap,
+        }
+    } else {
+        AtomicOp::FetchAdd { add: w.compare_add }
+    };
+    // SAFETY: the word lies in a region the responder registered with
+    // REMOTE_ATOMIC (checked just above) and is aligned; in another
+    // process the kernel checks the range again.
+    let Some(old) = (unsafe { super::xfer::atomic_rmw(rh.pid, w.remote_addr, op) }) else {
+        if r.owner_gone() {
+            return Outcome::NoAnswer;
+        }
+        return responder_failed(r, WcStatus::RemAccessErr);
+    };
+    let bytes = old.to_ne_bytes();
+    let src = [Span {
+        addr: bytes.as_ptr() as u64,
+        len: bytes.len(),
+    }];
+    // SAFETY: `local` was validated against our MR table with LOCAL_WRITE;
+    // `src` is the local array above; write_to copies the first 8 bytes
+    // of the scatter list only.
+    if !unsafe { write_to(super::xfer::my_pid(), local, &src) } {
+        return Outcome::Done(WcStatus::LocProtErr, 0);
+    }
+    Outcome::Done(WcStatus::Success, ATOMIC_LEN)
 }
 
 fn complete(q: &SvQp, ss: &mut SendSide, w: &Wr, status: WcStatus, len: u32) {
@@ -413,7 +472,11 @@ fn complete(q: &SvQp, ss: &mut SendSide, w: &Wr, status: WcStatus, len: u32) {
 
 /// Keep a copy of inline data so the WR can wait without the caller's buffer.
 fn own(mut w: Wr) -> Wr {
-    if w.flags & send_flags::INLINE != 0 && w.owned.is_none() && w.opcode != wr::RDMA_READ {
+    if w.flags & send_flags::INLINE != 0
+        && w.owned.is_none()
+        && w.opcode != wr::RDMA_READ
+        && !wr::is_atomic(w.opcode)
+    {
         let mut v = Vec::new();
         for s in &w.sge[..w.nsge] {
             // SAFETY: inline sends name caller memory readable during post_send.
@@ -525,6 +588,7 @@ pub unsafe extern "C" fn post_send(
         if st != QpState::Err && !st.can_post_send() {
             return fail(libc::EINVAL);
         }
+        let is_atomic = wr::is_atomic(x.opcode);
         let mut w = Wr {
             wr_id: x.wr_id,
             opcode: x.opcode,
@@ -533,10 +597,35 @@ pub unsafe extern "C" fn post_send(
             imm: unsafe { x.imm_data_invalidated_rkey_union.imm_data },
             sge: [Sge::default(); MAX_SGE],
             nsge: n,
-            // SAFETY: the rdma arm of the wr union is plain data.
-            remote_addr: unsafe { x.wr.rdma.remote_addr },
+            // SAFETY: the rdma and atomic arms of the wr union are plain
+            // data; the opcode says which one the caller filled.
+            remote_addr: unsafe {
+                if is_atomic {
+                    x.wr.atomic.remote_addr
+                } else {
+                    x.wr.rdma.remote_addr
+                }
+            },
             // SAFETY: as above.
-            rkey: unsafe { x.wr.rdma.rkey },
+            rkey: unsafe {
+                if is_atomic {
+                    x.wr.atomic.rkey
+                } else {
+                    x.wr.rdma.rkey
+                }
+            },
+            compare_add: if is_atomic {
+                // SAFETY: the atomic arm, filled by the caller (opcode).
+                unsafe { x.wr.atomic.compare_add }
+            } else {
+                0
+            },
+            swap: if is_atomic {
+                // SAFETY: as above.
+                unsafe { x.wr.atomic.swap }
+            } else {
+                0
+            },
             owned: None,
             since: None,
             silent_since: None,

@@ -29,6 +29,9 @@ pub const ACCESS_ALL: i32 = (ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
     | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
     | ibv_access_flags::IBV_ACCESS_REMOTE_READ.0) as i32;
 
+/// [`ACCESS_ALL`] and remote atomics.
+pub const ACCESS_ATOMIC: i32 = ACCESS_ALL | ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0 as i32;
+
 pub struct Dev {
     pub ctx: *mut ibv_context,
     pub pd: *mut ibv_pd,
@@ -138,8 +141,11 @@ pub struct Buf {
 
 impl Buf {
     pub fn new(dev: &Dev, len: usize, fill: u8) -> Buf {
+        Buf::with_access(dev, len, fill, ACCESS_ALL)
+    }
+    pub fn with_access(dev: &Dev, len: usize, fill: u8, access: i32) -> Buf {
         let mut data = vec![fill; len];
-        let mr = unsafe { ibv_reg_mr(dev.pd, data.as_mut_ptr().cast(), len, ACCESS_ALL) };
+        let mr = unsafe { ibv_reg_mr(dev.pd, data.as_mut_ptr().cast(), len, access) };
         assert!(!mr.is_null(), "reg_mr");
         Buf { data, mr }
     }
@@ -166,11 +172,16 @@ pub fn connect(qp: *mut ibv_qp, remote: u32) {
 
 /// [`connect`] with the given local ACK `timeout` and `retry_cnt`.
 pub fn connect_with(qp: *mut ibv_qp, remote: u32, timeout: u8, retry_cnt: u8) {
+    connect_full(qp, remote, timeout, retry_cnt, ACCESS_ALL);
+}
+
+/// [`connect_with`] with the given remote `access` flags of the QP.
+pub fn connect_full(qp: *mut ibv_qp, remote: u32, timeout: u8, retry_cnt: u8, access: i32) {
     unsafe {
         let mut a: ibv_qp_attr = std::mem::zeroed();
         a.qp_state = ibv_qp_state::IBV_QPS_INIT;
         a.port_num = 1;
-        a.qp_access_flags = ACCESS_ALL as u32;
+        a.qp_access_flags = access as u32;
         let m = ibv_qp_attr_mask::IBV_QP_STATE.0
             | ibv_qp_attr_mask::IBV_QP_PKEY_INDEX.0
             | ibv_qp_attr_mask::IBV_QP_PORT.0
@@ -288,6 +299,47 @@ pub fn post_send(qp: *mut ibv_qp, buf: &Buf, off: usize, len: u32, wr_id: u64, s
     unsafe { ibv_post_send(qp, &mut wr, &mut bad) }
 }
 
+/// Post one signaled atomic (`opcode` IBV_WR_ATOMIC_*) on the 8-byte word
+/// at `raddr`, the original value going to `buf[off..off + 8]`.
+#[allow(clippy::too_many_arguments)]
+pub fn post_atomic(
+    qp: *mut ibv_qp,
+    buf: &Buf,
+    off: usize,
+    wr_id: u64,
+    opcode: u32,
+    raddr: u64,
+    rkey: u32,
+    compare_add: u64,
+    swap: u64,
+) -> i32 {
+    let mut sge = ibv_sge {
+        addr: buf.addr() + off as u64,
+        length: 8,
+        lkey: buf.lkey(),
+    };
+    let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+    wr.wr_id = wr_id;
+    wr.sg_list = &mut sge;
+    wr.num_sge = 1;
+    wr.opcode = opcode;
+    wr.send_flags = SIGNALED;
+    wr.wr.atomic = atomic_t {
+        remote_addr: raddr,
+        compare_add,
+        swap,
+        rkey,
+    };
+    let mut bad = null_mut();
+    unsafe { ibv_post_send(qp, &mut wr, &mut bad) }
+}
+
+/// The native-endian u64 at `buf[off..off + 8]` (read volatile: the device
+/// writes it behind the compiler's back).
+pub fn word(buf: &Buf, off: usize) -> u64 {
+    unsafe { std::ptr::read_volatile(buf.data.as_ptr().add(off).cast::<u64>()) }
+}
+
 pub fn send(opcode: u32, flags: u32) -> Send {
     Send {
         opcode,
@@ -397,6 +449,8 @@ pub const WR_SEND_IMM: u32 = ibv_wr_opcode::IBV_WR_SEND_WITH_IMM;
 pub const WR_WRITE: u32 = ibv_wr_opcode::IBV_WR_RDMA_WRITE;
 pub const WR_WRITE_IMM: u32 = ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
 pub const WR_READ: u32 = ibv_wr_opcode::IBV_WR_RDMA_READ;
+pub const WR_CMP_SWAP: u32 = ibv_wr_opcode::IBV_WR_ATOMIC_CMP_AND_SWP;
+pub const WR_FETCH_ADD: u32 = ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD;
 pub const WC_SUCCESS: u32 = ibv_wc_status::IBV_WC_SUCCESS;
 pub const WC_FLUSH: u32 = ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
 pub const WC_REM_ACCESS: u32 = ibv_wc_status::IBV_WC_REM_ACCESS_ERR;
