@@ -157,6 +157,15 @@ pair ib_atomic_bw_cmp_swap $((BASE + 18)) '^ *8 ' ib_atomic_bw -A CMP_AND_SWAP -
 pair ib_atomic_bw_fetch_add $((BASE + 19)) '^ *8 ' ib_atomic_bw -A FETCH_AND_ADD -n 20000
 qperf_pair qperf_rc_compare_swap_mr $((BASE + 20)) rc_compare_swap_mr
 qperf_pair qperf_rc_fetch_add_mr $((BASE + 21)) rc_fetch_add_mr
+# UD (address handles, GRH: -g 0 makes ibv_ud_pingpong's AH global) and UC.
+pair ud_pingpong $((BASE + 22)) 'iters in' ibv_ud_pingpong -n 5000
+pair ud_pingpong_grh $((BASE + 23)) 'iters in' ibv_ud_pingpong -g 0 -n 2000
+pair uc_pingpong $((BASE + 24)) 'iters in' ibv_uc_pingpong -n 5000
+pair ib_send_lat_ud $((BASE + 25)) '^ *2 ' ib_send_lat -c UD -n 10000
+pair ib_send_bw_ud $((BASE + 26)) '^ *2048 ' ib_send_bw -c UD -s 2048 -n 10000
+qperf_pair qperf_ud_lat $((BASE + 27)) ud_lat
+qperf_pair qperf_uc_lat $((BASE + 28)) uc_lat
+qperf_pair qperf_uc_rdma_write_lat $((BASE + 29)) uc_rdma_write_lat
 # cqd's rc_pingpong against the unmodified ibv_rc_pingpong, each side in turn,
 # polling and with -e, data check on.
 mixed cqd_server_rc_pingpong $((BASE + 9)) "$CQD_PP" ibv_rc_pingpong -c -n 5000

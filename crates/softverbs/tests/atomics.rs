@@ -34,16 +34,6 @@ fn pair(b_access: i32) -> Pair {
     Pair { dev, cq_a, a, b }
 }
 
-fn qp_state(qp: *mut ibv_qp) -> u32 {
-    let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
-    let mut i: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
-    assert_eq!(
-        unsafe { ibv_query_qp(qp, &mut a, ibv_qp_attr_mask::IBV_QP_STATE.0 as i32, &mut i) },
-        0
-    );
-    a.qp_state
-}
-
 #[test]
 fn atomic_cap_is_hca() {
     needs_launcher!("atomic_cap_is_hca");

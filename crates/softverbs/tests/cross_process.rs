@@ -664,3 +664,83 @@ fn atomic_adder(mut ch: Chan) {
     let line: Vec<String> = seen.iter().map(u64::to_string).collect();
     ch.send(&line.join(" "));
 }
+
+/// A UD exchange between two processes: the datagram lands after its GRH
+/// in the receiver's process, the completion names the sender's QP, and
+/// the receiver answers through an address handle to that source.
+#[test]
+fn cross_process_ud_datagrams() {
+    if let Some(ch) = child_chan() {
+        return ud_peer(ch);
+    }
+    if !launcher_or_skip("cross_process_ud_datagrams") {
+        return;
+    }
+    let (mut child, mut ch) = spawn("cross_process_ud_datagrams");
+    let dev = Dev::open();
+    let cq = dev.cq(64, null_mut());
+    let qp = dev.qp_of(ibv_qp_type::IBV_QPT_UD, cq, cq, null_mut());
+    ud_up(qp, 0x4242);
+    let dst = Buf::new(&dev, 4 * 1064, 0xee);
+    for i in 0..4 {
+        post_recv(qp, &dst, i * 1064, 1064, i as u64);
+    }
+    ch.send(&format!("{}", qpn(qp)));
+    let peer = ch.recv()[0] as u32;
+    let r = poll(cq, 3);
+    for (i, c) in r.iter().enumerate() {
+        assert_eq!(
+            (c.wr_id, c.status, c.byte_len, c.src_qp, c.slid),
+            (i as u64, WC_SUCCESS, 40 + 1024, peer, 1)
+        );
+        assert_eq!(
+            c.wc_flags & ibv_wc_flags::IBV_WC_GRH.0,
+            ibv_wc_flags::IBV_WC_GRH.0
+        );
+        let b = &dst.data[i * 1064..(i + 1) * 1064];
+        assert_eq!(b[6], 0x1b, "GRH next header");
+        assert_eq!(&b[40..], &pattern(i as u8, 1024)[..]);
+    }
+    // Answer the source the completion names (ibv_ud_pingpong-style).
+    let ah = create_ah(&dev, 0, None);
+    let src = Buf::new(&dev, 16, 0x3c);
+    assert_eq!(
+        post_ud(qp, &src, 0, 16, 9, ah, r[0].src_qp, 0x4242, Some(1)),
+        0
+    );
+    assert_eq!(poll(cq, 1)[0].status, WC_SUCCESS);
+    assert_eq!(ch.recv(), vec![1], "peer got the answer");
+    assert!(child.wait().expect("wait").success(), "UD peer failed");
+    unsafe { ibv_destroy_ah(ah) };
+}
+
+fn ud_peer(mut ch: Chan) {
+    let dev = Dev::open();
+    let cq = dev.cq(64, null_mut());
+    let qp = dev.qp_of(ibv_qp_type::IBV_QPT_UD, cq, cq, null_mut());
+    ud_up(qp, 0x4242);
+    let back = Buf::new(&dev, 56, 0);
+    post_recv(qp, &back, 0, 56, 7);
+    let peer = ch.recv()[0] as u32;
+    ch.send(&format!("{}", qpn(qp)));
+    let mut g: ibv_global_route = unsafe { std::mem::zeroed() };
+    g.hop_limit = 1;
+    let ah = create_ah(&dev, 0, Some(g));
+    let mut src = Buf::new(&dev, 3 * 1024, 0);
+    for i in 0..3 {
+        src.data[i * 1024..(i + 1) * 1024].copy_from_slice(&pattern(i as u8, 1024));
+        assert_eq!(
+            post_ud(qp, &src, i * 1024, 1024, i as u64, ah, peer, 0x4242, None),
+            0
+        );
+        assert_eq!(poll(cq, 1)[0].status, WC_SUCCESS);
+    }
+    let r = poll(cq, 1)[0];
+    assert_eq!(
+        (r.wr_id, r.status, r.byte_len, r.src_qp),
+        (7, WC_SUCCESS, 56, peer)
+    );
+    assert!(back.data[40..].iter().all(|&b| b == 0x3c));
+    unsafe { ibv_destroy_ah(ah) };
+    ch.send("1");
+}

@@ -12,4 +12,5 @@ pub mod cq;
 pub mod device;
 pub mod event;
 pub mod qp;
+pub mod ud;
 pub mod wc;

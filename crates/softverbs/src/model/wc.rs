@@ -43,6 +43,8 @@ pub mod opcode {
     pub const RECV_RDMA_WITH_IMM: u32 = 129;
 }
 
+/// `enum ibv_wc_flags`: `IBV_WC_GRH`.
+pub const WC_GRH: u32 = 1 << 0;
 /// `enum ibv_wc_flags`: `IBV_WC_WITH_IMM`.
 pub const WC_WITH_IMM: u32 = 1 << 1;
 

@@ -75,11 +75,21 @@ impl Dev {
     }
 
     pub fn qp(&self, scq: *mut ibv_cq, rcq: *mut ibv_cq, srq: *mut ibv_srq) -> *mut ibv_qp {
+        self.qp_of(ibv_qp_type::IBV_QPT_RC, scq, rcq, srq)
+    }
+
+    pub fn qp_of(
+        &self,
+        ty: u32,
+        scq: *mut ibv_cq,
+        rcq: *mut ibv_cq,
+        srq: *mut ibv_srq,
+    ) -> *mut ibv_qp {
         let mut a: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
         a.send_cq = scq;
         a.recv_cq = rcq;
         a.srq = srq;
-        a.qp_type = ibv_qp_type::IBV_QPT_RC;
+        a.qp_type = ty;
         a.cap.max_send_wr = 64;
         a.cap.max_recv_wr = 64;
         a.cap.max_send_sge = 2;
@@ -217,6 +227,129 @@ pub fn connect_full(qp: *mut ibv_qp, remote: u32, timeout: u8, retry_cnt: u8, ac
             | ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC.0;
         assert_eq!(ibv_modify_qp(qp, &mut a, m as i32), 0, "RTS");
     }
+}
+
+/// A UD QP to RTS: INIT with `qkey`, RTR, RTS with a send PSN.
+pub fn ud_up(qp: *mut ibv_qp, qkey: u32) {
+    unsafe {
+        let mut a: ibv_qp_attr = std::mem::zeroed();
+        a.qp_state = ibv_qp_state::IBV_QPS_INIT;
+        a.port_num = 1;
+        a.qkey = qkey;
+        let m = ibv_qp_attr_mask::IBV_QP_STATE.0
+            | ibv_qp_attr_mask::IBV_QP_PKEY_INDEX.0
+            | ibv_qp_attr_mask::IBV_QP_PORT.0
+            | ibv_qp_attr_mask::IBV_QP_QKEY.0;
+        assert_eq!(ibv_modify_qp(qp, &mut a, m as i32), 0, "UD INIT");
+        let mut a: ibv_qp_attr = std::mem::zeroed();
+        a.qp_state = ibv_qp_state::IBV_QPS_RTR;
+        assert_eq!(
+            ibv_modify_qp(qp, &mut a, ibv_qp_attr_mask::IBV_QP_STATE.0 as i32),
+            0,
+            "UD RTR"
+        );
+        to_rts(qp);
+    }
+}
+
+/// RTR -> RTS (or SQE -> RTS) with a send PSN.
+pub fn to_rts(qp: *mut ibv_qp) {
+    unsafe {
+        let mut a: ibv_qp_attr = std::mem::zeroed();
+        a.qp_state = ibv_qp_state::IBV_QPS_RTS;
+        a.sq_psn = 0x1234;
+        let m = ibv_qp_attr_mask::IBV_QP_STATE.0 | ibv_qp_attr_mask::IBV_QP_SQ_PSN.0;
+        assert_eq!(ibv_modify_qp(qp, &mut a, m as i32), 0, "RTS");
+    }
+}
+
+/// A UC QP to RTS toward `remote` (ibv_uc_pingpong's attributes).
+pub fn uc_connect(qp: *mut ibv_qp, remote: u32) {
+    unsafe {
+        let mut a: ibv_qp_attr = std::mem::zeroed();
+        a.qp_state = ibv_qp_state::IBV_QPS_INIT;
+        a.port_num = 1;
+        a.qp_access_flags = ACCESS_ALL as u32;
+        let m = ibv_qp_attr_mask::IBV_QP_STATE.0
+            | ibv_qp_attr_mask::IBV_QP_PKEY_INDEX.0
+            | ibv_qp_attr_mask::IBV_QP_PORT.0
+            | ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS.0;
+        assert_eq!(ibv_modify_qp(qp, &mut a, m as i32), 0, "UC INIT");
+        let mut a: ibv_qp_attr = std::mem::zeroed();
+        a.qp_state = ibv_qp_state::IBV_QPS_RTR;
+        a.path_mtu = ibv_mtu::IBV_MTU_4096;
+        a.dest_qp_num = remote;
+        a.ah_attr.dlid = 1;
+        a.ah_attr.port_num = 1;
+        let m = ibv_qp_attr_mask::IBV_QP_STATE.0
+            | ibv_qp_attr_mask::IBV_QP_AV.0
+            | ibv_qp_attr_mask::IBV_QP_PATH_MTU.0
+            | ibv_qp_attr_mask::IBV_QP_DEST_QPN.0
+            | ibv_qp_attr_mask::IBV_QP_RQ_PSN.0;
+        assert_eq!(ibv_modify_qp(qp, &mut a, m as i32), 0, "UC RTR");
+        to_rts(qp);
+    }
+}
+
+pub fn qp_state(qp: *mut ibv_qp) -> u32 {
+    let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+    let mut i: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+    assert_eq!(
+        unsafe { ibv_query_qp(qp, &mut a, ibv_qp_attr_mask::IBV_QP_STATE.0 as i32, &mut i) },
+        0
+    );
+    a.qp_state
+}
+
+/// An address handle to LID 1 with service level `sl`; global (with the
+/// given GRH fields) when `grh` is given.
+pub fn create_ah(dev: &Dev, sl: u8, grh: Option<ibv_global_route>) -> *mut ibv_ah {
+    let mut a: ibv_ah_attr = unsafe { std::mem::zeroed() };
+    a.dlid = 1;
+    a.sl = sl;
+    a.port_num = 1;
+    if let Some(g) = grh {
+        a.is_global = 1;
+        a.grh = g;
+    }
+    let ah = unsafe { ibv_create_ah(dev.pd, &mut a) };
+    assert!(!ah.is_null(), "create_ah");
+    ah
+}
+
+/// Post one signaled UD send of `buf[off..off + len]` to (`ah`, `qpn`,
+/// `qkey`); with immediate data when `imm` is given.
+#[allow(clippy::too_many_arguments)]
+pub fn post_ud(
+    qp: *mut ibv_qp,
+    buf: &Buf,
+    off: usize,
+    len: u32,
+    wr_id: u64,
+    ah: *mut ibv_ah,
+    qpn: u32,
+    qkey: u32,
+    imm: Option<u32>,
+) -> i32 {
+    let mut sge = ibv_sge {
+        addr: buf.addr() + off as u64,
+        length: len,
+        lkey: buf.lkey(),
+    };
+    let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+    wr.wr_id = wr_id;
+    wr.sg_list = &mut sge;
+    wr.num_sge = 1;
+    wr.opcode = if imm.is_some() { WR_SEND_IMM } else { WR_SEND };
+    wr.send_flags = SIGNALED;
+    wr.imm_data_invalidated_rkey_union.imm_data = imm.unwrap_or(0);
+    wr.wr.ud = ud_t {
+        ah,
+        remote_qpn: qpn,
+        remote_qkey: qkey,
+    };
+    let mut bad = null_mut();
+    unsafe { ibv_post_send(qp, &mut wr, &mut bad) }
 }
 
 pub fn to_error(qp: *mut ibv_qp) {
@@ -360,6 +493,9 @@ pub struct Wc {
     pub qp_num: u32,
     pub src_qp: u32,
     pub wc_flags: u32,
+    pub slid: u16,
+    pub sl: u8,
+    pub pkey_index: u16,
 }
 
 /// A raw libibverbs handle moved into a test thread.
@@ -392,6 +528,9 @@ pub fn poll(cq: *mut ibv_cq, n: usize) -> Vec<Wc> {
                 qp_num: wc.qp_num,
                 src_qp: wc.src_qp,
                 wc_flags: wc.wc_flags,
+                slid: wc.slid,
+                sl: wc.sl,
+                pkey_index: wc.pkey_index,
             });
         } else {
             assert!(
