@@ -11,7 +11,7 @@ start=$(date +%s)
 
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
-apt-get install -y -qq ibverbs-utils perftest python3-pyverbs libibverbs-dev librdmacm-dev libclang-dev pkg-config iproute2 >/dev/null
+apt-get install -y -qq ibverbs-utils perftest qperf python3-pyverbs libibverbs-dev librdmacm-dev libclang-dev pkg-config iproute2 >/dev/null
 
 cargo build -p softverbs --release
 cargo test -p softverbs --release --no-run
@@ -37,7 +37,7 @@ fail=0
 passed=0
 # A port block of our own (servers on fixed ports could meet a previous run's
 # lingering sockets or another program on a shared machine).
-BASE=$((20000 + ($$ % 2000) * 16))
+BASE=$((20000 + ($$ % 1000) * 32))
 
 wait_listen() { # port: wait until something listens on 127.0.0.1/0.0.0.0:port
     local port=$1 i
@@ -96,6 +96,33 @@ mixed() {
     duo "$name" "$port" 'iters in' both "$server" "$client" "$@"
 }
 
+# qperf_pair NAME PORT TEST [OPTIONS...]: qperf's server (`qperf -lp PORT`
+# serves until killed) and a client running TEST for 2 s against it; the
+# client must exit 0 and print its figure.
+qperf_pair() {
+    local name=$1 port=$2 test=$3; shift 3
+    local s=$LOGS/$name.server.log c=$LOGS/$name.client.log
+    timeout 60 "$RUN" qperf -lp "$port" >"$s" 2>&1 &
+    local spid=$!
+    if ! wait_listen "$port"; then
+        echo "FAIL $name: qperf server did not listen on port $port"; cat "$s"; fail=$((fail + 1))
+        kill "$spid" 2>/dev/null || true; wait "$spid" 2>/dev/null || true
+        return
+    fi
+    local crc=0
+    timeout 60 "$RUN" qperf 127.0.0.1 -lp "$port" -t 2 "$@" "$test" >"$c" 2>&1 || crc=$?
+    kill "$spid" 2>/dev/null || true
+    wait "$spid" 2>/dev/null || true
+    if [[ $crc -ne 0 ]] || ! grep -Eq '^ *(latency|msg_rate|bw) *=' "$c" || grep -qiE 'fail|error' "$c"; then
+        echo "FAIL $name (client rc=$crc)"
+        echo "--- server"; cat "$s"; echo "--- client"; cat "$c"
+        fail=$((fail + 1))
+    else
+        passed=$((passed + 1))
+        echo "ok   $name: $(grep -E '=' "$c" | tr -s ' \t' ' ' | paste -sd ';' -)"
+    fi
+}
+
 single() { # NAME CHECK_REGEX CMD...
     local name=$1 check=$2; shift 2
     local l=$LOGS/$name.log rc=0
@@ -122,6 +149,23 @@ pair ib_write_bw $((BASE + 5)) '^ *65536 ' ib_write_bw -s 65536 -n 5000
 pair ib_read_bw $((BASE + 6)) '^ *65536 ' ib_read_bw -s 65536 -n 5000
 pair ib_send_lat $((BASE + 7)) '^ *2 ' ib_send_lat -n 10000
 pair ib_write_lat $((BASE + 8)) '^ *2 ' ib_write_lat -n 10000
+# Remote atomics (RC): perftest and qperf, both operations. Ports from
+# BASE + 16 on.
+pair ib_atomic_lat_cmp_swap $((BASE + 16)) '^ *8 ' ib_atomic_lat -A CMP_AND_SWAP -n 10000
+pair ib_atomic_lat_fetch_add $((BASE + 17)) '^ *8 ' ib_atomic_lat -A FETCH_AND_ADD -n 10000
+pair ib_atomic_bw_cmp_swap $((BASE + 18)) '^ *8 ' ib_atomic_bw -A CMP_AND_SWAP -n 20000
+pair ib_atomic_bw_fetch_add $((BASE + 19)) '^ *8 ' ib_atomic_bw -A FETCH_AND_ADD -n 20000
+qperf_pair qperf_rc_compare_swap_mr $((BASE + 20)) rc_compare_swap_mr
+qperf_pair qperf_rc_fetch_add_mr $((BASE + 21)) rc_fetch_add_mr
+# UD (address handles, GRH: -g 0 makes ibv_ud_pingpong's AH global) and UC.
+pair ud_pingpong $((BASE + 22)) 'iters in' ibv_ud_pingpong -n 5000
+pair ud_pingpong_grh $((BASE + 23)) 'iters in' ibv_ud_pingpong -g 0 -n 2000
+pair uc_pingpong $((BASE + 24)) 'iters in' ibv_uc_pingpong -n 5000
+pair ib_send_lat_ud $((BASE + 25)) '^ *2 ' ib_send_lat -c UD -n 10000
+pair ib_send_bw_ud $((BASE + 26)) '^ *2048 ' ib_send_bw -c UD -s 2048 -n 10000
+qperf_pair qperf_ud_lat $((BASE + 27)) ud_lat
+qperf_pair qperf_uc_lat $((BASE + 28)) uc_lat
+qperf_pair qperf_uc_rdma_write_lat $((BASE + 29)) uc_rdma_write_lat
 # cqd's rc_pingpong against the unmodified ibv_rc_pingpong, each side in turn,
 # polling and with -e, data check on.
 mixed cqd_server_rc_pingpong $((BASE + 9)) "$CQD_PP" ibv_rc_pingpong -c -n 5000
@@ -137,5 +181,8 @@ timeout 300 "$RUN" cargo test -p softverbs --release
 # cqd on real verbs (crates/cqd-verbs): its tests need the device, so they
 # run here, under the launcher (outside it they print SKIPPED).
 timeout 600 "$RUN" cargo test -p cqd-verbs --release
+# The real-path dispatch benchmark, smoke run on the device.
+CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$RUN" timeout 600 \
+    cargo bench --features verbs --bench verbs_dispatch -- --quick
 
 echo "softverbs CI done in $(( $(date +%s) - start )) s"

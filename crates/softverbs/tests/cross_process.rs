@@ -564,3 +564,183 @@ fn violator(mut ch: Chan) {
     }
     ch.send("1");
 }
+
+const ATOMIC_EACH: u64 = 20_000;
+
+/// Fetch-and-adds on one word from this process (through its own loopback
+/// QPs: the same-process path) and from another process (process_vm_*) at
+/// the same time: no update is lost and every original value is returned
+/// exactly once, so the two paths are atomic with respect to each other.
+#[test]
+fn cross_process_atomics_are_atomic_among_processes() {
+    if let Some(ch) = child_chan() {
+        return atomic_adder(ch);
+    }
+    if !launcher_or_skip("cross_process_atomics_are_atomic_among_processes") {
+        return;
+    }
+    let (mut child, mut ch) = spawn("cross_process_atomics_are_atomic_among_processes");
+    let dev = Dev::open();
+    let target = Buf::with_access(&dev, 64, 0, ACCESS_ATOMIC);
+    let cq = dev.cq(64, null_mut());
+    let responder = dev.qp(cq, cq, null_mut());
+    // Our own requester toward a loopback responder of ours.
+    let lcq = dev.cq(64, null_mut());
+    let la = dev.qp(lcq, lcq, null_mut());
+    let lb = dev.qp(lcq, lcq, null_mut());
+    connect_full(la, qpn(lb), 14, 7, ACCESS_ATOMIC);
+    connect_full(lb, qpn(la), 14, 7, ACCESS_ATOMIC);
+    ch.send(&format!(
+        "{} {} {}",
+        qpn(responder),
+        target.addr() + 8,
+        target.rkey()
+    ));
+    let peer = ch.recv()[0] as u32;
+    connect_full(responder, peer, 14, 7, ACCESS_ATOMIC);
+    ch.send("go");
+    let local = Buf::new(&dev, 8, 0);
+    let mut seen = Vec::new();
+    for i in 0..ATOMIC_EACH {
+        let r = post_atomic(
+            la,
+            &local,
+            0,
+            i,
+            WR_FETCH_ADD,
+            target.addr() + 8,
+            target.rkey(),
+            1,
+            0,
+        );
+        assert_eq!(r, 0);
+        assert_eq!(poll(lcq, 1)[0].status, WC_SUCCESS);
+        seen.push(word(&local, 0));
+    }
+    seen.extend(ch.recv());
+    assert!(
+        child.wait().expect("wait").success(),
+        "adder process failed"
+    );
+    assert_eq!(word(&target, 8), 2 * ATOMIC_EACH, "no lost update");
+    assert_eq!((word(&target, 0), word(&target, 16)), (0, 0));
+    seen.sort_unstable();
+    assert!(
+        seen == (0..2 * ATOMIC_EACH).collect::<Vec<_>>(),
+        "each original value returned once"
+    );
+}
+
+fn atomic_adder(mut ch: Chan) {
+    let dev = Dev::open();
+    let cq = dev.cq(64, null_mut());
+    let qp = dev.qp(cq, cq, null_mut());
+    let r = ch.recv();
+    let (peer, raddr, rkey) = (r[0] as u32, r[1], r[2] as u32);
+    ch.send(&format!("{}", qpn(qp)));
+    connect_full(qp, peer, 14, 7, ACCESS_ATOMIC);
+    let _go = ch.recv();
+    let local = Buf::new(&dev, 8, 0);
+    let mut seen = Vec::new();
+    for i in 0..ATOMIC_EACH {
+        assert_eq!(
+            post_atomic(qp, &local, 0, i, WR_FETCH_ADD, raddr, rkey, 1, 0),
+            0
+        );
+        let c = poll(cq, 1)[0];
+        assert_eq!(
+            (c.status, c.opcode, c.byte_len),
+            (WC_SUCCESS, ibv_wc_opcode::IBV_WC_FETCH_ADD, 8)
+        );
+        seen.push(word(&local, 0));
+    }
+    // A compare that cannot match returns the word and leaves it.
+    assert_eq!(
+        post_atomic(qp, &local, 0, 99, WR_CMP_SWAP, raddr, rkey, u64::MAX, 0),
+        0
+    );
+    assert_eq!(poll(cq, 1)[0].status, WC_SUCCESS);
+    assert!(word(&local, 0) >= ATOMIC_EACH, "read after our own adds");
+    let line: Vec<String> = seen.iter().map(u64::to_string).collect();
+    ch.send(&line.join(" "));
+}
+
+/// A UD exchange between two processes: the datagram lands after its GRH
+/// in the receiver's process, the completion names the sender's QP, and
+/// the receiver answers through an address handle to that source.
+#[test]
+fn cross_process_ud_datagrams() {
+    if let Some(ch) = child_chan() {
+        return ud_peer(ch);
+    }
+    if !launcher_or_skip("cross_process_ud_datagrams") {
+        return;
+    }
+    let (mut child, mut ch) = spawn("cross_process_ud_datagrams");
+    let dev = Dev::open();
+    let cq = dev.cq(64, null_mut());
+    let qp = dev.qp_of(ibv_qp_type::IBV_QPT_UD, cq, cq, null_mut());
+    ud_up(qp, 0x4242);
+    let dst = Buf::new(&dev, 4 * 1064, 0xee);
+    for i in 0..4 {
+        post_recv(qp, &dst, i * 1064, 1064, i as u64);
+    }
+    ch.send(&format!("{}", qpn(qp)));
+    let peer = ch.recv()[0] as u32;
+    let r = poll(cq, 3);
+    for (i, c) in r.iter().enumerate() {
+        assert_eq!(
+            (c.wr_id, c.status, c.byte_len, c.src_qp, c.slid),
+            (i as u64, WC_SUCCESS, 40 + 1024, peer, 1)
+        );
+        assert_eq!(
+            c.wc_flags & ibv_wc_flags::IBV_WC_GRH.0,
+            ibv_wc_flags::IBV_WC_GRH.0
+        );
+        let b = &dst.data[i * 1064..(i + 1) * 1064];
+        assert_eq!(b[6], 0x1b, "GRH next header");
+        assert_eq!(&b[40..], &pattern(i as u8, 1024)[..]);
+    }
+    // Answer the source the completion names (ibv_ud_pingpong-style).
+    let ah = create_ah(&dev, 0, None);
+    let src = Buf::new(&dev, 16, 0x3c);
+    assert_eq!(
+        post_ud(qp, &src, 0, 16, 9, ah, r[0].src_qp, 0x4242, Some(1)),
+        0
+    );
+    assert_eq!(poll(cq, 1)[0].status, WC_SUCCESS);
+    assert_eq!(ch.recv(), vec![1], "peer got the answer");
+    assert!(child.wait().expect("wait").success(), "UD peer failed");
+    unsafe { ibv_destroy_ah(ah) };
+}
+
+fn ud_peer(mut ch: Chan) {
+    let dev = Dev::open();
+    let cq = dev.cq(64, null_mut());
+    let qp = dev.qp_of(ibv_qp_type::IBV_QPT_UD, cq, cq, null_mut());
+    ud_up(qp, 0x4242);
+    let back = Buf::new(&dev, 56, 0);
+    post_recv(qp, &back, 0, 56, 7);
+    let peer = ch.recv()[0] as u32;
+    ch.send(&format!("{}", qpn(qp)));
+    let mut g: ibv_global_route = unsafe { std::mem::zeroed() };
+    g.hop_limit = 1;
+    let ah = create_ah(&dev, 0, Some(g));
+    let mut src = Buf::new(&dev, 3 * 1024, 0);
+    for i in 0..3 {
+        src.data[i * 1024..(i + 1) * 1024].copy_from_slice(&pattern(i as u8, 1024));
+        assert_eq!(
+            post_ud(qp, &src, i * 1024, 1024, i as u64, ah, peer, 0x4242, None),
+            0
+        );
+        assert_eq!(poll(cq, 1)[0].status, WC_SUCCESS);
+    }
+    let r = poll(cq, 1)[0];
+    assert_eq!(
+        (r.wr_id, r.status, r.byte_len, r.src_qp),
+        (7, WC_SUCCESS, 56, peer)
+    );
+    assert!(back.data[40..].iter().all(|&b| b == 0x3c));
+    unsafe { ibv_destroy_ah(ah) };
+    ch.send("1");
+}

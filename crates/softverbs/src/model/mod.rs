@@ -7,8 +7,10 @@
 //! asynchronous events (responder errors, last WQE, SRQ limit). The provider consults these;
 //! it never re-states them.
 
+pub mod atomic;
 pub mod cq;
 pub mod device;
 pub mod event;
 pub mod qp;
+pub mod ud;
 pub mod wc;

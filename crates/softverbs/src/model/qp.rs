@@ -1,10 +1,60 @@
-//! The RC queue-pair state machine and its flush rule.
+//! The queue-pair state machine (RC, UC, UD) and its flush rule.
 //!
 //! States and numbers are those of `enum ibv_qp_state`. A QP moved to ERR
 //! flushes both queues: every outstanding receive (not those of an SRQ) and
 //! every pending send completes with `IBV_WC_WR_FLUSH_ERR`, and anything
 //! posted later completes the same way at once. RESET discards the queues
 //! without completions.
+
+/// `enum ibv_qp_type`: the transports this device implements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum QpType {
+    /// `IBV_QPT_RC`: reliable connected.
+    Rc = 2,
+    /// `IBV_QPT_UC`: unreliable connected (SEND, RDMA WRITE; no ACKs, no
+    /// retries: a message the responder cannot take is dropped).
+    Uc = 3,
+    /// `IBV_QPT_UD`: unreliable datagram (SEND to an address handle).
+    Ud = 4,
+}
+
+impl QpType {
+    /// Decode an `ibv_qp_type`; others (XRC, raw packet...) are `None`.
+    pub fn from_u32(v: u32) -> Option<Self> {
+        Some(match v {
+            2 => Self::Rc,
+            3 => Self::Uc,
+            4 => Self::Ud,
+            _ => return None,
+        })
+    }
+
+    /// Whether a send work-request opcode is valid on this transport
+    /// (`ibv_post_send(3)`'s table; others are EINVAL at post time).
+    pub fn opcode_ok(self, op: u32) -> bool {
+        use super::wc::wr;
+        match self {
+            Self::Rc => super::wc::send_wc_opcode(op).is_some(),
+            Self::Uc => matches!(
+                op,
+                wr::SEND | wr::SEND_WITH_IMM | wr::RDMA_WRITE | wr::RDMA_WRITE_WITH_IMM
+            ),
+            Self::Ud => matches!(op, wr::SEND | wr::SEND_WITH_IMM),
+        }
+    }
+
+    /// The state a send-queue error leaves the QP in: ERR for RC (which
+    /// also flushes the receive queue), SQE for UC and UD (InfiniBand's
+    /// Send Queue Error state: later sends flush, receives go on, and
+    /// `ibv_modify_qp` to RTS resumes).
+    pub fn send_error_state(self) -> QpState {
+        match self {
+            Self::Rc => QpState::Err,
+            Self::Uc | Self::Ud => QpState::Sqe,
+        }
+    }
+}
 
 /// `enum ibv_qp_state`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,6 +138,8 @@ pub const ATTR_ACCESS_FLAGS: i32 = 1 << 3;
 pub const ATTR_PKEY_INDEX: i32 = 1 << 4;
 /// `IBV_QP_PORT`.
 pub const ATTR_PORT: i32 = 1 << 5;
+/// `IBV_QP_QKEY`.
+pub const ATTR_QKEY: i32 = 1 << 6;
 /// `IBV_QP_AV`.
 pub const ATTR_AV: i32 = 1 << 7;
 /// `IBV_QP_PATH_MTU`.
@@ -130,11 +182,20 @@ pub fn transition_ok(from: QpState, to: QpState) -> bool {
     )
 }
 
-/// Attributes an RC transition requires (the rest are optional).
-pub fn required_attrs(from: QpState, to: QpState) -> i32 {
+/// Attributes a transition requires (the rest are optional). RC keeps
+/// the lenient rule it always had (only the destination at RTR); UC and
+/// UD require what the kernel's table does (`ib_modify_qp_is_ok`): UD the
+/// P_Key index, port and Q_Key at INIT and the send PSN at RTS; UC the
+/// P_Key index, port and access flags at INIT, the address vector, path
+/// MTU, destination and receive PSN at RTR, the send PSN at RTS.
+pub fn required_attrs(ty: QpType, from: QpState, to: QpState) -> i32 {
     use QpState::*;
-    match (from, to) {
-        (Init, Rtr) => ATTR_DEST_QPN,
+    match (ty, from, to) {
+        (QpType::Rc, Init, Rtr) => ATTR_DEST_QPN,
+        (QpType::Ud, Reset, Init) => ATTR_PKEY_INDEX | ATTR_PORT | ATTR_QKEY,
+        (QpType::Uc, Reset, Init) => ATTR_PKEY_INDEX | ATTR_PORT | ATTR_ACCESS_FLAGS,
+        (QpType::Uc, Init, Rtr) => ATTR_AV | ATTR_PATH_MTU | ATTR_DEST_QPN | ATTR_RQ_PSN,
+        (QpType::Uc | QpType::Ud, Rtr, Rts) => ATTR_SQ_PSN,
         _ => 0,
     }
 }
@@ -153,11 +214,32 @@ mod tests {
         assert!(transition_ok(Err, Reset));
         assert!(!transition_ok(Reset, Rts));
         assert!(!transition_ok(Err, Rts));
-        assert_eq!(required_attrs(Init, Rtr), ATTR_DEST_QPN);
+        assert_eq!(required_attrs(QpType::Rc, Init, Rtr), ATTR_DEST_QPN);
+        assert_eq!(
+            required_attrs(QpType::Ud, Reset, Init),
+            ATTR_PKEY_INDEX | ATTR_PORT | ATTR_QKEY
+        );
+        assert_eq!(required_attrs(QpType::Ud, Init, Rtr), 0);
+        assert_eq!(required_attrs(QpType::Ud, Rtr, Rts), ATTR_SQ_PSN);
+        assert!(transition_ok(Sqe, Rts));
         for v in 0..7 {
             assert_eq!(QpState::from_u32(v).map(|s| s as u32), Some(v));
         }
         assert_eq!(QpState::from_u32(99), None);
+    }
+
+    #[test]
+    fn opcodes_per_transport() {
+        use crate::model::wc::wr;
+        assert!(QpType::Rc.opcode_ok(wr::ATOMIC_FETCH_AND_ADD));
+        assert!(QpType::Uc.opcode_ok(wr::RDMA_WRITE_WITH_IMM));
+        assert!(!QpType::Uc.opcode_ok(wr::RDMA_READ));
+        assert!(!QpType::Uc.opcode_ok(wr::ATOMIC_CMP_AND_SWP));
+        assert!(QpType::Ud.opcode_ok(wr::SEND_WITH_IMM));
+        assert!(!QpType::Ud.opcode_ok(wr::RDMA_WRITE));
+        assert_eq!(QpType::from_u32(4), Some(QpType::Ud));
+        assert_eq!(QpType::from_u32(9), None, "XRC");
+        assert_eq!(QpType::Ud.send_error_state(), QpState::Sqe);
     }
 
     #[test]

@@ -33,12 +33,18 @@ pub mod opcode {
     pub const RDMA_WRITE: u32 = 1;
     /// `IBV_WC_RDMA_READ`.
     pub const RDMA_READ: u32 = 2;
+    /// `IBV_WC_COMP_SWAP`.
+    pub const COMP_SWAP: u32 = 3;
+    /// `IBV_WC_FETCH_ADD`.
+    pub const FETCH_ADD: u32 = 4;
     /// `IBV_WC_RECV`.
     pub const RECV: u32 = 128;
     /// `IBV_WC_RECV_RDMA_WITH_IMM`.
     pub const RECV_RDMA_WITH_IMM: u32 = 129;
 }
 
+/// `enum ibv_wc_flags`: `IBV_WC_GRH`.
+pub const WC_GRH: u32 = 1 << 0;
 /// `enum ibv_wc_flags`: `IBV_WC_WITH_IMM`.
 pub const WC_WITH_IMM: u32 = 1 << 1;
 
@@ -54,6 +60,15 @@ pub mod wr {
     pub const SEND_WITH_IMM: u32 = 3;
     /// `IBV_WR_RDMA_READ`.
     pub const RDMA_READ: u32 = 4;
+    /// `IBV_WR_ATOMIC_CMP_AND_SWP`.
+    pub const ATOMIC_CMP_AND_SWP: u32 = 5;
+    /// `IBV_WR_ATOMIC_FETCH_AND_ADD`.
+    pub const ATOMIC_FETCH_AND_ADD: u32 = 6;
+
+    /// Whether the opcode is a remote atomic (RC only).
+    pub fn is_atomic(op: u32) -> bool {
+        matches!(op, ATOMIC_CMP_AND_SWP | ATOMIC_FETCH_AND_ADD)
+    }
 }
 
 /// `enum ibv_send_flags`.
@@ -87,12 +102,14 @@ pub mod access {
 }
 
 /// The send-side completion opcode of a work-request opcode, or `None` for an
-/// opcode this device does not support (atomics, bind, TSO...).
+/// opcode this device does not support (bind, local invalidate, TSO...).
 pub fn send_wc_opcode(wr_opcode: u32) -> Option<u32> {
     match wr_opcode {
         wr::SEND | wr::SEND_WITH_IMM => Some(opcode::SEND),
         wr::RDMA_WRITE | wr::RDMA_WRITE_WITH_IMM => Some(opcode::RDMA_WRITE),
         wr::RDMA_READ => Some(opcode::RDMA_READ),
+        wr::ATOMIC_CMP_AND_SWP => Some(opcode::COMP_SWAP),
+        wr::ATOMIC_FETCH_AND_ADD => Some(opcode::FETCH_ADD),
         _ => None,
     }
 }
@@ -115,7 +132,9 @@ mod tests {
             Some(opcode::RDMA_WRITE)
         );
         assert_eq!(send_wc_opcode(wr::RDMA_READ), Some(opcode::RDMA_READ));
-        assert_eq!(send_wc_opcode(5), None);
+        assert_eq!(send_wc_opcode(5), Some(opcode::COMP_SWAP));
+        assert_eq!(send_wc_opcode(6), Some(opcode::FETCH_ADD));
+        assert_eq!(send_wc_opcode(7), None, "LOCAL_INV");
         assert!(send_completes(false, WcStatus::RemAccessErr));
         assert!(!send_completes(false, WcStatus::Success));
     }

@@ -279,6 +279,10 @@ pub mod limits {
     pub const MAX_INLINE: u32 = 4096;
     /// Largest message (2 GiB, as IB).
     pub const MAX_MSG: u32 = 0x8000_0000;
+    /// Outstanding RDMA READ / atomic requests a QP may have as initiator
+    /// (`max_qp_init_rd_atom`, the ceiling of `max_rd_atomic`) and as
+    /// responder (`max_qp_rd_atom`, of `max_dest_rd_atomic`).
+    pub const MAX_RD_ATOM: u8 = 16;
 }
 
 /// `query_device_ex` (v44 routes `ibv_query_device` here too).
@@ -324,9 +328,12 @@ pub unsafe extern "C" fn query_device_ex(
     a.max_cqe = limits::MAX_CQE as i32;
     a.max_mr = (MR_SLOTS - 1) as i32;
     a.max_pd = 65536;
-    a.max_qp_rd_atom = 16;
-    a.max_res_rd_atom = 16 * 65536;
-    a.max_qp_init_rd_atom = 16;
+    a.max_qp_rd_atom = limits::MAX_RD_ATOM.into();
+    a.max_res_rd_atom = i32::from(limits::MAX_RD_ATOM) * 65536;
+    a.max_qp_init_rd_atom = limits::MAX_RD_ATOM.into();
+    // Atomics are atomic among themselves, from any process, not against
+    // the CPU (model::atomic, shm::atomics).
+    a.atomic_cap = ibv::ibv_atomic_cap::IBV_ATOMIC_HCA;
     a.max_srq = 65536;
     a.max_srq_wr = limits::MAX_QP_WR as i32;
     a.max_srq_sge = layout::MAX_SGE as i32;

@@ -259,9 +259,9 @@ unsafe fn fill_wc(wc: *mut ibv::ibv_wc, e: &Cqe) {
         w.qp_num = e.qp_num;
         w.src_qp = e.src_qp;
         w.wc_flags = e.wc_flags;
-        w.pkey_index = 0;
-        w.slid = 1;
-        w.sl = 0;
+        w.pkey_index = e.pkey_index as u16;
+        w.slid = crate::model::ud::PORT_LID;
+        w.sl = e.sl as u8;
         w.dlid_path_bits = 0;
     }
 }

@@ -204,6 +204,13 @@ unsafe extern "C" fn read_wc_flags(cq: *mut ibv::ibv_cq_ex) -> c_uint {
 }
 
 /// # Safety
+/// As [`next_poll`].
+unsafe extern "C" fn read_sl(cq: *mut ibv::ibv_cq_ex) -> u8 {
+    // SAFETY: caller contract, which is current's.
+    unsafe { current(cq) }.sl as u8
+}
+
+/// # Safety
 /// Any argument (nothing is read).
 unsafe extern "C" fn read_slid(_cq: *mut ibv::ibv_cq_ex) -> u32 {
     1
@@ -266,7 +273,7 @@ pub unsafe extern "C" fn create_cq_ex(
         c.read_src_qp = Some(read_src_qp);
         c.read_wc_flags = Some(read_wc_flags);
         c.read_slid = Some(read_slid);
-        c.read_sl = Some(read_zero_u8);
+        c.read_sl = Some(read_sl);
         c.read_dlid_path_bits = Some(read_zero_u8);
         std::ptr::addr_of_mut!((*raw).cq)
     }

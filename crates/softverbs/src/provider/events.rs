@@ -30,7 +30,7 @@
 //!   kernel would drop it; a pipe cannot): the object is torn down but its
 //!   memory is kept (a "zombie": the `ibv_qp`/`ibv_srq` part stays valid
 //!   for `ibv_ack_async_event`) until the context is closed
-//!   ([`free_zombies`]). No allocation reuse can make such a record name a
+//!   (closing the context frees them). No allocation reuse can make such a record name a
 //!   newer object.
 
 use std::collections::HashMap;

@@ -3,6 +3,7 @@
 //! calls; they never unwind (a panic would abort: `extern "C"` functions do)
 //! and report failures as errno values, as the verbs ABI wants.
 
+pub mod ah;
 pub mod channel;
 pub mod context;
 pub mod cq;
@@ -67,12 +68,14 @@ pub static CONTEXT_OPS: VerbsContextOps = VerbsContextOps {
     alloc_pd: Some(context::alloc_pd),
     async_event: Some(context::async_event),
     cq_event: Some(cq::cq_event),
+    create_ah: Some(ah::create_ah),
     create_cq: Some(cq::create_cq),
     create_cq_ex: Some(cq_ex::create_cq_ex),
     create_qp: Some(qp::create_qp),
     create_srq: Some(srq::create_srq),
     dealloc_pd: Some(context::dealloc_pd),
     dereg_mr: Some(context::dereg_mr),
+    destroy_ah: Some(ah::destroy_ah),
     destroy_cq: Some(cq::destroy_cq),
     destroy_qp: Some(qp::destroy_qp),
     destroy_srq: Some(srq::destroy_srq),

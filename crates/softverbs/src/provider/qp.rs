@@ -12,16 +12,13 @@ use super::send::SendSide;
 use super::srq::SvSrq;
 use super::{set_bad, set_errno};
 use crate::model::device::DEAD_ERRNO;
-use crate::model::qp::{self as m, QpState};
+use crate::model::qp::{self as m, QpState, QpType};
 use crate::model::wc::{opcode, WcStatus};
 use crate::shm::layout::{ring_offset, seg_bytes, Cqe, QpHeader, RecvWqe, Sge, MAGIC, MAX_SGE};
 use crate::shm::ring::Ring;
 use crate::shm::{Ids, Segment};
 use crate::sys::abi::VerbsQp;
 use crate::sys::ibv;
-
-/// `IBV_QPT_RC`.
-const QPT_RC: u32 = 2;
 
 /// Queue capacities as granted.
 #[derive(Debug, Clone, Copy)]
@@ -47,6 +44,8 @@ pub struct SvQp {
     pub ctx: *const ContextInner,
     /// QP number.
     pub qpn: u32,
+    /// Transport.
+    pub qp_type: QpType,
     /// Protection domain id.
     pub pd: u32,
     /// Segment `qp-<qpn>`.
@@ -124,6 +123,18 @@ impl SvQp {
         super::events::last_wqe(self.ctx().hdr(), self.hdr());
     }
 
+    /// A UC/UD send-queue error (model::qp): the QP enters SQE, where
+    /// later sends flush and receives go on, until `ibv_modify_qp` to RTS.
+    /// Their sends never wait, so there is nothing queued to flush.
+    pub fn to_send_error(&self) {
+        let _ = self.hdr().state.compare_exchange(
+            QpState::Rts as u32,
+            QpState::Sqe as u32,
+            Ordering::SeqCst,
+            Ordering::Acquire,
+        );
+    }
+
     /// Complete every waiting send and (without SRQ) every posted receive
     /// with `IBV_WC_WR_FLUSH_ERR`.
     pub fn flush(&self, ss: &mut SendSide) {
@@ -196,10 +207,10 @@ pub unsafe extern "C" fn create_qp(
     if unsafe { inner(ctx) }.dead() {
         return super::dead();
     }
-    if a.qp_type != QPT_RC {
+    let Some(qp_type) = QpType::from_u32(a.qp_type) else {
         set_errno(libc::EOPNOTSUPP);
         return std::ptr::null_mut();
-    }
+    };
     if a.send_cq.is_null() || a.recv_cq.is_null() || !caps_ok(&a.cap, !a.srq.is_null()) {
         set_errno(libc::EINVAL);
         return std::ptr::null_mut();
@@ -252,6 +263,7 @@ pub unsafe extern "C" fn create_qp(
         (*hdr).pd = pdid;
         (*hdr).recv_cq = recv_cq_id;
         (*hdr).srq = srq_id;
+        (*hdr).qp_type = qp_type as u32;
         (*hdr).state.store(QpState::Reset as u32, Ordering::Relaxed);
         (*hdr).magic = MAGIC;
     }
@@ -270,6 +282,7 @@ pub unsafe extern "C" fn create_qp(
         vqp: unsafe { std::mem::zeroed() },
         ctx: c,
         qpn,
+        qp_type,
         pd: pdid,
         seg,
         rq,
@@ -295,7 +308,7 @@ pub unsafe extern "C" fn create_qp(
         q.handle = qpn;
         q.qp_num = qpn;
         q.state = QpState::Reset as u32;
-        q.qp_type = QPT_RC;
+        q.qp_type = qp_type as u32;
         (*hdr).qp_ptr = raw as u64;
         (*raw).recv_cq().recv_users.fetch_add(1, Ordering::AcqRel);
         (*raw)
@@ -421,10 +434,25 @@ pub unsafe extern "C" fn modify_qp(
         if !m::transition_ok(cur, next) {
             return libc::EINVAL;
         }
-        let need = m::required_attrs(cur, next);
+        let need = m::required_attrs(q.qp_type, cur, next);
         if mask & need != need {
             return libc::EINVAL;
         }
+    }
+    // The device's limits on outstanding READ/atomic requests
+    // (`max_qp_init_rd_atom`, `max_qp_rd_atom`): larger is EINVAL, as the
+    // kernel answers. Each request completes before post_send returns, so
+    // at most one is ever outstanding and any accepted limit is honoured.
+    if (mask & m::ATTR_MAX_QP_RD_ATOMIC != 0 && a.max_rd_atomic > limits::MAX_RD_ATOM)
+        || (mask & m::ATTR_MAX_DEST_RD_ATOMIC != 0 && a.max_dest_rd_atomic > limits::MAX_RD_ATOM)
+    {
+        return libc::EINVAL;
+    }
+    // One port, one P_Key (index 0).
+    if (mask & m::ATTR_PORT != 0 && a.port_num != 1)
+        || (mask & m::ATTR_PKEY_INDEX != 0 && a.pkey_index != 0)
+    {
+        return libc::EINVAL;
     }
     {
         let mut st = q.attr.lock().unwrap_or_else(|e| e.into_inner());
@@ -432,6 +460,7 @@ pub unsafe extern "C" fn modify_qp(
         copy_if!(mask, m::ATTR_ACCESS_FLAGS, st, a, qp_access_flags);
         copy_if!(mask, m::ATTR_PKEY_INDEX, st, a, pkey_index);
         copy_if!(mask, m::ATTR_PORT, st, a, port_num);
+        copy_if!(mask, m::ATTR_QKEY, st, a, qkey);
         copy_if!(mask, m::ATTR_PATH_MTU, st, a, path_mtu);
         copy_if!(mask, m::ATTR_TIMEOUT, st, a, timeout);
         copy_if!(mask, m::ATTR_RETRY_CNT, st, a, retry_cnt);
@@ -450,6 +479,9 @@ pub unsafe extern "C" fn modify_qp(
     }
     if mask & m::ATTR_ACCESS_FLAGS != 0 {
         q.hdr().access.store(a.qp_access_flags, Ordering::Release);
+    }
+    if mask & m::ATTR_QKEY != 0 {
+        q.hdr().qkey.store(a.qkey, Ordering::Release);
     }
     if mask & m::ATTR_DEST_QPN != 0 {
         ss.dest_qpn = a.dest_qp_num;
@@ -508,7 +540,7 @@ pub unsafe extern "C" fn query_qp(
             i.recv_cq = b.recv_cq;
             i.srq = b.srq;
             i.cap = a.cap;
-            i.qp_type = QPT_RC;
+            i.qp_type = q.qp_type as u32;
             i.sq_sig_all = q.sig_all as c_int;
         }
     }

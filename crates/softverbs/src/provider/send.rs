@@ -22,6 +22,7 @@
 //! and by `poll_cq` on the send CQ. An unsuccessful completion moves the QP
 //! to ERR, which flushes the rest (model::qp).
 
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -30,9 +31,10 @@ use super::remote::Remote;
 use super::set_bad;
 use super::xfer::{read_from, write_to, Span};
 use crate::model::device::DEAD_ERRNO;
-use crate::model::qp::QpState;
+use crate::model::qp::{QpState, QpType};
+use crate::model::ud::{self, AhInfo};
 use crate::model::wc::{
-    access, opcode, send_completes, send_flags, send_wc_opcode, wr, WcStatus, WC_WITH_IMM,
+    access, opcode, send_completes, send_flags, send_wc_opcode, wr, WcStatus, WC_GRH, WC_WITH_IMM,
 };
 use crate::shm::layout::{mr_lookup, Cqe, RecvWqe, Sge, MAX_SGE};
 use crate::sys::ibv;
@@ -55,12 +57,33 @@ pub struct Wr {
     nsge: usize,
     remote_addr: u64,
     rkey: u32,
+    /// Atomics: the compare (CMP_AND_SWP) or add (FETCH_AND_ADD) operand.
+    compare_add: u64,
+    /// Atomics: the swap operand (CMP_AND_SWP).
+    swap: u64,
+    /// UD: the destination (address handle, QPN, Q_Key).
+    ud: Option<UdDest>,
     owned: Option<Vec<u8>>,
     since: Option<Instant>,
     /// Since when the responder has not answered this WR at all (the
     /// transport timeout runs from there).
     silent_since: Option<Instant>,
 }
+
+/// Where a UD send goes (`wr.ud` and the address handle's attributes,
+/// copied at post time).
+#[derive(Debug, Clone, Copy)]
+pub struct UdDest {
+    /// `remote_qpn`.
+    pub qpn: u32,
+    /// `remote_qkey`.
+    pub qkey: u32,
+    /// The address handle's attributes.
+    pub ah: AhInfo,
+}
+
+/// UD destinations mapped at most (the cache is emptied beyond).
+const UD_PEERS: usize = 1024;
 
 /// The send side of a QP (under the QP's send mutex).
 #[derive(Debug)]
@@ -74,6 +97,8 @@ pub struct SendSide {
     /// The QP's transport timeout (from `timeout` and `retry_cnt`; `None`:
     /// infinite), kept by `modify_qp`.
     pub transport_timeout: Option<Duration>,
+    /// UD: the destinations sent to so far, by QPN.
+    ud_peers: HashMap<u32, Remote>,
     waiting: bool,
 }
 
@@ -85,6 +110,7 @@ impl SendSide {
             remote: None,
             pending: Pending::new(),
             transport_timeout: None,
+            ud_peers: HashMap::new(),
             waiting: false,
         }
     }
@@ -143,12 +169,10 @@ fn remote_ok(r: &Remote, pd: u32, w: &Wr, len: u64, need: u32) -> bool {
 
 fn local_spans(q: &SvQp, w: &Wr, out: &mut [Span; MAX_SGE]) -> Option<u64> {
     let mrs = q.ctx().mrs();
-    let need = if w.opcode == wr::RDMA_READ {
-        access::LOCAL_WRITE
-    } else {
-        0
-    };
-    let inline = w.flags & send_flags::INLINE != 0 && w.opcode != wr::RDMA_READ;
+    // READ and atomics write into the local buffers.
+    let writes_local = w.opcode == wr::RDMA_READ || wr::is_atomic(w.opcode);
+    let need = if writes_local { access::LOCAL_WRITE } else { 0 };
+    let inline = w.flags & send_flags::INLINE != 0 && !writes_local;
     let mut total = 0u64;
     for (i, s) in w.sge[..w.nsge].iter().enumerate() {
         if !inline
@@ -186,14 +210,20 @@ fn recv_cqe(
         src_qp: q.qpn,
         wc_flags: if imm { WC_WITH_IMM } else { 0 },
         solicited: (w.flags & send_flags::SOLICITED != 0) as u32,
+        sl: 0,
+        pkey_index: 0,
     }
 }
 
 /// The responder detected an error (model::event): its QP goes to ERR and
 /// raises its event; the requester completes with `status`.
 fn responder_failed(r: &Remote, status: WcStatus) -> Outcome {
-    if let Some(event) = crate::model::event::responder_error(status) {
-        r.fail(event);
+    // Only an RC responder NAKs and enters ERR; a UC one drops the message
+    // (its receive, if one was consumed, reports the error).
+    if r.hdr().qp_type == QpType::Rc as u32 {
+        if let Some(event) = crate::model::event::responder_error(status) {
+            r.fail(event);
+        }
     }
     Outcome::Done(status, 0)
 }
@@ -214,6 +244,127 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
         return Outcome::Done(WcStatus::LocProtErr, 0);
     };
     let local = &local[..w.nsge];
+    match q.qp_type {
+        QpType::Rc => execute_connected(q, ss, w, local, len),
+        QpType::Ud => execute_ud(q, ss, w, local, len),
+        // UC: no ACK, no NAK, no retry. Whatever the responder could not
+        // take (not ready, no receive, an access violation, a peer that
+        // is gone) is dropped and the requester's completion is a success;
+        // only the requester's own errors complete in error.
+        QpType::Uc => match execute_connected(q, ss, w, local, len) {
+            Outcome::Done(
+                WcStatus::RemAccessErr | WcStatus::RemInvReqErr | WcStatus::RemOpErr,
+                _,
+            )
+            | Outcome::WaitPeer
+            | Outcome::WaitRnr
+            | Outcome::NoAnswer => Outcome::Done(WcStatus::Success, len as u32),
+            o => o,
+        },
+    }
+}
+
+/// A UD send (model::ud): always completes at once; what the destination
+/// cannot take is dropped.
+fn execute_ud(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u64) -> Outcome {
+    let Some(d) = w.ud else {
+        return Outcome::Done(WcStatus::LocQpOpErr, 0);
+    };
+    if len > ud::PORT_MTU {
+        return Outcome::Done(WcStatus::LocLenErr, 0);
+    }
+    let sent = Outcome::Done(WcStatus::Success, len as u32);
+    if !ss.ud_peers.contains_key(&d.qpn) {
+        let Ok(r) = Remote::open(d.qpn) else {
+            return sent; // no such QP: dropped
+        };
+        if ss.ud_peers.len() >= UD_PEERS {
+            ss.ud_peers.clear();
+        }
+        ss.ud_peers.insert(d.qpn, r);
+    }
+    let Some(r) = ss.ud_peers.get(&d.qpn) else {
+        return sent;
+    };
+    if r.dead() {
+        return sent;
+    }
+    let _inside = r.enter();
+    let rh = r.hdr();
+    let qkey = ud::effective_qkey(d.qkey, q.hdr().qkey.load(Ordering::Acquire));
+    if rh.qp_type != QpType::Ud as u32
+        || !r.state().accepts_incoming()
+        || rh.qkey.load(Ordering::Acquire) != qkey
+    {
+        return sent;
+    }
+    let Some(wqe) = r.pop_recv() else {
+        return sent;
+    };
+    let imm = w.opcode == wr::SEND_WITH_IMM;
+    let mut cqe = Cqe {
+        wr_id: wqe.wr_id,
+        status: WcStatus::Success as u32,
+        opcode: opcode::RECV,
+        byte_len: 0,
+        imm: if imm { w.imm } else { 0 },
+        qp_num: rh.qpn,
+        src_qp: q.qpn,
+        wc_flags: if imm { WC_WITH_IMM } else { 0 } | if d.ah.is_global { WC_GRH } else { 0 },
+        solicited: (w.flags & send_flags::SOLICITED != 0) as u32,
+        sl: u32::from(d.ah.sl),
+        pkey_index: 0,
+    };
+    let mut dst = [Span::default(); MAX_SGE];
+    let mut cap = 0u64;
+    for (i, s) in wqe.sges().iter().enumerate() {
+        if s.length > 0
+            && !check(
+                mr_lookup(r.mrs(), s.lkey),
+                rh.pd,
+                s.addr,
+                u64::from(s.length),
+                access::LOCAL_WRITE,
+            )
+        {
+            cqe.status = WcStatus::LocProtErr as u32;
+            r.cq.push(cqe);
+            return sent;
+        }
+        dst[i] = Span {
+            addr: s.addr,
+            len: s.length as usize,
+        };
+        cap += u64::from(s.length);
+    }
+    if ud::GRH_LEN as u64 + len > cap {
+        cqe.status = WcStatus::LocLenErr as u32;
+        r.cq.push(cqe);
+        return sent;
+    }
+    let grh = ud::grh(&d.ah, len as u32, imm);
+    let mut src = [Span::default(); MAX_SGE + 1];
+    src[0] = Span {
+        addr: grh.as_ptr() as u64,
+        len: grh.len(),
+    };
+    src[1..=local.len()].copy_from_slice(local);
+    // SAFETY: `src` is the local GRH array and spans validated against
+    // our MR table (or inline buffers); `dst` against the responder's.
+    if !unsafe { write_to(rh.pid, &dst[..wqe.sges().len()], &src[..=local.len()]) } {
+        if !r.owner_gone() {
+            cqe.status = WcStatus::LocProtErr as u32;
+            r.cq.push(cqe);
+        }
+        return sent;
+    }
+    cqe.byte_len = ud::GRH_LEN as u32 + len as u32;
+    r.cq.push(cqe);
+    sent
+}
+
+/// An RC or UC request to the connected responder.
+fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u64) -> Outcome {
     if ss.remote.is_none() {
         match Remote::open(ss.dest_qpn) {
             Ok(r) => ss.remote = Some(r),
@@ -246,6 +397,10 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
         return Outcome::NoAnswer;
     }
     let rh = r.hdr();
+    if rh.qp_type != q.qp_type as u32 {
+        // Another transport: the packets are not for it.
+        return Outcome::NoAnswer;
+    }
     let pid = rh.pid;
     match w.opcode {
         wr::SEND | wr::SEND_WITH_IMM => {
@@ -391,8 +546,65 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
             }
             Outcome::Done(WcStatus::Success, len as u32)
         }
+        wr::ATOMIC_CMP_AND_SWP | wr::ATOMIC_FETCH_AND_ADD => atomic(r, w, local, len),
         _ => Outcome::Done(WcStatus::LocQpOpErr, 0),
     }
+}
+
+/// The responder part of a remote atomic (model::atomic): access checks,
+/// alignment, the read-modify-write under the machine-wide lock of the
+/// word, then the original value into our scatter list.
+fn atomic(r: &Remote, w: &Wr, local: &[Span], local_len: u64) -> Outcome {
+    use crate::model::atomic::{aligned, AtomicOp, ATOMIC_LEN};
+    if local_len < u64::from(ATOMIC_LEN) {
+        // Where the original value goes is too short: our own error,
+        // found before the request leaves (nothing happens remotely).
+        return Outcome::Done(WcStatus::LocLenErr, 0);
+    }
+    let rh = r.hdr();
+    let ok = rh.access.load(Ordering::Acquire) & access::REMOTE_ATOMIC != 0
+        && check(
+            mr_lookup(r.mrs(), w.rkey),
+            rh.pd,
+            w.remote_addr,
+            u64::from(ATOMIC_LEN),
+            access::REMOTE_ATOMIC,
+        );
+    if !ok {
+        return responder_failed(r, WcStatus::RemAccessErr);
+    }
+    if !aligned(w.remote_addr) {
+        return responder_failed(r, WcStatus::RemInvReqErr);
+    }
+    let op = if w.opcode == wr::ATOMIC_CMP_AND_SWP {
+        AtomicOp::CmpSwap {
+            compare: w.compare_add,
+            swap: w.swap,
+        }
+    } else {
+        AtomicOp::FetchAdd { add: w.compare_add }
+    };
+    // SAFETY: the word lies in a region the responder registered with
+    // REMOTE_ATOMIC (checked just above) and is aligned; in another
+    // process the kernel checks the range again.
+    let Some(old) = (unsafe { super::xfer::atomic_rmw(rh.pid, w.remote_addr, op) }) else {
+        if r.owner_gone() {
+            return Outcome::NoAnswer;
+        }
+        return responder_failed(r, WcStatus::RemAccessErr);
+    };
+    let bytes = old.to_ne_bytes();
+    let src = [Span {
+        addr: bytes.as_ptr() as u64,
+        len: bytes.len(),
+    }];
+    // SAFETY: `local` was validated against our MR table with LOCAL_WRITE;
+    // `src` is the local array above; write_to copies the first 8 bytes
+    // of the scatter list only.
+    if !unsafe { write_to(super::xfer::my_pid(), local, &src) } {
+        return Outcome::Done(WcStatus::LocProtErr, 0);
+    }
+    Outcome::Done(WcStatus::Success, ATOMIC_LEN)
 }
 
 fn complete(q: &SvQp, ss: &mut SendSide, w: &Wr, status: WcStatus, len: u32) {
@@ -407,13 +619,20 @@ fn complete(q: &SvQp, ss: &mut SendSide, w: &Wr, status: WcStatus, len: u32) {
         });
     }
     if status != WcStatus::Success {
-        q.to_error(ss);
+        match q.qp_type.send_error_state() {
+            QpState::Sqe => q.to_send_error(),
+            _ => q.to_error(ss),
+        }
     }
 }
 
 /// Keep a copy of inline data so the WR can wait without the caller's buffer.
 fn own(mut w: Wr) -> Wr {
-    if w.flags & send_flags::INLINE != 0 && w.owned.is_none() && w.opcode != wr::RDMA_READ {
+    if w.flags & send_flags::INLINE != 0
+        && w.owned.is_none()
+        && w.opcode != wr::RDMA_READ
+        && !wr::is_atomic(w.opcode)
+    {
         let mut v = Vec::new();
         for s in &w.sge[..w.nsge] {
             // SAFETY: inline sends name caller memory readable during post_send.
@@ -519,12 +738,31 @@ pub unsafe extern "C" fn post_send(
             unsafe { set_bad(bad, wrp) };
             e
         };
-        if send_wc_opcode(x.opcode).is_none() || n > MAX_SGE {
+        if !q.qp_type.opcode_ok(x.opcode) || n > MAX_SGE {
             return fail(libc::EINVAL);
         }
-        if st != QpState::Err && !st.can_post_send() {
+        // ERR and SQE flush what is posted.
+        let flushing = matches!(st, QpState::Err | QpState::Sqe);
+        if !flushing && !st.can_post_send() {
             return fail(libc::EINVAL);
         }
+        let ud = if q.qp_type == QpType::Ud {
+            // SAFETY: the ud arm of the wr union, which a UD caller fills.
+            let u = unsafe { x.wr.ud };
+            if u.ah.is_null() {
+                return fail(libc::EINVAL);
+            }
+            Some(UdDest {
+                qpn: u.remote_qpn,
+                qkey: u.remote_qkey,
+                // SAFETY: a live AH of this provider (the caller keeps it
+                // until the WR completes, ibv_post_send(3)).
+                ah: unsafe { super::ah::info(u.ah) },
+            })
+        } else {
+            None
+        };
+        let is_atomic = wr::is_atomic(x.opcode);
         let mut w = Wr {
             wr_id: x.wr_id,
             opcode: x.opcode,
@@ -533,10 +771,36 @@ pub unsafe extern "C" fn post_send(
             imm: unsafe { x.imm_data_invalidated_rkey_union.imm_data },
             sge: [Sge::default(); MAX_SGE],
             nsge: n,
-            // SAFETY: the rdma arm of the wr union is plain data.
-            remote_addr: unsafe { x.wr.rdma.remote_addr },
+            // SAFETY: the rdma and atomic arms of the wr union are plain
+            // data; the opcode says which one the caller filled.
+            remote_addr: unsafe {
+                if is_atomic {
+                    x.wr.atomic.remote_addr
+                } else {
+                    x.wr.rdma.remote_addr
+                }
+            },
             // SAFETY: as above.
-            rkey: unsafe { x.wr.rdma.rkey },
+            rkey: unsafe {
+                if is_atomic {
+                    x.wr.atomic.rkey
+                } else {
+                    x.wr.rdma.rkey
+                }
+            },
+            compare_add: if is_atomic {
+                // SAFETY: the atomic arm, filled by the caller (opcode).
+                unsafe { x.wr.atomic.compare_add }
+            } else {
+                0
+            },
+            swap: if is_atomic {
+                // SAFETY: as above.
+                unsafe { x.wr.atomic.swap }
+            } else {
+                0
+            },
+            ud,
             owned: None,
             since: None,
             silent_since: None,
@@ -560,7 +824,7 @@ pub unsafe extern "C" fn post_send(
         {
             return fail(libc::EINVAL);
         }
-        if st == QpState::Err {
+        if flushing {
             complete(q, &mut ss, &w, WcStatus::WrFlushErr, 0);
         } else if !ss.pending.is_empty() {
             if ss.pending.len() >= q.caps.max_send_wr as usize {

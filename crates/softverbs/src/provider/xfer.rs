@@ -151,6 +151,54 @@ pub unsafe fn read_from(pid: u32, dst: &[Span], src: &[Span]) -> bool {
     got >= 0 && got as usize == n
 }
 
+/// Execute a remote atomic on the 8-byte word at `addr` in process `pid`
+/// under its slot of the machine-wide lock table (shm::atomics), so that
+/// it is atomic with respect to every other atomic on that word, from any
+/// process. Returns the word's original value, or `None` when the word is
+/// unreachable (unmapped in the peer: EFAULT) or the table cannot be
+/// mapped.
+///
+/// # Safety
+/// When `pid` is this process, `addr` is a mapped, writable, 8-byte
+/// aligned word of it.
+pub unsafe fn atomic_rmw(pid: u32, addr: u64, op: crate::model::atomic::AtomicOp) -> Option<u64> {
+    let locks = crate::shm::atomics::AtomicLocks::get().ok()?;
+    let _held = locks.lock(pid, addr);
+    if pid == my_pid() {
+        // SAFETY: caller contract: aligned, mapped and writable here. The
+        // lock serialises us with atomics of other processes; an atomic
+        // access also keeps this thread's access race-free in Rust terms.
+        let w = unsafe { &*(addr as usize as *const std::sync::atomic::AtomicU64) };
+        let old = w.load(Ordering::Acquire);
+        if let Some(new) = op.apply(old) {
+            w.store(new, Ordering::Release);
+        }
+        return Some(old);
+    }
+    let mut old = 0u64;
+    let word = [Span { addr, len: 8 }];
+    let here = [Span {
+        addr: std::ptr::addr_of_mut!(old) as u64,
+        len: 8,
+    }];
+    // SAFETY: `here` is our local 8-byte variable; the kernel checks the
+    // remote range.
+    if !unsafe { read_from(pid, &here, &word) } {
+        return None;
+    }
+    if let Some(new) = op.apply(old) {
+        let src = [Span {
+            addr: std::ptr::addr_of!(new) as u64,
+            len: 8,
+        }];
+        // SAFETY: as above, in the other direction.
+        if !unsafe { write_to(pid, &word, &src) } {
+            return None;
+        }
+    }
+    Some(old)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

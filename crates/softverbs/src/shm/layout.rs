@@ -146,6 +146,10 @@ pub struct Cqe {
     pub wc_flags: u32,
     /// Non-zero when the sender asked for a solicited event.
     pub solicited: u32,
+    /// Service level (UD receives: the sender's address handle's).
+    pub sl: u32,
+    /// P_Key index (UD receives: the receiving QP's).
+    pub pkey_index: u32,
 }
 
 /// A CQ's header, followed by a ring of [`Cqe`].
@@ -246,13 +250,17 @@ pub struct QpHeader {
     pub events: AtomicU32,
     /// Non-zero once the owner destroys the QP: no more event records.
     pub gone: AtomicU32,
-    _pad: u32,
+    /// `ibv_qp_type` ([`crate::model::qp::QpType`]), written at creation:
+    /// a message of another transport is not taken.
+    pub qp_type: u32,
     /// The `struct ibv_qp *` in the owner's address space (event element).
     pub qp_ptr: u64,
     /// Rung by the owner when requests may now get through: a receive
     /// posted (no SRQ), a state change (RTR, ERR, destroy). Waiting
     /// requesters' progress threads sleep on it (shm::doorbell).
     pub doorbell: Doorbell,
+    /// UD: the QP's Q_Key (`IBV_QP_QKEY`), checked by senders.
+    pub qkey: AtomicU32,
 }
 
 /// An SRQ's header, followed by its receive ring.
@@ -340,6 +348,8 @@ mod tests {
         assert_eq!(offset_of!(QpHeader, last_wqe), 40);
         assert_eq!(offset_of!(QpHeader, events), 44);
         assert_eq!(offset_of!(QpHeader, gone), 48);
+        assert_eq!(offset_of!(QpHeader, qp_type), 52);
+        assert_eq!(offset_of!(QpHeader, qkey), 72);
         assert_eq!(offset_of!(QpHeader, qp_ptr), 56);
         assert_eq!(offset_of!(QpHeader, doorbell), 64);
         assert_eq!(size_of::<QpHeader>(), 128);
@@ -355,7 +365,7 @@ mod tests {
     #[test]
     fn sizes() {
         assert_eq!(size_of::<MrSlot>(), 32);
-        assert_eq!(size_of::<Cqe>(), 40);
+        assert_eq!(size_of::<Cqe>(), 48);
         assert_eq!(size_of::<Sge>(), 16);
         assert_eq!(size_of::<RecvWqe>(), 16 + 16 * MAX_SGE);
         let m = MrInfo {

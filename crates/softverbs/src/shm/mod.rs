@@ -11,11 +11,13 @@
 //! | `cq-<id>`     | a CQ      | [`layout::CqHeader`] + ring of CQEs         |
 //! | `qp-<qpn>`    | a QP      | [`layout::QpHeader`] + receive ring         |
 //! | `srq-<id>`    | an SRQ    | [`layout::SrqHeader`] + receive ring        |
+//! | `atomics`     | shared    | lock table of remote atomics ([`atomics`])  |
 //!
 //! Peers find a QP by the QPN that verbs programs exchange out of band.
 //! QP and SRQ headers carry a [`doorbell::Doorbell`] that wakes requesters
 //! waiting on them.
 
+pub mod atomics;
 pub mod doorbell;
 pub mod layout;
 pub mod ring;

@@ -225,37 +225,7 @@ impl Ids {
         if let Some(i) = IDS.get() {
             return Ok(i);
         }
-        std::fs::create_dir_all(dir())?;
-        let path = cpath("ids")?;
-        // SAFETY: valid C string; O_CREAT without O_EXCL so racing creators
-        // share the file; fd closed below.
-        let fd = unsafe {
-            libc::open(
-                path.as_ptr(),
-                libc::O_RDWR | libc::O_CREAT | libc::O_CLOEXEC,
-                0o600,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: extending to 4096 bytes; concurrent ftruncates to the same
-        // size are harmless, and a fresh file reads as zeros.
-        let r = unsafe { libc::ftruncate(fd, 4096) };
-        let res = if r != 0 {
-            Err(io::Error::last_os_error())
-        } else {
-            map(fd, 4096)
-        };
-        // SAFETY: `fd` is ours.
-        unsafe { libc::close(fd) };
-        let base = res?;
-        let seg = Arc::new(Segment {
-            base,
-            len: 4096,
-            name: "ids".into(),
-            owner: false,
-        });
+        let seg = open_shared("ids", 4096)?;
         Ok(IDS.get_or_init(|| Ids { seg }))
     }
 
@@ -271,6 +241,46 @@ impl Ids {
     pub fn next_qpn(&self) -> u32 {
         (self.next(IdKind::Qpn) % 0x00ff_fff0) + 16
     }
+}
+
+/// Open (creating on first use, zeroed) a machine-wide segment of `len`
+/// bytes that no process owns and nobody unlinks (`ids`, `atomics`): racing
+/// creators share the file, and zero is every such segment's initial state.
+///
+/// # Errors
+/// The OS error of mkdir/open/ftruncate/mmap.
+pub fn open_shared(name: &str, len: usize) -> io::Result<Arc<Segment>> {
+    std::fs::create_dir_all(dir())?;
+    let path = cpath(name)?;
+    // SAFETY: valid C string; O_CREAT without O_EXCL so racing creators
+    // share the file; fd closed below.
+    let fd = unsafe {
+        libc::open(
+            path.as_ptr(),
+            libc::O_RDWR | libc::O_CREAT | libc::O_CLOEXEC,
+            0o600,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: extending to `len` bytes; concurrent ftruncates to the same
+    // size are harmless, and a fresh file reads as zeros.
+    let r = unsafe { libc::ftruncate(fd, len as libc::off_t) };
+    let res = if r != 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        map(fd, len)
+    };
+    // SAFETY: `fd` is ours.
+    unsafe { libc::close(fd) };
+    let base = res?;
+    Ok(Arc::new(Segment {
+        base,
+        len,
+        name: name.into(),
+        owner: false,
+    }))
 }
 
 /// Remove segments whose owning process is gone (it exited or crashed

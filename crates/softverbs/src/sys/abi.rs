@@ -169,7 +169,8 @@ pub struct VerbsContextOps {
     pub bind_mw: Unused,
     pub close_xrcd: Unused,
     pub cq_event: Option<unsafe extern "C" fn(*mut ibv::ibv_cq)>,
-    pub create_ah: Unused,
+    pub create_ah:
+        Option<unsafe extern "C" fn(*mut ibv::ibv_pd, *mut ibv::ibv_ah_attr) -> *mut ibv::ibv_ah>,
     pub create_counters: Unused,
     pub create_cq: Option<
         unsafe extern "C" fn(
@@ -201,7 +202,7 @@ pub struct VerbsContextOps {
     pub dealloc_pd: Option<unsafe extern "C" fn(*mut ibv::ibv_pd) -> c_int>,
     pub dealloc_td: Unused,
     pub dereg_mr: Option<unsafe extern "C" fn(*mut VerbsMr) -> c_int>,
-    pub destroy_ah: Unused,
+    pub destroy_ah: Option<unsafe extern "C" fn(*mut ibv::ibv_ah) -> c_int>,
     pub destroy_counters: Unused,
     pub destroy_cq: Option<unsafe extern "C" fn(*mut ibv::ibv_cq) -> c_int>,
     pub destroy_flow: Unused,

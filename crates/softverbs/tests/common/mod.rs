@@ -29,6 +29,9 @@ pub const ACCESS_ALL: i32 = (ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
     | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
     | ibv_access_flags::IBV_ACCESS_REMOTE_READ.0) as i32;
 
+/// [`ACCESS_ALL`] and remote atomics.
+pub const ACCESS_ATOMIC: i32 = ACCESS_ALL | ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0 as i32;
+
 pub struct Dev {
     pub ctx: *mut ibv_context,
     pub pd: *mut ibv_pd,
@@ -72,11 +75,21 @@ impl Dev {
     }
 
     pub fn qp(&self, scq: *mut ibv_cq, rcq: *mut ibv_cq, srq: *mut ibv_srq) -> *mut ibv_qp {
+        self.qp_of(ibv_qp_type::IBV_QPT_RC, scq, rcq, srq)
+    }
+
+    pub fn qp_of(
+        &self,
+        ty: u32,
+        scq: *mut ibv_cq,
+        rcq: *mut ibv_cq,
+        srq: *mut ibv_srq,
+    ) -> *mut ibv_qp {
         let mut a: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
         a.send_cq = scq;
         a.recv_cq = rcq;
         a.srq = srq;
-        a.qp_type = ibv_qp_type::IBV_QPT_RC;
+        a.qp_type = ty;
         a.cap.max_send_wr = 64;
         a.cap.max_recv_wr = 64;
         a.cap.max_send_sge = 2;
@@ -138,8 +151,11 @@ pub struct Buf {
 
 impl Buf {
     pub fn new(dev: &Dev, len: usize, fill: u8) -> Buf {
+        Buf::with_access(dev, len, fill, ACCESS_ALL)
+    }
+    pub fn with_access(dev: &Dev, len: usize, fill: u8, access: i32) -> Buf {
         let mut data = vec![fill; len];
-        let mr = unsafe { ibv_reg_mr(dev.pd, data.as_mut_ptr().cast(), len, ACCESS_ALL) };
+        let mr = unsafe { ibv_reg_mr(dev.pd, data.as_mut_ptr().cast(), len, access) };
         assert!(!mr.is_null(), "reg_mr");
         Buf { data, mr }
     }
@@ -166,11 +182,16 @@ pub fn connect(qp: *mut ibv_qp, remote: u32) {
 
 /// [`connect`] with the given local ACK `timeout` and `retry_cnt`.
 pub fn connect_with(qp: *mut ibv_qp, remote: u32, timeout: u8, retry_cnt: u8) {
+    connect_full(qp, remote, timeout, retry_cnt, ACCESS_ALL);
+}
+
+/// [`connect_with`] with the given remote `access` flags of the QP.
+pub fn connect_full(qp: *mut ibv_qp, remote: u32, timeout: u8, retry_cnt: u8, access: i32) {
     unsafe {
         let mut a: ibv_qp_attr = std::mem::zeroed();
         a.qp_state = ibv_qp_state::IBV_QPS_INIT;
         a.port_num = 1;
-        a.qp_access_flags = ACCESS_ALL as u32;
+        a.qp_access_flags = access as u32;
         let m = ibv_qp_attr_mask::IBV_QP_STATE.0
             | ibv_qp_attr_mask::IBV_QP_PKEY_INDEX.0
             | ibv_qp_attr_mask::IBV_QP_PORT.0
@@ -206,6 +227,129 @@ pub fn connect_with(qp: *mut ibv_qp, remote: u32, timeout: u8, retry_cnt: u8) {
             | ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC.0;
         assert_eq!(ibv_modify_qp(qp, &mut a, m as i32), 0, "RTS");
     }
+}
+
+/// A UD QP to RTS: INIT with `qkey`, RTR, RTS with a send PSN.
+pub fn ud_up(qp: *mut ibv_qp, qkey: u32) {
+    unsafe {
+        let mut a: ibv_qp_attr = std::mem::zeroed();
+        a.qp_state = ibv_qp_state::IBV_QPS_INIT;
+        a.port_num = 1;
+        a.qkey = qkey;
+        let m = ibv_qp_attr_mask::IBV_QP_STATE.0
+            | ibv_qp_attr_mask::IBV_QP_PKEY_INDEX.0
+            | ibv_qp_attr_mask::IBV_QP_PORT.0
+            | ibv_qp_attr_mask::IBV_QP_QKEY.0;
+        assert_eq!(ibv_modify_qp(qp, &mut a, m as i32), 0, "UD INIT");
+        let mut a: ibv_qp_attr = std::mem::zeroed();
+        a.qp_state = ibv_qp_state::IBV_QPS_RTR;
+        assert_eq!(
+            ibv_modify_qp(qp, &mut a, ibv_qp_attr_mask::IBV_QP_STATE.0 as i32),
+            0,
+            "UD RTR"
+        );
+        to_rts(qp);
+    }
+}
+
+/// RTR -> RTS (or SQE -> RTS) with a send PSN.
+pub fn to_rts(qp: *mut ibv_qp) {
+    unsafe {
+        let mut a: ibv_qp_attr = std::mem::zeroed();
+        a.qp_state = ibv_qp_state::IBV_QPS_RTS;
+        a.sq_psn = 0x1234;
+        let m = ibv_qp_attr_mask::IBV_QP_STATE.0 | ibv_qp_attr_mask::IBV_QP_SQ_PSN.0;
+        assert_eq!(ibv_modify_qp(qp, &mut a, m as i32), 0, "RTS");
+    }
+}
+
+/// A UC QP to RTS toward `remote` (ibv_uc_pingpong's attributes).
+pub fn uc_connect(qp: *mut ibv_qp, remote: u32) {
+    unsafe {
+        let mut a: ibv_qp_attr = std::mem::zeroed();
+        a.qp_state = ibv_qp_state::IBV_QPS_INIT;
+        a.port_num = 1;
+        a.qp_access_flags = ACCESS_ALL as u32;
+        let m = ibv_qp_attr_mask::IBV_QP_STATE.0
+            | ibv_qp_attr_mask::IBV_QP_PKEY_INDEX.0
+            | ibv_qp_attr_mask::IBV_QP_PORT.0
+            | ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS.0;
+        assert_eq!(ibv_modify_qp(qp, &mut a, m as i32), 0, "UC INIT");
+        let mut a: ibv_qp_attr = std::mem::zeroed();
+        a.qp_state = ibv_qp_state::IBV_QPS_RTR;
+        a.path_mtu = ibv_mtu::IBV_MTU_4096;
+        a.dest_qp_num = remote;
+        a.ah_attr.dlid = 1;
+        a.ah_attr.port_num = 1;
+        let m = ibv_qp_attr_mask::IBV_QP_STATE.0
+            | ibv_qp_attr_mask::IBV_QP_AV.0
+            | ibv_qp_attr_mask::IBV_QP_PATH_MTU.0
+            | ibv_qp_attr_mask::IBV_QP_DEST_QPN.0
+            | ibv_qp_attr_mask::IBV_QP_RQ_PSN.0;
+        assert_eq!(ibv_modify_qp(qp, &mut a, m as i32), 0, "UC RTR");
+        to_rts(qp);
+    }
+}
+
+pub fn qp_state(qp: *mut ibv_qp) -> u32 {
+    let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+    let mut i: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+    assert_eq!(
+        unsafe { ibv_query_qp(qp, &mut a, ibv_qp_attr_mask::IBV_QP_STATE.0 as i32, &mut i) },
+        0
+    );
+    a.qp_state
+}
+
+/// An address handle to LID 1 with service level `sl`; global (with the
+/// given GRH fields) when `grh` is given.
+pub fn create_ah(dev: &Dev, sl: u8, grh: Option<ibv_global_route>) -> *mut ibv_ah {
+    let mut a: ibv_ah_attr = unsafe { std::mem::zeroed() };
+    a.dlid = 1;
+    a.sl = sl;
+    a.port_num = 1;
+    if let Some(g) = grh {
+        a.is_global = 1;
+        a.grh = g;
+    }
+    let ah = unsafe { ibv_create_ah(dev.pd, &mut a) };
+    assert!(!ah.is_null(), "create_ah");
+    ah
+}
+
+/// Post one signaled UD send of `buf[off..off + len]` to (`ah`, `qpn`,
+/// `qkey`); with immediate data when `imm` is given.
+#[allow(clippy::too_many_arguments)]
+pub fn post_ud(
+    qp: *mut ibv_qp,
+    buf: &Buf,
+    off: usize,
+    len: u32,
+    wr_id: u64,
+    ah: *mut ibv_ah,
+    qpn: u32,
+    qkey: u32,
+    imm: Option<u32>,
+) -> i32 {
+    let mut sge = ibv_sge {
+        addr: buf.addr() + off as u64,
+        length: len,
+        lkey: buf.lkey(),
+    };
+    let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+    wr.wr_id = wr_id;
+    wr.sg_list = &mut sge;
+    wr.num_sge = 1;
+    wr.opcode = if imm.is_some() { WR_SEND_IMM } else { WR_SEND };
+    wr.send_flags = SIGNALED;
+    wr.imm_data_invalidated_rkey_union.imm_data = imm.unwrap_or(0);
+    wr.wr.ud = ud_t {
+        ah,
+        remote_qpn: qpn,
+        remote_qkey: qkey,
+    };
+    let mut bad = null_mut();
+    unsafe { ibv_post_send(qp, &mut wr, &mut bad) }
 }
 
 pub fn to_error(qp: *mut ibv_qp) {
@@ -288,6 +432,47 @@ pub fn post_send(qp: *mut ibv_qp, buf: &Buf, off: usize, len: u32, wr_id: u64, s
     unsafe { ibv_post_send(qp, &mut wr, &mut bad) }
 }
 
+/// Post one signaled atomic (`opcode` IBV_WR_ATOMIC_*) on the 8-byte word
+/// at `raddr`, the original value going to `buf[off..off + 8]`.
+#[allow(clippy::too_many_arguments)]
+pub fn post_atomic(
+    qp: *mut ibv_qp,
+    buf: &Buf,
+    off: usize,
+    wr_id: u64,
+    opcode: u32,
+    raddr: u64,
+    rkey: u32,
+    compare_add: u64,
+    swap: u64,
+) -> i32 {
+    let mut sge = ibv_sge {
+        addr: buf.addr() + off as u64,
+        length: 8,
+        lkey: buf.lkey(),
+    };
+    let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+    wr.wr_id = wr_id;
+    wr.sg_list = &mut sge;
+    wr.num_sge = 1;
+    wr.opcode = opcode;
+    wr.send_flags = SIGNALED;
+    wr.wr.atomic = atomic_t {
+        remote_addr: raddr,
+        compare_add,
+        swap,
+        rkey,
+    };
+    let mut bad = null_mut();
+    unsafe { ibv_post_send(qp, &mut wr, &mut bad) }
+}
+
+/// The native-endian u64 at `buf[off..off + 8]` (read volatile: the device
+/// writes it behind the compiler's back).
+pub fn word(buf: &Buf, off: usize) -> u64 {
+    unsafe { std::ptr::read_volatile(buf.data.as_ptr().add(off).cast::<u64>()) }
+}
+
 pub fn send(opcode: u32, flags: u32) -> Send {
     Send {
         opcode,
@@ -308,6 +493,9 @@ pub struct Wc {
     pub qp_num: u32,
     pub src_qp: u32,
     pub wc_flags: u32,
+    pub slid: u16,
+    pub sl: u8,
+    pub pkey_index: u16,
 }
 
 /// A raw libibverbs handle moved into a test thread.
@@ -340,6 +528,9 @@ pub fn poll(cq: *mut ibv_cq, n: usize) -> Vec<Wc> {
                 qp_num: wc.qp_num,
                 src_qp: wc.src_qp,
                 wc_flags: wc.wc_flags,
+                slid: wc.slid,
+                sl: wc.sl,
+                pkey_index: wc.pkey_index,
             });
         } else {
             assert!(
@@ -397,6 +588,8 @@ pub const WR_SEND_IMM: u32 = ibv_wr_opcode::IBV_WR_SEND_WITH_IMM;
 pub const WR_WRITE: u32 = ibv_wr_opcode::IBV_WR_RDMA_WRITE;
 pub const WR_WRITE_IMM: u32 = ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
 pub const WR_READ: u32 = ibv_wr_opcode::IBV_WR_RDMA_READ;
+pub const WR_CMP_SWAP: u32 = ibv_wr_opcode::IBV_WR_ATOMIC_CMP_AND_SWP;
+pub const WR_FETCH_ADD: u32 = ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD;
 pub const WC_SUCCESS: u32 = ibv_wc_status::IBV_WC_SUCCESS;
 pub const WC_FLUSH: u32 = ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
 pub const WC_REM_ACCESS: u32 = ibv_wc_status::IBV_WC_REM_ACCESS_ERR;

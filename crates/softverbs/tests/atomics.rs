@@ -1,0 +1,259 @@
+//! Remote atomics (compare-and-swap, fetch-and-add) on RC QPs through the
+//! real libibverbs, both QPs in one process (tests/cross_process.rs has the
+//! cross-process case). Run under `softverbs-run`; skipped loudly otherwise.
+#![allow(clippy::undocumented_unsafe_blocks, missing_docs)]
+
+mod common;
+use common::*;
+use std::ptr::null_mut;
+
+macro_rules! needs_launcher {
+    ($name:expr) => {
+        if !launcher_or_skip($name) {
+            return;
+        }
+    };
+}
+
+struct Pair {
+    dev: Dev,
+    cq_a: *mut ibv_cq,
+    a: *mut ibv_qp,
+    b: *mut ibv_qp,
+}
+
+/// Requester `a`, responder `b` (whose QP grants `b_access`).
+fn pair(b_access: i32) -> Pair {
+    let dev = Dev::open();
+    let cq_a = dev.cq(64, null_mut());
+    let cq_b = dev.cq(64, null_mut());
+    let a = dev.qp(cq_a, cq_a, null_mut());
+    let b = dev.qp(cq_b, cq_b, null_mut());
+    connect_full(a, qpn(b), 14, 7, ACCESS_ATOMIC);
+    connect_full(b, qpn(a), 14, 7, b_access);
+    Pair { dev, cq_a, a, b }
+}
+
+#[test]
+fn atomic_cap_is_hca() {
+    needs_launcher!("atomic_cap_is_hca");
+    let dev = Dev::open();
+    let mut a: ibv_device_attr = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { ibv_query_device(dev.ctx, &mut a) }, 0);
+    assert_eq!(a.atomic_cap, ibv_atomic_cap::IBV_ATOMIC_HCA);
+    assert!(a.max_qp_rd_atom >= 1 && a.max_qp_init_rd_atom >= 1);
+}
+
+#[test]
+fn compare_swap_and_fetch_add_return_the_original() {
+    needs_launcher!("compare_swap_and_fetch_add_return_the_original");
+    let p = pair(ACCESS_ATOMIC);
+    let target = Buf::with_access(&p.dev, 64, 0, ACCESS_ATOMIC);
+    assert_eq!(target.addr() % 8, 0);
+    let local = Buf::new(&p.dev, 64, 0xff);
+    unsafe { std::ptr::write_volatile(target.data.as_ptr().add(8) as *mut u64, 100) };
+    let raddr = target.addr() + 8;
+    // A compare that matches swaps.
+    assert_eq!(
+        post_atomic(p.a, &local, 0, 1, WR_CMP_SWAP, raddr, target.rkey(), 100, 7),
+        0
+    );
+    let c = poll(p.cq_a, 1)[0];
+    assert_eq!(
+        (c.wr_id, c.status, c.opcode, c.byte_len),
+        (1, WC_SUCCESS, ibv_wc_opcode::IBV_WC_COMP_SWAP, 8)
+    );
+    assert_eq!((word(&local, 0), word(&target, 8)), (100, 7));
+    assert!(local.data[8..].iter().all(|&b| b == 0xff), "8 bytes only");
+    // One that does not leaves the word and still returns it.
+    assert_eq!(
+        post_atomic(
+            p.a,
+            &local,
+            16,
+            2,
+            WR_CMP_SWAP,
+            raddr,
+            target.rkey(),
+            100,
+            9
+        ),
+        0
+    );
+    let c = poll(p.cq_a, 1)[0];
+    assert_eq!((c.wr_id, c.status), (2, WC_SUCCESS));
+    assert_eq!((word(&local, 16), word(&target, 8)), (7, 7));
+    // Fetch-and-add, wrapping.
+    assert_eq!(
+        post_atomic(
+            p.a,
+            &local,
+            24,
+            3,
+            WR_FETCH_ADD,
+            raddr,
+            target.rkey(),
+            u64::MAX,
+            0
+        ),
+        0
+    );
+    let c = poll(p.cq_a, 1)[0];
+    assert_eq!(
+        (c.wr_id, c.status, c.opcode, c.byte_len),
+        (3, WC_SUCCESS, ibv_wc_opcode::IBV_WC_FETCH_ADD, 8)
+    );
+    assert_eq!((word(&local, 24), word(&target, 8)), (7, 6));
+    assert_eq!(word(&target, 0), 0, "neighbours untouched");
+    assert_eq!(word(&target, 16), 0, "neighbours untouched");
+}
+
+#[test]
+fn atomic_needs_remote_atomic_on_the_region() {
+    needs_launcher!("atomic_needs_remote_atomic_on_the_region");
+    let p = pair(ACCESS_ATOMIC);
+    let target = Buf::new(&p.dev, 64, 0); // no REMOTE_ATOMIC
+    let local = Buf::new(&p.dev, 64, 0);
+    assert_eq!(
+        post_atomic(
+            p.a,
+            &local,
+            0,
+            1,
+            WR_FETCH_ADD,
+            target.addr(),
+            target.rkey(),
+            1,
+            0
+        ),
+        0
+    );
+    let c = poll(p.cq_a, 1)[0];
+    assert_eq!(
+        (c.status, c.opcode),
+        (WC_REM_ACCESS, ibv_wc_opcode::IBV_WC_FETCH_ADD)
+    );
+    assert_eq!(word(&target, 0), 0);
+    assert_eq!(qp_state(p.b), ibv_qp_state::IBV_QPS_ERR, "responder NAKed");
+}
+
+#[test]
+fn atomic_needs_remote_atomic_on_the_qp() {
+    needs_launcher!("atomic_needs_remote_atomic_on_the_qp");
+    let p = pair(ACCESS_ALL); // the responder QP grants no atomics
+    let target = Buf::with_access(&p.dev, 64, 0, ACCESS_ATOMIC);
+    let local = Buf::new(&p.dev, 64, 0);
+    assert_eq!(
+        post_atomic(
+            p.a,
+            &local,
+            0,
+            1,
+            WR_CMP_SWAP,
+            target.addr(),
+            target.rkey(),
+            0,
+            5
+        ),
+        0
+    );
+    assert_eq!(poll(p.cq_a, 1)[0].status, WC_REM_ACCESS);
+    assert_eq!(word(&target, 0), 0);
+}
+
+#[test]
+fn misaligned_atomic_is_an_invalid_request() {
+    needs_launcher!("misaligned_atomic_is_an_invalid_request");
+    let p = pair(ACCESS_ATOMIC);
+    let target = Buf::with_access(&p.dev, 64, 0, ACCESS_ATOMIC);
+    let local = Buf::new(&p.dev, 64, 0);
+    assert_eq!(
+        post_atomic(
+            p.a,
+            &local,
+            0,
+            1,
+            WR_FETCH_ADD,
+            target.addr() + 4,
+            target.rkey(),
+            1,
+            0
+        ),
+        0
+    );
+    let c = poll(p.cq_a, 1)[0];
+    assert_eq!(c.status, ibv_wc_status::IBV_WC_REM_INV_REQ_ERR);
+    assert!(target.data.iter().all(|&b| b == 0), "nothing written");
+    assert_eq!(qp_state(p.a), ibv_qp_state::IBV_QPS_ERR);
+    assert_eq!(qp_state(p.b), ibv_qp_state::IBV_QPS_ERR);
+}
+
+#[test]
+fn max_rd_atomic_above_the_device_limit_is_einval() {
+    needs_launcher!("max_rd_atomic_above_the_device_limit_is_einval");
+    let dev = Dev::open();
+    let mut da: ibv_device_attr = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { ibv_query_device(dev.ctx, &mut da) }, 0);
+    let cq = dev.cq(8, null_mut());
+    let qp = dev.qp(cq, cq, null_mut());
+    let peer = dev.qp(cq, cq, null_mut());
+    connect_full(qp, qpn(peer), 14, 7, ACCESS_ATOMIC);
+    let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+    a.max_rd_atomic = da.max_qp_init_rd_atom as u8 + 1;
+    let m = ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC.0 as i32;
+    assert_eq!(unsafe { ibv_modify_qp(qp, &mut a, m) }, libc::EINVAL);
+    a.max_rd_atomic = da.max_qp_init_rd_atom as u8;
+    assert_eq!(unsafe { ibv_modify_qp(qp, &mut a, m) }, 0);
+    let mut q: ibv_qp_attr = unsafe { std::mem::zeroed() };
+    let mut i: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { ibv_query_qp(qp, &mut q, m, &mut i) }, 0);
+    assert_eq!(q.max_rd_atomic, da.max_qp_init_rd_atom as u8, "as accepted");
+    let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+    a.max_dest_rd_atomic = da.max_qp_rd_atom as u8 + 1;
+    let m = ibv_qp_attr_mask::IBV_QP_MAX_DEST_RD_ATOMIC.0 as i32;
+    assert_eq!(unsafe { ibv_modify_qp(qp, &mut a, m) }, libc::EINVAL);
+}
+
+#[test]
+fn concurrent_fetch_adds_from_many_qps_lose_nothing() {
+    needs_launcher!("concurrent_fetch_adds_from_many_qps_lose_nothing");
+    const THREADS: usize = 4;
+    const EACH: u64 = 5000;
+    let dev = Dev::open();
+    let target = Buf::with_access(&dev, 64, 0, ACCESS_ATOMIC);
+    let (raddr, rkey) = (target.addr(), target.rkey());
+    let rcq = dev.cq(8, null_mut());
+    let mut handles = Vec::new();
+    for _ in 0..THREADS {
+        let cq = dev.cq(64, null_mut());
+        let a = dev.qp(cq, cq, null_mut());
+        let b = dev.qp(rcq, rcq, null_mut());
+        connect_full(a, qpn(b), 14, 7, ACCESS_ATOMIC);
+        connect_full(b, qpn(a), 14, 7, ACCESS_ATOMIC);
+        // Each thread owns its QP, CQ and result buffer.
+        let local = SendPtr(Box::into_raw(Box::new(Buf::new(&dev, 8, 0))));
+        let (a, cq) = (SendPtr(a), SendPtr(cq));
+        handles.push(std::thread::spawn(move || {
+            let (a, cq, local) = (a, cq, local);
+            let local = unsafe { &*local.0 };
+            let mut seen = Vec::with_capacity(EACH as usize);
+            for i in 0..EACH {
+                assert_eq!(
+                    post_atomic(a.0, local, 0, i, WR_FETCH_ADD, raddr, rkey, 1, 0),
+                    0
+                );
+                assert_eq!(poll(cq.0, 1)[0].status, WC_SUCCESS);
+                seen.push(word(local, 0));
+            }
+            seen
+        }));
+    }
+    let mut all: Vec<u64> = handles
+        .into_iter()
+        .flat_map(|h| h.join().expect("thread"))
+        .collect();
+    assert_eq!(word(&target, 0), THREADS as u64 * EACH, "no lost update");
+    all.sort_unstable();
+    let expect: Vec<u64> = (0..THREADS as u64 * EACH).collect();
+    assert!(all == expect, "every original value seen exactly once");
+}
