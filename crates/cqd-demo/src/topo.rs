@@ -156,9 +156,11 @@ pub fn resolve_side(
                     None => {}
                 }
             }
+            // Kept: the side's own pollers, mixed ones (refused below)
+            // and those naming no demo CQ (refused below).
             match side {
-                Side::Server => !(ld && !srv),
-                Side::Load => !(srv && !ld),
+                Side::Server => srv || !ld,
+                Side::Load => ld || !srv,
                 Side::Both => true,
             }
         });
