@@ -177,7 +177,7 @@ demo_two() {
     fi
     if [[ $ok -eq 1 ]]; then
         echo "ok   $name ($n server process(es) + 1 load process):"
-        grep -E '^(load|verify|server 127|verdict)' "$l" | sed 's/^/       load: /'
+        grep -E '^(load +[0-9]|verify|server 127|verdict)' "$l" | sed 's/^/       load: /'
         for ((i = 0; i < n; i++)); do
             grep -E '^verdict' "$LOGS/$name.serve$i.log" | sed "s/^/       serve $i: /"
         done
@@ -191,7 +191,7 @@ demo_two demo_serve_load_striped $((BASE + 14)) 2
 l=$LOGS/demo_one_process.log
 if timeout 120 "$RUN" "$DEMO" --backend verbs --device softverbs0 --quick >"$l" 2>&1 \
     && grep -q 'verdict data:     PASSED' "$l" && grep -q 'verdict accounts: PASSED' "$l"; then
-    echo "ok   demo_one_process:"; grep -E '^(load|verdict)' "$l" | sed 's/^/       /'
+    echo "ok   demo_one_process:"; grep -E '^(load +[0-9]|verdict)' "$l" | sed 's/^/       /'
 else
     echo "FAIL demo_one_process"; cat "$l"; demo_fail=$((demo_fail + 1))
 fi

@@ -314,6 +314,9 @@ pub fn serve_on<N: Node>(
             }
         }
         eprintln!("cqd-demo serve: load {addr} connected; serving");
+        // One session per process: a second load is refused at once
+        // rather than left waiting for a handshake.
+        drop(listener);
         // The session runs until the load says done or goes away.
         wire.set_timeout(None);
         let outcome = match wire.recv::<serde_json::Value>() {

@@ -283,3 +283,27 @@ fn a_control_connection_lost_mid_run_fails_the_requests_in_flight_on_both_sides(
     );
     assert!(s.accounts_verdict.passed, "{}", s.text());
 }
+
+#[test]
+fn a_second_load_is_turned_away_at_once_while_a_session_runs() {
+    let fabric = SimFabric::new(0.0, 6);
+    let (addr, srv) = server(&fabric, "srv0", serve_cfg(&["--device-size", "2MiB"]));
+    let first = {
+        let fabric = fabric.clone();
+        let cfg = load_cfg(std::slice::from_ref(&addr), &["--duration", "3s"]);
+        std::thread::spawn(move || load(&fabric, &cfg))
+    };
+    // Wait until the session runs (the server stops listening then).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while TcpStream::connect(&addr).is_ok() {
+        assert!(Instant::now() < deadline, "the server still listens");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let started = Instant::now();
+    let e = load(&fabric, &load_cfg(std::slice::from_ref(&addr), &[])).unwrap_err();
+    assert!(e.to_string().contains("cannot reach server"), "{e}");
+    assert!(started.elapsed() < Duration::from_secs(6));
+    let r = first.join().unwrap().unwrap();
+    assert!(r.passed(), "{}", r.text());
+    assert!(srv.join().unwrap().unwrap().passed());
+}
