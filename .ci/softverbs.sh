@@ -11,7 +11,7 @@ start=$(date +%s)
 
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
-apt-get install -y -qq ibverbs-utils perftest libibverbs-dev librdmacm-dev libclang-dev pkg-config iproute2 >/dev/null
+apt-get install -y -qq ibverbs-utils perftest python3-pyverbs libibverbs-dev librdmacm-dev libclang-dev pkg-config iproute2 >/dev/null
 
 cargo build -p softverbs --release
 cargo test -p softverbs --release --no-run
@@ -114,6 +114,10 @@ single() { # NAME CHECK_REGEX CMD...
 
 single ibv_devices 'softverbs0' ibv_devices
 single ibv_devinfo 'PORT_ACTIVE' ibv_devinfo -v
+# libibverbs loaded with dlopen after start (Python imports pyverbs): the
+# device is listed and completion channels work. Debian's interpreter, the
+# one python3-pyverbs installs into.
+single pyverbs_dlopen_events 'pyverbs events ok' /usr/bin/python3 crates/softverbs/tests/pyverbs_events.py
 pair rc_pingpong $((BASE + 0)) 'iters in' ibv_rc_pingpong -n 5000
 pair rc_pingpong_events $((BASE + 1)) 'iters in' ibv_rc_pingpong -e -n 5000
 pair srq_pingpong $((BASE + 2)) 'iters in' ibv_srq_pingpong -n 2000

@@ -375,6 +375,101 @@ fn peer_of_dead(mut ch: Chan) {
     ch.send("2");
 }
 
+/// The transport timeout the dead-peer test's QPs use: local ACK timeout
+/// 10 (4.096 µs × 2^10) and retry_cnt 3, i.e. four tries.
+const DEAD_TIMEOUT: u8 = 10;
+const DEAD_RETRY: u8 = 3;
+
+fn dead_peer_transport_timeout() -> std::time::Duration {
+    std::time::Duration::from_nanos(4096 * (1 << DEAD_TIMEOUT) * (DEAD_RETRY as u64 + 1))
+}
+
+/// A responder process that dies (no destroy, no cleanup) never answers
+/// again: as on an RC QP of hardware, the requester's WR completes with
+/// `IBV_WC_RETRY_EXC_ERR` once the QP's transport timeout (4.096 µs ×
+/// 2^timeout per try, retry_cnt + 1 tries) has passed since the peer fell
+/// silent — not at once with a remote error (a receive was still posted in
+/// the dead process), and not never (a send waiting for a receive when the
+/// peer died). The WRs behind it flush, in order.
+#[test]
+fn cross_process_dead_peer_gets_retry_exceeded_after_transport_timeout() {
+    if let Some(ch) = child_chan() {
+        return dying_peer(ch);
+    }
+    if !launcher_or_skip("cross_process_dead_peer_gets_retry_exceeded_after_transport_timeout") {
+        return;
+    }
+    let (mut child, mut ch) =
+        spawn("cross_process_dead_peer_gets_retry_exceeded_after_transport_timeout");
+    let dev = Dev::open();
+    let cq = dev.cq(64, null_mut());
+    let q1 = dev.qp(cq, cq, null_mut());
+    let q2 = dev.qp(cq, cq, null_mut());
+    ch.send(&format!("{} {}", qpn(q1), qpn(q2)));
+    let p = ch.recv();
+    connect_with(q1, p[0] as u32, DEAD_TIMEOUT, DEAD_RETRY);
+    connect_with(q2, p[1] as u32, DEAD_TIMEOUT, DEAD_RETRY);
+    let _ready = ch.recv();
+    let src = Buf::new(&dev, 64, 5);
+    // q2's peer has no receive: the SEND waits (RNR) while the peer lives.
+    assert_eq!(post_send(q2, &src, 0, 8, 10, send(WR_SEND, SIGNALED)), 0);
+    poll_none(cq, std::time::Duration::from_millis(50));
+    ch.send("die");
+    assert!(child.wait().expect("wait").success(), "peer process failed");
+    let died = std::time::Instant::now();
+    // q1's peer left a receive posted in its (dead) ring.
+    for id in 1..=3 {
+        assert_eq!(post_send(q1, &src, 0, 8, id, send(WR_SEND, SIGNALED)), 0);
+    }
+    let wcs = poll(cq, 4);
+    let elapsed = died.elapsed();
+    let of = |q: *mut ibv_qp| -> Vec<(u64, u32)> {
+        wcs.iter()
+            .filter(|w| w.qp_num == qpn(q))
+            .map(|w| (w.wr_id, w.status))
+            .collect()
+    };
+    assert_eq!(
+        of(q1),
+        vec![
+            (1, ibv_wc_status::IBV_WC_RETRY_EXC_ERR),
+            (2, ibv_wc_status::IBV_WC_WR_FLUSH_ERR),
+            (3, ibv_wc_status::IBV_WC_WR_FLUSH_ERR),
+        ],
+        "the first WR times out, the others flush behind it"
+    );
+    assert_eq!(
+        of(q2),
+        vec![(10, ibv_wc_status::IBV_WC_RETRY_EXC_ERR)],
+        "the SEND that waited for a receive when the peer died"
+    );
+    assert!(
+        elapsed >= dead_peer_transport_timeout(),
+        "RETRY_EXC_ERR after {elapsed:?}, before the transport timeout {:?}",
+        dead_peer_transport_timeout()
+    );
+    for q in [q1, q2] {
+        assert_eq!(unsafe { ibv_destroy_qp(q) }, 0);
+    }
+    assert_eq!(unsafe { ibv_destroy_cq(cq) }, 0);
+}
+
+fn dying_peer(mut ch: Chan) {
+    let dev = Dev::open();
+    let cq = dev.cq(64, null_mut());
+    let r = ch.recv();
+    let (q1, q2) = (dev.qp(cq, cq, null_mut()), dev.qp(cq, cq, null_mut()));
+    ch.send(&format!("{} {}", qpn(q1), qpn(q2)));
+    connect_with(q1, r[0] as u32, DEAD_TIMEOUT, DEAD_RETRY);
+    connect_with(q2, r[1] as u32, DEAD_TIMEOUT, DEAD_RETRY);
+    let dst = Buf::new(&dev, 64, 0);
+    post_recv(q1, &dst, 0, 64, 1);
+    ch.send("ready");
+    let _die = ch.recv();
+    // Gone without a word: no destroy, no close, no exit handlers.
+    unsafe { libc::_exit(0) };
+}
+
 /// Read one async event of `ctx` (within 5 s), check type and element, ack.
 fn expect_async(ctx: *mut ibv_context, ty: u32, element: usize) {
     assert!(

@@ -5,7 +5,7 @@
 mod common;
 use common::*;
 use std::ptr::null_mut;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 macro_rules! needs_launcher {
     ($name:expr) => {
@@ -379,12 +379,21 @@ fn destroy_order_is_enforced_and_clean() {
     assert_eq!(unsafe { ibv_destroy_cq(p.cq_b) }, libc::EBUSY);
     assert_eq!(unsafe { ibv_destroy_qp(p.b) }, 0);
     assert_eq!(unsafe { ibv_destroy_cq(p.cq_b) }, 0);
-    // The peer is gone: a send now fails instead of hanging.
+    // The peer is gone: a send now fails instead of hanging, after the
+    // transport timeout (connect's timeout 14 and retry_cnt 7: 4.096 µs ×
+    // 2^14 per try, 8 tries), as the responder never answers.
     let buf = Buf::new(&p.dev, 64, 0);
+    let t0 = std::time::Instant::now();
     assert_eq!(post_send(p.a, &buf, 0, 8, 1, send(WR_SEND, SIGNALED)), 0);
     assert_eq!(
         poll(p.cq_a, 1)[0].status,
         ibv_wc_status::IBV_WC_RETRY_EXC_ERR
+    );
+    let timeout = std::time::Duration::from_nanos(4096 * (1 << 14) * 8);
+    assert!(
+        t0.elapsed() >= timeout,
+        "RETRY_EXC_ERR after {:?}, before the transport timeout {timeout:?}",
+        t0.elapsed()
     );
     assert_eq!(unsafe { ibv_destroy_qp(p.a) }, 0);
     assert_eq!(unsafe { ibv_destroy_cq(p.cq_a) }, 0);
@@ -554,5 +563,57 @@ fn reg_mr_remote_write_or_atomic_needs_local_write() {
         let mr = reg(good);
         assert!(!mr.is_null(), "access {good:#x} refused");
         assert_eq!(unsafe { ibv_dereg_mr(mr) }, 0);
+    }
+}
+
+/// A send waiting for a receive (RNR) while the application sleeps in the
+/// completion channel resumes when the responder posts the receive — the
+/// responder rings its QP's doorbell and the progress thread, asleep on it,
+/// retries at once — not when a retry timer next expires. Each round
+/// leaves the progress thread asleep (2 ms) before the receive is posted and
+/// measures post_recv → completion event. A timer-driven retry (every
+/// 200 µs before the fix) puts the median near 100 µs or above; a wake-up
+/// costs a few µs (two thread wake-ups).
+#[test]
+fn waiting_send_resumes_on_the_receive_not_on_a_timer() {
+    needs_launcher!("waiting_send_resumes_on_the_receive_not_on_a_timer");
+    const ROUNDS: usize = 100;
+    let dev = Dev::open();
+    let ch = dev.channel();
+    let cq_a = dev.cq(16, ch);
+    let cq_b = dev.cq(16, null_mut());
+    let a = dev.qp(cq_a, cq_a, null_mut());
+    let b = dev.qp(cq_b, cq_b, null_mut());
+    connect(a, qpn(b));
+    connect(b, qpn(a));
+    let buf = Buf::new(&dev, 64, 3);
+    let mut lat = Vec::with_capacity(ROUNDS);
+    for i in 0..ROUNDS as u64 {
+        assert_eq!(unsafe { ibv_req_notify_cq(cq_a, 0) }, 0);
+        assert_eq!(post_send(a, &buf, 0, 8, i, send(WR_SEND, SIGNALED)), 0);
+        // Vary the phase against any periodic retry.
+        std::thread::sleep(Duration::from_micros(2000 + (i * 37) % 200));
+        let t0 = Instant::now();
+        post_recv(b, &buf, 32, 32, 1000 + i);
+        assert!(readable(ch, 2000), "the waiting send never completed");
+        lat.push(t0.elapsed());
+        get_event(ch, cq_a);
+        assert_eq!(poll(cq_a, 1)[0].wr_id, i);
+        assert_eq!(poll(cq_b, 1)[0].wr_id, 1000 + i);
+    }
+    lat.sort();
+    let (median, p90, max) = (lat[ROUNDS / 2], lat[ROUNDS * 9 / 10], lat[ROUNDS - 1]);
+    let line = format!("resume latency: median {median:?}, p90 {p90:?}, max {max:?}\n");
+    unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
+    assert!(
+        median < Duration::from_micros(50),
+        "a posted receive resumed the waiting send after {median:?} (median): \
+         the progress thread waits for a timer"
+    );
+    for q in [a, b] {
+        assert_eq!(unsafe { ibv_destroy_qp(q) }, 0);
+    }
+    for c in [cq_a, cq_b] {
+        assert_eq!(unsafe { ibv_destroy_cq(c) }, 0);
     }
 }

@@ -345,6 +345,19 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             }
             let found = self.poll_cq(i);
             if found > 0 {
+                // The completions' notification may have been on its way
+                // when the round collected: a poll that found them saw the
+                // device's state after it fired (a device notifies when it
+                // writes the completion), so look once more before calling
+                // it missed.
+                self.collect_now();
+                if self.ready.st[i].active {
+                    // Notified late, not missed; what it announced is
+                    // already polled.
+                    self.ready.st[i].events = 0;
+                    total += found;
+                    continue;
+                }
                 let cq = &self.cqs[i];
                 bump(&cq.shared().metrics.0.recovered_missed_events, 1);
                 tracing::warn!(

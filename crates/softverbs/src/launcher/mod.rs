@@ -5,7 +5,8 @@
 //! 2. enter a private mount namespace (mount propagation private);
 //! 3. mount a tmpfs on [`STAGE`] (the same path in every namespace, so
 //!    nothing is left behind on the host) and write there the fake sysfs tree
-//!    and a copy of the provider named `libsoftverbs-rdmav34.so`;
+//!    and two copies of the provider named `libsoftverbs-rdmav34.so`, `lib/`
+//!    (preloaded) and `lib/driver/` (named by `RDMAV_DRIVERS`);
 //! 4. overlay `/dev` (upper layer in the tmpfs) and add
 //!    `/dev/infiniband/uverbs0 -> /dev/full`, moving `/dev/shm`, `/dev/pts`
 //!    and `/dev/mqueue` back in; the host's `/dev` is untouched;
@@ -136,6 +137,16 @@ pub fn launch(args: Vec<OsString>) -> Result<std::convert::Infallible, LaunchErr
     std::fs::create_dir_all(&lib_dir).map_err(os("creating the staging lib dir"))?;
     let lib = lib_dir.join("libsoftverbs-rdmav34.so");
     std::fs::copy(&provider, &lib).map_err(os(format!("copying {}", provider.display())))?;
+    // The copy libibverbs loads from RDMAV_DRIVERS: a file of its own (not a
+    // link: the loader would find the preloaded object by inode and run no
+    // constructor), whose constructor registers the preloaded copy whenever
+    // libibverbs loads its providers — also in programs that `dlopen`
+    // libibverbs after start, when the preloaded copy's constructor found
+    // no libibverbs to register with.
+    let driver_dir = lib_dir.join("driver");
+    std::fs::create_dir_all(&driver_dir).map_err(os("creating the staging driver dir"))?;
+    let driver = driver_dir.join("libsoftverbs-rdmav34.so");
+    std::fs::copy(&provider, &driver).map_err(os(format!("copying {}", provider.display())))?;
     ns::overlay_dev(stage)?;
     let mut preload = OsString::from(lib.as_os_str());
     if let Some(old) = std::env::var_os("LD_PRELOAD").filter(|v| !v.is_empty()) {
@@ -146,7 +157,7 @@ pub fn launch(args: Vec<OsString>) -> Result<std::convert::Infallible, LaunchErr
         ("SYSFS_PATH", OsString::from(stage.join("sys").as_os_str())),
         (
             "RDMAV_DRIVERS",
-            OsString::from(lib_dir.join("libsoftverbs").as_os_str()),
+            OsString::from(driver_dir.join("libsoftverbs").as_os_str()),
         ),
         ("LD_PRELOAD", preload),
         ("SOFTVERBS_RUN", OsString::from("1")),

@@ -62,6 +62,24 @@ impl QpState {
     }
 }
 
+/// The requester's transport timeout of an RC QP: how long a request that
+/// draws no answer at all (the responder's QP is gone or in ERR, its process
+/// died, its device is dead) is retried before it completes with
+/// `IBV_WC_RETRY_EXC_ERR`. From the QP's attributes, as on hardware: each
+/// try waits for the local ACK timeout, 4.096 µs × 2^`timeout`, and there
+/// are `retry_cnt` + 1 tries (the first send and `retry_cnt` retries).
+/// `timeout` 0 means wait for ever (`ibv_modify_qp(3)`): `None`.
+/// `timeout` is a 5-bit and `retry_cnt` a 3-bit field; larger values are
+/// clamped to 31 and 7.
+pub fn transport_timeout(timeout: u8, retry_cnt: u8) -> Option<std::time::Duration> {
+    if timeout == 0 {
+        return None;
+    }
+    let per_try_ns = 4096u64 << timeout.min(31);
+    let tries = u64::from(retry_cnt.min(7)) + 1;
+    Some(std::time::Duration::from_nanos(per_try_ns * tries))
+}
+
 /// `IBV_QP_STATE` attribute-mask bit.
 pub const ATTR_STATE: i32 = 1;
 /// `IBV_QP_ACCESS_FLAGS`.
@@ -140,5 +158,18 @@ mod tests {
             assert_eq!(QpState::from_u32(v).map(|s| s as u32), Some(v));
         }
         assert_eq!(QpState::from_u32(99), None);
+    }
+
+    #[test]
+    fn transport_timeout_is_ack_timeout_times_tries() {
+        use std::time::Duration;
+        assert_eq!(transport_timeout(0, 7), None, "0: infinite");
+        // ibv_rc_pingpong / perftest: 14 and 7: 67.1 ms × 8.
+        assert_eq!(
+            transport_timeout(14, 7),
+            Some(Duration::from_nanos(4096 * (1 << 14) * 8))
+        );
+        assert_eq!(transport_timeout(1, 0), Some(Duration::from_nanos(8192)));
+        assert_eq!(transport_timeout(40, 9), transport_timeout(31, 7));
     }
 }

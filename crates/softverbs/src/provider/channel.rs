@@ -8,7 +8,16 @@
 //!    of a pipe; the write end stays open here so reads block instead of
 //!    returning EOF; event records are written by [`super::notify`];
 //! 2. for any other context it forwards to libibverbs' own symbol
-//!    (`IBVERBS_1.0`), found with `dlvsym(RTLD_NEXT)`.
+//!    (`IBVERBS_1.0`), found with `dlvsym(RTLD_NEXT)` or, when libibverbs
+//!    was `dlopen`ed out of the global scope, through its handle.
+//!
+//! Programs reach this symbol whenever their call resolves through the
+//! global scope, where the preloaded library comes before libibverbs:
+//! programs linked with libibverbs and modules linked with it that are
+//! `dlopen`ed later (Python extensions such as pyverbs, transport plug-ins).
+//! A caller that takes the address from libibverbs' own handle
+//! (`dlsym(dlopen("libibverbs.so.1"), …)`) or loads with `RTLD_DEEPBIND`
+//! gets libibverbs' function, which issues a kernel command.
 //!
 //! `ibv_destroy_comp_channel` is interposed the same way to close the write
 //! end once libibverbs has released the channel.
@@ -34,9 +43,17 @@ pub fn is_ours(ch: *mut ibv::ibv_comp_channel) -> bool {
         .contains_key(&(ch as usize))
 }
 
+/// libibverbs' own `name@IBVERBS_1.0`: the next definition in the global
+/// scope (libibverbs linked or loaded `RTLD_GLOBAL`, or another interposer),
+/// else libibverbs' handle (loaded with `dlopen`, `RTLD_LOCAL`: out of the
+/// scope `RTLD_NEXT` searches).
 fn real(name: &std::ffi::CStr) -> *mut libc::c_void {
     // SAFETY: valid C strings; RTLD_NEXT is a valid pseudo-handle.
-    unsafe { libc::dlvsym(libc::RTLD_NEXT, name.as_ptr(), c"IBVERBS_1.0".as_ptr()) }
+    let next = unsafe { libc::dlvsym(libc::RTLD_NEXT, name.as_ptr(), c"IBVERBS_1.0".as_ptr()) };
+    if !next.is_null() {
+        return next;
+    }
+    crate::sys::private::libibverbs_symbol(name, c"IBVERBS_1.0").unwrap_or(std::ptr::null_mut())
 }
 
 /// Interposed `ibv_create_comp_channel`.

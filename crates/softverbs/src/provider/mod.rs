@@ -20,6 +20,7 @@ pub mod xfer;
 
 use std::ffi::c_void;
 use std::mem::offset_of;
+use std::sync::Mutex;
 
 use crate::sys::abi::{
     VerbsContextOps, VerbsDevice, VerbsDeviceOps, VerbsMatchEnt, VerbsSysfsDev,
@@ -185,18 +186,52 @@ unsafe extern "C" fn uninit_device(dev: *mut VerbsDevice) {
     }
 }
 
-/// Register the provider with libibverbs (the load-time constructor's body).
+/// The load-time constructor's body: have libibverbs know the device.
 ///
-/// Silent when libibverbs is not in the process (the library is also
-/// preloaded into every program the launcher starts); loud when libibverbs
-/// is there but lacks the private ABI this build needs.
+/// Two copies of this library can be in a process started by the launcher
+/// (docs/softverbs.md, "How libibverbs finds the device"): the preloaded one,
+/// in the global scope, whose `ibv_create_comp_channel` programs call and
+/// which therefore must own the contexts; and the one libibverbs `dlopen`s
+/// from `RDMAV_DRIVERS` when it loads its providers. The copy the global
+/// scope resolves [`softverbs_register`] to is the one registered: the
+/// driver copy's constructor hands over to the preloaded copy, and
+/// registers itself only when nothing is preloaded.
 pub fn register() {
-    if !crate::sys::private::libibverbs_loaded() {
+    let mine = softverbs_register as extern "C" fn() as *mut c_void;
+    // SAFETY: a valid C string; RTLD_DEFAULT is a valid pseudo-handle.
+    let global = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"softverbs_register".as_ptr()) };
+    if global.is_null() || global == mine {
+        softverbs_register();
+    } else {
+        // SAFETY: the global scope's `softverbs_register` is this very
+        // function in the preloaded copy of this library (same build, the
+        // launcher copies one file twice), of this type.
+        let f = unsafe { std::mem::transmute::<*mut c_void, extern "C" fn()>(global) };
+        f();
+    }
+}
+
+/// Register this copy's provider with libibverbs, once per process.
+///
+/// Silent while libibverbs is not loaded (the library is also preloaded
+/// into every program the launcher starts, most of which never load it:
+/// a later load registers through the driver copy's constructor, see
+/// [`register`]); loud when libibverbs is there but lacks the private ABI
+/// this build needs. libibverbs is found by handle, not in the global
+/// scope, so that a libibverbs `dlopen`ed `RTLD_LOCAL` is found too.
+#[no_mangle]
+pub extern "C" fn softverbs_register() {
+    static REGISTERED: Mutex<bool> = Mutex::new(false);
+    let mut done = REGISTERED.lock().unwrap_or_else(|e| e.into_inner());
+    if *done || !crate::sys::private::libibverbs_loaded() {
         return;
     }
+    *done = true;
     match private() {
         // SAFETY: DEVICE_OPS is a 'static table laid out as v44's
-        // verbs_device_ops, and register_driver is verbs_register_driver_34.
+        // verbs_device_ops, and register_driver is verbs_register_driver_34
+        // (which keeps the pointer in its driver list: it must be
+        // registered once, hence the flag).
         Ok(p) => unsafe { (p.register_driver)(&DEVICE_OPS) },
         Err(e) => warn(&format!("not registering the softverbs device: {e}")),
     }

@@ -1,30 +1,60 @@
 //! The background progress thread: retries sends that wait for a responder
-//! (RNR or a peer not yet at RTR) when the application is blocked in
-//! `ibv_get_cq_event` rather than polling.
+//! (RNR, a peer not yet at RTR, a responder that does not answer) when the
+//! application is blocked in `ibv_get_cq_event` rather than polling.
+//!
+//! It never waits for a timer when something happened: it sleeps on the
+//! responders' doorbells (shm::doorbell), which their owners ring when a
+//! receive is posted or their QP changes state, in whatever process; the
+//! waiting send is retried as soon as the ring arrives. Timers only bound
+//! the sleep for what nobody rings: a transport timeout running out
+//! (model::qp::transport_timeout), and a responder process dying or its
+//! device dying, looked at every [`LIVENESS`].
 //!
 //! Protocol:
 //! 1. A QP whose send queue starts waiting registers itself here (under its
-//!    send mutex, then the registry mutex); it unregisters the same way.
+//!    send mutex, then the registry mutex) and rings the thread's own
+//!    doorbell; it unregisters the same way.
 //! 2. The thread, holding the registry mutex, only *tries* each QP's send
 //!    mutex: it never blocks on it, so the two lock orders cannot deadlock.
+//!    A QP whose mutex is taken is looked at again after [`BUSY_RETRY`]
+//!    (its owner is inside a verb that progresses it anyway).
 //! 3. `destroy_qp` unregisters under the registry mutex before freeing
 //!    (always, whatever the QP's waiting state), so the thread never sees a
-//!    freed QP. This is the contract of the `unsafe` [`set`].
-//! 4. With nothing registered the thread sleeps on a condition variable.
+//!    freed QP. This is the contract of the `unsafe` [`set`]. The doorbells
+//!    slept on belong to responders' segments, which the sleep keeps mapped.
+//! 4. For each QP still waiting, its responder's doorbells are armed before
+//!    the retry, then slept on together with the thread's own doorbell
+//!    (`futex_waitv`); with nothing registered the thread sleeps on its own
+//!    doorbell alone.
 //! 5. The thread drops a QP from the registry itself once its queue is
 //!    empty (calls to [`set`] made on the thread are ignored: it already
 //!    holds the registry lock).
+//!
+//! On a kernel without `futex_waitv` the thread falls back to retrying every
+//! [`FALLBACK_PERIOD`].
 
 use std::cell::Cell;
 use std::collections::HashSet;
-use std::sync::{Condvar, Mutex, OnceLock};
-use std::time::Duration;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use super::qp::SvQp;
+use super::remote::Armed;
+use crate::shm::doorbell::{self, Waited, Watch};
+
+/// How often a waiting send looks whether its responder's process or device
+/// died (nothing rings for those).
+pub const LIVENESS: Duration = Duration::from_millis(10);
+/// How soon a QP whose send mutex was taken is looked at again.
+pub const BUSY_RETRY: Duration = Duration::from_micros(100);
+/// The retry period without `futex_waitv`.
+pub const FALLBACK_PERIOD: Duration = Duration::from_micros(200);
 
 struct Registry {
     qps: Mutex<HashSet<usize>>,
-    cv: Condvar,
+    /// Rung by [`set`] when a QP starts waiting (process-local futex).
+    bell: AtomicU32,
 }
 
 fn registry() -> &'static Registry {
@@ -32,7 +62,7 @@ fn registry() -> &'static Registry {
     static STARTED: OnceLock<()> = OnceLock::new();
     let r = R.get_or_init(|| Registry {
         qps: Mutex::new(HashSet::new()),
-        cv: Condvar::new(),
+        bell: AtomicU32::new(0),
     });
     STARTED.get_or_init(|| {
         let _ = std::thread::Builder::new()
@@ -75,34 +105,111 @@ pub unsafe fn set(qp: *const SvQp, on: bool) {
     let mut g = r.qps.lock().unwrap_or_else(|e| e.into_inner());
     if on {
         g.insert(qp as usize);
-        r.cv.notify_one();
+        drop(g);
+        r.bell.fetch_add(1, Ordering::SeqCst);
+        doorbell::wake(&r.bell, true);
     } else {
         g.remove(&(qp as usize));
     }
 }
 
+/// What one pass leaves to sleep on.
+struct Sleep {
+    armed: Vec<Armed>,
+    until: Option<Instant>,
+}
+
+impl Sleep {
+    fn by(&mut self, t: Instant) {
+        self.until = Some(self.until.map_or(t, |u| u.min(t)));
+    }
+}
+
+/// One pass over the registered QPs (step 2, 4, 5).
+fn pass(r: &Registry) -> Sleep {
+    let mut sleep = Sleep {
+        armed: Vec::new(),
+        until: None,
+    };
+    let mut g = r.qps.lock().unwrap_or_else(|e| e.into_inner());
+    g.retain(|&q| {
+        // SAFETY: step 3: registered QPs are live while the registry lock
+        // is held.
+        let q = unsafe { &*(q as *const SvQp) };
+        let Ok(mut ss) = q.send.try_lock() else {
+            sleep.by(Instant::now() + BUSY_RETRY);
+            return true;
+        };
+        // Arm before the retry: a receive posted after it rings us.
+        let armed = ss.remote.as_ref().map(|rm| rm.arm());
+        super::send::progress(q, &mut ss);
+        if ss.pending.is_empty() {
+            return false;
+        }
+        let now = Instant::now();
+        match armed {
+            Some(a) => sleep.armed.push(a),
+            // The responder was mapped during this retry: arm it next pass.
+            None if ss.remote.is_some() => sleep.by(now),
+            None => {}
+        }
+        sleep.by(now + LIVENESS);
+        if let Some(d) = super::send::silence_deadline(&ss) {
+            sleep.by(d);
+        }
+        true
+    });
+    sleep
+}
+
 fn run() {
     ON_THREAD.with(|c| c.set(true));
     let r = registry();
+    let mut waitv = true;
     loop {
-        {
-            let mut g = r.qps.lock().unwrap_or_else(|e| e.into_inner());
-            while g.is_empty() {
-                g = r.cv.wait(g).unwrap_or_else(|e| e.into_inner());
-            }
-            g.retain(|&q| {
-                // SAFETY: step 3: registered QPs are live while the registry
-                // lock is held.
-                let q = unsafe { &*(q as *const SvQp) };
-                match q.send.try_lock() {
-                    Ok(mut ss) => {
-                        super::send::progress(q, &mut ss);
-                        !ss.pending.is_empty()
-                    }
-                    Err(_) => true,
-                }
-            });
+        let own = r.bell.load(Ordering::SeqCst);
+        let sleep = pass(r);
+        let timeout = sleep
+            .until
+            .map(|t| t.saturating_duration_since(Instant::now()));
+        if timeout == Some(Duration::ZERO) {
+            continue;
         }
-        std::thread::sleep(Duration::from_micros(200));
+        if waitv {
+            let mut watches = vec![Watch {
+                word: &r.bell,
+                val: own,
+                private: true,
+            }];
+            watches.extend(sleep.armed.iter().flat_map(Armed::watches));
+            // More words than one call takes: bound the sleep instead.
+            let timeout = if watches.len() > doorbell::WAITV_MAX {
+                Some(timeout.map_or(FALLBACK_PERIOD, |t| t.min(FALLBACK_PERIOD)))
+            } else {
+                timeout
+            };
+            if doorbell::wait_any(&watches, timeout) != Waited::Unsupported {
+                continue;
+            }
+            waitv = false;
+        }
+        drop(sleep);
+        let empty = r.qps.lock().unwrap_or_else(|e| e.into_inner()).is_empty();
+        if empty {
+            // Plain FUTEX_WAIT on our own doorbell (no futex_waitv here).
+            // SAFETY: `bell` is a valid aligned u32 of this process; the
+            // kernel only compares it with `own`.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_futex,
+                    r.bell.as_ptr(),
+                    libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
+                    own,
+                    std::ptr::null::<libc::timespec>(),
+                )
+            };
+        } else {
+            std::thread::sleep(FALLBACK_PERIOD);
+        }
     }
 }

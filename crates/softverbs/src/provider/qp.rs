@@ -118,6 +118,8 @@ impl SvQp {
         self.hdr()
             .state
             .store(QpState::Err as u32, Ordering::SeqCst);
+        // Requesters waiting on us now hear nothing (their timeout starts).
+        self.hdr().doorbell.ring();
         self.flush(ss);
         super::events::last_wqe(self.ctx().hdr(), self.hdr());
     }
@@ -330,6 +332,7 @@ pub unsafe extern "C" fn destroy_qp(qp: *mut ibv::ibv_qp) -> c_int {
     {
         let mut ss = q.lock_send();
         q.hdr().state.store(QpState::Err as u32, Ordering::Release);
+        q.hdr().doorbell.ring();
         ss.pending.clear();
         ss.set_waiting(q, false);
         // Progress step 3: leave the background registry before the free,
@@ -443,6 +446,7 @@ pub unsafe extern "C" fn modify_qp(
             // SAFETY: both are valid ibv_ah_attr values (plain C data).
             unsafe { std::ptr::copy_nonoverlapping(&a.ah_attr, &mut st.ah_attr, 1) };
         }
+        ss.transport_timeout = m::transport_timeout(st.timeout, st.retry_cnt);
     }
     if mask & m::ATTR_ACCESS_FLAGS != 0 {
         q.hdr().access.store(a.qp_access_flags, Ordering::Release);
@@ -463,6 +467,8 @@ pub unsafe extern "C" fn modify_qp(
             }
             _ => q.hdr().state.store(next as u32, Ordering::Release),
         }
+        // Requesters waiting for us to reach RTR (or now unanswered).
+        q.hdr().doorbell.ring();
     }
     0
 }
@@ -570,6 +576,8 @@ pub unsafe extern "C" fn post_recv(
             return libc::ENOMEM;
         } else {
             q.recheck_error();
+            // A requester may be waiting for this receive (RNR).
+            q.hdr().doorbell.ring();
         }
         wr = w.next;
     }

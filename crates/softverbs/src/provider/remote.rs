@@ -3,6 +3,7 @@
 //! its receive CQ and, if any, its SRQ — all found from the QPN alone.
 
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -11,6 +12,7 @@ use super::notify::CqPort;
 use crate::model::event::{srq_limit_fires, SRQ_LIMIT_REACHED};
 use crate::model::qp::QpState;
 use crate::model::wc::{opcode, WcStatus};
+use crate::shm::doorbell::{Doorbell, Watch};
 use crate::shm::layout::{
     mr_table, ring_offset, Cqe, CtxHeader, MrSlot, QpHeader, RecvWqe, SrqHeader, CTX_BYTES, MAGIC,
 };
@@ -25,6 +27,61 @@ pub struct Remote {
     ctx: Arc<Segment>,
     rq: Ring<RecvWqe>,
     srq: Option<(Arc<Segment>, Ring<RecvWqe>)>,
+    owner: Owner,
+}
+
+/// The process owning the responder, for [`Remote::owner_gone`].
+#[derive(Debug)]
+enum Owner {
+    /// This process: alive while we run.
+    Me,
+    /// A pidfd of the owner taken at [`Remote::open`]: it names that very
+    /// process (not a later one reusing the pid) and becomes readable when
+    /// it exits, zombies included.
+    Fd(OwnedFd),
+    /// Already gone when the responder was mapped.
+    Gone,
+    /// No pidfd (an old kernel): `kill(pid, 0)`.
+    Pid(u32),
+}
+
+impl Owner {
+    fn of(pid: u32) -> Self {
+        if pid == super::xfer::my_pid() {
+            return Self::Me;
+        }
+        // SAFETY: pidfd_open takes a pid and flags 0; the result is checked.
+        let r = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        if r >= 0 {
+            // SAFETY: a fresh descriptor we own.
+            return Self::Fd(unsafe { OwnedFd::from_raw_fd(r as i32) });
+        }
+        match io::Error::last_os_error().raw_os_error() {
+            Some(libc::ESRCH) => Self::Gone,
+            _ => Self::Pid(pid),
+        }
+    }
+
+    fn gone(&self) -> bool {
+        match self {
+            Self::Me => false,
+            Self::Gone => true,
+            Self::Fd(fd) => {
+                let mut p = libc::pollfd {
+                    fd: fd.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: one valid pollfd, zero timeout.
+                unsafe { libc::poll(&mut p, 1, 0) > 0 }
+            }
+            Self::Pid(pid) => {
+                // SAFETY: signal 0 only checks for existence.
+                let r = unsafe { libc::kill(*pid as libc::pid_t, 0) };
+                r != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+            }
+        }
+    }
 }
 
 fn seg_err() -> io::Error {
@@ -41,8 +98,8 @@ impl Remote {
         let h = qp.base().cast::<QpHeader>();
         // SAFETY: the creator wrote the header before the QPN was known; the
         // magic is checked before any other field is trusted.
-        let (magic, ctx_id, cq_id, srq_id) =
-            unsafe { ((*h).magic, (*h).ctx, (*h).recv_cq, (*h).srq) };
+        let (magic, ctx_id, cq_id, srq_id, pid) =
+            unsafe { ((*h).magic, (*h).ctx, (*h).recv_cq, (*h).srq, (*h).pid) };
         if magic != MAGIC {
             return Err(seg_err());
         }
@@ -76,7 +133,39 @@ impl Remote {
             rq,
             srq,
             cq,
+            owner: Owner::of(pid),
         })
+    }
+
+    /// Announce a sleeper on every doorbell that rings when a request to
+    /// this responder may get through (its QP's; its SRQ's too), reading
+    /// their values (shm::doorbell). Retry the request after this, then
+    /// sleep on [`Armed::watches`]; dropping the guard disarms.
+    pub fn arm(&self) -> Armed {
+        let mut a = Armed {
+            bells: Vec::with_capacity(2),
+        };
+        let qp_bell = std::ptr::addr_of!(self.hdr().doorbell);
+        a.bells
+            .push((Arc::clone(&self.qp), qp_bell, self.hdr().doorbell.arm()));
+        if let Some((seg, _)) = &self.srq {
+            // SAFETY: an SRQ segment starts with its header (checked in
+            // open); `seg` is kept alive with the pointer in the guard.
+            let h = unsafe { &*seg.base().cast::<SrqHeader>() };
+            a.bells.push((
+                Arc::clone(seg),
+                std::ptr::addr_of!(h.doorbell),
+                h.doorbell.arm(),
+            ));
+        }
+        a
+    }
+
+    /// Whether the process owning the responder exited (or crashed): it
+    /// will never answer. A system call on the other-process path, so only
+    /// asked when a request is not going through.
+    pub fn owner_gone(&self) -> bool {
+        self.owner.gone()
     }
 
     /// The responder's shared header.
@@ -168,6 +257,9 @@ impl Remote {
                 Err(now) => cur = now,
             }
         };
+        if moved {
+            h.doorbell.ring();
+        }
         if let Some(ty) = event {
             events::raise(self.ctx_hdr(), &h.events, &h.gone, h.qp_ptr, ty);
         }
@@ -184,6 +276,35 @@ impl Remote {
                     ..Cqe::default()
                 });
             }
+        }
+    }
+}
+
+/// Doorbells armed by [`Remote::arm`]; each keeps its segment mapped, so a
+/// sleeper never watches an unmapped word even if the requester QP is
+/// destroyed meanwhile.
+#[derive(Debug)]
+pub struct Armed {
+    bells: Vec<(Arc<Segment>, *const Doorbell, u32)>,
+}
+
+impl Armed {
+    /// The words to sleep on.
+    pub fn watches(&self) -> impl Iterator<Item = Watch<'_>> {
+        self.bells.iter().map(|&(_, b, val)| Watch {
+            // SAFETY: `b` points into the segment held next to it.
+            word: unsafe { &(*b).seq },
+            val,
+            private: false,
+        })
+    }
+}
+
+impl Drop for Armed {
+    fn drop(&mut self) {
+        for &(_, b, _) in &self.bells {
+            // SAFETY: as in `watches`.
+            unsafe { (*b).disarm() };
         }
     }
 }

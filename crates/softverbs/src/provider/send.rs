@@ -4,7 +4,10 @@
 //! 1. validate the local gather list against this context's MR table
 //!    (skipped for inline sends) — failure: `LOC_PROT_ERR`;
 //! 2. find the responder by QPN (segment `qp-<qpn>`, cached) — not yet RTR:
-//!    the WR waits; gone or in ERR: `RETRY_EXC_ERR`;
+//!    the WR waits; no answer at all (the responder's QP destroyed or in
+//!    ERR, its process gone, its device dead): the WR is retried until the
+//!    QP's transport timeout ([`crate::model::qp::transport_timeout`]) has
+//!    passed, then completes with `RETRY_EXC_ERR`;
 //! 3. SEND / WRITE-with-immediate take a receive WQE from the responder's
 //!    ring or SRQ — none: the WR waits (infinite RNR retry);
 //! 4. validate the responder's buffers against the responder's MR table
@@ -54,6 +57,9 @@ pub struct Wr {
     rkey: u32,
     owned: Option<Vec<u8>>,
     since: Option<Instant>,
+    /// Since when the responder has not answered this WR at all (the
+    /// transport timeout runs from there).
+    silent_since: Option<Instant>,
 }
 
 /// The send side of a QP (under the QP's send mutex).
@@ -65,6 +71,9 @@ pub struct SendSide {
     pub remote: Option<Remote>,
     /// WRs waiting for the responder.
     pub pending: Pending,
+    /// The QP's transport timeout (from `timeout` and `retry_cnt`; `None`:
+    /// infinite), kept by `modify_qp`.
+    pub transport_timeout: Option<Duration>,
     waiting: bool,
 }
 
@@ -75,6 +84,7 @@ impl SendSide {
             dest_qpn: 0,
             remote: None,
             pending: Pending::new(),
+            transport_timeout: None,
             waiting: false,
         }
     }
@@ -107,6 +117,8 @@ enum Outcome {
     Done(WcStatus, u32),
     WaitPeer,
     WaitRnr,
+    /// The responder does not answer at all (model::qp::transport_timeout).
+    NoAnswer,
 }
 
 fn check(
@@ -186,6 +198,16 @@ fn responder_failed(r: &Remote, status: WcStatus) -> Outcome {
     Outcome::Done(status, 0)
 }
 
+/// No receive WQE for a SEND / WRITE-with-immediate: an RNR NAK (retried
+/// for ever) from a live responder, silence from a process that is gone.
+fn no_receive(r: &Remote) -> Outcome {
+    if r.owner_gone() {
+        Outcome::NoAnswer
+    } else {
+        Outcome::WaitRnr
+    }
+}
+
 fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
     let mut local = [Span::default(); MAX_SGE];
     let Some(len) = local_spans(q, w, &mut local) else {
@@ -196,8 +218,9 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
         match Remote::open(ss.dest_qpn) {
             Ok(r) => ss.remote = Some(r),
             // A QPN is only learnt after its QP was created, so a missing
-            // segment means the responder is gone: as a timeout on hardware.
-            Err(_) => return Outcome::Done(WcStatus::RetryExcErr, 0),
+            // segment means the responder is gone: requests to it are
+            // dropped, as by hardware for an unknown QPN.
+            Err(_) => return Outcome::NoAnswer,
         }
     }
     let Some(r) = ss.remote.as_ref() else {
@@ -205,24 +228,29 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
     };
     if r.dead() {
         // The responder's device died (model::device): it never answers.
-        return Outcome::Done(WcStatus::RetryExcErr, 0);
+        return Outcome::NoAnswer;
     }
     // Inside the responder from here to the return (its last-WQE event
     // waits for us, model::event).
     let _inside = r.enter();
     let st = r.state();
     if st.not_ready_yet() {
-        return Outcome::WaitPeer;
+        return if r.owner_gone() {
+            Outcome::NoAnswer
+        } else {
+            Outcome::WaitPeer
+        };
     }
     if !st.accepts_incoming() {
-        return Outcome::Done(WcStatus::RetryExcErr, 0);
+        // ERR (also what destroy_qp leaves): the responder drops requests.
+        return Outcome::NoAnswer;
     }
     let rh = r.hdr();
     let pid = rh.pid;
     match w.opcode {
         wr::SEND | wr::SEND_WITH_IMM => {
             let Some(wqe) = r.pop_recv() else {
-                return Outcome::WaitRnr;
+                return no_receive(r);
             };
             let mut dst = [Span::default(); MAX_SGE];
             let mut cap = 0u64;
@@ -270,6 +298,9 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
             // the caller's inline buffers); remote spans against the
             // responder's table, and the kernel checks them again.
             if !unsafe { write_to(pid, &dst[..wqe.sges().len()], local) } {
+                if r.owner_gone() {
+                    return Outcome::NoAnswer;
+                }
                 r.cq.push(recv_cqe(
                     r,
                     &wqe,
@@ -301,7 +332,7 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
             let wqe = if w.opcode == wr::RDMA_WRITE_WITH_IMM {
                 match r.pop_recv() {
                     Some(x) => Some(x),
-                    None => return Outcome::WaitRnr,
+                    None => return no_receive(r),
                 }
             } else {
                 None
@@ -312,6 +343,9 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
             }];
             // SAFETY: validated as in the SEND arm.
             if !unsafe { write_to(pid, &dst, local) } {
+                if r.owner_gone() {
+                    return Outcome::NoAnswer;
+                }
                 if let Some(wqe) = wqe {
                     r.cq.push(recv_cqe(
                         r,
@@ -350,6 +384,9 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
             }];
             // SAFETY: local spans validated with LOCAL_WRITE; remote as above.
             if !unsafe { read_from(pid, local, &src) } {
+                if r.owner_gone() {
+                    return Outcome::NoAnswer;
+                }
                 return responder_failed(r, WcStatus::RemAccessErr);
             }
             Outcome::Done(WcStatus::Success, len as u32)
@@ -396,6 +433,21 @@ fn own(mut w: Wr) -> Wr {
     w
 }
 
+/// Whether the responder has been silent for `w` for the QP's transport
+/// timeout (the silence starts now if it is new).
+fn silent_too_long(ss: &SendSide, w: &mut Wr) -> bool {
+    let t0 = *w.silent_since.get_or_insert_with(Instant::now);
+    ss.transport_timeout.is_some_and(|d| t0.elapsed() >= d)
+}
+
+/// When the WR at the head of the queue runs out of retries, if its
+/// responder is silent and the QP's timeout is finite (the progress
+/// thread's wake-up time).
+pub fn silence_deadline(ss: &SendSide) -> Option<Instant> {
+    let since = ss.pending.front()?.silent_since?;
+    Some(since + ss.transport_timeout?)
+}
+
 /// Retry waiting WRs in order until one has to wait again. On a dead
 /// context they are dropped: nothing can complete there any more, and the
 /// progress thread must not retry them forever.
@@ -411,13 +463,23 @@ pub fn progress(q: &SvQp, ss: &mut SendSide) {
         q.to_error(ss);
         return;
     }
-    while let Some(w) = ss.pending.pop_front() {
+    while let Some(mut w) = ss.pending.pop_front() {
         match execute(q, ss, &w) {
             Outcome::Done(s, len) => complete(q, ss, &w, s, len),
             Outcome::WaitPeer if w.since.is_some_and(|t| t.elapsed() > PEER_TIMEOUT) => {
                 complete(q, ss, &w, WcStatus::RetryExcErr, 0)
             }
-            Outcome::WaitPeer | Outcome::WaitRnr => {
+            Outcome::NoAnswer if silent_too_long(ss, &mut w) => {
+                // Retries exhausted: the QP goes to ERR, which flushes the
+                // WRs behind this one, in order.
+                complete(q, ss, &w, WcStatus::RetryExcErr, 0)
+            }
+            o => {
+                if !matches!(o, Outcome::NoAnswer) {
+                    // The responder answered (RNR, not ready): the
+                    // transport timer restarts.
+                    w.silent_since = None;
+                }
                 ss.pending.push_front(w);
                 break;
             }
@@ -477,6 +539,7 @@ pub unsafe extern "C" fn post_send(
             rkey: unsafe { x.wr.rdma.rkey },
             owned: None,
             since: None,
+            silent_since: None,
         };
         let mut inline_len = 0u32;
         for i in 0..n {
@@ -507,7 +570,10 @@ pub unsafe extern "C" fn post_send(
         } else {
             match execute(q, &mut ss, &w) {
                 Outcome::Done(s, len) => complete(q, &mut ss, &w, s, len),
-                Outcome::WaitPeer | Outcome::WaitRnr => {
+                o => {
+                    if matches!(o, Outcome::NoAnswer) {
+                        w.silent_since = Some(Instant::now());
+                    }
                     ss.pending.push_back(own(w));
                     ss.set_waiting(q, true);
                 }

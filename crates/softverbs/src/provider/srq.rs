@@ -192,6 +192,8 @@ pub unsafe extern "C" fn post_srq_recv(
             unsafe { set_bad(bad, wr) };
             return libc::ENOMEM;
         }
+        // Requesters of any QP on this SRQ may be waiting (RNR).
+        s.hdr().doorbell.ring();
         wr = w.next;
     }
     0

@@ -5,6 +5,7 @@
 use std::mem::size_of;
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
 
+use super::doorbell::Doorbell;
 use super::ring::Ring;
 
 /// Magic at the start of every segment header ("SVB1").
@@ -248,6 +249,10 @@ pub struct QpHeader {
     _pad: u32,
     /// The `struct ibv_qp *` in the owner's address space (event element).
     pub qp_ptr: u64,
+    /// Rung by the owner when requests may now get through: a receive
+    /// posted (no SRQ), a state change (RTR, ERR, destroy). Waiting
+    /// requesters' progress threads sleep on it (shm::doorbell).
+    pub doorbell: Doorbell,
 }
 
 /// An SRQ's header, followed by its receive ring.
@@ -272,6 +277,8 @@ pub struct SrqHeader {
     _pad: u32,
     /// The `struct ibv_srq *` in the owner's address space (event element).
     pub srq_ptr: u64,
+    /// Rung by the owner after posting receives (shm::doorbell).
+    pub doorbell: Doorbell,
 }
 
 /// Size of a segment holding header `H` then a ring of `cap` `T`s.
@@ -334,12 +341,14 @@ mod tests {
         assert_eq!(offset_of!(QpHeader, events), 44);
         assert_eq!(offset_of!(QpHeader, gone), 48);
         assert_eq!(offset_of!(QpHeader, qp_ptr), 56);
-        assert_eq!(size_of::<QpHeader>(), 64);
+        assert_eq!(offset_of!(QpHeader, doorbell), 64);
+        assert_eq!(size_of::<QpHeader>(), 128);
         assert_eq!(offset_of!(SrqHeader, pd), 12);
         assert_eq!(offset_of!(SrqHeader, limit), 16);
         assert_eq!(offset_of!(SrqHeader, events), 20);
         assert_eq!(offset_of!(SrqHeader, gone), 24);
         assert_eq!(offset_of!(SrqHeader, srq_ptr), 32);
+        assert_eq!(offset_of!(SrqHeader, doorbell), 40);
         assert_eq!(size_of::<SrqHeader>(), 64);
     }
 

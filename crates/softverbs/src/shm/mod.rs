@@ -13,7 +13,10 @@
 //! | `srq-<id>`    | an SRQ    | [`layout::SrqHeader`] + receive ring        |
 //!
 //! Peers find a QP by the QPN that verbs programs exchange out of band.
+//! QP and SRQ headers carry a [`doorbell::Doorbell`] that wakes requesters
+//! waiting on them.
 
+pub mod doorbell;
 pub mod layout;
 pub mod ring;
 pub mod segment;

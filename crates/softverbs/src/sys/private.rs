@@ -7,6 +7,7 @@
 //! clear line and stays inert.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use super::abi::{VerbsContextOps, VerbsDeviceOps};
@@ -70,20 +71,21 @@ pub enum AbiError {
     },
 }
 
-fn lookup(name: &'static CStr) -> Result<*mut c_void, AbiError> {
-    // SAFETY: both arguments are valid NUL-terminated strings and
-    // RTLD_DEFAULT is a valid pseudo-handle; dlvsym has no other precondition.
-    let p = unsafe { libc::dlvsym(libc::RTLD_DEFAULT, name.as_ptr(), PRIVATE_ABI.as_ptr()) };
-    if p.is_null() {
-        let symbol = name.to_str().unwrap_or("?");
-        Err(AbiError::Missing { symbol })
-    } else {
-        Ok(p)
+/// libibverbs' own handle, for symbol look-ups that must not depend on
+/// how it was loaded: a program that `dlopen`s libibverbs (Python and its
+/// extension modules, transport plug-ins) loads it `RTLD_LOCAL`, out of the
+/// global scope that `RTLD_DEFAULT` and `RTLD_NEXT` search from this
+/// preloaded library. `None` when libibverbs is not loaded (never loads it).
+///
+/// The first handle found is kept, with the reference `RTLD_NOLOAD` took:
+/// the entry points bound from it stay valid for the life of the process
+/// (a program's `dlclose` cannot unload libibverbs under the provider).
+pub fn libibverbs_handle() -> Option<*mut c_void> {
+    static HANDLE: AtomicUsize = AtomicUsize::new(0);
+    let h = HANDLE.load(Ordering::Acquire);
+    if h != 0 {
+        return Some(h as *mut c_void);
     }
-}
-
-/// True when libibverbs is already mapped into this process.
-pub fn libibverbs_loaded() -> bool {
     // SAFETY: a valid C string; RTLD_NOLOAD never loads anything.
     let h = unsafe {
         libc::dlopen(
@@ -92,12 +94,37 @@ pub fn libibverbs_loaded() -> bool {
         )
     };
     if h.is_null() {
-        return false;
+        return None;
     }
-    // SAFETY: `h` came from a successful dlopen just above; dlclose drops
-    // the reference RTLD_NOLOAD added.
-    unsafe { libc::dlclose(h) };
-    true
+    if let Err(first) = HANDLE.compare_exchange(0, h as usize, Ordering::AcqRel, Ordering::Acquire)
+    {
+        // Another thread kept one first: drop our extra reference.
+        // SAFETY: `h` came from the successful dlopen above.
+        unsafe { libc::dlclose(h) };
+        return Some(first as *mut c_void);
+    }
+    Some(h)
+}
+
+/// True when libibverbs is already mapped into this process (linked,
+/// preloaded or `dlopen`ed, global or local).
+pub fn libibverbs_loaded() -> bool {
+    libibverbs_handle().is_some()
+}
+
+/// `name@version` in libibverbs, wherever it was loaded.
+pub fn libibverbs_symbol(name: &CStr, version: &CStr) -> Option<*mut c_void> {
+    let h = libibverbs_handle()?;
+    // SAFETY: `h` is a live handle (its reference is kept), both strings
+    // are valid NUL-terminated C strings.
+    let p = unsafe { libc::dlvsym(h, name.as_ptr(), version.as_ptr()) };
+    (!p.is_null()).then_some(p)
+}
+
+fn lookup(name: &'static CStr) -> Result<*mut c_void, AbiError> {
+    libibverbs_symbol(name, PRIVATE_ABI).ok_or_else(|| AbiError::Missing {
+        symbol: name.to_str().unwrap_or("?"),
+    })
 }
 
 fn bind() -> Result<Private, AbiError> {

@@ -158,8 +158,14 @@ pub fn qpn(qp: *mut ibv_qp) -> u32 {
     unsafe { (*qp).qp_num }
 }
 
-/// RESET -> INIT -> RTR -> RTS toward `remote`.
+/// RESET -> INIT -> RTR -> RTS toward `remote`, with ibv_rc_pingpong's
+/// transport attributes (timeout 14, retry_cnt 7).
 pub fn connect(qp: *mut ibv_qp, remote: u32) {
+    connect_with(qp, remote, 14, 7);
+}
+
+/// [`connect`] with the given local ACK `timeout` and `retry_cnt`.
+pub fn connect_with(qp: *mut ibv_qp, remote: u32, timeout: u8, retry_cnt: u8) {
     unsafe {
         let mut a: ibv_qp_attr = std::mem::zeroed();
         a.qp_state = ibv_qp_state::IBV_QPS_INIT;
@@ -188,8 +194,8 @@ pub fn connect(qp: *mut ibv_qp, remote: u32) {
         assert_eq!(ibv_modify_qp(qp, &mut a, m as i32), 0, "RTR");
         let mut a: ibv_qp_attr = std::mem::zeroed();
         a.qp_state = ibv_qp_state::IBV_QPS_RTS;
-        a.timeout = 14;
-        a.retry_cnt = 7;
+        a.timeout = timeout;
+        a.retry_cnt = retry_cnt;
         a.rnr_retry = 7;
         a.max_rd_atomic = 1;
         let m = ibv_qp_attr_mask::IBV_QP_STATE.0
