@@ -241,13 +241,6 @@ impl Wire {
 
 // ---------------------------------------------------------------- serve
 
-/// What a `serve` run ended with.
-#[derive(Debug)]
-pub struct Served {
-    /// The report of its side.
-    pub report: ServeReport,
-}
-
 /// Binds the listening socket of `serve`.
 ///
 /// # Errors
