@@ -25,6 +25,11 @@ cargo build --release --features verbs --example rc_pingpong
 CQD_PP=$REL/examples/rc_pingpong
 # Its unit tests (wire format, command line, message pattern): no device needed.
 cargo test --release --features verbs --example rc_pingpong
+# The block server and its load generator on real verbs (crates/cqd-demo,
+# docs/demo.md): one process, and serve + load as separate processes.
+cargo build --release -p cqd-demo --features verbs
+cargo test --release -p cqd-demo --features verbs --no-run
+DEMO=$REL/cqd-demo
 
 # One segment directory per CI run, removed at the end.
 export SOFTVERBS_DIR=/dev/shm/softverbs-ci-$$
@@ -184,5 +189,66 @@ timeout 600 "$RUN" cargo test -p cqd-verbs --release
 # The real-path dispatch benchmark, smoke run on the device.
 CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$RUN" timeout 600 \
     cargo bench --features verbs --bench verbs_dispatch -- --quick
+
+# cqd-demo on the device. demo_two NAME PORT N: N `serve` processes in the
+# background (ports PORT, PORT+1, …), one `load` striping blocks over them
+# for 2 s with every read verified and every block read back; every process
+# must exit 0, the load with both verdicts PASSED, each server with its
+# accounts and session verdicts PASSED.
+demo_fail=0
+demo_two() {
+    local name=$1 port=$2 n=$3 i spids=() servers=() ok=1
+    local l=$LOGS/$name.load.log
+    for ((i = 0; i < n; i++)); do
+        timeout 120 "$RUN" "$DEMO" serve --device softverbs0 --quick \
+            --listen "127.0.0.1:$((port + i))" --accept-timeout 60s \
+            >"$LOGS/$name.serve$i.log" 2>&1 &
+        spids+=($!)
+        servers+=(--server "127.0.0.1:$((port + i))")
+    done
+    for ((i = 0; i < n; i++)); do
+        wait_listen $((port + i)) || { echo "FAIL $name: serve $i did not listen"; ok=0; }
+    done
+    local lrc=0
+    if [[ $ok -eq 1 ]]; then
+        timeout 120 "$RUN" "$DEMO" load --device softverbs0 --quick "${servers[@]}" \
+            >"$l" 2>&1 || lrc=$?
+    fi
+    for ((i = 0; i < n; i++)); do
+        local src=0 s=$LOGS/$name.serve$i.log
+        wait "${spids[$i]}" || src=$?
+        if [[ $src -ne 0 ]] || ! grep -q 'verdict accounts: PASSED' "$s" \
+            || ! grep -q 'verdict session:  PASSED' "$s"; then
+            echo "FAIL $name: serve $i (rc=$src)"; cat "$s"; ok=0
+        fi
+    done
+    if [[ $lrc -ne 0 ]] || ! grep -q 'verdict data:     PASSED' "$l" \
+        || ! grep -q 'verdict accounts: PASSED' "$l"; then
+        echo "FAIL $name: load (rc=$lrc)"; cat "$l"; ok=0
+    fi
+    if [[ $ok -eq 1 ]]; then
+        echo "ok   $name ($n server process(es) + 1 load process):"
+        grep -E '^(load +[0-9]|verify|server 127|verdict)' "$l" | sed 's/^/       load: /'
+        for ((i = 0; i < n; i++)); do
+            grep -E '^verdict' "$LOGS/$name.serve$i.log" | sed "s/^/       serve $i: /"
+        done
+    else
+        demo_fail=$((demo_fail + 1))
+    fi
+}
+demo_two demo_serve_load $((BASE + 13)) 1
+demo_two demo_serve_load_striped $((BASE + 14)) 2
+# Both halves in one process on the device.
+l=$LOGS/demo_one_process.log
+if timeout 120 "$RUN" "$DEMO" --backend verbs --device softverbs0 --quick >"$l" 2>&1 \
+    && grep -q 'verdict data:     PASSED' "$l" && grep -q 'verdict accounts: PASSED' "$l"; then
+    echo "ok   demo_one_process:"; grep -E '^(load +[0-9]|verdict)' "$l" | sed 's/^/       /'
+else
+    echo "FAIL demo_one_process"; cat "$l"; demo_fail=$((demo_fail + 1))
+fi
+if [[ $demo_fail -ne 0 ]]; then exit 1; fi
+# Its tests on the device: both forms as processes, a device that does not
+# exist, a server that is not there, each peer killed mid-run.
+timeout 600 "$RUN" cargo test -p cqd-demo --release --features verbs
 
 echo "softverbs CI done in $(( $(date +%s) - start )) s"

@@ -13,9 +13,31 @@ use crate::DemoError;
 pub enum BackendKind {
     /// The simulated NIC (cqd-sim): servers and load in this process.
     Sim,
-    /// Real RDMA through cqd-verbs (not in this build yet).
+    /// Real RDMA through cqd-verbs (cargo feature `verbs`): one process
+    /// on one device, or `serve` / `load` as separate processes.
     Verbs,
 }
+
+/// What the process is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Command {
+    /// Servers and load in this process (the default).
+    Run,
+    /// One block server, waiting for one `load` session over TCP (verbs).
+    Serve,
+    /// The load generator against `serve` processes (`--server`, verbs).
+    Load,
+}
+
+/// The message for `--backend verbs` in a build without the feature.
+pub const NO_VERBS: &str = "this cqd-demo was built without the `verbs` cargo feature, so \
+     --backend verbs, serve and load are not available; rebuild with \
+     `cargo build --release -p cqd-demo --features verbs` (it needs rdma-core's headers and \
+     libclang: on Debian, apt-get install libibverbs-dev librdmacm-dev libclang-dev pkg-config)";
+
+/// The port `serve` listens on by default.
+pub const DEFAULT_PORT: u16 = 18520;
 
 /// A poll mode, from the command line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
@@ -51,27 +73,53 @@ impl ModeArg {
     }
 }
 
-/// A block-storage server and its load generator on cqd (simulated NIC,
-/// one process). The bare command runs about ten seconds of mixed load and
-/// prints a report with two verdicts.
+/// A block-storage server and its load generator on cqd. The bare command
+/// runs about ten seconds of mixed load on the simulated NIC, in one
+/// process, and prints a report with two verdicts. `serve` and `load` run
+/// the two halves as separate processes over real RDMA (docs/demo.md).
 #[derive(Debug, Clone, Parser)]
 #[command(name = "cqd-demo", version)]
 pub struct Args {
-    /// Transport.
-    #[arg(long, value_enum, default_value = "sim")]
-    pub backend: BackendKind,
+    /// run (default): both halves here; serve: one block server for one
+    /// load session; load: the load generator against `--server`s.
+    #[arg(value_enum)]
+    pub command: Option<Command>,
+    /// Transport [default: sim for run, verbs for serve and load].
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendKind>,
+    /// The RDMA device (verbs) [default: the first one listed].
+    #[arg(long, value_name = "NAME")]
+    pub device: Option<String>,
+    /// The device's port (verbs) [default: 1].
+    #[arg(long)]
+    pub ib_port: Option<u8>,
+    /// GID index for a global route (verbs; RoCE needs one).
+    #[arg(long)]
+    pub gid_index: Option<u8>,
+    /// serve: the TCP address to listen on for the load's handshake.
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub listen: Option<String>,
+    /// load: a server's TCP address (repeat for several; blocks are
+    /// striped over them).
+    #[arg(long = "server", value_name = "HOST:PORT")]
+    pub server_addrs: Vec<String>,
+    /// serve: give up (exit 1) if no load session starts within this time
+    /// [default: wait for ever].
+    #[arg(long, value_parser = parse_duration)]
+    pub accept_timeout: Option<Duration>,
     /// Thread layout (TOML, docs/topology.md); default: the built-in copy
     /// of examples/demo-topology.toml.
     #[arg(long, value_name = "FILE")]
     pub topology: Option<PathBuf>,
     /// Servers, each with its own device, CQ and connections; blocks are
-    /// striped over them.
-    #[arg(long, default_value_t = 1)]
-    pub servers: u32,
-    /// Connections in all, spread over the servers.
+    /// striped over them [default: 1; load: one per --server].
+    #[arg(long)]
+    pub servers: Option<u32>,
+    /// Connections in all, spread over the servers (serve: the most it
+    /// accepts).
     #[arg(long, default_value_t = 4)]
     pub connections: u32,
-    /// Requests in flight per connection.
+    /// Requests in flight per connection (serve: the deepest it accepts).
     #[arg(long, default_value_t = 16)]
     pub qd: u32,
     /// Percentage of reads.
@@ -145,8 +193,23 @@ mod secs {
 /// A checked configuration.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Config {
+    /// What the process is.
+    pub command: Command,
     /// Transport.
     pub backend: BackendKind,
+    /// The RDMA device (verbs; None: the first).
+    pub device: Option<String>,
+    /// The device's port (verbs).
+    pub ib_port: Option<u8>,
+    /// GID index (verbs).
+    pub gid_index: Option<u8>,
+    /// serve: where to listen.
+    pub listen: String,
+    /// load: the servers' addresses.
+    pub server_addrs: Vec<String>,
+    /// serve: how long to wait for a load session.
+    #[serde(skip)]
+    pub accept_timeout: Option<Duration>,
     /// Servers.
     pub servers: u32,
     /// Connections in all.
@@ -195,15 +258,78 @@ impl Args {
     /// [`DemoError::Config`] naming the flag and what would work.
     pub fn check(&self) -> Result<Config, DemoError> {
         let bad = |m: String| Err(DemoError::Config(m));
-        if self.backend == BackendKind::Verbs {
+        let command = self.command.unwrap_or(Command::Run);
+        let backend = match (command, self.backend) {
+            (Command::Run, b) => b.unwrap_or(BackendKind::Sim),
+            (_, Some(BackendKind::Sim)) => {
+                return bad(format!(
+                    "{} runs over --backend verbs only (the simulated NIC lives in one process: \
+                     run without a command for it)",
+                    command_name(command)
+                ))
+            }
+            (_, _) => BackendKind::Verbs,
+        };
+        if backend == BackendKind::Verbs && !cfg!(feature = "verbs") {
+            return bad(NO_VERBS.into());
+        }
+        if backend == BackendKind::Sim {
+            for (flag, given) in [
+                ("--device", self.device.is_some()),
+                ("--ib-port", self.ib_port.is_some()),
+                ("--gid-index", self.gid_index.is_some()),
+            ] {
+                if given {
+                    return bad(format!("{flag} is for --backend verbs"));
+                }
+            }
+        } else if self.fault_rate != 0.0 {
             return bad(
-                "--backend verbs is not in this build yet (the two-process serve/load \
-                        over cqd-verbs comes next); use --backend sim"
-                    .into(),
+                "--fault-rate injects errors in the simulated NIC: it needs --backend sim".into(),
             );
         }
-        if !(1..=16).contains(&self.servers) {
-            return bad(format!("--servers {}: must be 1 to 16", self.servers));
+        if command != Command::Serve && (self.listen.is_some() || self.accept_timeout.is_some()) {
+            return bad("--listen and --accept-timeout are for `serve`".into());
+        }
+        if command != Command::Load && !self.server_addrs.is_empty() {
+            return bad("--server is for `load` (the address of a `serve` process)".into());
+        }
+        if command != Command::Run && self.compare_modes {
+            return bad("--compare-modes runs in one process: no serve/load".into());
+        }
+        let servers = match command {
+            Command::Load => {
+                if self.servers.is_some() {
+                    return bad(
+                        "load takes its servers from --server (one per server), not --servers"
+                            .into(),
+                    );
+                }
+                if self.device_size.is_some() {
+                    return bad(
+                        "--device-size is the server's (serve --device-size); the load learns it \
+                         in the handshake"
+                            .into(),
+                    );
+                }
+                if self.server_addrs.is_empty() {
+                    return bad("load needs at least one --server HOST:PORT".into());
+                }
+                self.server_addrs.len() as u32
+            }
+            Command::Serve => {
+                if self.servers.is_some_and(|s| s != 1) {
+                    return bad("a serve process is one server: start one per server".into());
+                }
+                if self.ops.is_some() || self.duration.is_some() {
+                    return bad("--ops and --duration are the load's (load --duration …)".into());
+                }
+                1
+            }
+            Command::Run => self.servers.unwrap_or(1),
+        };
+        if !(1..=16).contains(&servers) {
+            return bad(format!("--servers {servers}: must be 1 to 16"));
         }
         if !(1..=256).contains(&self.connections) {
             return bad(format!(
@@ -211,10 +337,10 @@ impl Args {
                 self.connections
             ));
         }
-        if self.connections < self.servers {
+        if self.connections < servers {
             return bad(format!(
-                "--connections {} is fewer than --servers {}: every server needs a connection",
-                self.connections, self.servers
+                "--connections {} is fewer than the {servers} servers: every server needs a connection",
+                self.connections
             ));
         }
         if !(1..=1024).contains(&self.qd) {
@@ -234,7 +360,13 @@ impl Args {
             (None, true) => 16 << 20,
             (None, false) => 64 << 20,
         };
-        if device < bs || device % bs != 0 {
+        let device = if command == Command::Load {
+            // Learnt in the handshake (crate::net).
+            0
+        } else {
+            device
+        };
+        if command != Command::Load && (device < bs || device % bs != 0) {
             return bad(format!(
                 "--device-size {device} is not a whole number of {bs}-byte blocks"
             ));
@@ -244,28 +376,15 @@ impl Args {
                 "--device-size {device}: the simulated NIC registers at most {MAX_DEVICE} bytes"
             ));
         }
-        let total = device.saturating_mul(u64::from(self.servers));
+        let total = device.saturating_mul(u64::from(servers));
         if total > MAX_TOTAL_DEVICE {
             return bad(format!(
-                "{} servers of {device} bytes need {total} bytes of memory; at most {MAX_TOTAL_DEVICE}",
-                self.servers
+                "{servers} servers of {device} bytes need {total} bytes of memory; at most {MAX_TOTAL_DEVICE}"
             ));
         }
         let blocks = device / bs;
-        // Connections are spread round-robin: the busiest server has this
-        // many. Each request in flight claims a block of its server, and a
-        // new request must find a free one quickly: twice as many blocks.
-        let per_server = self.connections.div_ceil(self.servers);
-        let inflight = u64::from(per_server) * u64::from(self.qd);
-        if blocks < 2 * inflight {
-            return bad(format!(
-                "a device of {blocks} blocks cannot keep {inflight} requests in flight on distinct \
-                 blocks ({per_server} connections × queue depth {}); it needs at least {} blocks: \
-                 raise --device-size to {} or lower --connections/--qd",
-                self.qd,
-                2 * inflight,
-                2 * inflight * bs
-            ));
+        if command != Command::Load {
+            check_blocks(blocks, servers, self.connections, self.qd, bs as u32)?;
         }
         if !(0.0..1.0).contains(&self.fault_rate) {
             return bad(format!(
@@ -295,8 +414,18 @@ impl Args {
             (None, None) => Stop::After(Duration::from_secs(10)),
         };
         Ok(Config {
-            backend: self.backend,
-            servers: self.servers,
+            command,
+            backend,
+            device: self.device.clone(),
+            ib_port: self.ib_port,
+            gid_index: self.gid_index,
+            listen: self
+                .listen
+                .clone()
+                .unwrap_or_else(|| format!("0.0.0.0:{DEFAULT_PORT}")),
+            server_addrs: self.server_addrs.clone(),
+            accept_timeout: self.accept_timeout,
+            servers,
             connections: self.connections,
             qd: self.qd,
             read_pct: self.read_pct,
@@ -314,6 +443,41 @@ impl Args {
             progress: !self.no_progress,
         })
     }
+}
+
+fn command_name(c: Command) -> &'static str {
+    match c {
+        Command::Run => "run",
+        Command::Serve => "serve",
+        Command::Load => "load",
+    }
+}
+
+/// Checks that `blocks` per server can keep every request in flight on a
+/// block of its own (connections are spread round-robin over `servers`; a
+/// new request must find a free block quickly: twice as many blocks).
+///
+/// # Errors
+/// [`DemoError::Config`] with the way out.
+pub fn check_blocks(
+    blocks: u64,
+    servers: u32,
+    connections: u32,
+    qd: u32,
+    block_size: u32,
+) -> Result<(), DemoError> {
+    let per_server = connections.div_ceil(servers.max(1));
+    let inflight = u64::from(per_server) * u64::from(qd);
+    if blocks < 2 * inflight {
+        return Err(DemoError::Config(format!(
+            "a device of {blocks} blocks cannot keep {inflight} requests in flight on distinct \
+             blocks ({per_server} connections × queue depth {qd}); it needs at least {} blocks: \
+             raise --device-size to {} or lower --connections/--qd",
+            2 * inflight,
+            2 * inflight * u64::from(block_size)
+        )));
+    }
+    Ok(())
 }
 
 /// Parses a size: `4096`, `4k`/`4K`/`4KiB`, `64M`/`64MiB`, `1G`/`1GiB`
@@ -417,8 +581,60 @@ mod tests {
         assert!(e.to_string().contains("every server needs"), "{e}");
         let e = args(&["--read-pct", "101"]).check().unwrap_err();
         assert!(e.to_string().contains("--read-pct"), "{e}");
-        let e = args(&["--backend", "verbs"]).check().unwrap_err();
-        assert!(e.to_string().contains("not in this build"), "{e}");
+        let e = args(&["--fault-rate", "0.1", "--backend", "verbs"])
+            .check()
+            .unwrap_err();
+        let want = if cfg!(feature = "verbs") {
+            "--backend sim"
+        } else {
+            "--features verbs"
+        };
+        assert!(e.to_string().contains(want), "{e}");
         assert_eq!(e.exit_code(), 2);
+        let e = args(&["serve", "--backend", "sim"]).check().unwrap_err();
+        assert!(e.to_string().contains("verbs only"), "{e}");
+        let e = args(&["--device", "mlx5_0"]).check().unwrap_err();
+        assert!(
+            e.to_string().contains("--device is for --backend verbs"),
+            "{e}"
+        );
+        let e = args(&["--server", "h:1"]).check().unwrap_err();
+        assert!(e.to_string().contains("--server is for `load`"), "{e}");
+    }
+
+    #[test]
+    fn serve_and_load_take_their_own_flags() {
+        if !cfg!(feature = "verbs") {
+            let e = args(&["load", "--server", "h:1"]).check().unwrap_err();
+            for w in ["--features verbs", "libibverbs-dev"] {
+                assert!(e.to_string().contains(w), "{e}");
+            }
+            return;
+        }
+        let c = args(&[
+            "load",
+            "--server",
+            "a:1",
+            "--server",
+            "b:2",
+            "--connections",
+            "2",
+        ])
+        .check()
+        .unwrap();
+        assert_eq!(
+            (c.command, c.backend, c.servers),
+            (Command::Load, BackendKind::Verbs, 2)
+        );
+        let e = args(&["load"]).check().unwrap_err();
+        assert!(e.to_string().contains("at least one --server"), "{e}");
+        let e = args(&["load", "--server", "a:1", "--device-size", "1MiB"])
+            .check()
+            .unwrap_err();
+        assert!(e.to_string().contains("the server's"), "{e}");
+        let s = args(&["serve"]).check().unwrap();
+        assert_eq!(s.listen, format!("0.0.0.0:{DEFAULT_PORT}"));
+        let e = args(&["serve", "--duration", "1s"]).check().unwrap_err();
+        assert!(e.to_string().contains("the load's"), "{e}");
     }
 }

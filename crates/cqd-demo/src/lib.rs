@@ -10,12 +10,15 @@
 //! with two verdicts: the data, and the pollers' accounts (every request
 //! posted was completed or flushed).
 //!
-//! The transport is behind [`backend`]; this build has the simulated NIC
-//! (`backend::sim`), in one process.
+//! The transport is behind [`backend`]: the simulated NIC (`backend::sim`,
+//! one process) and, with the cargo feature `verbs`, real RDMA through
+//! cqd-verbs (`backend::verbs`), in one process or as separate `serve` and
+//! `load` processes joined over TCP ([`net`]).
 
 pub mod backend;
 pub mod config;
 pub mod load;
+pub mod net;
 pub mod report;
 pub mod run;
 pub mod server;
@@ -41,6 +44,10 @@ pub enum DemoError {
     /// Writing the report.
     #[error("{0}")]
     Output(String),
+    /// The TCP side of `serve` / `load`: a peer not there, refusing, or
+    /// talking nonsense.
+    #[error("{0}")]
+    Net(String),
 }
 
 impl DemoError {

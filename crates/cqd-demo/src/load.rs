@@ -222,6 +222,11 @@ impl<N: Node> LoadConn<N> {
         &self.name
     }
 
+    /// The server (index) the connection talks to.
+    pub fn server(&self) -> u32 {
+        self.server
+    }
+
     /// The connection's handler registration (for the report).
     pub fn registration(&self) -> Option<&Registration> {
         self.reg.get()

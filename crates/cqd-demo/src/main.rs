@@ -4,17 +4,22 @@
 //! cargo run --release -p cqd-demo                     # ~10 s, report and verdicts
 //! cargo run --release -p cqd-demo -- --quick          # 2 s, for CI
 //! cargo run --release -p cqd-demo -- --compare-modes  # one table, every poll mode
+//! # real RDMA (--features verbs): one process, or serve + load
+//! cqd-demo --backend verbs --device mlx5_0
+//! cqd-demo serve --device mlx5_0 --listen 0.0.0.0:18520
+//! cqd-demo load --device mlx5_0 --server host1:18520 --server host2:18520
 //! ```
 //!
-//! Exit codes: 0 when both verdicts passed and no request failed; 1 when a
-//! verdict failed, a request failed or the run could not finish; 2 for bad
-//! input (flags, topology).
+//! Exit codes: 0 when the verdicts passed and no request failed; 1 when a
+//! verdict failed, a request failed or the run could not finish (no
+//! device, a server not there, a peer that went away); 2 for bad input
+//! (flags, topology).
 
 use std::process::ExitCode;
 
 use clap::Parser;
-use cqd_demo::config::{Args, ModeArg};
-use cqd_demo::report::{compare_table, CompareRow};
+use cqd_demo::config::{Args, BackendKind, Command, Config, ModeArg};
+use cqd_demo::report::{compare_table, CompareRow, Report};
 use cqd_demo::run::run_sim;
 use cqd_demo::DemoError;
 
@@ -43,14 +48,83 @@ fn main() -> ExitCode {
     }
 }
 
+/// One one-process run on the configured backend.
+fn run_once(cfg: &Config, mode: Option<ModeArg>) -> Result<Report, DemoError> {
+    match cfg.backend {
+        BackendKind::Sim => run_sim(cfg, mode),
+        #[cfg(feature = "verbs")]
+        BackendKind::Verbs => cqd_demo::run::run_verbs(cfg, mode),
+        #[cfg(not(feature = "verbs"))]
+        BackendKind::Verbs => Err(DemoError::Config(cqd_demo::config::NO_VERBS.into())),
+    }
+}
+
+#[cfg(feature = "verbs")]
+fn serve(cfg: &Config, json: Option<&std::path::Path>) -> Result<bool, DemoError> {
+    use std::io::Write as _;
+    let listener = cqd_demo::net::listen(&cfg.listen)?;
+    let device = cqd_demo::backend::verbs::VerbsDevice::open(
+        cfg.device.as_deref(),
+        cqd_demo::run::verbs_options(cfg),
+    )?;
+    let name = device.name().to_string();
+    let report = cqd_demo::net::serve_on(
+        cfg,
+        listener,
+        |node: &str| Ok(device.node(node)?),
+        |addr| {
+            println!(
+                "cqd-demo serve: listening on {addr} (device {name}, {} blocks of {} B, up to {} \
+                 connection(s) × qd {})",
+                cfg.blocks_per_server, cfg.block_size, cfg.connections, cfg.qd
+            );
+            let _ = std::io::stdout().flush();
+        },
+    )?;
+    print!("{}", report.text());
+    if let Some(path) = json {
+        write_json(path, &report)?;
+    }
+    Ok(report.passed())
+}
+
+#[cfg(feature = "verbs")]
+fn load(cfg: &Config, json: Option<&std::path::Path>) -> Result<bool, DemoError> {
+    // The servers are reached first (a missing one fails fast), then the
+    // device is opened, then the handshakes.
+    let report = cqd_demo::net::load_on(cfg, || {
+        let device = cqd_demo::backend::verbs::VerbsDevice::open(
+            cfg.device.as_deref(),
+            cqd_demo::run::verbs_options(cfg),
+        )?;
+        Ok(move |node: &str| Ok(device.node(node)?))
+    })?;
+    print!("{}", report.text());
+    if let Some(path) = json {
+        write_json(path, &report)?;
+    }
+    Ok(report.passed())
+}
+
 fn run(args: &Args) -> Result<bool, DemoError> {
     let cfg = args.check()?;
+    match cfg.command {
+        Command::Run => {}
+        #[cfg(feature = "verbs")]
+        Command::Serve => return serve(&cfg, args.json.as_deref()),
+        #[cfg(feature = "verbs")]
+        Command::Load => return load(&cfg, args.json.as_deref()),
+        #[cfg(not(feature = "verbs"))]
+        Command::Serve | Command::Load => {
+            return Err(DemoError::Config(cqd_demo::config::NO_VERBS.into()))
+        }
+    }
     if args.compare_modes {
         let mut rows = Vec::new();
         let mut reports = Vec::new();
         for mode in ModeArg::ALL {
             eprintln!("cqd-demo: mode {} ...", mode.name());
-            let r = run_sim(&cfg, Some(mode))?;
+            let r = run_once(&cfg, Some(mode))?;
             if !r.passed() {
                 print!("{}", r.text());
             }
@@ -75,7 +149,7 @@ fn run(args: &Args) -> Result<bool, DemoError> {
         );
         return Ok(passed);
     }
-    let report = run_sim(&cfg, None)?;
+    let report = run_once(&cfg, None)?;
     print!("{}", report.text());
     if let Some(path) = &args.json {
         write_json(path, &report)?;

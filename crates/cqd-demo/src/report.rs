@@ -74,6 +74,17 @@ pub struct Verdicts {
     pub accounts: Verdict,
 }
 
+/// What a server process reported of its side (two-process runs).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PeerVerdict {
+    /// The server's address (`--server`).
+    pub server: String,
+    /// Its accounts verdict and session, passed?
+    pub passed: bool,
+    /// Its words, or why there are none.
+    pub detail: String,
+}
+
 /// One poller's figures.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct PollerRow {
@@ -153,6 +164,8 @@ pub struct Report {
     pub nic: Option<NicCounts>,
     /// The verdicts.
     pub verdicts: Verdicts,
+    /// `load`: what each server process said of its own side at the end.
+    pub peers: Vec<PeerVerdict>,
     /// What went wrong along the way.
     pub notes: Vec<String>,
     /// The topology used, as TOML.
@@ -179,7 +192,7 @@ pub struct Inputs<'a, N: Node> {
     /// Handler names by (poller, slot, generation).
     pub names: HashMap<(usize, u32, u16), String>,
     /// Each poller's (name, role, mode), in the system report's order.
-    pub roles: Vec<(String, &'static str, ModeConfig)>,
+    pub roles: Vec<Role>,
     /// The load phase.
     pub load_elapsed: Duration,
     /// The read-back.
@@ -223,44 +236,8 @@ pub fn build<N: Node>(i: Inputs<'_, N>) -> Report {
             max_us: us(h.max()),
         });
     let secs = i.load_elapsed.as_secs_f64().max(1e-9);
-    let wall = i.wall.as_secs_f64().max(1e-9);
-    let pollers: Vec<PollerRow> = i
-        .system
-        .pollers
-        .iter()
-        .zip(&i.roles)
-        .map(|(p, (name, role, mode))| PollerRow {
-            name: name.clone(),
-            role: role.to_string(),
-            mode: mode_name(mode).to_string(),
-            cpu_pct: 100.0 * p.poller.cpu_ns as f64 / 1e9 / wall,
-            completions: p.cqs.iter().map(|c| c.completions).sum(),
-            polls: p.cqs.iter().map(|c| c.polls).sum(),
-            empty_polls: p.cqs.iter().map(|c| c.empty_polls).sum(),
-            events: p.cqs.iter().map(|c| c.events).sum(),
-            sleeps: p.poller.sleeps,
-            spills: p.poller.spills,
-            handed_off: p.poller.handed_off,
-        })
-        .collect();
-    let mut accounts = Vec::new();
-    for (pi, p) in i.system.pollers.iter().enumerate() {
-        for a in &p.accounts.accounts {
-            let handler = i
-                .names
-                .get(&(pi, a.handler.0, a.handler.1))
-                .cloned()
-                .unwrap_or_else(|| format!("poller {pi} handler {}.{}", a.handler.0, a.handler.1));
-            accounts.push(AccountRow {
-                handler,
-                kind: a.kind.name().to_string(),
-                posted: a.posted,
-                completed: a.completed.saturating_sub(a.flushed),
-                flushed: a.flushed,
-                missing: a.missing(),
-            });
-        }
-    }
+    let pollers = poller_rows(&i.system, &i.roles, i.wall);
+    let accounts = account_rows(&i.system, &i.names);
     let blocks = verifier.blocks();
     let unknown = verifier.unknown_blocks();
     let data = {
@@ -297,44 +274,7 @@ pub fn build<N: Node>(i: Inputs<'_, N>) -> Report {
             }
         }
     };
-    let accounts_verdict = {
-        let posted: u64 = accounts.iter().map(|a| a.posted).sum();
-        let completed: u64 = accounts.iter().map(|a| a.completed).sum();
-        let flushed: u64 = accounts.iter().map(|a| a.flushed).sum();
-        let bad: Vec<String> = accounts
-            .iter()
-            .filter(|a| a.posted != a.completed + a.flushed)
-            .map(|a| {
-                format!(
-                    "{} {}: posted {} != completed {} + flushed {}",
-                    a.handler, a.kind, a.posted, a.completed, a.flushed
-                )
-            })
-            .collect();
-        let timed_out = i.system.pollers.iter().any(|p| p.accounts.timed_out);
-        if bad.is_empty() && !timed_out && i.system.is_clean() && !accounts.is_empty() {
-            Verdict {
-                passed: true,
-                detail: format!(
-                    "{} handler accounts: posted {posted} == completed {completed} + flushed {flushed}",
-                    accounts.len()
-                ),
-            }
-        } else {
-            let mut why = bad;
-            if timed_out {
-                why.push("a poller's drain timed out".into());
-            }
-            why.extend(i.system.errors.iter().cloned());
-            if accounts.is_empty() {
-                why.push("no accounts were reported".into());
-            }
-            Verdict {
-                passed: false,
-                detail: why.join("; "),
-            }
-        }
-    };
+    let accounts_verdict = accounts_verdict(&accounts, &i.system);
     Report {
         mode: i.mode,
         config: i.cfg.clone(),
@@ -355,6 +295,7 @@ pub fn build<N: Node>(i: Inputs<'_, N>) -> Report {
             data,
             accounts: accounts_verdict,
         },
+        peers: Vec::new(),
         notes: i.notes,
         topology: i.topology_toml,
         topology_warnings: i.topology_warnings,
@@ -362,10 +303,305 @@ pub fn build<N: Node>(i: Inputs<'_, N>) -> Report {
     }
 }
 
-impl Report {
-    /// Both verdicts passed and no request failed.
+/// Each poller's figures, in the system report's order.
+pub fn poller_rows(system: &SystemReport, roles: &[Role], wall: Duration) -> Vec<PollerRow> {
+    let wall = wall.as_secs_f64().max(1e-9);
+    system
+        .pollers
+        .iter()
+        .zip(roles)
+        .map(|(p, (name, role, mode))| PollerRow {
+            name: name.clone(),
+            role: role.to_string(),
+            mode: mode_name(mode).to_string(),
+            cpu_pct: 100.0 * p.poller.cpu_ns as f64 / 1e9 / wall,
+            completions: p.cqs.iter().map(|c| c.completions).sum(),
+            polls: p.cqs.iter().map(|c| c.polls).sum(),
+            empty_polls: p.cqs.iter().map(|c| c.empty_polls).sum(),
+            events: p.cqs.iter().map(|c| c.events).sum(),
+            sleeps: p.poller.sleeps,
+            spills: p.poller.spills,
+            handed_off: p.poller.handed_off,
+        })
+        .collect()
+}
+
+/// Every handler's account of every kind, named.
+pub fn account_rows(
+    system: &SystemReport,
+    names: &HashMap<(usize, u32, u16), String>,
+) -> Vec<AccountRow> {
+    let mut accounts = Vec::new();
+    for (pi, p) in system.pollers.iter().enumerate() {
+        for a in &p.accounts.accounts {
+            let handler = names
+                .get(&(pi, a.handler.0, a.handler.1))
+                .cloned()
+                .unwrap_or_else(|| format!("poller {pi} handler {}.{}", a.handler.0, a.handler.1));
+            accounts.push(AccountRow {
+                handler,
+                kind: a.kind.name().to_string(),
+                posted: a.posted,
+                completed: a.completed.saturating_sub(a.flushed),
+                flushed: a.flushed,
+                missing: a.missing(),
+            });
+        }
+    }
+    accounts
+}
+
+/// The accounts verdict: every account balances, no drain timed out, the
+/// shutdown was clean, and there were accounts at all.
+pub fn accounts_verdict(accounts: &[AccountRow], system: &SystemReport) -> Verdict {
+    let posted: u64 = accounts.iter().map(|a| a.posted).sum();
+    let completed: u64 = accounts.iter().map(|a| a.completed).sum();
+    let flushed: u64 = accounts.iter().map(|a| a.flushed).sum();
+    let bad: Vec<String> = accounts
+        .iter()
+        .filter(|a| a.posted != a.completed + a.flushed)
+        .map(|a| {
+            format!(
+                "{} {}: posted {} != completed {} + flushed {}",
+                a.handler, a.kind, a.posted, a.completed, a.flushed
+            )
+        })
+        .collect();
+    let timed_out = system.pollers.iter().any(|p| p.accounts.timed_out);
+    if bad.is_empty() && !timed_out && system.is_clean() && !accounts.is_empty() {
+        Verdict {
+            passed: true,
+            detail: format!(
+                "{} handler accounts: posted {posted} == completed {completed} + flushed {flushed}",
+                accounts.len()
+            ),
+        }
+    } else {
+        let mut why = bad;
+        if timed_out {
+            why.push("a poller's drain timed out".into());
+        }
+        why.extend(system.errors.iter().cloned());
+        if accounts.is_empty() {
+            why.push("no accounts were reported".into());
+        }
+        Verdict {
+            passed: false,
+            detail: why.join("; "),
+        }
+    }
+}
+
+fn word(v: &Verdict) -> &'static str {
+    if v.passed {
+        "PASSED"
+    } else {
+        "FAILED"
+    }
+}
+
+fn server_line(s: &mut String, i: usize, sv: &ServerCounts) {
+    let _ = writeln!(
+        s,
+        "server {i}  {} reads, {} writes, {} MiB moved, {} malformed, {} refused, {} deferred replies, {} errors, {} flushed",
+        sv.reads, sv.writes, sv.bytes >> 20, sv.malformed, sv.rejected, sv.deferred, sv.errors, sv.flushed
+    );
+}
+
+/// The pollers table, the CQ lines and the pool lines.
+fn threads_text(s: &mut String, pollers: &[PollerRow], system: &SystemReport) {
+    let _ = writeln!(
+        s,
+        "{:<10} {:<7} {:<9} {:>6} {:>11} {:>11} {:>11} {:>9} {:>9} {:>7}",
+        "poller",
+        "role",
+        "mode",
+        "cpu%",
+        "completions",
+        "polls",
+        "empty",
+        "events",
+        "sleeps",
+        "spills"
+    );
+    for p in pollers {
+        let _ = writeln!(
+            s,
+            "{:<10} {:<7} {:<9} {:>6.1} {:>11} {:>11} {:>11} {:>9} {:>9} {:>7}",
+            p.name,
+            p.role,
+            p.mode,
+            p.cpu_pct,
+            p.completions,
+            p.polls,
+            p.empty_polls,
+            p.events,
+            p.sleeps,
+            p.spills
+        );
+    }
+    for cq in system.pollers.iter().flat_map(|p| &p.cqs) {
+        let b = cq.budget.as_ref();
+        let _ = writeln!(
+            s,
+            "cq {:<7} capacity {}, {} completions, {} flushes, {} other errors, {} stale, overflows {}, credits high water {}",
+            cq.name,
+            cq.capacity,
+            cq.completions,
+            cq.flushes,
+            cq.errors().saturating_sub(cq.flushes),
+            cq.stale_wr_ids,
+            cq.overflows,
+            b.map_or(0, |b| b.credits_high_water)
+        );
+    }
+    for pool in &system.pools {
+        let items: Vec<String> = pool.workers.iter().map(|w| w.items.to_string()).collect();
+        let sum = |f: fn(&cqd_core::pool::WorkerSnapshot) -> u64| -> u64 {
+            pool.workers.iter().map(f).sum()
+        };
+        let _ = writeln!(
+            s,
+            "pool {}   {} items over {} workers ({}) in {} batches, {} parks, {} wake-ups, \
+             deepest ring {}, {} panics",
+            pool.name,
+            pool.items(),
+            pool.workers.len(),
+            items.join(" + "),
+            sum(|w| w.batches),
+            sum(|w| w.parks),
+            sum(|w| w.wakeups),
+            pool.workers
+                .iter()
+                .map(|w| w.depth_high_water)
+                .max()
+                .unwrap_or(0),
+            pool.panics()
+        );
+    }
+}
+
+/// A handler name's poller/role/mode, as [`Inputs::roles`] holds them.
+pub type Role = (String, &'static str, ModeConfig);
+
+/// What a `serve` process reports of its side: its server, pollers, pool,
+/// accounts and the session.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ServeReport {
+    /// The configuration.
+    pub config: Config,
+    /// The load that was served (its address).
+    pub peer: Option<String>,
+    /// The server's counters.
+    pub server: ServerCounts,
+    /// Per poller.
+    pub pollers: Vec<PollerRow>,
+    /// Per handler and kind.
+    pub accounts: Vec<AccountRow>,
+    /// The accounts verdict (the data verdict is the load's).
+    pub accounts_verdict: Verdict,
+    /// The session: the load said goodbye (passed) or went away.
+    pub session: Verdict,
+    /// What went wrong along the way.
+    pub notes: Vec<String>,
+    /// The topology used, as TOML.
+    pub topology: String,
+    /// cqd's full shutdown report.
+    pub system: SystemReport,
+}
+
+/// What [`build_serve`] needs.
+#[derive(Debug)]
+pub struct ServeInputs<'a, N: Node> {
+    /// The configuration.
+    pub cfg: &'a Config,
+    /// The load's address.
+    pub peer: Option<String>,
+    /// The server.
+    pub server: &'a Server<N>,
+    /// cqd's shutdown report.
+    pub system: SystemReport,
+    /// Handler names.
+    pub names: HashMap<(usize, u32, u16), String>,
+    /// Each poller's (name, role, mode).
+    pub roles: Vec<Role>,
+    /// Pollers' lifetime.
+    pub wall: Duration,
+    /// The session verdict.
+    pub session: Verdict,
+    /// The topology as TOML.
+    pub topology_toml: String,
+    /// Notes.
+    pub notes: Vec<String>,
+}
+
+/// Gathers a server process's report.
+pub fn build_serve<N: Node>(i: ServeInputs<'_, N>) -> ServeReport {
+    let pollers = poller_rows(&i.system, &i.roles, i.wall);
+    let accounts = account_rows(&i.system, &i.names);
+    let accounts_verdict = accounts_verdict(&accounts, &i.system);
+    ServeReport {
+        config: i.cfg.clone(),
+        peer: i.peer,
+        server: i.server.counts(),
+        pollers,
+        accounts,
+        accounts_verdict,
+        session: i.session,
+        notes: i.notes,
+        topology: i.topology_toml,
+        system: i.system,
+    }
+}
+
+impl ServeReport {
+    /// The accounts balanced and the load ended the session.
     pub fn passed(&self) -> bool {
-        self.verdicts.data.passed && self.verdicts.accounts.passed && self.load.failed == 0
+        self.accounts_verdict.passed && self.session.passed
+    }
+
+    /// The report as text.
+    pub fn text(&self) -> String {
+        let mut s = String::new();
+        let c = &self.config;
+        let _ = writeln!(
+            s,
+            "cqd-demo serve: 1 server × {} blocks of {} B, up to {} connection(s) × qd {}, load {}",
+            c.blocks_per_server,
+            c.block_size,
+            c.connections,
+            c.qd,
+            self.peer.as_deref().unwrap_or("(none)")
+        );
+        server_line(&mut s, 0, &self.server);
+        threads_text(&mut s, &self.pollers, &self.system);
+        for n in &self.notes {
+            let _ = writeln!(s, "note      {n}");
+        }
+        let _ = writeln!(
+            s,
+            "verdict session:  {} — {}",
+            word(&self.session),
+            self.session.detail
+        );
+        let _ = writeln!(
+            s,
+            "verdict accounts: {} — {}",
+            word(&self.accounts_verdict),
+            self.accounts_verdict.detail
+        );
+        s
+    }
+}
+
+impl Report {
+    /// Both verdicts passed, no request failed, and every server process
+    /// (two-process runs) passed its own.
+    pub fn passed(&self) -> bool {
+        self.verdicts.data.passed
+            && self.verdicts.accounts.passed
+            && self.load.failed == 0
+            && self.peers.iter().all(|p| p.passed)
     }
 
     /// The report as text.
@@ -397,78 +633,9 @@ impl Report {
             v.reads_matched, v.mismatches, v.reads_unverifiable, l.verify_read, self.verify_s, l.verify_matched
         );
         for (i, sv) in self.servers.iter().enumerate() {
-            let _ = writeln!(
-                s,
-                "server {i}  {} reads, {} writes, {} MiB moved, {} malformed, {} refused, {} deferred replies, {} errors, {} flushed",
-                sv.reads, sv.writes, sv.bytes >> 20, sv.malformed, sv.rejected, sv.deferred, sv.errors, sv.flushed
-            );
+            server_line(&mut s, i, sv);
         }
-        let _ = writeln!(
-            s,
-            "{:<10} {:<7} {:<9} {:>6} {:>11} {:>11} {:>11} {:>9} {:>9} {:>7}",
-            "poller",
-            "role",
-            "mode",
-            "cpu%",
-            "completions",
-            "polls",
-            "empty",
-            "events",
-            "sleeps",
-            "spills"
-        );
-        for p in &self.pollers {
-            let _ = writeln!(
-                s,
-                "{:<10} {:<7} {:<9} {:>6.1} {:>11} {:>11} {:>11} {:>9} {:>9} {:>7}",
-                p.name,
-                p.role,
-                p.mode,
-                p.cpu_pct,
-                p.completions,
-                p.polls,
-                p.empty_polls,
-                p.events,
-                p.sleeps,
-                p.spills
-            );
-        }
-        for cq in self.system.pollers.iter().flat_map(|p| &p.cqs) {
-            let b = cq.budget.as_ref();
-            let _ = writeln!(
-                s,
-                "cq {:<7} capacity {}, {} completions, {} flushes, {} other errors, {} stale, overflows {}, credits high water {}",
-                cq.name,
-                cq.capacity,
-                cq.completions,
-                cq.flushes,
-                cq.errors().saturating_sub(cq.flushes),
-                cq.stale_wr_ids,
-                cq.overflows,
-                b.map_or(0, |b| b.credits_high_water)
-            );
-        }
-        for pool in &self.system.pools {
-            let items: Vec<String> = pool.workers.iter().map(|w| w.items.to_string()).collect();
-            let sum = |f: fn(&cqd_core::pool::WorkerSnapshot) -> u64| -> u64 {
-                pool.workers.iter().map(f).sum()
-            };
-            let _ =
-                writeln!(
-                s,
-                "pool {}   {} items over {} workers ({}) in {} batches, {} parks, {} wake-ups, \
-                 deepest ring {}, {} panics",
-                pool.name,
-                pool.items(),
-                pool.workers.len(),
-                items.join(" + "),
-                sum(|w| w.batches),
-                sum(|w| w.parks),
-                sum(|w| w.wakeups),
-                pool.workers.iter().map(|w| w.depth_high_water).max().unwrap_or(0),
-                pool.panics()
-            );
-        }
+        threads_text(&mut s, &self.pollers, &self.system);
         if let Some(n) = &self.nic {
             let _ = writeln!(
                 s,
@@ -482,7 +649,15 @@ impl Report {
         for m in &self.mismatches {
             let _ = writeln!(s, "mismatch  {m}");
         }
-        let word = |v: &Verdict| if v.passed { "PASSED" } else { "FAILED" };
+        for p in &self.peers {
+            let _ = writeln!(
+                s,
+                "server {:<20} (its own side) {} — {}",
+                p.server,
+                if p.passed { "PASSED" } else { "FAILED" },
+                p.detail
+            );
+        }
         let _ = writeln!(
             s,
             "verdict data:     {} — {}",

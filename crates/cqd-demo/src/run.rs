@@ -39,7 +39,7 @@ const DRAIN: Duration = Duration::from_secs(10);
 /// in the report, not errors.
 pub fn run_sim(cfg: &Config, mode: Option<ModeArg>) -> Result<Report, DemoError> {
     let fabric = SimFabric::new(cfg.fault_rate, cfg.seed);
-    let open = |name: &str| fabric.open(name);
+    let open = |name: &str| Ok(fabric.open(name));
     let mut report = run_on(cfg, mode, open)?;
     let nic = fabric.stats();
     report.nic = Some(report::NicCounts {
@@ -49,6 +49,29 @@ pub fn run_sim(cfg: &Config, mode: Option<ModeArg>) -> Result<Report, DemoError>
         injected_errors: nic.injected_errors,
     });
     Ok(report)
+}
+
+/// Runs the demo once on a real RDMA device, both halves in this process
+/// (`--backend verbs`): every node is a protection domain on the device
+/// `cfg.device`.
+///
+/// # Errors
+/// No such device, setup failures (as [`run_sim`]).
+#[cfg(feature = "verbs")]
+pub fn run_verbs(cfg: &Config, mode: Option<ModeArg>) -> Result<Report, DemoError> {
+    let device =
+        crate::backend::verbs::VerbsDevice::open(cfg.device.as_deref(), verbs_options(cfg))?;
+    tracing::info!(device = device.name(), "verbs: one process, both halves");
+    run_on(cfg, mode, |name: &str| Ok(device.node(name)?))
+}
+
+/// The verbs options of a configuration.
+#[cfg(feature = "verbs")]
+pub fn verbs_options(cfg: &Config) -> crate::backend::verbs::VerbsOptions {
+    crate::backend::verbs::VerbsOptions {
+        port: cfg.ib_port,
+        gid_index: cfg.gid_index,
+    }
 }
 
 /// Handler names by (poller index, slot, generation), for the accounts.
@@ -108,7 +131,7 @@ impl<N: Node> ServerSide<N> {
         plans: Vec<Assigned>,
         pool: PoolPlan,
         conns: impl Fn(u32) -> u32,
-        open: &impl Fn(&str) -> N,
+        open: &impl Fn(&str) -> Result<N, DemoError>,
     ) -> Result<Self, DemoError> {
         let mut poller_of = HashMap::new();
         for (pi, a) in plans.iter().enumerate() {
@@ -129,7 +152,7 @@ impl<N: Node> ServerSide<N> {
             };
             let name = format!("srv{s}");
             servers.push(Server::new(
-                open(&name),
+                open(&name)?,
                 &name,
                 spec,
                 plans[pi].plan.cq_options(),
@@ -182,6 +205,11 @@ impl<N: Node> ServerSide<N> {
         let pi = self.poller_of.get(&server).copied().unwrap_or(0);
         name_of(&mut self.names, pi, conn.registration(), conn.name());
         Ok(conn)
+    }
+
+    /// Server `i`.
+    pub fn server(&self, i: u32) -> Option<&Server<N>> {
+        self.servers.get(i as usize)
     }
 
     /// Closes: waits for the workers to go idle, moves every QP to error,
@@ -242,7 +270,7 @@ impl<N: Node> LoadSide<N> {
         cfg: &Config,
         plans: Vec<Assigned>,
         load_cqs: u32,
-        open: &impl Fn(&str) -> N,
+        open: &impl Fn(&str) -> Result<N, DemoError>,
     ) -> Result<Self, DemoError> {
         let mut poller_of = HashMap::new();
         for (pi, a) in plans.iter().enumerate() {
@@ -273,7 +301,7 @@ impl<N: Node> LoadSide<N> {
             seed: cfg.seed,
         };
         let conns_per_cq = cfg.connections.div_ceil(load_cqs.max(1));
-        let mut load = Load::new(open("load"), &specs, conns_per_cq, spec)?;
+        let mut load = Load::new(open("load")?, &specs, conns_per_cq, spec)?;
         let mut pollers = Vec::new();
         let mut roles = Vec::new();
         for a in plans {
@@ -316,6 +344,11 @@ impl<N: Node> LoadSide<N> {
         let pi = self.poller_of.get(&k).copied().unwrap_or(0);
         name_of(&mut self.names, pi, conn.registration(), conn.name());
         Ok(conn)
+    }
+
+    /// The load generator.
+    pub fn load(&self) -> &Load<N> {
+        &self.load
     }
 
     /// Runs the load (progress bar on a terminal), drains it and reads
@@ -422,7 +455,7 @@ impl<N: Node> LoadSide<N> {
 pub fn run_on<N: Node>(
     cfg: &Config,
     mode: Option<ModeArg>,
-    open: impl Fn(&str) -> N,
+    open: impl Fn(&str) -> Result<N, DemoError>,
 ) -> Result<Report, DemoError> {
     let setup_started = Instant::now();
     let layout = topo::resolve(

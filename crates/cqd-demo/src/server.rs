@@ -586,6 +586,16 @@ impl<N: Node> Server<N> {
         self.unbound.take()
     }
 
+    /// The device region's address for a peer.
+    pub fn device_remote(&self) -> crate::backend::Remote {
+        self.device.remote(0)
+    }
+
+    /// The server's geometry.
+    pub fn spec(&self) -> ServerSpec {
+        self.spec
+    }
+
     /// Blocks on the device.
     pub fn blocks(&self) -> u64 {
         self.spec.device_bytes / u64::from(self.spec.block_size)

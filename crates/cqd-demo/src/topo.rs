@@ -103,18 +103,68 @@ pub fn load(path: Option<&std::path::Path>) -> Result<TopologyConfig, DemoError>
     })
 }
 
+/// Which half of a run this process is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// Servers and load in one process.
+    Both,
+    /// `serve`: server pollers and the pool only.
+    Server,
+    /// `load`: load pollers only.
+    Load,
+}
+
 /// Checks `config` against the demo's rules, applies the flags, validates
-/// it (cqd's `validate`) and hands out the plans.
+/// it (cqd's `validate`) and hands out the plans (both halves).
 ///
 /// # Errors
 /// [`DemoError::Topology`] naming the poller, CQ or pool at fault.
 pub fn resolve(
-    mut config: TopologyConfig,
+    config: TopologyConfig,
     servers: u32,
     mode: Option<ModeArg>,
     workers: Option<usize>,
 ) -> Result<Layout, DemoError> {
+    resolve_side(config, servers, mode, workers, Side::Both)
+}
+
+/// [`resolve`] for one half: the other half's pollers are checked against
+/// the naming rules, then left out (not validated, not spawned), so a
+/// `serve` process runs only server pollers and a `load` process only load
+/// pollers, from the same file. A `load` side keeps the pool in the
+/// validated layout but never spawns it.
+///
+/// # Errors
+/// As [`resolve`]; the side's own pollers must be there.
+pub fn resolve_side(
+    mut config: TopologyConfig,
+    servers: u32,
+    mode: Option<ModeArg>,
+    workers: Option<usize>,
+    side: Side,
+) -> Result<Layout, DemoError> {
     let bad = |m: String| Err(DemoError::Topology(m));
+    if side != Side::Both {
+        // The other half's pollers go; a poller mixing both is refused
+        // below as in a one-process run.
+        config.pollers.retain(|p| {
+            let (mut srv, mut ld) = (false, false);
+            for cq in &p.cqs {
+                match role(cq) {
+                    Some(Role::Server(_)) => srv = true,
+                    Some(Role::Load(_)) => ld = true,
+                    None => {}
+                }
+            }
+            // Kept: the side's own pollers, mixed ones (refused below)
+            // and those naming no demo CQ (refused below).
+            match side {
+                Side::Server => srv || !ld,
+                Side::Load => ld || !srv,
+                Side::Both => true,
+            }
+        });
+    }
     let mut server_pollers = Vec::new();
     let mut load_pollers = Vec::new();
     let mut named_servers = vec![false; servers as usize];
@@ -161,11 +211,11 @@ pub fn resolve(
             (false, false) => {}
         }
     }
-    if server_pollers.is_empty() {
+    if server_pollers.is_empty() && side != Side::Load {
         return bad("no poller serves a server CQ (srv0, srv1, …)".into());
     }
     load_cqs.sort_unstable();
-    if load_cqs.is_empty() {
+    if load_cqs.is_empty() && side != Side::Server {
         return bad("no poller serves a load CQ (load0, load1, …)".into());
     }
     if let Some((k, _)) = load_cqs.iter().enumerate().find(|(k, &c)| *k as u32 != c) {
@@ -174,7 +224,7 @@ pub fn resolve(
         ));
     }
     for (s, named) in named_servers.iter().enumerate() {
-        if !named {
+        if !named && !server_pollers.is_empty() {
             let p = server_pollers[s % server_pollers.len()];
             tracing::info!(poller = %config.pollers[p].name, "srv{s} not in the layout: added");
             config.pollers[p].cqs.push(format!("srv{s}"));
@@ -268,6 +318,35 @@ mod tests {
         assert!(l.load_cqs >= 1);
         assert_eq!(l.pool.threads(), 3);
         assert!(l.toml.contains("busy"));
+    }
+
+    #[test]
+    fn each_side_keeps_only_its_own_pollers() {
+        let s = resolve_side(load(None).unwrap(), 2, None, None, Side::Server).unwrap();
+        assert_eq!(s.server_pollers.len(), 1);
+        assert!(s.load_pollers.is_empty());
+        assert_eq!(s.load_cqs, 0);
+        let served: Vec<u32> = s
+            .server_pollers
+            .iter()
+            .flat_map(|a| a.cqs.clone())
+            .collect();
+        assert_eq!(served, [0, 1]);
+        let l = resolve_side(load(None).unwrap(), 1, None, None, Side::Load).unwrap();
+        assert!(l.server_pollers.is_empty());
+        assert_eq!(l.load_pollers.len(), 1);
+        assert_eq!(l.load_cqs, 1);
+        assert!(!l.toml.contains("srv0"), "{}", l.toml);
+        // A file without load pollers is fine for `serve`, not for a
+        // one-process run.
+        let srv_only =
+            "[[poller]]\nname = \"a\"\ncqs = [\"srv0\"]\n[[pool]]\nname = \"io\"\nthreads = 1\n";
+        let cfg = TopologyConfig::from_toml(srv_only).unwrap();
+        assert!(resolve_side(cfg.clone(), 1, None, None, Side::Server).is_ok());
+        let e = resolve(cfg.clone(), 1, None, None).unwrap_err();
+        assert!(e.to_string().contains("no poller serves a load CQ"), "{e}");
+        let e = resolve_side(cfg, 1, None, None, Side::Load).unwrap_err();
+        assert!(e.to_string().contains("no poller serves a load CQ"), "{e}");
     }
 
     #[test]

@@ -257,7 +257,35 @@ fn bad_flags_are_refused() {
     refused(&["--read-pct", "150"], &["--read-pct 150"]);
     refused(&["--ops", "0"], &["--ops 0"]);
     refused(&["--workers", "0"], &["--workers 0"]);
-    refused(&["--backend", "verbs"], &["not in this build"]);
+    if cfg!(feature = "verbs") {
+        refused(
+            &["--backend", "verbs", "--fault-rate", "0.01"],
+            &["--fault-rate", "--backend sim"],
+        );
+    } else {
+        // The default build has no verbs: the way to get it, named.
+        for args in [
+            &["--backend", "verbs"][..],
+            &["serve"],
+            &["load", "--server", "127.0.0.1:1"],
+        ] {
+            refused(
+                args,
+                &[
+                    "`verbs` cargo feature",
+                    "--features verbs",
+                    "libibverbs-dev",
+                ],
+            );
+        }
+    }
+    refused(&["serve", "--backend", "sim"], &["verbs only"]);
+    refused(
+        &["--device", "mlx5_0"],
+        &["--device is for --backend verbs"],
+    );
+    refused(&["--server", "127.0.0.1:1"], &["--server is for `load`"]);
+    refused(&["--listen", "0.0.0.0:1"], &["--listen"]);
 }
 
 #[test]

@@ -175,9 +175,11 @@ fn config(extra: &[&str]) -> cqd_demo::config::Config {
 #[test]
 fn the_same_wrapper_without_a_fault_passes() {
     let fabric = SimFabric::new(0.0, 1);
-    let r = run_on(&config(&[]), None, |name| Faulty {
-        inner: fabric.open(name),
-        fault: Fault::None,
+    let r = run_on(&config(&[]), None, |name| {
+        Ok(Faulty {
+            inner: fabric.open(name),
+            fault: Fault::None,
+        })
     })
     .unwrap();
     assert!(r.passed(), "{}", r.text());
@@ -186,13 +188,15 @@ fn the_same_wrapper_without_a_fault_passes() {
 #[test]
 fn a_server_that_sends_the_wrong_block_fails_the_data_verdict() {
     let fabric = SimFabric::new(0.0, 1);
-    let r = run_on(&config(&[]), None, |name| Faulty {
-        inner: fabric.open(name),
-        fault: if name.starts_with("srv") {
-            Fault::Misdirect
-        } else {
-            Fault::None
-        },
+    let r = run_on(&config(&[]), None, |name| {
+        Ok(Faulty {
+            inner: fabric.open(name),
+            fault: if name.starts_with("srv") {
+                Fault::Misdirect
+            } else {
+                Fault::None
+            },
+        })
     })
     .unwrap();
     let text = r.text();
@@ -215,14 +219,14 @@ fn a_server_that_sends_the_wrong_block_fails_the_data_verdict() {
 fn queues_reset_instead_of_flushed_fail_the_accounts_verdict() {
     let fabric = SimFabric::new(0.0, 1);
     let r = run_on(&config(&["--drain-timeout", "200ms"]), None, |name| {
-        Faulty {
+        Ok(Faulty {
             inner: fabric.open(name),
             fault: if name == "load" {
                 Fault::ResetInsteadOfFlush
             } else {
                 Fault::None
             },
-        }
+        })
     })
     .unwrap();
     let text = r.text();
@@ -251,13 +255,15 @@ fn a_single_slot_on_a_slow_host_still_reads_back_every_block() {
         "--ops",
         "50",
     ]);
-    let r = run_on(&cfg, None, |name| Faulty {
-        inner: fabric.open(name),
-        fault: if name == "load" {
-            Fault::SlowWrites
-        } else {
-            Fault::None
-        },
+    let r = run_on(&cfg, None, |name| {
+        Ok(Faulty {
+            inner: fabric.open(name),
+            fault: if name == "load" {
+                Fault::SlowWrites
+            } else {
+                Fault::None
+            },
+        })
     })
     .unwrap();
     assert_eq!(r.load.verify_matched, 256, "{}", r.text());

@@ -15,21 +15,24 @@
 //!   [`Registration`] only (the posting call keeps every account).
 //!
 //! `sim` implements them on cqd-sim (every node on one simulated fabric,
-//! endpoints exchanged in-process). A verbs implementation maps one to one
-//! onto cqd-verbs: `Node` = `Context` + `Pd` (`create_dispatched_cq`,
-//! `reg_mr`, `create_qp`), `Region` = `Mr` (`read`/`write`/`remote`),
-//! `Link` = `Qp` (`endpoint`/`connect`, `SendWr::new(tag, WrOp::…, &[mr.sge(off,
-//! len)])`, `Registration::post_send`/`post_recv`), `Endpoint` = its serde
-//! `Endpoint`, exchanged over TCP by `serve`/`load`.
+//! endpoints exchanged in-process). `verbs` (cargo feature `verbs`) maps
+//! them one to one onto cqd-verbs: `Node` = a `Pd` on an open `Context`
+//! (`create_dispatched_cq`, `reg_mr`, `create_qp`), `Region` = `Mr`
+//! (`read`/`write`/`remote`, bounds checked first), `Link` = `Qp`
+//! (`endpoint`/`connect`, `SendWr::new(tag, WrOp::…, &[mr.sge(off, len)])`
+//! through `Registration::post_send`/`post_recv`), `Endpoint` = its serde
+//! `Endpoint`, exchanged over TCP by `serve`/`load` (`crate::net`).
 
 pub mod sim;
+#[cfg(feature = "verbs")]
+pub mod verbs;
 
 use std::fmt::Debug;
 
 use cqd_core::{CqHandle, CqOptions, Registration, UnboundCq};
 
 /// A peer's buffer: what a request names for one-sided RDMA.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct Remote {
     /// The address in the peer's region.
     pub addr: u64,

@@ -1,0 +1,330 @@
+//! The backend on cqd-verbs: real RDMA through libibverbs (a NIC, or
+//! softverbs under `softverbs-run`).
+//!
+//! A node is a protection domain on an open device (nodes of one process
+//! share the device's `Context`); a region is an `Mr`; a link is an RC `Qp`
+//! whose send and receive completions go to one CQ; its endpoint is
+//! cqd-verbs' serde `Endpoint` (LID, GID, QPN, PSN, MTU), exchanged over
+//! TCP by `serve` / `load` (or in memory by a one-process run).
+//!
+//! Bounds are checked here before `Mr::read` / `write` / `sge`, which panic
+//! on a range outside the region (a programming error there; here the
+//! offsets come from requests, so they are errors).
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use cqd_core::{CqHandle, CqOptions, Registration, UnboundCq};
+use cqd_verbs::{
+    Access, ConnectOptions, Context, Cq, CqSpec, Endpoint, Mr, Pd, Qp, QpCap, QpInit, RecvWr,
+    RemoteAddr, SendWr, Sge, WrOp,
+};
+
+use super::{BackendError, Depths, Link, Node, Op, Region, Remote, Verb};
+
+/// How links of this process connect: the port and, for RoCE or routed
+/// InfiniBand, the GID index.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct VerbsOptions {
+    /// The local port (1 when `None`).
+    pub port: Option<u8>,
+    /// The GID index for a global route (RoCE needs one; InfiniBand in one
+    /// subnet does not).
+    pub gid_index: Option<u8>,
+}
+
+impl VerbsOptions {
+    fn connect_options(self) -> ConnectOptions {
+        ConnectOptions {
+            port: self.port.unwrap_or(1),
+            gid_index: self.gid_index,
+            ..ConnectOptions::default()
+        }
+    }
+}
+
+/// An open RDMA device, from which nodes are made.
+#[derive(Debug, Clone)]
+pub struct VerbsDevice {
+    ctx: Context,
+    options: VerbsOptions,
+}
+
+impl VerbsDevice {
+    /// Opens the device `name` (`None`: the first one libibverbs lists)
+    /// and checks its port.
+    ///
+    /// # Errors
+    /// No such device (cqd-verbs' `NoDevice`, naming the devices seen), or
+    /// the port cannot be queried.
+    pub fn open(name: Option<&str>, options: VerbsOptions) -> Result<VerbsDevice, BackendError> {
+        let ctx = match name {
+            Some(n) => Context::open(n),
+            None => Context::open_first(),
+        }
+        .map_err(|e| BackendError::new("open the RDMA device", e))?;
+        let port = options.port.unwrap_or(1);
+        let info = ctx
+            .port(port)
+            .map_err(|e| BackendError::new(format!("query port {port} of {}", ctx.name()), e))?;
+        if !info.active {
+            tracing::warn!(device = ctx.name(), port, "the port is not active");
+        }
+        Ok(VerbsDevice { ctx, options })
+    }
+
+    /// The device's name.
+    pub fn name(&self) -> &str {
+        self.ctx.name()
+    }
+
+    /// A node (a new protection domain) called `name`.
+    ///
+    /// # Errors
+    /// `ibv_alloc_pd` failed.
+    pub fn node(&self, name: &str) -> Result<VerbsNode, BackendError> {
+        let pd = self
+            .ctx
+            .alloc_pd()
+            .map_err(|e| BackendError::new(format!("protection domain for {name}"), e))?;
+        Ok(VerbsNode {
+            name: name.to_string(),
+            ctx: self.ctx.clone(),
+            pd,
+            connect: self.options.connect_options(),
+        })
+    }
+}
+
+/// A protection domain on a verbs device.
+#[derive(Debug)]
+pub struct VerbsNode {
+    name: String,
+    ctx: Context,
+    pd: Pd,
+    connect: ConnectOptions,
+}
+
+/// A registered memory region.
+#[derive(Debug)]
+pub struct VerbsRegion(Mr);
+
+/// An RC queue pair.
+#[derive(Debug)]
+pub struct VerbsLink {
+    qp: Qp,
+    psn: u32,
+    connect: ConnectOptions,
+}
+
+impl VerbsLink {
+    /// The queue pair (its state, outstanding requests).
+    pub fn qp(&self) -> &Qp {
+        &self.qp
+    }
+}
+
+impl VerbsRegion {
+    /// `offset..offset + len` as a `usize` range inside the region.
+    fn range(&self, offset: u64, len: usize) -> Result<usize, BackendError> {
+        let size = self.0.len();
+        match usize::try_from(offset) {
+            Ok(start) if start.checked_add(len).is_some_and(|end| end <= size) => Ok(start),
+            _ => Err(BackendError::new(
+                "a memory region access",
+                format!("{len} bytes at offset {offset} are outside the {size}-byte region"),
+            )),
+        }
+    }
+
+    fn sge(&self, offset: u64, len: u32) -> Result<Sge<'_>, BackendError> {
+        let start = self.range(offset, len as usize)?;
+        Ok(self.0.sge(start, len))
+    }
+}
+
+impl Region for VerbsRegion {
+    fn len(&self) -> u64 {
+        self.0.len() as u64
+    }
+
+    fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), BackendError> {
+        let start = self.range(offset, out.len())?;
+        self.0.read(start, out);
+        Ok(())
+    }
+
+    fn write(&self, offset: u64, data: &[u8]) -> Result<(), BackendError> {
+        let start = self.range(offset, data.len())?;
+        self.0.write(start, data);
+        Ok(())
+    }
+
+    fn remote(&self, offset: u64) -> Remote {
+        // Computed, not `Mr::remote` (which panics out of range): a wrong
+        // address is the peer's to refuse with a remote access error.
+        Remote {
+            addr: self.0.addr().wrapping_add(offset),
+            rkey: self.0.rkey(),
+        }
+    }
+}
+
+fn remote_of(r: Remote) -> RemoteAddr {
+    RemoteAddr {
+        addr: r.addr,
+        rkey: r.rkey,
+    }
+}
+
+/// A first packet sequence number: 24 bits, different per QP and run.
+fn new_psn(qpn: u32) -> u32 {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    (t ^ qpn.rotate_left(7) ^ n.wrapping_mul(0x9e37_79b9)) & 0xff_ffff
+}
+
+impl Link for VerbsLink {
+    type Region = VerbsRegion;
+    type Endpoint = Endpoint;
+
+    fn qpn(&self) -> u32 {
+        self.qp.qpn()
+    }
+
+    fn endpoint(&self) -> Result<Endpoint, BackendError> {
+        self.qp
+            .endpoint(&self.connect, self.psn)
+            .map_err(|e| BackendError::new(format!("the endpoint of QP {}", self.qp.qpn()), e))
+    }
+
+    fn connect(&self, peer: &Endpoint) -> Result<(), BackendError> {
+        self.qp.connect(peer, self.psn, &self.connect).map_err(|e| {
+            BackendError::new(
+                format!(
+                    "connect QP {} to QP {} (LID {})",
+                    self.qp.qpn(),
+                    peer.qpn,
+                    peer.lid
+                ),
+                e,
+            )
+        })
+    }
+
+    fn post_recv(
+        &self,
+        reg: &Registration,
+        tag: u32,
+        region: &VerbsRegion,
+        offset: u64,
+        len: u32,
+    ) -> Result<(), BackendError> {
+        let sge = [region.sge(offset, len)?];
+        reg.post_recv(&self.qp, &mut [RecvWr::new(u64::from(tag), &sge)])
+            .map_err(|e| BackendError::new(format!("post a receive on QP {}", self.qp.qpn()), e))
+    }
+
+    fn post_send(
+        &self,
+        reg: &Registration,
+        ops: &[Op<'_, VerbsRegion>],
+    ) -> Result<(), BackendError> {
+        let sges = ops
+            .iter()
+            .map(|op| Ok([op.region.sge(op.offset, op.len)?]))
+            .collect::<Result<Vec<[Sge<'_>; 1]>, BackendError>>()?;
+        let mut wrs: Vec<SendWr<'_>> = ops
+            .iter()
+            .zip(&sges)
+            .map(|(op, sge)| {
+                let verb = match op.verb {
+                    Verb::Send => WrOp::Send,
+                    Verb::Write(r) => WrOp::Write(remote_of(r)),
+                    Verb::Read(r) => WrOp::Read(remote_of(r)),
+                };
+                let wr = SendWr::new(u64::from(op.tag), verb, sge);
+                if op.signaled {
+                    wr
+                } else {
+                    wr.unsignaled()
+                }
+            })
+            .collect();
+        reg.post_send(&self.qp, &mut wrs)
+            .map_err(|e| BackendError::new(format!("post on QP {}", self.qp.qpn()), e))
+    }
+
+    fn to_error(&self) {
+        if let Err(e) = self.qp.to_error() {
+            // A dead device refuses the transition; its requests fail by
+            // the device's own rule (and the load's timeout).
+            tracing::warn!(qpn = self.qp.qpn(), error = %e, "QP to error refused");
+        }
+    }
+}
+
+impl Node for VerbsNode {
+    type Cq = Cq;
+    type Region = VerbsRegion;
+    type Link = VerbsLink;
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn max_cqe(&self) -> u32 {
+        self.ctx.attr().max_cqe
+    }
+
+    fn max_qp_wr(&self) -> u32 {
+        self.ctx.attr().max_qp_wr
+    }
+
+    fn create_cq<W: Send + 'static>(
+        &self,
+        name: &str,
+        depth: u32,
+        options: CqOptions,
+    ) -> Result<(Cq, UnboundCq<W>, CqHandle<W>), BackendError> {
+        self.ctx
+            .create_dispatched_cq(name, depth, CqSpec::default(), options)
+            .map_err(|e| {
+                BackendError::new(
+                    format!("create CQ {name} of {depth} entries on {}", self.ctx.name()),
+                    e,
+                )
+            })
+    }
+
+    fn reg_region(&self, len: u64) -> Result<VerbsRegion, BackendError> {
+        let what = || format!("register {len} bytes on {}", self.name);
+        let len = usize::try_from(len).map_err(|e| BackendError::new(what(), e))?;
+        self.pd
+            .reg_mr(len, Access::ALL_RDMA)
+            .map(VerbsRegion)
+            .map_err(|e| BackendError::new(what(), e))
+    }
+
+    fn create_link(&self, cq: &Cq, depths: Depths) -> Result<VerbsLink, BackendError> {
+        let cap = QpCap {
+            max_send_wr: depths.send,
+            max_recv_wr: depths.recv,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        };
+        let qp = self
+            .pd
+            .create_qp(&QpInit::new(cq, cq, cap))
+            .map_err(|e| BackendError::new(format!("create a QP on {}", self.name), e))?;
+        let psn = new_psn(qp.qpn());
+        Ok(VerbsLink {
+            qp,
+            psn,
+            connect: self.connect,
+        })
+    }
+}

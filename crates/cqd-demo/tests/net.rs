@@ -1,0 +1,309 @@
+//! `serve` and `load` joined over real TCP sockets, on the simulated NIC:
+//! the handshake, the striping over several servers, refusals, a server
+//! that is not there and a control connection that dies mid-run. Both
+//! halves run in this process (the simulated fabric is in-process); the
+//! same code runs the two-process verbs form (tests/verbs.rs, under
+//! softverbs-run).
+#![allow(missing_docs)]
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use cqd_demo::backend::sim::{SimFabric, SimNode};
+use cqd_demo::config::{Args, Command, Config};
+use cqd_demo::net::{load_on, serve_on};
+use cqd_demo::report::{Report, ServeReport};
+use cqd_demo::DemoError;
+
+fn config(extra: &[&str]) -> Config {
+    let mut v = vec!["cqd-demo", "--no-progress"];
+    v.extend_from_slice(extra);
+    Args::try_parse_from(v).unwrap().check().unwrap()
+}
+
+fn serve_cfg(extra: &[&str]) -> Config {
+    let mut c = config(extra);
+    c.command = Command::Serve;
+    c.servers = 1;
+    c.accept_timeout = Some(Duration::from_secs(60));
+    c
+}
+
+fn load_cfg(servers: &[String], extra: &[&str]) -> Config {
+    let mut c = config(extra);
+    c.command = Command::Load;
+    c.servers = servers.len() as u32;
+    c.server_addrs = servers.to_vec();
+    c
+}
+
+/// A server thread on `fabric`; returns its address and its end.
+fn server(
+    fabric: &SimFabric,
+    name: &'static str,
+    cfg: Config,
+) -> (String, JoinHandle<Result<ServeReport, DemoError>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let fabric = fabric.clone();
+    let (tx, rx) = mpsc::channel();
+    let h = std::thread::spawn(move || {
+        serve_on(
+            &cfg,
+            listener,
+            |_: &str| Ok::<SimNode, DemoError>(fabric.open(name)),
+            |addr| tx.send(addr.to_string()).unwrap(),
+        )
+    });
+    let addr = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the server listens");
+    (addr, h)
+}
+
+fn load(fabric: &SimFabric, cfg: &Config) -> Result<Report, DemoError> {
+    let fabric = fabric.clone();
+    load_on(cfg, move || Ok(move |name: &str| Ok(fabric.open(name))))
+}
+
+#[test]
+fn a_load_and_a_server_over_tcp_both_pass_and_each_reports_its_side() {
+    let fabric = SimFabric::new(0.0, 1);
+    let (addr, srv) = server(&fabric, "srv0", serve_cfg(&["--device-size", "2MiB"]));
+    let r = load(
+        &fabric,
+        &load_cfg(std::slice::from_ref(&addr), &["--duration", "500ms"]),
+    )
+    .unwrap();
+    let text = r.text();
+    assert!(r.passed(), "{text}");
+    assert!(text.contains("verdict data:     PASSED"), "{text}");
+    assert!(text.contains("verdict accounts: PASSED"), "{text}");
+    // The load learnt the geometry in the handshake.
+    assert_eq!(r.config.blocks_per_server, 512);
+    assert_eq!(r.load.verify_matched, 512, "{text}");
+    assert!(r.load.reads > 0 && r.load.writes > 0, "{text}");
+    // Its accounts are its own: only load handlers, only load pollers.
+    assert!(
+        r.accounts.iter().all(|a| a.handler.starts_with("load/")),
+        "{:?}",
+        r.accounts
+    );
+    assert!(
+        r.pollers.iter().all(|p| p.role == "load"),
+        "{:?}",
+        r.pollers
+    );
+    assert!(r.servers.is_empty());
+    // The server's word came back.
+    assert_eq!(r.peers.len(), 1);
+    assert!(r.peers[0].passed, "{:?}", r.peers);
+    assert!(r.peers[0].detail.contains("posted"), "{:?}", r.peers);
+    let s = srv.join().unwrap().unwrap();
+    let stext = s.text();
+    assert!(s.passed(), "{stext}");
+    assert!(stext.contains("verdict accounts: PASSED"), "{stext}");
+    assert!(stext.contains("verdict session:  PASSED"), "{stext}");
+    assert!(
+        s.pollers.iter().all(|p| p.role == "server"),
+        "{:?}",
+        s.pollers
+    );
+    assert!(
+        s.accounts.iter().all(|a| a.handler.starts_with("srv0/")),
+        "{:?}",
+        s.accounts
+    );
+    assert_eq!(
+        s.server.reads + s.server.writes,
+        r.load.completed + r.load.verify_read
+    );
+}
+
+#[test]
+fn blocks_are_striped_over_two_server_processes() {
+    let fabric = SimFabric::new(0.0, 2);
+    let (a, sa) = server(&fabric, "srv0", serve_cfg(&["--device-size", "1MiB"]));
+    let (b, sb) = server(&fabric, "srv1", serve_cfg(&["--device-size", "2MiB"]));
+    let r = load(
+        &fabric,
+        &load_cfg(&[a, b], &["--ops", "2000", "--connections", "2"]),
+    )
+    .unwrap();
+    assert!(r.passed(), "{}", r.text());
+    // The smaller server sets the blocks per server: 2 × 256 read back.
+    assert_eq!(r.config.blocks_per_server, 256);
+    assert_eq!(r.load.verify_matched, 512, "{}", r.text());
+    for h in [sa, sb] {
+        let s = h.join().unwrap().unwrap();
+        assert!(s.passed(), "{}", s.text());
+        assert!(s.server.reads > 0 && s.server.writes > 0, "{}", s.text());
+    }
+}
+
+#[test]
+fn a_server_that_is_not_there_fails_fast_with_its_address() {
+    let port = {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let fabric = SimFabric::new(0.0, 3);
+    let started = Instant::now();
+    let e = load(&fabric, &load_cfg(&[format!("127.0.0.1:{port}")], &[])).unwrap_err();
+    let msg = e.to_string();
+    assert!(msg.contains("cannot reach server"), "{msg}");
+    assert!(msg.contains(&format!("127.0.0.1:{port}")), "{msg}");
+    assert_eq!(e.exit_code(), 1);
+    assert!(
+        started.elapsed() < Duration::from_secs(6),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn refused_handshakes_and_garbage_do_not_end_the_server() {
+    let fabric = SimFabric::new(0.0, 4);
+    let (addr, srv) = server(
+        &fabric,
+        "srv0",
+        serve_cfg(&["--device-size", "2MiB", "--qd", "8"]),
+    );
+    // A deeper queue than the server takes: refused, with the way out.
+    let e = load(
+        &fabric,
+        &load_cfg(std::slice::from_ref(&addr), &["--qd", "16"]),
+    )
+    .unwrap_err();
+    let msg = e.to_string();
+    assert!(msg.contains("refused the load"), "{msg}");
+    assert!(msg.contains("--qd 16"), "{msg}");
+    // Another block size.
+    let e = load(
+        &fabric,
+        &load_cfg(
+            std::slice::from_ref(&addr),
+            &["--qd", "8", "--block-size", "8KiB"],
+        ),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("block size 8192"), "{e}");
+    // Not JSON: refused with the reason.
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    s.write_all(b"GET / HTTP/1.0\n").unwrap();
+    let mut answer = String::new();
+    let _ = s.read_to_string(&mut answer);
+    assert!(answer.contains("refused"), "{answer:?}");
+    assert!(answer.contains("not a cqd-demo message"), "{answer:?}");
+    // A line longer than any message (the server stops reading it at
+    // 64 KiB: its answer may be lost in the reset), then a peer that
+    // connects and says nothing before closing: neither ends the server.
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let _ = s.write_all(&vec![b'x'; 100_000]);
+    let _ = s.shutdown(Shutdown::Write);
+    let _ = s.read_to_string(&mut String::new());
+    drop(TcpStream::connect(&addr).unwrap());
+    // A fitting load is then served.
+    let r = load(
+        &fabric,
+        &load_cfg(std::slice::from_ref(&addr), &["--qd", "8", "--ops", "500"]),
+    )
+    .unwrap();
+    assert!(r.passed(), "{}", r.text());
+    let s = srv.join().unwrap().unwrap();
+    assert!(s.passed(), "{}", s.text());
+}
+
+/// Forwards one TCP connection to `to` until `cut` fires, then closes
+/// both sides (as a dying peer's kernel does).
+fn cutting_proxy(to: String, cut: mpsc::Receiver<()>) -> String {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        let (a, _) = l.accept().unwrap();
+        let b = TcpStream::connect(&to).unwrap();
+        let pipe = |mut from: TcpStream, mut to: TcpStream| {
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = from.read(&mut buf) {
+                    if n == 0 || to.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+            })
+        };
+        pipe(a.try_clone().unwrap(), b.try_clone().unwrap());
+        pipe(b.try_clone().unwrap(), a.try_clone().unwrap());
+        let _ = cut.recv();
+        let _ = a.shutdown(Shutdown::Both);
+        let _ = b.shutdown(Shutdown::Both);
+    });
+    addr
+}
+
+#[test]
+fn a_control_connection_lost_mid_run_fails_the_requests_in_flight_on_both_sides() {
+    let fabric = SimFabric::new(0.0, 5);
+    let (addr, srv) = server(&fabric, "srv0", serve_cfg(&["--device-size", "2MiB"]));
+    let (cut, when) = mpsc::channel();
+    let via = cutting_proxy(addr, when);
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(400));
+        let _ = cut.send(());
+    });
+    let started = Instant::now();
+    let r = load(&fabric, &load_cfg(&[via], &["--duration", "20s"])).unwrap();
+    let text = r.text();
+    // Ended by the loss, not by the 20 s.
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "{:?}\n{text}",
+        started.elapsed()
+    );
+    assert!(!r.passed(), "{text}");
+    assert!(r.load.failed > 0, "{text}");
+    assert!(r.load.dead_connections > 0, "{text}");
+    assert!(!r.peers[0].passed, "{:?}", r.peers);
+    // Nothing failed was taken for data, and the load's own accounts
+    // balance (its requests completed or were flushed).
+    assert_eq!(r.verify.mismatches, 0, "{text}");
+    assert!(r.verdicts.accounts.passed, "{text}");
+    let s = srv.join().unwrap().unwrap();
+    assert!(!s.passed(), "{}", s.text());
+    assert!(!s.session.passed);
+    assert!(
+        s.session.detail.contains("went away"),
+        "{}",
+        s.session.detail
+    );
+    assert!(s.accounts_verdict.passed, "{}", s.text());
+}
+
+#[test]
+fn a_second_load_is_turned_away_at_once_while_a_session_runs() {
+    let fabric = SimFabric::new(0.0, 6);
+    let (addr, srv) = server(&fabric, "srv0", serve_cfg(&["--device-size", "2MiB"]));
+    let first = {
+        let fabric = fabric.clone();
+        let cfg = load_cfg(std::slice::from_ref(&addr), &["--duration", "3s"]);
+        std::thread::spawn(move || load(&fabric, &cfg))
+    };
+    // Wait until the session runs (the server stops listening then).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while TcpStream::connect(&addr).is_ok() {
+        assert!(Instant::now() < deadline, "the server still listens");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let started = Instant::now();
+    let e = load(&fabric, &load_cfg(std::slice::from_ref(&addr), &[])).unwrap_err();
+    assert!(e.to_string().contains("cannot reach server"), "{e}");
+    assert!(started.elapsed() < Duration::from_secs(6));
+    let r = first.join().unwrap().unwrap();
+    assert!(r.passed(), "{}", r.text());
+    assert!(srv.join().unwrap().unwrap().passed());
+}

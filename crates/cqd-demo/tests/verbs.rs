@@ -1,0 +1,351 @@
+//! The binary on real verbs (cargo feature `verbs`): one process on the
+//! device, `serve` and `load` as two processes with data verification, and
+//! the bad cases — a device that does not exist, a server that is not
+//! there, a server killed mid-run. Tests that need the device run under
+//! `softverbs-run` (`.ci/softverbs.sh`) and print SKIPPED elsewhere; the
+//! others run everywhere the feature builds.
+#![cfg(feature = "verbs")]
+#![allow(missing_docs)]
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::TcpListener;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+fn launcher_or_skip(test: &str) -> bool {
+    if std::env::var_os("SOFTVERBS_RUN").is_some() {
+        return true;
+    }
+    // Straight to the stderr handle: the harness captures eprintln! of
+    // passing tests, not writes to the handle.
+    use std::io::Write as _;
+    let line = format!("SKIPPED: {test} (needs softverbs-run, root)\n");
+    let _ = std::io::stderr().write_all(line.as_bytes());
+    false
+}
+
+fn spawn(args: &[&str]) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_cqd-demo"))
+        .args(args)
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the binary starts")
+}
+
+/// Waits for `child` at most `limit` (a hang is a failure, never a wait).
+fn finish(mut child: Child, what: &str, limit: Duration) -> Output {
+    let start = Instant::now();
+    loop {
+        match child.try_wait().expect("wait") {
+            Some(_) => return child.wait_with_output().expect("output"),
+            None if start.elapsed() > limit => {
+                let _ = child.kill();
+                let out = child.wait_with_output().expect("output");
+                panic!(
+                    "{what} still running after {limit:?}\nstdout:\n{}\nstderr:\n{}",
+                    text(&out.stdout),
+                    text(&out.stderr)
+                );
+            }
+            None => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+fn run(args: &[&str], limit: Duration) -> Output {
+    finish(spawn(args), &format!("cqd-demo {args:?}"), limit)
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// A `serve` process on a free port: the child, its address, and its
+/// stdout and stderr as they come (line by line, on channels).
+struct Served {
+    child: Child,
+    addr: String,
+    out: mpsc::Receiver<String>,
+    err: mpsc::Receiver<String>,
+}
+
+fn lines(r: impl Read + Send + 'static) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(r).lines().map_while(Result::ok) {
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+fn serve(extra: &[&str]) -> Served {
+    let mut args = vec![
+        "serve",
+        "--device",
+        "softverbs0",
+        "--listen",
+        "127.0.0.1:0",
+        "--accept-timeout",
+        "60s",
+    ];
+    args.extend_from_slice(extra);
+    let mut child = spawn(&args);
+    let out = lines(child.stdout.take().expect("stdout"));
+    let err = lines(child.stderr.take().expect("stderr"));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let addr = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match out.recv_timeout(left) {
+            Ok(l) => {
+                if let Some(rest) = l.strip_prefix("cqd-demo serve: listening on ") {
+                    break rest.split_whitespace().next().unwrap_or("").to_string();
+                }
+            }
+            Err(_) => {
+                let _ = child.kill();
+                let rest: Vec<String> = err.try_iter().collect();
+                panic!("serve did not listen:\n{}", rest.join("\n"));
+            }
+        }
+    };
+    Served {
+        child,
+        addr,
+        out,
+        err,
+    }
+}
+
+impl Served {
+    /// Waits for the server's exit; its exit code and all it printed.
+    fn end(self, limit: Duration) -> (Option<i32>, String, String) {
+        let out = finish(self.child, "serve", limit);
+        let stdout: Vec<String> = self.out.iter().collect();
+        let stderr: Vec<String> = self.err.iter().collect();
+        (out.status.code(), stdout.join("\n"), stderr.join("\n"))
+    }
+}
+
+#[test]
+fn one_process_on_the_device_passes_both_verdicts() {
+    if !launcher_or_skip("one_process_on_the_device_passes_both_verdicts") {
+        return;
+    }
+    let out = run(
+        &[
+            "--backend",
+            "verbs",
+            "--device",
+            "softverbs0",
+            "--duration",
+            "1s",
+            "--device-size",
+            "4MiB",
+        ],
+        Duration::from_secs(120),
+    );
+    let stdout = text(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        text(&out.stderr)
+    );
+    assert!(stdout.contains("verdict data:     PASSED"), "{stdout}");
+    assert!(stdout.contains("verdict accounts: PASSED"), "{stdout}");
+    assert!(stdout.contains("1024 matched"), "{stdout}");
+}
+
+#[test]
+fn serve_and_load_processes_pass_with_data_verification() {
+    if !launcher_or_skip("serve_and_load_processes_pass_with_data_verification") {
+        return;
+    }
+    let a = serve(&["--device-size", "2MiB"]);
+    let b = serve(&["--device-size", "2MiB", "--qd", "32"]);
+    let out = run(
+        &[
+            "load",
+            "--device",
+            "softverbs0",
+            "--server",
+            &a.addr,
+            "--server",
+            &b.addr,
+            "--duration",
+            "1s",
+        ],
+        Duration::from_secs(120),
+    );
+    let stdout = text(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        text(&out.stderr)
+    );
+    assert!(stdout.contains("verdict data:     PASSED"), "{stdout}");
+    assert!(stdout.contains("verdict accounts: PASSED"), "{stdout}");
+    // Striped over both: 2 × 512 blocks read back.
+    assert!(stdout.contains("1024 matched"), "{stdout}");
+    assert_eq!(
+        stdout.matches("(its own side) PASSED").count(),
+        2,
+        "{stdout}"
+    );
+    for s in [a, b] {
+        let (code, sout, serr) = s.end(Duration::from_secs(60));
+        assert_eq!(code, Some(0), "{sout}\n{serr}");
+        assert!(sout.contains("verdict accounts: PASSED"), "{sout}");
+        assert!(sout.contains("verdict session:  PASSED"), "{sout}");
+        // Only its own side: no load poller in its table.
+        assert!(!sout.lines().any(|l| l.starts_with("load ")), "{sout}");
+        assert!(sout.lines().any(|l| l.starts_with("server ")), "{sout}");
+    }
+}
+
+#[test]
+fn a_device_that_does_not_exist_is_named() {
+    // Runs everywhere: outside the launcher libibverbs lists no device,
+    // under it none has this name; either way the same message.
+    let out = run(
+        &["--backend", "verbs", "--device", "nosuch9", "--quick"],
+        Duration::from_secs(30),
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("no RDMA device nosuch9"), "{err}");
+    assert!(!text(&out.stdout).contains("verdict"));
+    let out = run(
+        &["serve", "--device", "nosuch9", "--listen", "127.0.0.1:0"],
+        Duration::from_secs(30),
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("no RDMA device nosuch9"), "{err}");
+    // The load reaches its servers first, then opens the device: the
+    // device is what it reports (and the server is left waiting).
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let out = run(
+        &["load", "--device", "nosuch9", "--server", &addr],
+        Duration::from_secs(30),
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("no RDMA device nosuch9"), "{err}");
+}
+
+#[test]
+fn a_server_that_is_not_there_fails_fast() {
+    let port = {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let addr = format!("127.0.0.1:{port}");
+    let started = Instant::now();
+    let out = run(&["load", "--server", &addr], Duration::from_secs(30));
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!("cannot reach server {addr}")),
+        "{err}"
+    );
+    assert!(err.contains("cqd-demo serve"), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn a_server_killed_mid_run_fails_the_load_fast_and_never_hangs() {
+    if !launcher_or_skip("a_server_killed_mid_run_fails_the_load_fast_and_never_hangs") {
+        return;
+    }
+    let mut s = serve(&["--device-size", "4MiB"]);
+    let load = spawn(&[
+        "load",
+        "--device",
+        "softverbs0",
+        "--server",
+        &s.addr,
+        "--duration",
+        "30s",
+    ]);
+    // Wait until the server serves, let the load run, then kill it.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match s.err.recv_timeout(left) {
+            Ok(l) if l.contains("serving") => break,
+            Ok(_) => {}
+            Err(_) => panic!("the server never served"),
+        }
+    }
+    std::thread::sleep(Duration::from_millis(800));
+    s.child.kill().expect("kill the server");
+    let killed = Instant::now();
+    let _ = s.child.wait();
+    let out = finish(load, "load after its server died", Duration::from_secs(25));
+    let stdout = text(&out.stdout);
+    let stderr = text(&out.stderr);
+    assert!(
+        killed.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        killed.elapsed()
+    );
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(stderr.contains("went away mid-run"), "{stderr}");
+    assert!(
+        stdout.contains("requests failed (reported as failed, never as done)"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("verdict data:     FAILED"), "{stdout}");
+    assert!(stdout.contains("(its own side) FAILED"), "{stdout}");
+    // What failed was not taken for data, and the load's own requests are
+    // all accounted for (completed, failed or flushed).
+    assert!(stdout.contains("0 mismatched"), "{stdout}");
+    assert!(stdout.contains("verdict accounts: PASSED"), "{stdout}");
+}
+
+#[test]
+fn a_load_killed_mid_run_ends_the_server_with_its_verdict() {
+    if !launcher_or_skip("a_load_killed_mid_run_ends_the_server_with_its_verdict") {
+        return;
+    }
+    let s = serve(&["--device-size", "4MiB"]);
+    let mut load = spawn(&[
+        "load",
+        "--device",
+        "softverbs0",
+        "--server",
+        &s.addr,
+        "--duration",
+        "30s",
+    ]);
+    std::thread::sleep(Duration::from_millis(1500));
+    load.kill().expect("kill the load");
+    let _ = load.wait();
+    let killed = Instant::now();
+    let (code, stdout, stderr) = s.end(Duration::from_secs(30));
+    assert!(
+        killed.elapsed() < Duration::from_secs(25),
+        "{:?}",
+        killed.elapsed()
+    );
+    assert_eq!(code, Some(1), "{stdout}\n{stderr}");
+    assert!(stderr.contains("went away mid-session"), "{stderr}");
+    assert!(stdout.contains("verdict session:  FAILED"), "{stdout}");
+    // Its own requests are all accounted for (completed, failed or
+    // flushed) even though the peer vanished.
+    assert!(stdout.contains("verdict accounts: PASSED"), "{stdout}");
+}
