@@ -619,12 +619,16 @@ impl ServeReport {
 }
 
 impl Report {
-    /// Both verdicts passed, no request failed, and every server process
-    /// (two-process runs) passed its own.
+    /// Both verdicts passed, no request failed, no reply was malformed or
+    /// late, no connection died (even with nothing in flight), and every
+    /// server process (two-process runs) passed its own.
     pub fn passed(&self) -> bool {
         self.verdicts.data.passed
             && self.verdicts.accounts.passed
             && self.load.failed == 0
+            && self.load.bad_replies == 0
+            && self.load.timeouts == 0
+            && self.load.dead_connections == 0
             && self.peers.iter().all(|p| p.passed)
     }
 
