@@ -344,7 +344,23 @@ impl<N: Node> LoadConn<N> {
                 }
                 vs
             }
-            BlockOp::Read => (0, 0),
+            BlockOp::Read => {
+                // Poison the buffer first: a read whose data never arrives
+                // must not match what an earlier request left there (zeros,
+                // or this slot's last write of the same block). The poison
+                // names version u64::MAX, which no write ever has.
+                let mut scratch = std::mem::take(&mut s.scratch);
+                scratch.resize(self.block_size as usize, 0);
+                v.pattern(global, u64::MAX, &mut scratch);
+                let wrote = self.region.write(data_off, &scratch);
+                s.scratch = scratch;
+                if let Err(e) = wrote {
+                    drop(s);
+                    self.kill(&e.to_string());
+                    return false;
+                }
+                (0, 0)
+            }
         };
         s.next_id += 1;
         let id = (u64::from(slot) << 48) | s.next_id;

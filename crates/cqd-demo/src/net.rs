@@ -559,6 +559,16 @@ fn hello<E: DeserializeOwned + Serialize>(
             blocks,
             ..
         } => {
+            // Nothing read from a socket is trusted: the device the server
+            // announces must fit what this load can verify.
+            let bytes = blocks.checked_mul(u64::from(block_size));
+            if bytes.is_none_or(|b| b > crate::config::MAX_DEVICE) {
+                return Err(net(format!(
+                    "{}: welcome announces {blocks} blocks of {block_size} bytes; at most {} bytes per server",
+                    wire.peer(),
+                    crate::config::MAX_DEVICE
+                )));
+            }
             if version != VERSION || block_size != cfg.block_size || blocks == 0 {
                 return Err(net(format!(
                     "{}: welcome with version {version}, block size {block_size}, {blocks} \

@@ -368,7 +368,30 @@ pub fn accounts_verdict(accounts: &[AccountRow], system: &SystemReport) -> Verdi
         })
         .collect();
     let timed_out = system.pollers.iter().any(|p| p.accounts.timed_out);
-    if bad.is_empty() && !timed_out && system.is_clean() && !accounts.is_empty() {
+    // A caught panic counts its completion as delivered, but the request's
+    // work was lost: never a passing account.
+    let mut panics: Vec<String> = Vec::new();
+    for p in &system.pollers {
+        for c in p.cqs.iter().filter(|c| c.handler_panics > 0) {
+            panics.push(format!(
+                "CQ {}: {} handler panic(s)",
+                c.name, c.handler_panics
+            ));
+        }
+    }
+    for pool in system.pools.iter().filter(|p| p.panics() > 0) {
+        panics.push(format!(
+            "pool {}: {} worker panic(s)",
+            pool.name,
+            pool.panics()
+        ));
+    }
+    if bad.is_empty()
+        && !timed_out
+        && panics.is_empty()
+        && system.is_clean()
+        && !accounts.is_empty()
+    {
         Verdict {
             passed: true,
             detail: format!(
@@ -378,6 +401,7 @@ pub fn accounts_verdict(accounts: &[AccountRow], system: &SystemReport) -> Verdi
         }
     } else {
         let mut why = bad;
+        why.extend(panics);
         if timed_out {
             why.push("a poller's drain timed out".into());
         }
@@ -595,12 +619,16 @@ impl ServeReport {
 }
 
 impl Report {
-    /// Both verdicts passed, no request failed, and every server process
-    /// (two-process runs) passed its own.
+    /// Both verdicts passed, no request failed, no reply was malformed or
+    /// late, no connection died (even with nothing in flight), and every
+    /// server process (two-process runs) passed its own.
     pub fn passed(&self) -> bool {
         self.verdicts.data.passed
             && self.verdicts.accounts.passed
             && self.load.failed == 0
+            && self.load.bad_replies == 0
+            && self.load.timeouts == 0
+            && self.load.dead_connections == 0
             && self.peers.iter().all(|p| p.passed)
     }
 

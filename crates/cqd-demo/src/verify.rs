@@ -296,6 +296,11 @@ impl Verifier {
         let v = u64::from_le_bytes(h);
         let mut expect = vec![0u8; self.block_size];
         self.pattern(b, v, &mut expect);
+        if expect == data && b == block && v == u64::MAX {
+            return format!(
+                "a read of block {block} delivered no data (its buffer still holds the poison written before the read), expected {want}"
+            );
+        }
         if expect == data {
             format!("a read of block {block} returned version {v} of block {b}, expected {want}")
         } else {

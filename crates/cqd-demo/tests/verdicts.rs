@@ -25,6 +25,9 @@ enum Fault {
     ResetInsteadOfFlush,
     /// Copies into regions take a millisecond (a slow host).
     SlowWrites,
+    /// The server never moves a read's data (its RDMA WRITEs are dropped;
+    /// the reply still goes): the client's buffer keeps what was there.
+    DropWrites,
 }
 
 /// A region that may be slow to write.
@@ -91,6 +94,9 @@ impl Link for FaultyLink {
     fn post_send(&self, reg: &Registration, ops: &[Op<'_, FRegion>]) -> Result<(), BackendError> {
         let ops: Vec<Op<'_, SimRegion>> = ops
             .iter()
+            .filter(|op| {
+                !(matches!(self.fault, Fault::DropWrites) && matches!(op.verb, Verb::Write(_)))
+            })
             .map(|op| {
                 let mut offset = op.offset;
                 if matches!(self.fault, Fault::Misdirect)
@@ -268,4 +274,37 @@ fn a_single_slot_on_a_slow_host_still_reads_back_every_block() {
     .unwrap();
     assert_eq!(r.load.verify_matched, 256, "{}", r.text());
     assert!(r.passed(), "{}", r.text());
+}
+
+#[test]
+fn reads_whose_data_never_arrives_fail_the_data_verdict() {
+    // Reads only, of a device nobody wrote: the expected data is zeros,
+    // which is also what a fresh client buffer holds. A server that never
+    // moves the data must still fail (the client poisons each read's
+    // buffer first).
+    let fabric = SimFabric::new(0.0, 1);
+    let r = run_on(
+        &config(&["--read-pct", "100", "--ops", "200"]),
+        None,
+        |name| {
+            Ok(Faulty {
+                inner: fabric.open(name),
+                fault: if name.starts_with("srv") {
+                    Fault::DropWrites
+                } else {
+                    Fault::None
+                },
+            })
+        },
+    )
+    .unwrap();
+    let text = r.text();
+    assert!(!r.verdicts.data.passed, "{text}");
+    assert!(!r.passed());
+    assert!(r.verify.mismatches > 0, "{text}");
+    assert!(
+        r.mismatches.iter().any(|m| m.contains("delivered no data")),
+        "{:?}",
+        r.mismatches
+    );
 }
