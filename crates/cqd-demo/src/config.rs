@@ -1,5 +1,6 @@
 //! The command line and the checks of its combinations.
 
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -35,6 +36,11 @@ pub const NO_VERBS: &str = "this cqd-demo was built without the `verbs` cargo fe
      --backend verbs, serve and load are not available; rebuild with \
      `cargo build --release -p cqd-demo --features verbs` (it needs rdma-core's headers and \
      libclang: on Debian, apt-get install libibverbs-dev librdmacm-dev libclang-dev pkg-config)";
+
+/// The message for `--prometheus` in a build without the feature.
+pub const NO_PROMETHEUS: &str = "this cqd-demo was built without the `prometheus` cargo feature, \
+     so --prometheus is not available; rebuild with \
+     `cargo build --release -p cqd-demo --features prometheus`";
 
 /// The port `serve` listens on by default.
 pub const DEFAULT_PORT: u16 = 18520;
@@ -169,6 +175,15 @@ pub struct Args {
     /// No progress bar (it is hidden anyway when stdout is not a terminal).
     #[arg(long)]
     pub no_progress: bool,
+    /// Serve cqd's metrics (every CQ, poller and pool) and the demo's own
+    /// on a Prometheus endpoint, `http://ADDR/metrics` (cargo feature
+    /// `prometheus`).
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub prometheus: Option<String>,
+    /// Trace every completion of every CQ (`CqOptions::trace_completions`):
+    /// shown with RUST_LOG=cqd_core=trace.
+    #[arg(long)]
+    pub trace_completions: bool,
 }
 
 /// When the load stops.
@@ -244,6 +259,10 @@ pub struct Config {
     pub topology: Option<PathBuf>,
     /// Show the progress bar (when stdout is a terminal).
     pub progress: bool,
+    /// Where to serve the Prometheus endpoint (`--prometheus`).
+    pub prometheus: Option<SocketAddr>,
+    /// Trace every completion of every CQ.
+    pub trace_completions: bool,
 }
 
 /// The most memory the devices of one run may take.
@@ -273,6 +292,11 @@ impl Args {
         if backend == BackendKind::Verbs && !cfg!(feature = "verbs") {
             return bad(NO_VERBS.into());
         }
+        let prometheus = match &self.prometheus {
+            None => None,
+            Some(_) if !cfg!(feature = "prometheus") => return bad(NO_PROMETHEUS.into()),
+            Some(a) => Some(parse_addr(a)?),
+        };
         if backend == BackendKind::Sim {
             for (flag, given) in [
                 ("--device", self.device.is_some()),
@@ -441,6 +465,8 @@ impl Args {
             seed: self.seed,
             topology: self.topology.clone(),
             progress: !self.no_progress,
+            prometheus,
+            trace_completions: self.trace_completions,
         })
     }
 }
@@ -478,6 +504,22 @@ pub fn check_blocks(
         )));
     }
     Ok(())
+}
+
+/// Resolves `--prometheus`'s HOST:PORT to the address to listen on.
+///
+/// # Errors
+/// [`DemoError::Config`] naming the text and the form expected.
+pub fn parse_addr(s: &str) -> Result<SocketAddr, DemoError> {
+    let bad = |why: String| {
+        DemoError::Config(format!(
+            "--prometheus {s:?}: {why} (give HOST:PORT, e.g. 127.0.0.1:9464 or 0.0.0.0:9464)"
+        ))
+    };
+    let mut addrs = s.to_socket_addrs().map_err(|e| bad(e.to_string()))?;
+    addrs
+        .next()
+        .ok_or_else(|| bad("the name resolves to no address".into()))
 }
 
 /// Parses a size: `4096`, `4k`/`4K`/`4KiB`, `64M`/`64MiB`, `1G`/`1GiB`

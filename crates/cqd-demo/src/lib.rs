@@ -19,6 +19,7 @@ pub mod backend;
 pub mod config;
 pub mod load;
 pub mod net;
+pub mod prom;
 pub mod report;
 pub mod run;
 pub mod server;

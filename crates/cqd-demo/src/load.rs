@@ -202,6 +202,7 @@ pub struct LoadConn<N: Node> {
     dead: AtomicBool,
     shared: Arc<LoadShared>,
     hist: Mutex<Histogram<u64>>,
+    latency: crate::prom::Latency,
 }
 
 fn next(rng: &mut u64) -> u64 {
@@ -460,8 +461,10 @@ impl<N: Node> LoadConn<N> {
             }
         }
         if !f.verify {
-            let ns = f.started.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
+            let elapsed = f.started.elapsed();
+            let ns = elapsed.as_nanos().min(u128::from(u64::MAX)) as u64;
             self.hist.lock().saturating_record(ns.max(1));
+            self.latency.record(f.op == BlockOp::Read, elapsed);
             sh.completed.fetch_add(1, Ordering::Relaxed);
             let c = match f.op {
                 BlockOp::Read => &sh.reads,
@@ -693,6 +696,11 @@ impl<N: Node> Load<N> {
         })
     }
 
+    /// The CQs' handles, `load0` … (for the metrics exporter).
+    pub fn cq_handles(&self) -> &[CqHandle<NoWork>] {
+        &self.handles
+    }
+
     /// The polling right of load CQ `i`, for its poller (once).
     pub fn take_cq(&mut self, i: usize) -> Option<UnboundCq<NoWork>> {
         self.unbound.get_mut(i)?.take()
@@ -757,6 +765,7 @@ impl<N: Node> Load<N> {
                 Histogram::new_with_bounds(1, 3_600_000_000_000, 3)
                     .map_err(|e| crate::DemoError::Setup(format!("histogram: {e}")))?,
             ),
+            latency: crate::prom::Latency::new(),
         });
         let reg = self.handles[cq]
             .register(LoadHandler {

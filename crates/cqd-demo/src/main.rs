@@ -29,6 +29,7 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let args = match Args::try_parse() {
         Ok(a) => a,
@@ -108,6 +109,19 @@ fn load(cfg: &Config, json: Option<&std::path::Path>) -> Result<bool, DemoError>
 
 fn run(args: &Args) -> Result<bool, DemoError> {
     let cfg = args.check()?;
+    // Up before any CQ is made, so the run's every CQ, poller and pool is
+    // exported; stopped (one last publication) when the run returns.
+    let _endpoint = match cfg.prometheus {
+        Some(addr) => {
+            let e = cqd_demo::prom::start(addr)?;
+            eprintln!(
+                "cqd-demo: Prometheus metrics on http://{}/metrics",
+                e.addr()
+            );
+            Some(e)
+        }
+        None => None,
+    };
     match cfg.command {
         Command::Run => {}
         #[cfg(feature = "verbs")]

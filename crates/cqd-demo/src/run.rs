@@ -80,9 +80,18 @@ pub type Names = HashMap<(usize, u32, u16), String>;
 /// A poller's (name, role, mode), for the report.
 pub type Role = (String, &'static str, ModeConfig);
 
-fn name_of(names: &mut Names, poller: usize, reg: Option<&Registration>, name: &str) {
+fn name_of(names: &mut Names, poller: usize, cq: &str, reg: Option<&Registration>, name: &str) {
     if let Some(reg) = reg {
         let k = reg.key();
+        // What a completion's wr_id names (its slot and generation fields),
+        // for reading --trace-completions' lines.
+        tracing::debug!(
+            cq,
+            handler = name,
+            slot = k.slot(),
+            generation = k.generation(),
+            "handler registered"
+        );
         names
             .entry((poller, k.slot(), k.generation()))
             .and_modify(|n| {
@@ -117,6 +126,7 @@ pub struct ServerSide<N: Node> {
     roles: Vec<Role>,
     poller_of: HashMap<u32, usize>,
     names: Names,
+    watched: crate::prom::Watched,
 }
 
 impl<N: Node> ServerSide<N> {
@@ -151,12 +161,8 @@ impl<N: Node> ServerSide<N> {
                 connections: conns(s),
             };
             let name = format!("srv{s}");
-            servers.push(Server::new(
-                open(&name)?,
-                &name,
-                spec,
-                plans[pi].plan.cq_options(),
-            )?);
+            let options = cq_options(cfg, &plans[pi]);
+            servers.push(Server::new(open(&name)?, &name, spec, options)?);
         }
         let (pool, sinks) = pool
             .spawn(plans.len(), |_| |w: ServerWork<N>| w.run())
@@ -181,6 +187,15 @@ impl<N: Node> ServerSide<N> {
             );
             roles.push((name, "server", mode));
         }
+        let mut watched = crate::prom::Watched::new();
+        for s in &servers {
+            watched.cq(s.cq_handle());
+            watched.server(s.name(), s.stats());
+        }
+        for p in &pollers {
+            watched.poller(p);
+        }
+        watched.pool(&pool);
         Ok(ServerSide {
             servers,
             pollers,
@@ -188,6 +203,7 @@ impl<N: Node> ServerSide<N> {
             roles,
             poller_of,
             names: Names::new(),
+            watched,
         })
     }
 
@@ -203,7 +219,8 @@ impl<N: Node> ServerSide<N> {
             .ok_or_else(|| DemoError::Setup(format!("no server {server}")))?;
         let conn = srv.accept()?;
         let pi = self.poller_of.get(&server).copied().unwrap_or(0);
-        name_of(&mut self.names, pi, conn.registration(), conn.name());
+        let cq = format!("srv{server}");
+        name_of(&mut self.names, pi, &cq, conn.registration(), conn.name());
         Ok(conn)
     }
 
@@ -228,6 +245,7 @@ impl<N: Node> ServerSide<N> {
             self.pollers,
             [self.pool],
         );
+        self.watched.release();
         Stopped {
             state: servers,
             system,
@@ -247,6 +265,7 @@ pub struct LoadSide<N: Node> {
     poller_of: HashMap<u32, usize>,
     load_cqs: u32,
     names: Names,
+    watched: crate::prom::Watched,
 }
 
 /// How the load went.
@@ -283,7 +302,7 @@ impl<N: Node> LoadSide<N> {
                 let pi = poller_of.get(&k).copied().unwrap_or(0);
                 let options = plans
                     .get(pi)
-                    .map(|a| a.plan.cq_options())
+                    .map(|a| cq_options(cfg, a))
                     .ok_or_else(|| DemoError::Topology(format!("no poller for load{k}")))?;
                 Ok((format!("load{k}"), options))
             })
@@ -322,6 +341,14 @@ impl<N: Node> LoadSide<N> {
             );
             roles.push((name, "load", mode));
         }
+        let mut watched = crate::prom::Watched::new();
+        for h in load.cq_handles() {
+            watched.cq(h);
+        }
+        for p in &pollers {
+            watched.poller(p);
+        }
+        watched.load(load.shared());
         Ok(LoadSide {
             load,
             pollers,
@@ -329,6 +356,7 @@ impl<N: Node> LoadSide<N> {
             poller_of,
             load_cqs,
             names: Names::new(),
+            watched,
         })
     }
 
@@ -342,7 +370,8 @@ impl<N: Node> LoadSide<N> {
         let k = self.load.conns().len() as u32 % self.load_cqs.max(1);
         let conn = self.load.connect(server, k as usize)?;
         let pi = self.poller_of.get(&k).copied().unwrap_or(0);
-        name_of(&mut self.names, pi, conn.registration(), conn.name());
+        let cq = format!("load{k}");
+        name_of(&mut self.names, pi, &cq, conn.registration(), conn.name());
         Ok(conn)
     }
 
@@ -437,6 +466,7 @@ impl<N: Node> LoadSide<N> {
     pub fn stop(self) -> Stopped<Load<N>> {
         let load = self.load;
         let system = cqd_core::shutdown(|| load.flush(), self.pollers, []);
+        self.watched.release();
         Stopped {
             state: load,
             system,
@@ -445,6 +475,14 @@ impl<N: Node> LoadSide<N> {
             notes: Vec::new(),
         }
     }
+}
+
+/// The options of a CQ served by `poller`: the topology's, and
+/// `--trace-completions`.
+fn cq_options(cfg: &Config, poller: &Assigned) -> cqd_core::CqOptions {
+    let mut options = poller.plan.cq_options();
+    options.trace_completions = cfg.trace_completions;
+    options
 }
 
 /// Runs the demo once on nodes made by `open`: both halves in this

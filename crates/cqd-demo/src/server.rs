@@ -86,7 +86,8 @@ pub struct ServerCounts {
 }
 
 impl ServerStats {
-    fn counts(&self) -> ServerCounts {
+    /// The counters now.
+    pub fn counts(&self) -> ServerCounts {
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
         ServerCounts {
             reads: l(&self.reads),
@@ -667,6 +668,16 @@ impl<N: Node> Server<N> {
     /// The counters now.
     pub fn counts(&self) -> ServerCounts {
         self.stats.counts()
+    }
+
+    /// The counters, shared (for a sampler).
+    pub fn stats(&self) -> &Arc<ServerStats> {
+        &self.stats
+    }
+
+    /// The CQ's handle (for the metrics exporter).
+    pub fn cq_handle(&self) -> &CqHandle<ServerWork<N>> {
+        &self.handle
     }
 
     /// Jobs with the workers now.
