@@ -45,7 +45,9 @@ fn text(b: &[u8]) -> String {
 }
 
 fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("cqd-demo-test-{}", std::process::id()));
+    // Inside the build directory (cargo cleans it), not the system /tmp.
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("cqd-demo-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     dir.join(name)
 }
