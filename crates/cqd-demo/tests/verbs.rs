@@ -346,6 +346,24 @@ fn a_load_killed_mid_run_ends_the_server_with_its_verdict() {
     assert!(stderr.contains("went away mid-session"), "{stderr}");
     assert!(stdout.contains("verdict session:  FAILED"), "{stdout}");
     // Its own requests are all accounted for (completed, failed or
-    // flushed) even though the peer vanished.
-    assert!(stdout.contains("verdict accounts: PASSED"), "{stdout}");
+    // flushed) even though the peer vanished — with one exception that is
+    // softverbs', not cqd's: its data path is driven by the requester, so a
+    // load killed in the middle of a SEND has already taken the server's
+    // receive and dies before completing it (docs/softverbs.md, Limits). A
+    // NIC would flush that receive. Only such receives may be missing, and
+    // the report must name them.
+    if !stdout.contains("verdict accounts: PASSED") {
+        let missing: Vec<&str> = stdout
+            .lines()
+            .filter(|l| l.contains(", missing "))
+            .collect();
+        assert!(
+            !missing.is_empty()
+                && missing
+                    .iter()
+                    .all(|l| l.contains(" recv: ") && l.ends_with("missing 1")),
+            "only a receive taken by the killed requester may be missing:\n{stdout}"
+        );
+        assert!(missing.len() <= 4, "at most one per connection:\n{stdout}");
+    }
 }
