@@ -4,44 +4,13 @@
 #![allow(missing_docs)]
 
 use std::path::PathBuf;
-use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
-
-/// Runs the binary with `args`; fails the test if it has not exited
-/// within `limit` (a hang is a bug, never a wait).
-fn run_for(args: &[&str], limit: Duration) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_cqd-demo"))
-        .args(args)
-        .env("RUST_LOG", "error")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the binary starts");
-    let start = Instant::now();
-    loop {
-        match child.try_wait().expect("wait") {
-            Some(_) => return child.wait_with_output().expect("output"),
-            None if start.elapsed() > limit => {
-                let _ = child.kill();
-                let out = child.wait_with_output().expect("output");
-                panic!(
-                    "cqd-demo {args:?} still running after {limit:?}\nstdout:\n{}\nstderr:\n{}",
-                    String::from_utf8_lossy(&out.stdout),
-                    String::from_utf8_lossy(&out.stderr)
-                );
-            }
-            None => std::thread::sleep(Duration::from_millis(20)),
-        }
-    }
-}
+mod common;
+use common::{run_for, text};
+use std::process::Output;
+use std::time::Duration;
 
 fn run(args: &[&str]) -> Output {
     run_for(args, Duration::from_secs(120))
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
 }
 
 fn tmp(name: &str) -> PathBuf {

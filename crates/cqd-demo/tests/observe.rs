@@ -9,44 +9,16 @@
 use std::io::{Read, Write};
 #[cfg(feature = "prometheus")]
 use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
-
-fn demo(args: &[&str], rust_log: &str) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_cqd-demo"));
-    c.args(args)
-        .env("RUST_LOG", rust_log)
-        .env("NO_COLOR", "1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    c
-}
-
-/// Waits for `child`, killing it (and failing) past `limit`.
-fn finish(mut child: Child, limit: Duration) -> Output {
-    let start = Instant::now();
-    while child.try_wait().expect("wait").is_none() {
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            let out = child.wait_with_output().expect("output");
-            panic!(
-                "still running after {limit:?}\nstderr:\n{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().expect("output")
-}
+#[cfg(feature = "prometheus")]
+use std::time::Instant;
+mod common;
+use common::{demo, finish, text};
+use std::process::Output;
+use std::time::Duration;
 
 fn run(args: &[&str], rust_log: &str) -> Output {
     let child = demo(args, rust_log).spawn().expect("the binary starts");
-    finish(child, Duration::from_secs(120))
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
+    finish(child, "cqd-demo", Duration::from_secs(120))
 }
 
 /// A port nothing listens on now: bound to :0, then closed.
@@ -119,7 +91,7 @@ fn prometheus_endpoint_serves_cqd_and_demo_metrics_during_the_run() {
         );
         std::thread::sleep(Duration::from_millis(100));
     };
-    let out = finish(child, Duration::from_secs(120));
+    let out = finish(child, "cqd-demo --prometheus", Duration::from_secs(120));
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     // Every kind of object of the run, and the demo's own.
     for series in [

@@ -7,9 +7,11 @@
 #![cfg(feature = "verbs")]
 #![allow(missing_docs)]
 
+mod common;
+use common::{finish, run_for as run, spawn, text};
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpListener;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::Child;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -23,45 +25,6 @@ fn launcher_or_skip(test: &str) -> bool {
     let line = format!("SKIPPED: {test} (needs softverbs-run, root)\n");
     let _ = std::io::stderr().write_all(line.as_bytes());
     false
-}
-
-fn spawn(args: &[&str]) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_cqd-demo"))
-        .args(args)
-        .env("RUST_LOG", "error")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the binary starts")
-}
-
-/// Waits for `child` at most `limit` (a hang is a failure, never a wait).
-fn finish(mut child: Child, what: &str, limit: Duration) -> Output {
-    let start = Instant::now();
-    loop {
-        match child.try_wait().expect("wait") {
-            Some(_) => return child.wait_with_output().expect("output"),
-            None if start.elapsed() > limit => {
-                let _ = child.kill();
-                let out = child.wait_with_output().expect("output");
-                panic!(
-                    "{what} still running after {limit:?}\nstdout:\n{}\nstderr:\n{}",
-                    text(&out.stdout),
-                    text(&out.stderr)
-                );
-            }
-            None => std::thread::sleep(Duration::from_millis(20)),
-        }
-    }
-}
-
-fn run(args: &[&str], limit: Duration) -> Output {
-    finish(spawn(args), &format!("cqd-demo {args:?}"), limit)
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
 }
 
 /// A `serve` process on a free port: the child, its address, and its
