@@ -217,7 +217,23 @@ impl Opcode {
     pub const fn is_recv(self) -> bool {
         self.to_raw() & 0x80 != 0
     }
+
+    /// True for the atomics' opcodes (`COMP_SWAP`, `FETCH_ADD`,
+    /// `ATOMIC_WRITE`).
+    #[inline]
+    pub const fn is_atomic(self) -> bool {
+        matches!(
+            self,
+            Opcode::CompareSwap | Opcode::FetchAdd | Opcode::AtomicWrite
+        )
+    }
 }
+
+/// Bytes of the Global Routing Header at the start of every UD receive
+/// buffer: the device writes the GRH there when the datagram carried one
+/// (`IBV_WC_GRH`), and leaves the 40 bytes undefined otherwise; the
+/// payload always starts after them.
+pub const GRH_LEN: u32 = 40;
 
 /// `ibv_wc_flags` bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -310,6 +326,13 @@ impl Completion {
         c
     }
 
+    /// True if the first [`GRH_LEN`] bytes of the receive buffer hold the
+    /// datagram's Global Routing Header (`IBV_WC_GRH`; UD receives only).
+    #[inline]
+    pub const fn has_grh(&self) -> bool {
+        self.wc_flags.contains(WcFlags::GRH)
+    }
+
     /// The immediate data, if the completion carries any (`WITH_IMM`).
     #[inline]
     pub const fn imm(&self) -> Option<u32> {
@@ -367,6 +390,18 @@ mod tests {
         for op in Opcode::KNOWN {
             assert_eq!(Opcode::from_raw(op.to_raw()), *op);
         }
+    }
+
+    #[test]
+    fn atomic_opcodes_and_grh_flag() {
+        assert!(Opcode::CompareSwap.is_atomic() && Opcode::FetchAdd.is_atomic());
+        assert!(!Opcode::RdmaRead.is_atomic() && !Opcode::Unknown(3 + 256).is_atomic());
+        assert_eq!(Opcode::from_raw(3), Opcode::CompareSwap);
+        assert_eq!(Opcode::from_raw(4), Opcode::FetchAdd);
+        let mut c = Completion::success(1, Opcode::Recv, 7);
+        assert!(!c.has_grh());
+        c.wc_flags = WcFlags(WcFlags::GRH | WcFlags::WITH_IMM);
+        assert!(c.has_grh());
     }
 
     #[test]

@@ -90,6 +90,34 @@ impl RecvDone<'_> {
     pub fn qp_num(&self) -> u32 {
         self.wc.qp_num
     }
+    /// The sender's QP number (`wc.src_qp`): defined for a UD receive,
+    /// where it tells the senders of one QP apart.
+    pub fn src_qp(&self) -> u32 {
+        self.wc.src_qp
+    }
+    /// The sender's LID (`wc.slid`; UD).
+    pub fn slid(&self) -> u16 {
+        self.wc.slid
+    }
+    /// The sender's service level (`wc.sl`; UD).
+    pub fn sl(&self) -> u8 {
+        self.wc.sl
+    }
+    /// The P_Key index (`wc.pkey_index`; UD and GSI).
+    pub fn pkey_index(&self) -> u16 {
+        self.wc.pkey_index
+    }
+    /// True if the first [`GRH_LEN`](crate::completion::GRH_LEN) bytes of
+    /// the buffer hold the datagram's GRH (`IBV_WC_GRH`; UD).
+    pub fn has_grh(&self) -> bool {
+        self.wc.has_grh()
+    }
+    /// The payload of a UD receive: `byte_len` less the
+    /// [`GRH_LEN`](crate::completion::GRH_LEN) bytes in front of it (0 if
+    /// the device reported less).
+    pub fn datagram_len(&self) -> u32 {
+        self.wc.byte_len.saturating_sub(crate::completion::GRH_LEN)
+    }
     /// The whole completion.
     pub fn completion(&self) -> &Completion {
         self.wc

@@ -5,6 +5,8 @@
 //! [`post_send`](Registration::post_send) or
 //! [`post_recv`](Registration::post_recv). It
 //!
+//! 0. has the queue check each request ([`PostSend::check_send`]; see
+//!    below), and refuses the list untouched if one is invalid;
 //! 1. encodes each request's wr_id: on the way in a work request's wr_id
 //!    field carries the caller's tag (at most
 //!    [`MAX_TAG`](crate::wr_id::MAX_TAG)); the call replaces it with the
@@ -31,6 +33,17 @@
 //! Backends implement [`PostSend`] (a QP's send queue) and [`PostRecv`] (a
 //! QP's receive queue, a shared receive queue); applications and tests are
 //! written once against these traits.
+//!
+//! Before step 1 touches a request, the queue checks it
+//! ([`PostSend::check_send`]): what a device would otherwise take and fail
+//! later, or fail on the wire — an atomic whose remote address is not
+//! 8-byte aligned or whose local scatter list is not exactly the 8 bytes
+//! of the old value ([`check_atomic`]), a datagram longer than the path
+//! MTU ([`check_datagram`]), an operation its transport does not have
+//! (RDMA on a UD QP, a datagram on an RC QP). Such a list is refused as a
+//! whole with [`Refused::Invalid`], naming the request; nothing was posted
+//! or recorded. The check is one `match` per request: an RC request pays a
+//! compare and a branch.
 //!
 //! The expert path — [`Registration::wr_id`], [`Registration::track`],
 //! [`WrLedger::posted`](crate::ledger::WrLedger::posted) — is for adopting
@@ -66,6 +79,74 @@ pub trait SendRequest: WorkRequest {
     fn signaled(&self) -> bool;
 }
 
+/// Why a work request cannot be posted as it is, found before the device
+/// sees it (see the module documentation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Invalid {
+    /// An atomic's remote address is not a multiple of 8 (the device would
+    /// fail it with a remote invalid request and move the responder's QP
+    /// to the error state).
+    #[error("atomic target address {addr:#x} is not 8-byte aligned")]
+    AtomicMisaligned {
+        /// The remote address.
+        addr: u64,
+    },
+    /// An atomic's local scatter list does not add up to the 8 bytes of
+    /// the old value it receives.
+    #[error("an atomic's local scatter list must be exactly 8 bytes (the old value), not {len}")]
+    AtomicLocalLength {
+        /// The list's total length.
+        len: u64,
+    },
+    /// A datagram longer than its QP's path MTU: UD does not segment.
+    #[error("a {len}-byte datagram does not fit the {mtu}-byte MTU of a UD QP")]
+    DatagramTooLong {
+        /// The datagram's length.
+        len: u64,
+        /// The MTU.
+        mtu: u32,
+    },
+    /// The operation does not exist on the QP's transport.
+    #[error("{op} cannot be posted on a {transport} QP")]
+    Transport {
+        /// The operation (`RDMA WRITE`, `a datagram`, …).
+        op: &'static str,
+        /// The QP's transport (`UD`, `RC`).
+        transport: &'static str,
+    },
+}
+
+/// Checks an atomic (compare-and-swap, fetch-and-add): the remote address
+/// 8-byte aligned, the local scatter list (`local_len` bytes in all)
+/// exactly 8.
+///
+/// # Errors
+/// [`Invalid::AtomicMisaligned`], [`Invalid::AtomicLocalLength`].
+#[inline]
+pub const fn check_atomic(remote_addr: u64, local_len: u64) -> Result<(), Invalid> {
+    if remote_addr % 8 != 0 {
+        return Err(Invalid::AtomicMisaligned { addr: remote_addr });
+    }
+    if local_len != 8 {
+        return Err(Invalid::AtomicLocalLength { len: local_len });
+    }
+    Ok(())
+}
+
+/// Checks a datagram of `len` bytes against its UD QP's `mtu` (0: not
+/// known yet, left to the device).
+///
+/// # Errors
+/// [`Invalid::DatagramTooLong`].
+#[inline]
+pub const fn check_datagram(len: u64, mtu: u32) -> Result<(), Invalid> {
+    if mtu != 0 && len > mtu as u64 {
+        return Err(Invalid::DatagramTooLong { len, mtu });
+    }
+    Ok(())
+}
+
 /// Why the posting call refused a list before the backend saw it. Nothing
 /// of the list was posted or recorded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -91,6 +172,15 @@ pub enum Refused {
         kind: OpKind,
         /// The queue posted to.
         queue: crate::account::Queue,
+    },
+    /// A request the device would fail or refuse (see [`Invalid`]).
+    #[error("work request {index}: {source}")]
+    Invalid {
+        /// The request's index in the list.
+        index: usize,
+        /// What is wrong with it.
+        #[source]
+        source: Invalid,
     },
     /// Too few CQ credits are left.
     #[error(transparent)]
@@ -134,6 +224,19 @@ pub trait PostSend {
 
     /// The send queue's account.
     fn send_account(&self) -> &QueueAccount;
+    /// Checks one request before anything of its list is recorded or
+    /// posted: operation against the QP's transport, atomics' alignment and
+    /// local length ([`check_atomic`]), datagrams against the MTU
+    /// ([`check_datagram`]). The default accepts everything.
+    ///
+    /// # Errors
+    /// What is wrong with the request; the posting call refuses the list
+    /// with [`Refused::Invalid`].
+    #[inline]
+    fn check_send(&self, wr: &Self::Wr<'_>) -> Result<(), Invalid> {
+        let _ = wr;
+        Ok(())
+    }
     /// Posts `wrs` in order, unaccounted. On failure returns how many
     /// requests, from the front, were posted before it (verbs: those
     /// before `bad_wr`), with the error.
@@ -176,6 +279,7 @@ pub(crate) fn post<R, E>(
     wrs: &mut [R],
     kind: impl Fn(&R) -> OpKind,
     signaled: impl Fn(&R) -> bool,
+    check: impl Fn(&R) -> Result<(), Invalid>,
     raw: impl FnOnce(&[R]) -> Result<(), (usize, E)>,
 ) -> Result<(), E>
 where
@@ -186,6 +290,12 @@ where
         return Ok(());
     }
     reg.attach(account)?;
+    // 0. The queue's checks: a refused list was not touched.
+    for (index, wr) in wrs.iter().enumerate() {
+        if let Err(source) = check(wr) {
+            return Err(Refused::Invalid { index, source }.into());
+        }
+    }
     // 1. Encode.
     let key = reg.key();
     let mut per_kind = [0u64; OpKind::COUNT];
@@ -256,4 +366,51 @@ where
     reg.taken_back();
     restore(rest);
     Err(err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn atomics_need_alignment_and_eight_local_bytes() {
+        assert_eq!(check_atomic(0x1000, 8), Ok(()));
+        assert_eq!(check_atomic(u64::MAX - 7, 8), Ok(()));
+        for addr in [1u64, 4, 0x1004, u64::MAX] {
+            assert_eq!(
+                check_atomic(addr, 8),
+                Err(Invalid::AtomicMisaligned { addr })
+            );
+        }
+        for len in [0u64, 4, 7, 9, 16] {
+            assert_eq!(
+                check_atomic(0x1000, len),
+                Err(Invalid::AtomicLocalLength { len })
+            );
+        }
+        let msg = Refused::Invalid {
+            index: 2,
+            source: Invalid::AtomicMisaligned { addr: 0x1004 },
+        }
+        .to_string();
+        assert_eq!(
+            msg,
+            "work request 2: atomic target address 0x1004 is not 8-byte aligned"
+        );
+    }
+
+    #[test]
+    fn datagrams_fit_the_mtu() {
+        assert_eq!(check_datagram(4096, 4096), Ok(()));
+        assert_eq!(check_datagram(0, 256), Ok(()));
+        assert_eq!(
+            check_datagram(4097, 4096),
+            Err(Invalid::DatagramTooLong {
+                len: 4097,
+                mtu: 4096
+            })
+        );
+        // An MTU not known yet is left to the device.
+        assert_eq!(check_datagram(1 << 20, 0), Ok(()));
+    }
 }

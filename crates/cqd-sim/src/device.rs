@@ -96,6 +96,8 @@ pub struct DeviceAttr {
     pub max_mr_size: u64,
     /// Largest message.
     pub max_msg_sz: u32,
+    /// The port's MTU: the largest datagram a UD QP sends.
+    pub active_mtu: u32,
 }
 
 impl Default for DeviceAttr {
@@ -109,6 +111,7 @@ impl Default for DeviceAttr {
             max_srq_wr: 32_768,
             max_mr_size: 1 << 32,
             max_msg_sz: 1 << 30,
+            active_mtu: 4096,
         }
     }
 }
@@ -157,6 +160,17 @@ impl Device {
     /// The device's attributes.
     pub fn attr(&self) -> DeviceAttr {
         self.inner.attr
+    }
+
+    /// The LID of the device's port (what an address handle names).
+    pub fn lid(&self) -> u16 {
+        crate::ah::lid_of(self.inner.id)
+    }
+
+    /// The GID of the device's port (GID index 0; a global address
+    /// handle names it).
+    pub fn gid(&self) -> [u8; 16] {
+        crate::ah::gid_of(self.inner.id)
     }
 
     /// The fabric the device is on.

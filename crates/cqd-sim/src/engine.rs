@@ -112,6 +112,9 @@ pub struct NicStats {
     pub delayed: u64,
     /// RNR retries (timed engine).
     pub rnr_retries: u64,
+    /// Datagrams dropped (UD: unreachable or wrong destination, wrong
+    /// Q_Key, no receive posted); their sends succeeded.
+    pub dropped: u64,
 }
 
 pub(crate) use crate::exec::Outcome;

@@ -65,6 +65,23 @@ pub enum VerbsError {
         /// The largest valid value.
         max: u64,
     },
+    /// The verb does not apply to the QP's transport (an RC transition on
+    /// a UD QP, or the reverse).
+    #[error("QP {qpn} is {qp_type:?}: {what} does not apply")]
+    WrongQpType {
+        /// The QP.
+        qpn: u32,
+        /// Its transport.
+        qp_type: crate::qp::QpType,
+        /// What was asked.
+        what: &'static str,
+    },
+    /// An address handle's attributes name no destination.
+    #[error("invalid address handle: {why}")]
+    BadAh {
+        /// What is wrong.
+        why: &'static str,
+    },
     /// No QP with this number exists on the fabric.
     #[error("no QP {qpn} on this fabric")]
     NoSuchQp {
@@ -144,6 +161,18 @@ pub enum PostError {
         sges: usize,
         /// The queue's `max_sge`.
         max: u32,
+    },
+    /// A request its QP's transport does not have (an RDMA operation or
+    /// a SEND without destination on a UD QP, a datagram on an RC QP).
+    #[error("QP {qpn}: work request {index}: {source}")]
+    Invalid {
+        /// The QP.
+        qpn: u32,
+        /// Index of the work request in the list.
+        index: usize,
+        /// What is wrong.
+        #[source]
+        source: cqd_core::post::Invalid,
     },
     /// The QP draws receives from an SRQ; post them there.
     #[error("QP {qpn} uses an SRQ: post receives to the SRQ")]

@@ -6,7 +6,7 @@
 use cqd_core::completion::{Completion, Opcode, Status, WcFlags};
 
 use crate::mr::Access;
-use crate::qp::QpState;
+use crate::qp::{QpState, QpType};
 use crate::state::{FabricState, Op, PendingSend};
 
 /// What became of a request.
@@ -26,6 +26,13 @@ impl FabricState {
         let Some(q) = self.qps.get(&qpn) else {
             return Outcome::Fail(Status::Fatal);
         };
+        if let Op::Datagram(d) = wr.op {
+            return self.execute_ud(qpn, wr, &d);
+        }
+        if q.qp_type == QpType::Ud {
+            // Refused at post; a request of another kind never reaches here.
+            return Outcome::Fail(Status::LocalQpOperation);
+        }
         let (pd, remote, rnr_retry, max_msg) = (q.pd, q.remote, q.rnr_retry, q.max_msg);
         // 1. Local SGEs.
         let local_write = matches!(
@@ -135,6 +142,7 @@ impl FabricState {
                     byte_len: len32,
                 }
             }
+            Op::Datagram(_) => Outcome::Fail(Status::LocalQpOperation),
             Op::CompareSwap { remote, .. } | Op::FetchAdd { remote, .. } => {
                 if remote.addr % 8 != 0 {
                     self.enter_error(peer);

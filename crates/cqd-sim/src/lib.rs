@@ -17,6 +17,7 @@
 //! ```
 
 mod access;
+pub mod ah;
 pub mod channel;
 pub mod cq;
 pub mod device;
@@ -32,6 +33,7 @@ pub mod srq;
 mod state;
 pub mod wr;
 
+pub use ah::{Ah, AhAttr, Grh, UdDest};
 pub use cq::{
     sim_cq, sim_cq_with_ledger, Faults, PushError, SimChannel, SimCq, SimCqError, SimCqSource,
     SimCqStats, MAX_CQE,
@@ -43,5 +45,5 @@ pub use fabric::Fabric;
 pub use loopback::{LoopWr, Loopback, LoopbackError};
 pub use mr::{Access, Mr, RemoteAddr, Sge};
 pub use pd::{Pd, QpInit};
-pub use qp::{connect, connect_with, Modify, Qp, QpCap, QpState, RecvWr, SendWr, WrOp};
+pub use qp::{connect, connect_with, Modify, Qp, QpCap, QpState, QpType, RecvWr, SendWr, WrOp};
 pub use srq::Srq;

@@ -10,7 +10,7 @@ use parking_lot::Mutex;
 use crate::device::{Cq, Device};
 use crate::error::VerbsError;
 use crate::mr::{Access, Mr, MrCtx, ADDR_SHIFT};
-use crate::qp::{Qp, QpCap, QpState};
+use crate::qp::{Qp, QpCap, QpState, QpType};
 use crate::srq::Srq;
 use crate::state::{QpCtx, SrqCtx};
 
@@ -28,6 +28,8 @@ pub struct QpInit<'a> {
     pub cap: QpCap,
     /// Every send-side request completes signaled.
     pub sq_sig_all: bool,
+    /// The transport: RC (the default) or UD.
+    pub qp_type: QpType,
 }
 
 impl<'a> QpInit<'a> {
@@ -39,7 +41,14 @@ impl<'a> QpInit<'a> {
             srq: None,
             cap,
             sq_sig_all: false,
+            qp_type: QpType::Rc,
         }
+    }
+
+    /// An unreliable-datagram QP (see [`crate::ah`]).
+    pub fn datagram(mut self) -> Self {
+        self.qp_type = QpType::Ud;
+        self
     }
 
     /// Draws receives from `srq`.
@@ -114,7 +123,7 @@ impl Pd {
         Ok(())
     }
 
-    /// Creates an RC QP in RESET, reserving its depths on its CQs' budgets
+    /// Creates a QP (RC, or UD with [`QpInit::datagram`]) in RESET, reserving its depths on its CQs' budgets
     /// (admission): `max_send_wr` on the send CQ, `max_recv_wr` on the
     /// receive CQ, or the SRQ's depth once per CQ.
     ///
@@ -200,6 +209,9 @@ impl Pd {
                 device: self.device.inner.id,
                 pd: self.id,
                 state: QpState::Reset,
+                qp_type: init.qp_type,
+                qkey: 0,
+                mtu: attr.active_mtu,
                 cap,
                 send_cq: init.send_cq.clone(),
                 recv_cq: init.recv_cq.clone(),
@@ -221,6 +233,8 @@ impl Pd {
         Ok(Qp {
             fabric,
             qpn,
+            qp_type: init.qp_type,
+            mtu: attr.active_mtu,
             device: Arc::clone(&self.device.inner),
             send_account,
             recv_account,

@@ -1,7 +1,9 @@
-//! Reliable-connected queue pairs: the state machine, posting, and
-//! connecting pairs.
+//! Queue pairs — reliable connected (RC) and unreliable datagram (UD,
+//! [`crate::ah`]) — the state machine, posting, and connecting pairs.
 //!
-//! States: RESET → INIT → RTR → RTS, and ERR from anywhere (a transition
+//! States: RESET → INIT → RTR → RTS, and ERR from anywhere (RC: INIT with
+//! the remote access, RTR with the peer; UD: INIT with the Q_Key, RTR
+//! alone) (a transition
 //! back to RESET discards every queued request without a completion, as
 //! hardware does). Sends are accepted in RTS, receives from INIT on. A QP in
 //! ERR accepts posts and completes them at once with `WR_FLUSH_ERR`, as
@@ -20,7 +22,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use cqd_core::ledger::{Queue, QueueAccount};
-use cqd_core::post::{PostRecv, PostSend, SendRequest, WorkRequest};
+use cqd_core::post::{
+    check_atomic, check_datagram, Invalid, PostRecv, PostSend, SendRequest, WorkRequest,
+};
 use cqd_core::OpKind;
 
 use crate::device::DeviceInner;
@@ -71,6 +75,27 @@ impl Default for QpCap {
     }
 }
 
+/// The transport of a QP (`ibv_qp_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum QpType {
+    /// Reliable connected: one peer, every operation, acknowledged.
+    #[default]
+    Rc,
+    /// Unreliable datagram: SEND (with immediate) to any UD QP named per
+    /// request, at most one MTU, no acknowledgement.
+    Ud,
+}
+
+impl QpType {
+    /// `RC` or `UD`.
+    pub fn name(self) -> &'static str {
+        match self {
+            QpType::Rc => "RC",
+            QpType::Ud => "UD",
+        }
+    }
+}
+
 /// A state transition and its attributes (`ibv_modify_qp`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -80,6 +105,13 @@ pub enum Modify {
         /// `qp_access_flags`: REMOTE_WRITE / REMOTE_READ / REMOTE_ATOMIC.
         access: Access,
     },
+    /// RESET → INIT (or INIT → INIT) of a UD QP: its Q_Key.
+    InitUd {
+        /// The Q_Key datagrams must carry to be delivered.
+        qkey: u32,
+    },
+    /// INIT → RTR of a UD QP: receives are delivered from here on.
+    RtrUd,
     /// INIT → RTR: connect to a peer QP of the same fabric.
     Rtr {
         /// The peer's QP number.
@@ -107,6 +139,9 @@ pub enum Modify {
 pub struct Qp {
     pub(crate) fabric: Fabric,
     pub(crate) qpn: u32,
+    pub(crate) qp_type: QpType,
+    /// The port's MTU (the largest datagram of a UD QP).
+    pub(crate) mtu: u32,
     pub(crate) device: Arc<DeviceInner>,
     /// The send queue's account (on the send CQ's ledger).
     pub(crate) send_account: Arc<QueueAccount>,
@@ -126,6 +161,29 @@ impl Qp {
             return Err(PostError::DeviceGone { qpn: self.qpn });
         }
         Ok(())
+    }
+
+    /// The transport.
+    pub fn qp_type(&self) -> QpType {
+        self.qp_type
+    }
+
+    /// The largest datagram a UD QP sends (the port's MTU).
+    pub fn mtu(&self) -> u32 {
+        self.mtu
+    }
+
+    /// RESET → INIT (Q_Key `qkey`) → RTR → RTS of a UD QP.
+    ///
+    /// # Errors
+    /// As [`Qp::modify`].
+    pub fn ready_ud(&self, qkey: u32) -> Result<(), VerbsError> {
+        self.modify(Modify::InitUd { qkey })?;
+        self.modify(Modify::RtrUd)?;
+        self.modify(Modify::Rts {
+            rnr_retry: 0,
+            retry_cnt: 0,
+        })
     }
 
     /// The current state.
@@ -160,7 +218,33 @@ impl Qp {
             .ok_or(VerbsError::Destroyed { what: "QP" })?;
         let from = q.state;
         let bad = |to| VerbsError::BadTransition { qpn, from, to };
+        let ud_only = matches!(m, Modify::InitUd { .. } | Modify::RtrUd);
+        let rc_only = matches!(m, Modify::Init { .. } | Modify::Rtr { .. });
+        if (ud_only && q.qp_type != QpType::Ud) || (rc_only && q.qp_type != QpType::Rc) {
+            return Err(VerbsError::WrongQpType {
+                qpn,
+                qp_type: q.qp_type,
+                what: if ud_only {
+                    "a UD transition (Q_Key, no peer)"
+                } else {
+                    "an RC transition (access, peer)"
+                },
+            });
+        }
         match m {
+            Modify::InitUd { qkey } => {
+                if !matches!(from, QpState::Reset | QpState::Init) {
+                    return Err(bad(QpState::Init));
+                }
+                q.qkey = qkey;
+                q.state = QpState::Init;
+            }
+            Modify::RtrUd => {
+                if from != QpState::Init {
+                    return Err(bad(QpState::Rtr));
+                }
+                q.state = QpState::Rtr;
+            }
             Modify::Init { access } => {
                 if !matches!(from, QpState::Reset | QpState::Init) {
                     return Err(bad(QpState::Init));
@@ -241,6 +325,14 @@ impl Qp {
                 state: q.state,
             });
         }
+        let qp_type = q.qp_type;
+        if let Some((index, source)) = wrs
+            .iter()
+            .enumerate()
+            .find_map(|(i, w)| transport_check(qp_type, w).err().map(|e| (i, e)))
+        {
+            return Err(PostError::Invalid { qpn, index, source });
+        }
         let used = q.sq_used(wrs.len());
         check_list(
             qpn,
@@ -267,7 +359,7 @@ impl Qp {
             }
             let pending = PendingSend {
                 wr_id: wr.wr_id,
-                op: op_of(wr.op),
+                op: op_of(wr),
                 sges: wr.sg_list.to_vec(),
                 signaled: wr.signaled,
                 solicited: wr.solicited,
@@ -381,6 +473,17 @@ impl PostSend for Qp {
         &self.send_account
     }
 
+    fn check_send(&self, wr: &SendWr<'_>) -> Result<(), Invalid> {
+        transport_check(self.qp_type, wr)?;
+        match (self.qp_type, wr.op) {
+            (_, WrOp::CompareSwap { remote, .. } | WrOp::FetchAdd { remote, .. }) => {
+                check_atomic(remote.addr, wr.len())
+            }
+            (QpType::Ud, _) => check_datagram(wr.len(), self.mtu),
+            (QpType::Rc, _) => Ok(()),
+        }
+    }
+
     fn post_send_raw(&self, wrs: &[SendWr<'_>]) -> Result<(), (usize, PostError)> {
         self.post_send(wrs).map_err(|e| (0, e))
     }
@@ -440,6 +543,29 @@ pub fn connect_with(a: &Qp, b: &Qp, rnr_retry: u8) -> Result<(), VerbsError> {
         })?;
     }
     Ok(())
+}
+
+/// The operation against the transport: UD sends SEND (with immediate) to
+/// a destination, RC everything but datagrams.
+fn transport_check(qp_type: QpType, wr: &SendWr<'_>) -> Result<(), Invalid> {
+    let op = match wr.op {
+        WrOp::Send | WrOp::SendWithImm(_) => "SEND",
+        WrOp::Write(_) | WrOp::WriteWithImm(..) => "RDMA WRITE",
+        WrOp::Read(_) => "RDMA READ",
+        WrOp::CompareSwap { .. } | WrOp::FetchAdd { .. } => "an atomic",
+    };
+    let wrong = |op| {
+        Err(Invalid::Transport {
+            op,
+            transport: qp_type.name(),
+        })
+    };
+    match (qp_type, wr.ud.is_some(), op) {
+        (QpType::Ud, true, "SEND") | (QpType::Rc, false, _) => Ok(()),
+        (QpType::Ud, false, "SEND") => wrong("a SEND without destination (address handle)"),
+        (QpType::Ud, _, op) => wrong(op),
+        (QpType::Rc, true, _) => wrong("a datagram (address handle)"),
+    }
 }
 
 /// Checks a work-request list against a queue's SGE limit and depth before

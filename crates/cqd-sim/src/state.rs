@@ -17,7 +17,7 @@ use cqd_core::budget::Admission;
 use crate::device::Cq;
 use crate::engine::{NicFaults, NicStats};
 use crate::mr::{Access, MrCtx, RemoteAddr, Sge};
-use crate::qp::{QpCap, QpState};
+use crate::qp::{QpCap, QpState, QpType};
 
 /// What a send-side request is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,6 +41,8 @@ pub(crate) enum Op {
         remote: RemoteAddr,
         add: u64,
     },
+    /// A UD send.
+    Datagram(crate::ah::Datagram),
 }
 
 /// A send-side request waiting to execute.
@@ -96,6 +98,11 @@ pub(crate) struct QpCtx {
     pub(crate) device: u32,
     pub(crate) pd: u32,
     pub(crate) state: QpState,
+    pub(crate) qp_type: QpType,
+    /// The Q_Key (UD; set on INIT).
+    pub(crate) qkey: u32,
+    /// The port's MTU: the largest datagram (UD).
+    pub(crate) mtu: u32,
     pub(crate) cap: QpCap,
     pub(crate) send_cq: Cq,
     pub(crate) recv_cq: Cq,

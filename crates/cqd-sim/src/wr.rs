@@ -1,6 +1,7 @@
 //! Work requests: what a post hands the NIC (`ibv_send_wr`, `ibv_recv_wr`).
 //! The caller's `wr_id` comes back untouched in the completion.
 
+use crate::ah::{Datagram, UdDest};
 use crate::mr::{RemoteAddr, Sge};
 use crate::state::Op;
 
@@ -52,6 +53,8 @@ pub struct SendWr<'a> {
     /// Ask the peer's CQ to notify a solicited-only arm
     /// (`IBV_SEND_SOLICITED`).
     pub solicited: bool,
+    /// The destination of a SEND on a UD QP (`wr.ud`); `None` on RC.
+    pub ud: Option<UdDest<'a>>,
 }
 
 impl<'a> SendWr<'a> {
@@ -63,7 +66,24 @@ impl<'a> SendWr<'a> {
             sg_list,
             signaled: true,
             solicited: false,
+            ud: None,
         }
+    }
+
+    /// A datagram to `dest` (a SEND or SEND with immediate on a UD QP).
+    pub fn to(mut self, dest: UdDest<'a>) -> Self {
+        self.ud = Some(dest);
+        self
+    }
+
+    /// Bytes of the local scatter list.
+    pub fn len(&self) -> u64 {
+        self.sg_list.iter().map(|s| u64::from(s.length)).sum()
+    }
+
+    /// True for an empty scatter list.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     /// Without a completion on success.
@@ -95,8 +115,20 @@ impl<'a> RecvWr<'a> {
     }
 }
 
-pub(crate) fn op_of(op: WrOp) -> Op {
-    match op {
+pub(crate) fn op_of(wr: &SendWr<'_>) -> Op {
+    if let Some(d) = wr.ud {
+        let imm = match wr.op {
+            WrOp::SendWithImm(imm) => Some(imm),
+            _ => None,
+        };
+        return Op::Datagram(Datagram {
+            imm,
+            ah: d.ah.attr,
+            qpn: d.qpn,
+            qkey: d.qkey,
+        });
+    }
+    match wr.op {
         WrOp::Send => Op::Send { imm: None },
         WrOp::SendWithImm(imm) => Op::Send { imm: Some(imm) },
         WrOp::Write(remote) => Op::Write { remote, imm: None },

@@ -246,7 +246,8 @@ impl Registration {
     ///
     /// # Errors
     /// The backend's error: a [`Refused`] (tag too large, no credits, the
-    /// queue's completions go to another CQ), or the backend's post error;
+    /// queue's completions go to another CQ, a request the queue's
+    /// [`check_send`](PostSend::check_send) finds invalid), or the backend's post error;
     /// requests before the failed one were posted (verbs' `bad_wr`), the
     /// others not (the simulated NIC posts all or nothing).
     pub fn post_send<Q: PostSend + ?Sized>(
@@ -260,6 +261,7 @@ impl Registration {
             wrs,
             crate::post::SendRequest::kind,
             crate::post::SendRequest::signaled,
+            |w| qp.check_send(w),
             |w| qp.post_send_raw(w),
         )
     }
@@ -280,6 +282,7 @@ impl Registration {
             wrs,
             |_| OpKind::Recv,
             |_| true,
+            |_| Ok(()),
             |w| queue.post_recv_raw(w),
         )
     }
