@@ -12,13 +12,16 @@
 //!   ([`CompChannel`]), as a [`cqd_core::CompletionSource`] for one poller;
 //! - [`Qp`]: RC queue pairs with INIT → RTR → RTS from an [`Endpoint`]
 //!   exchanged out of band, admitted on their CQs, posted to only through
-//!   cqd's posting call (`Registration::post_send` / `post_recv`); [`Srq`];
+//!   cqd's posting call (`Registration::post_send` / `post_recv`) — SEND,
+//!   RDMA WRITE / READ, atomics ([`WrOp::CompareSwap`], [`WrOp::FetchAdd`]);
+//!   UD queue pairs with address handles ([`ah`]); [`Srq`];
 //! - [`Context::adopt_cq`]: an application's own CQ under cqd's poller.
 //!
 //! All FFI is in one module (`sys`). docs/verbs.md walks through it; the
 //! tests run on softverbs (a userspace device) under `softverbs-run`.
 
 pub mod adopt;
+pub mod ah;
 pub mod cq;
 pub mod device;
 pub mod error;
@@ -28,11 +31,12 @@ pub mod qp;
 pub mod srq;
 mod sys;
 
+pub use ah::{Ah, AhOptions, UdDest};
 pub use cq::{completion_of, CompChannel, Cq, CqSpec, VerbsCqSource};
 pub use device::{devices, Context, DeviceAttr, DeviceEvent, EventCounts, PortInfo};
 pub use error::{PostError, VerbsError};
 pub use pd::{Access, Mr, Pd, RemoteAddr, Sge};
-pub use qp::{ConnectOptions, Endpoint, Mtu, Qp, QpCap, QpInit, RecvWr, SendWr, WrOp};
+pub use qp::{ConnectOptions, Endpoint, Mtu, Qp, QpCap, QpInit, QpType, RecvWr, SendWr, WrOp};
 pub use srq::{Srq, SrqInit};
 pub use sys::{CqFlavor, DeviceName};
 

@@ -1,5 +1,6 @@
-//! Reliable-connected queue pairs: creation with admission, the endpoint
-//! exchange, INIT → RTR → RTS, and posting through cqd's posting call.
+//! Queue pairs — reliable connected (RC) and unreliable datagram (UD, see
+//! [`crate::ah`]): creation with admission, the endpoint exchange,
+//! INIT → RTR → RTS, and posting through cqd's posting call.
 //!
 //! A QP is made on a send CQ and a receive CQ (or an SRQ); its depths are
 //! admitted on those CQs' budgets against the entries the device really
@@ -18,10 +19,13 @@ use std::sync::Arc;
 use cqd_core::account::{Queue, QueueAccount};
 use cqd_core::budget::Admission;
 use cqd_core::cq::Registration;
-use cqd_core::post::{PostRecv, PostSend, SendRequest, WorkRequest};
+use cqd_core::post::{
+    check_atomic, check_datagram, Invalid, PostRecv, PostSend, SendRequest, WorkRequest,
+};
 use cqd_core::wr_id::OpKind;
 use parking_lot::Mutex;
 
+use crate::ah::{AhInner, UdDest};
 use crate::cq::{Cq, CqInner};
 use crate::device::Route;
 use crate::error::{PostError, VerbsError};
@@ -139,6 +143,27 @@ impl Default for QpCap {
     }
 }
 
+/// The transport of a QP (`ibv_qp_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum QpType {
+    /// Reliable connected (`IBV_QPT_RC`): one peer, every operation.
+    #[default]
+    Rc,
+    /// Unreliable datagram (`IBV_QPT_UD`): SEND (with immediate) to any
+    /// UD QP named per request, one MTU at most.
+    Ud,
+}
+
+impl QpType {
+    /// `RC` or `UD`.
+    pub fn name(self) -> &'static str {
+        match self {
+            QpType::Rc => "RC",
+            QpType::Ud => "UD",
+        }
+    }
+}
+
 /// How to make a QP.
 #[derive(Debug, Clone)]
 pub struct QpInit<'a> {
@@ -154,6 +179,8 @@ pub struct QpInit<'a> {
     /// errors, last WQE reached) go to its `on_async`. It must be
     /// registered on the send or the receive CQ (checked).
     pub owner: Option<&'a Registration>,
+    /// The transport: RC (the default) or UD.
+    pub qp_type: QpType,
 }
 
 impl<'a> QpInit<'a> {
@@ -165,7 +192,14 @@ impl<'a> QpInit<'a> {
             srq: None,
             cap,
             owner: None,
+            qp_type: QpType::Rc,
         }
+    }
+
+    /// An unreliable-datagram QP (see [`crate::ah`]).
+    pub fn datagram(mut self) -> Self {
+        self.qp_type = QpType::Ud;
+        self
     }
 
     /// Receives from `srq`.
@@ -238,6 +272,35 @@ pub enum WrOp {
     WriteWithImm(RemoteAddr, u32),
     /// RDMA READ into the local SGEs.
     Read(RemoteAddr),
+    /// Atomic compare-and-swap of the 8-byte word at `remote` (aligned);
+    /// its old value lands in the local SGEs (8 bytes, local write).
+    CompareSwap {
+        /// The word.
+        remote: RemoteAddr,
+        /// Expected value.
+        compare: u64,
+        /// Stored if the word equals `compare`.
+        swap: u64,
+    },
+    /// Atomic fetch-and-add on the 8-byte word at `remote` (aligned); its
+    /// old value lands in the local SGEs (8 bytes, local write).
+    FetchAdd {
+        /// The word.
+        remote: RemoteAddr,
+        /// Added, modulo 2^64.
+        add: u64,
+    },
+}
+
+impl WrOp {
+    fn name(self) -> &'static str {
+        match self {
+            WrOp::Send | WrOp::SendWithImm(_) => "SEND",
+            WrOp::Write(_) | WrOp::WriteWithImm(..) => "RDMA WRITE",
+            WrOp::Read(_) => "RDMA READ",
+            WrOp::CompareSwap { .. } | WrOp::FetchAdd { .. } => "an atomic",
+        }
+    }
 }
 
 /// A send-side work request (`ibv_send_wr`). On the way into the posting
@@ -259,6 +322,8 @@ pub struct SendWr<'a> {
     /// `IBV_SEND_INLINE`: the data is copied at post time (up to the QP's
     /// `max_inline_data`).
     pub inline: bool,
+    /// The destination of a SEND on a UD QP (`wr.ud`); `None` on RC.
+    pub ud: Option<UdDest<'a>>,
 }
 
 impl<'a> SendWr<'a> {
@@ -271,7 +336,24 @@ impl<'a> SendWr<'a> {
             signaled: true,
             solicited: false,
             inline: false,
+            ud: None,
         }
+    }
+
+    /// A datagram to `dest` (a SEND or SEND with immediate on a UD QP).
+    pub fn to(mut self, dest: UdDest<'a>) -> Self {
+        self.ud = Some(dest);
+        self
+    }
+
+    /// Bytes of the local scatter list.
+    pub fn len(&self) -> u64 {
+        self.sg_list.iter().map(|s| u64::from(s.len)).sum()
+    }
+
+    /// True for an empty scatter list.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     /// Without a completion on success.
@@ -308,6 +390,7 @@ impl SendRequest for SendWr<'_> {
             WrOp::Send | WrOp::SendWithImm(_) => OpKind::Send,
             WrOp::Write(_) | WrOp::WriteWithImm(..) => OpKind::Write,
             WrOp::Read(_) => OpKind::Read,
+            WrOp::CompareSwap { .. } | WrOp::FetchAdd { .. } => OpKind::Atomic,
         }
     }
     fn signaled(&self) -> bool {
@@ -351,6 +434,10 @@ pub(crate) struct Pins {
     /// The region pinned last: a queue that posts with one region (the
     /// usual case) takes no lock after its first post.
     last: std::sync::atomic::AtomicUsize,
+    /// The address handles UD sends named (a device reads the AH when it
+    /// sends, which may be after the post returned).
+    ahs: Mutex<HashMap<usize, Arc<AhInner>>>,
+    last_ah: std::sync::atomic::AtomicUsize,
 }
 
 impl Pins {
@@ -368,6 +455,16 @@ impl Pins {
                 .or_insert_with(|| Arc::clone(&s.mr.inner));
             self.last.store(key, Ordering::Relaxed);
         }
+    }
+
+    pub(crate) fn pin_ah(&self, ah: &Arc<AhInner>) {
+        use std::sync::atomic::Ordering;
+        let key = Arc::as_ptr(ah) as usize;
+        if self.last_ah.load(Ordering::Relaxed) == key {
+            return;
+        }
+        self.ahs.lock().entry(key).or_insert_with(|| Arc::clone(ah));
+        self.last_ah.store(key, Ordering::Relaxed);
     }
 }
 
@@ -530,6 +627,10 @@ pub(crate) struct QpInner {
     recv_cq: Arc<CqInner>,
     srq: Option<Arc<SrqInner>>,
     cap: QpCap,
+    qp_type: QpType,
+    /// The largest datagram (UD: the port's active MTU, read by
+    /// `ready_ud`; 0 before).
+    mtu: std::sync::atomic::AtomicU32,
     send_account: Arc<QueueAccount>,
     recv_account: Arc<QueueAccount>,
     pins: Pins,
@@ -632,7 +733,10 @@ impl Pd {
         attr.srq = init
             .srq
             .map_or(std::ptr::null_mut(), |s| s.inner.srq.as_ptr());
-        attr.qp_type = sys::ibv_qp_type::IBV_QPT_RC;
+        attr.qp_type = match init.qp_type {
+            QpType::Rc => sys::ibv_qp_type::IBV_QPT_RC,
+            QpType::Ud => sys::ibv_qp_type::IBV_QPT_UD,
+        };
         // Signaling is per request (`SendWr::signaled`), which the posting
         // call records; a QP-wide `sq_sig_all` would make unsignaled-marked
         // requests complete unannounced, so cqd never sets it.
@@ -655,7 +759,7 @@ impl Pd {
         let qp = unsafe { sys::create_qp(self.inner.pd, &mut attr) }.map_err(|e| {
             VerbsError::verb(
                 "ibv_create_qp",
-                format!("RC QP on {}", init.send_cq.name()),
+                format!("{} QP on {}", init.qp_type.name(), init.send_cq.name()),
                 e,
             )
         })?;
@@ -736,6 +840,8 @@ impl Pd {
                 recv_cq: Arc::clone(&init.recv_cq.inner),
                 srq: init.srq.map(|s| Arc::clone(&s.inner)),
                 cap: granted,
+                qp_type: init.qp_type,
+                mtu: std::sync::atomic::AtomicU32::new(0),
                 send_account,
                 recv_account,
                 pins: Pins::default(),
@@ -754,6 +860,27 @@ impl Qp {
     /// The depths the device granted.
     pub fn cap(&self) -> QpCap {
         self.inner.cap
+    }
+
+    /// The transport.
+    pub fn qp_type(&self) -> QpType {
+        self.inner.qp_type
+    }
+
+    /// The largest datagram of a UD QP: its port's active MTU, known once
+    /// [`ready_ud`](Self::ready_ud) ran (0 before, and on RC).
+    pub fn mtu(&self) -> u32 {
+        self.inner.mtu.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub(crate) fn set_mtu(&self, bytes: u32) {
+        self.inner
+            .mtu
+            .store(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn pd_inner(&self) -> &Arc<PdInner> {
+        &self.inner.pd
     }
 
     /// This side's endpoint, to send to the peer: the port's LID, the GID
@@ -780,7 +907,7 @@ impl Qp {
         })
     }
 
-    fn modify(
+    pub(crate) fn modify(
         &self,
         attr: &mut sys::ibv_qp_attr,
         mask: u32,
@@ -804,6 +931,12 @@ impl Qp {
         opts: &ConnectOptions,
     ) -> Result<(), VerbsError> {
         use sys::ibv_qp_attr_mask as m;
+        if self.inner.qp_type != QpType::Rc {
+            return Err(VerbsError::Invalid(format!(
+                "QP {} is UD: it connects to no peer (make it ready with ready_ud)",
+                self.inner.qpn
+            )));
+        }
         // SAFETY: plain C data; all-zero is a valid value.
         let mut a: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
         a.qp_state = sys::ibv_qp_state::IBV_QPS_INIT;
@@ -913,6 +1046,18 @@ impl PostSend for Qp {
         &self.inner.send_account
     }
 
+    fn check_send(&self, wr: &SendWr<'_>) -> Result<(), Invalid> {
+        let qp_type = self.inner.qp_type;
+        transport_check(qp_type, wr)?;
+        match (qp_type, wr.op) {
+            (_, WrOp::CompareSwap { remote, .. } | WrOp::FetchAdd { remote, .. }) => {
+                check_atomic(remote.addr, wr.len())
+            }
+            (QpType::Ud, _) => check_datagram(wr.len(), self.mtu()),
+            (QpType::Rc, _) => Ok(()),
+        }
+    }
+
     fn post_send_raw(&self, wrs: &[SendWr<'_>]) -> Result<(), (usize, PostError)> {
         let q = &self.inner;
         let name = || self.queue_name("send");
@@ -923,85 +1068,155 @@ impl PostSend for Qp {
                 sges, send: raw, ..
             } = sc;
             for (i, w) in wrs.iter().enumerate() {
-                check_sges(&name, i, w.sg_list, q.cap.max_send_sge, &q.pd).map_err(|e| (0, e))?;
-                if w.inline {
-                    let len: u64 = w.sg_list.iter().map(|s| u64::from(s.len)).sum();
-                    if len > u64::from(q.cap.max_inline_data) {
-                        return Err((
-                            0,
-                            PostError::Invalid {
-                                queue: name(),
-                                index: i,
-                                why: format!(
-                                    "{len} inline bytes, the QP allows {}",
-                                    q.cap.max_inline_data
-                                ),
-                            },
-                        ));
-                    }
-                }
+                self.check_raw(i, w).map_err(|e| (0, e))?;
                 sges.extend(w.sg_list.iter().map(Sge::raw));
             }
             let mut at = 0usize;
             for w in wrs {
-                // SAFETY: plain C data; all-zero is a valid value.
-                let mut r: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
-                r.wr_id = w.wr_id;
-                r.sg_list = if w.sg_list.is_empty() {
+                let sg = if w.sg_list.is_empty() {
                     std::ptr::null_mut()
                 } else {
                     // SAFETY: `at` is within `sges` (sum of the lengths).
                     unsafe { sges.as_mut_ptr().add(at) }
                 };
-                r.num_sge = w.sg_list.len() as i32;
                 at += w.sg_list.len();
-                use sys::ibv_wr_opcode as o;
-                let (opcode, imm, remote) = match w.op {
-                    WrOp::Send => (o::IBV_WR_SEND, None, None),
-                    WrOp::SendWithImm(imm) => (o::IBV_WR_SEND_WITH_IMM, Some(imm), None),
-                    WrOp::Write(ra) => (o::IBV_WR_RDMA_WRITE, None, Some(ra)),
-                    WrOp::WriteWithImm(ra, imm) => {
-                        (o::IBV_WR_RDMA_WRITE_WITH_IMM, Some(imm), Some(ra))
-                    }
-                    WrOp::Read(ra) => (o::IBV_WR_RDMA_READ, None, Some(ra)),
-                };
-                r.opcode = opcode;
-                if let Some(imm) = imm {
-                    r.imm_data_invalidated_rkey_union.imm_data = imm;
-                }
-                if let Some(ra) = remote {
-                    r.wr.rdma = rdma_sys::rdma_t {
-                        remote_addr: ra.addr,
-                        rkey: ra.rkey,
-                    };
-                }
-                use sys::ibv_send_flags as f;
-                let mut flags = 0;
-                if w.signaled {
-                    flags |= f::IBV_SEND_SIGNALED.0;
-                }
-                if w.solicited {
-                    flags |= f::IBV_SEND_SOLICITED.0;
-                }
-                if w.inline {
-                    flags |= f::IBV_SEND_INLINE.0;
-                }
-                r.send_flags = flags;
-                raw.push(r);
+                raw.push(raw_send_wr(w, sg));
             }
             link(raw, |w, next| w.next = next);
             for w in wrs {
                 if !w.inline {
                     q.pins.pin(w.sg_list);
                 }
+                if let Some(d) = &w.ud {
+                    q.pins.pin_ah(&d.ah.inner);
+                }
             }
             // SAFETY: the QP is live; the list is linked with a null tail; its
-            // SGEs name regions pinned above until the QP is destroyed (inline
-            // data is copied by the call).
+            // SGEs name regions, and its UD requests address handles, pinned
+            // above until the QP is destroyed (inline data is copied by the
+            // call).
             unsafe { sys::post_send(q.qp, raw) }
                 .map_err(|(i, e)| (i, device_error(&q.pd, "ibv_post_send", name(), i, e)))
         })
     }
+}
+
+impl Qp {
+    /// What the raw post checks of request `index` before the device sees
+    /// the list: SGEs, inline length, transport, the AH's domain.
+    fn check_raw(&self, index: usize, w: &SendWr<'_>) -> Result<(), PostError> {
+        let q = &self.inner;
+        let name = || self.queue_name("send");
+        check_sges(&name, index, w.sg_list, q.cap.max_send_sge, &q.pd)?;
+        let invalid = |why: String| PostError::Invalid {
+            queue: name(),
+            index,
+            why,
+        };
+        if w.inline && w.len() > u64::from(q.cap.max_inline_data) {
+            return Err(invalid(format!(
+                "{} inline bytes, the QP allows {}",
+                w.len(),
+                q.cap.max_inline_data
+            )));
+        }
+        transport_check(q.qp_type, w).map_err(|e| invalid(e.to_string()))?;
+        if let Some(d) = &w.ud {
+            if !Arc::ptr_eq(&d.ah.inner.pd, &q.pd) {
+                return Err(invalid(
+                    "the address handle belongs to another protection domain".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The operation against the transport: UD sends SEND (with immediate) to
+/// a destination, RC everything but datagrams.
+fn transport_check(qp_type: QpType, wr: &SendWr<'_>) -> Result<(), Invalid> {
+    let send = matches!(wr.op, WrOp::Send | WrOp::SendWithImm(_));
+    let wrong = |op| {
+        Err(Invalid::Transport {
+            op,
+            transport: qp_type.name(),
+        })
+    };
+    match (qp_type, wr.ud.is_some(), send) {
+        (QpType::Ud, true, true) | (QpType::Rc, false, _) => Ok(()),
+        (QpType::Ud, false, true) => wrong("a SEND without destination (address handle)"),
+        (QpType::Ud, _, false) => wrong(wr.op.name()),
+        (QpType::Rc, true, _) => wrong("a datagram (address handle)"),
+    }
+}
+
+/// The `ibv_send_wr` of `w` (unlinked), its scatter list at `sg`.
+fn raw_send_wr(w: &SendWr<'_>, sg: *mut sys::ibv_sge) -> sys::ibv_send_wr {
+    use sys::ibv_send_flags as f;
+    use sys::ibv_wr_opcode as o;
+    // SAFETY: plain C data; all-zero is a valid value.
+    let mut r: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+    r.wr_id = w.wr_id;
+    r.sg_list = sg;
+    r.num_sge = w.sg_list.len() as i32;
+    let (opcode, imm, remote) = match w.op {
+        WrOp::Send => (o::IBV_WR_SEND, None, None),
+        WrOp::SendWithImm(imm) => (o::IBV_WR_SEND_WITH_IMM, Some(imm), None),
+        WrOp::Write(ra) => (o::IBV_WR_RDMA_WRITE, None, Some(ra)),
+        WrOp::WriteWithImm(ra, imm) => (o::IBV_WR_RDMA_WRITE_WITH_IMM, Some(imm), Some(ra)),
+        WrOp::Read(ra) => (o::IBV_WR_RDMA_READ, None, Some(ra)),
+        WrOp::CompareSwap {
+            remote,
+            compare,
+            swap,
+        } => {
+            r.wr.atomic = rdma_sys::atomic_t {
+                remote_addr: remote.addr,
+                compare_add: compare,
+                swap,
+                rkey: remote.rkey,
+            };
+            (o::IBV_WR_ATOMIC_CMP_AND_SWP, None, None)
+        }
+        WrOp::FetchAdd { remote, add } => {
+            r.wr.atomic = rdma_sys::atomic_t {
+                remote_addr: remote.addr,
+                compare_add: add,
+                swap: 0,
+                rkey: remote.rkey,
+            };
+            (o::IBV_WR_ATOMIC_FETCH_AND_ADD, None, None)
+        }
+    };
+    r.opcode = opcode;
+    if let Some(imm) = imm {
+        r.imm_data_invalidated_rkey_union.imm_data = imm;
+    }
+    if let Some(ra) = remote {
+        r.wr.rdma = rdma_sys::rdma_t {
+            remote_addr: ra.addr,
+            rkey: ra.rkey,
+        };
+    }
+    if let Some(d) = &w.ud {
+        r.wr.ud = rdma_sys::ud_t {
+            ah: d.ah.inner.ah.as_ptr(),
+            remote_qpn: d.qpn,
+            remote_qkey: d.qkey,
+        };
+    }
+    let mut flags = 0;
+    if w.signaled {
+        flags |= f::IBV_SEND_SIGNALED.0;
+    }
+    if w.solicited {
+        flags |= f::IBV_SEND_SOLICITED.0;
+    }
+    if w.inline {
+        flags |= f::IBV_SEND_INLINE.0;
+    }
+    r.send_flags = flags;
+    r
 }
 
 impl PostRecv for Qp {

@@ -19,10 +19,11 @@ use std::io;
 use std::ptr::{null_mut, NonNull};
 
 pub(crate) use rdma_sys::{
-    ibv_access_flags, ibv_async_event, ibv_comp_channel, ibv_context, ibv_cq, ibv_cq_init_attr_ex,
-    ibv_device_attr, ibv_gid, ibv_mr, ibv_pd, ibv_port_attr, ibv_qp, ibv_qp_attr, ibv_qp_attr_mask,
-    ibv_qp_init_attr, ibv_qp_state, ibv_qp_type, ibv_recv_wr, ibv_send_flags, ibv_send_wr, ibv_sge,
-    ibv_srq, ibv_srq_init_attr, ibv_wc, ibv_wr_opcode, verbs_context,
+    ibv_access_flags, ibv_ah, ibv_ah_attr, ibv_async_event, ibv_comp_channel, ibv_context, ibv_cq,
+    ibv_cq_init_attr_ex, ibv_device_attr, ibv_gid, ibv_mr, ibv_pd, ibv_port_attr, ibv_qp,
+    ibv_qp_attr, ibv_qp_attr_mask, ibv_qp_init_attr, ibv_qp_state, ibv_qp_type, ibv_recv_wr,
+    ibv_send_flags, ibv_send_wr, ibv_sge, ibv_srq, ibv_srq_init_attr, ibv_wc, ibv_wr_opcode,
+    verbs_context,
 };
 
 /// The last OS error (libibverbs sets `errno`); `fallback` when `errno` is
@@ -189,6 +190,25 @@ pub(crate) unsafe fn alloc_pd(ctx: NonNull<ibv_context>) -> io::Result<NonNull<i
     // SAFETY: the caller's contract.
     NonNull::new(unsafe { rdma_sys::ibv_alloc_pd(ctx.as_ptr()) })
         .ok_or_else(|| last_error(libc::ENOMEM))
+}
+
+/// # Safety
+/// `pd` is live; `attr` names a port of its device.
+pub(crate) unsafe fn create_ah(
+    pd: NonNull<ibv_pd>,
+    attr: &mut ibv_ah_attr,
+) -> io::Result<NonNull<ibv_ah>> {
+    // SAFETY: the caller's contract; `attr` is a valid pointer for the
+    // call (libibverbs reads it and keeps no reference).
+    NonNull::new(unsafe { rdma_sys::ibv_create_ah(pd.as_ptr(), attr) })
+        .ok_or_else(|| last_error(libc::EINVAL))
+}
+
+/// # Safety
+/// `ah` is live and no posted send that names it is still outstanding.
+pub(crate) unsafe fn destroy_ah(ah: NonNull<ibv_ah>) -> io::Result<()> {
+    // SAFETY: the caller's contract.
+    from_ret(unsafe { rdma_sys::ibv_destroy_ah(ah.as_ptr()) })
 }
 
 /// # Safety
@@ -807,6 +827,41 @@ mod layout {
         assert_eq!(offset_of!(ibv_send_wr, bind_mw_tso_union), 80);
         assert_eq!(offset_of!(rdma_sys::rdma_t, remote_addr), 0);
         assert_eq!(offset_of!(rdma_sys::rdma_t, rkey), 8);
+    }
+
+    #[test]
+    fn ibv_send_wr_atomic_and_ud_match_verbs_h() {
+        // `wr.atomic` and `wr.ud` of `struct ibv_send_wr` (rdma-sys writes
+        // the union by hand).
+        assert_eq!(size_of::<rdma_sys::wr_t>(), 32);
+        assert_eq!(size_of::<rdma_sys::atomic_t>(), 32);
+        assert_eq!(offset_of!(rdma_sys::atomic_t, remote_addr), 0);
+        assert_eq!(offset_of!(rdma_sys::atomic_t, compare_add), 8);
+        assert_eq!(offset_of!(rdma_sys::atomic_t, swap), 16);
+        assert_eq!(offset_of!(rdma_sys::atomic_t, rkey), 24);
+        assert_eq!(size_of::<rdma_sys::ud_t>(), 16);
+        assert_eq!(offset_of!(rdma_sys::ud_t, ah), 0);
+        assert_eq!(offset_of!(rdma_sys::ud_t, remote_qpn), 8);
+        assert_eq!(offset_of!(rdma_sys::ud_t, remote_qkey), 12);
+    }
+
+    #[test]
+    fn ibv_ah_attr_and_global_route_match_verbs_h() {
+        use rdma_sys::ibv_global_route;
+        assert_eq!(size_of::<ibv_global_route>(), 24);
+        assert_eq!(offset_of!(ibv_global_route, dgid), 0);
+        assert_eq!(offset_of!(ibv_global_route, flow_label), 16);
+        assert_eq!(offset_of!(ibv_global_route, sgid_index), 20);
+        assert_eq!(offset_of!(ibv_global_route, hop_limit), 21);
+        assert_eq!(offset_of!(ibv_global_route, traffic_class), 22);
+        assert_eq!(size_of::<ibv_ah_attr>(), 32);
+        assert_eq!(offset_of!(ibv_ah_attr, grh), 0);
+        assert_eq!(offset_of!(ibv_ah_attr, dlid), 24);
+        assert_eq!(offset_of!(ibv_ah_attr, sl), 26);
+        assert_eq!(offset_of!(ibv_ah_attr, src_path_bits), 27);
+        assert_eq!(offset_of!(ibv_ah_attr, static_rate), 28);
+        assert_eq!(offset_of!(ibv_ah_attr, is_global), 29);
+        assert_eq!(offset_of!(ibv_ah_attr, port_num), 30);
     }
 
     #[test]
