@@ -27,6 +27,8 @@
 mod backend;
 #[path = "two_backends/support.rs"]
 mod support;
+#[path = "two_backends/ud_atomic.rs"]
+mod ud_atomic;
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
@@ -44,6 +46,7 @@ use support::{
     launcher_or_skip, mode, poller, poller_with, readable, retry, wait_until, within, Ev, Log,
     Recorder, Spy,
 };
+use ud_atomic::{atomics, mixed_kinds, ud_routing};
 
 /// Runs one cell of the matrix: skips the verbs half outside the
 /// launcher, times the run.
@@ -1623,6 +1626,12 @@ matrix!(qp_dropped_after_flush: busy, event, hybrid, adaptive);
 matrix!(qp_dropped_unflushed: busy, event, hybrid, adaptive);
 
 matrix!(overflow: busy, event, hybrid, adaptive);
+
+// UD receives routed by handler with each sender's src_qp and GRH;
+// atomics from several QPs exact; RC, UD and atomics mixed on one CQ.
+matrix!(ud_routing: busy, event, hybrid, adaptive);
+matrix!(atomics: busy, event, hybrid, adaptive);
+matrix!(mixed_kinds: busy, event, hybrid, adaptive);
 // The source's own contract: no poller, no mode.
 matrix!(destroy_unacked: direct);
 // Busy never arms, so it takes no notification to acknowledge.

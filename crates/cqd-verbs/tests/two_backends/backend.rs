@@ -20,6 +20,10 @@ pub enum Op<R> {
     Write(R),
     WriteImm(R, u32),
     Read(R),
+    /// Compare-and-swap: (target, compare, swap).
+    Cas(R, u64, u64),
+    /// Fetch-and-add: (target, add).
+    Fadd(R, u64),
 }
 
 /// Queue depths.
@@ -64,6 +68,8 @@ pub trait Backend: Sized + 'static {
     type Remote: Copy + Send + Sync + Debug + 'static;
     /// What a peer needs to connect to a QP, sent out of band as JSON.
     type Endpoint: Serialize + DeserializeOwned + Clone + Debug;
+    /// An address handle.
+    type Ah: Send + Sync + 'static;
 
     /// A fresh device (its own fabric for the simulator).
     fn open() -> Self::Dev;
@@ -129,6 +135,35 @@ pub trait Backend: Sized + 'static {
     fn recv_wr<'a, 'b: 'a>(tag: u32, sg: &'a [Self::Sge<'b>]) -> <Self::Qp as PostRecv>::Wr<'a>;
     /// The queue is full or the CQ has no credits: post again later.
     fn retryable(e: &Self::PostErr) -> bool;
+    /// The posting call's refusal of an invalid request, if `e` is one.
+    fn invalid(e: &Self::PostErr) -> Option<cqd_core::Invalid> {
+        match Self::refused(e)? {
+            cqd_core::Refused::Invalid { source, .. } => Some(*source),
+            _ => None,
+        }
+    }
+    /// The posting call's refusal, if `e` is one.
+    fn refused(e: &Self::PostErr) -> Option<&cqd_core::Refused>;
+    /// A UD QP in RESET on `send_cq` / `recv_cq`.
+    fn ud_qp(dev: &Self::Dev, send_cq: &Self::Cq, recv_cq: &Self::Cq, cap: Cap) -> Self::Qp;
+    /// RESET → INIT (`qkey`) → RTR → RTS of a UD QP.
+    fn ud_ready(qp: &Self::Qp, qkey: u32);
+    /// The largest datagram of a ready UD QP (the port's MTU).
+    fn mtu(qp: &Self::Qp) -> u32;
+    /// The GID of the device's port (what a GRH names).
+    fn gid(dev: &Self::Dev) -> [u8; 16];
+    /// An address handle made on `dev` towards `to`'s port: by GID with a
+    /// GRH (`global`), or by LID without one.
+    fn ah(dev: &Self::Dev, to: &Self::Dev, global: bool) -> Self::Ah;
+    /// A signaled SEND (with immediate if `imm`) to UD QP `qpn`.
+    fn ud_send_wr<'a, 'b: 'a>(
+        tag: u32,
+        ah: &'a Self::Ah,
+        qpn: u32,
+        qkey: u32,
+        sg: &'a [Self::Sge<'b>],
+        imm: Option<u32>,
+    ) -> <Self::Qp as PostSend>::Wr<'a>;
     /// Makes the device go away (hot unplug, fatal error).
     fn kill(dev: &Self::Dev);
     /// True once the device is known to be gone.
@@ -194,6 +229,7 @@ impl Backend for Sim {
     type Sge<'a> = cqd_sim::Sge;
     type Remote = cqd_sim::RemoteAddr;
     type Endpoint = u32;
+    type Ah = cqd_sim::Ah;
 
     fn open() -> Self::Dev {
         SimDev::new(cqd_sim::Fabric::inline().open_device("sim0", cqd_sim::DeviceAttr::default()))
@@ -352,6 +388,12 @@ impl Backend for Sim {
             Op::Write(r) => WrOp::Write(r),
             Op::WriteImm(r, imm) => WrOp::WriteWithImm(r, imm),
             Op::Read(r) => WrOp::Read(r),
+            Op::Cas(remote, compare, swap) => WrOp::CompareSwap {
+                remote,
+                compare,
+                swap,
+            },
+            Op::Fadd(remote, add) => WrOp::FetchAdd { remote, add },
         };
         let wr = cqd_sim::SendWr::new(u64::from(tag), op, sg);
         if signaled {
@@ -370,6 +412,57 @@ impl Backend for Sim {
             e,
             cqd_sim::PostError::QueueFull { .. } | cqd_sim::PostError::Credits(_)
         )
+    }
+
+    fn refused(e: &Self::PostErr) -> Option<&cqd_core::Refused> {
+        match e {
+            cqd_sim::PostError::Refused(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    fn ud_qp(dev: &Self::Dev, send_cq: &Self::Cq, recv_cq: &Self::Cq, cap: Cap) -> Self::Qp {
+        let cap = cqd_sim::QpCap {
+            max_send_wr: cap.send,
+            max_recv_wr: cap.recv,
+            ..cqd_sim::QpCap::default()
+        };
+        dev.pd
+            .create_qp(&cqd_sim::QpInit::new(send_cq, recv_cq, cap).datagram())
+            .expect("create a UD QP")
+    }
+
+    fn ud_ready(qp: &Self::Qp, qkey: u32) {
+        qp.ready_ud(qkey).expect("UD QP to RTS");
+    }
+
+    fn mtu(qp: &Self::Qp) -> u32 {
+        qp.mtu()
+    }
+
+    fn gid(dev: &Self::Dev) -> [u8; 16] {
+        dev.dev.gid()
+    }
+
+    fn ah(dev: &Self::Dev, to: &Self::Dev, global: bool) -> Self::Ah {
+        let attr = if global {
+            cqd_sim::AhAttr::to_gid(&to.dev)
+        } else {
+            cqd_sim::AhAttr::to_lid(&to.dev)
+        };
+        dev.pd.create_ah(attr).expect("create_ah")
+    }
+
+    fn ud_send_wr<'a, 'b: 'a>(
+        tag: u32,
+        ah: &'a Self::Ah,
+        qpn: u32,
+        qkey: u32,
+        sg: &'a [cqd_sim::Sge],
+        imm: Option<u32>,
+    ) -> cqd_sim::SendWr<'a> {
+        let op = imm.map_or(cqd_sim::WrOp::Send, cqd_sim::WrOp::SendWithImm);
+        cqd_sim::SendWr::new(u64::from(tag), op, sg).to(cqd_sim::UdDest { ah, qpn, qkey })
     }
 
     fn kill(dev: &Self::Dev) {
@@ -419,6 +512,7 @@ impl Backend for Verbs {
     type Sge<'a> = cqd_verbs::Sge<'a>;
     type Remote = cqd_verbs::RemoteAddr;
     type Endpoint = cqd_verbs::Endpoint;
+    type Ah = cqd_verbs::Ah;
 
     fn open() -> Self::Dev {
         let ctx = cqd_verbs::Context::open_first().expect("open the softverbs device");
@@ -525,12 +619,12 @@ impl Backend for Verbs {
     }
 
     fn connect(qp: &Self::Qp, peer: &Self::Endpoint) {
-        qp.connect(
-            peer,
-            qp.qpn() & 0xffff,
-            &cqd_verbs::ConnectOptions::default(),
-        )
-        .expect("connect");
+        use cqd_verbs::Access;
+        let opts = cqd_verbs::ConnectOptions {
+            access: Access(Access::ALL_RDMA.0 | Access::REMOTE_ATOMIC.0),
+            ..cqd_verbs::ConnectOptions::default()
+        };
+        qp.connect(peer, qp.qpn() & 0xffff, &opts).expect("connect");
     }
 
     fn to_error(qp: &Self::Qp) {
@@ -539,7 +633,12 @@ impl Backend for Verbs {
 
     fn reg_mr(dev: &Self::Dev, len: usize) -> Self::Mr {
         dev.pd
-            .reg_mr(len, cqd_verbs::Access::ALL_RDMA)
+            .reg_mr(
+                len,
+                cqd_verbs::Access(
+                    cqd_verbs::Access::ALL_RDMA.0 | cqd_verbs::Access::REMOTE_ATOMIC.0,
+                ),
+            )
             .expect("reg_mr")
     }
 
@@ -580,6 +679,12 @@ impl Backend for Verbs {
             Op::Write(r) => WrOp::Write(r),
             Op::WriteImm(r, imm) => WrOp::WriteWithImm(r, imm),
             Op::Read(r) => WrOp::Read(r),
+            Op::Cas(remote, compare, swap) => WrOp::CompareSwap {
+                remote,
+                compare,
+                swap,
+            },
+            Op::Fadd(remote, add) => WrOp::FetchAdd { remote, add },
         };
         let wr = cqd_verbs::SendWr::new(u64::from(tag), op, sg);
         if signaled {
@@ -601,6 +706,69 @@ impl Backend for Verbs {
             }
             _ => false,
         }
+    }
+
+    fn refused(e: &Self::PostErr) -> Option<&cqd_core::Refused> {
+        match e {
+            cqd_verbs::PostError::Refused(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    fn ud_qp(dev: &Self::Dev, send_cq: &Self::Cq, recv_cq: &Self::Cq, cap: Cap) -> Self::Qp {
+        let cap = cqd_verbs::QpCap {
+            max_send_wr: cap.send,
+            max_recv_wr: cap.recv,
+            ..cqd_verbs::QpCap::default()
+        };
+        dev.pd
+            .create_qp(&cqd_verbs::QpInit::new(send_cq, recv_cq, cap).datagram())
+            .expect("create a UD QP")
+    }
+
+    fn ud_ready(qp: &Self::Qp, qkey: u32) {
+        qp.ready_ud(
+            qkey,
+            qp.qpn() & 0xffff,
+            &cqd_verbs::ConnectOptions::default(),
+        )
+        .expect("UD QP to RTS");
+    }
+
+    fn mtu(qp: &Self::Qp) -> u32 {
+        qp.mtu()
+    }
+
+    fn gid(dev: &Self::Dev) -> [u8; 16] {
+        dev.ctx.gid(1, 0).expect("query_gid")
+    }
+
+    fn ah(dev: &Self::Dev, to: &Self::Dev, global: bool) -> Self::Ah {
+        let port = to.ctx.port(1).expect("query_port");
+        let to_ep = cqd_verbs::Endpoint {
+            lid: port.lid,
+            gid: if global { Self::gid(to) } else { [0; 16] },
+            qpn: 0,
+            psn: 0,
+            mtu: port.active_mtu,
+        };
+        let opts = cqd_verbs::AhOptions {
+            gid_index: global.then_some(0),
+            ..cqd_verbs::AhOptions::default()
+        };
+        dev.pd.create_ah(&to_ep, &opts).expect("create_ah")
+    }
+
+    fn ud_send_wr<'a, 'b: 'a>(
+        tag: u32,
+        ah: &'a Self::Ah,
+        qpn: u32,
+        qkey: u32,
+        sg: &'a [cqd_verbs::Sge<'b>],
+        imm: Option<u32>,
+    ) -> cqd_verbs::SendWr<'a> {
+        let op = imm.map_or(cqd_verbs::WrOp::Send, cqd_verbs::WrOp::SendWithImm);
+        cqd_verbs::SendWr::new(u64::from(tag), op, sg).to(cqd_verbs::UdDest { ah, qpn, qkey })
     }
 
     fn kill(dev: &Self::Dev) {

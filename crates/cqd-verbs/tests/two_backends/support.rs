@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use cqd_core::source::{ArmKind, AsyncEvent, SharedNotifier, SourceError};
 use cqd_core::{
-    CompletionSource, Failed, Handler, NoSink, NoWork, OpKind, Outbox, PollMode, PollerBuilder,
-    PollerThread, RecvDone, SendDone, Side, Status, UnboundCq,
+    CompletionSource, Failed, Handler, NoSink, NoWork, OpKind, Opcode, Outbox, PollMode,
+    PollerBuilder, PollerThread, RecvDone, SendDone, Side, Status, UnboundCq,
 };
 
 use crate::backend::Backend;
@@ -25,6 +25,12 @@ pub struct Ev {
     pub byte_len: u32,
     pub imm: Option<u32>,
     pub qp: u32,
+    /// The device's opcode (successes only).
+    pub opcode: Opcode,
+    /// The sender's QP (UD receives).
+    pub src_qp: u32,
+    /// `IBV_WC_GRH` (UD receives).
+    pub grh: bool,
 }
 
 /// A handler's record, shared with the test.
@@ -79,6 +85,9 @@ impl Handler for Recorder {
             byte_len: wc.byte_len,
             imm: wc.imm(),
             qp: wc.qp_num,
+            opcode: d.opcode(),
+            src_qp: wc.src_qp,
+            grh: wc.has_grh(),
         });
     }
     fn on_recv(&mut self, d: &RecvDone<'_>, _: &mut Outbox<'_, NoWork>) {
@@ -92,6 +101,9 @@ impl Handler for Recorder {
             byte_len: d.byte_len(),
             imm: d.imm(),
             qp: wc.qp_num,
+            opcode: d.opcode(),
+            src_qp: d.src_qp(),
+            grh: d.has_grh(),
         });
     }
     fn on_error(&mut self, f: &Failed<'_>, _: &mut Outbox<'_, NoWork>) {
@@ -104,6 +116,9 @@ impl Handler for Recorder {
             byte_len: 0,
             imm: None,
             qp: f.qp_num(),
+            opcode: f.opcode(),
+            src_qp: 0,
+            grh: false,
         });
     }
 }
