@@ -174,6 +174,16 @@ pub enum PostError {
         #[source]
         source: cqd_core::post::Invalid,
     },
+    /// A UD send's address handle belongs to another protection domain.
+    #[error(
+        "QP {qpn}: work request {index}: the address handle belongs to another protection domain"
+    )]
+    ForeignAh {
+        /// The QP.
+        qpn: u32,
+        /// Index of the work request in the list.
+        index: usize,
+    },
     /// The QP draws receives from an SRQ; post them there.
     #[error("QP {qpn} uses an SRQ: post receives to the SRQ")]
     HasSrq {

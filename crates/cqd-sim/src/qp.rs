@@ -1,10 +1,9 @@
 //! Queue pairs — reliable connected (RC) and unreliable datagram (UD,
 //! [`crate::ah`]) — the state machine, posting, and connecting pairs.
 //!
-//! States: RESET → INIT → RTR → RTS, and ERR from anywhere (RC: INIT with
-//! the remote access, RTR with the peer; UD: INIT with the Q_Key, RTR
-//! alone) (a transition
-//! back to RESET discards every queued request without a completion, as
+//! States: RESET → INIT → RTR → RTS (RC: INIT with the remote access, RTR
+//! with the peer; UD: INIT with the Q_Key, RTR alone), and ERR from
+//! anywhere (a transition back to RESET discards every queued request without a completion, as
 //! hardware does). Sends are accepted in RTS, receives from INIT on. A QP in
 //! ERR accepts posts and completes them at once with `WR_FLUSH_ERR`, as
 //! hardware does, so a request posted during shutdown is never lost.
@@ -325,13 +324,16 @@ impl Qp {
                 state: q.state,
             });
         }
-        let qp_type = q.qp_type;
+        let (qp_type, pd) = (q.qp_type, q.pd);
         if let Some((index, source)) = wrs
             .iter()
             .enumerate()
             .find_map(|(i, w)| transport_check(qp_type, w).err().map(|e| (i, e)))
         {
             return Err(PostError::Invalid { qpn, index, source });
+        }
+        if let Some(index) = wrs.iter().position(|w| w.ud.is_some_and(|d| d.ah.pd != pd)) {
+            return Err(PostError::ForeignAh { qpn, index });
         }
         let used = q.sq_used(wrs.len());
         check_list(
