@@ -30,6 +30,7 @@ pub mod pd;
 pub mod qp;
 pub mod srq;
 mod sys;
+pub mod wr;
 
 pub use ah::{Ah, AhOptions, UdDest};
 pub use cq::{completion_of, CompChannel, Cq, CqSpec, VerbsCqSource};

@@ -615,3 +615,79 @@ fn queue_events_reach_the_owning_handler() {
     }
     drop((a, b, srq));
 }
+
+/// UD and RC keep to their own transitions and operations, the MTU is
+/// known once a UD QP is ready, and an address handle is checked against
+/// the QP's domain before the device sees the send.
+#[test]
+fn ud_qps_address_handles_and_their_refusals() {
+    needs_launcher!("ud_qps_address_handles_and_their_refusals");
+    use cqd_core::{Invalid, Refused};
+    use cqd_verbs::{AhOptions, UdDest};
+    let ctx = Context::open_first().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let (cq, source) = ctx.create_cq("ud", 512, CqSpec::default()).unwrap();
+    let (_unbound, handle) = cqd_core::split::<NoWork>(source, CqOptions::default()).unwrap();
+    let reg = handle.register(Counts::default()).unwrap();
+    let ud = pd
+        .create_qp(&QpInit::new(&cq, &cq, QpCap::default()).datagram())
+        .unwrap();
+    let rc = pd
+        .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
+        .unwrap();
+    let o = ConnectOptions::default();
+    let ep = ud.endpoint(&o, 1).unwrap();
+    assert!(matches!(
+        ud.connect(&ep, 1, &o),
+        Err(VerbsError::Invalid(_))
+    ));
+    assert!(matches!(rc.ready_ud(7, 1, &o), Err(VerbsError::Invalid(_))));
+    assert_eq!(ud.mtu(), 0, "not known before ready_ud");
+    ud.ready_ud(7, 1, &o).unwrap();
+    assert_eq!(ud.mtu(), ctx.port(1).unwrap().active_mtu.bytes());
+
+    let bad = AhOptions {
+        flow_label: 1 << 20,
+        ..AhOptions::default()
+    };
+    assert!(matches!(
+        pd.create_ah(&ep, &bad),
+        Err(VerbsError::Invalid(_))
+    ));
+    let ah = pd.create_ah(&ep, &AhOptions::default()).unwrap();
+    assert!(!ah.is_global());
+    let mr = pd.reg_mr(4096, Access::ALL_RDMA).unwrap();
+    let sg = [mr.sge(0, 8)];
+    let dest = UdDest {
+        ah: &ah,
+        qpn: ud.qpn(),
+        qkey: 7,
+    };
+    // RDMA on UD: refused by the posting call's check.
+    let write = SendWr::new(1, WrOp::Write(mr.remote(0)), &sg).to(dest);
+    match reg.post_send(&ud, &mut [write]) {
+        Err(PostError::Refused(Refused::Invalid {
+            index: 0,
+            source: Invalid::Transport {
+                transport: "UD", ..
+            },
+        })) => {}
+        other => panic!("{other:?}"),
+    }
+    // An AH of another domain: refused by the QP before the device.
+    let other_ah = ctx
+        .alloc_pd()
+        .unwrap()
+        .create_ah(&ep, &AhOptions::default())
+        .unwrap();
+    let foreign = SendWr::new(2, WrOp::Send, &sg).to(UdDest {
+        ah: &other_ah,
+        ..dest
+    });
+    match reg.post_send(&ud, &mut [foreign]) {
+        Err(PostError::Invalid { index: 0, .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(reg.ledger().posted(OpKind::Send), 0, "nothing counted");
+    assert_eq!(reg.ledger().posted(OpKind::Write), 0, "nothing counted");
+}
