@@ -310,3 +310,43 @@ fn the_transport_decides_what_may_be_posted() {
         Err(VerbsError::BadAh { .. })
     ));
 }
+
+#[test]
+fn a_ud_qp_may_draw_its_receives_from_an_srq() {
+    let mut u = Ud::on(Device::open("ud0"));
+    let srq = u.pd.create_srq(16, 1).unwrap();
+    let rx =
+        u.pd.create_qp(
+            &QpInit::new(&u._cq, &u._cq, QpCap::default())
+                .datagram()
+                .with_srq(&srq),
+        )
+        .unwrap();
+    rx.ready_ud(QKEY).unwrap();
+    let tx = u.qp();
+    srq.post_recv(&[RecvWr::new(5, &[u.mr.sge(4096, 128)])])
+        .unwrap();
+    let ah = u.pd.create_ah(AhAttr::to_gid(&u.dev)).unwrap();
+    let sg = [u.mr.sge(0, 24)];
+    send(
+        &tx,
+        10,
+        WrOp::Send,
+        &sg,
+        UdDest {
+            ah: &ah,
+            qpn: rx.qpn(),
+            qkey: QKEY,
+        },
+    );
+    let wcs = u.poll();
+    let r = wcs
+        .iter()
+        .find(|c| c.wr_id == 5)
+        .expect("the SRQ's receive completes");
+    assert_eq!(
+        (r.status, r.qp_num, r.src_qp),
+        (Status::Success, rx.qpn(), tx.qpn())
+    );
+    assert_eq!((r.byte_len, r.has_grh()), (GRH_LEN + 24, true));
+}
