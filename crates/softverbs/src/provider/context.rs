@@ -345,7 +345,33 @@ pub unsafe extern "C" fn query_device_ex(
         // SAFETY: `attr` is writable for `size` bytes, which cover the field.
         unsafe { (*attr).phys_port_cnt_ex = 1 };
     }
+    if size >= offset_of!(ibv::ibv_device_attr_ex, odp_caps) + size_of::<ibv::ibv_odp_caps>() {
+        // SAFETY: as above, the caller's structure covers odp_caps.
+        unsafe { (*attr).odp_caps = odp_caps() };
+    }
     0
+}
+
+/// On-demand paging (model::mr): the device never pins memory — every
+/// access goes through the owner's page tables at the time it happens
+/// (`memcpy` or `process_vm_readv`/`writev`) — so every region behaves as
+/// an ODP region, implicit ones included, for every operation of every
+/// transport it has.
+fn odp_caps() -> ibv::ibv_odp_caps {
+    use crate::model::mr::odp;
+    ibv::ibv_odp_caps {
+        general_caps: odp::SUPPORT | odp::SUPPORT_IMPLICIT,
+        per_transport_caps: ibv::ibv_odp_caps__bindgen_ty_1 {
+            rc_odp_caps: odp::SEND
+                | odp::RECV
+                | odp::WRITE
+                | odp::READ
+                | odp::ATOMIC
+                | odp::SRQ_RECV,
+            uc_odp_caps: odp::SEND | odp::RECV | odp::WRITE | odp::SRQ_RECV,
+            ud_odp_caps: odp::SEND | odp::RECV | odp::SRQ_RECV,
+        },
+    }
 }
 
 /// `query_port`.
@@ -457,8 +483,8 @@ pub unsafe extern "C" fn reg_mr(
     if c.dead() {
         return super::dead();
     }
-    if !crate::model::wc::access::mr_access_ok(access as u32) {
-        set_errno(libc::EINVAL);
+    if let Some(e) = crate::model::mr::reg_error(access as u32, addr as u64, length as u64) {
+        set_errno(e);
         return std::ptr::null_mut();
     }
     let (index, key) = {
@@ -485,6 +511,136 @@ pub unsafe extern "C" fn reg_mr(
     mr.vmr.ibv_mr.handle = key;
     mr.vmr.access = access;
     Box::into_raw(mr).cast()
+}
+
+/// `rereg_mr`: change a region's translation, PD and/or access in place;
+/// its keys stay the same. The slot is unpublished while it changes, so a
+/// peer's access in that instant fails with a protection error instead of
+/// seeing a half-changed region (using a region during its
+/// re-registration is the application's error, `ibv_rereg_mr(3)`).
+/// Returns 0 or an errno value (libibverbs turns it into
+/// `IBV_REREG_MR_ERR_CMD`) and sets errno.
+///
+/// # Safety
+/// `vmr` was made by [`reg_mr`]; `pd`, when `CHANGE_PD` is asked, is a PD of
+/// this provider.
+pub unsafe extern "C" fn rereg_mr(
+    vmr: *mut VerbsMr,
+    flags: c_int,
+    pd: *mut ibv::ibv_pd,
+    addr: *mut c_void,
+    length: usize,
+    access: c_int,
+) -> c_int {
+    use crate::model::mr::rereg;
+    // SAFETY: `vmr` heads a live boxed SvMr (caller contract).
+    let mr = unsafe { &mut *vmr.cast::<SvMr>() };
+    // SAFETY: the context outlives its MRs.
+    let c = unsafe { &*mr.ctx };
+    let fail = |e: i32| {
+        set_errno(e);
+        e
+    };
+    if c.dead() {
+        return fail(DEAD_ERRNO);
+    }
+    let flags = flags as u32;
+    if flags == 0 || flags & !rereg::ALL != 0 {
+        return fail(libc::EINVAL);
+    }
+    let slot = &c.mrs()[mr.index as usize];
+    let key = slot.key.load(Ordering::Acquire);
+    let Some(mut info) = layout::mr_lookup(c.mrs(), key) else {
+        return fail(libc::EINVAL);
+    };
+    if flags & rereg::CHANGE_PD != 0 {
+        // SAFETY: caller contract.
+        if pd.is_null() || unsafe { (*pd).context } != mr.vmr.ibv_mr.context {
+            return fail(libc::EINVAL);
+        }
+        // SAFETY: a PD of this provider (checked: same context).
+        info.pd = unsafe { pd_id(pd) };
+    }
+    if flags & rereg::CHANGE_TRANSLATION != 0 {
+        info.addr = addr as u64;
+        info.len = length as u64;
+    }
+    if flags & rereg::CHANGE_ACCESS != 0 {
+        info.access = access as u32;
+    }
+    if let Some(e) = crate::model::mr::reg_error(info.access, info.addr, info.len) {
+        return fail(e);
+    }
+    slot.key.store(0, Ordering::Release);
+    layout::mr_publish(slot, key, info);
+    mr.vmr.access = info.access as c_int;
+    0
+}
+
+/// `advise_mr` (`ibv_advise_mr(3)`): prefetch ranges of on-demand-paging
+/// regions. Every range must lie in a region of `pd` registered with
+/// `IBV_ACCESS_ON_DEMAND` (with local write for write advice): else
+/// EINVAL. The pages are faulted in with `madvise(MADV_POPULATE_READ /
+/// _WRITE)`, readable or writable as advised; `PREFETCH_NO_FAULT` maps
+/// only what is present, which for this device (it reaches memory through
+/// the owner's page tables at every access) is nothing to do. A failed
+/// populate (pages since unmapped, a kernel older than 5.14) is not an
+/// error: advice is a hint, the access itself faults again.
+/// `IBV_ADVISE_MR_FLAG_FLUSH` is honoured trivially: the work is done
+/// before the call returns.
+///
+/// # Safety
+/// `pd` is a PD of this provider; `sg` holds `num_sge` entries.
+pub unsafe extern "C" fn advise_mr(
+    pd: *mut ibv::ibv_pd,
+    advice: u32,
+    flags: u32,
+    sg: *mut ibv::ibv_sge,
+    num_sge: u32,
+) -> c_int {
+    use crate::model::mr::{self as m, advise};
+    // SAFETY: caller contract.
+    let (c, pdid) = unsafe { (inner((*pd).context), pd_id(pd)) };
+    if c.dead() {
+        return DEAD_ERRNO;
+    }
+    if let Some(e) = m::advise_error(advice, flags, num_sge) {
+        return e;
+    }
+    if sg.is_null() {
+        return libc::EINVAL;
+    }
+    // SAFETY: `sg` holds num_sge entries (caller contract).
+    let sges = unsafe { std::slice::from_raw_parts(sg, num_sge as usize) };
+    for s in sges {
+        let ok = layout::mr_lookup(c.mrs(), s.lkey).is_some_and(|i| {
+            i.pd == pdid
+                && i.access & m::ON_DEMAND != 0
+                && i.access & m::advise_needs(advice) == m::advise_needs(advice)
+                && i.contains(s.addr, u64::from(s.length))
+        });
+        if !ok {
+            return libc::EINVAL;
+        }
+    }
+    if advice == advise::PREFETCH_NO_FAULT {
+        return 0;
+    }
+    let how = if advice == advise::PREFETCH_WRITE {
+        libc::MADV_POPULATE_WRITE
+    } else {
+        libc::MADV_POPULATE_READ
+    };
+    let page = 4096u64;
+    for s in sges.iter().filter(|s| s.length > 0) {
+        let start = s.addr & !(page - 1);
+        let end = s.addr.saturating_add(u64::from(s.length));
+        // SAFETY: madvise on a range of our own address space inside a
+        // registered region; POPULATE only faults pages in, it changes no
+        // content, and an unmapped range is an error return, not a fault.
+        unsafe { libc::madvise(start as usize as *mut c_void, (end - start) as usize, how) };
+    }
+    0
 }
 
 /// `dereg_mr`.

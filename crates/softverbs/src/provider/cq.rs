@@ -1,8 +1,9 @@
 //! Completion queues: a shared ring of CQEs per CQ, filled by the owner and
 //! by peers, polled by the owner.
 
+use std::collections::VecDeque;
 use std::ffi::c_int;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Mutex;
 
 use super::context::{inner, limits, ContextInner};
@@ -41,6 +42,11 @@ pub struct SvCq {
     pub recv_users: AtomicU32,
     /// Consecutive empty polls (see [`EMPTY_POLLS_BEFORE_YIELD`]).
     pub empty_polls: AtomicU32,
+    /// CQEs taken off the ring by [`SvCq::clean`] that are still to be
+    /// polled, ahead of everything in the ring.
+    stash: Mutex<VecDeque<Cqe>>,
+    /// Whether `stash` may be non-empty (the fast path skips its lock).
+    stashed: AtomicBool,
 }
 
 /// After this many consecutive empty polls, `poll_cq` yields the CPU once.
@@ -68,6 +74,34 @@ impl SvCq {
                 unsafe { (*(q as *const SvQp)).try_progress() };
             }
         }
+    }
+
+    /// The next completion: the stash first (it holds what was in the ring
+    /// before a clean), then the ring.
+    pub fn pop(&self) -> Option<Cqe> {
+        if self.stashed.load(Ordering::Acquire) {
+            let mut st = self.stash.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(e) = st.pop_front() {
+                return Some(e);
+            }
+            self.stashed.store(false, Ordering::Release);
+        }
+        self.port.ring().pop()
+    }
+
+    /// Remove every completion of QP `qpn` (a QP moved to RESET, as
+    /// hardware providers do: `ibv_modify_qp(3)`'s RESET empties the QP's
+    /// queues, and completions of its former life must not be polled
+    /// after it is reused). What the ring holds moves to the stash, which
+    /// is polled first, so the order of the remaining completions is kept
+    /// even while peers push new ones meanwhile.
+    pub fn clean(&self, qpn: u32) {
+        let mut st = self.stash.lock().unwrap_or_else(|e| e.into_inner());
+        while let Some(e) = self.port.ring().pop() {
+            st.push_back(e);
+        }
+        st.retain(|e| e.qp_num != qpn);
+        self.stashed.store(!st.is_empty(), Ordering::Release);
     }
 
     /// Count an empty poll; yield the CPU every [`EMPTY_POLLS_BEFORE_YIELD`].
@@ -174,6 +208,8 @@ pub unsafe fn make_cq(
         empty_polls: AtomicU32::new(0),
         recv_users: AtomicU32::new(0),
         iter: CqIter::new(),
+        stash: Mutex::new(VecDeque::new()),
+        stashed: AtomicBool::new(false),
     });
     let raw = Box::into_raw(cq);
     // SAFETY: `raw` is the live box; the header is ours to finish.
@@ -229,7 +265,7 @@ pub unsafe extern "C" fn poll_cq(cq: *mut ibv::ibv_cq, n: c_int, wc: *mut ibv::i
     s.progress_waiting();
     let mut got = 0;
     while got < n.max(0) {
-        let Some(e) = s.port.ring().pop() else { break };
+        let Some(e) = s.pop() else { break };
         // SAFETY: `wc` has room for n entries (caller contract), got < n.
         unsafe { fill_wc(wc.add(got as usize), &e) };
         got += 1;

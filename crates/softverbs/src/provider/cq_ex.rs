@@ -63,7 +63,7 @@ unsafe fn sv_ex<'a>(cq: *mut ibv::ibv_cq_ex) -> &'a SvCq {
 unsafe fn take(cq: *mut ibv::ibv_cq_ex) -> bool {
     // SAFETY: condition 1.
     let s = unsafe { sv_ex(cq) };
-    let Some(e) = s.port.ring().pop() else {
+    let Some(e) = s.pop() else {
         return false;
     };
     // SAFETY: condition 2.

@@ -14,6 +14,7 @@ pub mod fatal;
 pub mod notify;
 pub mod progress;
 pub mod qp;
+pub mod qp_ex;
 pub mod remote;
 pub mod send;
 pub mod srq;
@@ -65,6 +66,9 @@ pub static DEVICE_OPS: VerbsDeviceOps = VerbsDeviceOps {
 
 /// The context ops table installed with `verbs_set_ops`.
 pub static CONTEXT_OPS: VerbsContextOps = VerbsContextOps {
+    advise_mr: Some(context::advise_mr),
+    create_qp_ex: Some(qp_ex::create_qp_ex),
+    rereg_mr: Some(context::rereg_mr),
     alloc_pd: Some(context::alloc_pd),
     async_event: Some(context::async_event),
     cq_event: Some(cq::cq_event),

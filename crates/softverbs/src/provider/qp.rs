@@ -64,6 +64,11 @@ pub struct SvQp {
     pub caps: Caps,
     /// Send side: destination, responder handle, waiting sends.
     pub send: Mutex<SendSide>,
+    /// `ibv_qp_ex` operations the QP was created for (`create_qp_ex` with
+    /// `IBV_QP_INIT_ATTR_SEND_OPS_FLAGS`; 0 otherwise).
+    pub send_ops: u64,
+    /// The `ibv_qp_ex` batch being built (provider::qp_ex).
+    pub ex: Mutex<super::qp_ex::ExBatch>,
     attr: Mutex<Box<ibv::ibv_qp_attr>>,
 }
 
@@ -292,6 +297,8 @@ pub unsafe extern "C" fn create_qp(
         sig_all: a.sq_sig_all != 0,
         caps,
         send: Mutex::new(SendSide::new()),
+        send_ops: 0,
+        ex: Mutex::new(super::qp_ex::ExBatch::default()),
         // SAFETY: ibv_qp_attr is plain C data; zero is a valid value.
         attr: Mutex::new(Box::new(unsafe { std::mem::zeroed() })),
     });
@@ -496,6 +503,10 @@ pub unsafe extern "C" fn modify_qp(
                 ss.pending.clear();
                 ss.set_waiting(q, false);
                 while q.rq.pop().is_some() {}
+                q.send_cq().clean(q.qpn);
+                if q.recv_cq != q.send_cq {
+                    q.recv_cq().clean(q.qpn);
+                }
             }
             _ => q.hdr().state.store(next as u32, Ordering::Release),
         }

@@ -156,7 +156,8 @@ pub type Unused = Option<unsafe extern "C" fn()>;
 #[derive(Debug, Default)]
 #[allow(missing_docs)]
 pub struct VerbsContextOps {
-    pub advise_mr: Unused,
+    pub advise_mr:
+        Option<unsafe extern "C" fn(*mut ibv::ibv_pd, u32, u32, *mut ibv::ibv_sge, u32) -> c_int>,
     pub alloc_dm: Unused,
     pub alloc_mw: Unused,
     pub alloc_null_mr: Unused,
@@ -191,7 +192,12 @@ pub struct VerbsContextOps {
     pub create_qp: Option<
         unsafe extern "C" fn(*mut ibv::ibv_pd, *mut ibv::ibv_qp_init_attr) -> *mut ibv::ibv_qp,
     >,
-    pub create_qp_ex: Unused,
+    pub create_qp_ex: Option<
+        unsafe extern "C" fn(
+            *mut ibv::ibv_context,
+            *mut ibv::ibv_qp_init_attr_ex,
+        ) -> *mut ibv::ibv_qp,
+    >,
     pub create_rwq_ind_table: Unused,
     pub create_srq: Option<
         unsafe extern "C" fn(*mut ibv::ibv_pd, *mut ibv::ibv_srq_init_attr) -> *mut ibv::ibv_srq,
@@ -280,7 +286,16 @@ pub struct VerbsContextOps {
         unsafe extern "C" fn(*mut ibv::ibv_pd, *mut c_void, usize, u64, c_int) -> *mut ibv::ibv_mr,
     >,
     pub req_notify_cq: Option<unsafe extern "C" fn(*mut ibv::ibv_cq, c_int) -> c_int>,
-    pub rereg_mr: Unused,
+    pub rereg_mr: Option<
+        unsafe extern "C" fn(
+            *mut VerbsMr,
+            c_int,
+            *mut ibv::ibv_pd,
+            *mut c_void,
+            usize,
+            c_int,
+        ) -> c_int,
+    >,
     pub resize_cq: Unused,
     pub set_ece: Unused,
     pub unimport_dm: Unused,
