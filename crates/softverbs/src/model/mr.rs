@@ -70,10 +70,9 @@ pub fn is_implicit(addr: u64, len: u64) -> bool {
 /// - a flag this device does not know (outside the optional range): EINVAL;
 /// - `IBV_ACCESS_ZERO_BASED` on a plain registration: EINVAL (it is for
 ///   device memory, [`ZERO_BASED`]);
-/// - an implicit region without `IBV_ACCESS_ON_DEMAND`, or a zero length:
-///   EINVAL.
+/// - an implicit region without `IBV_ACCESS_ON_DEMAND`: EINVAL.
 pub fn reg_error(access: u32, addr: u64, len: u64) -> Option<i32> {
-    if !access::mr_access_ok(access) || access & !KNOWN != 0 || len == 0 {
+    if !access::mr_access_ok(access) || access & !KNOWN != 0 {
         return Some(libc::EINVAL);
     }
     if is_implicit(addr, len) && access & ON_DEMAND == 0 {
@@ -125,6 +124,69 @@ pub fn advise_needs(advice: u32) -> u32 {
     }
 }
 
+/// Device memory (`ibv_alloc_dm(3)`).
+///
+/// A hardware device keeps it in on-chip memory the host reaches through a
+/// BAR; this device's memory is host memory, so device memory is a private
+/// mapping of the context's owner process that only the device and
+/// `ibv_memcpy_to_dm`/`ibv_memcpy_from_dm` touch: a region registered on
+/// it with `ibv_reg_dm_mr` is reached by peers exactly as any region
+/// (`process_vm_readv`/`writev`), and is zero-based (its users name its
+/// first byte 0, `IBV_ACCESS_ZERO_BASED`, which `ibv_reg_dm_mr` requires).
+pub mod dm {
+    /// Device memory a context may hold at once (`max_dm_size`): what
+    /// on-chip memory of current NICs offers, a bound rather than a
+    /// limit of the host.
+    pub const MAX_SIZE: u64 = 256 * 1024;
+    /// Copies to and from device memory move 4-byte words: offset and
+    /// length must be multiples of 4 (as on-chip memory of hardware
+    /// devices is written).
+    pub const ALIGN: u64 = 4;
+    /// The largest alignment `log_align_req` may ask for (a page: the
+    /// memory is page-aligned).
+    pub const MAX_LOG_ALIGN: u32 = 12;
+
+    /// The errno of `ibv_alloc_dm` for a request of `len` bytes with
+    /// `log_align` and `comp_mask` while `used` bytes are allocated, or
+    /// `None`: an unknown `comp_mask` bit, a zero length or an alignment
+    /// above a page are EINVAL; more than what is left is ENOMEM.
+    pub fn alloc_error(len: u64, log_align: u32, comp_mask: u32, used: u64) -> Option<i32> {
+        if comp_mask != 0 || len == 0 || log_align > MAX_LOG_ALIGN {
+            return Some(libc::EINVAL);
+        }
+        if len > MAX_SIZE.saturating_sub(used) {
+            return Some(libc::ENOMEM);
+        }
+        None
+    }
+
+    /// The errno of a copy of `len` bytes at `offset` of a device memory
+    /// of `size` bytes, or `None`: unaligned is EINVAL, outside is EFAULT.
+    pub fn copy_error(size: u64, offset: u64, len: u64) -> Option<i32> {
+        if offset % ALIGN != 0 || len % ALIGN != 0 {
+            return Some(libc::EINVAL);
+        }
+        if offset.checked_add(len).is_none_or(|end| end > size) {
+            return Some(libc::EFAULT);
+        }
+        None
+    }
+
+    /// The errno of `ibv_reg_dm_mr` for `len` bytes at `offset` with
+    /// `access`, or `None`: not zero-based, outside the memory, or the
+    /// usual access rule: EINVAL.
+    pub fn reg_error(size: u64, offset: u64, len: u64, access: u32) -> Option<i32> {
+        if access & super::ZERO_BASED == 0
+            || !super::access::mr_access_ok(access)
+            || access & !(super::KNOWN | super::ZERO_BASED) != 0
+            || offset.checked_add(len).is_none_or(|end| end > size)
+        {
+            return Some(libc::EINVAL);
+        }
+        None
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -156,7 +218,35 @@ mod tests {
             "unknown flag"
         );
         assert_eq!(reg_error(ZERO_BASED, 0x1000, 1), Some(libc::EINVAL));
-        assert_eq!(reg_error(0, 0x1000, 0), Some(libc::EINVAL), "zero length");
+    }
+
+    #[test]
+    fn device_memory_rules() {
+        use super::dm::*;
+        assert_eq!(alloc_error(4096, 0, 0, 0), None);
+        assert_eq!(alloc_error(MAX_SIZE, 6, 0, 0), None);
+        assert_eq!(alloc_error(MAX_SIZE + 1, 0, 0, 0), Some(libc::ENOMEM));
+        assert_eq!(alloc_error(8, 0, 0, MAX_SIZE - 4), Some(libc::ENOMEM));
+        assert_eq!(alloc_error(8, 0, 1, 0), Some(libc::EINVAL), "comp_mask");
+        assert_eq!(alloc_error(0, 0, 0, 0), Some(libc::EINVAL));
+        assert_eq!(alloc_error(8, 13, 0, 0), Some(libc::EINVAL));
+        assert_eq!(copy_error(100, 0, 100), None);
+        assert_eq!(copy_error(100, 3, 4), Some(libc::EINVAL));
+        assert_eq!(copy_error(100, 4, 3), Some(libc::EINVAL));
+        assert_eq!(copy_error(100, 104, 4), Some(libc::EFAULT));
+        assert_eq!(copy_error(100, 0, 104), Some(libc::EFAULT));
+        let zb = ZERO_BASED | access::LOCAL_WRITE;
+        assert_eq!(reg_error(100, 0, 100, zb), None);
+        assert_eq!(reg_error(100, 0, 0, zb), None, "an empty region registers");
+        assert_eq!(reg_error(100, 0, 104, zb), Some(libc::EINVAL));
+        assert_eq!(
+            reg_error(100, 0, 100, access::LOCAL_WRITE),
+            Some(libc::EINVAL)
+        );
+        assert_eq!(
+            reg_error(100, 0, 100, ZERO_BASED | access::REMOTE_WRITE),
+            Some(libc::EINVAL)
+        );
     }
 
     #[test]

@@ -45,6 +45,8 @@ pub struct ContextInner {
     pub async_r: i32,
     mr: Mutex<MrAlloc>,
     next_pd: AtomicU32,
+    /// Bytes of device memory allocated (model::mr::dm).
+    pub dm_used: Mutex<u64>,
 }
 
 #[derive(Debug)]
@@ -138,6 +140,7 @@ fn make_inner() -> std::io::Result<ContextInner> {
             gen: 1,
         }),
         next_pd: AtomicU32::new(1),
+        dm_used: Mutex::new(0),
     })
 }
 
@@ -345,6 +348,10 @@ pub unsafe extern "C" fn query_device_ex(
         // SAFETY: `attr` is writable for `size` bytes, which cover the field.
         unsafe { (*attr).phys_port_cnt_ex = 1 };
     }
+    if size >= offset_of!(ibv::ibv_device_attr_ex, max_dm_size) + 8 {
+        // SAFETY: as above.
+        unsafe { (*attr).max_dm_size = crate::model::mr::dm::MAX_SIZE };
+    }
     if size >= offset_of!(ibv::ibv_device_attr_ex, odp_caps) + size_of::<ibv::ibv_odp_caps>() {
         // SAFETY: as above, the caller's structure covers odp_caps.
         unsafe { (*attr).odp_caps = odp_caps() };
@@ -465,6 +472,8 @@ pub struct SvMr {
     pub vmr: VerbsMr,
     ctx: *const ContextInner,
     index: u32,
+    /// The device memory the region lies in (null: host memory).
+    dm: *const super::dm::SvDm,
 }
 
 /// `reg_mr`: publish the region in the context's shared MR table.
@@ -475,7 +484,7 @@ pub unsafe extern "C" fn reg_mr(
     pd: *mut ibv::ibv_pd,
     addr: *mut c_void,
     length: usize,
-    _hca_va: u64,
+    hca_va: u64,
     access: c_int,
 ) -> *mut ibv::ibv_mr {
     // SAFETY: caller contract.
@@ -487,6 +496,19 @@ pub unsafe extern "C" fn reg_mr(
         set_errno(e);
         return std::ptr::null_mut();
     }
+    // `hca_va` is the I/O virtual address users name the first byte with:
+    // `addr` for ibv_reg_mr, the caller's for ibv_reg_mr_iova.
+    let info = MrInfo {
+        iova: hca_va,
+        ..MrInfo::at(pdid, access as u32, addr as u64, length as u64)
+    };
+    publish_mr(c, info, std::ptr::null())
+}
+
+/// Publish a region in the context's shared MR table and make its
+/// `verbs_mr` (keys and access; libibverbs or the caller fills the rest).
+/// `dm` is the device memory it lies in, or null.
+pub fn publish_mr(c: &ContextInner, info: MrInfo, dm: *const super::dm::SvDm) -> *mut ibv::ibv_mr {
     let (index, key) = {
         let mut a = c.mr.lock().unwrap_or_else(|e| e.into_inner());
         let Some(index) = a.free.pop() else {
@@ -496,20 +518,19 @@ pub unsafe extern "C" fn reg_mr(
         a.gen = (a.gen % 0xf_ffff) + 1;
         (index, (a.gen << MR_INDEX_BITS) | index)
     };
-    let info = MrInfo {
-        pd: pdid,
-        access: access as u32,
-        addr: addr as u64,
-        len: length as u64,
-    };
     layout::mr_publish(&c.mrs()[index as usize], key, info);
     // SAFETY: all-zero is valid for this plain C struct; fields set below.
     let vmr: VerbsMr = unsafe { std::mem::zeroed() };
-    let mut mr: Box<SvMr> = Box::new(SvMr { vmr, ctx: c, index });
+    let mut mr: Box<SvMr> = Box::new(SvMr {
+        vmr,
+        ctx: c,
+        index,
+        dm,
+    });
     mr.vmr.ibv_mr.lkey = key;
     mr.vmr.ibv_mr.rkey = key;
     mr.vmr.ibv_mr.handle = key;
-    mr.vmr.access = access;
+    mr.vmr.access = info.access as c_int;
     Box::into_raw(mr).cast()
 }
 
@@ -545,7 +566,8 @@ pub unsafe extern "C" fn rereg_mr(
         return fail(DEAD_ERRNO);
     }
     let flags = flags as u32;
-    if flags == 0 || flags & !rereg::ALL != 0 {
+    // A region on device memory keeps its place there (ibv_reg_dm_mr).
+    if flags == 0 || flags & !rereg::ALL != 0 || !mr.dm.is_null() {
         return fail(libc::EINVAL);
     }
     let slot = &c.mrs()[mr.index as usize];
@@ -563,6 +585,7 @@ pub unsafe extern "C" fn rereg_mr(
     }
     if flags & rereg::CHANGE_TRANSLATION != 0 {
         info.addr = addr as u64;
+        info.iova = addr as u64;
         info.len = length as u64;
     }
     if flags & rereg::CHANGE_ACCESS != 0 {
@@ -653,6 +676,11 @@ pub unsafe extern "C" fn dereg_mr(vmr: *mut VerbsMr) -> c_int {
     // SAFETY: the context outlives its MRs (verbs rule: dereg before close).
     let c = unsafe { &*mr.ctx };
     c.mrs()[mr.index as usize].key.store(0, Ordering::Release);
+    if !mr.dm.is_null() {
+        // SAFETY: a device memory outlives its regions: free_dm answers
+        // EBUSY while this count is non-zero.
+        unsafe { (*mr.dm).users.fetch_sub(1, Ordering::AcqRel) };
+    }
     c.mr.lock()
         .unwrap_or_else(|e| e.into_inner())
         .free

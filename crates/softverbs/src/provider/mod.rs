@@ -9,6 +9,7 @@ pub mod context;
 pub mod cq;
 pub mod cq_ex;
 pub mod cq_iter;
+pub mod dm;
 pub mod events;
 pub mod fatal;
 pub mod notify;
@@ -67,6 +68,9 @@ pub static DEVICE_OPS: VerbsDeviceOps = VerbsDeviceOps {
 /// The context ops table installed with `verbs_set_ops`.
 pub static CONTEXT_OPS: VerbsContextOps = VerbsContextOps {
     advise_mr: Some(context::advise_mr),
+    alloc_dm: Some(dm::alloc_dm),
+    free_dm: Some(dm::free_dm),
+    reg_dm_mr: Some(dm::reg_dm_mr),
     create_qp_ex: Some(qp_ex::create_qp_ex),
     rereg_mr: Some(context::rereg_mr),
     alloc_pd: Some(context::alloc_pd),

@@ -147,24 +147,43 @@ enum Outcome {
     NoAnswer,
 }
 
+/// Check `[addr, addr+len)` (addresses as the region's users name them)
+/// against a region: PD, range and access; a type-2 memory window also
+/// names the one QP (`qpn`) that may use it. The owner's address of
+/// `addr`, or `None`.
 fn check(
     info: Option<crate::shm::layout::MrInfo>,
     pd: u32,
+    qpn: u32,
     addr: u64,
     len: u64,
     need: u32,
-) -> bool {
-    info.is_some_and(|m| {
-        m.pd == pd && m.contains(addr, len) && (need == 0 || m.access & need == need)
+) -> Option<u64> {
+    info.filter(|m| {
+        m.pd == pd
+            && (m.qpn == 0 || m.qpn == qpn)
+            && m.contains(addr, len)
+            && (need == 0 || m.access & need == need)
     })
+    .map(|m| m.translate(addr))
 }
 
 /// The responder's check of an RDMA WRITE/READ target: rkey, PD, range and
 /// access against its MR table. A zero-length transfer checks neither key
 /// nor address (InfiniBand spec, C9-88: R_Key and VA need not be valid when
 /// the DMA length is zero); the QP's remote access flags still apply.
-fn remote_ok(r: &Remote, pd: u32, w: &Wr, len: u64, need: u32) -> bool {
-    len == 0 || check(mr_lookup(r.mrs(), w.rkey), pd, w.remote_addr, len, need)
+fn remote_ok(r: &Remote, pd: u32, w: &Wr, len: u64, need: u32) -> Option<u64> {
+    if len == 0 {
+        return Some(w.remote_addr);
+    }
+    check(
+        mr_lookup(r.mrs(), w.rkey),
+        pd,
+        r.hdr().qpn,
+        w.remote_addr,
+        len,
+        need,
+    )
 }
 
 fn local_spans(q: &SvQp, w: &Wr, out: &mut [Span; MAX_SGE]) -> Option<u64> {
@@ -175,14 +194,20 @@ fn local_spans(q: &SvQp, w: &Wr, out: &mut [Span; MAX_SGE]) -> Option<u64> {
     let inline = w.flags & send_flags::INLINE != 0 && !writes_local;
     let mut total = 0u64;
     for (i, s) in w.sge[..w.nsge].iter().enumerate() {
-        if !inline
-            && s.length > 0
-            && !check(mr_lookup(mrs, s.lkey), q.pd, s.addr, s.length as u64, need)
-        {
-            return None;
-        }
+        let addr = if inline || s.length == 0 {
+            s.addr
+        } else {
+            check(
+                mr_lookup(mrs, s.lkey),
+                q.pd,
+                q.qpn,
+                s.addr,
+                s.length as u64,
+                need,
+            )?
+        };
         out[i] = Span {
-            addr: s.addr,
+            addr,
             len: s.length as usize,
         };
         total += s.length as u64;
@@ -318,21 +343,24 @@ fn execute_ud(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u64) -> 
     let mut dst = [Span::default(); MAX_SGE];
     let mut cap = 0u64;
     for (i, s) in wqe.sges().iter().enumerate() {
-        if s.length > 0
-            && !check(
-                mr_lookup(r.mrs(), s.lkey),
-                rh.pd,
-                s.addr,
-                u64::from(s.length),
-                access::LOCAL_WRITE,
-            )
-        {
+        let addr = if s.length == 0 {
+            s.addr
+        } else if let Some(a) = check(
+            mr_lookup(r.mrs(), s.lkey),
+            rh.pd,
+            rh.qpn,
+            s.addr,
+            u64::from(s.length),
+            access::LOCAL_WRITE,
+        ) {
+            a
+        } else {
             cqe.status = WcStatus::LocProtErr as u32;
             r.cq.push(cqe);
             return sent;
-        }
+        };
         dst[i] = Span {
-            addr: s.addr,
+            addr,
             len: s.length as usize,
         };
         cap += u64::from(s.length);
@@ -411,15 +439,19 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
             let mut cap = 0u64;
             let mrs = r.mrs();
             for (i, s) in wqe.sges().iter().enumerate() {
-                if s.length > 0
-                    && !check(
+                let addr = if s.length == 0 {
+                    Some(s.addr)
+                } else {
+                    check(
                         mr_lookup(mrs, s.lkey),
                         rh.pd,
+                        rh.qpn,
                         s.addr,
                         s.length as u64,
                         access::LOCAL_WRITE,
                     )
-                {
+                };
+                let Some(addr) = addr else {
                     r.cq.push(recv_cqe(
                         r,
                         &wqe,
@@ -430,9 +462,9 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
                         opcode::RECV,
                     ));
                     return responder_failed(r, WcStatus::RemOpErr);
-                }
+                };
                 dst[i] = Span {
-                    addr: s.addr,
+                    addr,
                     len: s.length as usize,
                 };
                 cap += s.length as u64;
@@ -479,11 +511,14 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
             Outcome::Done(WcStatus::Success, len as u32)
         }
         wr::RDMA_WRITE | wr::RDMA_WRITE_WITH_IMM => {
-            let ok = rh.access.load(Ordering::Acquire) & access::REMOTE_WRITE != 0
-                && remote_ok(r, rh.pd, w, len, access::REMOTE_WRITE);
-            if !ok {
+            let target = if rh.access.load(Ordering::Acquire) & access::REMOTE_WRITE != 0 {
+                remote_ok(r, rh.pd, w, len, access::REMOTE_WRITE)
+            } else {
+                None
+            };
+            let Some(target) = target else {
                 return responder_failed(r, WcStatus::RemAccessErr);
-            }
+            };
             let wqe = if w.opcode == wr::RDMA_WRITE_WITH_IMM {
                 match r.pop_recv() {
                     Some(x) => Some(x),
@@ -493,7 +528,7 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
                 None
             };
             let dst = [Span {
-                addr: w.remote_addr,
+                addr: target,
                 len: len as usize,
             }];
             // SAFETY: validated as in the SEND arm.
@@ -528,13 +563,16 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
             Outcome::Done(WcStatus::Success, len as u32)
         }
         wr::RDMA_READ => {
-            let ok = rh.access.load(Ordering::Acquire) & access::REMOTE_READ != 0
-                && remote_ok(r, rh.pd, w, len, access::REMOTE_READ);
-            if !ok {
+            let source = if rh.access.load(Ordering::Acquire) & access::REMOTE_READ != 0 {
+                remote_ok(r, rh.pd, w, len, access::REMOTE_READ)
+            } else {
+                None
+            };
+            let Some(source) = source else {
                 return responder_failed(r, WcStatus::RemAccessErr);
-            }
+            };
             let src = [Span {
-                addr: w.remote_addr,
+                addr: source,
                 len: len as usize,
             }];
             // SAFETY: local spans validated with LOCAL_WRITE; remote as above.
@@ -562,18 +600,22 @@ fn atomic(r: &Remote, w: &Wr, local: &[Span], local_len: u64) -> Outcome {
         return Outcome::Done(WcStatus::LocLenErr, 0);
     }
     let rh = r.hdr();
-    let ok = rh.access.load(Ordering::Acquire) & access::REMOTE_ATOMIC != 0
-        && check(
+    let target = if rh.access.load(Ordering::Acquire) & access::REMOTE_ATOMIC != 0 {
+        check(
             mr_lookup(r.mrs(), w.rkey),
             rh.pd,
+            rh.qpn,
             w.remote_addr,
             u64::from(ATOMIC_LEN),
             access::REMOTE_ATOMIC,
-        );
-    if !ok {
+        )
+    } else {
+        None
+    };
+    let Some(target) = target else {
         return responder_failed(r, WcStatus::RemAccessErr);
-    }
-    if !aligned(w.remote_addr) {
+    };
+    if !aligned(w.remote_addr) || !aligned(target) {
         return responder_failed(r, WcStatus::RemInvReqErr);
     }
     let op = if w.opcode == wr::ATOMIC_CMP_AND_SWP {
@@ -587,7 +629,7 @@ fn atomic(r: &Remote, w: &Wr, local: &[Span], local_len: u64) -> Outcome {
     // SAFETY: the word lies in a region the responder registered with
     // REMOTE_ATOMIC (checked just above) and is aligned; in another
     // process the kernel checks the range again.
-    let Some(old) = (unsafe { super::xfer::atomic_rmw(rh.pid, w.remote_addr, op) }) else {
+    let Some(old) = (unsafe { super::xfer::atomic_rmw(rh.pid, target, op) }) else {
         if r.owner_gone() {
             return Outcome::NoAnswer;
         }

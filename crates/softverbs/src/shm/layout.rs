@@ -55,11 +55,16 @@ pub struct MrSlot {
     pub pd: AtomicU32,
     /// `ibv_access_flags`.
     pub access: AtomicU32,
-    _pad: u32,
+    /// A type-2 memory window's QP (only that QP may use the key); 0: any.
+    pub qpn: AtomicU32,
     /// Start address in the owner's address space.
     pub addr: AtomicU64,
     /// Length in bytes.
     pub len: AtomicU64,
+    /// The address the region's users name its first byte with (its I/O
+    /// virtual address: `addr` for `ibv_reg_mr`, the caller's for
+    /// `ibv_reg_mr_iova`, 0 for zero-based device memory).
+    pub iova: AtomicU64,
 }
 
 /// A validated snapshot of a memory region.
@@ -69,19 +74,41 @@ pub struct MrInfo {
     pub pd: u32,
     /// Access flags.
     pub access: u32,
-    /// Start address.
+    /// Type-2 memory window: the only QP that may use it (0: any).
+    pub qpn: u32,
+    /// Start address in the owner's address space.
     pub addr: u64,
     /// Length.
     pub len: u64,
+    /// The address users name the first byte with ([`MrSlot::iova`]).
+    pub iova: u64,
 }
 
 impl MrInfo {
-    /// Whether `[addr, addr+len)` lies inside the region.
-    pub fn contains(&self, addr: u64, len: u64) -> bool {
-        addr >= self.addr
-            && addr
+    /// A region whose users name its bytes by their own addresses.
+    pub fn at(pd: u32, access: u32, addr: u64, len: u64) -> Self {
+        Self {
+            pd,
+            access,
+            qpn: 0,
+            addr,
+            len,
+            iova: addr,
+        }
+    }
+
+    /// Whether `[iova, iova+len)` (addresses as the region's users name
+    /// them) lies inside the region.
+    pub fn contains(&self, iova: u64, len: u64) -> bool {
+        iova >= self.iova
+            && iova
                 .checked_add(len)
-                .is_some_and(|end| end <= self.addr.saturating_add(self.len))
+                .is_some_and(|end| end <= self.iova.saturating_add(self.len))
+    }
+
+    /// The owner's address of `iova` (inside the region, [`Self::contains`]).
+    pub fn translate(&self, iova: u64) -> u64 {
+        self.addr.wrapping_add(iova.wrapping_sub(self.iova))
     }
 }
 
@@ -109,8 +136,10 @@ pub fn mr_lookup(table: &[MrSlot], key: u32) -> Option<MrInfo> {
     let info = MrInfo {
         pd: slot.pd.load(Ordering::Relaxed),
         access: slot.access.load(Ordering::Relaxed),
+        qpn: slot.qpn.load(Ordering::Relaxed),
         addr: slot.addr.load(Ordering::Relaxed),
         len: slot.len.load(Ordering::Relaxed),
+        iova: slot.iova.load(Ordering::Relaxed),
     };
     (slot.key.load(Ordering::Acquire) == key).then_some(info)
 }
@@ -121,6 +150,8 @@ pub fn mr_publish(slot: &MrSlot, key: u32, info: MrInfo) {
     slot.access.store(info.access, Ordering::Relaxed);
     slot.addr.store(info.addr, Ordering::Relaxed);
     slot.len.store(info.len, Ordering::Relaxed);
+    slot.qpn.store(info.qpn, Ordering::Relaxed);
+    slot.iova.store(info.iova, Ordering::Relaxed);
     slot.key.store(key, Ordering::Release);
 }
 
@@ -368,15 +399,20 @@ mod tests {
         assert_eq!(size_of::<Cqe>(), 48);
         assert_eq!(size_of::<Sge>(), 16);
         assert_eq!(size_of::<RecvWqe>(), 16 + 16 * MAX_SGE);
-        let m = MrInfo {
-            pd: 1,
-            access: 0,
-            addr: 100,
-            len: 10,
-        };
+        let m = MrInfo::at(1, 0, 100, 10);
         assert!(m.contains(100, 10));
         assert!(!m.contains(101, 10));
         assert!(!m.contains(99, 1));
         assert!(!m.contains(u64::MAX, 2));
+        assert_eq!(m.translate(105), 105);
+        // Zero-based (device memory): users name the bytes 0..10.
+        let z = MrInfo { iova: 0, ..m };
+        assert!(z.contains(0, 10));
+        assert!(!z.contains(1, 10));
+        assert_eq!(z.translate(4), 104);
+        // Implicit ODP: the whole address space.
+        let all = MrInfo::at(1, 0, 0, u64::MAX);
+        assert!(all.contains(0x7fff_0000_1000, 4096));
+        assert_eq!(all.translate(0x1234), 0x1234);
     }
 }

@@ -158,7 +158,12 @@ pub type Unused = Option<unsafe extern "C" fn()>;
 pub struct VerbsContextOps {
     pub advise_mr:
         Option<unsafe extern "C" fn(*mut ibv::ibv_pd, u32, u32, *mut ibv::ibv_sge, u32) -> c_int>,
-    pub alloc_dm: Unused,
+    pub alloc_dm: Option<
+        unsafe extern "C" fn(
+            *mut ibv::ibv_context,
+            *mut ibv::ibv_alloc_dm_attr,
+        ) -> *mut ibv::ibv_dm,
+    >,
     pub alloc_mw: Unused,
     pub alloc_null_mr: Unused,
     pub alloc_parent_domain: Unused,
@@ -219,7 +224,7 @@ pub struct VerbsContextOps {
     pub destroy_wq: Unused,
     pub detach_mcast: Unused,
     pub free_context: Option<unsafe extern "C" fn(*mut ibv::ibv_context)>,
-    pub free_dm: Unused,
+    pub free_dm: Option<unsafe extern "C" fn(*mut ibv::ibv_dm) -> c_int>,
     pub get_srq_num: Unused,
     pub import_dm: Unused,
     pub import_mr: Unused,
@@ -280,7 +285,15 @@ pub struct VerbsContextOps {
     pub query_rt_values: Unused,
     pub query_srq: Option<unsafe extern "C" fn(*mut ibv::ibv_srq, *mut ibv::ibv_srq_attr) -> c_int>,
     pub read_counters: Unused,
-    pub reg_dm_mr: Unused,
+    pub reg_dm_mr: Option<
+        unsafe extern "C" fn(
+            *mut ibv::ibv_pd,
+            *mut ibv::ibv_dm,
+            u64,
+            usize,
+            u32,
+        ) -> *mut ibv::ibv_mr,
+    >,
     pub reg_dmabuf_mr: Unused,
     pub reg_mr: Option<
         unsafe extern "C" fn(*mut ibv::ibv_pd, *mut c_void, usize, u64, c_int) -> *mut ibv::ibv_mr,
