@@ -187,6 +187,90 @@ pub mod dm {
     }
 }
 
+/// Memory windows (`ibv_alloc_mw(3)`, `ibv_bind_mw(3)`, `ibv_post_send(3)`).
+///
+/// A window is a key of its own onto part of a region registered with
+/// `IBV_ACCESS_MW_BIND`, with its own remote access. Type 1 is bound with
+/// `ibv_bind_mw` (a work request on any QP of its PD) and usable through
+/// every QP of the PD; rebinding it moves it, a zero length unbinds it.
+/// Type 2 (2B: bound to one QP) is bound by an `IBV_WR_BIND_MW` work
+/// request whose new rkey differs from the window's only in the low 8
+/// bits (the consumer's key byte), usable only through that QP, and
+/// invalidated by `IBV_WR_LOCAL_INV` on the owner's side, by a peer's
+/// `IBV_WR_SEND_WITH_INV` on that QP, or by deallocation; binding a bound
+/// type-2 window is an error. A region with windows bound to it cannot be
+/// deregistered (EBUSY).
+pub mod mw {
+    use super::access;
+
+    /// `IBV_MW_TYPE_1`.
+    pub const TYPE_1: u32 = 1;
+    /// `IBV_MW_TYPE_2`.
+    pub const TYPE_2: u32 = 2;
+    /// The access a window may grant.
+    pub const BIND_ACCESS: u32 =
+        access::REMOTE_READ | access::REMOTE_WRITE | access::REMOTE_ATOMIC | super::ZERO_BASED;
+
+    /// `ibv_inc_rkey`: the next key byte, the rest unchanged.
+    pub fn inc_rkey(rkey: u32) -> u32 {
+        (rkey & 0xffff_ff00) | (rkey.wrapping_add(1) & 0xff)
+    }
+
+    /// A bind request as the device sees it when it executes.
+    #[derive(Debug, Clone, Copy)]
+    pub struct Bind {
+        /// The window's type.
+        pub mw_type: u32,
+        /// The window's PD and the QP's (ids).
+        pub mw_pd: u32,
+        /// The QP's PD.
+        pub qp_pd: u32,
+        /// Whether the new rkey names the window's own slot.
+        pub same_slot: bool,
+        /// Whether the window is bound now.
+        pub bound: bool,
+        /// The region: its PD, access, and whether it holds the range
+        /// (`None`: no region, only valid for a type-1 unbind).
+        pub mr: Option<(u32, u32, bool)>,
+        /// Bytes to bind (0: unbind, type 1).
+        pub len: u64,
+        /// Access to grant.
+        pub access: u32,
+    }
+
+    /// The access a window gets from the flags of its bind: the remote
+    /// ones (`IBV_ACCESS_LOCAL_WRITE`, which applications pass along,
+    /// grants a window nothing: a window is only ever named by peers).
+    pub fn granted(access: u32) -> u32 {
+        access & BIND_ACCESS
+    }
+
+    /// Whether the bind succeeds (else `IBV_WC_MW_BIND_ERR`): a flag other
+    /// than the remote ones, zero-based and local write is an error.
+    pub fn bind_ok(b: &Bind) -> bool {
+        if !b.same_slot
+            || b.mw_pd != b.qp_pd
+            || b.access & !(BIND_ACCESS | access::LOCAL_WRITE) != 0
+        {
+            return false;
+        }
+        if b.mw_type == TYPE_2 && b.bound {
+            return false;
+        }
+        if b.mw_type == TYPE_1 && b.len == 0 {
+            return true; // unbind
+        }
+        let Some((pd, mr_access, holds)) = b.mr else {
+            return false;
+        };
+        let needs_local_write = b.access & (access::REMOTE_WRITE | access::REMOTE_ATOMIC) != 0;
+        pd == b.qp_pd
+            && mr_access & super::MW_BIND != 0
+            && holds
+            && (!needs_local_write || mr_access & access::LOCAL_WRITE != 0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -247,6 +331,89 @@ mod tests {
             reg_error(100, 0, 100, ZERO_BASED | access::REMOTE_WRITE),
             Some(libc::EINVAL)
         );
+    }
+
+    #[test]
+    fn memory_window_rules() {
+        use super::mw::*;
+        assert_eq!(inc_rkey(0x1234_56ff), 0x1234_5600);
+        assert_eq!(inc_rkey(0x1234_5601), 0x1234_5602);
+        let ok = Bind {
+            mw_type: TYPE_2,
+            mw_pd: 1,
+            qp_pd: 1,
+            same_slot: true,
+            bound: false,
+            mr: Some((1, access::LOCAL_WRITE | MW_BIND, true)),
+            len: 64,
+            access: access::REMOTE_WRITE,
+        };
+        assert!(bind_ok(&ok));
+        assert!(!bind_ok(&Bind { bound: true, ..ok }), "type 2 binds once");
+        assert!(
+            bind_ok(&Bind {
+                bound: true,
+                mw_type: TYPE_1,
+                ..ok
+            }),
+            "type 1 rebinds"
+        );
+        assert!(!bind_ok(&Bind {
+            same_slot: false,
+            ..ok
+        }));
+        assert!(!bind_ok(&Bind { qp_pd: 2, ..ok }));
+        assert!(
+            !bind_ok(&Bind {
+                mr: Some((1, access::LOCAL_WRITE, true)),
+                ..ok
+            }),
+            "no MW_BIND"
+        );
+        assert!(
+            !bind_ok(&Bind {
+                mr: Some((1, MW_BIND, true)),
+                ..ok
+            }),
+            "remote write needs local write"
+        );
+        assert!(bind_ok(&Bind {
+            mr: Some((1, MW_BIND, true)),
+            access: access::REMOTE_READ,
+            ..ok
+        }));
+        assert!(
+            !bind_ok(&Bind {
+                mr: Some((1, access::LOCAL_WRITE | MW_BIND, false)),
+                ..ok
+            }),
+            "range"
+        );
+        assert!(bind_ok(&Bind {
+            access: access::LOCAL_WRITE | access::REMOTE_WRITE,
+            ..ok
+        }));
+        assert_eq!(
+            granted(access::LOCAL_WRITE | access::REMOTE_WRITE),
+            access::REMOTE_WRITE
+        );
+        assert!(
+            !bind_ok(&Bind {
+                access: MW_BIND,
+                ..ok
+            }),
+            "not a window's flag"
+        );
+        assert!(
+            bind_ok(&Bind {
+                mw_type: TYPE_1,
+                len: 0,
+                mr: None,
+                ..ok
+            }),
+            "type-1 unbind"
+        );
+        assert!(!bind_ok(&Bind { mr: None, ..ok }));
     }
 
     #[test]

@@ -38,7 +38,13 @@ impl QpType {
             Self::Rc => super::wc::send_wc_opcode(op).is_some(),
             Self::Uc => matches!(
                 op,
-                wr::SEND | wr::SEND_WITH_IMM | wr::RDMA_WRITE | wr::RDMA_WRITE_WITH_IMM
+                wr::SEND
+                    | wr::SEND_WITH_IMM
+                    | wr::RDMA_WRITE
+                    | wr::RDMA_WRITE_WITH_IMM
+                    | wr::LOCAL_INV
+                    | wr::BIND_MW
+                    | wr::SEND_WITH_INV
             ),
             Self::Ud => matches!(op, wr::SEND | wr::SEND_WITH_IMM),
         }

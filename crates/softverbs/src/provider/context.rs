@@ -9,9 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use super::{set_errno, CONTEXT_OPS, CTX_OFFSET};
 use crate::model::device::DEAD_ERRNO;
-use crate::shm::layout::{
-    self, CtxHeader, MrInfo, MrSlot, CTX_BYTES, MAGIC, MR_INDEX_BITS, MR_SLOTS,
-};
+use crate::shm::layout::{self, CtxHeader, MrInfo, MrSlot, CTX_BYTES, MAGIC, MR_SLOTS};
 use crate::shm::segment::IdKind;
 use crate::shm::{Ids, Segment};
 use crate::sys::abi::VerbsMr;
@@ -66,6 +64,23 @@ impl ContextInner {
     /// Whether the device died for this context (model::device).
     pub fn dead(&self) -> bool {
         self.hdr().dead.load(Ordering::Acquire) != 0
+    }
+
+    /// Reserve a slot of the MR table: its index and a fresh key for it.
+    pub fn take_slot(&self) -> Option<(u32, u32)> {
+        let mut a = self.mr.lock().unwrap_or_else(|e| e.into_inner());
+        let index = a.free.pop()?;
+        a.gen = (a.gen % 0xf_ffff) + 1;
+        Some((index, layout::make_key(index, a.gen)))
+    }
+
+    /// Give a slot back (its key already cleared).
+    pub fn give_slot(&self, index: u32) {
+        self.mr
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .free
+            .push(index);
     }
 
     /// This context's MR table.
@@ -324,7 +339,10 @@ pub unsafe extern "C" fn query_device_ex(
     a.hw_ver = 1;
     a.max_qp = 65536;
     a.max_qp_wr = limits::MAX_QP_WR as i32;
-    a.device_cap_flags = 1 << 12; // IBV_DEVICE_RC_RNR_NAK_GEN
+    // IBV_DEVICE_RC_RNR_NAK_GEN, IBV_DEVICE_MEM_WINDOW,
+    // IBV_DEVICE_MEM_WINDOW_TYPE_2B (model::mr::mw).
+    a.device_cap_flags = (1 << 12) | (1 << 17) | (1 << 24);
+    a.max_mw = (MR_SLOTS - 1) as i32;
     a.max_sge = layout::MAX_SGE as i32;
     a.max_sge_rd = layout::MAX_SGE as i32;
     a.max_cq = 65536;
@@ -509,14 +527,9 @@ pub unsafe extern "C" fn reg_mr(
 /// `verbs_mr` (keys and access; libibverbs or the caller fills the rest).
 /// `dm` is the device memory it lies in, or null.
 pub fn publish_mr(c: &ContextInner, info: MrInfo, dm: *const super::dm::SvDm) -> *mut ibv::ibv_mr {
-    let (index, key) = {
-        let mut a = c.mr.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(index) = a.free.pop() else {
-            set_errno(libc::ENOMEM);
-            return std::ptr::null_mut();
-        };
-        a.gen = (a.gen % 0xf_ffff) + 1;
-        (index, (a.gen << MR_INDEX_BITS) | index)
+    let Some((index, key)) = c.take_slot() else {
+        set_errno(libc::ENOMEM);
+        return std::ptr::null_mut();
     };
     layout::mr_publish(&c.mrs()[index as usize], key, info);
     // SAFETY: all-zero is valid for this plain C struct; fields set below.
@@ -666,11 +679,24 @@ pub unsafe extern "C" fn advise_mr(
     0
 }
 
-/// `dereg_mr`.
+/// `dereg_mr`: EBUSY while a memory window is bound to the region
+/// (model::mr::mw).
 ///
 /// # Safety
-/// `vmr` was made by [`reg_mr`].
+/// `vmr` was made by [`reg_mr`]; on success it is not used afterwards.
 pub unsafe extern "C" fn dereg_mr(vmr: *mut VerbsMr) -> c_int {
+    {
+        // SAFETY: `vmr` heads a live boxed SvMr (caller contract).
+        let mr = unsafe { &*vmr.cast::<SvMr>() };
+        // SAFETY: the context outlives its MRs (verbs rule: dereg before close).
+        let c = unsafe { &*mr.ctx };
+        let bound = c.mrs().iter().any(|s| {
+            s.parent.load(Ordering::Acquire) == mr.index && s.key.load(Ordering::Acquire) != 0
+        });
+        if bound {
+            return libc::EBUSY;
+        }
+    }
     // SAFETY: `vmr` heads a boxed SvMr (reg_mr); this is its last use.
     let mr = unsafe { Box::from_raw(vmr.cast::<SvMr>()) };
     // SAFETY: the context outlives its MRs (verbs rule: dereg before close).
@@ -681,10 +707,7 @@ pub unsafe extern "C" fn dereg_mr(vmr: *mut VerbsMr) -> c_int {
         // EBUSY while this count is non-zero.
         unsafe { (*mr.dm).users.fetch_sub(1, Ordering::AcqRel) };
     }
-    c.mr.lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .free
-        .push(mr.index);
+    c.give_slot(mr.index);
     0
 }
 

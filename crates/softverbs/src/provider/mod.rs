@@ -12,6 +12,7 @@ pub mod cq_iter;
 pub mod dm;
 pub mod events;
 pub mod fatal;
+pub mod mw;
 pub mod notify;
 pub mod progress;
 pub mod qp;
@@ -69,6 +70,9 @@ pub static DEVICE_OPS: VerbsDeviceOps = VerbsDeviceOps {
 pub static CONTEXT_OPS: VerbsContextOps = VerbsContextOps {
     advise_mr: Some(context::advise_mr),
     alloc_dm: Some(dm::alloc_dm),
+    alloc_mw: Some(mw::alloc_mw),
+    bind_mw: Some(mw::bind_mw),
+    dealloc_mw: Some(mw::dealloc_mw),
     free_dm: Some(dm::free_dm),
     reg_dm_mr: Some(dm::reg_dm_mr),
     create_qp_ex: Some(qp_ex::create_qp_ex),

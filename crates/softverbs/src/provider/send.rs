@@ -35,6 +35,7 @@ use crate::model::qp::{QpState, QpType};
 use crate::model::ud::{self, AhInfo};
 use crate::model::wc::{
     access, opcode, send_completes, send_flags, send_wc_opcode, wr, WcStatus, WC_GRH, WC_WITH_IMM,
+    WC_WITH_INV,
 };
 use crate::shm::layout::{mr_lookup, Cqe, RecvWqe, Sge, MAX_SGE};
 use crate::sys::ibv;
@@ -63,6 +64,8 @@ pub struct Wr {
     swap: u64,
     /// UD: the destination (address handle, QPN, Q_Key).
     ud: Option<UdDest>,
+    /// `IBV_WR_BIND_MW`: the bind.
+    bind: Option<super::mw::BindOp>,
     owned: Option<Vec<u8>>,
     since: Option<Instant>,
     /// Since when the responder has not answered this WR at all (the
@@ -172,6 +175,18 @@ fn check(
 /// access against its MR table. A zero-length transfer checks neither key
 /// nor address (InfiniBand spec, C9-88: R_Key and VA need not be valid when
 /// the DMA length is zero); the QP's remote access flags still apply.
+/// [`check`] for an lkey: a memory window is never one.
+fn check_local(
+    info: Option<crate::shm::layout::MrInfo>,
+    pd: u32,
+    qpn: u32,
+    addr: u64,
+    len: u64,
+    need: u32,
+) -> Option<u64> {
+    check(info.filter(|m| m.parent == 0), pd, qpn, addr, len, need)
+}
+
 fn remote_ok(r: &Remote, pd: u32, w: &Wr, len: u64, need: u32) -> Option<u64> {
     if len == 0 {
         return Some(w.remote_addr);
@@ -225,15 +240,17 @@ fn recv_cqe(
     op: u32,
 ) -> Cqe {
     let imm = w.opcode == wr::SEND_WITH_IMM || w.opcode == wr::RDMA_WRITE_WITH_IMM;
+    let inv = w.opcode == wr::SEND_WITH_INV && status == WcStatus::Success;
     Cqe {
         wr_id: wqe.wr_id,
         status: status as u32,
         opcode: op,
         byte_len: len,
-        imm: if imm { w.imm } else { 0 },
+        // The immediate data, or the invalidated rkey (one union in ibv_wc).
+        imm: if imm || inv { w.imm } else { 0 },
         qp_num: r.hdr().qpn,
         src_qp: q.qpn,
-        wc_flags: if imm { WC_WITH_IMM } else { 0 },
+        wc_flags: if imm { WC_WITH_IMM } else { 0 } | if inv { WC_WITH_INV } else { 0 },
         solicited: (w.flags & send_flags::SOLICITED != 0) as u32,
         sl: 0,
         pkey_index: 0,
@@ -264,6 +281,14 @@ fn no_receive(r: &Remote) -> Outcome {
 }
 
 fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
+    // Memory-window operations act on this context alone, in order with
+    // the work requests before them.
+    match (w.opcode, w.bind) {
+        (wr::BIND_MW, Some(b)) => return Outcome::Done(super::mw::bind(q, &b), 0),
+        (wr::BIND_MW, None) => return Outcome::Done(WcStatus::MwBindErr, 0),
+        (wr::LOCAL_INV, _) => return Outcome::Done(super::mw::local_invalidate(q, w.imm), 0),
+        _ => {}
+    }
     let mut local = [Span::default(); MAX_SGE];
     let Some(len) = local_spans(q, w, &mut local) else {
         return Outcome::Done(WcStatus::LocProtErr, 0);
@@ -345,7 +370,7 @@ fn execute_ud(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u64) -> 
     for (i, s) in wqe.sges().iter().enumerate() {
         let addr = if s.length == 0 {
             s.addr
-        } else if let Some(a) = check(
+        } else if let Some(a) = check_local(
             mr_lookup(r.mrs(), s.lkey),
             rh.pd,
             rh.qpn,
@@ -431,7 +456,7 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
     }
     let pid = rh.pid;
     match w.opcode {
-        wr::SEND | wr::SEND_WITH_IMM => {
+        wr::SEND | wr::SEND_WITH_IMM | wr::SEND_WITH_INV => {
             let Some(wqe) = r.pop_recv() else {
                 return no_receive(r);
             };
@@ -442,7 +467,7 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
                 let addr = if s.length == 0 {
                     Some(s.addr)
                 } else {
-                    check(
+                    check_local(
                         mr_lookup(mrs, s.lkey),
                         rh.pd,
                         rh.qpn,
@@ -498,6 +523,23 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
                     opcode::RECV,
                 ));
                 return responder_failed(r, WcStatus::RemOpErr);
+            }
+            // SEND with invalidate: the responder invalidates the key, a
+            // type-2 window bound to its QP (model::mr::mw); any other key
+            // is an invalid request.
+            if w.opcode == wr::SEND_WITH_INV
+                && !super::mw::invalidate(r.mrs(), w.imm, rh.pd, rh.qpn)
+            {
+                r.cq.push(recv_cqe(
+                    r,
+                    &wqe,
+                    q,
+                    w,
+                    WcStatus::LocProtErr,
+                    0,
+                    opcode::RECV,
+                ));
+                return responder_failed(r, WcStatus::RemInvReqErr);
             }
             r.cq.push(recv_cqe(
                 r,
@@ -843,10 +885,21 @@ pub unsafe extern "C" fn post_send(
                 0
             },
             ud,
+            bind: None,
             owned: None,
             since: None,
             silent_since: None,
         };
+        if x.opcode == wr::BIND_MW {
+            // SAFETY: the bind_mw arm, which this opcode says the caller
+            // filled; its window and region are live objects of ours.
+            let b = unsafe { x.bind_mw_tso_union.bind_mw };
+            if b.mw.is_null() {
+                return fail(libc::EINVAL);
+            }
+            // SAFETY: as above.
+            w.bind = Some(unsafe { super::mw::bind_op(x) });
+        }
         let mut inline_len = 0u32;
         for i in 0..n {
             // SAFETY: i < num_sge entries of the caller's sg_list.

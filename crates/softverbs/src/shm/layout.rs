@@ -17,8 +17,21 @@ pub const MAX_SGE: usize = 8;
 /// Memory-region slots per context.
 pub const MR_SLOTS: usize = 4096;
 
-/// Bits of an lkey/rkey that index the MR table.
+/// Bits of an lkey/rkey that index the MR table (bits 8..20; the low 8
+/// bits are the consumer's key byte, which `ibv_inc_rkey` changes for a
+/// memory window, the top 12 a generation).
 pub const MR_INDEX_BITS: u32 = 12;
+
+/// The key of slot `index` with tag `tag` (its low 8 bits become the key
+/// byte, the next 12 the generation bits).
+pub fn make_key(index: u32, tag: u32) -> u32 {
+    (((tag >> 8) & 0xfff) << 20) | ((index & ((1 << MR_INDEX_BITS) - 1)) << 8) | (tag & 0xff)
+}
+
+/// The slot a key names.
+pub fn key_index(key: u32) -> usize {
+    ((key >> 8) & ((1 << MR_INDEX_BITS) - 1)) as usize
+}
 
 /// A context's header, followed by the MR table.
 #[repr(C, align(64))]
@@ -65,6 +78,10 @@ pub struct MrSlot {
     /// virtual address: `addr` for `ibv_reg_mr`, the caller's for
     /// `ibv_reg_mr_iova`, 0 for zero-based device memory).
     pub iova: AtomicU64,
+    /// A memory window: the slot of the region it is bound to; 0 for a
+    /// region (slot 0 is never used).
+    pub parent: AtomicU32,
+    _pad: u32,
 }
 
 /// A validated snapshot of a memory region.
@@ -82,6 +99,8 @@ pub struct MrInfo {
     pub len: u64,
     /// The address users name the first byte with ([`MrSlot::iova`]).
     pub iova: u64,
+    /// A memory window: its region's slot ([`MrSlot::parent`]); 0: a region.
+    pub parent: u32,
 }
 
 impl MrInfo {
@@ -94,6 +113,7 @@ impl MrInfo {
             addr,
             len,
             iova: addr,
+            parent: 0,
         }
     }
 
@@ -129,7 +149,7 @@ pub unsafe fn mr_table<'a>(base: *mut u8) -> &'a [MrSlot] {
 
 /// Look up `key` in a table; `None` if absent or changing.
 pub fn mr_lookup(table: &[MrSlot], key: u32) -> Option<MrInfo> {
-    let slot = table.get((key & ((1 << MR_INDEX_BITS) - 1)) as usize)?;
+    let slot = table.get(key_index(key))?;
     if key == 0 || slot.key.load(Ordering::Acquire) != key {
         return None;
     }
@@ -140,6 +160,7 @@ pub fn mr_lookup(table: &[MrSlot], key: u32) -> Option<MrInfo> {
         addr: slot.addr.load(Ordering::Relaxed),
         len: slot.len.load(Ordering::Relaxed),
         iova: slot.iova.load(Ordering::Relaxed),
+        parent: slot.parent.load(Ordering::Relaxed),
     };
     (slot.key.load(Ordering::Acquire) == key).then_some(info)
 }
@@ -152,6 +173,7 @@ pub fn mr_publish(slot: &MrSlot, key: u32, info: MrInfo) {
     slot.len.store(info.len, Ordering::Relaxed);
     slot.qpn.store(info.qpn, Ordering::Relaxed);
     slot.iova.store(info.iova, Ordering::Relaxed);
+    slot.parent.store(info.parent, Ordering::Relaxed);
     slot.key.store(key, Ordering::Release);
 }
 
@@ -395,7 +417,7 @@ mod tests {
 
     #[test]
     fn sizes() {
-        assert_eq!(size_of::<MrSlot>(), 32);
+        assert_eq!(size_of::<MrSlot>(), 48);
         assert_eq!(size_of::<Cqe>(), 48);
         assert_eq!(size_of::<Sge>(), 16);
         assert_eq!(size_of::<RecvWqe>(), 16 + 16 * MAX_SGE);

@@ -164,7 +164,7 @@ pub struct VerbsContextOps {
             *mut ibv::ibv_alloc_dm_attr,
         ) -> *mut ibv::ibv_dm,
     >,
-    pub alloc_mw: Unused,
+    pub alloc_mw: Option<unsafe extern "C" fn(*mut ibv::ibv_pd, u32) -> *mut ibv::ibv_mw>,
     pub alloc_null_mr: Unused,
     pub alloc_parent_domain: Unused,
     pub alloc_pd: Option<unsafe extern "C" fn(*mut ibv::ibv_context) -> *mut ibv::ibv_pd>,
@@ -172,7 +172,9 @@ pub struct VerbsContextOps {
     pub async_event: Option<unsafe extern "C" fn(*mut ibv::ibv_context, *mut ibv::ibv_async_event)>,
     pub attach_counters_point_flow: Unused,
     pub attach_mcast: Unused,
-    pub bind_mw: Unused,
+    pub bind_mw: Option<
+        unsafe extern "C" fn(*mut ibv::ibv_qp, *mut ibv::ibv_mw, *mut ibv::ibv_mw_bind) -> c_int,
+    >,
     pub close_xrcd: Unused,
     pub cq_event: Option<unsafe extern "C" fn(*mut ibv::ibv_cq)>,
     pub create_ah:
@@ -209,7 +211,7 @@ pub struct VerbsContextOps {
     >,
     pub create_srq_ex: Unused,
     pub create_wq: Unused,
-    pub dealloc_mw: Unused,
+    pub dealloc_mw: Option<unsafe extern "C" fn(*mut ibv::ibv_mw) -> c_int>,
     pub dealloc_pd: Option<unsafe extern "C" fn(*mut ibv::ibv_pd) -> c_int>,
     pub dealloc_td: Unused,
     pub dereg_mr: Option<unsafe extern "C" fn(*mut VerbsMr) -> c_int>,
