@@ -433,13 +433,146 @@ pub unsafe extern "C" fn query_port(
     0
 }
 
-/// A protection domain.
+/// A protection domain, or a parent domain (`ibv_alloc_parent_domain`),
+/// which is used wherever a PD is and protects with its PD's id.
 #[repr(C)]
 pub struct SvPd {
     /// The libibverbs part.
     pub pd: ibv::ibv_pd,
-    /// PD id within the context (compared against MR and QP PDs).
+    /// PD id within the context (compared against MR and QP PDs); a
+    /// parent domain's is its protection domain's.
     pub id: u32,
+    /// A parent domain's attributes; `None` for a protection domain.
+    pub parent: Option<Box<Parent>>,
+}
+
+/// What a parent domain was made of (`struct ibv_parent_domain_init_attr`).
+#[derive(Debug)]
+pub struct Parent {
+    /// Its protection domain.
+    pub pd: *mut ibv::ibv_pd,
+    /// Its thread domain, or null.
+    pub td: *mut ibv::ibv_td,
+    /// The application's allocator (`IBV_PARENT_DOMAIN_INIT_ATTR_ALLOCATORS`).
+    pub alloc: Option<
+        unsafe extern "C" fn(*mut ibv::ibv_pd, *mut c_void, usize, usize, u64) -> *mut c_void,
+    >,
+    /// Its counterpart.
+    pub free: Option<unsafe extern "C" fn(*mut ibv::ibv_pd, *mut c_void, *mut c_void, u64)>,
+    /// `pd_context` (`IBV_PARENT_DOMAIN_INIT_ATTR_PD_CONTEXT`).
+    pub pd_context: *mut c_void,
+}
+
+/// `enum ibv_parent_domain_init_attr_mask`.
+const PARENT_ALLOCATORS: u32 = 1;
+const PARENT_PD_CONTEXT: u32 = 1 << 1;
+
+/// `alloc_td`: a thread domain. The application promises that what it
+/// creates in a parent domain with this thread domain is used by one
+/// thread at a time; softverbs keeps its locks (correct either way:
+/// uncontended, they cost a few atomic operations), so there is nothing
+/// to set up beyond the object. `comp_mask` must be 0 (EINVAL).
+///
+/// # Safety
+/// `ctx` is a live softverbs context; `attr` is valid.
+pub unsafe extern "C" fn alloc_td(
+    ctx: *mut ibv::ibv_context,
+    attr: *mut ibv::ibv_td_init_attr,
+) -> *mut ibv::ibv_td {
+    // SAFETY: caller contract.
+    if unsafe { inner(ctx) }.dead() {
+        return super::dead();
+    }
+    // SAFETY: caller contract.
+    if attr.is_null() || unsafe { (*attr).comp_mask } != 0 {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    Box::into_raw(Box::new(ibv::ibv_td { context: ctx }))
+}
+
+/// `dealloc_td`.
+///
+/// # Safety
+/// `td` was made by [`alloc_td`]; not used afterwards.
+pub unsafe extern "C" fn dealloc_td(td: *mut ibv::ibv_td) -> c_int {
+    // SAFETY: caller contract: the box of alloc_td, last use.
+    drop(unsafe { Box::from_raw(td) });
+    0
+}
+
+/// `alloc_parent_domain` (`ibv_alloc_parent_domain(3)`): a domain used as
+/// a PD — for regions, QPs, SRQs, windows and as the `parent_domain` of an
+/// extended CQ — protecting with its PD's id. Its PD must be a protection
+/// domain of this context and its thread domain, when given, one of this
+/// context; an unknown `comp_mask` bit is EINVAL.
+///
+/// The allocators are kept and offered nothing to allocate: every byte
+/// the device reads or writes for a queue lives in a shared segment that
+/// peer processes map (docs/softverbs.md, "The fabric"), which memory
+/// from an application allocator cannot be.
+///
+/// # Safety
+/// `ctx` is a live softverbs context; `attr` is valid.
+pub unsafe extern "C" fn alloc_parent_domain(
+    ctx: *mut ibv::ibv_context,
+    attr: *mut ibv::ibv_parent_domain_init_attr,
+) -> *mut ibv::ibv_pd {
+    // SAFETY: caller contract.
+    if unsafe { inner(ctx) }.dead() {
+        return super::dead();
+    }
+    if attr.is_null() {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    // SAFETY: caller contract.
+    let a = unsafe { &*attr };
+    let ok = a.comp_mask & !(PARENT_ALLOCATORS | PARENT_PD_CONTEXT) == 0
+        && !a.pd.is_null()
+        // SAFETY: a non-null PD the caller passes is a live PD.
+        && unsafe { (*a.pd).context } == ctx
+        // SAFETY: a PD of this context is an SvPd.
+        && unsafe { (*a.pd.cast::<SvPd>()).parent.is_none() }
+        // SAFETY: as above, for the thread domain.
+        && (a.td.is_null() || unsafe { (*a.td).context } == ctx)
+        && (a.comp_mask & PARENT_ALLOCATORS == 0 || (a.alloc.is_some() && a.free.is_some()));
+    if !ok {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    let with_alloc = a.comp_mask & PARENT_ALLOCATORS != 0;
+    let parent = Parent {
+        pd: a.pd,
+        td: a.td,
+        alloc: if with_alloc { a.alloc } else { None },
+        free: if with_alloc { a.free } else { None },
+        pd_context: if a.comp_mask & PARENT_PD_CONTEXT != 0 {
+            a.pd_context
+        } else {
+            std::ptr::null_mut()
+        },
+    };
+    // SAFETY: `a.pd` is a PD of this context (checked).
+    let id = unsafe { pd_id(a.pd) };
+    let pd = Box::new(SvPd {
+        pd: ibv::ibv_pd {
+            context: ctx,
+            handle: id,
+        },
+        id,
+        parent: Some(Box::new(parent)),
+    });
+    Box::into_raw(pd).cast()
+}
+
+/// Whether `pd` is a parent domain of this provider.
+///
+/// # Safety
+/// `pd` is null or a PD of this provider.
+pub unsafe fn is_parent_domain(pd: *mut ibv::ibv_pd) -> bool {
+    // SAFETY: caller contract.
+    !pd.is_null() && unsafe { (*pd.cast::<SvPd>()).parent.is_some() }
 }
 
 /// `alloc_pd`.
@@ -459,11 +592,12 @@ pub unsafe extern "C" fn alloc_pd(ctx: *mut ibv::ibv_context) -> *mut ibv::ibv_p
             handle: id,
         },
         id,
+        parent: None,
     });
     Box::into_raw(pd).cast()
 }
 
-/// `dealloc_pd`.
+/// `dealloc_pd` (parent domains too).
 ///
 /// # Safety
 /// `pd` was made by [`alloc_pd`].

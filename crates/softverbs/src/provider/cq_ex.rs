@@ -18,8 +18,9 @@
 //! lock-free variants of `start_poll`/`end_poll` (the `LOCK` parameter):
 //! the application promised one polling thread. `ibv_poll_cq` on an
 //! extended CQ takes no lock: it pops from the lock-free ring and never
-//! touches the current completion. Timestamps, flow tags, CVLAN, TM info
-//! and parent domains are not supported and answer EOPNOTSUPP.
+//! touches the current completion. Timestamps, flow tags, CVLAN and TM
+//! info are not supported and answer EOPNOTSUPP; a parent domain is
+//! accepted (`IBV_CQ_INIT_ATTR_MASK_PD`, it must be one of this context).
 //!
 //! Every callback here is called by libibverbs for the application, which
 //! keeps the verbs contract: `cq` is an extended CQ of this provider made by
@@ -39,6 +40,8 @@ use crate::sys::ibv;
 pub const SUPPORTED_WC_FLAGS: u64 = 0x7f;
 /// `IBV_CQ_INIT_ATTR_MASK_FLAGS`.
 const MASK_FLAGS: u32 = 1;
+/// `IBV_CQ_INIT_ATTR_MASK_PD`.
+const MASK_PD: u32 = 1 << 1;
 /// `IBV_CREATE_CQ_ATTR_SINGLE_THREADED`.
 const SINGLE_THREADED: u32 = 1;
 
@@ -236,10 +239,22 @@ pub unsafe extern "C" fn create_cq_ex(
     }
     // SAFETY: caller contract.
     let a = unsafe { &*attr };
-    let flags_ok = a.comp_mask & !MASK_FLAGS == 0
+    let flags_ok = a.comp_mask & !(MASK_FLAGS | MASK_PD) == 0
         && (a.comp_mask & MASK_FLAGS == 0 || a.flags & !SINGLE_THREADED == 0);
     if a.wc_flags & !SUPPORTED_WC_FLAGS != 0 || !flags_ok {
         set_errno(libc::EOPNOTSUPP);
+        return std::ptr::null_mut();
+    }
+    // A CQ may name the parent domain it belongs to (it must be one, of
+    // this context); a CQ needs nothing from it here.
+    // SAFETY: a non-null parent_domain the caller passes is a live PD.
+    if a.comp_mask & MASK_PD != 0
+        && (a.parent_domain.is_null()
+            || unsafe { (*a.parent_domain).context } != ctx
+            // SAFETY: a PD of this context is one of ours.
+            || !unsafe { super::context::is_parent_domain(a.parent_domain) })
+    {
+        set_errno(libc::EINVAL);
         return std::ptr::null_mut();
     }
     let (Ok(cqe), Ok(vector)) = (c_int::try_from(a.cqe), c_int::try_from(a.comp_vector)) else {

@@ -166,9 +166,16 @@ pub struct VerbsContextOps {
     >,
     pub alloc_mw: Option<unsafe extern "C" fn(*mut ibv::ibv_pd, u32) -> *mut ibv::ibv_mw>,
     pub alloc_null_mr: Unused,
-    pub alloc_parent_domain: Unused,
+    pub alloc_parent_domain: Option<
+        unsafe extern "C" fn(
+            *mut ibv::ibv_context,
+            *mut ibv::ibv_parent_domain_init_attr,
+        ) -> *mut ibv::ibv_pd,
+    >,
     pub alloc_pd: Option<unsafe extern "C" fn(*mut ibv::ibv_context) -> *mut ibv::ibv_pd>,
-    pub alloc_td: Unused,
+    pub alloc_td: Option<
+        unsafe extern "C" fn(*mut ibv::ibv_context, *mut ibv::ibv_td_init_attr) -> *mut ibv::ibv_td,
+    >,
     pub async_event: Option<unsafe extern "C" fn(*mut ibv::ibv_context, *mut ibv::ibv_async_event)>,
     pub attach_counters_point_flow: Unused,
     pub attach_mcast: Unused,
@@ -213,7 +220,7 @@ pub struct VerbsContextOps {
     pub create_wq: Unused,
     pub dealloc_mw: Option<unsafe extern "C" fn(*mut ibv::ibv_mw) -> c_int>,
     pub dealloc_pd: Option<unsafe extern "C" fn(*mut ibv::ibv_pd) -> c_int>,
-    pub dealloc_td: Unused,
+    pub dealloc_td: Option<unsafe extern "C" fn(*mut ibv::ibv_td) -> c_int>,
     pub dereg_mr: Option<unsafe extern "C" fn(*mut VerbsMr) -> c_int>,
     pub destroy_ah: Option<unsafe extern "C" fn(*mut ibv::ibv_ah) -> c_int>,
     pub destroy_counters: Unused,
