@@ -548,3 +548,153 @@ fn memory_windows_bind_grant_and_invalidate() {
     assert_eq!(unsafe { ibv_dealloc_mw(mw1) }, 0);
     assert_eq!(unsafe { ibv_dereg_mr(buf.mr) }, 0);
 }
+
+#[test]
+fn qp_ex_binds_and_invalidates_windows() {
+    needs_launcher!("qp_ex_binds_and_invalidates_windows");
+    let dev = Dev::open();
+    let ca = dev.cq(16, null_mut());
+    let cb = dev.cq(16, null_mut());
+    let bind = ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_BIND_MW.0 as u64;
+    let inv = ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_LOCAL_INV.0 as u64;
+    let a = dev.qp(ca, ca, null_mut());
+    let b = create_qp_ex(&dev, cb, ibv_qp_type::IBV_QPT_RC, bind | inv);
+    assert!(!b.is_null());
+    connect(a, qpn(b));
+    connect(b, qpn(a));
+    let mw_bind = ibv_access_flags::IBV_ACCESS_MW_BIND.0 as i32;
+    let buf = Buf::with_access(&dev, 32, 0, ACCESS_ALL | mw_bind);
+    let src = Buf::new(&dev, 32, 9);
+    let mw = unsafe { ibv_alloc_mw(dev.pd, ibv_mw_type::IBV_MW_TYPE_2) }.expect("op");
+    assert!(!mw.is_null());
+    let key = unsafe { ibv_inc_rkey((*mw).rkey) };
+    let info = ibv_mw_bind_info {
+        mr: buf.mr,
+        addr: buf.addr(),
+        length: 32,
+        mw_access_flags: ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
+    };
+    let x = unsafe { ibv_qp_to_qp_ex(b) };
+    unsafe {
+        ibv_wr_start(x);
+        (*x).wr_id = 1;
+        (*x).wr_flags = SIGNALED;
+        ibv_wr_bind_mw(x, mw, key, &info);
+        assert_eq!(ibv_wr_complete(x), 0);
+    }
+    let w = poll(cb, 1);
+    assert_eq!(
+        (w[0].status, w[0].opcode),
+        (WC_SUCCESS, ibv_wc_opcode::IBV_WC_BIND_MW)
+    );
+    let s = Send {
+        remote_addr: buf.addr(),
+        rkey: key,
+        ..send(WR_WRITE, SIGNALED)
+    };
+    assert_eq!(post_send(a, &src, 0, 32, 2, s), 0);
+    assert_eq!(poll(ca, 1)[0].status, WC_SUCCESS);
+    assert_eq!(&buf.data[..], &[9; 32]);
+    unsafe {
+        ibv_wr_start(x);
+        (*x).wr_id = 3;
+        (*x).wr_flags = SIGNALED;
+        ibv_wr_local_inv(x, key);
+        assert_eq!(ibv_wr_complete(x), 0);
+    }
+    let w = poll(cb, 1);
+    assert_eq!(
+        (w[0].status, w[0].opcode),
+        (WC_SUCCESS, ibv_wc_opcode::IBV_WC_LOCAL_INV)
+    );
+    let s = Send {
+        remote_addr: buf.addr(),
+        rkey: key,
+        ..send(WR_WRITE, SIGNALED)
+    };
+    assert_eq!(post_send(a, &src, 0, 32, 4, s), 0);
+    assert_eq!(poll(ca, 1)[0].status, WC_REM_ACCESS);
+    assert_eq!(unsafe { ibv_dealloc_mw(mw) }, 0);
+}
+
+#[test]
+fn parent_and_thread_domains_serve_as_protection_domains() {
+    needs_launcher!("parent_and_thread_domains_serve_as_protection_domains");
+    let dev = Dev::open();
+    let v = vctx(dev.ctx);
+    let alloc_td = unsafe { (*v).alloc_td.expect("alloc_td slot") };
+    let dealloc_td = unsafe { (*v).dealloc_td.expect("dealloc_td slot") };
+    let alloc_pad = unsafe { (*v).alloc_parent_domain.expect("alloc_parent_domain slot") };
+    let mut ta = ibv_td_init_attr { comp_mask: 1 };
+    assert!(unsafe { alloc_td(dev.ctx, &mut ta) }.is_null());
+    assert_eq!(errno(), libc::EINVAL);
+    ta.comp_mask = 0;
+    let td = unsafe { alloc_td(dev.ctx, &mut ta) };
+    assert!(!td.is_null());
+    let mut pa: ibv_parent_domain_init_attr = unsafe { std::mem::zeroed() };
+    assert!(unsafe { alloc_pad(dev.ctx, &mut pa) }.is_null(), "no PD");
+    assert_eq!(errno(), libc::EINVAL);
+    pa.pd = dev.pd;
+    pa.td = td;
+    let pad = unsafe { alloc_pad(dev.ctx, &mut pa) };
+    assert!(!pad.is_null());
+    // A parent domain cannot parent another.
+    pa.pd = pad;
+    assert!(unsafe { alloc_pad(dev.ctx, &mut pa) }.is_null());
+    // QPs and regions in the parent domain interoperate with those of its
+    // PD: the parent domain protects with the PD's id.
+    let cq = dev.cq(16, null_mut());
+    let mut qa: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+    qa.send_cq = cq;
+    qa.recv_cq = cq;
+    qa.qp_type = ibv_qp_type::IBV_QPT_RC;
+    qa.cap.max_send_wr = 8;
+    qa.cap.max_recv_wr = 8;
+    qa.cap.max_send_sge = 1;
+    qa.cap.max_recv_sge = 1;
+    let a = unsafe { ibv_create_qp(pad, &mut qa) };
+    assert!(!a.is_null());
+    let b = dev.qp(cq, cq, null_mut());
+    connect(a, qpn(b));
+    connect(b, qpn(a));
+    let mut data = vec![3u8; 16];
+    let mr = unsafe { ibv_reg_mr(pad, data.as_mut_ptr().cast(), 16, ACCESS_ALL) };
+    assert!(!mr.is_null());
+    let dst = Buf::new(&dev, 16, 0);
+    let mut sge = ibv_sge {
+        addr: data.as_ptr() as u64,
+        length: 16,
+        lkey: unsafe { (*mr).lkey },
+    };
+    let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+    wr.wr_id = 1;
+    wr.sg_list = &mut sge;
+    wr.num_sge = 1;
+    wr.opcode = WR_WRITE;
+    wr.send_flags = SIGNALED;
+    wr.wr.rdma = rdma_t {
+        remote_addr: dst.addr(),
+        rkey: dst.rkey(),
+    };
+    let mut bad = null_mut();
+    assert_eq!(unsafe { ibv_post_send(a, &mut wr, &mut bad) }, 0);
+    assert_eq!(poll(cq, 1)[0].status, WC_SUCCESS);
+    assert_eq!(&dst.data[..], &[3; 16]);
+    // An extended CQ may name the parent domain, and only a parent domain.
+    let mut ca: ibv_cq_init_attr_ex = unsafe { std::mem::zeroed() };
+    ca.cqe = 4;
+    ca.comp_mask = ibv_cq_init_attr_mask::IBV_CQ_INIT_ATTR_MASK_PD.0;
+    ca.parent_domain = dev.pd;
+    assert!(create_cq_ex(dev.ctx, &mut ca).is_null());
+    assert_eq!(errno(), libc::EINVAL);
+    ca.parent_domain = pad;
+    let cqx = create_cq_ex(dev.ctx, &mut ca);
+    assert!(!cqx.is_null());
+    unsafe {
+        assert_eq!(ibv_destroy_cq(ibv_cq_ex_to_cq(cqx)), 0);
+        assert_eq!(ibv_destroy_qp(a), 0);
+        assert_eq!(ibv_dereg_mr(mr), 0);
+        assert_eq!(ibv_dealloc_pd(pad), 0);
+        assert_eq!(dealloc_td(td), 0);
+    }
+}

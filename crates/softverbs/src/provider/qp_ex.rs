@@ -47,13 +47,24 @@ pub mod ops {
     pub const ATOMIC_CMP_AND_SWP: u64 = 1 << 5;
     /// `IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD`.
     pub const ATOMIC_FETCH_AND_ADD: u64 = 1 << 6;
+    /// `IBV_QP_EX_WITH_LOCAL_INV`.
+    pub const LOCAL_INV: u64 = 1 << 7;
+    /// `IBV_QP_EX_WITH_BIND_MW`.
+    pub const BIND_MW: u64 = 1 << 8;
+    /// `IBV_QP_EX_WITH_SEND_WITH_INV`.
+    pub const SEND_WITH_INV: u64 = 1 << 9;
 
     /// The operations a QP of `t` can be created for: those
-    /// `ibv_post_send(3)` allows on the transport. Local invalidate, bind
-    /// and send-with-invalidate (no memory windows here), TSO (raw packet
-    /// QPs only) and atomic write are refused with EOPNOTSUPP.
+    /// `ibv_post_send(3)` allows on the transport. TSO (raw packet QPs
+    /// only) and atomic write are refused with EOPNOTSUPP.
     pub fn supported(t: super::QpType) -> u64 {
-        let connected = RDMA_WRITE | RDMA_WRITE_WITH_IMM | SEND | SEND_WITH_IMM;
+        let connected = RDMA_WRITE
+            | RDMA_WRITE_WITH_IMM
+            | SEND
+            | SEND_WITH_IMM
+            | LOCAL_INV
+            | BIND_MW
+            | SEND_WITH_INV;
         match t {
             super::QpType::Rc => connected | RDMA_READ | ATOMIC_CMP_AND_SWP | ATOMIC_FETCH_AND_ADD,
             super::QpType::Uc => connected,
@@ -72,7 +83,10 @@ pub mod ops {
             wr::RDMA_READ => RDMA_READ,
             wr::ATOMIC_CMP_AND_SWP => ATOMIC_CMP_AND_SWP,
             wr::ATOMIC_FETCH_AND_ADD => ATOMIC_FETCH_AND_ADD,
-            _ => u64::MAX,
+            wr::LOCAL_INV => LOCAL_INV,
+            wr::BIND_MW => BIND_MW,
+            wr::SEND_WITH_INV => SEND_WITH_INV,
+            _ => 0,
         }
     }
 }
@@ -521,24 +535,48 @@ unsafe extern "C" fn wr_set_xrc_srqn(x: *mut ibv::ibv_qp_ex, _srqn: u32) {
     unsafe { unsupported(x) }
 }
 
-unsafe extern "C" fn wr_local_inv(x: *mut ibv::ibv_qp_ex, _rkey: u32) {
+unsafe extern "C" fn wr_local_inv(x: *mut ibv::ibv_qp_ex, rkey: u32) {
     // SAFETY: as wr_start.
-    unsafe { unsupported(x) }
+    unsafe {
+        begin(x, wr::LOCAL_INV, |w| {
+            w.imm_data_invalidated_rkey_union.invalidated_rkey = rkey
+        })
+    }
 }
 
 unsafe extern "C" fn wr_bind_mw(
     x: *mut ibv::ibv_qp_ex,
-    _mw: *mut ibv::ibv_mw,
-    _rkey: u32,
-    _info: *const ibv::ibv_mw_bind_info,
+    mw: *mut ibv::ibv_mw,
+    rkey: u32,
+    info: *const ibv::ibv_mw_bind_info,
 ) {
-    // SAFETY: as wr_start.
-    unsafe { unsupported(x) }
+    if mw.is_null() || info.is_null() {
+        // SAFETY: as wr_start.
+        let (_, mut b) = unsafe { batch(x) };
+        b.fail(libc::EINVAL);
+        return;
+    }
+    // SAFETY: as wr_start; `info` is the caller's valid bind description,
+    // copied now.
+    unsafe {
+        let info = *info;
+        begin(x, wr::BIND_MW, |w| {
+            w.bind_mw_tso_union.bind_mw = ibv::bind_mw_t {
+                mw,
+                rkey,
+                bind_info: info,
+            }
+        })
+    }
 }
 
-unsafe extern "C" fn wr_send_inv(x: *mut ibv::ibv_qp_ex, _rkey: u32) {
+unsafe extern "C" fn wr_send_inv(x: *mut ibv::ibv_qp_ex, rkey: u32) {
     // SAFETY: as wr_start.
-    unsafe { unsupported(x) }
+    unsafe {
+        begin(x, wr::SEND_WITH_INV, |w| {
+            w.imm_data_invalidated_rkey_union.invalidated_rkey = rkey
+        })
+    }
 }
 
 unsafe extern "C" fn wr_send_tso(x: *mut ibv::ibv_qp_ex, _hdr: *mut c_void, _sz: u16, _mss: u16) {
