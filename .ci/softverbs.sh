@@ -34,7 +34,11 @@ DEMO=$REL/cqd-demo
 # One segment directory per CI run, removed at the end.
 export SOFTVERBS_DIR=/dev/shm/softverbs-ci-$$
 LOGS=$(mktemp -d /tmp/softverbs-ci.XXXXXX)
-cleanup() { rm -rf "$SOFTVERBS_DIR"; }
+HP_OLD=
+restore_hugepages() {
+    if [[ -n $HP_OLD ]]; then echo "$HP_OLD" >/proc/sys/vm/nr_hugepages 2>/dev/null || true; HP_OLD=; fi
+}
+cleanup() { rm -rf "$SOFTVERBS_DIR"; restore_hugepages; }
 trap cleanup EXIT
 echo "softverbs CI: logs in $LOGS"
 
@@ -186,8 +190,19 @@ timeout 300 "$RUN" cargo test -p softverbs --release
 # rdma-core's own test suite (python3-pyverbs) on the device, vendor and
 # rdma_cm modules left out: per-module counts; any failure or error, or fewer
 # passes than softverbs reached (docs/softverbs.md), fails CI.
+# Its huge-page tests need a few free 2 MiB pages: reserve 8 for the run
+# when the host has fewer free (restored by cleanup); where that is not
+# allowed they skip, and 3 fewer passes are required.
+suite_min=119
+hp_free=$(awk '/^HugePages_Free:/ {print $2}' /proc/meminfo 2>/dev/null || echo 0)
+if [[ ${hp_free:-0} -lt 3 ]] && HP_OLD=$(cat /proc/sys/vm/nr_hugepages 2>/dev/null) \
+    && echo $((HP_OLD + 8)) >/proc/sys/vm/nr_hugepages 2>/dev/null; then
+    hp_free=$(awk '/^HugePages_Free:/ {print $2}' /proc/meminfo)
+fi
+if [[ ${hp_free:-0} -ge 3 ]]; then suite_min=$((suite_min + 3)); fi
 timeout 600 "$RUN" /usr/bin/python3 crates/softverbs/tests/rdma_core_suite.py \
-    --dev softverbs0 --work "$LOGS/rdma-core-suite" --min-pass 113
+    --dev softverbs0 --work "$LOGS/rdma-core-suite" --min-pass "$suite_min"
+restore_hugepages
 # cqd on real verbs (crates/cqd-verbs): its tests need the device, so they
 # run here, under the launcher (outside it they print SKIPPED).
 timeout 600 "$RUN" cargo test -p cqd-verbs --release

@@ -387,7 +387,7 @@ mod tests {
         assert_eq!(offset_of!(CtxHeader, dead), 16);
         assert_eq!(offset_of!(CtxHeader, async_ino), 24);
         assert_eq!(size_of::<CtxHeader>(), 64);
-        assert_eq!(CTX_BYTES, 64 + MR_SLOTS * 32);
+        assert_eq!(CTX_BYTES, 64 + MR_SLOTS * 48);
     }
 
     #[test]
@@ -418,6 +418,15 @@ mod tests {
     #[test]
     fn sizes() {
         assert_eq!(size_of::<MrSlot>(), 48);
+        assert_eq!(std::mem::offset_of!(MrSlot, iova), 32);
+        assert_eq!(std::mem::offset_of!(MrSlot, parent), 40);
+        // Keys: the slot in bits 8..20, the consumer's byte below it.
+        for (i, tag) in [(1u32, 1u32), (4095, 0xf_ffff), (77, 0x1234)] {
+            let k = make_key(i, tag);
+            assert_ne!(k, 0);
+            assert_eq!(key_index(k), i as usize);
+            assert_eq!(key_index((k & !0xff) | (k.wrapping_add(1) & 0xff)), i as usize);
+        }
         assert_eq!(size_of::<Cqe>(), 48);
         assert_eq!(size_of::<Sge>(), 16);
         assert_eq!(size_of::<RecvWqe>(), 16 + 16 * MAX_SGE);
