@@ -44,6 +44,8 @@ pub mod opcode {
     pub const BIND_MW: u32 = 5;
     /// `IBV_WC_LOCAL_INV`.
     pub const LOCAL_INV: u32 = 6;
+    /// `IBV_WC_ATOMIC_WRITE`.
+    pub const ATOMIC_WRITE: u32 = 9;
     /// `IBV_WC_RECV`.
     pub const RECV: u32 = 128;
     /// `IBV_WC_RECV_RDMA_WITH_IMM`.
@@ -80,6 +82,9 @@ pub mod wr {
     pub const BIND_MW: u32 = 8;
     /// `IBV_WR_SEND_WITH_INV`.
     pub const SEND_WITH_INV: u32 = 9;
+    /// `IBV_WR_ATOMIC_WRITE`: 8 bytes from the gather list stored at
+    /// `wr.rdma.remote_addr` at once (RC only).
+    pub const ATOMIC_WRITE: u32 = 15;
 
     /// Whether the opcode is a remote atomic (RC only).
     pub fn is_atomic(op: u32) -> bool {
@@ -124,6 +129,7 @@ pub fn send_wc_opcode(wr_opcode: u32) -> Option<u32> {
         wr::SEND | wr::SEND_WITH_IMM | wr::SEND_WITH_INV => Some(opcode::SEND),
         wr::BIND_MW => Some(opcode::BIND_MW),
         wr::LOCAL_INV => Some(opcode::LOCAL_INV),
+        wr::ATOMIC_WRITE => Some(opcode::ATOMIC_WRITE),
         wr::RDMA_WRITE | wr::RDMA_WRITE_WITH_IMM => Some(opcode::RDMA_WRITE),
         wr::RDMA_READ => Some(opcode::RDMA_READ),
         wr::ATOMIC_CMP_AND_SWP => Some(opcode::COMP_SWAP),
@@ -156,6 +162,7 @@ mod tests {
         assert_eq!(send_wc_opcode(wr::BIND_MW), Some(opcode::BIND_MW));
         assert_eq!(send_wc_opcode(wr::SEND_WITH_INV), Some(opcode::SEND));
         assert_eq!(send_wc_opcode(10), None, "TSO");
+        assert_eq!(send_wc_opcode(wr::ATOMIC_WRITE), Some(opcode::ATOMIC_WRITE));
         assert!(send_completes(false, WcStatus::RemAccessErr));
         assert!(!send_completes(false, WcStatus::Success));
     }

@@ -53,10 +53,12 @@ pub mod ops {
     pub const BIND_MW: u64 = 1 << 8;
     /// `IBV_QP_EX_WITH_SEND_WITH_INV`.
     pub const SEND_WITH_INV: u64 = 1 << 9;
+    /// `IBV_QP_EX_WITH_ATOMIC_WRITE`.
+    pub const ATOMIC_WRITE: u64 = 1 << 12;
 
     /// The operations a QP of `t` can be created for: those
-    /// `ibv_post_send(3)` allows on the transport. TSO (raw packet QPs
-    /// only) and atomic write are refused with EOPNOTSUPP.
+    /// `ibv_post_send(3)` allows on the transport (atomic write: RC). TSO
+    /// (raw packet QPs only) is refused with EOPNOTSUPP.
     pub fn supported(t: super::QpType) -> u64 {
         let connected = RDMA_WRITE
             | RDMA_WRITE_WITH_IMM
@@ -66,7 +68,9 @@ pub mod ops {
             | BIND_MW
             | SEND_WITH_INV;
         match t {
-            super::QpType::Rc => connected | RDMA_READ | ATOMIC_CMP_AND_SWP | ATOMIC_FETCH_AND_ADD,
+            super::QpType::Rc => {
+                connected | RDMA_READ | ATOMIC_CMP_AND_SWP | ATOMIC_FETCH_AND_ADD | ATOMIC_WRITE
+            }
             super::QpType::Uc => connected,
             super::QpType::Ud => SEND | SEND_WITH_IMM,
         }
@@ -86,6 +90,7 @@ pub mod ops {
             wr::LOCAL_INV => LOCAL_INV,
             wr::BIND_MW => BIND_MW,
             wr::SEND_WITH_INV => SEND_WITH_INV,
+            wr::ATOMIC_WRITE => ATOMIC_WRITE,
             _ => 0,
         }
     }
@@ -584,12 +589,33 @@ unsafe extern "C" fn wr_send_tso(x: *mut ibv::ibv_qp_ex, _hdr: *mut c_void, _sz:
     unsafe { unsupported(x) }
 }
 
+/// `wr_atomic_write`: the 8 bytes at `data` are copied now (as inline
+/// data of the work request) and stored at the remote address at once.
 unsafe extern "C" fn wr_atomic_write(
     x: *mut ibv::ibv_qp_ex,
-    _rkey: u32,
-    _addr: u64,
-    _data: *const c_void,
+    rkey: u32,
+    addr: u64,
+    data: *const c_void,
 ) {
     // SAFETY: as wr_start.
-    unsafe { unsupported(x) }
+    unsafe {
+        begin(x, wr::ATOMIC_WRITE, |w| {
+            w.wr.rdma.rkey = rkey;
+            w.wr.rdma.remote_addr = addr;
+        });
+        if data.is_null() {
+            let (_, mut b) = batch(x);
+            b.fail(libc::EINVAL);
+            return;
+        }
+        // The value is the operation's own data, not subject to the QP's
+        // inline limit.
+        let value = std::ptr::read_unaligned(data.cast::<[u8; 8]>());
+        set(x, |_, w| {
+            w.inline = value.to_vec();
+            w.sges.clear();
+            w.wr.send_flags |= send_flags::INLINE;
+            Ok(())
+        });
+    }
 }

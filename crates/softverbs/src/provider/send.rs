@@ -627,8 +627,52 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
             Outcome::Done(WcStatus::Success, len as u32)
         }
         wr::ATOMIC_CMP_AND_SWP | wr::ATOMIC_FETCH_AND_ADD => atomic(r, w, local, len),
+        wr::ATOMIC_WRITE => atomic_write(r, w, local, len),
         _ => Outcome::Done(WcStatus::LocQpOpErr, 0),
     }
+}
+
+/// An atomic write (model::atomic): exactly 8 bytes (else the request is
+/// invalid), remote write access on the region and the QP, 8-byte
+/// alignment, then the store under the word's machine-wide lock, so that
+/// no other atomic sees half of it.
+fn atomic_write(r: &Remote, w: &Wr, local: &[Span], len: u64) -> Outcome {
+    use crate::model::atomic::{aligned, AtomicOp, ATOMIC_LEN};
+    if len != u64::from(ATOMIC_LEN) {
+        return Outcome::Done(WcStatus::LocLenErr, 0);
+    }
+    let mut value = 0u64;
+    let here = [Span {
+        addr: std::ptr::addr_of_mut!(value) as u64,
+        len: 8,
+    }];
+    // SAFETY: `local` was validated against our MR table (or is inline
+    // data owned by the WR); `here` is the local variable.
+    if !unsafe { read_from(super::xfer::my_pid(), &here, local) } {
+        return Outcome::Done(WcStatus::LocProtErr, 0);
+    }
+    let rh = r.hdr();
+    let target = if rh.access.load(Ordering::Acquire) & access::REMOTE_WRITE != 0 {
+        remote_ok(r, rh.pd, w, len, access::REMOTE_WRITE)
+    } else {
+        None
+    };
+    let Some(target) = target else {
+        return responder_failed(r, WcStatus::RemAccessErr);
+    };
+    if !aligned(w.remote_addr) || !aligned(target) {
+        return responder_failed(r, WcStatus::RemInvReqErr);
+    }
+    // SAFETY: the word lies in a region the responder registered with
+    // REMOTE_WRITE (checked above) and is aligned; in another process the
+    // kernel checks the range again.
+    if unsafe { super::xfer::atomic_rmw(rh.pid, target, AtomicOp::Write { value }) }.is_none() {
+        if r.owner_gone() {
+            return Outcome::NoAnswer;
+        }
+        return responder_failed(r, WcStatus::RemAccessErr);
+    }
+    Outcome::Done(WcStatus::Success, ATOMIC_LEN)
 }
 
 /// The responder part of a remote atomic (model::atomic): access checks,

@@ -425,7 +425,10 @@ mod tests {
             let k = make_key(i, tag);
             assert_ne!(k, 0);
             assert_eq!(key_index(k), i as usize);
-            assert_eq!(key_index((k & !0xff) | (k.wrapping_add(1) & 0xff)), i as usize);
+            assert_eq!(
+                key_index((k & !0xff) | (k.wrapping_add(1) & 0xff)),
+                i as usize
+            );
         }
         assert_eq!(size_of::<Cqe>(), 48);
         assert_eq!(size_of::<Sge>(), 16);
