@@ -374,6 +374,13 @@ pub unsafe extern "C" fn query_device_ex(
         // SAFETY: as above, the caller's structure covers odp_caps.
         unsafe { (*attr).odp_caps = odp_caps() };
     }
+    if size >= offset_of!(ibv::ibv_device_attr_ex, xrc_odp_caps) + 4 {
+        use crate::model::mr::odp;
+        // SAFETY: as above. XRC is served by the RC data path.
+        unsafe {
+            (*attr).xrc_odp_caps = odp::SEND | odp::WRITE | odp::READ | odp::ATOMIC | odp::SRQ_RECV
+        };
+    }
     0
 }
 
@@ -381,7 +388,7 @@ pub unsafe extern "C" fn query_device_ex(
 /// access goes through the owner's page tables at the time it happens
 /// (`memcpy` or `process_vm_readv`/`writev`) — so every region behaves as
 /// an ODP region, implicit ones included, for every operation of every
-/// transport it has.
+/// transport it has (XRC's in `xrc_odp_caps`).
 fn odp_caps() -> ibv::ibv_odp_caps {
     use crate::model::mr::odp;
     ibv::ibv_odp_caps {

@@ -21,6 +21,7 @@ pub mod remote;
 pub mod send;
 pub mod srq;
 pub mod xfer;
+pub mod xrc;
 
 use std::ffi::c_void;
 use std::mem::offset_of;
@@ -79,6 +80,10 @@ pub static CONTEXT_OPS: VerbsContextOps = VerbsContextOps {
     free_dm: Some(dm::free_dm),
     reg_dm_mr: Some(dm::reg_dm_mr),
     create_qp_ex: Some(qp_ex::create_qp_ex),
+    close_xrcd: Some(xrc::close_xrcd),
+    create_srq_ex: Some(xrc::create_srq_ex),
+    get_srq_num: Some(xrc::get_srq_num),
+    open_xrcd: Some(xrc::open_xrcd),
     rereg_mr: Some(context::rereg_mr),
     alloc_pd: Some(context::alloc_pd),
     async_event: Some(context::async_event),

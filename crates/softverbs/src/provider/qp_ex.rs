@@ -3,7 +3,7 @@
 //! (`wr_send`, `wr_rdma_write`, …) that takes `qp->wr_id` and
 //! `qp->wr_flags` as they are at that moment, setters for its data
 //! (`wr_set_sge`, `wr_set_sge_list`, `wr_set_inline_data(_list)`,
-//! `wr_set_ud_addr`), then `wr_complete` to post the whole batch or
+//! `wr_set_ud_addr`, `wr_set_xrc_srqn`), then `wr_complete` to post the whole batch or
 //! `wr_abort` to drop it.
 //!
 //! A batch is kept as ordinary send work requests and handed to
@@ -18,7 +18,7 @@ use std::ffi::c_void;
 use std::sync::MutexGuard;
 
 use super::context::inner;
-use super::qp::{create_qp, fail, sv, SvQp};
+use super::qp::{fail, make_qp, sv, SvQp};
 use crate::model::device::DEAD_ERRNO;
 use crate::model::qp::QpType;
 use crate::model::wc::{send_flags, wr};
@@ -27,6 +27,7 @@ use crate::sys::ibv;
 /// `enum ibv_qp_init_attr_mask`.
 mod mask {
     pub const PD: u32 = 1;
+    pub const XRCD: u32 = 1 << 1;
     pub const CREATE_FLAGS: u32 = 1 << 2;
     pub const SEND_OPS_FLAGS: u32 = 1 << 6;
 }
@@ -73,6 +74,17 @@ pub mod ops {
             }
             super::QpType::Uc => connected,
             super::QpType::Ud => SEND | SEND_WITH_IMM,
+            super::QpType::XrcSend => {
+                RDMA_WRITE
+                    | RDMA_WRITE_WITH_IMM
+                    | SEND
+                    | SEND_WITH_IMM
+                    | RDMA_READ
+                    | ATOMIC_CMP_AND_SWP
+                    | ATOMIC_FETCH_AND_ADD
+                    | ATOMIC_WRITE
+            }
+            super::QpType::XrcRecv => 0,
         }
     }
 
@@ -136,11 +148,13 @@ impl ExBatch {
     }
 }
 
-/// `create_qp_ex`: an RC, UC or UD QP as `create_qp` makes it, from the
-/// extended attributes; with `IBV_QP_INIT_ATTR_SEND_OPS_FLAGS` it also
-/// answers `ibv_qp_to_qp_ex` with the work-request API for those
-/// operations. XRC, raw packet, RSS and TSO attributes and creation flags
-/// are EOPNOTSUPP; no PD is EINVAL.
+/// `create_qp_ex`: an RC, UC, UD or XRC_SEND QP as `create_qp` makes it,
+/// or an XRC_RECV QP in the XRC domain `IBV_QP_INIT_ATTR_XRCD` names (no
+/// PD, no CQs: provider::xrc), from the extended attributes; with
+/// `IBV_QP_INIT_ATTR_SEND_OPS_FLAGS` it also answers `ibv_qp_to_qp_ex`
+/// with the work-request API for those operations. Raw packet, RSS and TSO
+/// attributes and creation flags are EOPNOTSUPP; no PD (no domain for
+/// XRC_RECV) is EINVAL.
 ///
 /// # Safety
 /// `ctx` is a live softverbs context; `attr` is a valid attribute block.
@@ -157,17 +171,28 @@ pub unsafe extern "C" fn create_qp_ex(
     }
     // SAFETY: caller contract.
     let a = unsafe { &mut *attr };
-    if a.comp_mask & !(mask::PD | mask::CREATE_FLAGS | mask::SEND_OPS_FLAGS) != 0
+    if a.comp_mask & !(mask::PD | mask::XRCD | mask::CREATE_FLAGS | mask::SEND_OPS_FLAGS) != 0
         || (a.comp_mask & mask::CREATE_FLAGS != 0 && a.create_flags != 0)
     {
         return fail(libc::EOPNOTSUPP);
     }
-    // SAFETY: a non-null PD given by the caller is a PD of some context.
-    if a.comp_mask & mask::PD == 0 || a.pd.is_null() || unsafe { (*a.pd).context } != ctx {
-        return fail(libc::EINVAL);
-    }
     let Some(t) = QpType::from_u32(a.qp_type) else {
         return fail(libc::EOPNOTSUPP);
+    };
+    let (pd, xrcd) = if t == QpType::XrcRecv {
+        // SAFETY: a non-null XRCD given by the caller is a live one.
+        if a.comp_mask & mask::XRCD == 0 || a.xrcd.is_null() || unsafe { (*a.xrcd).context } != ctx
+        {
+            return fail(libc::EINVAL);
+        }
+        // SAFETY: an XRCD of this context.
+        (std::ptr::null_mut(), unsafe { super::xrc::xrcd_id(a.xrcd) })
+    } else {
+        // SAFETY: a non-null PD given by the caller is a PD of some context.
+        if a.comp_mask & mask::PD == 0 || a.pd.is_null() || unsafe { (*a.pd).context } != ctx {
+            return fail(libc::EINVAL);
+        }
+        (a.pd, 0)
     };
     let send_ops = if a.comp_mask & mask::SEND_OPS_FLAGS != 0 {
         a.send_ops_flags
@@ -186,8 +211,9 @@ pub unsafe extern "C" fn create_qp_ex(
         qp_type: a.qp_type,
         sq_sig_all: a.sq_sig_all,
     };
-    // SAFETY: `a.pd` is a PD of this context (checked), `init` a valid block.
-    let qp = unsafe { create_qp(a.pd, &mut init) };
+    // SAFETY: `pd` is a PD of this context or null with a domain (checked),
+    // `init` a valid block whose CQs and SRQ the caller made on `ctx`.
+    let qp = unsafe { make_qp(ctx, pd, &mut init, xrcd) };
     if qp.is_null() {
         return qp;
     }
@@ -535,9 +561,17 @@ unsafe fn unsupported(x: *mut ibv::ibv_qp_ex) {
     b.fail(libc::EOPNOTSUPP);
 }
 
-unsafe extern "C" fn wr_set_xrc_srqn(x: *mut ibv::ibv_qp_ex, _srqn: u32) {
+unsafe extern "C" fn wr_set_xrc_srqn(x: *mut ibv::ibv_qp_ex, srqn: u32) {
     // SAFETY: as wr_start.
-    unsafe { unsupported(x) }
+    unsafe {
+        set(x, |q, w| {
+            if q.qp_type != QpType::XrcSend {
+                return Err(libc::EINVAL);
+            }
+            w.wr.qp_type.xrc.remote_srqn = srqn;
+            Ok(())
+        })
+    }
 }
 
 unsafe extern "C" fn wr_local_inv(x: *mut ibv::ibv_qp_ex, rkey: u32) {

@@ -28,6 +28,12 @@ pub struct Remote {
     rq: Ring<RecvWqe>,
     srq: Option<(Arc<Segment>, Ring<RecvWqe>)>,
     owner: Owner,
+    /// The PD its memory is checked against: the QP's, or for an XRC
+    /// target the SRQ's.
+    pd: u32,
+    /// The process whose memory the request reaches (the owner of the
+    /// regions: the QP's, or the XRC SRQ's).
+    pid: u32,
 }
 
 /// The process owning the responder, for [`Remote::owner_gone`].
@@ -127,6 +133,8 @@ impl Remote {
                 unsafe { Ring::attach(s.base().add(off), s.len() - off) }.ok_or_else(seg_err)?;
             Some((s, r))
         };
+        // SAFETY: checked above.
+        let pd = unsafe { (*h).pd };
         Ok(Self {
             qp,
             ctx,
@@ -134,7 +142,78 @@ impl Remote {
             srq,
             cq,
             owner: Owner::of(pid),
+            pd,
+            pid,
         })
+    }
+
+    /// Map the XRC target QP `qpn` with the XRC SRQ `srqn` a request names
+    /// (provider::xrc): the SRQ's receive ring, CQ, context (its regions)
+    /// and PD serve the request.
+    ///
+    /// # Errors
+    /// ENOENT when the QP does not exist (any more); EINVAL when it is not
+    /// an XRC target, when the SRQ does not exist or is not of the QP's
+    /// XRC domain; EPROTO for a malformed segment.
+    pub fn open_xrc(qpn: u32, srqn: u32) -> io::Result<Self> {
+        let qp = Segment::open(&format!("qp-{qpn}"))?;
+        let h = qp.base().cast::<QpHeader>();
+        // SAFETY: as in open: the magic is checked before anything else.
+        let (magic, qp_type, xrcd, pid) =
+            unsafe { ((*h).magic, (*h).qp_type, (*h).xrcd, (*h).pid) };
+        if magic != MAGIC {
+            return Err(seg_err());
+        }
+        let invalid = || io::Error::from_raw_os_error(libc::EINVAL);
+        if qp_type != crate::model::qp::QpType::XrcRecv as u32 || xrcd == 0 {
+            return Err(invalid());
+        }
+        let off = ring_offset::<QpHeader>();
+        // SAFETY: as in open.
+        let rq = unsafe { Ring::attach(qp.base().add(off), qp.len() - off) }.ok_or_else(seg_err)?;
+        let s = Segment::open(&format!("srq-{srqn}")).map_err(|_| invalid())?;
+        let soff = ring_offset::<SrqHeader>();
+        // SAFETY: the length is checked before the header is read.
+        if s.len() < soff || unsafe { (*s.base().cast::<SrqHeader>()).magic } != MAGIC {
+            return Err(seg_err());
+        }
+        // SAFETY: checked just above.
+        let (s_xrcd, s_ctx, s_cq, s_pd, s_pid) = unsafe {
+            let sh = &*s.base().cast::<SrqHeader>();
+            (sh.xrcd, sh.ctx, sh.cq, sh.pd, sh.pid)
+        };
+        if s_xrcd != xrcd {
+            return Err(invalid());
+        }
+        // SAFETY: as for the QP ring.
+        let ring =
+            unsafe { Ring::attach(s.base().add(soff), s.len() - soff) }.ok_or_else(seg_err)?;
+        let ctx = Segment::open(&format!("ctx-{s_ctx}"))?;
+        // SAFETY: a context segment starts with its header.
+        if ctx.len() < CTX_BYTES || unsafe { (*ctx.base().cast::<CtxHeader>()).magic } != MAGIC {
+            return Err(seg_err());
+        }
+        let cq = CqPort::attach(Segment::open(&format!("cq-{s_cq}"))?).ok_or_else(seg_err)?;
+        Ok(Self {
+            qp,
+            ctx,
+            rq,
+            srq: Some((s, ring)),
+            cq,
+            owner: Owner::of(pid),
+            pd: s_pd,
+            pid: s_pid,
+        })
+    }
+
+    /// The PD the responder's memory is checked against.
+    pub fn pd(&self) -> u32 {
+        self.pd
+    }
+
+    /// The process owning the memory a request reaches.
+    pub fn pid(&self) -> u32 {
+        self.pid
     }
 
     /// Announce a sleeper on every doorbell that rings when a request to

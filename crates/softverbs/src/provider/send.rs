@@ -66,6 +66,8 @@ pub struct Wr {
     ud: Option<UdDest>,
     /// `IBV_WR_BIND_MW`: the bind.
     bind: Option<super::mw::BindOp>,
+    /// XRC_SEND: the responder's SRQ (`qp_type.xrc.remote_srqn`).
+    srqn: u32,
     owned: Option<Vec<u8>>,
     since: Option<Instant>,
     /// Since when the responder has not answered this WR at all (the
@@ -102,6 +104,8 @@ pub struct SendSide {
     pub transport_timeout: Option<Duration>,
     /// UD: the destinations sent to so far, by QPN.
     ud_peers: HashMap<u32, Remote>,
+    /// XRC_SEND: the responder with each SRQ sent to so far, by SRQ number.
+    xrc: HashMap<u32, Remote>,
     waiting: bool,
 }
 
@@ -114,8 +118,17 @@ impl SendSide {
             pending: Pending::new(),
             transport_timeout: None,
             ud_peers: HashMap::new(),
+            xrc: HashMap::new(),
             waiting: false,
         }
+    }
+
+    /// A new destination (`IBV_QP_DEST_QPN`): forget the responders mapped
+    /// for the old one.
+    pub fn set_dest(&mut self, qpn: u32) {
+        self.dest_qpn = qpn;
+        self.remote = None;
+        self.xrc.clear();
     }
 
     /// Keep the send CQ's count of QPs with waiting WRs in step.
@@ -262,7 +275,7 @@ fn recv_cqe(
 fn responder_failed(r: &Remote, status: WcStatus) -> Outcome {
     // Only an RC responder NAKs and enters ERR; a UC one drops the message
     // (its receive, if one was consumed, reports the error).
-    if r.hdr().qp_type == QpType::Rc as u32 {
+    if QpType::from_u32(r.hdr().qp_type).is_some_and(QpType::reliable) {
         if let Some(event) = crate::model::event::responder_error(status) {
             r.fail(event);
         }
@@ -295,8 +308,10 @@ fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
     };
     let local = &local[..w.nsge];
     match q.qp_type {
-        QpType::Rc => execute_connected(q, ss, w, local, len),
+        QpType::Rc | QpType::XrcSend => execute_connected(q, ss, w, local, len),
         QpType::Ud => execute_ud(q, ss, w, local, len),
+        // Never posted to (it has no send queue: EINVAL at post).
+        QpType::XrcRecv => Outcome::Done(WcStatus::LocQpOpErr, 0),
         // UC: no ACK, no NAK, no retry. Whatever the responder could not
         // take (not ready, no receive, an access violation, a peer that
         // is gone) is dropped and the requester's completion is a success;
@@ -372,7 +387,7 @@ fn execute_ud(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u64) -> 
             s.addr
         } else if let Some(a) = check_local(
             mr_lookup(r.mrs(), s.lkey),
-            rh.pd,
+            r.pd(),
             rh.qpn,
             s.addr,
             u64::from(s.length),
@@ -404,7 +419,7 @@ fn execute_ud(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u64) -> 
     src[1..=local.len()].copy_from_slice(local);
     // SAFETY: `src` is the local GRH array and spans validated against
     // our MR table (or inline buffers); `dst` against the responder's.
-    if !unsafe { write_to(rh.pid, &dst[..wqe.sges().len()], &src[..=local.len()]) } {
+    if !unsafe { write_to(r.pid(), &dst[..wqe.sges().len()], &src[..=local.len()]) } {
         if !r.owner_gone() {
             cqe.status = WcStatus::LocProtErr as u32;
             r.cq.push(cqe);
@@ -417,18 +432,44 @@ fn execute_ud(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u64) -> 
 }
 
 /// An RC or UC request to the connected responder.
-fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u64) -> Outcome {
+/// The responder of a connected QP's request: the QP at `dest_qpn`, or
+/// for XRC that QP with the SRQ the request names.
+fn responder<'a>(q: &SvQp, ss: &'a mut SendSide, w: &Wr) -> Result<&'a Remote, Outcome> {
+    if q.qp_type == QpType::XrcSend {
+        if ss.xrc.len() >= UD_PEERS {
+            ss.xrc.clear();
+        }
+        if !ss.xrc.contains_key(&w.srqn) {
+            match Remote::open_xrc(ss.dest_qpn, w.srqn) {
+                Ok(r) => {
+                    ss.xrc.insert(w.srqn, r);
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    // Not an XRC target, or an SRQ outside its domain:
+                    // the target NAKs the request as invalid.
+                    return Err(Outcome::Done(WcStatus::RemInvReqErr, 0));
+                }
+                Err(_) => return Err(Outcome::NoAnswer),
+            }
+        }
+        return ss.xrc.get(&w.srqn).ok_or(Outcome::WaitPeer);
+    }
     if ss.remote.is_none() {
         match Remote::open(ss.dest_qpn) {
             Ok(r) => ss.remote = Some(r),
             // A QPN is only learnt after its QP was created, so a missing
             // segment means the responder is gone: requests to it are
             // dropped, as by hardware for an unknown QPN.
-            Err(_) => return Outcome::NoAnswer,
+            Err(_) => return Err(Outcome::NoAnswer),
         }
     }
-    let Some(r) = ss.remote.as_ref() else {
-        return Outcome::WaitPeer;
+    ss.remote.as_ref().ok_or(Outcome::WaitPeer)
+}
+
+fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u64) -> Outcome {
+    let r = match responder(q, ss, w) {
+        Ok(r) => r,
+        Err(o) => return o,
     };
     if r.dead() {
         // The responder's device died (model::device): it never answers.
@@ -450,11 +491,11 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
         return Outcome::NoAnswer;
     }
     let rh = r.hdr();
-    if rh.qp_type != q.qp_type as u32 {
+    if rh.qp_type != q.qp_type.peer() as u32 {
         // Another transport: the packets are not for it.
         return Outcome::NoAnswer;
     }
-    let pid = rh.pid;
+    let pid = r.pid();
     match w.opcode {
         wr::SEND | wr::SEND_WITH_IMM | wr::SEND_WITH_INV => {
             let Some(wqe) = r.pop_recv() else {
@@ -469,7 +510,7 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
                 } else {
                     check_local(
                         mr_lookup(mrs, s.lkey),
-                        rh.pd,
+                        r.pd(),
                         rh.qpn,
                         s.addr,
                         s.length as u64,
@@ -528,7 +569,7 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
             // type-2 window bound to its QP (model::mr::mw); any other key
             // is an invalid request.
             if w.opcode == wr::SEND_WITH_INV
-                && !super::mw::invalidate(r.mrs(), w.imm, rh.pd, rh.qpn)
+                && !super::mw::invalidate(r.mrs(), w.imm, r.pd(), rh.qpn)
             {
                 r.cq.push(recv_cqe(
                     r,
@@ -554,7 +595,7 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
         }
         wr::RDMA_WRITE | wr::RDMA_WRITE_WITH_IMM => {
             let target = if rh.access.load(Ordering::Acquire) & access::REMOTE_WRITE != 0 {
-                remote_ok(r, rh.pd, w, len, access::REMOTE_WRITE)
+                remote_ok(r, r.pd(), w, len, access::REMOTE_WRITE)
             } else {
                 None
             };
@@ -606,7 +647,7 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
         }
         wr::RDMA_READ => {
             let source = if rh.access.load(Ordering::Acquire) & access::REMOTE_READ != 0 {
-                remote_ok(r, rh.pd, w, len, access::REMOTE_READ)
+                remote_ok(r, r.pd(), w, len, access::REMOTE_READ)
             } else {
                 None
             };
@@ -653,7 +694,7 @@ fn atomic_write(r: &Remote, w: &Wr, local: &[Span], len: u64) -> Outcome {
     }
     let rh = r.hdr();
     let target = if rh.access.load(Ordering::Acquire) & access::REMOTE_WRITE != 0 {
-        remote_ok(r, rh.pd, w, len, access::REMOTE_WRITE)
+        remote_ok(r, r.pd(), w, len, access::REMOTE_WRITE)
     } else {
         None
     };
@@ -666,7 +707,7 @@ fn atomic_write(r: &Remote, w: &Wr, local: &[Span], len: u64) -> Outcome {
     // SAFETY: the word lies in a region the responder registered with
     // REMOTE_WRITE (checked above) and is aligned; in another process the
     // kernel checks the range again.
-    if unsafe { super::xfer::atomic_rmw(rh.pid, target, AtomicOp::Write { value }) }.is_none() {
+    if unsafe { super::xfer::atomic_rmw(r.pid(), target, AtomicOp::Write { value }) }.is_none() {
         if r.owner_gone() {
             return Outcome::NoAnswer;
         }
@@ -689,7 +730,7 @@ fn atomic(r: &Remote, w: &Wr, local: &[Span], local_len: u64) -> Outcome {
     let target = if rh.access.load(Ordering::Acquire) & access::REMOTE_ATOMIC != 0 {
         check(
             mr_lookup(r.mrs(), w.rkey),
-            rh.pd,
+            r.pd(),
             rh.qpn,
             w.remote_addr,
             u64::from(ATOMIC_LEN),
@@ -715,7 +756,7 @@ fn atomic(r: &Remote, w: &Wr, local: &[Span], local_len: u64) -> Outcome {
     // SAFETY: the word lies in a region the responder registered with
     // REMOTE_ATOMIC (checked just above) and is aligned; in another
     // process the kernel checks the range again.
-    let Some(old) = (unsafe { super::xfer::atomic_rmw(rh.pid, target, op) }) else {
+    let Some(old) = (unsafe { super::xfer::atomic_rmw(r.pid(), target, op) }) else {
         if r.owner_gone() {
             return Outcome::NoAnswer;
         }
@@ -930,6 +971,12 @@ pub unsafe extern "C" fn post_send(
             },
             ud,
             bind: None,
+            srqn: if q.qp_type == QpType::XrcSend {
+                // SAFETY: the xrc arm, which an XRC_SEND caller fills.
+                unsafe { x.qp_type.xrc.remote_srqn }
+            } else {
+                0
+            },
             owned: None,
             since: None,
             silent_since: None,

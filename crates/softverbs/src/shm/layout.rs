@@ -314,6 +314,8 @@ pub struct QpHeader {
     pub doorbell: Doorbell,
     /// UD: the QP's Q_Key (`IBV_QP_QKEY`), checked by senders.
     pub qkey: AtomicU32,
+    /// XRC target: the id of its XRC domain (provider::xrc).
+    pub xrcd: u32,
 }
 
 /// An SRQ's header, followed by its receive ring.
@@ -340,6 +342,10 @@ pub struct SrqHeader {
     pub srq_ptr: u64,
     /// Rung by the owner after posting receives (shm::doorbell).
     pub doorbell: Doorbell,
+    /// XRC SRQ: the id of its XRC domain (0: a basic SRQ).
+    pub xrcd: u32,
+    /// XRC SRQ: the id of its CQ, where its receives complete.
+    pub cq: u32,
 }
 
 /// Size of a segment holding header `H` then a ring of `cap` `T`s.

@@ -182,7 +182,7 @@ pub struct VerbsContextOps {
     pub bind_mw: Option<
         unsafe extern "C" fn(*mut ibv::ibv_qp, *mut ibv::ibv_mw, *mut ibv::ibv_mw_bind) -> c_int,
     >,
-    pub close_xrcd: Unused,
+    pub close_xrcd: Option<unsafe extern "C" fn(*mut ibv::ibv_xrcd) -> c_int>,
     pub cq_event: Option<unsafe extern "C" fn(*mut ibv::ibv_cq)>,
     pub create_ah:
         Option<unsafe extern "C" fn(*mut ibv::ibv_pd, *mut ibv::ibv_ah_attr) -> *mut ibv::ibv_ah>,
@@ -216,7 +216,12 @@ pub struct VerbsContextOps {
     pub create_srq: Option<
         unsafe extern "C" fn(*mut ibv::ibv_pd, *mut ibv::ibv_srq_init_attr) -> *mut ibv::ibv_srq,
     >,
-    pub create_srq_ex: Unused,
+    pub create_srq_ex: Option<
+        unsafe extern "C" fn(
+            *mut ibv::ibv_context,
+            *mut ibv::ibv_srq_init_attr_ex,
+        ) -> *mut ibv::ibv_srq,
+    >,
     pub create_wq: Unused,
     pub dealloc_mw: Option<unsafe extern "C" fn(*mut ibv::ibv_mw) -> c_int>,
     pub dealloc_pd: Option<unsafe extern "C" fn(*mut ibv::ibv_pd) -> c_int>,
@@ -234,7 +239,7 @@ pub struct VerbsContextOps {
     pub detach_mcast: Unused,
     pub free_context: Option<unsafe extern "C" fn(*mut ibv::ibv_context)>,
     pub free_dm: Option<unsafe extern "C" fn(*mut ibv::ibv_dm) -> c_int>,
-    pub get_srq_num: Unused,
+    pub get_srq_num: Option<unsafe extern "C" fn(*mut ibv::ibv_srq, *mut u32) -> c_int>,
     pub import_dm: Unused,
     pub import_mr: Unused,
     pub import_pd: Unused,
@@ -247,7 +252,12 @@ pub struct VerbsContextOps {
         Option<unsafe extern "C" fn(*mut ibv::ibv_srq, *mut ibv::ibv_srq_attr, c_int) -> c_int>,
     pub modify_wq: Unused,
     pub open_qp: Unused,
-    pub open_xrcd: Unused,
+    pub open_xrcd: Option<
+        unsafe extern "C" fn(
+            *mut ibv::ibv_context,
+            *mut ibv::ibv_xrcd_init_attr,
+        ) -> *mut ibv::ibv_xrcd,
+    >,
     pub poll_cq: Option<unsafe extern "C" fn(*mut ibv::ibv_cq, c_int, *mut ibv::ibv_wc) -> c_int>,
     pub post_recv: Option<
         unsafe extern "C" fn(
