@@ -71,6 +71,7 @@ fn xrc_recv_qp(dev: &Dev, xrcd: *mut ibv_xrcd) -> *mut ibv_qp {
     qp
 }
 
+#[allow(clippy::too_many_arguments)]
 fn xrc_send(
     qp: *mut ibv_qp,
     buf: &Buf,

@@ -1,4 +1,4 @@
-//! The queue-pair state machine (RC, UC, UD) and its flush rule.
+//! The queue-pair state machine (RC, UC, UD, XRC) and its flush rule.
 //!
 //! States and numbers are those of `enum ibv_qp_state`. A QP moved to ERR
 //! flushes both queues: every outstanding receive (not those of an SRQ) and
@@ -285,7 +285,7 @@ mod tests {
         assert_eq!(QpType::Rc.peer(), QpType::Rc);
         assert_eq!(QpType::from_u32(9), Some(QpType::XrcSend));
         assert_eq!(QpType::from_u32(4), Some(QpType::Ud));
-        assert_eq!(QpType::from_u32(9), None, "XRC");
+        assert_eq!(QpType::from_u32(8), None, "raw packet");
         assert_eq!(QpType::Ud.send_error_state(), QpState::Sqe);
     }
 

@@ -247,13 +247,12 @@ pub unsafe extern "C" fn create_cq_ex(
     }
     // A CQ may name the parent domain it belongs to (it must be one, of
     // this context); a CQ needs nothing from it here.
-    // SAFETY: a non-null parent_domain the caller passes is a live PD.
-    if a.comp_mask & MASK_PD != 0
-        && (a.parent_domain.is_null()
-            || unsafe { (*a.parent_domain).context } != ctx
-            // SAFETY: a PD of this context is one of ours.
-            || !unsafe { super::context::is_parent_domain(a.parent_domain) })
-    {
+    let pd = a.parent_domain;
+    // SAFETY: a non-null parent_domain the caller passes is a live PD, and
+    // a PD of this context is one of ours.
+    let pd_ok =
+        !pd.is_null() && unsafe { (*pd).context == ctx && super::context::is_parent_domain(pd) };
+    if a.comp_mask & MASK_PD != 0 && !pd_ok {
         set_errno(libc::EINVAL);
         return std::ptr::null_mut();
     }

@@ -172,15 +172,11 @@ pub unsafe extern "C" fn reg_dm_mr(
     if let Some(e) = dm::reg_error(s.len, offset, len as u64, access) {
         return fail_null(e);
     }
+    // SAFETY: offset + len lies inside the mapping (checked).
+    let at = unsafe { s.base.add(offset as usize) } as u64;
     let info = MrInfo {
         iova: 0,
-        // SAFETY: offset + len lies inside the mapping (checked).
-        ..MrInfo::at(
-            pdid,
-            access,
-            unsafe { s.base.add(offset as usize) } as u64,
-            len as u64,
-        )
+        ..MrInfo::at(pdid, access, at, len as u64)
     };
     s.users.fetch_add(1, Ordering::AcqRel);
     let mr = publish_mr(c, info, s);

@@ -152,14 +152,14 @@ pub unsafe fn bind_op(x: &ibv::ibv_send_wr) -> BindOp {
         mw_type: unsafe { (*b.mw).type_ },
         mw_pd: w.pd,
         rkey: b.rkey,
-        // SAFETY: a non-null region of this provider (caller contract).
         mr_key: if mr.is_null() {
             0
         } else {
+            // SAFETY: a non-null region of this provider (caller contract).
             unsafe { (*mr).lkey }
         },
         addr: b.bind_info.addr,
-        len: b.bind_info.length as u64,
+        len: b.bind_info.length,
         access: b.bind_info.mw_access_flags,
     }
 }

@@ -351,8 +351,7 @@ unsafe extern "C" fn wr_complete(x: *mut ibv::ibv_qp_ex) -> i32 {
     // Link the chain; the vectors live until post_send returns (it copies
     // what it keeps, inline data included).
     let n = wrs.len();
-    for i in 0..n {
-        let w = &mut wrs[i];
+    for w in wrs.iter_mut() {
         if w.wr.send_flags & send_flags::INLINE != 0 {
             w.sges = vec![ibv::ibv_sge {
                 addr: w.inline.as_ptr() as u64,
