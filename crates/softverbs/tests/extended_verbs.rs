@@ -698,3 +698,63 @@ fn parent_and_thread_domains_serve_as_protection_domains() {
         assert_eq!(dealloc_td(td), 0);
     }
 }
+
+#[test]
+fn resize_cq_grows_keeps_order_and_arm() {
+    needs_launcher!("resize_cq_grows_keeps_order_and_arm");
+    let dev = Dev::open();
+    let ch = dev.channel();
+    let scq = dev.cq(3, null_mut());
+    let rcq = dev.cq(2, ch);
+    let a = dev.qp(scq, scq, null_mut());
+    let b = dev.qp(rcq, rcq, null_mut());
+    connect(a, qpn(b));
+    connect(b, qpn(a));
+    let buf = Buf::new(&dev, 64, 1);
+    // Three completions wait in the send CQ (it holds 4).
+    for id in 1..=3 {
+        assert_eq!(post_send(a, &buf, 0, 8, id, send(WR_WRITE, SIGNALED)), 0);
+    }
+    let resize = |cq: *mut ibv_cq, n: i32| unsafe { ibv_resize_cq(cq, n) };
+    assert_eq!(resize(scq, 2), libc::EINVAL, "fewer than the 3 waiting");
+    assert_eq!(resize(scq, 0), libc::EINVAL);
+    assert_eq!(resize(scq, 3), 0);
+    assert!(unsafe { (*scq).cqe } >= 3);
+    assert_eq!(resize(scq, 100), 0);
+    assert!(unsafe { (*scq).cqe } >= 100);
+    for id in 4..=40 {
+        assert_eq!(post_send(a, &buf, 0, 8, id, send(WR_WRITE, SIGNALED)), 0);
+    }
+    let ids: Vec<u64> = poll(scq, 40).iter().map(|w| w.wr_id).collect();
+    assert_eq!(
+        ids,
+        (1..=40).collect::<Vec<u64>>(),
+        "in order across the rings"
+    );
+    // The receive CQ, armed, then grown: the peer's next receive
+    // completion lands in the new ring and fires the arm.
+    assert_eq!(unsafe { ibv_req_notify_cq(rcq, 0) }, 0);
+    assert_eq!(resize(rcq, 64), 0);
+    for id in 0..10 {
+        post_recv(b, &buf, 0, 64, 100 + id);
+    }
+    let s = Send {
+        imm: 5,
+        ..send(WR_SEND_IMM, SIGNALED)
+    };
+    assert_eq!(post_send(a, &buf, 0, 8, 41, s), 0);
+    assert!(readable(ch, 2000), "the arm survives the resize");
+    get_event(ch, rcq);
+    for _ in 0..9 {
+        assert_eq!(post_send(a, &buf, 0, 8, 42, send(WR_SEND, SIGNALED)), 0);
+    }
+    let r: Vec<u64> = poll(rcq, 10).iter().map(|w| w.wr_id).collect();
+    assert_eq!(r, (100..110).collect::<Vec<u64>>());
+    assert_eq!(poll(scq, 10).len(), 10);
+    unsafe {
+        assert_eq!(ibv_destroy_qp(a), 0);
+        assert_eq!(ibv_destroy_qp(b), 0);
+        assert_eq!(ibv_destroy_cq(scq), 0);
+        assert_eq!(ibv_destroy_cq(rcq), 0);
+    }
+}

@@ -85,6 +85,7 @@ pub static CONTEXT_OPS: VerbsContextOps = VerbsContextOps {
     get_srq_num: Some(xrc::get_srq_num),
     open_xrcd: Some(xrc::open_xrcd),
     rereg_mr: Some(context::rereg_mr),
+    resize_cq: Some(cq::resize_cq),
     alloc_pd: Some(context::alloc_pd),
     async_event: Some(context::async_event),
     cq_event: Some(cq::cq_event),

@@ -225,6 +225,10 @@ pub struct CqHeader {
     pub overflow: AtomicU32,
     /// Async fd of the owning context (copied for peers).
     pub async_fd: AtomicI32,
+    /// Non-zero once `ibv_resize_cq` grew the CQ into a new ring: the id of
+    /// the segment `cq-<id>` completions go to from then on
+    /// (provider::notify).
+    pub moved_to: AtomicU32,
 }
 
 /// A receive work request as stored in a receive ring.

@@ -328,7 +328,7 @@ pub struct VerbsContextOps {
             c_int,
         ) -> c_int,
     >,
-    pub resize_cq: Unused,
+    pub resize_cq: Option<unsafe extern "C" fn(*mut ibv::ibv_cq, c_int) -> c_int>,
     pub set_ece: Unused,
     pub unimport_dm: Unused,
     pub unimport_mr: Unused,
