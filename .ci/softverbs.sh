@@ -175,6 +175,10 @@ pair ib_send_bw_ud $((BASE + 26)) '^ *2048 ' ib_send_bw -c UD -s 2048 -n 10000
 qperf_pair qperf_ud_lat $((BASE + 27)) ud_lat
 qperf_pair qperf_uc_lat $((BASE + 28)) uc_lat
 qperf_pair qperf_uc_rdma_write_lat $((BASE + 29)) uc_rdma_write_lat
+# XRC (perftest opens a domain with a file, XRC SRQs, XRC_SEND/RECV QPs).
+pair ib_send_bw_xrc $((BASE + 15)) '^ *4096 ' ib_send_bw -c XRC -s 4096 -n 5000
+pair ib_write_bw_xrc $((BASE + 30)) '^ *65536 ' ib_write_bw -c XRC -s 65536 -n 5000
+pair ib_send_lat_xrc $((BASE + 31)) '^ *2 ' ib_send_lat -c XRC -n 10000
 # cqd's rc_pingpong against the unmodified ibv_rc_pingpong, each side in turn,
 # polling and with -e, data check on.
 mixed cqd_server_rc_pingpong $((BASE + 9)) "$CQD_PP" ibv_rc_pingpong -c -n 5000
