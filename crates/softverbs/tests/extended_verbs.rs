@@ -489,6 +489,12 @@ fn memory_windows_bind_grant_and_invalidate() {
     // The region itself grants no remote access, and a region with a
     // window bound cannot go.
     assert_eq!(unsafe { ibv_dereg_mr(buf.mr) }, libc::EBUSY);
+    let change_access = ibv_rereg_mr_flags::IBV_REREG_MR_CHANGE_ACCESS.0 as i32;
+    assert_ne!(
+        unsafe { ibv_rereg_mr(buf.mr, change_access, null_mut(), null_mut(), 0, ACCESS_ALL) },
+        0,
+        "a region with a window bound keeps its translation"
+    );
     write(a, k1, 40, 16, 2); // past the window's end
     assert_eq!(poll(ca, 1)[0].status, WC_REM_ACCESS);
 

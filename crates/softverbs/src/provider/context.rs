@@ -689,7 +689,7 @@ pub fn publish_mr(c: &ContextInner, info: MrInfo, dm: *const super::dm::SvDm) ->
 }
 
 /// `rereg_mr`: change a region's translation, PD and/or access in place;
-/// its keys stay the same. The slot is unpublished while it changes, so a
+/// its keys stay the same. EBUSY while a memory window is bound to it. The slot is unpublished while it changes, so a
 /// peer's access in that instant fails with a protection error instead of
 /// seeing a half-changed region (using a region during its
 /// re-registration is the application's error, `ibv_rereg_mr(3)`).
@@ -723,6 +723,13 @@ pub unsafe extern "C" fn rereg_mr(
     // A region on device memory keeps its place there (ibv_reg_dm_mr).
     if flags == 0 || flags & !rereg::ALL != 0 || !mr.dm.is_null() {
         return fail(libc::EINVAL);
+    }
+    // Windows bound to the region were bound to its old translation.
+    if c.mrs()
+        .iter()
+        .any(|s| s.parent.load(Ordering::Acquire) == mr.index && s.key.load(Ordering::Acquire) != 0)
+    {
+        return fail(libc::EBUSY);
     }
     let slot = &c.mrs()[mr.index as usize];
     let key = slot.key.load(Ordering::Acquire);

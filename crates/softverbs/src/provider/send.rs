@@ -184,10 +184,6 @@ fn check(
     .map(|m| m.translate(addr))
 }
 
-/// The responder's check of an RDMA WRITE/READ target: rkey, PD, range and
-/// access against its MR table. A zero-length transfer checks neither key
-/// nor address (InfiniBand spec, C9-88: R_Key and VA need not be valid when
-/// the DMA length is zero); the QP's remote access flags still apply.
 /// [`check`] for an lkey: a memory window is never one.
 fn check_local(
     info: Option<crate::shm::layout::MrInfo>,
@@ -200,6 +196,11 @@ fn check_local(
     check(info.filter(|m| m.parent == 0), pd, qpn, addr, len, need)
 }
 
+/// The responder's check of an RDMA WRITE/READ target: rkey, PD, range and
+/// access against its MR table; the owner's address of the target. A
+/// zero-length transfer checks neither key nor address (InfiniBand spec,
+/// C9-88: R_Key and VA need not be valid when the DMA length is zero); the
+/// QP's remote access flags still apply.
 fn remote_ok(r: &Remote, pd: u32, w: &Wr, len: u64, need: u32) -> Option<u64> {
     if len == 0 {
         return Some(w.remote_addr);
@@ -225,7 +226,7 @@ fn local_spans(q: &SvQp, w: &Wr, out: &mut [Span; MAX_SGE]) -> Option<u64> {
         let addr = if inline || s.length == 0 {
             s.addr
         } else {
-            check(
+            check_local(
                 mr_lookup(mrs, s.lkey),
                 q.pd,
                 q.qpn,
