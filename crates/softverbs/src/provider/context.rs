@@ -366,6 +366,13 @@ pub unsafe extern "C" fn query_device_ex(
         // SAFETY: `attr` is writable for `size` bytes, which cover the field.
         unsafe { (*attr).phys_port_cnt_ex = 1 };
     }
+    if size >= offset_of!(ibv::ibv_device_attr_ex, hca_core_clock) + 8 {
+        // SAFETY: as above: completion timestamps (provider::clock).
+        unsafe {
+            (*attr).completion_timestamp_mask = u64::MAX;
+            (*attr).hca_core_clock = super::clock::CORE_CLOCK_KHZ;
+        }
+    }
     if size >= offset_of!(ibv::ibv_device_attr_ex, max_dm_size) + 8 {
         // SAFETY: as above.
         unsafe { (*attr).max_dm_size = crate::model::mr::dm::MAX_SIZE };
@@ -404,6 +411,36 @@ fn odp_caps() -> ibv::ibv_odp_caps {
             ud_odp_caps: odp::SEND | odp::RECV | odp::SRQ_RECV,
         },
     }
+}
+
+/// `query_rt_values` (`ibv_query_rt_values_ex(3)`): the device clock
+/// (`IBV_VALUES_MASK_RAW_CLOCK`, its ticks in `raw_clock.tv_nsec`, as
+/// hardware providers report their cycle counter); other bits are
+/// cleared from `comp_mask`, as the man page says of what a device cannot
+/// report.
+///
+/// # Safety
+/// `ctx` is a live softverbs context; `values` is writable.
+pub unsafe extern "C" fn query_rt_values(
+    ctx: *mut ibv::ibv_context,
+    values: *mut ibv::ibv_values_ex,
+) -> c_int {
+    // SAFETY: caller contract.
+    if unsafe { inner(ctx) }.dead() {
+        return DEAD_ERRNO;
+    }
+    if values.is_null() {
+        return libc::EINVAL;
+    }
+    // SAFETY: caller contract.
+    let v = unsafe { &mut *values };
+    const RAW_CLOCK: u32 = 1;
+    v.comp_mask &= RAW_CLOCK;
+    if v.comp_mask & RAW_CLOCK != 0 {
+        v.raw_clock.tv_sec = 0;
+        v.raw_clock.tv_nsec = super::clock::device_ns() as i64;
+    }
+    0
 }
 
 /// `query_port`.

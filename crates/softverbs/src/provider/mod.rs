@@ -5,6 +5,7 @@
 
 pub mod ah;
 pub mod channel;
+pub mod clock;
 pub mod context;
 pub mod cq;
 pub mod cq_ex;
@@ -109,6 +110,7 @@ pub static CONTEXT_OPS: VerbsContextOps = VerbsContextOps {
     post_srq_recv: Some(srq::post_srq_recv),
     query_device_ex: Some(context::query_device_ex),
     query_port: Some(context::query_port),
+    query_rt_values: Some(context::query_rt_values),
     query_qp: Some(qp::query_qp),
     query_srq: Some(srq::query_srq),
     reg_mr: Some(context::reg_mr),

@@ -158,7 +158,10 @@ impl CqPort {
         }
     }
 
-    fn push_here(&self, cqe: Cqe) {
+    fn push_here(&self, mut cqe: Cqe) {
+        if cqe.ts == 0 {
+            cqe.ts = super::clock::device_ns();
+        }
         let h = self.hdr();
         if self.ring.push(cqe).is_err() {
             if h.overflow.swap(1, Ordering::AcqRel) == 0 {

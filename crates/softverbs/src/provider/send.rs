@@ -268,6 +268,7 @@ fn recv_cqe(
         solicited: (w.flags & send_flags::SOLICITED != 0) as u32,
         sl: 0,
         pkey_index: 0,
+        ts: 0,
     }
 }
 
@@ -380,6 +381,7 @@ fn execute_ud(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u64) -> 
         solicited: (w.flags & send_flags::SOLICITED != 0) as u32,
         sl: u32::from(d.ah.sl),
         pkey_index: 0,
+        ts: 0,
     };
     let mut dst = [Span::default(); MAX_SGE];
     let mut cap = 0u64;

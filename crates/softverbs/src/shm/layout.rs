@@ -203,6 +203,9 @@ pub struct Cqe {
     pub sl: u32,
     /// P_Key index (UD receives: the receiving QP's).
     pub pkey_index: u32,
+    /// The device clock when the completion was added, 0 until then
+    /// (provider::clock).
+    pub ts: u64,
 }
 
 /// A CQ's header, followed by a ring of [`Cqe`].
@@ -440,7 +443,7 @@ mod tests {
                 i as usize
             );
         }
-        assert_eq!(size_of::<Cqe>(), 48);
+        assert_eq!(size_of::<Cqe>(), 56);
         assert_eq!(size_of::<Sge>(), 16);
         assert_eq!(size_of::<RecvWqe>(), 16 + 16 * MAX_SGE);
         let m = MrInfo::at(1, 0, 100, 10);

@@ -301,7 +301,8 @@ pub struct VerbsContextOps {
         ) -> c_int,
     >,
     pub query_qp_data_in_order: Unused,
-    pub query_rt_values: Unused,
+    pub query_rt_values:
+        Option<unsafe extern "C" fn(*mut ibv::ibv_context, *mut ibv::ibv_values_ex) -> c_int>,
     pub query_srq: Option<unsafe extern "C" fn(*mut ibv::ibv_srq, *mut ibv::ibv_srq_attr) -> c_int>,
     pub read_counters: Unused,
     pub reg_dm_mr: Option<
