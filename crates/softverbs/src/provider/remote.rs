@@ -24,7 +24,11 @@ use crate::shm::Segment;
 pub struct Remote {
     pub(crate) cq: CqPort,
     qp: Arc<Segment>,
+    /// The context whose regions (and SRQ) serve requests: the QP's, or
+    /// for an XRC target the SRQ's.
     ctx: Arc<Segment>,
+    /// The QP's own context, where its events go.
+    qp_ctx: Arc<Segment>,
     rq: Ring<RecvWqe>,
     srq: Option<(Arc<Segment>, Ring<RecvWqe>)>,
     owner: Owner,
@@ -137,6 +141,7 @@ impl Remote {
         let pd = unsafe { (*h).pd };
         Ok(Self {
             qp,
+            qp_ctx: Arc::clone(&ctx),
             ctx,
             rq,
             srq,
@@ -159,8 +164,8 @@ impl Remote {
         let qp = Segment::open(&format!("qp-{qpn}"))?;
         let h = qp.base().cast::<QpHeader>();
         // SAFETY: as in open: the magic is checked before anything else.
-        let (magic, qp_type, xrcd, pid) =
-            unsafe { ((*h).magic, (*h).qp_type, (*h).xrcd, (*h).pid) };
+        let (magic, qp_type, xrcd, pid, qp_ctx_id) =
+            unsafe { ((*h).magic, (*h).qp_type, (*h).xrcd, (*h).pid, (*h).ctx) };
         if magic != MAGIC {
             return Err(seg_err());
         }
@@ -194,8 +199,16 @@ impl Remote {
             return Err(seg_err());
         }
         let cq = CqPort::attach(Segment::open(&format!("cq-{s_cq}"))?).ok_or_else(seg_err)?;
+        let qp_ctx = Segment::open(&format!("ctx-{qp_ctx_id}"))?;
+        // SAFETY: as for the SRQ's context.
+        if qp_ctx.len() < CTX_BYTES
+            || unsafe { (*qp_ctx.base().cast::<CtxHeader>()).magic } != MAGIC
+        {
+            return Err(seg_err());
+        }
         Ok(Self {
             qp,
+            qp_ctx,
             ctx,
             rq,
             srq: Some((s, ring)),
@@ -262,6 +275,7 @@ impl Remote {
     /// `dead` flag, model::device).
     pub fn dead(&self) -> bool {
         self.ctx_hdr().dead.load(Ordering::Acquire) != 0
+            || self.qp_ctx_hdr().dead.load(Ordering::Acquire) != 0
     }
 
     /// The responder's MR table.
@@ -274,6 +288,12 @@ impl Remote {
         // SAFETY: a context segment starts with its header (checked in
         // open); lives with `ctx`.
         unsafe { &*self.ctx.base().cast::<CtxHeader>() }
+    }
+
+    /// The header of the QP's own context (its events go there).
+    fn qp_ctx_hdr(&self) -> &CtxHeader {
+        // SAFETY: as ctx_hdr, for `qp_ctx`.
+        unsafe { &*self.qp_ctx.base().cast::<CtxHeader>() }
     }
 
     /// Take a receive WQE from the responder's ring or SRQ. Taking one from
@@ -340,7 +360,7 @@ impl Remote {
             h.doorbell.ring();
         }
         if let Some(ty) = event {
-            events::raise(self.ctx_hdr(), &h.events, &h.gone, h.qp_ptr, ty);
+            events::raise(self.qp_ctx_hdr(), &h.events, &h.gone, h.qp_ptr, ty);
         }
         if moved && self.srq.is_none() {
             // Pairs with the fence of the owner's post_recv: a receive it
@@ -400,7 +420,7 @@ impl Drop for Inside<'_> {
         if self.counted {
             let h = self.r.hdr();
             h.inflight.fetch_sub(1, Ordering::SeqCst);
-            events::last_wqe(self.r.ctx_hdr(), h);
+            events::last_wqe(self.r.qp_ctx_hdr(), h);
         }
     }
 }
