@@ -200,8 +200,9 @@ impl Remote {
         }
         let cq = CqPort::attach(Segment::open(&format!("cq-{s_cq}"))?).ok_or_else(seg_err)?;
         let qp_ctx = Segment::open(&format!("ctx-{qp_ctx_id}"))?;
-        // SAFETY: as for the SRQ's context.
         if qp_ctx.len() < CTX_BYTES
+            // SAFETY: the segment holds at least a context header (checked
+            // just before).
             || unsafe { (*qp_ctx.base().cast::<CtxHeader>()).magic } != MAGIC
         {
             return Err(seg_err());
