@@ -27,7 +27,7 @@ pub enum QpType {
 }
 
 impl QpType {
-    /// Decode an `ibv_qp_type`; others (XRC, raw packet...) are `None`.
+    /// Decode an `ibv_qp_type`; others (raw packet, driver...) are `None`.
     pub fn from_u32(v: u32) -> Option<Self> {
         Some(match v {
             2 => Self::Rc,

@@ -83,10 +83,10 @@ pub mod wr {
     /// `IBV_WR_SEND_WITH_INV`.
     pub const SEND_WITH_INV: u32 = 9;
     /// `IBV_WR_ATOMIC_WRITE`: 8 bytes from the gather list stored at
-    /// `wr.rdma.remote_addr` at once (RC only).
+    /// `wr.rdma.remote_addr` at once (RC and XRC).
     pub const ATOMIC_WRITE: u32 = 15;
 
-    /// Whether the opcode is a remote atomic (RC only).
+    /// Whether the opcode is a remote atomic (RC and XRC).
     pub fn is_atomic(op: u32) -> bool {
         matches!(op, ATOMIC_CMP_AND_SWP | ATOMIC_FETCH_AND_ADD)
     }

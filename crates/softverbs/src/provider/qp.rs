@@ -1,4 +1,4 @@
-//! RC queue pairs: creation, the state machine (from [`crate::model::qp`]),
+//! Queue pairs (RC, UC, UD, XRC): creation, the state machine (from [`crate::model::qp`]),
 //! queries, receive posting and the flush on error.
 
 use std::collections::VecDeque;
