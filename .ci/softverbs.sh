@@ -197,7 +197,7 @@ timeout 300 "$RUN" cargo test -p softverbs --release
 # Its huge-page tests need a few free 2 MiB pages: reserve 8 for the run
 # when the host has fewer free (restored by cleanup); where that is not
 # allowed they skip, and 3 fewer passes are required.
-suite_min=128
+suite_min=129
 hp_free=$(awk '/^HugePages_Free:/ {print $2}' /proc/meminfo 2>/dev/null || echo 0)
 if [[ ${hp_free:-0} -lt 3 ]] && HP_OLD=$(cat /proc/sys/vm/nr_hugepages 2>/dev/null) \
     && echo $((HP_OLD + 8)) >/proc/sys/vm/nr_hugepages 2>/dev/null; then

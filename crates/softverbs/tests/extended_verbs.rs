@@ -764,3 +764,57 @@ fn resize_cq_grows_keeps_order_and_arm() {
         assert_eq!(ibv_destroy_cq(rcq), 0);
     }
 }
+
+/// `struct ibv_gid_entry` (verbs.h; rdma-sys 0.3 has no binding).
+#[repr(C)]
+#[derive(Default)]
+struct GidEntry {
+    gid: [u8; 16],
+    gid_index: u32,
+    port_num: u32,
+    gid_type: u32,
+    ndev_ifindex: u32,
+}
+
+extern "C" {
+    fn _ibv_query_gid_ex(
+        ctx: *mut ibv_context,
+        port: u32,
+        index: u32,
+        entry: *mut GidEntry,
+        flags: u32,
+        entry_size: usize,
+    ) -> i32;
+    fn _ibv_query_gid_table(
+        ctx: *mut ibv_context,
+        entries: *mut GidEntry,
+        max: usize,
+        flags: u32,
+        entry_size: usize,
+    ) -> isize;
+}
+
+#[test]
+fn gid_table_has_an_empty_entry_that_reads_as_no_data() {
+    needs_launcher!("gid_table_has_an_empty_entry_that_reads_as_no_data");
+    let dev = Dev::open();
+    let mut pa: ibv_port_attr = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { ___ibv_query_port(dev.ctx, 1, &mut pa) }, 0);
+    assert_eq!(pa.gid_tbl_len, 2);
+    let sz = std::mem::size_of::<GidEntry>();
+    let mut e = GidEntry::default();
+    assert_eq!(
+        unsafe { _ibv_query_gid_ex(dev.ctx, 1, 0, &mut e, 0, sz) },
+        0
+    );
+    assert_eq!(&e.gid[..8], &[0xfe, 0x80, 0, 0, 0, 0, 0, 0]);
+    assert_eq!(e.gid_type, 0, "IBV_GID_TYPE_IB");
+    assert_eq!(
+        unsafe { _ibv_query_gid_ex(dev.ctx, 1, 1, &mut e, 0, sz) },
+        libc::ENODATA
+    );
+    let mut table: [GidEntry; 4] = Default::default();
+    let n = unsafe { _ibv_query_gid_table(dev.ctx, table.as_mut_ptr(), 4, 0, sz) };
+    assert_eq!(n, 1, "only the populated entry");
+    assert_eq!(table[0].gid_index, 0);
+}

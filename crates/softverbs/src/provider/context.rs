@@ -464,7 +464,10 @@ pub unsafe extern "C" fn query_port(
     a.state = 4; // IBV_PORT_ACTIVE
     a.max_mtu = 5; // IBV_MTU_4096
     a.active_mtu = 5;
-    a.gid_tbl_len = 1;
+    // Index 0 holds the port's GID, index 1 is empty (the launcher's
+    // sysfs tree): libibverbs answers ENODATA for it and skips it in
+    // ibv_query_gid_table, as for the unpopulated entries of real ports.
+    a.gid_tbl_len = 2;
     a.max_msg_sz = limits::MAX_MSG;
     a.pkey_tbl_len = 1;
     a.lid = 1;
