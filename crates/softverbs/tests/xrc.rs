@@ -29,12 +29,16 @@ fn errno() -> i32 {
 }
 
 fn open_xrcd(dev: &Dev, fd: i32) -> *mut ibv_xrcd {
+    open_xrcd_with(dev, fd, libc::O_CREAT)
+}
+
+fn open_xrcd_with(dev: &Dev, fd: i32, oflags: i32) -> *mut ibv_xrcd {
     let f = unsafe { (*vctx(dev.ctx)).open_xrcd.expect("open_xrcd slot") };
     let mut a = ibv_xrcd_init_attr {
         comp_mask: (ibv_xrcd_init_attr_mask::IBV_XRCD_INIT_ATTR_FD.0
             | ibv_xrcd_init_attr_mask::IBV_XRCD_INIT_ATTR_OFLAGS.0),
         fd,
-        oflags: libc::O_CREAT,
+        oflags,
     };
     unsafe { f(dev.ctx, &mut a) }
 }
@@ -128,6 +132,15 @@ fn xrc_requests_reach_the_srq_they_name_in_a_shared_domain() {
     assert_eq!(errno(), libc::EBADF);
     let private = open_xrcd(&target, -1);
     assert!(!private.is_null());
+    // The domain exists while a context holds it: O_EXCL finds it; a file
+    // nobody opened has none to join without O_CREAT.
+    let excl = libc::O_CREAT | libc::O_EXCL;
+    assert!(open_xrcd_with(&target, file.as_raw_fd(), excl).is_null());
+    assert_eq!(errno(), libc::EEXIST);
+    let path2 = std::env::temp_dir().join(format!("softverbs-xrc-test2-{}", std::process::id()));
+    let file2 = std::fs::File::create(&path2).expect("second file");
+    assert!(open_xrcd_with(&target, file2.as_raw_fd(), 0).is_null());
+    assert_eq!(errno(), libc::ENOENT);
 
     // The SRQ and its CQ in the target context; the XRC_RECV QP in the
     // other one, through its own handle on the domain.
@@ -205,7 +218,13 @@ fn xrc_requests_reach_the_srq_they_name_in_a_shared_domain() {
         assert_eq!(close(xrcd_t), 0);
         assert_eq!(close(xrcd_o), 0);
         assert_eq!(close(private), 0);
+        // Nobody holds the domain any more: O_EXCL creates it anew.
+        let again = open_xrcd_with(&target, file.as_raw_fd(), excl);
+        assert!(!again.is_null(), "errno {}", errno());
+        assert_eq!(close(again), 0);
     }
     drop(file);
+    drop(file2);
     let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_file(&path2);
 }

@@ -5,18 +5,20 @@
 //!
 //! An XRC domain is an id: private (`fd` -1) or the same for every
 //! context, in any process, that opens it with the same file (its device
-//! and inode name it). An XRC SRQ belongs to a domain and has its own CQ;
+//! and inode name it; a registry entry in the fabric counts its holders). An XRC SRQ belongs to a domain and has its own CQ;
 //! an XRC_RECV QP belongs to a domain and has no queues: an XRC_SEND
 //! requester names the SRQ (`remote_srqn`) each request goes to, which
 //! must belong to the target QP's domain.
 
 use std::ffi::c_int;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 
 use super::context::inner;
 use super::qp::fail;
 use super::srq::{make_srq, SvSrq};
 use crate::shm::segment::IdKind;
-use crate::shm::Ids;
+use crate::shm::{Ids, Segment};
 use crate::sys::ibv;
 
 /// `struct verbs_xrcd` with the domain's id.
@@ -30,6 +32,47 @@ pub struct SvXrcd {
     pub handle: u32,
     /// The domain's id (SRQ and QP headers carry it).
     pub id: u32,
+    /// A file-named domain's entry in the fabric's registry.
+    entry: Option<Arc<Segment>>,
+}
+
+/// The registry entry of the file-named domain `id`: segment
+/// `xrcd-<id>`, whose first word counts the contexts holding the domain,
+/// in any process. It exists while one does (the last close removes it),
+/// which is what `O_CREAT`/`O_EXCL` and their absence ask about; a
+/// process that dies holding the domain leaves its count in (the entry
+/// then lasts until the fabric directory is cleared: the domain id never
+/// changes for a file, so traffic is not affected).
+fn entry_name(id: u32) -> String {
+    format!("xrcd-{id:08x}")
+}
+
+/// Open (or create) the registry entry of `id` as `oflags` ask and count
+/// this context in; an errno when `O_EXCL` finds it or no `O_CREAT` misses it.
+fn enter_registry(id: u32, oflags: i32) -> Result<Arc<Segment>, i32> {
+    let name = entry_name(id);
+    let path = crate::shm::segment::dir().join(&name);
+    if oflags & libc::O_CREAT != 0 && oflags & libc::O_EXCL != 0 {
+        std::fs::create_dir_all(crate::shm::segment::dir())
+            .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+    } else if oflags & libc::O_CREAT == 0 && !path.exists() {
+        return Err(libc::ENOENT);
+    }
+    let seg = crate::shm::segment::open_shared(&name, 64)
+        .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+    refs(&seg).fetch_add(1, Ordering::AcqRel);
+    Ok(seg)
+}
+
+fn refs(seg: &Segment) -> &AtomicU32 {
+    // SAFETY: the segment is 64 bytes, zero-initialised by its creator,
+    // and its first word is only accessed atomically, by every process.
+    unsafe { &*seg.base().cast::<AtomicU32>() }
 }
 
 impl std::fmt::Debug for SvXrcd {
@@ -56,9 +99,10 @@ pub fn file_domain_id(dev: u64, ino: u64) -> u32 {
 
 /// `open_xrcd` (`ibv_open_xrcd(3)`): both attributes are required; `oflags`
 /// may hold `O_CREAT` and `O_EXCL` only, and `fd` -1 (a private domain)
-/// needs `O_CREAT` (EINVAL otherwise); a bad `fd` is EBADF. Every file
-/// names a domain: opening without `O_CREAT` finds it, and `O_EXCL` is not
-/// enforced (the device keeps no registry of domains in use).
+/// needs `O_CREAT` (EINVAL otherwise); a bad `fd` is EBADF. For a file,
+/// `O_CREAT` creates the domain when no context holds one for it,
+/// `O_CREAT | O_EXCL` fails with EEXIST when one does, and without
+/// `O_CREAT` opening a domain nobody holds is ENOENT.
 ///
 /// # Safety
 /// `ctx` is a live softverbs context; `attr` is valid.
@@ -81,14 +125,14 @@ pub unsafe extern "C" fn open_xrcd(
     {
         return fail(libc::EINVAL);
     }
-    let id = if a.fd == -1 {
+    let (id, entry) = if a.fd == -1 {
         if a.oflags & libc::O_CREAT == 0 {
             return fail(libc::EINVAL);
         }
         let Ok(ids) = Ids::get() else {
             return fail(libc::EIO);
         };
-        (ids.next(IdKind::Srq) & 0x7fff_ffff).max(1)
+        ((ids.next(IdKind::Srq) & 0x7fff_ffff).max(1), None)
     } else {
         // SAFETY: an all-zero stat is valid; fstat fills it or fails.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
@@ -96,13 +140,18 @@ pub unsafe extern "C" fn open_xrcd(
         if unsafe { libc::fstat(a.fd, &mut st) } != 0 {
             return fail(libc::EBADF);
         }
-        file_domain_id(st.st_dev, st.st_ino)
+        let id = file_domain_id(st.st_dev, st.st_ino);
+        match enter_registry(id, a.oflags) {
+            Ok(seg) => (id, Some(seg)),
+            Err(e) => return fail(e),
+        }
     };
     let x = Box::new(SvXrcd {
         xrcd: ibv::ibv_xrcd { context: ctx },
         comp_mask: 0,
         handle: id,
         id,
+        entry,
     });
     Box::into_raw(x).cast()
 }
@@ -113,7 +162,12 @@ pub unsafe extern "C" fn open_xrcd(
 /// `x` was made by [`open_xrcd`]; not used afterwards.
 pub unsafe extern "C" fn close_xrcd(x: *mut ibv::ibv_xrcd) -> c_int {
     // SAFETY: caller contract: the box of open_xrcd, last use.
-    drop(unsafe { Box::from_raw(x.cast::<SvXrcd>()) });
+    let x = unsafe { Box::from_raw(x.cast::<SvXrcd>()) };
+    if let Some(seg) = &x.entry {
+        if refs(seg).fetch_sub(1, Ordering::AcqRel) == 1 {
+            let _ = std::fs::remove_file(crate::shm::segment::dir().join(entry_name(x.id)));
+        }
+    }
     0
 }
 
