@@ -257,3 +257,71 @@ fn concurrent_fetch_adds_from_many_qps_lose_nothing() {
     let expect: Vec<u64> = (0..THREADS as u64 * EACH).collect();
     assert!(all == expect, "every original value seen exactly once");
 }
+
+/// A requester QP connected to a new responder QP (granting `b_access`)
+/// on `dev`; the requester's CQ and QP.
+fn requester(dev: &Dev, b_access: i32) -> (*mut ibv_cq, *mut ibv_qp) {
+    let cq_a = dev.cq(16, null_mut());
+    let cq_b = dev.cq(16, null_mut());
+    let a = dev.qp(cq_a, cq_a, null_mut());
+    let b = dev.qp(cq_b, cq_b, null_mut());
+    connect_full(a, qpn(b), 14, 7, ACCESS_ATOMIC);
+    connect_full(b, qpn(a), 14, 7, b_access);
+    (cq_a, a)
+}
+
+#[test]
+fn atomic_write_stores_eight_bytes_with_remote_write_access() {
+    needs_launcher!("atomic_write_stores_eight_bytes_with_remote_write_access");
+    let dev = Dev::open();
+    let target = Buf::new(&dev, 64, 0);
+    let local = Buf::new(&dev, 64, 0);
+    let ro = Buf::with_access(
+        &dev,
+        64,
+        0,
+        (ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 | ibv_access_flags::IBV_ACCESS_REMOTE_READ.0)
+            as i32,
+    );
+    unsafe { std::ptr::write_volatile(local.data.as_ptr() as *mut u64, 0x0102_0304_0506_0708) };
+    let aw = ibv_wr_opcode::IBV_WR_ATOMIC_WRITE;
+    let at = |qp, buf: &Buf, off: u64, len: u32, id| {
+        let s = Send {
+            remote_addr: buf.addr() + off,
+            rkey: buf.rkey(),
+            ..send(aw, SIGNALED)
+        };
+        post_send(qp, &local, 0, len, id, s)
+    };
+    let (cq, a) = requester(&dev, ACCESS_ALL);
+    assert_eq!(at(a, &target, 16, 8, 1), 0);
+    let w = poll(cq, 1);
+    assert_eq!(
+        (w[0].status, w[0].opcode, w[0].byte_len),
+        (WC_SUCCESS, ibv_wc_opcode::IBV_WC_ATOMIC_WRITE, 8)
+    );
+    assert_eq!(word(&target, 16), 0x0102_0304_0506_0708);
+    // Not 8 bytes: a local length error, nothing stored.
+    assert_eq!(at(a, &target, 24, 4, 2), 0);
+    assert_eq!(poll(cq, 1)[0].status, ibv_wc_status::IBV_WC_LOC_LEN_ERR);
+    assert_eq!(word(&target, 24), 0);
+    // Misaligned: an invalid request at the responder.
+    let (cq, a) = requester(&dev, ACCESS_ALL);
+    assert_eq!(at(a, &target, 4, 8, 3), 0);
+    assert_eq!(poll(cq, 1)[0].status, ibv_wc_status::IBV_WC_REM_INV_REQ_ERR);
+    // A region without remote write, or a QP without it: access error.
+    let (cq, a) = requester(&dev, ACCESS_ALL);
+    assert_eq!(at(a, &ro, 0, 8, 4), 0);
+    assert_eq!(poll(cq, 1)[0].status, WC_REM_ACCESS);
+    assert_eq!(word(&ro, 0), 0);
+    let read_only_qp = ibv_access_flags::IBV_ACCESS_REMOTE_READ.0 as i32;
+    let (cq, a) = requester(&dev, read_only_qp);
+    assert_eq!(at(a, &target, 32, 8, 5), 0);
+    assert_eq!(poll(cq, 1)[0].status, WC_REM_ACCESS);
+    assert_eq!(word(&target, 32), 0);
+    // UC has no atomic write.
+    let cq = dev.cq(4, null_mut());
+    let uc = dev.qp_of(ibv_qp_type::IBV_QPT_UC, cq, cq, null_mut());
+    uc_connect(uc, qpn(uc));
+    assert_eq!(at(uc, &target, 0, 8, 6), libc::EINVAL);
+}

@@ -744,3 +744,197 @@ fn ud_peer(mut ch: Chan) {
     unsafe { ibv_destroy_ah(ah) };
     ch.send("1");
 }
+
+/// A peer process keeps completing into a CQ its owner grew with
+/// `ibv_resize_cq`: it follows the chain to the new ring, and the owner
+/// polls everything in order.
+#[test]
+fn cross_process_peer_follows_a_resized_cq() {
+    if let Some(mut ch) = child_chan() {
+        let dev = Dev::open();
+        let cq = dev.cq(16, null_mut());
+        let qp = dev.qp(cq, cq, null_mut());
+        let peer = ch.recv()[0] as u32;
+        ch.send(&format!("{}", qpn(qp)));
+        connect(qp, peer);
+        let src = Buf::new(&dev, 64, 9);
+        for round in 0..2u64 {
+            let _go = ch.recv();
+            let (from, to) = if round == 0 { (0, 2) } else { (2, 32) };
+            for id in from..to {
+                assert_eq!(post_send(qp, &src, 0, 8, id, send(WR_SEND, SIGNALED)), 0);
+                assert_eq!(poll(cq, 1)[0].status, WC_SUCCESS);
+            }
+            ch.send("1");
+        }
+        return;
+    }
+    if !launcher_or_skip("cross_process_peer_follows_a_resized_cq") {
+        return;
+    }
+    let (mut child, mut ch) = spawn("cross_process_peer_follows_a_resized_cq");
+    let dev = Dev::open();
+    let scq = dev.cq(4, null_mut());
+    let rcq = dev.cq(2, null_mut());
+    let qp = dev.qp(scq, rcq, null_mut());
+    ch.send(&format!("{}", qpn(qp)));
+    let peer = ch.recv()[0] as u32;
+    connect(qp, peer);
+    let buf = Buf::new(&dev, 64, 0);
+    for id in 0..32 {
+        post_recv(qp, &buf, 0, 64, id);
+    }
+    // The child maps the CQ as it is (two entries), and fills it.
+    ch.send("go");
+    assert_eq!(ch.recv(), vec![1]);
+    assert_eq!(
+        unsafe { ibv_resize_cq(rcq, 1) },
+        libc::EINVAL,
+        "two waiting"
+    );
+    assert_eq!(unsafe { ibv_resize_cq(rcq, 64) }, 0);
+    ch.send("go");
+    assert_eq!(ch.recv(), vec![1]);
+    let ids: Vec<u64> = poll(rcq, 32).iter().map(|w| w.wr_id).collect();
+    assert_eq!(ids, (0..32).collect::<Vec<u64>>());
+    assert!(child.wait().expect("wait").success(), "peer process failed");
+}
+
+/// XRC across processes: the domain is named by a file both processes
+/// open; the XRC SRQ (and its regions) in one, the XRC_RECV QP in the
+/// other, the requester beside the SRQ.
+#[test]
+fn cross_process_xrc_domain_shared_by_file() {
+    if let Some(mut ch) = child_chan() {
+        // The parent named the file after itself.
+        let file =
+            std::fs::File::open(xrc_file(unsafe { libc::getppid() } as u32)).expect("domain file");
+        let dev = Dev::open();
+        let xrcd = open_xrcd(&dev, file.as_raw_fd());
+        assert!(!xrcd.is_null());
+        let recv = xrc_recv_qp(&dev, xrcd);
+        let sender = ch.recv()[0] as u32;
+        ch.send(&format!("{}", qpn(recv)));
+        connect(recv, sender);
+        ch.send("up");
+        let _done = ch.recv();
+        assert_eq!(unsafe { ibv_destroy_qp(recv) }, 0);
+        return;
+    }
+    if !launcher_or_skip("cross_process_xrc_domain_shared_by_file") {
+        return;
+    }
+    let path = xrc_file(std::process::id());
+    let file = std::fs::File::create(&path).expect("domain file");
+    let (mut child, mut ch) = spawn("cross_process_xrc_domain_shared_by_file");
+    let dev = Dev::open();
+    let xrcd = open_xrcd(&dev, file.as_raw_fd());
+    assert!(!xrcd.is_null());
+    let srq_cq = dev.cq(16, null_mut());
+    let (srq, srqn) = xrc_srq(&dev, xrcd, srq_cq);
+    let send_cq = dev.cq(16, null_mut());
+    let sender = dev.qp_of(
+        ibv_qp_type::IBV_QPT_XRC_SEND,
+        send_cq,
+        null_mut(),
+        null_mut(),
+    );
+    ch.send(&format!("{}", qpn(sender)));
+    let recv = ch.recv()[0] as u32;
+    connect(sender, recv);
+    let _up = ch.recv();
+    let src = Buf::new(&dev, 16, 0x77);
+    let dst = Buf::new(&dev, 16, 0);
+    post_srq_recv(srq, &dst, 0, 16, 5);
+    let mut sge = ibv_sge {
+        addr: src.addr(),
+        length: 16,
+        lkey: src.lkey(),
+    };
+    let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+    wr.wr_id = 1;
+    wr.sg_list = &mut sge;
+    wr.num_sge = 1;
+    wr.opcode = WR_SEND;
+    wr.send_flags = SIGNALED;
+    wr.qp_type.xrc.remote_srqn = srqn;
+    let mut bad = null_mut();
+    assert_eq!(unsafe { ibv_post_send(sender, &mut wr, &mut bad) }, 0);
+    assert_eq!(poll(send_cq, 1)[0].status, WC_SUCCESS);
+    let r = poll(srq_cq, 1);
+    assert_eq!(
+        (r[0].wr_id, r[0].status, r[0].qp_num),
+        (5, WC_SUCCESS, recv)
+    );
+    assert_eq!(&dst.data[..], &[0x77; 16]);
+    ch.send("done");
+    assert!(
+        child.wait().expect("wait").success(),
+        "target process failed"
+    );
+    drop(file);
+    let _ = std::fs::remove_file(&path);
+}
+
+/// The file naming the XRC domain of the test run by process `pid`.
+fn xrc_file(pid: u32) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("softverbs-xrc-cp-{pid}"))
+}
+
+fn xrc_vctx(ctx: *mut ibv_context) -> *mut verbs_context {
+    unsafe {
+        let off = std::mem::offset_of!(verbs_context, context);
+        ctx.cast::<u8>().sub(off).cast::<verbs_context>()
+    }
+}
+
+fn open_xrcd(dev: &Dev, fd: i32) -> *mut ibv_xrcd {
+    let f = unsafe { (*xrc_vctx(dev.ctx)).open_xrcd.expect("open_xrcd slot") };
+    let mut a = ibv_xrcd_init_attr {
+        comp_mask: (ibv_xrcd_init_attr_mask::IBV_XRCD_INIT_ATTR_FD.0
+            | ibv_xrcd_init_attr_mask::IBV_XRCD_INIT_ATTR_OFLAGS.0),
+        fd,
+        oflags: libc::O_CREAT,
+    };
+    unsafe { f(dev.ctx, &mut a) }
+}
+
+fn xrc_srq(dev: &Dev, xrcd: *mut ibv_xrcd, cq: *mut ibv_cq) -> (*mut ibv_srq, u32) {
+    let f = unsafe {
+        (*xrc_vctx(dev.ctx))
+            .create_srq_ex
+            .expect("create_srq_ex slot")
+    };
+    let mut a: ibv_srq_init_attr_ex = unsafe { std::mem::zeroed() };
+    a.attr.max_wr = 16;
+    a.attr.max_sge = 1;
+    a.comp_mask = ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_TYPE.0
+        | ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_PD.0
+        | ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_XRCD.0
+        | ibv_srq_init_attr_mask::IBV_SRQ_INIT_ATTR_CQ.0;
+    a.srq_type = ibv_srq_type::IBV_SRQT_XRC;
+    a.pd = dev.pd;
+    a.xrcd = xrcd;
+    a.cq = cq;
+    let srq = unsafe { f(dev.ctx, &mut a) };
+    assert!(!srq.is_null());
+    let num = unsafe { (*xrc_vctx(dev.ctx)).get_srq_num.expect("get_srq_num slot") };
+    let mut n = 0;
+    assert_eq!(unsafe { num(srq, &mut n) }, 0);
+    (srq, n)
+}
+
+fn xrc_recv_qp(dev: &Dev, xrcd: *mut ibv_xrcd) -> *mut ibv_qp {
+    let f = unsafe {
+        (*xrc_vctx(dev.ctx))
+            .create_qp_ex
+            .expect("create_qp_ex slot")
+    };
+    let mut a: ibv_qp_init_attr_ex = unsafe { std::mem::zeroed() };
+    a.qp_type = ibv_qp_type::IBV_QPT_XRC_RECV;
+    a.comp_mask = ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_XRCD.0;
+    a.xrcd = xrcd;
+    let qp = unsafe { f(dev.ctx, &mut a) };
+    assert!(!qp.is_null());
+    qp
+}

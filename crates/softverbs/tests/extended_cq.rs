@@ -65,7 +65,7 @@ fn extended_cq_single_threaded() {
     // Unsupported completion fields are refused, not ignored.
     let mut bad: ibv_cq_init_attr_ex = unsafe { std::mem::zeroed() };
     bad.cqe = 4;
-    bad.wc_flags = ibv_create_cq_wc_flags::IBV_WC_EX_WITH_COMPLETION_TIMESTAMP.0 as u64;
+    bad.wc_flags = ibv_create_cq_wc_flags::IBV_WC_EX_WITH_CVLAN.0 as u64;
     let r = create_cq_ex(dev.ctx, &mut bad);
     assert!(r.is_null());
     assert_eq!(
@@ -213,4 +213,85 @@ fn extended_cq_two_pollers_see_each_completion_once() {
     assert_eq!(unsafe { ibv_destroy_qp(b) }, 0);
     assert_eq!(unsafe { ibv_destroy_cq(rcq) }, 0);
     assert_eq!(unsafe { ibv_destroy_cq(scq) }, 0);
+}
+
+fn monotonic_ns() -> u64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) };
+    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+}
+
+fn realtime_ns() -> u64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut t) };
+    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+}
+
+#[test]
+fn extended_cq_stamps_completions_with_the_device_clock() {
+    needs_launcher!("extended_cq_stamps_completions_with_the_device_clock");
+    let dev = Dev::open();
+    let mut attr: ibv_device_attr_ex = unsafe { std::mem::zeroed() };
+    assert_eq!(query_device_ex(dev.ctx, &mut attr), 0);
+    assert_eq!(attr.hca_core_clock, 1_000_000, "kHz: one tick per ns");
+    assert_eq!(attr.completion_timestamp_mask, u64::MAX);
+    let mut ca: ibv_cq_init_attr_ex = unsafe { std::mem::zeroed() };
+    ca.cqe = 8;
+    ca.wc_flags = (ibv_create_cq_wc_flags::IBV_WC_EX_WITH_COMPLETION_TIMESTAMP.0
+        | ibv_create_cq_wc_flags::IBV_WC_EX_WITH_COMPLETION_TIMESTAMP_WALLCLOCK.0)
+        as u64;
+    let cqx = create_cq_ex(dev.ctx, &mut ca);
+    assert!(!cqx.is_null());
+    let cq = unsafe { ibv_cq_ex_to_cq(cqx) };
+    let a = dev.qp(cq, cq, null_mut());
+    let b = dev.qp(cq, cq, null_mut());
+    connect(a, qpn(b));
+    connect(b, qpn(a));
+    let buf = Buf::new(&dev, 8, 0);
+    let (t0, w0) = (monotonic_ns(), realtime_ns());
+    assert_eq!(post_send(a, &buf, 0, 8, 1, send(WR_WRITE, SIGNALED)), 0);
+    let (t1, w1) = (monotonic_ns(), realtime_ns());
+    let mut pa: ibv_poll_cq_attr = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { ibv_start_poll(cqx, &mut pa) }, 0);
+    let (ts, wall) = unsafe {
+        (
+            ((*cqx).read_completion_ts.expect("read_completion_ts"))(cqx),
+            ((*cqx)
+                .read_completion_wallclock_ns
+                .expect("read_completion_wallclock_ns"))(cqx),
+        )
+    };
+    unsafe { ibv_end_poll(cqx) };
+    assert!(t0 <= ts && ts <= t1, "{t0} <= {ts} <= {t1}");
+    // Converted with the offset at read time: within a few ms of the send.
+    assert!(
+        wall + 5_000_000 >= w0 && wall <= w1 + 5_000_000,
+        "{w0} ~ {wall} ~ {w1}"
+    );
+    // ibv_query_rt_values_ex reads the same clock.
+    let v = unsafe {
+        let off = std::mem::offset_of!(verbs_context, context);
+        (*dev.ctx.cast::<u8>().sub(off).cast::<verbs_context>())
+            .query_rt_values
+            .expect("query_rt_values slot")
+    };
+    let mut values: ibv_values_ex = unsafe { std::mem::zeroed() };
+    values.comp_mask = 1 | 2; // RAW_CLOCK and an unknown bit
+    assert_eq!(unsafe { v(dev.ctx, &mut values) }, 0);
+    assert_eq!(
+        values.comp_mask, 1,
+        "what the device cannot report is cleared"
+    );
+    assert!(values.raw_clock.tv_nsec as u64 >= ts);
+    unsafe {
+        assert_eq!(ibv_destroy_qp(a), 0);
+        assert_eq!(ibv_destroy_qp(b), 0);
+        assert_eq!(ibv_destroy_cq(cq), 0);
+    }
 }

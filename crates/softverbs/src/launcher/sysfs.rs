@@ -44,6 +44,16 @@ pub fn files() -> Vec<(String, String)> {
             format!("{ib}/ports/1/gid_attrs/types/0"),
             "IB/RoCE v1".into(),
         ),
+        // A GID table of two entries with the second empty, as real ports
+        // have unpopulated entries (gid_tbl_len in query_port).
+        (
+            format!("{ib}/ports/1/gids/1"),
+            "0000:0000:0000:0000:0000:0000:0000:0000".into(),
+        ),
+        (
+            format!("{ib}/ports/1/gid_attrs/types/1"),
+            "IB/RoCE v1".into(),
+        ),
         (format!("{ib}/ports/1/pkeys/0"), "0xffff".into()),
         (format!("{ib}/ports/1/link_layer"), "InfiniBand".into()),
         (format!("{ib}/ports/1/state"), "4: ACTIVE".into()),

@@ -37,6 +37,12 @@ pub enum AtomicOp {
         /// Added.
         add: u64,
     },
+    /// Atomic write (`IBV_WR_ATOMIC_WRITE`): the word becomes `value`,
+    /// all 8 bytes at once with respect to every other atomic.
+    Write {
+        /// Stored.
+        value: u64,
+    },
 }
 
 impl AtomicOp {
@@ -46,6 +52,7 @@ impl AtomicOp {
         match self {
             Self::CmpSwap { compare, swap } => (old == compare).then_some(swap),
             Self::FetchAdd { add } => Some(old.wrapping_add(add)),
+            Self::Write { value } => Some(value),
         }
     }
 }

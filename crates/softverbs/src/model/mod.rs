@@ -11,6 +11,7 @@ pub mod atomic;
 pub mod cq;
 pub mod device;
 pub mod event;
+pub mod mr;
 pub mod qp;
 pub mod ud;
 pub mod wc;

@@ -1,4 +1,4 @@
-//! The queue-pair state machine (RC, UC, UD) and its flush rule.
+//! The queue-pair state machine (RC, UC, UD, XRC) and its flush rule.
 //!
 //! States and numbers are those of `enum ibv_qp_state`. A QP moved to ERR
 //! flushes both queues: every outstanding receive (not those of an SRQ) and
@@ -17,15 +17,24 @@ pub enum QpType {
     Uc = 3,
     /// `IBV_QPT_UD`: unreliable datagram (SEND to an address handle).
     Ud = 4,
+    /// `IBV_QPT_XRC_SEND`: the initiator of an extended reliable connection
+    /// (RC semantics; each request names the responder's SRQ).
+    XrcSend = 9,
+    /// `IBV_QPT_XRC_RECV`: the target of an extended reliable connection,
+    /// in an XRC domain; no send or receive queue of its own: requests go
+    /// to the SRQ of the domain they name.
+    XrcRecv = 10,
 }
 
 impl QpType {
-    /// Decode an `ibv_qp_type`; others (XRC, raw packet...) are `None`.
+    /// Decode an `ibv_qp_type`; others (raw packet, driver...) are `None`.
     pub fn from_u32(v: u32) -> Option<Self> {
         Some(match v {
             2 => Self::Rc,
             3 => Self::Uc,
             4 => Self::Ud,
+            9 => Self::XrcSend,
+            10 => Self::XrcRecv,
             _ => return None,
         })
     }
@@ -38,10 +47,42 @@ impl QpType {
             Self::Rc => super::wc::send_wc_opcode(op).is_some(),
             Self::Uc => matches!(
                 op,
-                wr::SEND | wr::SEND_WITH_IMM | wr::RDMA_WRITE | wr::RDMA_WRITE_WITH_IMM
+                wr::SEND
+                    | wr::SEND_WITH_IMM
+                    | wr::RDMA_WRITE
+                    | wr::RDMA_WRITE_WITH_IMM
+                    | wr::LOCAL_INV
+                    | wr::BIND_MW
+                    | wr::SEND_WITH_INV
             ),
             Self::Ud => matches!(op, wr::SEND | wr::SEND_WITH_IMM),
+            // RC's operations; windows are bound on RC/UC QPs.
+            Self::XrcSend => {
+                super::wc::send_wc_opcode(op).is_some()
+                    && !matches!(op, wr::BIND_MW | wr::LOCAL_INV | wr::SEND_WITH_INV)
+            }
+            Self::XrcRecv => false,
         }
+    }
+
+    /// The transport a responder of this QP must have.
+    pub fn peer(self) -> Self {
+        match self {
+            Self::XrcSend => Self::XrcRecv,
+            t => t,
+        }
+    }
+
+    /// Whether the responder acknowledges (RC and XRC): it NAKs what it
+    /// cannot execute and enters ERR.
+    pub fn reliable(self) -> bool {
+        matches!(self, Self::Rc | Self::XrcSend | Self::XrcRecv)
+    }
+
+    /// Whether the QP has a receive queue of its own or an SRQ of its own
+    /// (not the XRC QPs).
+    pub fn has_recv_queue(self) -> bool {
+        !matches!(self, Self::XrcSend | Self::XrcRecv)
     }
 
     /// The state a send-queue error leaves the QP in: ERR for RC (which
@@ -50,7 +91,7 @@ impl QpType {
     /// `ibv_modify_qp` to RTS resumes).
     pub fn send_error_state(self) -> QpState {
         match self {
-            Self::Rc => QpState::Err,
+            Self::Rc | Self::XrcSend | Self::XrcRecv => QpState::Err,
             Self::Uc | Self::Ud => QpState::Sqe,
         }
     }
@@ -191,7 +232,7 @@ pub fn transition_ok(from: QpState, to: QpState) -> bool {
 pub fn required_attrs(ty: QpType, from: QpState, to: QpState) -> i32 {
     use QpState::*;
     match (ty, from, to) {
-        (QpType::Rc, Init, Rtr) => ATTR_DEST_QPN,
+        (QpType::Rc | QpType::XrcSend | QpType::XrcRecv, Init, Rtr) => ATTR_DEST_QPN,
         (QpType::Ud, Reset, Init) => ATTR_PKEY_INDEX | ATTR_PORT | ATTR_QKEY,
         (QpType::Uc, Reset, Init) => ATTR_PKEY_INDEX | ATTR_PORT | ATTR_ACCESS_FLAGS,
         (QpType::Uc, Init, Rtr) => ATTR_AV | ATTR_PATH_MTU | ATTR_DEST_QPN | ATTR_RQ_PSN,
@@ -237,8 +278,14 @@ mod tests {
         assert!(!QpType::Uc.opcode_ok(wr::ATOMIC_CMP_AND_SWP));
         assert!(QpType::Ud.opcode_ok(wr::SEND_WITH_IMM));
         assert!(!QpType::Ud.opcode_ok(wr::RDMA_WRITE));
+        assert!(QpType::XrcSend.opcode_ok(wr::RDMA_READ));
+        assert!(!QpType::XrcSend.opcode_ok(wr::BIND_MW));
+        assert!(!QpType::XrcRecv.opcode_ok(wr::SEND));
+        assert_eq!(QpType::XrcSend.peer(), QpType::XrcRecv);
+        assert_eq!(QpType::Rc.peer(), QpType::Rc);
+        assert_eq!(QpType::from_u32(9), Some(QpType::XrcSend));
         assert_eq!(QpType::from_u32(4), Some(QpType::Ud));
-        assert_eq!(QpType::from_u32(9), None, "XRC");
+        assert_eq!(QpType::from_u32(8), None, "raw packet");
         assert_eq!(QpType::Ud.send_error_state(), QpState::Sqe);
     }
 

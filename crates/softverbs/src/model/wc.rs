@@ -15,6 +15,9 @@ pub enum WcStatus {
     LocProtErr = 4,
     /// `IBV_WC_WR_FLUSH_ERR`: flushed by a QP in the error state.
     WrFlushErr = 5,
+    /// `IBV_WC_MW_BIND_ERR`: a memory-window bind or invalidation
+    /// (InfiniBand's local memory-management operation error) failed.
+    MwBindErr = 6,
     /// `IBV_WC_REM_INV_REQ_ERR`: the responder rejected the request.
     RemInvReqErr = 9,
     /// `IBV_WC_REM_ACCESS_ERR`: bad rkey, range or permission at the responder.
@@ -37,6 +40,12 @@ pub mod opcode {
     pub const COMP_SWAP: u32 = 3;
     /// `IBV_WC_FETCH_ADD`.
     pub const FETCH_ADD: u32 = 4;
+    /// `IBV_WC_BIND_MW`.
+    pub const BIND_MW: u32 = 5;
+    /// `IBV_WC_LOCAL_INV`.
+    pub const LOCAL_INV: u32 = 6;
+    /// `IBV_WC_ATOMIC_WRITE`.
+    pub const ATOMIC_WRITE: u32 = 9;
     /// `IBV_WC_RECV`.
     pub const RECV: u32 = 128;
     /// `IBV_WC_RECV_RDMA_WITH_IMM`.
@@ -47,6 +56,9 @@ pub mod opcode {
 pub const WC_GRH: u32 = 1 << 0;
 /// `enum ibv_wc_flags`: `IBV_WC_WITH_IMM`.
 pub const WC_WITH_IMM: u32 = 1 << 1;
+/// `enum ibv_wc_flags`: `IBV_WC_WITH_INV` (the receive's sender
+/// invalidated `invalidated_rkey`).
+pub const WC_WITH_INV: u32 = 1 << 3;
 
 /// `enum ibv_wr_opcode` values.
 pub mod wr {
@@ -64,8 +76,17 @@ pub mod wr {
     pub const ATOMIC_CMP_AND_SWP: u32 = 5;
     /// `IBV_WR_ATOMIC_FETCH_AND_ADD`.
     pub const ATOMIC_FETCH_AND_ADD: u32 = 6;
+    /// `IBV_WR_LOCAL_INV`.
+    pub const LOCAL_INV: u32 = 7;
+    /// `IBV_WR_BIND_MW`.
+    pub const BIND_MW: u32 = 8;
+    /// `IBV_WR_SEND_WITH_INV`.
+    pub const SEND_WITH_INV: u32 = 9;
+    /// `IBV_WR_ATOMIC_WRITE`: 8 bytes from the gather list stored at
+    /// `wr.rdma.remote_addr` at once (RC and XRC).
+    pub const ATOMIC_WRITE: u32 = 15;
 
-    /// Whether the opcode is a remote atomic (RC only).
+    /// Whether the opcode is a remote atomic (RC and XRC).
     pub fn is_atomic(op: u32) -> bool {
         matches!(op, ATOMIC_CMP_AND_SWP | ATOMIC_FETCH_AND_ADD)
     }
@@ -102,10 +123,13 @@ pub mod access {
 }
 
 /// The send-side completion opcode of a work-request opcode, or `None` for an
-/// opcode this device does not support (bind, local invalidate, TSO...).
+/// opcode this device does not support (TSO, atomic write, ...).
 pub fn send_wc_opcode(wr_opcode: u32) -> Option<u32> {
     match wr_opcode {
-        wr::SEND | wr::SEND_WITH_IMM => Some(opcode::SEND),
+        wr::SEND | wr::SEND_WITH_IMM | wr::SEND_WITH_INV => Some(opcode::SEND),
+        wr::BIND_MW => Some(opcode::BIND_MW),
+        wr::LOCAL_INV => Some(opcode::LOCAL_INV),
+        wr::ATOMIC_WRITE => Some(opcode::ATOMIC_WRITE),
         wr::RDMA_WRITE | wr::RDMA_WRITE_WITH_IMM => Some(opcode::RDMA_WRITE),
         wr::RDMA_READ => Some(opcode::RDMA_READ),
         wr::ATOMIC_CMP_AND_SWP => Some(opcode::COMP_SWAP),
@@ -134,7 +158,11 @@ mod tests {
         assert_eq!(send_wc_opcode(wr::RDMA_READ), Some(opcode::RDMA_READ));
         assert_eq!(send_wc_opcode(5), Some(opcode::COMP_SWAP));
         assert_eq!(send_wc_opcode(6), Some(opcode::FETCH_ADD));
-        assert_eq!(send_wc_opcode(7), None, "LOCAL_INV");
+        assert_eq!(send_wc_opcode(wr::LOCAL_INV), Some(opcode::LOCAL_INV));
+        assert_eq!(send_wc_opcode(wr::BIND_MW), Some(opcode::BIND_MW));
+        assert_eq!(send_wc_opcode(wr::SEND_WITH_INV), Some(opcode::SEND));
+        assert_eq!(send_wc_opcode(10), None, "TSO");
+        assert_eq!(send_wc_opcode(wr::ATOMIC_WRITE), Some(opcode::ATOMIC_WRITE));
         assert!(send_completes(false, WcStatus::RemAccessErr));
         assert!(!send_completes(false, WcStatus::Success));
     }

@@ -9,9 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use super::{set_errno, CONTEXT_OPS, CTX_OFFSET};
 use crate::model::device::DEAD_ERRNO;
-use crate::shm::layout::{
-    self, CtxHeader, MrInfo, MrSlot, CTX_BYTES, MAGIC, MR_INDEX_BITS, MR_SLOTS,
-};
+use crate::shm::layout::{self, CtxHeader, MrInfo, MrSlot, CTX_BYTES, MAGIC, MR_SLOTS};
 use crate::shm::segment::IdKind;
 use crate::shm::{Ids, Segment};
 use crate::sys::abi::VerbsMr;
@@ -45,6 +43,8 @@ pub struct ContextInner {
     pub async_r: i32,
     mr: Mutex<MrAlloc>,
     next_pd: AtomicU32,
+    /// Bytes of device memory allocated (model::mr::dm).
+    pub dm_used: Mutex<u64>,
 }
 
 #[derive(Debug)]
@@ -64,6 +64,23 @@ impl ContextInner {
     /// Whether the device died for this context (model::device).
     pub fn dead(&self) -> bool {
         self.hdr().dead.load(Ordering::Acquire) != 0
+    }
+
+    /// Reserve a slot of the MR table: its index and a fresh key for it.
+    pub fn take_slot(&self) -> Option<(u32, u32)> {
+        let mut a = self.mr.lock().unwrap_or_else(|e| e.into_inner());
+        let index = a.free.pop()?;
+        a.gen = (a.gen % 0xf_ffff) + 1;
+        Some((index, layout::make_key(index, a.gen)))
+    }
+
+    /// Give a slot back (its key already cleared).
+    pub fn give_slot(&self, index: u32) {
+        self.mr
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .free
+            .push(index);
     }
 
     /// This context's MR table.
@@ -138,6 +155,7 @@ fn make_inner() -> std::io::Result<ContextInner> {
             gen: 1,
         }),
         next_pd: AtomicU32::new(1),
+        dm_used: Mutex::new(0),
     })
 }
 
@@ -321,7 +339,10 @@ pub unsafe extern "C" fn query_device_ex(
     a.hw_ver = 1;
     a.max_qp = 65536;
     a.max_qp_wr = limits::MAX_QP_WR as i32;
-    a.device_cap_flags = 1 << 12; // IBV_DEVICE_RC_RNR_NAK_GEN
+    // IBV_DEVICE_RC_RNR_NAK_GEN, IBV_DEVICE_MEM_WINDOW,
+    // IBV_DEVICE_MEM_WINDOW_TYPE_2B (model::mr::mw).
+    a.device_cap_flags = (1 << 12) | (1 << 17) | (1 << 24);
+    a.max_mw = (MR_SLOTS - 1) as i32;
     a.max_sge = layout::MAX_SGE as i32;
     a.max_sge_rd = layout::MAX_SGE as i32;
     a.max_cq = 65536;
@@ -344,6 +365,80 @@ pub unsafe extern "C" fn query_device_ex(
     if size >= offset_of!(ibv::ibv_device_attr_ex, phys_port_cnt_ex) + 4 {
         // SAFETY: `attr` is writable for `size` bytes, which cover the field.
         unsafe { (*attr).phys_port_cnt_ex = 1 };
+    }
+    if size >= offset_of!(ibv::ibv_device_attr_ex, hca_core_clock) + 8 {
+        // SAFETY: as above: completion timestamps (provider::clock).
+        unsafe {
+            (*attr).completion_timestamp_mask = u64::MAX;
+            (*attr).hca_core_clock = super::clock::CORE_CLOCK_KHZ;
+        }
+    }
+    if size >= offset_of!(ibv::ibv_device_attr_ex, max_dm_size) + 8 {
+        // SAFETY: as above.
+        unsafe { (*attr).max_dm_size = crate::model::mr::dm::MAX_SIZE };
+    }
+    if size >= offset_of!(ibv::ibv_device_attr_ex, odp_caps) + size_of::<ibv::ibv_odp_caps>() {
+        // SAFETY: as above, the caller's structure covers odp_caps.
+        unsafe { (*attr).odp_caps = odp_caps() };
+    }
+    if size >= offset_of!(ibv::ibv_device_attr_ex, xrc_odp_caps) + 4 {
+        use crate::model::mr::odp;
+        // SAFETY: as above. XRC is served by the RC data path.
+        unsafe {
+            (*attr).xrc_odp_caps = odp::SEND | odp::WRITE | odp::READ | odp::ATOMIC | odp::SRQ_RECV
+        };
+    }
+    0
+}
+
+/// On-demand paging (model::mr): the device never pins memory — every
+/// access goes through the owner's page tables at the time it happens
+/// (`memcpy` or `process_vm_readv`/`writev`) — so every region behaves as
+/// an ODP region, implicit ones included, for every operation of every
+/// transport it has (XRC's in `xrc_odp_caps`).
+fn odp_caps() -> ibv::ibv_odp_caps {
+    use crate::model::mr::odp;
+    ibv::ibv_odp_caps {
+        general_caps: odp::SUPPORT | odp::SUPPORT_IMPLICIT,
+        per_transport_caps: ibv::ibv_odp_caps__bindgen_ty_1 {
+            rc_odp_caps: odp::SEND
+                | odp::RECV
+                | odp::WRITE
+                | odp::READ
+                | odp::ATOMIC
+                | odp::SRQ_RECV,
+            uc_odp_caps: odp::SEND | odp::RECV | odp::WRITE | odp::SRQ_RECV,
+            ud_odp_caps: odp::SEND | odp::RECV | odp::SRQ_RECV,
+        },
+    }
+}
+
+/// `query_rt_values` (`ibv_query_rt_values_ex(3)`): the device clock
+/// (`IBV_VALUES_MASK_RAW_CLOCK`, its ticks in `raw_clock.tv_nsec`, as
+/// hardware providers report their cycle counter); other bits are
+/// cleared from `comp_mask`, as the man page says of what a device cannot
+/// report.
+///
+/// # Safety
+/// `ctx` is a live softverbs context; `values` is writable.
+pub unsafe extern "C" fn query_rt_values(
+    ctx: *mut ibv::ibv_context,
+    values: *mut ibv::ibv_values_ex,
+) -> c_int {
+    // SAFETY: caller contract.
+    if unsafe { inner(ctx) }.dead() {
+        return DEAD_ERRNO;
+    }
+    if values.is_null() {
+        return libc::EINVAL;
+    }
+    // SAFETY: caller contract.
+    let v = unsafe { &mut *values };
+    const RAW_CLOCK: u32 = 1;
+    v.comp_mask &= RAW_CLOCK;
+    if v.comp_mask & RAW_CLOCK != 0 {
+        v.raw_clock.tv_sec = 0;
+        v.raw_clock.tv_nsec = super::clock::device_ns() as i64;
     }
     0
 }
@@ -369,7 +464,10 @@ pub unsafe extern "C" fn query_port(
     a.state = 4; // IBV_PORT_ACTIVE
     a.max_mtu = 5; // IBV_MTU_4096
     a.active_mtu = 5;
-    a.gid_tbl_len = 1;
+    // Index 0 holds the port's GID, index 1 is empty (the launcher's
+    // sysfs tree): libibverbs answers ENODATA for it and skips it in
+    // ibv_query_gid_table, as for the unpopulated entries of real ports.
+    a.gid_tbl_len = 2;
     a.max_msg_sz = limits::MAX_MSG;
     a.pkey_tbl_len = 1;
     a.lid = 1;
@@ -382,13 +480,146 @@ pub unsafe extern "C" fn query_port(
     0
 }
 
-/// A protection domain.
+/// A protection domain, or a parent domain (`ibv_alloc_parent_domain`),
+/// which is used wherever a PD is and protects with its PD's id.
 #[repr(C)]
 pub struct SvPd {
     /// The libibverbs part.
     pub pd: ibv::ibv_pd,
-    /// PD id within the context (compared against MR and QP PDs).
+    /// PD id within the context (compared against MR and QP PDs); a
+    /// parent domain's is its protection domain's.
     pub id: u32,
+    /// A parent domain's attributes; `None` for a protection domain.
+    pub parent: Option<Box<Parent>>,
+}
+
+/// What a parent domain was made of (`struct ibv_parent_domain_init_attr`).
+#[derive(Debug)]
+pub struct Parent {
+    /// Its protection domain.
+    pub pd: *mut ibv::ibv_pd,
+    /// Its thread domain, or null.
+    pub td: *mut ibv::ibv_td,
+    /// The application's allocator (`IBV_PARENT_DOMAIN_INIT_ATTR_ALLOCATORS`).
+    pub alloc: Option<
+        unsafe extern "C" fn(*mut ibv::ibv_pd, *mut c_void, usize, usize, u64) -> *mut c_void,
+    >,
+    /// Its counterpart.
+    pub free: Option<unsafe extern "C" fn(*mut ibv::ibv_pd, *mut c_void, *mut c_void, u64)>,
+    /// `pd_context` (`IBV_PARENT_DOMAIN_INIT_ATTR_PD_CONTEXT`).
+    pub pd_context: *mut c_void,
+}
+
+/// `enum ibv_parent_domain_init_attr_mask`.
+const PARENT_ALLOCATORS: u32 = 1;
+const PARENT_PD_CONTEXT: u32 = 1 << 1;
+
+/// `alloc_td`: a thread domain. The application promises that what it
+/// creates in a parent domain with this thread domain is used by one
+/// thread at a time; softverbs keeps its locks (correct either way:
+/// uncontended, they cost a few atomic operations), so there is nothing
+/// to set up beyond the object. `comp_mask` must be 0 (EINVAL).
+///
+/// # Safety
+/// `ctx` is a live softverbs context; `attr` is valid.
+pub unsafe extern "C" fn alloc_td(
+    ctx: *mut ibv::ibv_context,
+    attr: *mut ibv::ibv_td_init_attr,
+) -> *mut ibv::ibv_td {
+    // SAFETY: caller contract.
+    if unsafe { inner(ctx) }.dead() {
+        return super::dead();
+    }
+    // SAFETY: caller contract.
+    if attr.is_null() || unsafe { (*attr).comp_mask } != 0 {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    Box::into_raw(Box::new(ibv::ibv_td { context: ctx }))
+}
+
+/// `dealloc_td`.
+///
+/// # Safety
+/// `td` was made by [`alloc_td`]; not used afterwards.
+pub unsafe extern "C" fn dealloc_td(td: *mut ibv::ibv_td) -> c_int {
+    // SAFETY: caller contract: the box of alloc_td, last use.
+    drop(unsafe { Box::from_raw(td) });
+    0
+}
+
+/// `alloc_parent_domain` (`ibv_alloc_parent_domain(3)`): a domain used as
+/// a PD — for regions, QPs, SRQs, windows and as the `parent_domain` of an
+/// extended CQ — protecting with its PD's id. Its PD must be a protection
+/// domain of this context and its thread domain, when given, one of this
+/// context; an unknown `comp_mask` bit is EINVAL.
+///
+/// The allocators are kept and offered nothing to allocate: every byte
+/// the device reads or writes for a queue lives in a shared segment that
+/// peer processes map (docs/softverbs.md, "The fabric"), which memory
+/// from an application allocator cannot be.
+///
+/// # Safety
+/// `ctx` is a live softverbs context; `attr` is valid.
+pub unsafe extern "C" fn alloc_parent_domain(
+    ctx: *mut ibv::ibv_context,
+    attr: *mut ibv::ibv_parent_domain_init_attr,
+) -> *mut ibv::ibv_pd {
+    // SAFETY: caller contract.
+    if unsafe { inner(ctx) }.dead() {
+        return super::dead();
+    }
+    if attr.is_null() {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    // SAFETY: caller contract.
+    let a = unsafe { &*attr };
+    let ok = a.comp_mask & !(PARENT_ALLOCATORS | PARENT_PD_CONTEXT) == 0
+        && !a.pd.is_null()
+        // SAFETY: a non-null PD the caller passes is a live PD.
+        && unsafe { (*a.pd).context } == ctx
+        // SAFETY: a PD of this context is an SvPd.
+        && unsafe { (*a.pd.cast::<SvPd>()).parent.is_none() }
+        // SAFETY: as above, for the thread domain.
+        && (a.td.is_null() || unsafe { (*a.td).context } == ctx)
+        && (a.comp_mask & PARENT_ALLOCATORS == 0 || (a.alloc.is_some() && a.free.is_some()));
+    if !ok {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    let with_alloc = a.comp_mask & PARENT_ALLOCATORS != 0;
+    let parent = Parent {
+        pd: a.pd,
+        td: a.td,
+        alloc: if with_alloc { a.alloc } else { None },
+        free: if with_alloc { a.free } else { None },
+        pd_context: if a.comp_mask & PARENT_PD_CONTEXT != 0 {
+            a.pd_context
+        } else {
+            std::ptr::null_mut()
+        },
+    };
+    // SAFETY: `a.pd` is a PD of this context (checked).
+    let id = unsafe { pd_id(a.pd) };
+    let pd = Box::new(SvPd {
+        pd: ibv::ibv_pd {
+            context: ctx,
+            handle: id,
+        },
+        id,
+        parent: Some(Box::new(parent)),
+    });
+    Box::into_raw(pd).cast()
+}
+
+/// Whether `pd` is a parent domain of this provider.
+///
+/// # Safety
+/// `pd` is null or a PD of this provider.
+pub unsafe fn is_parent_domain(pd: *mut ibv::ibv_pd) -> bool {
+    // SAFETY: caller contract.
+    !pd.is_null() && unsafe { (*pd.cast::<SvPd>()).parent.is_some() }
 }
 
 /// `alloc_pd`.
@@ -408,11 +639,12 @@ pub unsafe extern "C" fn alloc_pd(ctx: *mut ibv::ibv_context) -> *mut ibv::ibv_p
             handle: id,
         },
         id,
+        parent: None,
     });
     Box::into_raw(pd).cast()
 }
 
-/// `dealloc_pd`.
+/// `dealloc_pd` (parent domains too).
 ///
 /// # Safety
 /// `pd` was made by [`alloc_pd`].
@@ -439,6 +671,8 @@ pub struct SvMr {
     pub vmr: VerbsMr,
     ctx: *const ContextInner,
     index: u32,
+    /// The device memory the region lies in (null: host memory).
+    dm: *const super::dm::SvDm,
 }
 
 /// `reg_mr`: publish the region in the context's shared MR table.
@@ -449,7 +683,7 @@ pub unsafe extern "C" fn reg_mr(
     pd: *mut ibv::ibv_pd,
     addr: *mut c_void,
     length: usize,
-    _hca_va: u64,
+    hca_va: u64,
     access: c_int,
 ) -> *mut ibv::ibv_mr {
     // SAFETY: caller contract.
@@ -457,50 +691,211 @@ pub unsafe extern "C" fn reg_mr(
     if c.dead() {
         return super::dead();
     }
-    if !crate::model::wc::access::mr_access_ok(access as u32) {
-        set_errno(libc::EINVAL);
+    if let Some(e) = crate::model::mr::reg_error(access as u32, addr as u64, length as u64) {
+        set_errno(e);
         return std::ptr::null_mut();
     }
-    let (index, key) = {
-        let mut a = c.mr.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(index) = a.free.pop() else {
-            set_errno(libc::ENOMEM);
-            return std::ptr::null_mut();
-        };
-        a.gen = (a.gen % 0xf_ffff) + 1;
-        (index, (a.gen << MR_INDEX_BITS) | index)
-    };
+    // `hca_va` is the I/O virtual address users name the first byte with:
+    // `addr` for ibv_reg_mr, the caller's for ibv_reg_mr_iova.
     let info = MrInfo {
-        pd: pdid,
-        access: access as u32,
-        addr: addr as u64,
-        len: length as u64,
+        iova: hca_va,
+        ..MrInfo::at(pdid, access as u32, addr as u64, length as u64)
+    };
+    publish_mr(c, info, std::ptr::null())
+}
+
+/// Publish a region in the context's shared MR table and make its
+/// `verbs_mr` (keys and access; libibverbs or the caller fills the rest).
+/// `dm` is the device memory it lies in, or null.
+pub fn publish_mr(c: &ContextInner, info: MrInfo, dm: *const super::dm::SvDm) -> *mut ibv::ibv_mr {
+    let Some((index, key)) = c.take_slot() else {
+        set_errno(libc::ENOMEM);
+        return std::ptr::null_mut();
     };
     layout::mr_publish(&c.mrs()[index as usize], key, info);
     // SAFETY: all-zero is valid for this plain C struct; fields set below.
     let vmr: VerbsMr = unsafe { std::mem::zeroed() };
-    let mut mr: Box<SvMr> = Box::new(SvMr { vmr, ctx: c, index });
+    let mut mr: Box<SvMr> = Box::new(SvMr {
+        vmr,
+        ctx: c,
+        index,
+        dm,
+    });
     mr.vmr.ibv_mr.lkey = key;
     mr.vmr.ibv_mr.rkey = key;
     mr.vmr.ibv_mr.handle = key;
-    mr.vmr.access = access;
+    mr.vmr.access = info.access as c_int;
     Box::into_raw(mr).cast()
 }
 
-/// `dereg_mr`.
+/// `rereg_mr`: change a region's translation, PD and/or access in place;
+/// its keys stay the same. EBUSY while a memory window is bound to it. The slot is unpublished while it changes, so a
+/// peer's access in that instant fails with a protection error instead of
+/// seeing a half-changed region (using a region during its
+/// re-registration is the application's error, `ibv_rereg_mr(3)`).
+/// Returns 0 or an errno value (libibverbs turns it into
+/// `IBV_REREG_MR_ERR_CMD`) and sets errno.
 ///
 /// # Safety
-/// `vmr` was made by [`reg_mr`].
+/// `vmr` was made by [`reg_mr`]; `pd`, when `CHANGE_PD` is asked, is a PD of
+/// this provider.
+pub unsafe extern "C" fn rereg_mr(
+    vmr: *mut VerbsMr,
+    flags: c_int,
+    pd: *mut ibv::ibv_pd,
+    addr: *mut c_void,
+    length: usize,
+    access: c_int,
+) -> c_int {
+    use crate::model::mr::rereg;
+    // SAFETY: `vmr` heads a live boxed SvMr (caller contract).
+    let mr = unsafe { &mut *vmr.cast::<SvMr>() };
+    // SAFETY: the context outlives its MRs.
+    let c = unsafe { &*mr.ctx };
+    let fail = |e: i32| {
+        set_errno(e);
+        e
+    };
+    if c.dead() {
+        return fail(DEAD_ERRNO);
+    }
+    let flags = flags as u32;
+    // A region on device memory keeps its place there (ibv_reg_dm_mr).
+    if flags == 0 || flags & !rereg::ALL != 0 || !mr.dm.is_null() {
+        return fail(libc::EINVAL);
+    }
+    // Windows bound to the region were bound to its old translation.
+    if c.mrs()
+        .iter()
+        .any(|s| s.parent.load(Ordering::Acquire) == mr.index && s.key.load(Ordering::Acquire) != 0)
+    {
+        return fail(libc::EBUSY);
+    }
+    let slot = &c.mrs()[mr.index as usize];
+    let key = slot.key.load(Ordering::Acquire);
+    let Some(mut info) = layout::mr_lookup(c.mrs(), key) else {
+        return fail(libc::EINVAL);
+    };
+    if flags & rereg::CHANGE_PD != 0 {
+        // SAFETY: caller contract.
+        if pd.is_null() || unsafe { (*pd).context } != mr.vmr.ibv_mr.context {
+            return fail(libc::EINVAL);
+        }
+        // SAFETY: a PD of this provider (checked: same context).
+        info.pd = unsafe { pd_id(pd) };
+    }
+    if flags & rereg::CHANGE_TRANSLATION != 0 {
+        info.addr = addr as u64;
+        info.iova = addr as u64;
+        info.len = length as u64;
+    }
+    if flags & rereg::CHANGE_ACCESS != 0 {
+        info.access = access as u32;
+    }
+    if let Some(e) = crate::model::mr::reg_error(info.access, info.addr, info.len) {
+        return fail(e);
+    }
+    slot.key.store(0, Ordering::Release);
+    layout::mr_publish(slot, key, info);
+    mr.vmr.access = info.access as c_int;
+    0
+}
+
+/// `advise_mr` (`ibv_advise_mr(3)`): prefetch ranges of on-demand-paging
+/// regions. Every range must lie in a region of `pd` registered with
+/// `IBV_ACCESS_ON_DEMAND` (with local write for write advice): else
+/// EINVAL. The pages are faulted in with `madvise(MADV_POPULATE_READ /
+/// _WRITE)`, readable or writable as advised; `PREFETCH_NO_FAULT` maps
+/// only what is present, which for this device (it reaches memory through
+/// the owner's page tables at every access) is nothing to do. A failed
+/// populate (pages since unmapped, a kernel older than 5.14) is not an
+/// error: advice is a hint, the access itself faults again.
+/// `IBV_ADVISE_MR_FLAG_FLUSH` is honoured trivially: the work is done
+/// before the call returns.
+///
+/// # Safety
+/// `pd` is a PD of this provider; `sg` holds `num_sge` entries.
+pub unsafe extern "C" fn advise_mr(
+    pd: *mut ibv::ibv_pd,
+    advice: u32,
+    flags: u32,
+    sg: *mut ibv::ibv_sge,
+    num_sge: u32,
+) -> c_int {
+    use crate::model::mr::{self as m, advise};
+    // SAFETY: caller contract.
+    let (c, pdid) = unsafe { (inner((*pd).context), pd_id(pd)) };
+    if c.dead() {
+        return DEAD_ERRNO;
+    }
+    if let Some(e) = m::advise_error(advice, flags, num_sge) {
+        return e;
+    }
+    if sg.is_null() {
+        return libc::EINVAL;
+    }
+    // SAFETY: `sg` holds num_sge entries (caller contract).
+    let sges = unsafe { std::slice::from_raw_parts(sg, num_sge as usize) };
+    for s in sges {
+        let ok = layout::mr_lookup(c.mrs(), s.lkey).is_some_and(|i| {
+            i.pd == pdid
+                && i.access & m::ON_DEMAND != 0
+                && i.access & m::advise_needs(advice) == m::advise_needs(advice)
+                && i.contains(s.addr, u64::from(s.length))
+        });
+        if !ok {
+            return libc::EINVAL;
+        }
+    }
+    if advice == advise::PREFETCH_NO_FAULT {
+        return 0;
+    }
+    let how = if advice == advise::PREFETCH_WRITE {
+        libc::MADV_POPULATE_WRITE
+    } else {
+        libc::MADV_POPULATE_READ
+    };
+    let page = 4096u64;
+    for s in sges.iter().filter(|s| s.length > 0) {
+        let start = s.addr & !(page - 1);
+        let end = s.addr.saturating_add(u64::from(s.length));
+        // SAFETY: madvise on a range of our own address space inside a
+        // registered region; POPULATE only faults pages in, it changes no
+        // content, and an unmapped range is an error return, not a fault.
+        unsafe { libc::madvise(start as usize as *mut c_void, (end - start) as usize, how) };
+    }
+    0
+}
+
+/// `dereg_mr`: EBUSY while a memory window is bound to the region
+/// (model::mr::mw).
+///
+/// # Safety
+/// `vmr` was made by [`reg_mr`]; on success it is not used afterwards.
 pub unsafe extern "C" fn dereg_mr(vmr: *mut VerbsMr) -> c_int {
+    {
+        // SAFETY: `vmr` heads a live boxed SvMr (caller contract).
+        let mr = unsafe { &*vmr.cast::<SvMr>() };
+        // SAFETY: the context outlives its MRs (verbs rule: dereg before close).
+        let c = unsafe { &*mr.ctx };
+        let bound = c.mrs().iter().any(|s| {
+            s.parent.load(Ordering::Acquire) == mr.index && s.key.load(Ordering::Acquire) != 0
+        });
+        if bound {
+            return libc::EBUSY;
+        }
+    }
     // SAFETY: `vmr` heads a boxed SvMr (reg_mr); this is its last use.
     let mr = unsafe { Box::from_raw(vmr.cast::<SvMr>()) };
     // SAFETY: the context outlives its MRs (verbs rule: dereg before close).
     let c = unsafe { &*mr.ctx };
     c.mrs()[mr.index as usize].key.store(0, Ordering::Release);
-    c.mr.lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .free
-        .push(mr.index);
+    if !mr.dm.is_null() {
+        // SAFETY: a device memory outlives its regions: free_dm answers
+        // EBUSY while this count is non-zero.
+        unsafe { (*mr.dm).users.fetch_sub(1, Ordering::AcqRel) };
+    }
+    c.give_slot(mr.index);
     0
 }
 

@@ -1,8 +1,9 @@
 //! Completion queues: a shared ring of CQEs per CQ, filled by the owner and
 //! by peers, polled by the owner.
 
+use std::collections::VecDeque;
 use std::ffi::c_int;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Mutex;
 
 use super::context::{inner, limits, ContextInner};
@@ -41,6 +42,11 @@ pub struct SvCq {
     pub recv_users: AtomicU32,
     /// Consecutive empty polls (see [`EMPTY_POLLS_BEFORE_YIELD`]).
     pub empty_polls: AtomicU32,
+    /// CQEs taken off the ring by [`SvCq::clean`] that are still to be
+    /// polled, ahead of everything in the ring.
+    stash: Mutex<VecDeque<Cqe>>,
+    /// Whether `stash` may be non-empty (the fast path skips its lock).
+    stashed: AtomicBool,
 }
 
 /// After this many consecutive empty polls, `poll_cq` yields the CPU once.
@@ -68,6 +74,75 @@ impl SvCq {
                 unsafe { (*(q as *const SvQp)).try_progress() };
             }
         }
+    }
+
+    /// The next completion: the stash first (it holds what was in the
+    /// rings before a clean), then the rings of the CQ, oldest first (a CQ
+    /// grown by `ibv_resize_cq` has several, provider::notify).
+    pub fn pop(&self) -> Option<Cqe> {
+        if self.stashed.load(Ordering::Acquire) {
+            let mut st = self.stash.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(e) = st.pop_front() {
+                return Some(e);
+            }
+            self.stashed.store(false, Ordering::Release);
+        }
+        if self.port.hdr().moved_to.load(Ordering::Acquire) == 0 {
+            return self.port.ring().pop();
+        }
+        let chain = self.port.chain();
+        let (newest, older) = chain.split_last()?;
+        for p in older {
+            if let Some(e) = p.ring().pop() {
+                return Some(e);
+            }
+        }
+        let e = newest.ring().pop()?;
+        // A producer that saw no move yet may have pushed into an older
+        // ring after we looked, then the completions after it into the
+        // newest: those come first.
+        if older.iter().all(|p| p.ring().is_empty()) {
+            return Some(e);
+        }
+        let mut st = self.stash.lock().unwrap_or_else(|e| e.into_inner());
+        for p in older {
+            while let Some(x) = p.ring().pop() {
+                st.push_back(x);
+            }
+        }
+        st.push_back(e);
+        let first = st.pop_front();
+        self.stashed.store(!st.is_empty(), Ordering::Release);
+        first
+    }
+
+    /// Remove every completion of QP `qpn` (a QP moved to RESET, as
+    /// hardware providers do: `ibv_modify_qp(3)`'s RESET empties the QP's
+    /// queues, and completions of its former life must not be polled
+    /// after it is reused). What the rings hold moves to the stash, which
+    /// is polled first, so the order of the remaining completions is kept
+    /// even while peers push new ones meanwhile.
+    pub fn clean(&self, qpn: u32) {
+        let mut st = self.stash.lock().unwrap_or_else(|e| e.into_inner());
+        for p in self.port.chain() {
+            while let Some(e) = p.ring().pop() {
+                st.push_back(e);
+            }
+        }
+        st.retain(|e| e.qp_num != qpn);
+        self.stashed.store(!st.is_empty(), Ordering::Release);
+    }
+
+    /// Completions waiting to be polled.
+    pub fn pending(&self) -> usize {
+        let stashed = self.stash.lock().unwrap_or_else(|e| e.into_inner()).len();
+        stashed
+            + self
+                .port
+                .chain()
+                .iter()
+                .map(|p| p.ring().len())
+                .sum::<usize>()
     }
 
     /// Count an empty poll; yield the CPU every [`EMPTY_POLLS_BEFORE_YIELD`].
@@ -128,40 +203,14 @@ pub unsafe fn make_cq(
         return std::ptr::null_mut();
     };
     let cap = Ring::<Cqe>::capacity_for(cqe as usize);
-    let ids = match Ids::get() {
-        Ok(i) => i,
-        Err(e) => {
-            set_errno(e.raw_os_error().unwrap_or(libc::EIO));
-            return std::ptr::null_mut();
-        }
-    };
-    let (id, seg) = match crate::shm::segment::create_fresh(
-        "cq-",
-        || ids.next(IdKind::Cq),
-        seg_bytes::<CqHeader, Cqe>(cap),
-    ) {
+    let (id, port) = match new_ring(c, cap, chan_fd, 0) {
         Ok(x) => x,
         Err(e) => {
-            set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+            set_errno(e);
             return std::ptr::null_mut();
         }
     };
-    // SAFETY: the fresh, zeroed segment is large enough for the ring at
-    // ring_offset and unknown to anyone else until create_cq returns.
-    unsafe { Ring::<Cqe>::init(seg.base().add(ring_offset::<CqHeader>()), cap) };
-    let hdr = seg.base().cast::<CqHeader>();
-    // SAFETY: as above; the header fits at the start.
-    unsafe {
-        (*hdr).pid = std::process::id();
-        (*hdr).ctx = c.id;
-        (*hdr).chan_fd = chan_fd;
-        (*hdr).async_fd.store(c.async_r, Ordering::Relaxed);
-        (*hdr).magic = MAGIC;
-    }
-    let Some(port) = CqPort::attach(seg) else {
-        set_errno(libc::EIO);
-        return std::ptr::null_mut();
-    };
+    let hdr = port.hdr_ptr();
     let cq = Box::new(SvCq {
         // SAFETY: all-zero is valid for ibv_cq_ex (pointers, ints, glibc
         // pthread objects whose zero value is the static initialiser).
@@ -174,6 +223,8 @@ pub unsafe fn make_cq(
         empty_polls: AtomicU32::new(0),
         recv_users: AtomicU32::new(0),
         iter: CqIter::new(),
+        stash: Mutex::new(VecDeque::new()),
+        stashed: AtomicBool::new(false),
     });
     let raw = Box::into_raw(cq);
     // SAFETY: `raw` is the live box; the header is ours to finish.
@@ -183,6 +234,80 @@ pub unsafe fn make_cq(
         (*hdr).cq_ptr = std::ptr::addr_of_mut!((*raw).cq) as u64;
     }
     raw
+}
+
+/// A fresh CQ segment `cq-<id>` with a ring of `cap` entries, its header
+/// filled (the `ibv_cq *` may be 0 and set later by the creator); the id
+/// and the owner's port, or an errno.
+fn new_ring(c: &ContextInner, cap: usize, chan_fd: i32, cq_ptr: u64) -> Result<(u32, CqPort), i32> {
+    let ids = Ids::get().map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+    let (id, seg) = crate::shm::segment::create_fresh(
+        "cq-",
+        || ids.next(IdKind::Cq),
+        seg_bytes::<CqHeader, Cqe>(cap),
+    )
+    .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+    // SAFETY: the fresh, zeroed segment is large enough for the ring at
+    // ring_offset and unknown to anyone else until its id is published.
+    unsafe { Ring::<Cqe>::init(seg.base().add(ring_offset::<CqHeader>()), cap) };
+    let hdr = seg.base().cast::<CqHeader>();
+    // SAFETY: as above; the header fits at the start.
+    unsafe {
+        (*hdr).pid = std::process::id();
+        (*hdr).ctx = c.id;
+        (*hdr).chan_fd = chan_fd;
+        (*hdr).cq_ptr = cq_ptr;
+        (*hdr).async_fd.store(c.async_r, Ordering::Relaxed);
+        (*hdr).magic = MAGIC;
+    }
+    let port = CqPort::attach(seg).ok_or(libc::EIO)?;
+    Ok((id, port))
+}
+
+/// `resize_cq` (`ibv_resize_cq(3)`): at least `cqe` entries. EINVAL for a
+/// size outside 1..=`MAX_CQE` or below the completions waiting to be
+/// polled. A size the current ring holds keeps it (`cq->cqe` reports what
+/// the CQ holds, at least `cqe`); a larger one grows the CQ into a new
+/// ring (provider::notify): completions go there from then on, and
+/// those still in the old ring are polled first, in order.
+///
+/// # Safety
+/// `cq` is live; the application does not poll or resize it from another
+/// thread meanwhile (as for every provider).
+pub unsafe extern "C" fn resize_cq(cq: *mut ibv::ibv_cq, cqe: c_int) -> c_int {
+    // SAFETY: caller contract.
+    let s = unsafe { sv(cq) };
+    if s.dead() {
+        return DEAD_ERRNO;
+    }
+    if cqe <= 0 || cqe as u32 > limits::MAX_CQE || (cqe as usize) < s.pending() {
+        return libc::EINVAL;
+    }
+    let newest = s.port.newest();
+    let cap = newest.ring().capacity();
+    if cqe as usize <= cap {
+        // SAFETY: `cq` is live (caller contract).
+        unsafe { (*cq).cqe = cap as c_int };
+        return 0;
+    }
+    let want = Ring::<Cqe>::capacity_for(cqe as usize);
+    let h = newest.hdr();
+    // SAFETY: the context outlives its CQs.
+    let c = unsafe { &*s.ctx };
+    let (id, port) = match new_ring(c, want, h.chan_fd, h.cq_ptr) {
+        Ok(x) => x,
+        Err(e) => return e,
+    };
+    // An arm made before the resize still holds.
+    port.hdr()
+        .armed
+        .store(h.armed.load(Ordering::Acquire), Ordering::Release);
+    if !newest.grow_into(port, id) {
+        return libc::EIO;
+    }
+    // SAFETY: as above.
+    unsafe { (*cq).cqe = want as c_int };
+    0
 }
 
 /// The SvCq of an `ibv_cq` of this provider.
@@ -229,7 +354,7 @@ pub unsafe extern "C" fn poll_cq(cq: *mut ibv::ibv_cq, n: c_int, wc: *mut ibv::i
     s.progress_waiting();
     let mut got = 0;
     while got < n.max(0) {
-        let Some(e) = s.port.ring().pop() else { break };
+        let Some(e) = s.pop() else { break };
         // SAFETY: `wc` has room for n entries (caller contract), got < n.
         unsafe { fill_wc(wc.add(got as usize), &e) };
         got += 1;

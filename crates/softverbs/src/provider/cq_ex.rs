@@ -18,8 +18,10 @@
 //! lock-free variants of `start_poll`/`end_poll` (the `LOCK` parameter):
 //! the application promised one polling thread. `ibv_poll_cq` on an
 //! extended CQ takes no lock: it pops from the lock-free ring and never
-//! touches the current completion. Timestamps, flow tags, CVLAN, TM info
-//! and parent domains are not supported and answer EOPNOTSUPP.
+//! touches the current completion. Completion timestamps (device clock and
+//! wall clock, provider::clock) are read from the CQE; flow tags, CVLAN
+//! and TM info are not supported and answer EOPNOTSUPP; a parent domain is
+//! accepted (`IBV_CQ_INIT_ATTR_MASK_PD`, it must be one of this context).
 //!
 //! Every callback here is called by libibverbs for the application, which
 //! keeps the verbs contract: `cq` is an extended CQ of this provider made by
@@ -35,10 +37,15 @@ use super::set_errno;
 use crate::model::device::DEAD_ERRNO;
 use crate::sys::ibv;
 
-/// `IBV_WC_EX_WITH_{BYTE_LEN,IMM,QP_NUM,SRC_QP,SLID,SL,DLID_PATH_BITS}`.
-pub const SUPPORTED_WC_FLAGS: u64 = 0x7f;
+/// `IBV_WC_EX_WITH_{BYTE_LEN,IMM,QP_NUM,SRC_QP,SLID,SL,DLID_PATH_BITS}`,
+/// `IBV_WC_EX_WITH_COMPLETION_TIMESTAMP` and `_WALLCLOCK`
+/// (provider::clock). CVLAN and flow tags belong to Ethernet ports and
+/// flow steering, TM info to tag matching: none exists here.
+pub const SUPPORTED_WC_FLAGS: u64 = 0x7f | (1 << 7) | (1 << 11);
 /// `IBV_CQ_INIT_ATTR_MASK_FLAGS`.
 const MASK_FLAGS: u32 = 1;
+/// `IBV_CQ_INIT_ATTR_MASK_PD`.
+const MASK_PD: u32 = 1 << 1;
 /// `IBV_CREATE_CQ_ATTR_SINGLE_THREADED`.
 const SINGLE_THREADED: u32 = 1;
 
@@ -63,7 +70,7 @@ unsafe fn sv_ex<'a>(cq: *mut ibv::ibv_cq_ex) -> &'a SvCq {
 unsafe fn take(cq: *mut ibv::ibv_cq_ex) -> bool {
     // SAFETY: condition 1.
     let s = unsafe { sv_ex(cq) };
-    let Some(e) = s.port.ring().pop() else {
+    let Some(e) = s.pop() else {
         return false;
     };
     // SAFETY: condition 2.
@@ -222,6 +229,24 @@ unsafe extern "C" fn read_zero_u8(_cq: *mut ibv::ibv_cq_ex) -> u8 {
     0
 }
 
+/// The device clock when the completion was added (provider::clock).
+///
+/// # Safety
+/// As [`next_poll`].
+unsafe extern "C" fn read_completion_ts(cq: *mut ibv::ibv_cq_ex) -> u64 {
+    // SAFETY: caller contract, which is current's.
+    unsafe { current(cq) }.ts
+}
+
+/// The same instant in real time, nanoseconds since the epoch.
+///
+/// # Safety
+/// As [`next_poll`].
+unsafe extern "C" fn read_completion_wallclock_ns(cq: *mut ibv::ibv_cq_ex) -> u64 {
+    // SAFETY: caller contract, which is current's.
+    super::clock::wallclock_ns(unsafe { current(cq) }.ts)
+}
+
 /// `create_cq_ex`.
 ///
 /// # Safety
@@ -236,10 +261,21 @@ pub unsafe extern "C" fn create_cq_ex(
     }
     // SAFETY: caller contract.
     let a = unsafe { &*attr };
-    let flags_ok = a.comp_mask & !MASK_FLAGS == 0
+    let flags_ok = a.comp_mask & !(MASK_FLAGS | MASK_PD) == 0
         && (a.comp_mask & MASK_FLAGS == 0 || a.flags & !SINGLE_THREADED == 0);
     if a.wc_flags & !SUPPORTED_WC_FLAGS != 0 || !flags_ok {
         set_errno(libc::EOPNOTSUPP);
+        return std::ptr::null_mut();
+    }
+    // A CQ may name the parent domain it belongs to (it must be one, of
+    // this context); a CQ needs nothing from it here.
+    let pd = a.parent_domain;
+    // SAFETY: a non-null parent_domain the caller passes is a live PD, and
+    // a PD of this context is one of ours.
+    let pd_ok =
+        !pd.is_null() && unsafe { (*pd).context == ctx && super::context::is_parent_domain(pd) };
+    if a.comp_mask & MASK_PD != 0 && !pd_ok {
+        set_errno(libc::EINVAL);
         return std::ptr::null_mut();
     }
     let (Ok(cqe), Ok(vector)) = (c_int::try_from(a.cqe), c_int::try_from(a.comp_vector)) else {
@@ -275,6 +311,8 @@ pub unsafe extern "C" fn create_cq_ex(
         c.read_slid = Some(read_slid);
         c.read_sl = Some(read_sl);
         c.read_dlid_path_bits = Some(read_zero_u8);
+        c.read_completion_ts = Some(read_completion_ts);
+        c.read_completion_wallclock_ns = Some(read_completion_wallclock_ns);
         std::ptr::addr_of_mut!((*raw).cq)
     }
 }

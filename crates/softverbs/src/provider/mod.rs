@@ -5,19 +5,24 @@
 
 pub mod ah;
 pub mod channel;
+pub mod clock;
 pub mod context;
 pub mod cq;
 pub mod cq_ex;
 pub mod cq_iter;
+pub mod dm;
 pub mod events;
 pub mod fatal;
+pub mod mw;
 pub mod notify;
 pub mod progress;
 pub mod qp;
+pub mod qp_ex;
 pub mod remote;
 pub mod send;
 pub mod srq;
 pub mod xfer;
+pub mod xrc;
 
 use std::ffi::c_void;
 use std::mem::offset_of;
@@ -65,6 +70,23 @@ pub static DEVICE_OPS: VerbsDeviceOps = VerbsDeviceOps {
 
 /// The context ops table installed with `verbs_set_ops`.
 pub static CONTEXT_OPS: VerbsContextOps = VerbsContextOps {
+    advise_mr: Some(context::advise_mr),
+    alloc_dm: Some(dm::alloc_dm),
+    alloc_mw: Some(mw::alloc_mw),
+    alloc_parent_domain: Some(context::alloc_parent_domain),
+    alloc_td: Some(context::alloc_td),
+    dealloc_td: Some(context::dealloc_td),
+    bind_mw: Some(mw::bind_mw),
+    dealloc_mw: Some(mw::dealloc_mw),
+    free_dm: Some(dm::free_dm),
+    reg_dm_mr: Some(dm::reg_dm_mr),
+    create_qp_ex: Some(qp_ex::create_qp_ex),
+    close_xrcd: Some(xrc::close_xrcd),
+    create_srq_ex: Some(xrc::create_srq_ex),
+    get_srq_num: Some(xrc::get_srq_num),
+    open_xrcd: Some(xrc::open_xrcd),
+    rereg_mr: Some(context::rereg_mr),
+    resize_cq: Some(cq::resize_cq),
     alloc_pd: Some(context::alloc_pd),
     async_event: Some(context::async_event),
     cq_event: Some(cq::cq_event),
@@ -88,6 +110,7 @@ pub static CONTEXT_OPS: VerbsContextOps = VerbsContextOps {
     post_srq_recv: Some(srq::post_srq_recv),
     query_device_ex: Some(context::query_device_ex),
     query_port: Some(context::query_port),
+    query_rt_values: Some(context::query_rt_values),
     query_qp: Some(qp::query_qp),
     query_srq: Some(srq::query_srq),
     reg_mr: Some(context::reg_mr),

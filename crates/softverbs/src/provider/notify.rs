@@ -11,6 +11,12 @@
 //!
 //! Pipes of another process are reached through `/proc/<pid>/fd/<n>`, which
 //! opens the same pipe; the write ends are opened once and cached.
+//!
+//! A CQ grown by `ibv_resize_cq` is a chain of rings: each full-grown
+//! ring's header names the next (`moved_to`); completions go to the
+//! newest, the owner drains the older ones first (provider::cq), and a
+//! producer that raced with the move (it pushed into an older ring) applies
+//! the arm rule of the newest, where the owner arms.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
@@ -28,6 +34,8 @@ pub struct CqPort {
     ring: Ring<Cqe>,
     ev: OnceLock<Option<OwnedFd>>,
     asy: OnceLock<Option<OwnedFd>>,
+    /// The next ring of a grown CQ, attached when first needed.
+    next: OnceLock<Option<Box<CqPort>>>,
 }
 
 fn open_peer_fd(pid: u32, fd: i32) -> Option<OwnedFd> {
@@ -71,7 +79,61 @@ impl CqPort {
             ring,
             ev: OnceLock::new(),
             asy: OnceLock::new(),
+            next: OnceLock::new(),
         })
+    }
+
+    /// The next ring when the CQ grew past this one (None: this is the
+    /// newest, or the next one cannot be mapped any more).
+    pub fn next(&self) -> Option<&CqPort> {
+        let id = self.hdr().moved_to.load(Ordering::Acquire);
+        if id == 0 {
+            return None;
+        }
+        self.next
+            .get_or_init(|| {
+                crate::shm::Segment::open(&format!("cq-{id}"))
+                    .ok()
+                    .and_then(CqPort::attach)
+                    .map(Box::new)
+            })
+            .as_deref()
+    }
+
+    /// The header's address in this mapping (for its creator, to finish
+    /// it before anybody else knows the CQ).
+    pub fn hdr_ptr(&self) -> *mut CqHeader {
+        self.seg.base().cast::<CqHeader>()
+    }
+
+    /// The ring completions go to now.
+    pub fn newest(&self) -> &CqPort {
+        let mut p = self;
+        while let Some(n) = p.next() {
+            p = n;
+        }
+        p
+    }
+
+    /// Owner side of `ibv_resize_cq`: `next` is the new ring, whose segment
+    /// id is `id`; from now on completions go there.
+    pub fn grow_into(&self, next: CqPort, id: u32) -> bool {
+        if self.next.set(Some(Box::new(next))).is_err() {
+            return false;
+        }
+        self.hdr().moved_to.store(id, Ordering::Release);
+        true
+    }
+
+    /// Every ring of the chain, oldest first.
+    pub fn chain(&self) -> Vec<&CqPort> {
+        let mut v = vec![self];
+        let mut p = self;
+        while let Some(n) = p.next() {
+            v.push(n);
+            p = n;
+        }
+        v
     }
 
     /// The header.
@@ -87,6 +149,19 @@ impl CqPort {
 
     /// Add a completion, firing the arm or raising CQ_ERR as the model says.
     pub fn push(&self, cqe: Cqe) {
+        let p = self.newest();
+        p.push_here(cqe);
+        // The CQ grew while we pushed: the owner drains this ring first,
+        // but arms the newest one.
+        if p.hdr().moved_to.load(Ordering::Acquire) != 0 {
+            p.newest().maybe_fire(cqe.solicited != 0, cqe.status == 0);
+        }
+    }
+
+    fn push_here(&self, mut cqe: Cqe) {
+        if cqe.ts == 0 {
+            cqe.ts = super::clock::device_ns();
+        }
         let h = self.hdr();
         if self.ring.push(cqe).is_err() {
             if h.overflow.swap(1, Ordering::AcqRel) == 0 {
@@ -124,6 +199,6 @@ impl CqPort {
 
     /// Arm (owner side): the next completion that satisfies the rule fires.
     pub fn arm(&self, state: u32) {
-        self.hdr().armed.store(state, Ordering::Release);
+        self.newest().hdr().armed.store(state, Ordering::Release);
     }
 }

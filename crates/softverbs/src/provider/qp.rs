@@ -1,4 +1,4 @@
-//! RC queue pairs: creation, the state machine (from [`crate::model::qp`]),
+//! Queue pairs (RC, UC, UD, XRC): creation, the state machine (from [`crate::model::qp`]),
 //! queries, receive posting and the flush on error.
 
 use std::collections::VecDeque;
@@ -64,6 +64,11 @@ pub struct SvQp {
     pub caps: Caps,
     /// Send side: destination, responder handle, waiting sends.
     pub send: Mutex<SendSide>,
+    /// `ibv_qp_ex` operations the QP was created for (`create_qp_ex` with
+    /// `IBV_QP_INIT_ATTR_SEND_OPS_FLAGS`; 0 otherwise).
+    pub send_ops: u64,
+    /// The `ibv_qp_ex` batch being built (provider::qp_ex).
+    pub ex: Mutex<super::qp_ex::ExBatch>,
     attr: Mutex<Box<ibv::ibv_qp_attr>>,
 }
 
@@ -91,14 +96,15 @@ impl SvQp {
         unsafe { &*self.ctx }
     }
 
-    /// The send CQ.
+    /// The send CQ (an XRC_RECV QP, which never sends, has none).
     pub fn send_cq(&self) -> &SvCq {
         // SAFETY: a CQ cannot be destroyed while a QP uses it: destroy_cq
         // answers EBUSY while send_qps is non-empty or recv_users non-zero.
         unsafe { &*self.send_cq }
     }
 
-    /// The receive CQ.
+    /// The receive CQ (only QPs with a receive queue have one: not the
+    /// XRC QPs; an XRC SRQ has its own).
     pub fn recv_cq(&self) -> &SvCq {
         // SAFETY: as for send_cq.
         unsafe { &*self.recv_cq }
@@ -193,7 +199,8 @@ fn caps_ok(c: &ibv::ibv_qp_cap, has_srq: bool) -> bool {
         && c.max_inline_data <= limits::MAX_INLINE
 }
 
-/// `create_qp` (RC only).
+/// `create_qp`: RC, UC, UD and XRC_SEND QPs (XRC_RECV ones need a domain:
+/// `create_qp_ex`).
 ///
 /// # Safety
 /// `pd` is a PD of this provider; `attr` is a valid init attribute block.
@@ -202,8 +209,24 @@ pub unsafe extern "C" fn create_qp(
     attr: *mut ibv::ibv_qp_init_attr,
 ) -> *mut ibv::ibv_qp {
     // SAFETY: caller contract.
-    let (a, ctx) = unsafe { (&mut *attr, (*pd).context) };
-    // SAFETY: `ctx` is a live softverbs context (caller contract).
+    let ctx = unsafe { (*pd).context };
+    // SAFETY: as above.
+    unsafe { make_qp(ctx, pd, &mut *attr, 0) }
+}
+
+/// Build a QP. `pd` is null only for an XRC_RECV QP, which belongs to the
+/// XRC domain `xrcd` instead and has no CQs and no queues.
+///
+/// # Safety
+/// `ctx` is a live softverbs context; `pd` is null or a PD of it; the CQs
+/// and SRQ in `a` are null or objects of this provider.
+pub unsafe fn make_qp(
+    ctx: *mut ibv::ibv_context,
+    pd: *mut ibv::ibv_pd,
+    a: &mut ibv::ibv_qp_init_attr,
+    xrcd: u32,
+) -> *mut ibv::ibv_qp {
+    // SAFETY: caller contract.
     if unsafe { inner(ctx) }.dead() {
         return super::dead();
     }
@@ -211,16 +234,37 @@ pub unsafe extern "C" fn create_qp(
         set_errno(libc::EOPNOTSUPP);
         return std::ptr::null_mut();
     };
-    if a.send_cq.is_null() || a.recv_cq.is_null() || !caps_ok(&a.cap, !a.srq.is_null()) {
+    let cqs_ok = match qp_type {
+        QpType::XrcRecv => xrcd != 0 && pd.is_null(),
+        QpType::XrcSend => !a.send_cq.is_null() && a.srq.is_null() && !pd.is_null(),
+        _ => !a.send_cq.is_null() && !a.recv_cq.is_null() && !pd.is_null(),
+    };
+    if !cqs_ok || !caps_ok(&a.cap, !a.srq.is_null() || !qp_type.has_recv_queue()) {
         set_errno(libc::EINVAL);
         return std::ptr::null_mut();
     }
-    // SAFETY: caller contract.
-    let pdid = unsafe { pd_id(pd) };
+    // The CQs the QP uses: none for an XRC_RECV QP, no receive CQ for an
+    // XRC_SEND one (whatever the caller passed).
+    let send_cq = if qp_type == QpType::XrcRecv {
+        std::ptr::null_mut()
+    } else {
+        a.send_cq
+    };
+    let recv_cq = if qp_type.has_recv_queue() {
+        a.recv_cq
+    } else {
+        std::ptr::null_mut()
+    };
+    let pdid = if pd.is_null() {
+        0
+    } else {
+        // SAFETY: caller contract.
+        unsafe { pd_id(pd) }
+    };
     // SAFETY: `ctx` is a live softverbs context.
     let c = unsafe { inner(ctx) };
     let srq = a.srq.cast::<SvSrq>() as *const SvSrq;
-    let rq_cap = if srq.is_null() {
+    let rq_cap = if srq.is_null() && qp_type.has_recv_queue() {
         Ring::<RecvWqe>::capacity_for(a.cap.max_recv_wr as usize)
     } else {
         1
@@ -246,8 +290,12 @@ pub unsafe extern "C" fn create_qp(
     // SAFETY: fresh zeroed segment sized for the ring at ring_offset; nobody
     // knows the QPN yet.
     let rq = unsafe { Ring::<RecvWqe>::init(seg.base().add(ring_offset::<QpHeader>()), rq_cap) };
-    // SAFETY: `a.recv_cq` is a CQ of this provider (libibverbs contract).
-    let recv_cq_id = unsafe { sv_cq(a.recv_cq).id };
+    let recv_cq_id = if recv_cq.is_null() {
+        0
+    } else {
+        // SAFETY: a CQ of this provider (caller contract).
+        unsafe { sv_cq(recv_cq).id }
+    };
     let srq_id = if srq.is_null() {
         0
     } else {
@@ -264,12 +312,17 @@ pub unsafe extern "C" fn create_qp(
         (*hdr).recv_cq = recv_cq_id;
         (*hdr).srq = srq_id;
         (*hdr).qp_type = qp_type as u32;
+        (*hdr).xrcd = xrcd;
         (*hdr).state.store(QpState::Reset as u32, Ordering::Relaxed);
         (*hdr).magic = MAGIC;
     }
     let caps = Caps {
         max_send_wr: a.cap.max_send_wr.max(1),
-        max_recv_wr: if srq.is_null() { rq_cap as u32 } else { 0 },
+        max_recv_wr: if srq.is_null() && qp_type.has_recv_queue() {
+            rq_cap as u32
+        } else {
+            0
+        },
         max_send_sge: a.cap.max_send_sge.max(1),
         max_recv_sge: a.cap.max_recv_sge.max(1),
         max_inline: a.cap.max_inline_data,
@@ -286,12 +339,14 @@ pub unsafe extern "C" fn create_qp(
         pd: pdid,
         seg,
         rq,
-        send_cq: a.send_cq.cast::<SvCq>(),
-        recv_cq: a.recv_cq.cast::<SvCq>(),
+        send_cq: send_cq.cast::<SvCq>(),
+        recv_cq: recv_cq.cast::<SvCq>(),
         srq,
         sig_all: a.sq_sig_all != 0,
         caps,
         send: Mutex::new(SendSide::new()),
+        send_ops: 0,
+        ex: Mutex::new(super::qp_ex::ExBatch::default()),
         // SAFETY: ibv_qp_attr is plain C data; zero is a valid value.
         attr: Mutex::new(Box::new(unsafe { std::mem::zeroed() })),
     });
@@ -302,21 +357,25 @@ pub unsafe extern "C" fn create_qp(
         q.context = ctx;
         q.qp_context = a.qp_context;
         q.pd = pd;
-        q.send_cq = a.send_cq;
-        q.recv_cq = a.recv_cq;
+        q.send_cq = send_cq;
+        q.recv_cq = recv_cq;
         q.srq = a.srq;
         q.handle = qpn;
         q.qp_num = qpn;
         q.state = QpState::Reset as u32;
         q.qp_type = qp_type as u32;
         (*hdr).qp_ptr = raw as u64;
-        (*raw).recv_cq().recv_users.fetch_add(1, Ordering::AcqRel);
-        (*raw)
-            .send_cq()
-            .send_qps
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(raw as usize);
+        if !recv_cq.is_null() {
+            (*raw).recv_cq().recv_users.fetch_add(1, Ordering::AcqRel);
+        }
+        if !send_cq.is_null() {
+            (*raw)
+                .send_cq()
+                .send_qps
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(raw as usize);
+        }
     }
     super::events::register(raw as usize, ctx as usize, super::events::Kind::Qp);
     raw.cast()
@@ -354,12 +413,16 @@ pub unsafe extern "C" fn destroy_qp(qp: *mut ibv::ibv_qp) -> c_int {
         // SAFETY: `on` is false: the pointer is only a key.
         unsafe { super::progress::set(q, false) };
     }
-    q.send_cq()
-        .send_qps
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .retain(|&p| p != qp as usize);
-    q.recv_cq().recv_users.fetch_sub(1, Ordering::AcqRel);
+    if !q.send_cq.is_null() {
+        q.send_cq()
+            .send_qps
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|&p| p != qp as usize);
+    }
+    if !q.recv_cq.is_null() {
+        q.recv_cq().recv_users.fetch_sub(1, Ordering::AcqRel);
+    }
     let written = q.hdr().events.load(Ordering::SeqCst);
     match super::events::retire(qp as usize, written) {
         super::events::Retire::Free { read } => {
@@ -484,8 +547,7 @@ pub unsafe extern "C" fn modify_qp(
         q.hdr().qkey.store(a.qkey, Ordering::Release);
     }
     if mask & m::ATTR_DEST_QPN != 0 {
-        ss.dest_qpn = a.dest_qp_num;
-        ss.remote = None;
+        ss.set_dest(a.dest_qp_num);
     }
     if mask & m::ATTR_STATE != 0 {
         match next {
@@ -496,6 +558,12 @@ pub unsafe extern "C" fn modify_qp(
                 ss.pending.clear();
                 ss.set_waiting(q, false);
                 while q.rq.pop().is_some() {}
+                if !q.send_cq.is_null() {
+                    q.send_cq().clean(q.qpn);
+                }
+                if !q.recv_cq.is_null() && q.recv_cq != q.send_cq {
+                    q.recv_cq().clean(q.qpn);
+                }
             }
             _ => q.hdr().state.store(next as u32, Ordering::Release),
         }
@@ -589,7 +657,7 @@ pub unsafe extern "C" fn post_recv(
         // SAFETY: `wr` is a node of the caller's valid chain.
         let w = unsafe { &*wr };
         let st = q.state();
-        if !q.srq.is_null() || !st.can_post_recv() {
+        if !q.srq.is_null() || !q.qp_type.has_recv_queue() || !st.can_post_recv() {
             // SAFETY: caller contract.
             unsafe { set_bad(bad, wr) };
             return libc::EINVAL;

@@ -24,10 +24,20 @@ use crate::shm::Segment;
 pub struct Remote {
     pub(crate) cq: CqPort,
     qp: Arc<Segment>,
+    /// The context whose regions (and SRQ) serve requests: the QP's, or
+    /// for an XRC target the SRQ's.
     ctx: Arc<Segment>,
+    /// The QP's own context, where its events go.
+    qp_ctx: Arc<Segment>,
     rq: Ring<RecvWqe>,
     srq: Option<(Arc<Segment>, Ring<RecvWqe>)>,
     owner: Owner,
+    /// The PD its memory is checked against: the QP's, or for an XRC
+    /// target the SRQ's.
+    pd: u32,
+    /// The process whose memory the request reaches (the owner of the
+    /// regions: the QP's, or the XRC SRQ's).
+    pid: u32,
 }
 
 /// The process owning the responder, for [`Remote::owner_gone`].
@@ -127,14 +137,97 @@ impl Remote {
                 unsafe { Ring::attach(s.base().add(off), s.len() - off) }.ok_or_else(seg_err)?;
             Some((s, r))
         };
+        // SAFETY: checked above.
+        let pd = unsafe { (*h).pd };
         Ok(Self {
             qp,
+            qp_ctx: Arc::clone(&ctx),
             ctx,
             rq,
             srq,
             cq,
             owner: Owner::of(pid),
+            pd,
+            pid,
         })
+    }
+
+    /// Map the XRC target QP `qpn` with the XRC SRQ `srqn` a request names
+    /// (provider::xrc): the SRQ's receive ring, CQ, context (its regions)
+    /// and PD serve the request.
+    ///
+    /// # Errors
+    /// ENOENT when the QP does not exist (any more); EINVAL when it is not
+    /// an XRC target, when the SRQ does not exist or is not of the QP's
+    /// XRC domain; EPROTO for a malformed segment.
+    pub fn open_xrc(qpn: u32, srqn: u32) -> io::Result<Self> {
+        let qp = Segment::open(&format!("qp-{qpn}"))?;
+        let h = qp.base().cast::<QpHeader>();
+        // SAFETY: as in open: the magic is checked before anything else.
+        let (magic, qp_type, xrcd, pid, qp_ctx_id) =
+            unsafe { ((*h).magic, (*h).qp_type, (*h).xrcd, (*h).pid, (*h).ctx) };
+        if magic != MAGIC {
+            return Err(seg_err());
+        }
+        let invalid = || io::Error::from_raw_os_error(libc::EINVAL);
+        if qp_type != crate::model::qp::QpType::XrcRecv as u32 || xrcd == 0 {
+            return Err(invalid());
+        }
+        let off = ring_offset::<QpHeader>();
+        // SAFETY: as in open.
+        let rq = unsafe { Ring::attach(qp.base().add(off), qp.len() - off) }.ok_or_else(seg_err)?;
+        let s = Segment::open(&format!("srq-{srqn}")).map_err(|_| invalid())?;
+        let soff = ring_offset::<SrqHeader>();
+        // SAFETY: the length is checked before the header is read.
+        if s.len() < soff || unsafe { (*s.base().cast::<SrqHeader>()).magic } != MAGIC {
+            return Err(seg_err());
+        }
+        // SAFETY: checked just above.
+        let (s_xrcd, s_ctx, s_cq, s_pd, s_pid) = unsafe {
+            let sh = &*s.base().cast::<SrqHeader>();
+            (sh.xrcd, sh.ctx, sh.cq, sh.pd, sh.pid)
+        };
+        if s_xrcd != xrcd {
+            return Err(invalid());
+        }
+        // SAFETY: as for the QP ring.
+        let ring =
+            unsafe { Ring::attach(s.base().add(soff), s.len() - soff) }.ok_or_else(seg_err)?;
+        let ctx = Segment::open(&format!("ctx-{s_ctx}"))?;
+        // SAFETY: a context segment starts with its header.
+        if ctx.len() < CTX_BYTES || unsafe { (*ctx.base().cast::<CtxHeader>()).magic } != MAGIC {
+            return Err(seg_err());
+        }
+        let cq = CqPort::attach(Segment::open(&format!("cq-{s_cq}"))?).ok_or_else(seg_err)?;
+        let qp_ctx = Segment::open(&format!("ctx-{qp_ctx_id}"))?;
+        if qp_ctx.len() < CTX_BYTES
+            // SAFETY: the segment holds at least a context header (checked
+            // just before).
+            || unsafe { (*qp_ctx.base().cast::<CtxHeader>()).magic } != MAGIC
+        {
+            return Err(seg_err());
+        }
+        Ok(Self {
+            qp,
+            qp_ctx,
+            ctx,
+            rq,
+            srq: Some((s, ring)),
+            cq,
+            owner: Owner::of(pid),
+            pd: s_pd,
+            pid: s_pid,
+        })
+    }
+
+    /// The PD the responder's memory is checked against.
+    pub fn pd(&self) -> u32 {
+        self.pd
+    }
+
+    /// The process owning the memory a request reaches.
+    pub fn pid(&self) -> u32 {
+        self.pid
     }
 
     /// Announce a sleeper on every doorbell that rings when a request to
@@ -183,6 +276,7 @@ impl Remote {
     /// `dead` flag, model::device).
     pub fn dead(&self) -> bool {
         self.ctx_hdr().dead.load(Ordering::Acquire) != 0
+            || self.qp_ctx_hdr().dead.load(Ordering::Acquire) != 0
     }
 
     /// The responder's MR table.
@@ -195,6 +289,12 @@ impl Remote {
         // SAFETY: a context segment starts with its header (checked in
         // open); lives with `ctx`.
         unsafe { &*self.ctx.base().cast::<CtxHeader>() }
+    }
+
+    /// The header of the QP's own context (its events go there).
+    fn qp_ctx_hdr(&self) -> &CtxHeader {
+        // SAFETY: as ctx_hdr, for `qp_ctx`.
+        unsafe { &*self.qp_ctx.base().cast::<CtxHeader>() }
     }
 
     /// Take a receive WQE from the responder's ring or SRQ. Taking one from
@@ -261,7 +361,7 @@ impl Remote {
             h.doorbell.ring();
         }
         if let Some(ty) = event {
-            events::raise(self.ctx_hdr(), &h.events, &h.gone, h.qp_ptr, ty);
+            events::raise(self.qp_ctx_hdr(), &h.events, &h.gone, h.qp_ptr, ty);
         }
         if moved && self.srq.is_none() {
             // Pairs with the fence of the owner's post_recv: a receive it
@@ -321,7 +421,7 @@ impl Drop for Inside<'_> {
         if self.counted {
             let h = self.r.hdr();
             h.inflight.fetch_sub(1, Ordering::SeqCst);
-            events::last_wqe(self.r.ctx_hdr(), h);
+            events::last_wqe(self.r.qp_ctx_hdr(), h);
         }
     }
 }

@@ -35,6 +35,7 @@ use crate::model::qp::{QpState, QpType};
 use crate::model::ud::{self, AhInfo};
 use crate::model::wc::{
     access, opcode, send_completes, send_flags, send_wc_opcode, wr, WcStatus, WC_GRH, WC_WITH_IMM,
+    WC_WITH_INV,
 };
 use crate::shm::layout::{mr_lookup, Cqe, RecvWqe, Sge, MAX_SGE};
 use crate::sys::ibv;
@@ -63,6 +64,10 @@ pub struct Wr {
     swap: u64,
     /// UD: the destination (address handle, QPN, Q_Key).
     ud: Option<UdDest>,
+    /// `IBV_WR_BIND_MW`: the bind.
+    bind: Option<super::mw::BindOp>,
+    /// XRC_SEND: the responder's SRQ (`qp_type.xrc.remote_srqn`).
+    srqn: u32,
     owned: Option<Vec<u8>>,
     since: Option<Instant>,
     /// Since when the responder has not answered this WR at all (the
@@ -99,6 +104,8 @@ pub struct SendSide {
     pub transport_timeout: Option<Duration>,
     /// UD: the destinations sent to so far, by QPN.
     ud_peers: HashMap<u32, Remote>,
+    /// XRC_SEND: the responder with each SRQ sent to so far, by SRQ number.
+    xrc: HashMap<u32, Remote>,
     waiting: bool,
 }
 
@@ -111,8 +118,17 @@ impl SendSide {
             pending: Pending::new(),
             transport_timeout: None,
             ud_peers: HashMap::new(),
+            xrc: HashMap::new(),
             waiting: false,
         }
+    }
+
+    /// A new destination (`IBV_QP_DEST_QPN`): forget the responders mapped
+    /// for the old one.
+    pub fn set_dest(&mut self, qpn: u32) {
+        self.dest_qpn = qpn;
+        self.remote = None;
+        self.xrc.clear();
     }
 
     /// Keep the send CQ's count of QPs with waiting WRs in step.
@@ -147,24 +163,56 @@ enum Outcome {
     NoAnswer,
 }
 
+/// Check `[addr, addr+len)` (addresses as the region's users name them)
+/// against a region: PD, range and access; a type-2 memory window also
+/// names the one QP (`qpn`) that may use it. The owner's address of
+/// `addr`, or `None`.
 fn check(
     info: Option<crate::shm::layout::MrInfo>,
     pd: u32,
+    qpn: u32,
     addr: u64,
     len: u64,
     need: u32,
-) -> bool {
-    info.is_some_and(|m| {
-        m.pd == pd && m.contains(addr, len) && (need == 0 || m.access & need == need)
+) -> Option<u64> {
+    info.filter(|m| {
+        m.pd == pd
+            && (m.qpn == 0 || m.qpn == qpn)
+            && m.contains(addr, len)
+            && (need == 0 || m.access & need == need)
     })
+    .map(|m| m.translate(addr))
+}
+
+/// [`check`] for an lkey: a memory window is never one.
+fn check_local(
+    info: Option<crate::shm::layout::MrInfo>,
+    pd: u32,
+    qpn: u32,
+    addr: u64,
+    len: u64,
+    need: u32,
+) -> Option<u64> {
+    check(info.filter(|m| m.parent == 0), pd, qpn, addr, len, need)
 }
 
 /// The responder's check of an RDMA WRITE/READ target: rkey, PD, range and
-/// access against its MR table. A zero-length transfer checks neither key
-/// nor address (InfiniBand spec, C9-88: R_Key and VA need not be valid when
-/// the DMA length is zero); the QP's remote access flags still apply.
-fn remote_ok(r: &Remote, pd: u32, w: &Wr, len: u64, need: u32) -> bool {
-    len == 0 || check(mr_lookup(r.mrs(), w.rkey), pd, w.remote_addr, len, need)
+/// access against its MR table; the owner's address of the target. A
+/// zero-length transfer checks neither key nor address (InfiniBand spec,
+/// C9-88: R_Key and VA need not be valid when the DMA length is zero); the
+/// QP's remote access flags still apply.
+fn remote_ok(r: &Remote, pd: u32, w: &Wr, len: u64, need: u32) -> Option<u64> {
+    if len == 0 {
+        return Some(w.remote_addr);
+    }
+    check(
+        mr_lookup(r.mrs(), w.rkey),
+        pd,
+        r.hdr().qpn,
+        w.remote_addr,
+        len,
+        need,
+    )
 }
 
 fn local_spans(q: &SvQp, w: &Wr, out: &mut [Span; MAX_SGE]) -> Option<u64> {
@@ -175,14 +223,20 @@ fn local_spans(q: &SvQp, w: &Wr, out: &mut [Span; MAX_SGE]) -> Option<u64> {
     let inline = w.flags & send_flags::INLINE != 0 && !writes_local;
     let mut total = 0u64;
     for (i, s) in w.sge[..w.nsge].iter().enumerate() {
-        if !inline
-            && s.length > 0
-            && !check(mr_lookup(mrs, s.lkey), q.pd, s.addr, s.length as u64, need)
-        {
-            return None;
-        }
+        let addr = if inline || s.length == 0 {
+            s.addr
+        } else {
+            check_local(
+                mr_lookup(mrs, s.lkey),
+                q.pd,
+                q.qpn,
+                s.addr,
+                s.length as u64,
+                need,
+            )?
+        };
         out[i] = Span {
-            addr: s.addr,
+            addr,
             len: s.length as usize,
         };
         total += s.length as u64;
@@ -200,18 +254,21 @@ fn recv_cqe(
     op: u32,
 ) -> Cqe {
     let imm = w.opcode == wr::SEND_WITH_IMM || w.opcode == wr::RDMA_WRITE_WITH_IMM;
+    let inv = w.opcode == wr::SEND_WITH_INV && status == WcStatus::Success;
     Cqe {
         wr_id: wqe.wr_id,
         status: status as u32,
         opcode: op,
         byte_len: len,
-        imm: if imm { w.imm } else { 0 },
+        // The immediate data, or the invalidated rkey (one union in ibv_wc).
+        imm: if imm || inv { w.imm } else { 0 },
         qp_num: r.hdr().qpn,
         src_qp: q.qpn,
-        wc_flags: if imm { WC_WITH_IMM } else { 0 },
+        wc_flags: if imm { WC_WITH_IMM } else { 0 } | if inv { WC_WITH_INV } else { 0 },
         solicited: (w.flags & send_flags::SOLICITED != 0) as u32,
         sl: 0,
         pkey_index: 0,
+        ts: 0,
     }
 }
 
@@ -220,7 +277,7 @@ fn recv_cqe(
 fn responder_failed(r: &Remote, status: WcStatus) -> Outcome {
     // Only an RC responder NAKs and enters ERR; a UC one drops the message
     // (its receive, if one was consumed, reports the error).
-    if r.hdr().qp_type == QpType::Rc as u32 {
+    if QpType::from_u32(r.hdr().qp_type).is_some_and(QpType::reliable) {
         if let Some(event) = crate::model::event::responder_error(status) {
             r.fail(event);
         }
@@ -239,14 +296,24 @@ fn no_receive(r: &Remote) -> Outcome {
 }
 
 fn execute(q: &SvQp, ss: &mut SendSide, w: &Wr) -> Outcome {
+    // Memory-window operations act on this context alone, in order with
+    // the work requests before them.
+    match (w.opcode, w.bind) {
+        (wr::BIND_MW, Some(b)) => return Outcome::Done(super::mw::bind(q, &b), 0),
+        (wr::BIND_MW, None) => return Outcome::Done(WcStatus::MwBindErr, 0),
+        (wr::LOCAL_INV, _) => return Outcome::Done(super::mw::local_invalidate(q, w.imm), 0),
+        _ => {}
+    }
     let mut local = [Span::default(); MAX_SGE];
     let Some(len) = local_spans(q, w, &mut local) else {
         return Outcome::Done(WcStatus::LocProtErr, 0);
     };
     let local = &local[..w.nsge];
     match q.qp_type {
-        QpType::Rc => execute_connected(q, ss, w, local, len),
+        QpType::Rc | QpType::XrcSend => execute_connected(q, ss, w, local, len),
         QpType::Ud => execute_ud(q, ss, w, local, len),
+        // Never posted to (it has no send queue: EINVAL at post).
+        QpType::XrcRecv => Outcome::Done(WcStatus::LocQpOpErr, 0),
         // UC: no ACK, no NAK, no retry. Whatever the responder could not
         // take (not ready, no receive, an access violation, a peer that
         // is gone) is dropped and the requester's completion is a success;
@@ -314,25 +381,29 @@ fn execute_ud(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u64) -> 
         solicited: (w.flags & send_flags::SOLICITED != 0) as u32,
         sl: u32::from(d.ah.sl),
         pkey_index: 0,
+        ts: 0,
     };
     let mut dst = [Span::default(); MAX_SGE];
     let mut cap = 0u64;
     for (i, s) in wqe.sges().iter().enumerate() {
-        if s.length > 0
-            && !check(
-                mr_lookup(r.mrs(), s.lkey),
-                rh.pd,
-                s.addr,
-                u64::from(s.length),
-                access::LOCAL_WRITE,
-            )
-        {
+        let addr = if s.length == 0 {
+            s.addr
+        } else if let Some(a) = check_local(
+            mr_lookup(r.mrs(), s.lkey),
+            r.pd(),
+            rh.qpn,
+            s.addr,
+            u64::from(s.length),
+            access::LOCAL_WRITE,
+        ) {
+            a
+        } else {
             cqe.status = WcStatus::LocProtErr as u32;
             r.cq.push(cqe);
             return sent;
-        }
+        };
         dst[i] = Span {
-            addr: s.addr,
+            addr,
             len: s.length as usize,
         };
         cap += u64::from(s.length);
@@ -351,7 +422,7 @@ fn execute_ud(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u64) -> 
     src[1..=local.len()].copy_from_slice(local);
     // SAFETY: `src` is the local GRH array and spans validated against
     // our MR table (or inline buffers); `dst` against the responder's.
-    if !unsafe { write_to(rh.pid, &dst[..wqe.sges().len()], &src[..=local.len()]) } {
+    if !unsafe { write_to(r.pid(), &dst[..wqe.sges().len()], &src[..=local.len()]) } {
         if !r.owner_gone() {
             cqe.status = WcStatus::LocProtErr as u32;
             r.cq.push(cqe);
@@ -364,18 +435,44 @@ fn execute_ud(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u64) -> 
 }
 
 /// An RC or UC request to the connected responder.
-fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u64) -> Outcome {
+/// The responder of a connected QP's request: the QP at `dest_qpn`, or
+/// for XRC that QP with the SRQ the request names.
+fn responder<'a>(q: &SvQp, ss: &'a mut SendSide, w: &Wr) -> Result<&'a Remote, Outcome> {
+    if q.qp_type == QpType::XrcSend {
+        if ss.xrc.len() >= UD_PEERS {
+            ss.xrc.clear();
+        }
+        if !ss.xrc.contains_key(&w.srqn) {
+            match Remote::open_xrc(ss.dest_qpn, w.srqn) {
+                Ok(r) => {
+                    ss.xrc.insert(w.srqn, r);
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    // Not an XRC target, or an SRQ outside its domain:
+                    // the target NAKs the request as invalid.
+                    return Err(Outcome::Done(WcStatus::RemInvReqErr, 0));
+                }
+                Err(_) => return Err(Outcome::NoAnswer),
+            }
+        }
+        return ss.xrc.get(&w.srqn).ok_or(Outcome::WaitPeer);
+    }
     if ss.remote.is_none() {
         match Remote::open(ss.dest_qpn) {
             Ok(r) => ss.remote = Some(r),
             // A QPN is only learnt after its QP was created, so a missing
             // segment means the responder is gone: requests to it are
             // dropped, as by hardware for an unknown QPN.
-            Err(_) => return Outcome::NoAnswer,
+            Err(_) => return Err(Outcome::NoAnswer),
         }
     }
-    let Some(r) = ss.remote.as_ref() else {
-        return Outcome::WaitPeer;
+    ss.remote.as_ref().ok_or(Outcome::WaitPeer)
+}
+
+fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u64) -> Outcome {
+    let r = match responder(q, ss, w) {
+        Ok(r) => r,
+        Err(o) => return o,
     };
     if r.dead() {
         // The responder's device died (model::device): it never answers.
@@ -397,13 +494,13 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
         return Outcome::NoAnswer;
     }
     let rh = r.hdr();
-    if rh.qp_type != q.qp_type as u32 {
+    if rh.qp_type != q.qp_type.peer() as u32 {
         // Another transport: the packets are not for it.
         return Outcome::NoAnswer;
     }
-    let pid = rh.pid;
+    let pid = r.pid();
     match w.opcode {
-        wr::SEND | wr::SEND_WITH_IMM => {
+        wr::SEND | wr::SEND_WITH_IMM | wr::SEND_WITH_INV => {
             let Some(wqe) = r.pop_recv() else {
                 return no_receive(r);
             };
@@ -411,15 +508,19 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
             let mut cap = 0u64;
             let mrs = r.mrs();
             for (i, s) in wqe.sges().iter().enumerate() {
-                if s.length > 0
-                    && !check(
+                let addr = if s.length == 0 {
+                    Some(s.addr)
+                } else {
+                    check_local(
                         mr_lookup(mrs, s.lkey),
-                        rh.pd,
+                        r.pd(),
+                        rh.qpn,
                         s.addr,
                         s.length as u64,
                         access::LOCAL_WRITE,
                     )
-                {
+                };
+                let Some(addr) = addr else {
                     r.cq.push(recv_cqe(
                         r,
                         &wqe,
@@ -430,9 +531,9 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
                         opcode::RECV,
                     ));
                     return responder_failed(r, WcStatus::RemOpErr);
-                }
+                };
                 dst[i] = Span {
-                    addr: s.addr,
+                    addr,
                     len: s.length as usize,
                 };
                 cap += s.length as u64;
@@ -467,6 +568,23 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
                 ));
                 return responder_failed(r, WcStatus::RemOpErr);
             }
+            // SEND with invalidate: the responder invalidates the key, a
+            // type-2 window bound to its QP (model::mr::mw); any other key
+            // is an invalid request.
+            if w.opcode == wr::SEND_WITH_INV
+                && !super::mw::invalidate(r.mrs(), w.imm, r.pd(), rh.qpn)
+            {
+                r.cq.push(recv_cqe(
+                    r,
+                    &wqe,
+                    q,
+                    w,
+                    WcStatus::LocProtErr,
+                    0,
+                    opcode::RECV,
+                ));
+                return responder_failed(r, WcStatus::RemInvReqErr);
+            }
             r.cq.push(recv_cqe(
                 r,
                 &wqe,
@@ -479,11 +597,14 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
             Outcome::Done(WcStatus::Success, len as u32)
         }
         wr::RDMA_WRITE | wr::RDMA_WRITE_WITH_IMM => {
-            let ok = rh.access.load(Ordering::Acquire) & access::REMOTE_WRITE != 0
-                && remote_ok(r, rh.pd, w, len, access::REMOTE_WRITE);
-            if !ok {
+            let target = if rh.access.load(Ordering::Acquire) & access::REMOTE_WRITE != 0 {
+                remote_ok(r, r.pd(), w, len, access::REMOTE_WRITE)
+            } else {
+                None
+            };
+            let Some(target) = target else {
                 return responder_failed(r, WcStatus::RemAccessErr);
-            }
+            };
             let wqe = if w.opcode == wr::RDMA_WRITE_WITH_IMM {
                 match r.pop_recv() {
                     Some(x) => Some(x),
@@ -493,7 +614,7 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
                 None
             };
             let dst = [Span {
-                addr: w.remote_addr,
+                addr: target,
                 len: len as usize,
             }];
             // SAFETY: validated as in the SEND arm.
@@ -528,13 +649,16 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
             Outcome::Done(WcStatus::Success, len as u32)
         }
         wr::RDMA_READ => {
-            let ok = rh.access.load(Ordering::Acquire) & access::REMOTE_READ != 0
-                && remote_ok(r, rh.pd, w, len, access::REMOTE_READ);
-            if !ok {
+            let source = if rh.access.load(Ordering::Acquire) & access::REMOTE_READ != 0 {
+                remote_ok(r, r.pd(), w, len, access::REMOTE_READ)
+            } else {
+                None
+            };
+            let Some(source) = source else {
                 return responder_failed(r, WcStatus::RemAccessErr);
-            }
+            };
             let src = [Span {
-                addr: w.remote_addr,
+                addr: source,
                 len: len as usize,
             }];
             // SAFETY: local spans validated with LOCAL_WRITE; remote as above.
@@ -547,8 +671,52 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
             Outcome::Done(WcStatus::Success, len as u32)
         }
         wr::ATOMIC_CMP_AND_SWP | wr::ATOMIC_FETCH_AND_ADD => atomic(r, w, local, len),
+        wr::ATOMIC_WRITE => atomic_write(r, w, local, len),
         _ => Outcome::Done(WcStatus::LocQpOpErr, 0),
     }
+}
+
+/// An atomic write (model::atomic): exactly 8 bytes (else the request is
+/// invalid), remote write access on the region and the QP, 8-byte
+/// alignment, then the store under the word's machine-wide lock, so that
+/// no other atomic sees half of it.
+fn atomic_write(r: &Remote, w: &Wr, local: &[Span], len: u64) -> Outcome {
+    use crate::model::atomic::{aligned, AtomicOp, ATOMIC_LEN};
+    if len != u64::from(ATOMIC_LEN) {
+        return Outcome::Done(WcStatus::LocLenErr, 0);
+    }
+    let mut value = 0u64;
+    let here = [Span {
+        addr: std::ptr::addr_of_mut!(value) as u64,
+        len: 8,
+    }];
+    // SAFETY: `local` was validated against our MR table (or is inline
+    // data owned by the WR); `here` is the local variable.
+    if !unsafe { read_from(super::xfer::my_pid(), &here, local) } {
+        return Outcome::Done(WcStatus::LocProtErr, 0);
+    }
+    let rh = r.hdr();
+    let target = if rh.access.load(Ordering::Acquire) & access::REMOTE_WRITE != 0 {
+        remote_ok(r, r.pd(), w, len, access::REMOTE_WRITE)
+    } else {
+        None
+    };
+    let Some(target) = target else {
+        return responder_failed(r, WcStatus::RemAccessErr);
+    };
+    if !aligned(w.remote_addr) || !aligned(target) {
+        return responder_failed(r, WcStatus::RemInvReqErr);
+    }
+    // SAFETY: the word lies in a region the responder registered with
+    // REMOTE_WRITE (checked above) and is aligned; in another process the
+    // kernel checks the range again.
+    if unsafe { super::xfer::atomic_rmw(r.pid(), target, AtomicOp::Write { value }) }.is_none() {
+        if r.owner_gone() {
+            return Outcome::NoAnswer;
+        }
+        return responder_failed(r, WcStatus::RemAccessErr);
+    }
+    Outcome::Done(WcStatus::Success, ATOMIC_LEN)
 }
 
 /// The responder part of a remote atomic (model::atomic): access checks,
@@ -562,18 +730,22 @@ fn atomic(r: &Remote, w: &Wr, local: &[Span], local_len: u64) -> Outcome {
         return Outcome::Done(WcStatus::LocLenErr, 0);
     }
     let rh = r.hdr();
-    let ok = rh.access.load(Ordering::Acquire) & access::REMOTE_ATOMIC != 0
-        && check(
+    let target = if rh.access.load(Ordering::Acquire) & access::REMOTE_ATOMIC != 0 {
+        check(
             mr_lookup(r.mrs(), w.rkey),
-            rh.pd,
+            r.pd(),
+            rh.qpn,
             w.remote_addr,
             u64::from(ATOMIC_LEN),
             access::REMOTE_ATOMIC,
-        );
-    if !ok {
+        )
+    } else {
+        None
+    };
+    let Some(target) = target else {
         return responder_failed(r, WcStatus::RemAccessErr);
-    }
-    if !aligned(w.remote_addr) {
+    };
+    if !aligned(w.remote_addr) || !aligned(target) {
         return responder_failed(r, WcStatus::RemInvReqErr);
     }
     let op = if w.opcode == wr::ATOMIC_CMP_AND_SWP {
@@ -587,7 +759,7 @@ fn atomic(r: &Remote, w: &Wr, local: &[Span], local_len: u64) -> Outcome {
     // SAFETY: the word lies in a region the responder registered with
     // REMOTE_ATOMIC (checked just above) and is aligned; in another
     // process the kernel checks the range again.
-    let Some(old) = (unsafe { super::xfer::atomic_rmw(rh.pid, w.remote_addr, op) }) else {
+    let Some(old) = (unsafe { super::xfer::atomic_rmw(r.pid(), target, op) }) else {
         if r.owner_gone() {
             return Outcome::NoAnswer;
         }
@@ -801,10 +973,27 @@ pub unsafe extern "C" fn post_send(
                 0
             },
             ud,
+            bind: None,
+            srqn: if q.qp_type == QpType::XrcSend {
+                // SAFETY: the xrc arm, which an XRC_SEND caller fills.
+                unsafe { x.qp_type.xrc.remote_srqn }
+            } else {
+                0
+            },
             owned: None,
             since: None,
             silent_since: None,
         };
+        if x.opcode == wr::BIND_MW {
+            // SAFETY: the bind_mw arm, which this opcode says the caller
+            // filled; its window and region are live objects of ours.
+            let b = unsafe { x.bind_mw_tso_union.bind_mw };
+            if b.mw.is_null() {
+                return fail(libc::EINVAL);
+            }
+            // SAFETY: as above.
+            w.bind = Some(unsafe { super::mw::bind_op(x) });
+        }
         let mut inline_len = 0u32;
         for i in 0..n {
             // SAFETY: i < num_sge entries of the caller's sg_list.

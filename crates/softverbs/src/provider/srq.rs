@@ -29,6 +29,8 @@ pub struct SvSrq {
     seg: Arc<Segment>,
     ring: Ring<RecvWqe>,
     max_sge: u32,
+    /// An XRC SRQ's CQ (its receives complete there), else null.
+    pub xrc_cq: *const super::cq::SvCq,
 }
 
 impl SvSrq {
@@ -56,7 +58,22 @@ pub unsafe extern "C" fn create_srq(
     attr: *mut ibv::ibv_srq_init_attr,
 ) -> *mut ibv::ibv_srq {
     // SAFETY: caller contract.
-    let (a, c) = unsafe { (&mut (*attr).attr, inner((*pd).context)) };
+    unsafe { make_srq(pd, &mut (*attr).attr, 0, std::ptr::null_mut()) }.cast()
+}
+
+/// Build an SRQ: a basic one (`xrcd` 0, `cq` null) or an XRC SRQ of
+/// domain `xrcd` completing into `cq` (provider::xrc).
+///
+/// # Safety
+/// `pd` is a PD of this provider; `cq` is null or a CQ of it.
+pub unsafe fn make_srq(
+    pd: *mut ibv::ibv_pd,
+    a: &mut ibv::ibv_srq_attr,
+    xrcd: u32,
+    cq: *mut ibv::ibv_cq,
+) -> *mut SvSrq {
+    // SAFETY: caller contract.
+    let c = unsafe { inner((*pd).context) };
     if c.dead() {
         return super::dead();
     }
@@ -85,6 +102,10 @@ pub unsafe extern "C" fn create_srq(
         (*h).pid = std::process::id();
         (*h).ctx = c.id;
         (*h).pd = pdid;
+        (*h).xrcd = xrcd;
+        if !cq.is_null() {
+            (*h).cq = super::cq::sv(cq).id;
+        }
         (*h).magic = MAGIC;
     }
     a.max_wr = cap as u32;
@@ -96,9 +117,11 @@ pub unsafe extern "C" fn create_srq(
         seg,
         ring,
         max_sge: a.max_sge.max(1),
+        xrc_cq: cq.cast::<super::cq::SvCq>(),
     });
     let raw = Box::into_raw(srq);
-    // SAFETY: the live box; libibverbs fills context/pd/srq_context after.
+    // SAFETY: the live box; libibverbs fills context/pd/srq_context after
+    // create_srq (create_srq_ex fills them itself, provider::xrc).
     // The SRQ id is not known to anybody yet: the header is still ours.
     unsafe {
         (*raw).vsrq.srq.handle = id;
@@ -110,7 +133,11 @@ pub unsafe extern "C" fn create_srq(
     // SAFETY: `pd` is live (caller contract).
     let ctx = unsafe { (*pd).context };
     super::events::register(raw as usize, ctx as usize, super::events::Kind::Srq);
-    raw.cast()
+    if !cq.is_null() {
+        // SAFETY: a live CQ of ours; it cannot be destroyed while counted.
+        unsafe { super::cq::sv(cq).recv_users.fetch_add(1, Ordering::AcqRel) };
+    }
+    raw
 }
 
 /// `destroy_srq`. Waits until the application acked the async events it
@@ -124,6 +151,10 @@ pub unsafe extern "C" fn destroy_srq(srq: *mut ibv::ibv_srq) -> c_int {
     let s = unsafe { &*srq.cast::<SvSrq>() };
     s.hdr().gone.store(1, Ordering::SeqCst);
     s.hdr().limit.store(0, Ordering::Release);
+    if !s.xrc_cq.is_null() {
+        // SAFETY: counted in make_srq, so the CQ is still live.
+        unsafe { (*s.xrc_cq).recv_users.fetch_sub(1, Ordering::AcqRel) };
+    }
     let written = s.hdr().events.load(Ordering::SeqCst);
     match super::events::retire(srq as usize, written) {
         super::events::Retire::Free { read } => {

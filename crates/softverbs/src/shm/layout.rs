@@ -17,8 +17,21 @@ pub const MAX_SGE: usize = 8;
 /// Memory-region slots per context.
 pub const MR_SLOTS: usize = 4096;
 
-/// Bits of an lkey/rkey that index the MR table.
+/// Bits of an lkey/rkey that index the MR table (bits 8..20; the low 8
+/// bits are the consumer's key byte, which `ibv_inc_rkey` changes for a
+/// memory window, the top 12 a generation).
 pub const MR_INDEX_BITS: u32 = 12;
+
+/// The key of slot `index` with tag `tag` (its low 8 bits become the key
+/// byte, the next 12 the generation bits).
+pub fn make_key(index: u32, tag: u32) -> u32 {
+    (((tag >> 8) & 0xfff) << 20) | ((index & ((1 << MR_INDEX_BITS) - 1)) << 8) | (tag & 0xff)
+}
+
+/// The slot a key names.
+pub fn key_index(key: u32) -> usize {
+    ((key >> 8) & ((1 << MR_INDEX_BITS) - 1)) as usize
+}
 
 /// A context's header, followed by the MR table.
 #[repr(C, align(64))]
@@ -55,11 +68,20 @@ pub struct MrSlot {
     pub pd: AtomicU32,
     /// `ibv_access_flags`.
     pub access: AtomicU32,
-    _pad: u32,
+    /// A type-2 memory window's QP (only that QP may use the key); 0: any.
+    pub qpn: AtomicU32,
     /// Start address in the owner's address space.
     pub addr: AtomicU64,
     /// Length in bytes.
     pub len: AtomicU64,
+    /// The address the region's users name its first byte with (its I/O
+    /// virtual address: `addr` for `ibv_reg_mr`, the caller's for
+    /// `ibv_reg_mr_iova`, 0 for zero-based device memory).
+    pub iova: AtomicU64,
+    /// A memory window: the slot of the region it is bound to; 0 for a
+    /// region (slot 0 is never used).
+    pub parent: AtomicU32,
+    _pad: u32,
 }
 
 /// A validated snapshot of a memory region.
@@ -69,19 +91,44 @@ pub struct MrInfo {
     pub pd: u32,
     /// Access flags.
     pub access: u32,
-    /// Start address.
+    /// Type-2 memory window: the only QP that may use it (0: any).
+    pub qpn: u32,
+    /// Start address in the owner's address space.
     pub addr: u64,
     /// Length.
     pub len: u64,
+    /// The address users name the first byte with ([`MrSlot::iova`]).
+    pub iova: u64,
+    /// A memory window: its region's slot ([`MrSlot::parent`]); 0: a region.
+    pub parent: u32,
 }
 
 impl MrInfo {
-    /// Whether `[addr, addr+len)` lies inside the region.
-    pub fn contains(&self, addr: u64, len: u64) -> bool {
-        addr >= self.addr
-            && addr
+    /// A region whose users name its bytes by their own addresses.
+    pub fn at(pd: u32, access: u32, addr: u64, len: u64) -> Self {
+        Self {
+            pd,
+            access,
+            qpn: 0,
+            addr,
+            len,
+            iova: addr,
+            parent: 0,
+        }
+    }
+
+    /// Whether `[iova, iova+len)` (addresses as the region's users name
+    /// them) lies inside the region.
+    pub fn contains(&self, iova: u64, len: u64) -> bool {
+        iova >= self.iova
+            && iova
                 .checked_add(len)
-                .is_some_and(|end| end <= self.addr.saturating_add(self.len))
+                .is_some_and(|end| end <= self.iova.saturating_add(self.len))
+    }
+
+    /// The owner's address of `iova` (inside the region, [`Self::contains`]).
+    pub fn translate(&self, iova: u64) -> u64 {
+        self.addr.wrapping_add(iova.wrapping_sub(self.iova))
     }
 }
 
@@ -102,15 +149,18 @@ pub unsafe fn mr_table<'a>(base: *mut u8) -> &'a [MrSlot] {
 
 /// Look up `key` in a table; `None` if absent or changing.
 pub fn mr_lookup(table: &[MrSlot], key: u32) -> Option<MrInfo> {
-    let slot = table.get((key & ((1 << MR_INDEX_BITS) - 1)) as usize)?;
+    let slot = table.get(key_index(key))?;
     if key == 0 || slot.key.load(Ordering::Acquire) != key {
         return None;
     }
     let info = MrInfo {
         pd: slot.pd.load(Ordering::Relaxed),
         access: slot.access.load(Ordering::Relaxed),
+        qpn: slot.qpn.load(Ordering::Relaxed),
         addr: slot.addr.load(Ordering::Relaxed),
         len: slot.len.load(Ordering::Relaxed),
+        iova: slot.iova.load(Ordering::Relaxed),
+        parent: slot.parent.load(Ordering::Relaxed),
     };
     (slot.key.load(Ordering::Acquire) == key).then_some(info)
 }
@@ -121,6 +171,9 @@ pub fn mr_publish(slot: &MrSlot, key: u32, info: MrInfo) {
     slot.access.store(info.access, Ordering::Relaxed);
     slot.addr.store(info.addr, Ordering::Relaxed);
     slot.len.store(info.len, Ordering::Relaxed);
+    slot.qpn.store(info.qpn, Ordering::Relaxed);
+    slot.iova.store(info.iova, Ordering::Relaxed);
+    slot.parent.store(info.parent, Ordering::Relaxed);
     slot.key.store(key, Ordering::Release);
 }
 
@@ -150,6 +203,9 @@ pub struct Cqe {
     pub sl: u32,
     /// P_Key index (UD receives: the receiving QP's).
     pub pkey_index: u32,
+    /// The device clock when the completion was added, 0 until then
+    /// (provider::clock).
+    pub ts: u64,
 }
 
 /// A CQ's header, followed by a ring of [`Cqe`].
@@ -172,6 +228,10 @@ pub struct CqHeader {
     pub overflow: AtomicU32,
     /// Async fd of the owning context (copied for peers).
     pub async_fd: AtomicI32,
+    /// Non-zero once `ibv_resize_cq` grew the CQ into a new ring: the id of
+    /// the segment `cq-<id>` completions go to from then on
+    /// (provider::notify).
+    pub moved_to: AtomicU32,
 }
 
 /// A receive work request as stored in a receive ring.
@@ -261,6 +321,8 @@ pub struct QpHeader {
     pub doorbell: Doorbell,
     /// UD: the QP's Q_Key (`IBV_QP_QKEY`), checked by senders.
     pub qkey: AtomicU32,
+    /// XRC target: the id of its XRC domain (provider::xrc).
+    pub xrcd: u32,
 }
 
 /// An SRQ's header, followed by its receive ring.
@@ -287,6 +349,10 @@ pub struct SrqHeader {
     pub srq_ptr: u64,
     /// Rung by the owner after posting receives (shm::doorbell).
     pub doorbell: Doorbell,
+    /// XRC SRQ: the id of its XRC domain (0: a basic SRQ).
+    pub xrcd: u32,
+    /// XRC SRQ: the id of its CQ, where its receives complete.
+    pub cq: u32,
 }
 
 /// Size of a segment holding header `H` then a ring of `cap` `T`s.
@@ -334,7 +400,7 @@ mod tests {
         assert_eq!(offset_of!(CtxHeader, dead), 16);
         assert_eq!(offset_of!(CtxHeader, async_ino), 24);
         assert_eq!(size_of::<CtxHeader>(), 64);
-        assert_eq!(CTX_BYTES, 64 + MR_SLOTS * 32);
+        assert_eq!(CTX_BYTES, 64 + MR_SLOTS * 48);
     }
 
     #[test]
@@ -364,19 +430,36 @@ mod tests {
 
     #[test]
     fn sizes() {
-        assert_eq!(size_of::<MrSlot>(), 32);
-        assert_eq!(size_of::<Cqe>(), 48);
+        assert_eq!(size_of::<MrSlot>(), 48);
+        assert_eq!(std::mem::offset_of!(MrSlot, iova), 32);
+        assert_eq!(std::mem::offset_of!(MrSlot, parent), 40);
+        // Keys: the slot in bits 8..20, the consumer's byte below it.
+        for (i, tag) in [(1u32, 1u32), (4095, 0xf_ffff), (77, 0x1234)] {
+            let k = make_key(i, tag);
+            assert_ne!(k, 0);
+            assert_eq!(key_index(k), i as usize);
+            assert_eq!(
+                key_index((k & !0xff) | (k.wrapping_add(1) & 0xff)),
+                i as usize
+            );
+        }
+        assert_eq!(size_of::<Cqe>(), 56);
         assert_eq!(size_of::<Sge>(), 16);
         assert_eq!(size_of::<RecvWqe>(), 16 + 16 * MAX_SGE);
-        let m = MrInfo {
-            pd: 1,
-            access: 0,
-            addr: 100,
-            len: 10,
-        };
+        let m = MrInfo::at(1, 0, 100, 10);
         assert!(m.contains(100, 10));
         assert!(!m.contains(101, 10));
         assert!(!m.contains(99, 1));
         assert!(!m.contains(u64::MAX, 2));
+        assert_eq!(m.translate(105), 105);
+        // Zero-based (device memory): users name the bytes 0..10.
+        let z = MrInfo { iova: 0, ..m };
+        assert!(z.contains(0, 10));
+        assert!(!z.contains(1, 10));
+        assert_eq!(z.translate(4), 104);
+        // Implicit ODP: the whole address space.
+        let all = MrInfo::at(1, 0, 0, u64::MAX);
+        assert!(all.contains(0x7fff_0000_1000, 4096));
+        assert_eq!(all.translate(0x1234), 0x1234);
     }
 }

@@ -156,18 +156,33 @@ pub type Unused = Option<unsafe extern "C" fn()>;
 #[derive(Debug, Default)]
 #[allow(missing_docs)]
 pub struct VerbsContextOps {
-    pub advise_mr: Unused,
-    pub alloc_dm: Unused,
-    pub alloc_mw: Unused,
+    pub advise_mr:
+        Option<unsafe extern "C" fn(*mut ibv::ibv_pd, u32, u32, *mut ibv::ibv_sge, u32) -> c_int>,
+    pub alloc_dm: Option<
+        unsafe extern "C" fn(
+            *mut ibv::ibv_context,
+            *mut ibv::ibv_alloc_dm_attr,
+        ) -> *mut ibv::ibv_dm,
+    >,
+    pub alloc_mw: Option<unsafe extern "C" fn(*mut ibv::ibv_pd, u32) -> *mut ibv::ibv_mw>,
     pub alloc_null_mr: Unused,
-    pub alloc_parent_domain: Unused,
+    pub alloc_parent_domain: Option<
+        unsafe extern "C" fn(
+            *mut ibv::ibv_context,
+            *mut ibv::ibv_parent_domain_init_attr,
+        ) -> *mut ibv::ibv_pd,
+    >,
     pub alloc_pd: Option<unsafe extern "C" fn(*mut ibv::ibv_context) -> *mut ibv::ibv_pd>,
-    pub alloc_td: Unused,
+    pub alloc_td: Option<
+        unsafe extern "C" fn(*mut ibv::ibv_context, *mut ibv::ibv_td_init_attr) -> *mut ibv::ibv_td,
+    >,
     pub async_event: Option<unsafe extern "C" fn(*mut ibv::ibv_context, *mut ibv::ibv_async_event)>,
     pub attach_counters_point_flow: Unused,
     pub attach_mcast: Unused,
-    pub bind_mw: Unused,
-    pub close_xrcd: Unused,
+    pub bind_mw: Option<
+        unsafe extern "C" fn(*mut ibv::ibv_qp, *mut ibv::ibv_mw, *mut ibv::ibv_mw_bind) -> c_int,
+    >,
+    pub close_xrcd: Option<unsafe extern "C" fn(*mut ibv::ibv_xrcd) -> c_int>,
     pub cq_event: Option<unsafe extern "C" fn(*mut ibv::ibv_cq)>,
     pub create_ah:
         Option<unsafe extern "C" fn(*mut ibv::ibv_pd, *mut ibv::ibv_ah_attr) -> *mut ibv::ibv_ah>,
@@ -191,16 +206,26 @@ pub struct VerbsContextOps {
     pub create_qp: Option<
         unsafe extern "C" fn(*mut ibv::ibv_pd, *mut ibv::ibv_qp_init_attr) -> *mut ibv::ibv_qp,
     >,
-    pub create_qp_ex: Unused,
+    pub create_qp_ex: Option<
+        unsafe extern "C" fn(
+            *mut ibv::ibv_context,
+            *mut ibv::ibv_qp_init_attr_ex,
+        ) -> *mut ibv::ibv_qp,
+    >,
     pub create_rwq_ind_table: Unused,
     pub create_srq: Option<
         unsafe extern "C" fn(*mut ibv::ibv_pd, *mut ibv::ibv_srq_init_attr) -> *mut ibv::ibv_srq,
     >,
-    pub create_srq_ex: Unused,
+    pub create_srq_ex: Option<
+        unsafe extern "C" fn(
+            *mut ibv::ibv_context,
+            *mut ibv::ibv_srq_init_attr_ex,
+        ) -> *mut ibv::ibv_srq,
+    >,
     pub create_wq: Unused,
-    pub dealloc_mw: Unused,
+    pub dealloc_mw: Option<unsafe extern "C" fn(*mut ibv::ibv_mw) -> c_int>,
     pub dealloc_pd: Option<unsafe extern "C" fn(*mut ibv::ibv_pd) -> c_int>,
-    pub dealloc_td: Unused,
+    pub dealloc_td: Option<unsafe extern "C" fn(*mut ibv::ibv_td) -> c_int>,
     pub dereg_mr: Option<unsafe extern "C" fn(*mut VerbsMr) -> c_int>,
     pub destroy_ah: Option<unsafe extern "C" fn(*mut ibv::ibv_ah) -> c_int>,
     pub destroy_counters: Unused,
@@ -213,8 +238,8 @@ pub struct VerbsContextOps {
     pub destroy_wq: Unused,
     pub detach_mcast: Unused,
     pub free_context: Option<unsafe extern "C" fn(*mut ibv::ibv_context)>,
-    pub free_dm: Unused,
-    pub get_srq_num: Unused,
+    pub free_dm: Option<unsafe extern "C" fn(*mut ibv::ibv_dm) -> c_int>,
+    pub get_srq_num: Option<unsafe extern "C" fn(*mut ibv::ibv_srq, *mut u32) -> c_int>,
     pub import_dm: Unused,
     pub import_mr: Unused,
     pub import_pd: Unused,
@@ -227,7 +252,12 @@ pub struct VerbsContextOps {
         Option<unsafe extern "C" fn(*mut ibv::ibv_srq, *mut ibv::ibv_srq_attr, c_int) -> c_int>,
     pub modify_wq: Unused,
     pub open_qp: Unused,
-    pub open_xrcd: Unused,
+    pub open_xrcd: Option<
+        unsafe extern "C" fn(
+            *mut ibv::ibv_context,
+            *mut ibv::ibv_xrcd_init_attr,
+        ) -> *mut ibv::ibv_xrcd,
+    >,
     pub poll_cq: Option<unsafe extern "C" fn(*mut ibv::ibv_cq, c_int, *mut ibv::ibv_wc) -> c_int>,
     pub post_recv: Option<
         unsafe extern "C" fn(
@@ -271,17 +301,35 @@ pub struct VerbsContextOps {
         ) -> c_int,
     >,
     pub query_qp_data_in_order: Unused,
-    pub query_rt_values: Unused,
+    pub query_rt_values:
+        Option<unsafe extern "C" fn(*mut ibv::ibv_context, *mut ibv::ibv_values_ex) -> c_int>,
     pub query_srq: Option<unsafe extern "C" fn(*mut ibv::ibv_srq, *mut ibv::ibv_srq_attr) -> c_int>,
     pub read_counters: Unused,
-    pub reg_dm_mr: Unused,
+    pub reg_dm_mr: Option<
+        unsafe extern "C" fn(
+            *mut ibv::ibv_pd,
+            *mut ibv::ibv_dm,
+            u64,
+            usize,
+            u32,
+        ) -> *mut ibv::ibv_mr,
+    >,
     pub reg_dmabuf_mr: Unused,
     pub reg_mr: Option<
         unsafe extern "C" fn(*mut ibv::ibv_pd, *mut c_void, usize, u64, c_int) -> *mut ibv::ibv_mr,
     >,
     pub req_notify_cq: Option<unsafe extern "C" fn(*mut ibv::ibv_cq, c_int) -> c_int>,
-    pub rereg_mr: Unused,
-    pub resize_cq: Unused,
+    pub rereg_mr: Option<
+        unsafe extern "C" fn(
+            *mut VerbsMr,
+            c_int,
+            *mut ibv::ibv_pd,
+            *mut c_void,
+            usize,
+            c_int,
+        ) -> c_int,
+    >,
+    pub resize_cq: Option<unsafe extern "C" fn(*mut ibv::ibv_cq, c_int) -> c_int>,
     pub set_ece: Unused,
     pub unimport_dm: Unused,
     pub unimport_mr: Unused,
