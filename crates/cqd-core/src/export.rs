@@ -206,7 +206,7 @@ static LEDGER_FIELDS: [Field<LedgerSnapshot>; 4] = [
 ];
 
 #[rustfmt::skip]
-static POLLER_FIELDS: [Field<PollerSnapshot>; 15] = [
+static POLLER_FIELDS: [Field<PollerSnapshot>; 16] = [
     count("cqd_poller_loops_total", POLLER, "Iterations of the poll loop.", |s| s.loops),
     count("cqd_poller_sleeps_total", POLLER, "Times the poller blocked waiting for a notification.", |s| s.sleeps),
     count("cqd_poller_timeouts_total", POLLER, "Sleeps ended by the safety timeout.", |s| s.timeouts),
@@ -222,6 +222,7 @@ static POLLER_FIELDS: [Field<PollerSnapshot>; 15] = [
     level("cqd_poller_spin_window_seconds", POLLER, SECONDS, "The current spin window of Hybrid or Adaptive mode.", |s| secs(s.spin_window_ns)),
     level("cqd_poller_cpu_seconds_total", POLLER, SECONDS, "CPU time the poller thread has used (monotonic; updated at each sleep, nap and at the stop).", |s| secs(s.cpu_ns)),
     count("cqd_poller_naps_total", POLLER, "Naps of an idle Busy poller (short timed sleeps).", |s| s.naps),
+    count("cqd_poller_backoffs_total", POLLER, "Pauses of the poll loop because a CQ's device was failing and no CQ had work.", |s| s.backoffs),
 ];
 
 #[rustfmt::skip]

@@ -219,6 +219,7 @@ pub struct PollerCounters {
     pub(crate) spin_window_ns: AtomicU64,
     pub(crate) cpu_ns: AtomicU64,
     pub(crate) naps: AtomicU64,
+    pub(crate) backoffs: AtomicU64,
 }
 
 /// The counters of one poller thread, cache-padded.
@@ -246,6 +247,7 @@ impl PollerMetrics {
             spin_window_ns: get(&c.spin_window_ns),
             cpu_ns: get(&c.cpu_ns),
             naps: get(&c.naps),
+            backoffs: get(&c.backoffs),
         }
     }
 }
@@ -300,6 +302,13 @@ pub struct PollerSnapshot {
     /// counted in `sleeps` (no notification is armed or waited for).
     #[serde(default)]
     pub naps: u64,
+    /// Pauses of the poll loop (a tenth of the wake timeout, 1–10 ms)
+    /// because a CQ's source was failing (its device gone) and no CQ had
+    /// work. A CQ known to be in error leaves the active set, so this stays
+    /// at a handful per dead device; a count that keeps rising means a
+    /// failing source is holding its group back.
+    #[serde(default)]
+    pub backoffs: u64,
 }
 
 #[cfg(test)]

@@ -562,6 +562,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
     /// spin on errors, in any mode. Wait a tenth of the safety timeout
     /// (1–10 ms) unless a doorbell (stop, control request) rings.
     fn back_off(&mut self) {
+        bump(&self.metrics.0.backoffs, 1);
         let pause = self.retry_pause();
         if self.back_off_on_events(pause).is_err() {
             std::thread::sleep(pause);
