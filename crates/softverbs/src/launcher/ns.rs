@@ -139,6 +139,13 @@ pub fn overlay_dev(stage: &Path) -> Result<(), LaunchError> {
         std::os::unix::fs::symlink("/dev/full", node)
             .map_err(os("linking /dev/infiniband/uverbs0"))?;
     }
+    // librdmacm opens this node; the preloaded provider answers the open
+    // itself (`crate::cm`). The link gives a program that bypasses it a
+    // character device whose writes fail (ENOSPC), not a hang.
+    let cm = Path::new("/dev/infiniband/rdma_cm");
+    if !cm.exists() {
+        std::os::unix::fs::symlink("/dev/full", cm).map_err(os("linking /dev/infiniband/rdma_cm"))?;
+    }
     Ok(())
 }
 
