@@ -108,6 +108,9 @@ struct Id {
     peer: Option<Params>,
     deadline: Option<(Instant, Timer)>,
     tos: u8,
+    /// `RDMA_OPTION_ID_ACK_TIMEOUT`: the RTS `timeout` instead of the
+    /// path's.
+    ack_timeout: Option<u8>,
 }
 
 impl Id {
@@ -131,6 +134,7 @@ impl Id {
             peer: None,
             deadline: None,
             tos: 0,
+            ack_timeout: None,
         }
     }
 }
@@ -892,7 +896,7 @@ impl Cm {
                 if !ud {
                     let p = id.peer.as_ref().ok_or(libc::EINVAL)?;
                     let passive = matches!(id.state, St::ReqRcvd | St::RepSent);
-                    a.timeout = PACKET_LIFE_TIME + 1;
+                    a.timeout = id.ack_timeout.unwrap_or(PACKET_LIFE_TIME + 1);
                     // The retry count is the requester's (REQ), the RNR
                     // retry count the other side's.
                     a.retry_cnt = if passive {
@@ -1515,13 +1519,25 @@ fn command_inner(fd: RawFd, buf: usize, len: usize) -> Result<(), i32> {
             match (c.level, c.optname) {
                 // TOS: one byte of traffic class.
                 (0, 0) => {
-                    let v: u8 = read_user(c.optval as usize, c.optlen as usize)
-                        .map(|b: [u8; 1]| b[0])?;
-                    id.tos = v;
+                    if c.optlen != 1 {
+                        return Err(libc::EINVAL);
+                    }
+                    let v: [u8; 1] = read_user(c.optval as usize, 1)?;
+                    id.tos = v[0];
                     Ok(())
                 }
-                // REUSEADDR, AFONLY, ACK_TIMEOUT: accepted.
-                (0, 1..=3) => Ok(()),
+                // REUSEADDR, AFONLY: accepted (ports are per address and
+                // port space; IPv6 wildcards take IPv4 too).
+                (0, 1 | 2) => Ok(()),
+                // ACK_TIMEOUT: one byte, 5 bits used.
+                (0, 3) => {
+                    if c.optlen != 1 {
+                        return Err(libc::EINVAL);
+                    }
+                    let v: [u8; 1] = read_user(c.optval as usize, 1)?;
+                    id.ack_timeout = Some(v[0].min(31));
+                    Ok(())
+                }
                 // IB path records: the route is known.
                 (1, 1) => {
                     if id.state == St::AddrResolved {
