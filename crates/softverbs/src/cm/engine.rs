@@ -193,8 +193,21 @@ fn random_u32() -> u32 {
     v
 }
 
+/// `write(2)` as a system call: the CM's own writes must not go through
+/// the interposed `write`, which takes the CM's lock for a descriptor
+/// number that was once a channel.
+///
+/// # Safety
+/// `buf` is readable for `n` bytes.
+unsafe fn raw_write(fd: RawFd, buf: *const libc::c_void, n: usize) -> isize {
+    // SAFETY: the caller's buffer; the kernel checks the descriptor.
+    unsafe { libc::syscall(libc::SYS_write, fd, buf, n) as isize }
+}
+
 fn errno() -> i32 {
-    io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
+    io::Error::last_os_error()
+        .raw_os_error()
+        .unwrap_or(libc::EIO)
 }
 
 fn new_fd(r: libc::c_int) -> io::Result<OwnedFd> {
@@ -306,7 +319,14 @@ fn epoll_add(ep: &OwnedFd, fd: RawFd, k: u64, events: u32) -> io::Result<()> {
 
 fn epoll_del(ep: &OwnedFd, fd: RawFd) {
     // SAFETY: removing a descriptor; failure (not registered) is harmless.
-    unsafe { libc::epoll_ctl(ep.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
+    unsafe {
+        libc::epoll_ctl(
+            ep.as_raw_fd(),
+            libc::EPOLL_CTL_DEL,
+            fd,
+            std::ptr::null_mut(),
+        )
+    };
 }
 
 /// Read `T` from the application's memory at `ptr` (`len` bytes of it,
@@ -396,7 +416,12 @@ impl Cm {
         let epoll = new_fd(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) })?;
         // SAFETY: as above.
         let wake = new_fd(unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) })?;
-        epoll_add(&epoll, wake.as_raw_fd(), key(K_WAKE, 0), libc::EPOLLIN as u32)?;
+        epoll_add(
+            &epoll,
+            wake.as_raw_fd(),
+            key(K_WAKE, 0),
+            libc::EPOLLIN as u32,
+        )?;
         Ok(Cm {
             chans: HashMap::new(),
             ids: HashMap::new(),
@@ -412,7 +437,7 @@ impl Cm {
         let one: u64 = 1;
         // SAFETY: writing 8 bytes to our eventfd; failure (counter full)
         // still leaves it readable.
-        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        unsafe { raw_write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
     }
 
     fn set_deadline(&mut self, h: u32, d: Option<(Instant, Timer)>) {
@@ -429,7 +454,7 @@ impl Cm {
             if !c.token && !c.events.is_empty() {
                 let b = 1u8;
                 // SAFETY: one byte to our pty slave; the master becomes readable.
-                let n = unsafe { libc::write(c.slave.as_raw_fd(), (&b as *const u8).cast(), 1) };
+                let n = unsafe { raw_write(c.slave.as_raw_fd(), (&b as *const u8).cast(), 1) };
                 c.token = n == 1;
             }
         }
@@ -977,13 +1002,21 @@ impl Cm {
                 id.deadline = None;
                 self.push(h, event::CONNECT_RESPONSE, 0, Some(cp));
             }
-            Recv::Msg(Msg::Rej { reason, pdata }) if matches!(st, St::ReqSent | St::RepSent | St::RepRcvd) => {
+            Recv::Msg(Msg::Rej { reason, pdata })
+                if matches!(st, St::ReqSent | St::RepSent | St::RepRcvd) =>
+            {
                 self.close_conn(h);
                 let p = Params {
                     pdata,
                     ..Default::default()
                 };
-                self.finish(h, st, event::REJECTED, i32::from(reason), Some(conn_param(&p, REJ_PDATA)));
+                self.finish(
+                    h,
+                    st,
+                    event::REJECTED,
+                    i32::from(reason),
+                    Some(conn_param(&p, REJ_PDATA)),
+                );
             }
             Recv::Msg(Msg::Rtu) if st == St::RepSent => {
                 id.state = St::Established;
@@ -1074,7 +1107,13 @@ impl Cm {
             _ => None,
         };
         if let Some((ev, status)) = what {
-            self.finish(h, st, ev, status, Some(conn_param(&Params::default(), REJ_PDATA)));
+            self.finish(
+                h,
+                st,
+                ev,
+                status,
+                Some(conn_param(&Params::default(), REJ_PDATA)),
+            );
         }
     }
 
@@ -1128,7 +1167,14 @@ impl Cm {
             let Ok(fd) = new_fd(r) else { break };
             let serial = self.next_serial;
             self.next_serial += 1;
-            if epoll_add(&self.epoll, fd.as_raw_fd(), key(K_PENDING, serial), libc::EPOLLIN as u32).is_ok() {
+            if epoll_add(
+                &self.epoll,
+                fd.as_raw_fd(),
+                key(K_PENDING, serial),
+                libc::EPOLLIN as u32,
+            )
+            .is_ok()
+            {
                 self.pending.insert(serial, (h, fd));
             }
         }
@@ -1142,7 +1188,12 @@ impl Cm {
             Recv::Nothing => {
                 self.pending.insert(serial, (lh, fd));
             }
-            Recv::Msg(Msg::Req { src, dst, ps, params }) => {
+            Recv::Msg(Msg::Req {
+                src,
+                dst,
+                ps,
+                params,
+            }) => {
                 epoll_del(&self.epoll, fd.as_raw_fd());
                 let Some(l) = self.ids.get(&lh) else { return };
                 if l.state != St::Listen || l.ps != ps {
@@ -1159,7 +1210,14 @@ impl Cm {
                 id.route = true;
                 // The passive side's view: its responder resources are the
                 // requester's initiator depth and the other way round.
-                let mut cp = conn_param(&params, if ps == abi::ps::IB { REQ_PDATA_IB } else { REQ_PDATA });
+                let mut cp = conn_param(
+                    &params,
+                    if ps == abi::ps::IB {
+                        REQ_PDATA_IB
+                    } else {
+                        REQ_PDATA
+                    },
+                );
                 cp.responder_resources = params.initiator_depth;
                 cp.initiator_depth = params.responder_resources;
                 let ece = abi::Ece {
@@ -1168,7 +1226,14 @@ impl Cm {
                 };
                 id.peer = Some(params);
                 send_msg(&fd, &Msg::Mra);
-                if epoll_add(&self.epoll, fd.as_raw_fd(), key(K_CONN, u64::from(nh)), libc::EPOLLIN as u32).is_err() {
+                if epoll_add(
+                    &self.epoll,
+                    fd.as_raw_fd(),
+                    key(K_CONN, u64::from(nh)),
+                    libc::EPOLLIN as u32,
+                )
+                .is_err()
+                {
                     return;
                 }
                 id.conn = Some(fd);
@@ -1211,11 +1276,15 @@ impl Cm {
         }
         if let Some(c) = self.chans.remove(&chan) {
             epoll_del(&self.epoll, c.slave.as_raw_fd());
+            super::mark(chan, false);
         }
     }
 
     fn next_deadline(&self) -> Option<Instant> {
-        self.ids.values().filter_map(|i| i.deadline.map(|d| d.0)).min()
+        self.ids
+            .values()
+            .filter_map(|i| i.deadline.map(|d| d.0))
+            .min()
     }
 }
 
@@ -1250,12 +1319,10 @@ fn lock() -> Option<MutexGuard<'static, Cm>> {
 fn cm_thread(ep: RawFd) {
     let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 32];
     loop {
-        let timeout = lock()
-            .and_then(|g| g.next_deadline())
-            .map_or(-1, |d| {
-                let ms = d.saturating_duration_since(Instant::now()).as_millis();
-                (ms.min(60_000) as i32) + 1
-            });
+        let timeout = lock().and_then(|g| g.next_deadline()).map_or(-1, |d| {
+            let ms = d.saturating_duration_since(Instant::now()).as_millis();
+            (ms.min(60_000) as i32) + 1
+        });
         // SAFETY: `evs` is a writable array of its length; `ep` lives as
         // long as the process (the Cm is never dropped).
         let n = unsafe { libc::epoll_wait(ep, evs.as_mut_ptr(), evs.len() as i32, timeout) };
@@ -1275,7 +1342,12 @@ fn cm_thread(ep: RawFd) {
                     let h = v as u32;
                     // Every queued message, then the end if there is one.
                     for _ in 0..64 {
-                        let Some(fd) = g.ids.get(&h).and_then(|i| i.conn.as_ref()).map(|s| s.as_raw_fd()) else {
+                        let Some(fd) = g
+                            .ids
+                            .get(&h)
+                            .and_then(|i| i.conn.as_ref())
+                            .map(|s| s.as_raw_fd())
+                        else {
                             break;
                         };
                         let r = recv_msg(fd);
@@ -1556,7 +1628,11 @@ fn command_inner(fd: RawFd, buf: usize, len: usize) -> Result<(), i32> {
                 return Err(libc::EBADF);
             }
             let r = g.migrate(fd, c.id, old)?;
-            write_user(c.response, hdr.out, &abi::EventsReported { events_reported: r })
+            write_user(
+                c.response,
+                hdr.out,
+                &abi::EventsReported { events_reported: r },
+            )
         }
         // Multicast and the AF_IB queries are not offered.
         cmd::QUERY | cmd::GET_OPTION | cmd::JOIN_IP_MCAST | cmd::JOIN_MCAST | cmd::LEAVE_MCAST => {

@@ -40,7 +40,7 @@ pub const CM_NODE: &CStr = c"/dev/infiniband/rdma_cm";
 const MAX_FD: usize = 1 << 16;
 static CHANNEL_FDS: [AtomicU64; MAX_FD / 64] = [const { AtomicU64::new(0) }; MAX_FD / 64];
 
-fn mark(fd: c_int, on: bool) {
+pub(crate) fn mark(fd: c_int, on: bool) {
     let Ok(i) = usize::try_from(fd) else { return };
     if i >= MAX_FD {
         return;
@@ -99,7 +99,9 @@ fn real_open(name: &CStr, path: *const c_char, flags: c_int, mode: libc::mode_t)
     let f = next(slot, name);
     if f.is_null() {
         // SAFETY: the raw system call with the caller's arguments.
-        return unsafe { libc::syscall(libc::SYS_openat, libc::AT_FDCWD, path, flags, mode) as c_int };
+        return unsafe {
+            libc::syscall(libc::SYS_openat, libc::AT_FDCWD, path, flags, mode) as c_int
+        };
     }
     // SAFETY: `f` is the C library's open/open64, of this type (the mode
     // is passed as the variadic third argument's register).

@@ -5,6 +5,8 @@
 //! channel, a process that died); the receiver infers the peer's reaction
 //! from its own state (see `engine`).
 
+#![allow(missing_docs)] // field names are the InfiniBand CM's
+
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6};
 
 /// Connection parameters carried by REQ and REP.

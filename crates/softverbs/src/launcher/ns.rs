@@ -144,7 +144,8 @@ pub fn overlay_dev(stage: &Path) -> Result<(), LaunchError> {
     // character device whose writes fail (ENOSPC), not a hang.
     let cm = Path::new("/dev/infiniband/rdma_cm");
     if !cm.exists() {
-        std::os::unix::fs::symlink("/dev/full", cm).map_err(os("linking /dev/infiniband/rdma_cm"))?;
+        std::os::unix::fs::symlink("/dev/full", cm)
+            .map_err(os("linking /dev/infiniband/rdma_cm"))?;
     }
     Ok(())
 }
@@ -202,11 +203,8 @@ pub fn shadow_sys_class(stage: &Path, device: &str) -> Result<(), LaunchError> {
     std::fs::create_dir_all(&ib).map_err(os("creating the infiniband class"))?;
     let link = ib.join(device);
     if !link.exists() {
-        std::os::unix::fs::symlink(
-            stage.join("sys/class/infiniband").join(device),
-            &link,
-        )
-        .map_err(os("linking the device into /sys/class/infiniband"))?;
+        std::os::unix::fs::symlink(stage.join("sys/class/infiniband").join(device), &link)
+            .map_err(os("linking the device into /sys/class/infiniband"))?;
     }
     mount(
         Some(&shadow.to_string_lossy()),
