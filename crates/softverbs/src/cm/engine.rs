@@ -36,6 +36,10 @@ const REQ_PDATA: usize = 56;
 const REQ_PDATA_IB: usize = 92;
 const REP_PDATA: usize = 196;
 const REJ_PDATA: usize = 148;
+/// SIDR REQ: 216 bytes less rdma_cm's header.
+const SIDR_REQ_PDATA: usize = 180;
+/// SIDR REP.
+const SIDR_REP_PDATA: usize = 136;
 /// How long the time-wait state lasts before `TIMEWAIT_EXIT`.
 const TIMEWAIT: Duration = Duration::from_millis(100);
 /// The packet life time of every path (the RTS `timeout` is one more:
@@ -377,6 +381,35 @@ fn write_user<T: Pod>(ptr: u64, out: u16, v: &T) -> Result<(), i32> {
     Ok(())
 }
 
+fn is_ud(qp_type: u8) -> bool {
+    u32::from(qp_type) == rdma_sys::ibv_qp_type::IBV_QPT_UD
+}
+
+/// Private data a REQ (or SIDR REQ, for UD) carries for the consumer.
+fn req_pdata(ps: u16, qp_type: u8) -> usize {
+    if is_ud(qp_type) {
+        SIDR_REQ_PDATA
+    } else if ps == abi::ps::IB {
+        REQ_PDATA_IB
+    } else {
+        REQ_PDATA
+    }
+}
+
+/// The UD parameters of a SIDR exchange: the peer's QP and Q_Key and the
+/// address handle that reaches it (every port is LID 1 on port 1).
+fn ud_param(p: &Params, pdata_len: usize) -> abi::UdParam {
+    let mut u = abi::UdParam::zeroed();
+    u.qp_num = p.qpn;
+    u.qkey = p.qkey;
+    u.ah_attr.dlid = 1;
+    u.ah_attr.port_num = 1;
+    let n = p.pdata.len().min(pdata_len);
+    u.private_data[..n].copy_from_slice(&p.pdata[..n]);
+    u.private_data_len = pdata_len as u8;
+    u
+}
+
 fn conn_param(p: &Params, pdata_len: usize) -> abi::ConnParam {
     let mut c = abi::ConnParam::zeroed();
     c.qp_num = p.qpn;
@@ -477,6 +510,29 @@ impl Cm {
         if let Some(p) = param {
             resp.param.conn = p;
         }
+        let chan = id.chan;
+        if let Some(c) = self.chans.get_mut(&chan) {
+            c.events.push_back(Ev {
+                owner: h,
+                new_id: None,
+                resp,
+            });
+        }
+        self.token(chan);
+    }
+
+    /// Queue an event carrying UD parameters (SIDR).
+    fn push_ud(&mut self, h: u32, ev: u32, status: i32, ud: abi::UdParam) {
+        let Some(id) = self.ids.get(&h) else { return };
+        let resp = abi::EventResp {
+            uid: id.uid,
+            id: h,
+            event: ev,
+            status: status as u32,
+            param: abi::EventParam { ud },
+            reserved: 0,
+            ece: abi::Ece::default(),
+        };
         let chan = id.chan;
         if let Some(c) = self.chans.get_mut(&chan) {
             c.events.push_back(Ev {
@@ -708,15 +764,7 @@ impl Cm {
         if id.state != St::RouteResolved {
             return Err(libc::EINVAL);
         }
-        if u32::from(id.qp_type) == rdma_sys::ibv_qp_type::IBV_QPT_UD {
-            // SIDR (UD connection set-up) is not offered.
-            return Err(libc::EOPNOTSUPP);
-        }
-        let max = if id.ps == abi::ps::IB {
-            REQ_PDATA_IB
-        } else {
-            REQ_PDATA
-        };
+        let max = req_pdata(id.ps, id.qp_type);
         if usize::from(c.conn_param.private_data_len) > max {
             return Err(libc::EINVAL);
         }
@@ -725,6 +773,9 @@ impl Cm {
         };
         let ps = id.ps;
         id.mine = params_from(&c.conn_param, id.local_psn);
+        if is_ud(id.qp_type) {
+            id.mine.qkey = UDP_QKEY;
+        }
         id.mine.ece_vendor = c.ece.vendor_id;
         id.mine.ece_attr = c.ece.attr_mod;
         let sock = addr::candidates(ps, dst)
@@ -783,13 +834,28 @@ impl Cm {
                 if id.conn.is_none() {
                     return Err(libc::EINVAL);
                 }
-                if usize::from(c.conn_param.private_data_len) > REP_PDATA {
+                let ud = is_ud(id.qp_type);
+                let max = if ud { SIDR_REP_PDATA } else { REP_PDATA };
+                if usize::from(c.conn_param.private_data_len) > max {
                     return Err(libc::EINVAL);
                 }
                 if c.uid != 0 {
                     id.uid = c.uid;
                 }
                 id.mine = params_from(&c.conn_param, id.local_psn);
+                if ud {
+                    // SIDR: the reply names our QP and Q_Key; no RTU, no
+                    // event on this side, nothing left to tear down.
+                    id.mine.qkey = UDP_QKEY;
+                    let rep = Msg::Rep(id.mine.clone());
+                    let ok = id.conn.as_ref().is_some_and(|s| send_msg(s, &rep));
+                    if !ok {
+                        return Err(libc::EINVAL);
+                    }
+                    id.state = St::Done;
+                    self.close_conn(h);
+                    return Ok(());
+                }
                 id.mine.ece_vendor = c.ece.vendor_id;
                 id.mine.ece_attr = c.ece.attr_mod;
                 let rep = Msg::Rep(id.mine.clone());
@@ -867,7 +933,7 @@ impl Cm {
         if !id.device {
             return Err(libc::EINVAL);
         }
-        let ud = u32::from(id.qp_type) == rdma_sys::ibv_qp_type::IBV_QPT_UD;
+        let ud = is_ud(id.qp_type);
         let mut a = abi::KernQpAttr {
             qp_state: state,
             ..Default::default()
@@ -990,6 +1056,14 @@ impl Cm {
         match r {
             Recv::Nothing => {}
             Recv::Msg(Msg::Mra) => id.mra = true,
+            Recv::Msg(Msg::Rep(p)) if st == St::ReqSent && is_ud(id.qp_type) => {
+                let up = ud_param(&p, SIDR_REP_PDATA);
+                id.peer = Some(p);
+                id.state = St::Done;
+                id.deadline = None;
+                self.close_conn(h);
+                self.push_ud(h, event::ESTABLISHED, 0, up);
+            }
             Recv::Msg(Msg::Rep(p)) if st == St::ReqSent => {
                 let cp = conn_param(&p, REP_PDATA);
                 id.peer = Some(p);
@@ -1210,16 +1284,16 @@ impl Cm {
                 id.route = true;
                 // The passive side's view: its responder resources are the
                 // requester's initiator depth and the other way round.
-                let mut cp = conn_param(
-                    &params,
-                    if ps == abi::ps::IB {
-                        REQ_PDATA_IB
-                    } else {
-                        REQ_PDATA
-                    },
-                );
+                let mut cp = conn_param(&params, req_pdata(ps, qp_type));
                 cp.responder_resources = params.initiator_depth;
                 cp.initiator_depth = params.responder_resources;
+                let param = if is_ud(qp_type) {
+                    abi::EventParam {
+                        ud: ud_param(&params, SIDR_REQ_PDATA),
+                    }
+                } else {
+                    abi::EventParam { conn: cp }
+                };
                 let ece = abi::Ece {
                     vendor_id: params.ece_vendor,
                     attr_mod: params.ece_attr,
@@ -1243,7 +1317,7 @@ impl Cm {
                     id: nh,
                     event: event::CONNECT_REQUEST,
                     status: 0,
-                    param: abi::EventParam { conn: cp },
+                    param,
                     reserved: 0,
                     ece,
                 };
