@@ -13,12 +13,15 @@
 //! - [`Qp`]: RC queue pairs with INIT → RTR → RTS from an [`Endpoint`]
 //!   exchanged out of band, admitted on their CQs, posted to only through
 //!   cqd's posting call (`Registration::post_send` / `post_recv`); [`Srq`];
-//! - [`Context::adopt_cq`]: an application's own CQ under cqd's poller.
+//! - [`Context::adopt_cq`]: an application's own CQ under cqd's poller;
+//! - [`cm`]: connections through rdma_cm (listen, accept, connect,
+//!   disconnect with the QP drained), CM events on a thread of their own.
 //!
 //! All FFI is in one module (`sys`). docs/verbs.md walks through it; the
 //! tests run on softverbs (a userspace device) under `softverbs-run`.
 
 pub mod adopt;
+pub mod cm;
 pub mod cq;
 pub mod device;
 pub mod error;
@@ -27,6 +30,7 @@ pub mod pd;
 pub mod qp;
 pub mod srq;
 mod sys;
+mod sys_cm;
 
 pub use cq::{completion_of, CompChannel, Cq, CqSpec, VerbsCqSource};
 pub use device::{devices, Context, DeviceAttr, DeviceEvent, EventCounts, PortInfo};

@@ -780,7 +780,7 @@ impl Qp {
         })
     }
 
-    fn modify(
+    pub(crate) fn modify(
         &self,
         attr: &mut sys::ibv_qp_attr,
         mask: u32,
