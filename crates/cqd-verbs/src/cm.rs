@@ -15,7 +15,8 @@
 //! conn.disconnect(Duration::from_secs(5))?;            // drained
 //! ```
 //!
-//! - The QP is cqd's ([`Pd::create_qp`](crate::Pd::create_qp): admitted on
+//! - The QP (given as a `Qp` or an `Arc<Qp>` the application keeps a
+//!   handle of) is cqd's ([`Pd::create_qp`](crate::Pd::create_qp): admitted on
 //!   its CQs, posted through the registration), not librdmacm's: the CM only
 //!   carries its number and gives the attributes of each transition
 //!   (`rdma_init_qp_attr`), which the helper applies — INIT, RTR, RTS before
@@ -361,13 +362,18 @@ impl ConnectionManager {
     /// [`CmError::Rejected`] (nobody listens, or the peer refused),
     /// [`CmError::Unreachable`], [`CmError::Resolve`], [`CmError::Timeout`],
     /// a refused QP transition. The QP is dropped with the error.
-    pub fn connect(&self, dst: SocketAddr, qp: Qp, p: &CmParams) -> Result<Connection, CmError> {
+    pub fn connect(
+        &self,
+        dst: SocketAddr,
+        qp: impl Into<Arc<Qp>>,
+        p: &CmParams,
+    ) -> Result<Connection, CmError> {
         let id = self.sh.chan.create_id().map_err(call("rdma_create_id"))?;
         let slot = self.sh.add(id);
         let mut conn = Connection {
             id: Some(id),
             slot,
-            qp: Arc::new(qp),
+            qp: qp.into(),
             sh: Arc::clone(&self.sh),
             peer_private_data: Vec::new(),
             peer: None,
@@ -492,12 +498,12 @@ impl ConnRequest {
     /// # Errors
     /// A refused transition, the accept refused (the requester gave up), no
     /// ESTABLISHED in time, or the requester's rejection.
-    pub fn accept(mut self, qp: Qp, p: &CmParams) -> Result<Connection, CmError> {
+    pub fn accept(mut self, qp: impl Into<Arc<Qp>>, p: &CmParams) -> Result<Connection, CmError> {
         let id = self.id.take().ok_or(CmError::Timeout("an id"))?;
         let mut conn = Connection {
             id: Some(id),
             slot: Arc::clone(&self.slot),
-            qp: Arc::new(qp),
+            qp: qp.into(),
             sh: Arc::clone(&self.sh),
             peer_private_data: std::mem::take(&mut self.private_data),
             peer: None,
