@@ -43,6 +43,9 @@ passed=0
 # A port block of our own (servers on fixed ports could meet a previous run's
 # lingering sockets or another program on a shared machine).
 BASE=$((20000 + ($$ % 1000) * 32))
+# And a second block for the rdma_cm runs (52000-59999, above every BASE
+# block).
+CMBASE=$((52000 + ($$ % 1000) * 8))
 
 wait_listen() { # port: wait until something listens on 127.0.0.1/0.0.0.0:port
     local port=$1 i
@@ -188,7 +191,7 @@ mixed cqd_server_rc_pingpong_events $((BASE + 11)) "$CQD_PP" ibv_rc_pingpong -e 
 mixed cqd_client_rc_pingpong_events $((BASE + 12)) ibv_rc_pingpong "$CQD_PP" -e -c -n 5000
 
 # rdma_cm (librdmacm unmodified, src/cm): rping with data verification,
-# perftest and qperf connecting through the CM. Ports from BASE + 30 on.
+# perftest and qperf connecting through the CM. Ports from CMBASE.
 rping_pair() { # NAME PORT COUNT
     local name=$1 port=$2 count=$3
     local s=$LOGS/$name.server.log c=$LOGS/$name.client.log
@@ -207,14 +210,14 @@ rping_pair() { # NAME PORT COUNT
         passed=$((passed + 1)); echo "ok   $name: $got verified pings"
     fi
 }
-rping_pair rping_verify $((BASE + 30)) 500
+rping_pair rping_verify $((CMBASE + 0)) 500
 # perftest's server with -R listens through the CM only (no TCP port).
-WAIT_LISTEN=wait_cm_listen pair ib_send_lat_rdma_cm $((BASE + 31)) '^ *2 ' ib_send_lat -R -n 10000
-WAIT_LISTEN=wait_cm_listen pair ib_write_bw_rdma_cm $((BASE + 32)) '^ *65536 ' ib_write_bw -R -s 65536 -n 5000
+WAIT_LISTEN=wait_cm_listen pair ib_send_lat_rdma_cm $((CMBASE + 1)) '^ *2 ' ib_send_lat -R -n 10000
+WAIT_LISTEN=wait_cm_listen pair ib_write_bw_rdma_cm $((CMBASE + 2)) '^ *65536 ' ib_write_bw -R -s 65536 -n 5000
 # UD through the CM (SIDR: the server's QP number and Q_Key come back in
 # the reply).
-WAIT_LISTEN=wait_cm_listen pair ib_send_lat_ud_rdma_cm $((BASE + 34)) '^ *2 ' ib_send_lat -R -c UD -n 5000
-qperf_pair qperf_rc_lat_cm $((BASE + 33)) rc_lat -cm1
+WAIT_LISTEN=wait_cm_listen pair ib_send_lat_ud_rdma_cm $((CMBASE + 3)) '^ *2 ' ib_send_lat -R -c UD -n 5000
+qperf_pair qperf_rc_lat_cm $((CMBASE + 4)) rc_lat -cm1
 
 echo "clients: $passed passed, $fail failed"
 if [[ $fail -ne 0 ]]; then exit 1; fi
@@ -253,11 +256,12 @@ CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$RUN" timeout 600 \
 # must exit 0, the load with both verdicts PASSED, each server with its
 # accounts and session verdicts PASSED.
 demo_fail=0
-demo_two() {
+demo_two() { # NAME PORT N [EXTRA ARGS for serve and load...]
     local name=$1 port=$2 n=$3 i spids=() servers=() ok=1
+    shift 3
     local l=$LOGS/$name.load.log
     for ((i = 0; i < n; i++)); do
-        timeout 120 "$RUN" "$DEMO" serve --device softverbs0 --quick \
+        timeout 120 "$RUN" "$DEMO" serve --device softverbs0 --quick "$@" \
             --listen "127.0.0.1:$((port + i))" --accept-timeout 60s \
             >"$LOGS/$name.serve$i.log" 2>&1 &
         spids+=($!)
@@ -268,7 +272,7 @@ demo_two() {
     done
     local lrc=0
     if [[ $ok -eq 1 ]]; then
-        timeout 120 "$RUN" "$DEMO" load --device softverbs0 --quick "${servers[@]}" \
+        timeout 120 "$RUN" "$DEMO" load --device softverbs0 --quick "$@" "${servers[@]}" \
             >"$l" 2>&1 || lrc=$?
     fi
     for ((i = 0; i < n; i++)); do
@@ -295,6 +299,10 @@ demo_two() {
 }
 demo_two demo_serve_load $((BASE + 13)) 1
 demo_two demo_serve_load_striped $((BASE + 14)) 2
+# The queue pairs connected through rdma_cm (as NVMe over Fabrics does),
+# one server and two striped.
+demo_two demo_serve_load_rdmacm $((CMBASE + 5)) 1 --cm rdmacm
+demo_two demo_serve_load_rdmacm_striped $((CMBASE + 6)) 2 --cm rdmacm
 # Both halves in one process on the device.
 l=$LOGS/demo_one_process.log
 if timeout 120 "$RUN" "$DEMO" --backend verbs --device softverbs0 --quick >"$l" 2>&1 \
