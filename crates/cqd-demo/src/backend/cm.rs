@@ -32,7 +32,10 @@ pub fn conn_of(private_data: &[u8]) -> Option<u32> {
 
 /// A connection request the server took, to accept on a link
 /// ([`super::Link::cm_accept`]).
-pub struct PendingCm(pub(crate) Box<dyn Any + Send>);
+pub struct PendingCm(
+    // Read by the verbs backend only.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))] pub(crate) Box<dyn Any + Send>,
+);
 
 impl std::fmt::Debug for PendingCm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
