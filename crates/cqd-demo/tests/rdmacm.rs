@@ -169,10 +169,24 @@ fn a_cm_mismatch_is_refused_naming_both_settings() {
             .contains("the load connects with --cm tcp, this server was started with --cm rdmacm"),
         "{stderr}"
     );
-    // A refused handshake is no session: the server goes on waiting.
+    // A refused handshake is no session: the server says so and goes on
+    // waiting.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let said = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match s.err.recv_timeout(left) {
+            Ok(l) if l.contains("refused load") => break l,
+            Ok(_) => {}
+            Err(_) => panic!("the server never said it refused the load"),
+        }
+    };
+    assert!(said.contains("--cm rdmacm"), "{said}");
+    assert!(
+        s.child.try_wait().expect("wait").is_none(),
+        "the server kept waiting"
+    );
     s.child.kill().expect("kill the server");
-    let (_, _, serr) = s.end(Duration::from_secs(30));
-    assert!(serr.contains("refused load"), "{serr}");
+    let _ = s.end(Duration::from_secs(30));
 }
 
 #[test]
