@@ -15,8 +15,8 @@
 //!   CM keeps the slave side and writes one byte into it while events are
 //!   pending, so `poll`/`epoll` on the channel work unchanged;
 //! - `write` on such a descriptor executes the command (the `engine`
-//!   module); every
-//!   other descriptor goes to the C library's `write` (a bitmap test).
+//!   module); every other descriptor goes to the C library's `write` (a
+//!   bitmap test).
 //!
 //! Connections between processes go over Unix sequenced-packet sockets
 //! named after the listener's address, port space and the fabric
