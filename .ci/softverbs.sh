@@ -11,7 +11,7 @@ start=$(date +%s)
 
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
-apt-get install -y -qq ibverbs-utils perftest qperf python3-pyverbs libibverbs-dev librdmacm-dev libclang-dev pkg-config iproute2 >/dev/null
+apt-get install -y -qq ibverbs-utils rdmacm-utils perftest qperf python3-pyverbs libibverbs-dev librdmacm-dev libclang-dev pkg-config iproute2 >/dev/null
 
 cargo build -p softverbs --release
 cargo test -p softverbs --release --no-run
@@ -47,11 +47,23 @@ passed=0
 # A port block of our own (servers on fixed ports could meet a previous run's
 # lingering sockets or another program on a shared machine).
 BASE=$((20000 + ($$ % 1000) * 32))
+# And a second block for the rdma_cm runs (52000-59999, above every BASE
+# block).
+CMBASE=$((52000 + ($$ % 1000) * 8))
 
 wait_listen() { # port: wait until something listens on 127.0.0.1/0.0.0.0:port
     local port=$1 i
     for i in $(seq 1 100); do
         if ss -ltnH "sport = :$port" | grep -q .; then return 0; fi
+        sleep 0.05
+    done
+    return 1
+}
+
+wait_cm_listen() { # port: wait until an rdma_cm listener (softverbs' CM) has the port
+    local port=$1 i
+    for i in $(seq 1 100); do
+        if ss -xlH | grep -Eq "@softverbs-cm/[0-9a-f]+/[0-9a-f]+/[^/ ]+/$port "; then return 0; fi
         sleep 0.05
     done
     return 1
@@ -66,7 +78,7 @@ duo() {
     local s=$LOGS/$name.server.log c=$LOGS/$name.client.log
     timeout 60 "$RUN" "$server" "$@" -p "$port" >"$s" 2>&1 &
     local spid=$!
-    if ! wait_listen "$port"; then
+    if ! "${WAIT_LISTEN:-wait_listen}" "$port"; then
         echo "FAIL $name: server did not listen on port $port"; cat "$s"; fail=$((fail + 1))
         wait "$spid" || true
         return
@@ -186,8 +198,56 @@ mixed cqd_client_rc_pingpong $((BASE + 10)) ibv_rc_pingpong "$CQD_PP" -c -n 5000
 mixed cqd_server_rc_pingpong_events $((BASE + 11)) "$CQD_PP" ibv_rc_pingpong -e -c -n 5000
 mixed cqd_client_rc_pingpong_events $((BASE + 12)) ibv_rc_pingpong "$CQD_PP" -e -c -n 5000
 
+# rdma_cm (librdmacm unmodified, src/cm): rping with data verification,
+# perftest and qperf connecting through the CM. Ports from CMBASE.
+rping_pair() { # NAME PORT COUNT
+    local name=$1 port=$2 count=$3
+    local s=$LOGS/$name.server.log c=$LOGS/$name.client.log
+    timeout 60 "$RUN" rping -s -a 127.0.0.1 -p "$port" -V -v -C "$count" >"$s" 2>&1 &
+    local spid=$! crc=0 src=0
+    wait_cm_listen "$port" || echo "$name: rping server not listening yet"
+    timeout 60 "$RUN" rping -c -a 127.0.0.1 -p "$port" -V -v -C "$count" >"$c" 2>&1 || crc=$?
+    wait "$spid" || src=$?
+    local got
+    got=$(grep -c '^ping data: rdma-ping-' "$c" || true)
+    if [[ $crc -ne 0 || $src -ne 0 || $got -ne $count ]] || grep -qiE 'error|invalid|mismatch' "$s" "$c"; then
+        echo "FAIL $name (client rc=$crc, server rc=$src, $got/$count pings)"
+        echo "--- server"; cat "$s"; echo "--- client"; cat "$c"
+        fail=$((fail + 1))
+    else
+        passed=$((passed + 1)); echo "ok   $name: $got verified pings"
+    fi
+}
+rping_pair rping_verify $((CMBASE + 0)) 500
+# perftest's server with -R listens through the CM only (no TCP port).
+WAIT_LISTEN=wait_cm_listen pair ib_send_lat_rdma_cm $((CMBASE + 1)) '^ *2 ' ib_send_lat -R -n 10000
+WAIT_LISTEN=wait_cm_listen pair ib_write_bw_rdma_cm $((CMBASE + 2)) '^ *65536 ' ib_write_bw -R -s 65536 -n 5000
+# UD through the CM (SIDR: the server's QP number and Q_Key come back in
+# the reply).
+WAIT_LISTEN=wait_cm_listen pair ib_send_lat_ud_rdma_cm $((CMBASE + 3)) '^ *2 ' ib_send_lat -R -c UD -n 5000
+qperf_pair qperf_rc_lat_cm $((CMBASE + 4)) rc_lat -cm1
+
 echo "clients: $passed passed, $fail failed"
 if [[ $fail -ne 0 ]]; then exit 1; fi
+
+# rdma-core's own rdma_cm tests (python3-pyverbs): the rdmacm module. The
+# three multicast tests are left out: softverbs has no multicast
+# (ibv_attach_mcast), so they would skip; the seven others must pass.
+PYT=$(mktemp -d /tmp/softverbs-pytests.XXXXXX)
+cp -r /usr/share/doc/rdma-core/tests "$PYT/"
+gunzip -f "$PYT"/tests/*.gz
+l=$LOGS/rdma_core_rdmacm_tests.log
+timeout 300 "$RUN" /usr/bin/python3 "$PYT/tests/run_tests.py" --dev softverbs0 -v \
+    test_rdmacm.CMTestCase.test_rdmacm_sync_traffic \
+    test_rdmacm.CMTestCase.test_rdmacm_async_traffic \
+    test_rdmacm.CMTestCase.test_rdmacm_async_reject_traffic \
+    test_rdmacm.CMTestCase.test_rdmacm_async_traffic_external_qp \
+    test_rdmacm.CMTestCase.test_rdmacm_async_read \
+    test_rdmacm.CMTestCase.test_rdmacm_async_udp_traffic \
+    test_rdmacm.CMTestCase.test_rdmacm_async_write >"$l" 2>&1 || { cat "$l"; rm -rf "$PYT"; exit 1; }
+rm -rf "$PYT"
+if ! grep -q '^OK$' "$l" || grep -q 'skipped' "$l"; then cat "$l"; exit 1; fi
+echo "ok   rdma-core rdmacm tests: $(grep -c ' \.\.\. ok$' "$l") passed"
 
 # Our integration tests, through the real libibverbs, under the launcher.
 timeout 300 "$RUN" cargo test -p softverbs --release
@@ -220,11 +280,12 @@ CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$RUN" timeout 600 \
 # must exit 0, the load with both verdicts PASSED, each server with its
 # accounts and session verdicts PASSED.
 demo_fail=0
-demo_two() {
+demo_two() { # NAME PORT N [EXTRA ARGS for serve and load...]
     local name=$1 port=$2 n=$3 i spids=() servers=() ok=1
+    shift 3
     local l=$LOGS/$name.load.log
     for ((i = 0; i < n; i++)); do
-        timeout 120 "$RUN" "$DEMO" serve --device softverbs0 --quick \
+        timeout 120 "$RUN" "$DEMO" serve --device softverbs0 --quick "$@" \
             --listen "127.0.0.1:$((port + i))" --accept-timeout 60s \
             >"$LOGS/$name.serve$i.log" 2>&1 &
         spids+=($!)
@@ -235,7 +296,7 @@ demo_two() {
     done
     local lrc=0
     if [[ $ok -eq 1 ]]; then
-        timeout 120 "$RUN" "$DEMO" load --device softverbs0 --quick "${servers[@]}" \
+        timeout 120 "$RUN" "$DEMO" load --device softverbs0 --quick "$@" "${servers[@]}" \
             >"$l" 2>&1 || lrc=$?
     fi
     for ((i = 0; i < n; i++)); do
@@ -262,6 +323,10 @@ demo_two() {
 }
 demo_two demo_serve_load $((BASE + 13)) 1
 demo_two demo_serve_load_striped $((BASE + 14)) 2
+# The queue pairs connected through rdma_cm (as NVMe over Fabrics does),
+# one server and two striped.
+demo_two demo_serve_load_rdmacm $((CMBASE + 5)) 1 --cm rdmacm
+demo_two demo_serve_load_rdmacm_striped $((CMBASE + 6)) 2 --cm rdmacm
 # Both halves in one process on the device.
 l=$LOGS/demo_one_process.log
 if timeout 120 "$RUN" "$DEMO" --backend verbs --device softverbs0 --quick >"$l" 2>&1 \

@@ -19,6 +19,18 @@ pub enum BackendKind {
     Verbs,
 }
 
+/// How `serve` and `load` connect their queue pairs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CmKind {
+    /// Endpoints (LID, GID, QPN, PSN) exchanged over the TCP session.
+    #[default]
+    Tcp,
+    /// Through the RDMA connection manager (librdmacm), as NVMe over
+    /// Fabrics connects: the server listens on its `--listen` address.
+    Rdmacm,
+}
+
 /// What the process is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -105,6 +117,11 @@ pub struct Args {
     /// serve: the TCP address to listen on for the load's handshake.
     #[arg(long, value_name = "ADDR:PORT")]
     pub listen: Option<String>,
+    /// serve/load: how the queue pairs connect: `tcp` (endpoints in the
+    /// TCP session) or `rdmacm` (through rdma_cm, on the server's
+    /// `--listen` address) [default: tcp].
+    #[arg(long, value_enum, value_name = "HOW")]
+    pub cm: Option<CmKind>,
     /// load: a server's TCP address (repeat for several; blocks are
     /// striped over them).
     #[arg(long = "server", value_name = "HOST:PORT")]
@@ -220,6 +237,8 @@ pub struct Config {
     pub gid_index: Option<u8>,
     /// serve: where to listen.
     pub listen: String,
+    /// How the queue pairs connect (serve/load).
+    pub cm: CmKind,
     /// load: the servers' addresses.
     pub server_addrs: Vec<String>,
     /// serve: how long to wait for a load session.
@@ -314,6 +333,9 @@ impl Args {
         }
         if command != Command::Serve && (self.listen.is_some() || self.accept_timeout.is_some()) {
             return bad("--listen and --accept-timeout are for `serve`".into());
+        }
+        if self.cm.is_some() && !matches!(command, Command::Serve | Command::Load) {
+            return bad("--cm is for `serve` and `load`".into());
         }
         if command != Command::Load && !self.server_addrs.is_empty() {
             return bad("--server is for `load` (the address of a `serve` process)".into());
@@ -448,6 +470,7 @@ impl Args {
                 .clone()
                 .unwrap_or_else(|| format!("0.0.0.0:{DEFAULT_PORT}")),
             server_addrs: self.server_addrs.clone(),
+            cm: self.cm.unwrap_or_default(),
             accept_timeout: self.accept_timeout,
             servers,
             connections: self.connections,

@@ -852,6 +852,14 @@ impl<N: Node> Load<N> {
         true
     }
 
+    /// The run is over (no request will be issued): from now on a flush
+    /// is the teardown's, not a failure — also one the peer caused (with
+    /// `--cm rdmacm` a server's exit disconnects its connections, which
+    /// flushes this side's receives before its own flush).
+    pub fn closing(&self) {
+        self.shared.closing.store(true, Ordering::Release);
+    }
+
     /// The shutdown's flush step: every QP to error.
     pub fn flush(&self) {
         self.shared.closing.store(true, Ordering::Release);

@@ -46,8 +46,9 @@ use std::time::{Duration, Instant};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use crate::backend::cm::CmListener;
 use crate::backend::{Link, Node, Remote};
-use crate::config::{check_blocks, Config};
+use crate::config::{check_blocks, CmKind, Config};
 use crate::load::LoadConn;
 use crate::report::{self, PeerVerdict, Report, ServeReport, Verdict};
 use crate::run::{LoadSide, ServerSide};
@@ -84,6 +85,10 @@ pub enum Msg<E> {
         qd: u32,
         /// Connections the load will open to this server.
         connections: u32,
+        /// The queue pairs connect through rdma_cm (`--cm rdmacm`) instead
+        /// of `connect`/`accepted` messages. Absent: false.
+        #[serde(default)]
+        rdmacm: bool,
     },
     /// server → load: the geometry.
     Welcome {
@@ -281,6 +286,17 @@ pub fn serve_on<N: Node>(
     let local = listener
         .local_addr()
         .map_err(|e| net(format!("listening socket: {e}")))?;
+    // --cm rdmacm: the queue pairs' listener, on the same address.
+    let cm = match cfg.cm {
+        CmKind::Rdmacm => match crate::backend::cm::listen(local) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                let _ = side.stop();
+                return Err(e.into());
+            }
+        },
+        CmKind::Tcp => None,
+    };
     ready(local);
     let deadline = cfg.accept_timeout.map(|t| Instant::now() + t);
     let mut notes = Vec::new();
@@ -294,7 +310,7 @@ pub fn serve_on<N: Node>(
             }
         };
         let mut wire = Wire::new(stream, format!("load {addr}"))?;
-        match session::<N>(&mut side, &mut wire) {
+        match session::<N>(&mut side, &mut wire, cm.as_ref()) {
             Ok(SessionStart::Refused(why)) => {
                 tracing::warn!(peer = %addr, "handshake refused: {why}");
                 eprintln!("cqd-demo serve: refused load {addr}: {why}");
@@ -402,7 +418,11 @@ enum SessionStart {
 
 /// The server's half of the handshake: `hello` → `welcome`, then every
 /// `connect` → `accepted`.
-fn session<N: Node>(side: &mut ServerSide<N>, wire: &mut Wire) -> Result<SessionStart, DemoError> {
+fn session<N: Node>(
+    side: &mut ServerSide<N>,
+    wire: &mut Wire,
+    cm: Option<&CmListener>,
+) -> Result<SessionStart, DemoError> {
     wire.set_timeout(Some(HANDSHAKE_TIMEOUT));
     let server = side
         .server(0)
@@ -427,8 +447,16 @@ fn session<N: Node>(side: &mut ServerSide<N>, wire: &mut Wire) -> Result<Session
             block_size,
             qd,
             connections,
+            rdmacm,
         } => {
-            if protocol != PROTOCOL || version != VERSION {
+            if rdmacm != cm.is_some() {
+                let how = |b: bool| if b { "rdmacm" } else { "tcp" };
+                Err(format!(
+                    "the load connects with --cm {}, this server was started with --cm {}",
+                    how(rdmacm),
+                    how(cm.is_some())
+                ))
+            } else if protocol != PROTOCOL || version != VERSION {
                 Err(format!(
                     "protocol {protocol:?} version {version}; this server speaks {PROTOCOL:?} \
                      version {VERSION}"
@@ -474,6 +502,23 @@ fn session<N: Node>(side: &mut ServerSide<N>, wire: &mut Wire) -> Result<Session
         max_connections: spec.connections,
         device,
     })?;
+    if let Some(cm) = cm {
+        // Each connection's request names its number; the load opens them
+        // in order, one at a time.
+        for want in 0..connections {
+            let (conn, req) = cm.next(HANDSHAKE_TIMEOUT)?;
+            if conn != want {
+                return Err(net(format!(
+                    "{}: rdma_cm request for connection {conn}, expected {want}",
+                    wire.peer()
+                )));
+            }
+            let c = side.accept(0)?;
+            c.link().cm_accept(req)?;
+            c.post_receives()?;
+        }
+        return Ok(SessionStart::Running);
+    }
     for want in 0..connections {
         let (conn, endpoint) = match wire.recv::<<N::Link as Link>::Endpoint>()? {
             Msg::Connect { conn, endpoint } if conn == want => (conn, endpoint),
@@ -551,6 +596,7 @@ fn hello<E: DeserializeOwned + Serialize>(
         block_size: cfg.block_size,
         qd: cfg.qd,
         connections,
+        rdmacm: cfg.cm == CmKind::Rdmacm,
     })?;
     match wire.recv::<E>()? {
         Msg::Welcome {
@@ -610,8 +656,14 @@ pub fn load_on<N: Node, F: Fn(&str) -> Result<N, DemoError>>(
     // Reach every server first: a missing one fails fast, before any
     // device or thread.
     let mut wires = Vec::new();
+    let mut peers = Vec::new();
     for (s, addr) in cfg.server_addrs.iter().enumerate() {
         let stream = reach(addr)?;
+        peers.push(
+            stream
+                .peer_addr()
+                .map_err(|e| net(format!("server {s} ({addr}): {e}")))?,
+        );
         wires.push(Wire::new(stream, format!("server {s} ({addr})"))?);
     }
     let open = device()?;
@@ -647,6 +699,13 @@ pub fn load_on<N: Node, F: Fn(&str) -> Result<N, DemoError>>(
             let wire = &mut wires[s as usize];
             let n = next[s as usize];
             next[s as usize] += 1;
+            if cfg.cm == CmKind::Rdmacm {
+                // The server's rdma_cm listener is on its TCP address.
+                conn.link().cm_connect(peers[s as usize], n)?;
+                conn.post_receives()?;
+                by_server[s as usize].push(conn);
+                continue;
+            }
             wire.send(&Msg::Connect {
                 conn: n,
                 endpoint: conn.link().endpoint()?,
@@ -717,6 +776,9 @@ pub fn load_on<N: Node, F: Fn(&str) -> Result<N, DemoError>>(
 
     let driven = side.drive(cfg);
     done.store(true, Ordering::Release);
+    // The servers tear down after `done` (with --cm rdmacm their exit
+    // flushes our receives through the CM): flushes are no failure now.
+    side.closing();
     let mut notes = driven.notes;
     for (peer, w) in &mut writers {
         let mut line = serde_json::to_vec(&Msg::<()>::Done).unwrap_or_default();

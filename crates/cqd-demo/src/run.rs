@@ -380,6 +380,12 @@ impl<N: Node> LoadSide<N> {
         &self.load
     }
 
+    /// The run is over: later flushes are the teardown's
+    /// ([`Load::closing`](crate::load::Load::closing)).
+    pub fn closing(&self) {
+        self.load.closing();
+    }
+
     /// Runs the load (progress bar on a terminal), drains it and reads
     /// every block back.
     pub fn drive(&self, cfg: &Config) -> Driven {

@@ -15,13 +15,16 @@
 //!   cqd's posting call (`Registration::post_send` / `post_recv`) — SEND,
 //!   RDMA WRITE / READ, atomics ([`WrOp::CompareSwap`], [`WrOp::FetchAdd`]);
 //!   UD queue pairs with address handles ([`ah`]); [`Srq`];
-//! - [`Context::adopt_cq`]: an application's own CQ under cqd's poller.
+//! - [`Context::adopt_cq`]: an application's own CQ under cqd's poller;
+//! - [`cm`]: connections through rdma_cm (listen, accept, connect,
+//!   disconnect with the QP drained), CM events on a thread of their own.
 //!
-//! All FFI is in one module (`sys`). docs/verbs.md walks through it; the
+//! All FFI is in `sys` (and `sys_cm` for rdma_cm). docs/verbs.md walks through it; the
 //! tests run on softverbs (a userspace device) under `softverbs-run`.
 
 pub mod adopt;
 pub mod ah;
+pub mod cm;
 pub mod cq;
 pub mod device;
 pub mod error;
@@ -30,6 +33,7 @@ pub mod pd;
 pub mod qp;
 pub mod srq;
 mod sys;
+mod sys_cm;
 pub mod wr;
 
 pub use ah::{Ah, AhOptions, UdDest};

@@ -10,6 +10,8 @@
 //! - [`shm`]: the shared-memory fabric (segments named by id/QPN, a
 //!   lock-free cross-process ring);
 //! - [`provider`]: the verbs themselves and the comp-channel interposer;
+//! - [`cm`]: rdma_cm (the kernel's `rdma_ucm` commands, emulated behind
+//!   `/dev/infiniband/rdma_cm`);
 //! - [`launcher`]: what `softverbs-run` does (fake sysfs, private mount
 //!   namespace, environment).
 //!
@@ -22,6 +24,7 @@
 //!
 //! See `docs/softverbs.md` for the design and limits.
 
+pub mod cm;
 pub mod launcher;
 pub mod model;
 pub mod provider;

@@ -23,6 +23,7 @@
 //! through `Registration::post_send`/`post_recv`), `Endpoint` = its serde
 //! `Endpoint`, exchanged over TCP by `serve`/`load` (`crate::net`).
 
+pub mod cm;
 pub mod sim;
 #[cfg(feature = "verbs")]
 pub mod verbs;
@@ -170,6 +171,25 @@ pub trait Link: Send + Sync + Debug + 'static {
     /// Moves the QP to the error state: every outstanding request comes
     /// back flushed.
     fn to_error(&self);
+
+    /// Connect through rdma_cm to the listener at `dst` as the session's
+    /// connection `conn` (`--cm rdmacm`); only the verbs backend has it.
+    ///
+    /// # Errors
+    /// No rdma_cm in this backend, the peer refused or is unreachable.
+    fn cm_connect(&self, dst: std::net::SocketAddr, conn: u32) -> Result<(), BackendError> {
+        let _ = (dst, conn);
+        Err(cm::unsupported("connect through rdma_cm"))
+    }
+
+    /// Accept a request the server's rdma_cm listener took, on this link.
+    ///
+    /// # Errors
+    /// No rdma_cm in this backend, the requester gave up.
+    fn cm_accept(&self, req: cm::PendingCm) -> Result<(), BackendError> {
+        let _ = req;
+        Err(cm::unsupported("accept through rdma_cm"))
+    }
 }
 
 /// One device and protection domain.

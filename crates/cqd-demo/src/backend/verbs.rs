@@ -111,9 +111,23 @@ pub struct VerbsRegion(Mr);
 /// An RC queue pair.
 #[derive(Debug)]
 pub struct VerbsLink {
-    qp: Qp,
+    qp: std::sync::Arc<Qp>,
     psn: u32,
     connect: ConnectOptions,
+    /// The rdma_cm connection (`--cm rdmacm`); dropped with the link.
+    cm: std::sync::Mutex<Option<cqd_verbs::cm::Connection>>,
+}
+
+/// The process's rdma_cm connection manager (one event channel and CM
+/// thread for every link), made at first use.
+pub(crate) fn cm_manager() -> Result<&'static cqd_verbs::cm::ConnectionManager, BackendError> {
+    static CM: std::sync::OnceLock<cqd_verbs::cm::ConnectionManager> = std::sync::OnceLock::new();
+    if let Some(cm) = CM.get() {
+        return Ok(cm);
+    }
+    let made = cqd_verbs::cm::ConnectionManager::new()
+        .map_err(|e| BackendError::new("open rdma_cm (an event channel)", e))?;
+    Ok(CM.get_or_init(|| made))
 }
 
 impl VerbsLink {
@@ -223,7 +237,7 @@ impl Link for VerbsLink {
         len: u32,
     ) -> Result<(), BackendError> {
         let sge = [region.sge(offset, len)?];
-        reg.post_recv(&self.qp, &mut [RecvWr::new(u64::from(tag), &sge)])
+        reg.post_recv(&*self.qp, &mut [RecvWr::new(u64::from(tag), &sge)])
             .map_err(|e| BackendError::new(format!("post a receive on QP {}", self.qp.qpn()), e))
     }
 
@@ -253,8 +267,43 @@ impl Link for VerbsLink {
                 }
             })
             .collect();
-        reg.post_send(&self.qp, &mut wrs)
+        reg.post_send(&*self.qp, &mut wrs)
             .map_err(|e| BackendError::new(format!("post on QP {}", self.qp.qpn()), e))
+    }
+
+    fn cm_connect(&self, dst: std::net::SocketAddr, conn: u32) -> Result<(), BackendError> {
+        let cm = cm_manager()?;
+        let params = cqd_verbs::cm::CmParams {
+            private_data: super::cm::request_data(conn),
+            ..cqd_verbs::cm::CmParams::default()
+        };
+        let c = cm
+            .connect(dst, std::sync::Arc::clone(&self.qp), &params)
+            .map_err(|e| {
+                BackendError::new(
+                    format!("connect QP {} to {dst} through rdma_cm", self.qp.qpn()),
+                    e,
+                )
+            })?;
+        *self.cm.lock().unwrap_or_else(|e| e.into_inner()) = Some(c);
+        Ok(())
+    }
+
+    fn cm_accept(&self, req: super::cm::PendingCm) -> Result<(), BackendError> {
+        let req = req
+            .0
+            .downcast::<cqd_verbs::cm::ConnRequest>()
+            .map_err(|_| BackendError::new("accept through rdma_cm", "not an rdma_cm request"))?;
+        let c = req
+            .accept(
+                std::sync::Arc::clone(&self.qp),
+                &cqd_verbs::cm::CmParams::default(),
+            )
+            .map_err(|e| {
+                BackendError::new(format!("accept on QP {} through rdma_cm", self.qp.qpn()), e)
+            })?;
+        *self.cm.lock().unwrap_or_else(|e| e.into_inner()) = Some(c);
+        Ok(())
     }
 
     fn to_error(&self) {
@@ -322,9 +371,10 @@ impl Node for VerbsNode {
             .map_err(|e| BackendError::new(format!("create a QP on {}", self.name), e))?;
         let psn = new_psn(qp.qpn());
         Ok(VerbsLink {
-            qp,
+            qp: std::sync::Arc::new(qp),
             psn,
             connect: self.connect,
+            cm: std::sync::Mutex::new(None),
         })
     }
 }

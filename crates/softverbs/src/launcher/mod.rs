@@ -148,6 +148,7 @@ pub fn launch(args: Vec<OsString>) -> Result<std::convert::Infallible, LaunchErr
     let driver = driver_dir.join("libsoftverbs-rdmav34.so");
     std::fs::copy(&provider, &driver).map_err(os(format!("copying {}", provider.display())))?;
     ns::overlay_dev(stage)?;
+    ns::shadow_sys_class(stage, crate::provider::DEVICE_NAME)?;
     let mut preload = OsString::from(lib.as_os_str());
     if let Some(old) = std::env::var_os("LD_PRELOAD").filter(|v| !v.is_empty()) {
         preload.push(" ");

@@ -139,6 +139,14 @@ pub fn overlay_dev(stage: &Path) -> Result<(), LaunchError> {
         std::os::unix::fs::symlink("/dev/full", node)
             .map_err(os("linking /dev/infiniband/uverbs0"))?;
     }
+    // librdmacm opens this node; the preloaded provider answers the open
+    // itself (`crate::cm`). The link gives a program that bypasses it a
+    // character device whose writes fail (ENOSPC), not a hang.
+    let cm = Path::new("/dev/infiniband/rdma_cm");
+    if !cm.exists() {
+        std::os::unix::fs::symlink("/dev/full", cm)
+            .map_err(os("linking /dev/infiniband/rdma_cm"))?;
+    }
     Ok(())
 }
 
@@ -161,4 +169,48 @@ pub fn exec(
         what: format!("exec {}", args[0].to_string_lossy()),
         err,
     })
+}
+
+/// Step 4b: `/sys/class` with the device in it. Tools that look for an
+/// RDMA device's network interface in the real sysfs
+/// (`/sys/class/infiniband/<dev>/device/net/`, e.g. rdma-core's test
+/// suite before it runs rdma_cm traffic) find it there. A tmpfs holding
+/// the same class directories with the same (relative) links replaces
+/// `/sys/class` in the namespace, plus `infiniband/softverbs0` linked to
+/// the staged tree; every other link resolves into `/sys/devices` as
+/// before.
+///
+/// # Errors
+/// [`LaunchError::Os`].
+pub fn shadow_sys_class(stage: &Path, device: &str) -> Result<(), LaunchError> {
+    let shadow = stage.join("sys-class");
+    std::fs::create_dir_all(&shadow).map_err(os(format!("creating {}", shadow.display())))?;
+    let classes = std::fs::read_dir("/sys/class").map_err(os("reading /sys/class"))?;
+    for class in classes.flatten() {
+        let dir = shadow.join(class.file_name());
+        std::fs::create_dir_all(&dir).map_err(os(format!("creating {}", dir.display())))?;
+        let Ok(entries) = std::fs::read_dir(class.path()) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            if let Ok(target) = std::fs::read_link(e.path()) {
+                std::os::unix::fs::symlink(&target, dir.join(e.file_name()))
+                    .map_err(os(format!("linking {}", e.path().display())))?;
+            }
+        }
+    }
+    let ib = shadow.join("infiniband");
+    std::fs::create_dir_all(&ib).map_err(os("creating the infiniband class"))?;
+    let link = ib.join(device);
+    if !link.exists() {
+        std::os::unix::fs::symlink(stage.join("sys/class/infiniband").join(device), &link)
+            .map_err(os("linking the device into /sys/class/infiniband"))?;
+    }
+    mount(
+        Some(&shadow.to_string_lossy()),
+        Path::new("/sys/class"),
+        None,
+        libc::MS_BIND,
+        None,
+    )
 }

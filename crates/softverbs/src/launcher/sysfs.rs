@@ -21,6 +21,14 @@ pub fn files() -> Vec<(String, String)> {
             "class/infiniband_verbs/uverbs0/abi_version".into(),
             "1".into(),
         ),
+        // librdmacm's ABI check (rdma_cm, emulated by `crate::cm`).
+        (
+            "class/misc/rdma_cm/abi_version".into(),
+            crate::cm::abi::ABI_VERSION.to_string(),
+        ),
+        // The device's network interface (every local address maps to the
+        // device): loopback.
+        (format!("{ib}/device/net/lo/ifindex"), "1".into()),
         (format!("{ib}/node_type"), "1: CA".into()),
         (format!("{ib}/node_guid"), guid.into()),
         (format!("{ib}/sys_image_guid"), guid.into()),

@@ -1,0 +1,234 @@
+//! `serve` and `load` with `--cm rdmacm` (cargo feature `verbs`): the queue
+//! pairs connect through rdma_cm. Two servers striped with data
+//! verification, a `--cm` mismatch refused with both settings named, and a
+//! server killed mid-run (the CM's disconnect and the TCP watcher fail the
+//! load fast). Run under `softverbs-run`; SKIPPED elsewhere.
+#![cfg(feature = "verbs")]
+#![allow(missing_docs)]
+
+mod common;
+use common::{finish, run_for as run, spawn, text};
+use std::io::{BufRead, BufReader, Read};
+use std::process::Child;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+fn launcher_or_skip(test: &str) -> bool {
+    if std::env::var_os("SOFTVERBS_RUN").is_some() {
+        return true;
+    }
+    // Straight to the stderr handle: the harness captures eprintln! of
+    // passing tests, not writes to the handle.
+    use std::io::Write as _;
+    let line = format!("SKIPPED: {test} (needs softverbs-run, root)\n");
+    let _ = std::io::stderr().write_all(line.as_bytes());
+    false
+}
+
+/// A `serve` process on a free port: the child, its address, and its
+/// stdout and stderr as they come (line by line, on channels).
+struct Served {
+    child: Child,
+    addr: String,
+    out: mpsc::Receiver<String>,
+    err: mpsc::Receiver<String>,
+}
+
+fn lines(r: impl Read + Send + 'static) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(r).lines().map_while(Result::ok) {
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+fn serve(extra: &[&str]) -> Served {
+    let mut args = vec![
+        "serve",
+        "--device",
+        "softverbs0",
+        "--listen",
+        "127.0.0.1:0",
+        "--accept-timeout",
+        "60s",
+    ];
+    args.extend_from_slice(extra);
+    let mut child = spawn(&args);
+    let out = lines(child.stdout.take().expect("stdout"));
+    let err = lines(child.stderr.take().expect("stderr"));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let addr = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match out.recv_timeout(left) {
+            Ok(l) => {
+                if let Some(rest) = l.strip_prefix("cqd-demo serve: listening on ") {
+                    break rest.split_whitespace().next().unwrap_or("").to_string();
+                }
+            }
+            Err(_) => {
+                let _ = child.kill();
+                let rest: Vec<String> = err.try_iter().collect();
+                panic!("serve did not listen:\n{}", rest.join("\n"));
+            }
+        }
+    };
+    Served {
+        child,
+        addr,
+        out,
+        err,
+    }
+}
+
+impl Served {
+    /// Waits for the server's exit; its exit code and all it printed.
+    fn end(self, limit: Duration) -> (Option<i32>, String, String) {
+        let out = finish(self.child, "serve", limit);
+        let stdout: Vec<String> = self.out.iter().collect();
+        let stderr: Vec<String> = self.err.iter().collect();
+        (out.status.code(), stdout.join("\n"), stderr.join("\n"))
+    }
+}
+
+#[test]
+fn serve_and_load_connect_through_rdma_cm_with_data_verified() {
+    if !launcher_or_skip("serve_and_load_connect_through_rdma_cm_with_data_verified") {
+        return;
+    }
+    let a = serve(&["--device-size", "2MiB", "--cm", "rdmacm"]);
+    let b = serve(&[
+        "--device-size",
+        "2MiB",
+        "--cm",
+        "rdmacm",
+        "--connections",
+        "4",
+    ]);
+    let out = run(
+        &[
+            "load",
+            "--device",
+            "softverbs0",
+            "--cm",
+            "rdmacm",
+            "--server",
+            &a.addr,
+            "--server",
+            &b.addr,
+            "--connections",
+            "4",
+            "--duration",
+            "1s",
+        ],
+        Duration::from_secs(120),
+    );
+    let stdout = text(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        text(&out.stderr)
+    );
+    assert!(stdout.contains("verdict data:     PASSED"), "{stdout}");
+    assert!(stdout.contains("verdict accounts: PASSED"), "{stdout}");
+    assert!(stdout.contains("1024 matched"), "{stdout}");
+    for s in [a, b] {
+        let (code, sout, serr) = s.end(Duration::from_secs(60));
+        assert_eq!(code, Some(0), "{sout}\n{serr}");
+        assert!(sout.contains("verdict accounts: PASSED"), "{sout}");
+        assert!(sout.contains("verdict session:  PASSED"), "{sout}");
+    }
+}
+
+#[test]
+fn a_cm_mismatch_is_refused_naming_both_settings() {
+    if !launcher_or_skip("a_cm_mismatch_is_refused_naming_both_settings") {
+        return;
+    }
+    let mut s = serve(&["--device-size", "2MiB", "--cm", "rdmacm"]);
+    let out = run(
+        &[
+            "load",
+            "--device",
+            "softverbs0",
+            "--server",
+            &s.addr,
+            "--ops",
+            "10",
+        ],
+        Duration::from_secs(60),
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr
+            .contains("the load connects with --cm tcp, this server was started with --cm rdmacm"),
+        "{stderr}"
+    );
+    // A refused handshake is no session: the server says so and goes on
+    // waiting.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let said = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match s.err.recv_timeout(left) {
+            Ok(l) if l.contains("refused load") => break l,
+            Ok(_) => {}
+            Err(_) => panic!("the server never said it refused the load"),
+        }
+    };
+    assert!(said.contains("--cm rdmacm"), "{said}");
+    assert!(
+        s.child.try_wait().expect("wait").is_none(),
+        "the server kept waiting"
+    );
+    s.child.kill().expect("kill the server");
+    let _ = s.end(Duration::from_secs(30));
+}
+
+#[test]
+fn a_server_killed_mid_run_under_rdma_cm_fails_the_load_fast() {
+    if !launcher_or_skip("a_server_killed_mid_run_under_rdma_cm_fails_the_load_fast") {
+        return;
+    }
+    let mut s = serve(&["--device-size", "4MiB", "--cm", "rdmacm"]);
+    let load = spawn(&[
+        "load",
+        "--device",
+        "softverbs0",
+        "--cm",
+        "rdmacm",
+        "--server",
+        &s.addr,
+        "--duration",
+        "30s",
+    ]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match s.err.recv_timeout(left) {
+            Ok(l) if l.contains("serving") => break,
+            Ok(_) => {}
+            Err(_) => panic!("the server never served"),
+        }
+    }
+    std::thread::sleep(Duration::from_millis(800));
+    s.child.kill().expect("kill the server");
+    let killed = Instant::now();
+    let _ = s.child.wait();
+    let out = finish(load, "load after its server died", Duration::from_secs(25));
+    let stdout = text(&out.stdout);
+    let stderr = text(&out.stderr);
+    assert!(
+        killed.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        killed.elapsed()
+    );
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(stdout.contains("verdict data:     FAILED"), "{stdout}");
+    assert!(stdout.contains("0 mismatched"), "{stdout}");
+    assert!(stdout.contains("verdict accounts: PASSED"), "{stdout}");
+}

@@ -1,0 +1,513 @@
+//! rdma_cm on softverbs through the unmodified librdmacm (rdma-sys): the
+//! events of a whole connection's life, private data each way, refused and
+//! rejected connections, a peer process that dies, a peer whose CM never
+//! answers, pollable channels, and the rdma_getaddrinfo/rdma_create_ep
+//! helpers. Run under `softverbs-run`; skipped loudly otherwise.
+#![allow(clippy::undocumented_unsafe_blocks, missing_docs)]
+
+mod common;
+use common::*;
+use std::net::SocketAddrV4;
+use std::process::Command;
+use std::ptr::null_mut;
+use std::time::{Duration, Instant};
+
+use rdma_sys::rdma_cm_event_type as ev;
+
+fn sin(a: &str) -> libc::sockaddr_in {
+    let a: SocketAddrV4 = a.parse().unwrap();
+    let mut s: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    s.sin_family = libc::AF_INET as u16;
+    s.sin_port = a.port().to_be();
+    s.sin_addr.s_addr = u32::from_ne_bytes(a.ip().octets());
+    s
+}
+
+/// A port of our own per test (tests run in parallel).
+fn port(n: u16) -> u16 {
+    20000 + (std::process::id() % 2000) as u16 * 8 + n
+}
+
+struct Ch(*mut rdma_event_channel);
+
+impl Ch {
+    fn new() -> Ch {
+        let c = unsafe { rdma_create_event_channel() };
+        assert!(
+            !c.is_null(),
+            "rdma_create_event_channel: {}",
+            std::io::Error::last_os_error()
+        );
+        Ch(c)
+    }
+    fn id(&self) -> *mut rdma_cm_id {
+        let mut id = null_mut();
+        let r =
+            unsafe { rdma_create_id(self.0, &mut id, null_mut(), rdma_port_space::RDMA_PS_TCP) };
+        assert_eq!(r, 0, "rdma_create_id");
+        id
+    }
+    /// The next event within 10 s: (type, status, id, private data).
+    fn next(&self) -> (u32, i32, *mut rdma_cm_id, Vec<u8>) {
+        let fd = unsafe { (*self.0).fd };
+        assert!(fd_readable(fd, 10_000), "no CM event within 10 s");
+        let mut e = null_mut();
+        assert_eq!(
+            unsafe { rdma_get_cm_event(self.0, &mut e) },
+            0,
+            "rdma_get_cm_event"
+        );
+        let (t, st, id) = unsafe { ((*e).event, (*e).status, (*e).id) };
+        let conn = unsafe { (*e).param.conn };
+        let pd = if conn.private_data.is_null() {
+            Vec::new()
+        } else {
+            unsafe {
+                std::slice::from_raw_parts(
+                    conn.private_data.cast::<u8>(),
+                    conn.private_data_len.into(),
+                )
+            }
+            .to_vec()
+        };
+        unsafe { rdma_ack_cm_event(e) };
+        (t, st, id, pd)
+    }
+    fn expect(&self, want: u32) -> (i32, *mut rdma_cm_id, Vec<u8>) {
+        let (t, st, id, pd) = self.next();
+        assert_eq!(t, want, "event {t} (status {st}), wanted {want}");
+        (st, id, pd)
+    }
+}
+
+fn qp_attr(dev_pd: *mut ibv_pd) -> (ibv_qp_init_attr, *mut ibv_cq) {
+    let cq = unsafe { ibv_create_cq((*dev_pd).context, 64, null_mut(), null_mut(), 0) };
+    assert!(!cq.is_null());
+    let mut a: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+    a.send_cq = cq;
+    a.recv_cq = cq;
+    a.qp_type = ibv_qp_type::IBV_QPT_RC;
+    a.cap.max_send_wr = 16;
+    a.cap.max_recv_wr = 16;
+    a.cap.max_send_sge = 1;
+    a.cap.max_recv_sge = 1;
+    (a, cq)
+}
+
+fn listen(ch: &Ch, p: u16) -> *mut rdma_cm_id {
+    let l = ch.id();
+    let mut a = sin(&format!("0.0.0.0:{p}"));
+    assert_eq!(
+        unsafe { rdma_bind_addr(l, (&mut a as *mut libc::sockaddr_in).cast()) },
+        0,
+        "bind"
+    );
+    assert_eq!(unsafe { rdma_listen(l, 8) }, 0, "listen");
+    l
+}
+
+/// Resolve address and route of a new id towards 127.0.0.1:p.
+fn resolved(ch: &Ch, p: u16) -> *mut rdma_cm_id {
+    let id = ch.id();
+    let mut d = sin(&format!("127.0.0.1:{p}"));
+    assert_eq!(
+        unsafe {
+            rdma_resolve_addr(
+                id,
+                null_mut(),
+                (&mut d as *mut libc::sockaddr_in).cast(),
+                2000,
+            )
+        },
+        0
+    );
+    ch.expect(ev::RDMA_CM_EVENT_ADDR_RESOLVED);
+    assert!(
+        !unsafe { (*id).verbs }.is_null(),
+        "resolved id has no device"
+    );
+    assert_eq!(unsafe { rdma_resolve_route(id, 2000) }, 0);
+    ch.expect(ev::RDMA_CM_EVENT_ROUTE_RESOLVED);
+    id
+}
+
+fn param(pdata: &[u8]) -> rdma_conn_param {
+    let mut c: rdma_conn_param = unsafe { std::mem::zeroed() };
+    c.private_data = pdata.as_ptr().cast();
+    c.private_data_len = pdata.len() as u8;
+    c.responder_resources = 1;
+    c.initiator_depth = 1;
+    c.retry_count = 7;
+    c.rnr_retry_count = 7;
+    c
+}
+
+#[test]
+fn connection_life_events_private_data_and_traffic() {
+    if !launcher_or_skip("connection_life_events_private_data_and_traffic") {
+        return;
+    }
+    let p = port(0);
+    let (sch, cch) = (Ch::new(), Ch::new());
+    let l = listen(&sch, p);
+    let c = resolved(&cch, p);
+    let (mut ca, ccq) = qp_attr(unsafe { (*c).pd });
+    assert_eq!(
+        unsafe { rdma_create_qp(c, (*c).pd, &mut ca) },
+        0,
+        "client create_qp"
+    );
+    let req_pd: Vec<u8> = (1..=40).collect();
+    assert_eq!(
+        unsafe { rdma_connect(c, &mut param(&req_pd)) },
+        0,
+        "connect"
+    );
+    // The listener gets the request on a new id, with the private data
+    // (rdma_cm reports the REQ's whole 56 bytes, zero-padded).
+    let (st, s, pd) = sch.expect(ev::RDMA_CM_EVENT_CONNECT_REQUEST);
+    assert_eq!(st, 0);
+    assert_ne!(s, l);
+    assert_eq!(pd.len(), 56);
+    assert_eq!(&pd[..40], &req_pd[..]);
+    assert!(pd[40..].iter().all(|b| *b == 0));
+    let (mut sa, scq) = qp_attr(unsafe { (*s).pd });
+    assert_eq!(
+        unsafe { rdma_create_qp(s, (*s).pd, &mut sa) },
+        0,
+        "server create_qp"
+    );
+    let rep_pd = b"accepted by the server".to_vec();
+    assert_eq!(unsafe { rdma_accept(s, &mut param(&rep_pd)) }, 0, "accept");
+    let (_, cid, pd) = cch.expect(ev::RDMA_CM_EVENT_ESTABLISHED);
+    assert_eq!(cid, c);
+    assert_eq!(&pd[..rep_pd.len()], &rep_pd[..]);
+    let (_, sid, _) = sch.expect(ev::RDMA_CM_EVENT_ESTABLISHED);
+    assert_eq!(sid, s);
+
+    // The QPs are connected to each other: a SEND and an RDMA WRITE.
+    let dev = Dev {
+        ctx: unsafe { (*c).verbs },
+        pd: unsafe { (*c).pd },
+    };
+    let sbuf = Buf::new(&dev, 4096, 0);
+    let cbuf = Buf::new(&dev, 4096, 0x5a);
+    post_recv(unsafe { (*s).qp }, &sbuf, 0, 64, 1);
+    assert_eq!(
+        post_send(
+            unsafe { (*c).qp },
+            &cbuf,
+            0,
+            64,
+            2,
+            send(ibv_wr_opcode::IBV_WR_SEND, SIGNALED)
+        ),
+        0
+    );
+    let w = poll(ccq, 1);
+    assert_eq!(w[0].status, ibv_wc_status::IBV_WC_SUCCESS);
+    let w = poll(scq, 1);
+    assert_eq!(
+        (w[0].status, w[0].byte_len),
+        (ibv_wc_status::IBV_WC_SUCCESS, 64)
+    );
+    assert!(sbuf.data[..64].iter().all(|b| *b == 0x5a));
+    let mut wr = send(ibv_wr_opcode::IBV_WR_RDMA_WRITE, SIGNALED);
+    wr.remote_addr = sbuf.addr() + 1024;
+    wr.rkey = sbuf.rkey();
+    assert_eq!(post_send(unsafe { (*c).qp }, &cbuf, 0, 512, 3, wr), 0);
+    assert_eq!(poll(ccq, 1)[0].status, ibv_wc_status::IBV_WC_SUCCESS);
+    assert!(sbuf.data[1024..1536].iter().all(|b| *b == 0x5a));
+
+    // Disconnect from the client: both sides DISCONNECTED, then both leave
+    // time-wait.
+    assert_eq!(unsafe { rdma_disconnect(c) }, 0);
+    sch.expect(ev::RDMA_CM_EVENT_DISCONNECTED);
+    assert_eq!(unsafe { rdma_disconnect(s) }, 0);
+    cch.expect(ev::RDMA_CM_EVENT_DISCONNECTED);
+    cch.expect(ev::RDMA_CM_EVENT_TIMEWAIT_EXIT);
+    sch.expect(ev::RDMA_CM_EVENT_TIMEWAIT_EXIT);
+    // librdmacm moved the client QP to ERR at disconnect.
+    assert_eq!(qp_state(unsafe { (*c).qp }), ibv_qp_state::IBV_QPS_ERR);
+    unsafe {
+        rdma_destroy_qp(c);
+        rdma_destroy_qp(s);
+        assert_eq!(rdma_destroy_id(c), 0);
+        assert_eq!(rdma_destroy_id(s), 0);
+        assert_eq!(rdma_destroy_id(l), 0);
+        ibv_dereg_mr(sbuf.mr);
+        ibv_dereg_mr(cbuf.mr);
+        ibv_destroy_cq(ccq);
+        ibv_destroy_cq(scq);
+        rdma_destroy_event_channel(cch.0);
+        rdma_destroy_event_channel(sch.0);
+    }
+}
+
+#[test]
+fn nobody_listening_is_rejected_and_sync_connect_refused() {
+    if !launcher_or_skip("nobody_listening_is_rejected_and_sync_connect_refused") {
+        return;
+    }
+    let p = port(1);
+    let ch = Ch::new();
+    let c = resolved(&ch, p);
+    assert_eq!(unsafe { rdma_connect(c, &mut param(&[])) }, 0);
+    // InfiniBand CM: REJ, reason 8 (invalid service ID).
+    let (st, id, _) = ch.expect(ev::RDMA_CM_EVENT_REJECTED);
+    assert_eq!((st, id), (8, c));
+    unsafe { rdma_destroy_id(c) };
+    // The synchronous form (rdma_create_ep, no channel) reports ECONNREFUSED.
+    let mut hints: rdma_addrinfo = unsafe { std::mem::zeroed() };
+    hints.ai_port_space = rdma_port_space::RDMA_PS_TCP as i32;
+    let mut res = null_mut();
+    let node = c"127.0.0.1";
+    let svc = std::ffi::CString::new(p.to_string()).unwrap();
+    assert_eq!(
+        unsafe { rdma_getaddrinfo(node.as_ptr(), svc.as_ptr(), &hints, &mut res) },
+        0,
+        "rdma_getaddrinfo"
+    );
+    let mut ep = null_mut();
+    assert_eq!(
+        unsafe { rdma_create_ep(&mut ep, res, null_mut(), null_mut()) },
+        0,
+        "rdma_create_ep"
+    );
+    // No QP on the endpoint: the connection parameters name none.
+    let r = unsafe { rdma_connect(ep, &mut param(&[])) };
+    let e = std::io::Error::last_os_error().raw_os_error();
+    assert_eq!((r, e), (-1, Some(libc::ECONNREFUSED)));
+    unsafe {
+        rdma_destroy_ep(ep);
+        rdma_freeaddrinfo(res);
+        rdma_destroy_event_channel(ch.0);
+    }
+}
+
+#[test]
+fn reject_carries_private_data_and_the_consumer_reason() {
+    if !launcher_or_skip("reject_carries_private_data_and_the_consumer_reason") {
+        return;
+    }
+    let p = port(2);
+    let (sch, cch) = (Ch::new(), Ch::new());
+    let l = listen(&sch, p);
+    let c = resolved(&cch, p);
+    assert_eq!(unsafe { rdma_connect(c, &mut param(b"hello")) }, 0);
+    let (_, s, pd) = sch.expect(ev::RDMA_CM_EVENT_CONNECT_REQUEST);
+    assert_eq!(&pd[..5], b"hello");
+    let why = b"server full";
+    assert_eq!(
+        unsafe { rdma_reject(s, why.as_ptr().cast(), why.len() as u8) },
+        0
+    );
+    let (st, _, pd) = cch.expect(ev::RDMA_CM_EVENT_REJECTED);
+    assert_eq!(st, 28, "IB_CM_REJ_CONSUMER_DEFINED");
+    assert_eq!(pd.len(), 148);
+    assert_eq!(&pd[..why.len()], why);
+    unsafe {
+        rdma_destroy_id(s);
+        rdma_destroy_id(c);
+        rdma_destroy_id(l);
+    }
+}
+
+#[test]
+fn channel_is_pollable_and_nonblocking() {
+    if !launcher_or_skip("channel_is_pollable_and_nonblocking") {
+        return;
+    }
+    let ch = Ch::new();
+    let fd = unsafe { (*ch.0).fd };
+    let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    assert_eq!(
+        unsafe { libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK) },
+        0
+    );
+    let mut e = null_mut();
+    assert_eq!(unsafe { rdma_get_cm_event(ch.0, &mut e) }, -1);
+    assert_eq!(
+        std::io::Error::last_os_error().raw_os_error(),
+        Some(libc::EAGAIN)
+    );
+    assert!(!fd_readable(fd, 50));
+    let id = ch.id();
+    let mut d = sin("127.0.0.1:9");
+    assert_eq!(
+        unsafe {
+            rdma_resolve_addr(
+                id,
+                null_mut(),
+                (&mut d as *mut libc::sockaddr_in).cast(),
+                2000,
+            )
+        },
+        0
+    );
+    assert!(fd_readable(fd, 5000));
+    assert_eq!(unsafe { rdma_get_cm_event(ch.0, &mut e) }, 0);
+    assert_eq!(unsafe { (*e).event }, ev::RDMA_CM_EVENT_ADDR_RESOLVED);
+    unsafe { rdma_ack_cm_event(e) };
+    assert!(!fd_readable(fd, 50), "no event left, yet readable");
+    // An address of no local interface has no device: ADDR_ERROR.
+    let id2 = ch.id();
+    let mut far = sin("192.0.2.1:9");
+    assert_eq!(
+        unsafe {
+            rdma_resolve_addr(
+                id2,
+                null_mut(),
+                (&mut far as *mut libc::sockaddr_in).cast(),
+                200,
+            )
+        },
+        0
+    );
+    assert!(fd_readable(fd, 5000));
+    assert_eq!(unsafe { rdma_get_cm_event(ch.0, &mut e) }, 0);
+    assert_eq!(
+        unsafe { ((*e).event, (*e).status) },
+        (ev::RDMA_CM_EVENT_ADDR_ERROR, -libc::ENODEV)
+    );
+    unsafe {
+        rdma_ack_cm_event(e);
+        rdma_destroy_id(id);
+        rdma_destroy_id(id2);
+        rdma_destroy_event_channel(ch.0);
+    }
+}
+
+/// The child side of the two-process tests: listen on the port given,
+/// accept one connection (with a QP), print "up", then as `how` says.
+fn child(how: &str, p: u16) {
+    let ch = Ch::new();
+    let l = listen(&ch, p);
+    println!("listening");
+    if how == "listen-only" {
+        std::thread::sleep(Duration::from_secs(30));
+        return;
+    }
+    let (_, s, _) = ch.expect(ev::RDMA_CM_EVENT_CONNECT_REQUEST);
+    let (mut a, _cq) = qp_attr(unsafe { (*s).pd });
+    assert_eq!(unsafe { rdma_create_qp(s, (*s).pd, &mut a) }, 0);
+    assert_eq!(unsafe { rdma_accept(s, &mut param(&[])) }, 0);
+    ch.expect(ev::RDMA_CM_EVENT_ESTABLISHED);
+    // Die without any cleanup.
+    let _ = l;
+    unsafe { libc::_exit(0) };
+}
+
+fn spawn_child(test: &str, how: &str, p: u16) -> std::process::Child {
+    let mut c = Command::new(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env("RDMA_CM_TEST_CHILD", format!("{how}:{p}"))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn child");
+    // Wait for "listening".
+    use std::io::BufRead;
+    let out = c.stdout.take().unwrap();
+    let mut r = std::io::BufReader::new(out);
+    let mut line = String::new();
+    while r.read_line(&mut line).unwrap() > 0 {
+        if line.contains("listening") {
+            break;
+        }
+        line.clear();
+    }
+    assert!(line.contains("listening"), "child did not start");
+    c
+}
+
+fn child_role() -> Option<(String, u16)> {
+    let v = std::env::var("RDMA_CM_TEST_CHILD").ok()?;
+    let (how, p) = v.split_once(':')?;
+    Some((how.to_string(), p.parse().ok()?))
+}
+
+#[test]
+fn peer_process_death_disconnects() {
+    if let Some((how, p)) = child_role() {
+        child(&how, p);
+        return;
+    }
+    if !launcher_or_skip("peer_process_death_disconnects") {
+        return;
+    }
+    let p = port(3);
+    let mut kid = spawn_child("peer_process_death_disconnects", "die", p);
+    let ch = Ch::new();
+    let c = resolved(&ch, p);
+    let (mut a, _cq) = qp_attr(unsafe { (*c).pd });
+    assert_eq!(unsafe { rdma_create_qp(c, (*c).pd, &mut a) }, 0);
+    assert_eq!(unsafe { rdma_connect(c, &mut param(&[])) }, 0);
+    ch.expect(ev::RDMA_CM_EVENT_ESTABLISHED);
+    let st = kid.wait().unwrap();
+    assert!(st.success(), "child: {st}");
+    // The peer's process is gone: its CM's side of the connection went
+    // with it, and ours reports DISCONNECTED (never a hang).
+    let t = Instant::now();
+    let (_, id, _) = ch.expect(ev::RDMA_CM_EVENT_DISCONNECTED);
+    assert_eq!(id, c);
+    assert!(t.elapsed() < Duration::from_secs(5));
+    assert_eq!(unsafe { rdma_disconnect(c) }, 0);
+    ch.expect(ev::RDMA_CM_EVENT_TIMEWAIT_EXIT);
+    unsafe {
+        rdma_destroy_qp(c);
+        rdma_destroy_id(c);
+    }
+}
+
+/// The connecting side of the unreachable test, in a process of its own
+/// (the CM timeout is read from the environment once per process).
+fn connect_unreachable(p: u16) {
+    let ch = Ch::new();
+    let c = resolved(&ch, p);
+    let t = Instant::now();
+    assert_eq!(unsafe { rdma_connect(c, &mut param(&[])) }, 0);
+    let (st, _, _) = ch.expect(ev::RDMA_CM_EVENT_UNREACHABLE);
+    assert_eq!(st, -libc::ETIMEDOUT);
+    assert!(
+        t.elapsed() >= Duration::from_millis(350),
+        "{:?}",
+        t.elapsed()
+    );
+    unsafe { rdma_destroy_id(c) };
+    println!("unreachable ok");
+}
+
+#[test]
+fn stopped_peer_is_unreachable_after_the_cm_timeout() {
+    const NAME: &str = "stopped_peer_is_unreachable_after_the_cm_timeout";
+    if let Some((how, p)) = child_role() {
+        if how == "connect" {
+            connect_unreachable(p);
+        } else {
+            child(&how, p);
+        }
+        return;
+    }
+    if !launcher_or_skip(NAME) {
+        return;
+    }
+    let p = port(4);
+    let mut kid = spawn_child(NAME, "listen-only", p);
+    // A peer whose CM does not run (a hung or stopped host): no answer.
+    unsafe { libc::kill(kid.id() as i32, libc::SIGSTOP) };
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([NAME, "--exact", "--nocapture", "--test-threads=1"])
+        .env("RDMA_CM_TEST_CHILD", format!("connect:{p}"))
+        .env("SOFTVERBS_CM_TIMEOUT_MS", "400")
+        .output()
+        .expect("run the connecting process");
+    unsafe { libc::kill(kid.id() as i32, libc::SIGKILL) };
+    let _ = kid.wait();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("unreachable ok"),
+        "connecting process: {}\n{text}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
