@@ -320,9 +320,9 @@ fn run(args: &Args) -> Result<(), String> {
     for (i, (plan, sink)) in topology.take_pollers().into_iter().zip(sinks).enumerate() {
         let name = plan.cqs()[0].clone();
         let faults = Faults {
-            spurious: 0.01,
-            drop: 0.01,
-            delay: 0.01,
+            spurious: 0.05,
+            drop: 0.05,
+            delay: 0.05,
             delay_by: Duration::from_micros(300),
             seed: args.seed + i as u64,
         };
@@ -368,15 +368,15 @@ fn run(args: &Args) -> Result<(), String> {
     let faulted = Arc::new(Faulted::default());
     let stop = Arc::new(AtomicBool::new(false));
     let start = Instant::now();
-    let budget_per_producer = args.completions.div_ceil(2);
     let mut producers = Vec::new();
     let mut lanes_iter = lanes.into_iter();
     for p in 0..2u64 {
         let mine: Vec<Lane> = lanes_iter.by_ref().take(CQS / 2).collect();
         let (f, stop, total) = (Arc::clone(&faulted), Arc::clone(&stop), Arc::clone(&total));
         let seed = args.seed.wrapping_mul(31).wrapping_add(p) | 1;
+        let target = args.completions;
         producers.push(std::thread::spawn(move || {
-            produce(mine, seed, budget_per_producer, &f, &stop, &total)
+            produce(mine, seed, target, &f, &stop, &total)
         }));
     }
 
@@ -503,6 +503,18 @@ fn run(args: &Args) -> Result<(), String> {
         notes.0, notes.1, notes.2, notes.3, snap.panics()
     );
     println!("overflows {overflows}, stale wr_ids {stale}, foreign wr_ids {foreign}");
+    let mut sim = (0u64, 0u64, 0u64, 0u64);
+    for (producer, _) in &handles {
+        let st = producer.stats();
+        sim.0 += st.dropped;
+        sim.1 += st.delayed;
+        sim.2 += st.spurious;
+        sim.3 += st.lost;
+    }
+    println!(
+        "injected notification faults: {} dropped, {} delayed, {} spurious; {} completions lost to overflow",
+        sim.0, sim.1, sim.2, sim.3
+    );
     drop(handles);
 
     if !bad.is_empty() {
@@ -516,7 +528,7 @@ fn run(args: &Args) -> Result<(), String> {
             "work: {ran} ran + {panicked} panicked != {delivered} emitted ({lost_work} undelivered)"
         ));
     }
-    if overflows != 0 || stale != 0 || foreign != 0 {
+    if overflows != 0 || sim.3 != 0 || stale != 0 || foreign != 0 {
         return Err("overflow or misrouted wr_id".into());
     }
     let warm = samples.len() / 5;
@@ -546,20 +558,18 @@ type Produced = (Vec<Arc<Count>>, Vec<(SimCq, CqHandle<Job>)>);
 fn produce(
     mut lanes: Vec<Lane>,
     seed: u64,
-    budget: u64,
+    target: u64,
     f: &Faulted,
     stop: &AtomicBool,
     total: &Arc<AtomicU64>,
 ) -> Result<Produced, String> {
     let mut rng = Rng(seed);
-    let mut posted = 0u64;
     let mut spins = 0u32;
-    while posted < budget && !stop.load(Relaxed) {
+    while total.load(Relaxed) < target && !stop.load(Relaxed) {
         let mut any = false;
         for lane in &mut lanes {
             for _ in 0..32 {
                 if lane.post(&mut rng, f, None) {
-                    posted += 1;
                     any = true;
                 } else {
                     break;
@@ -573,7 +583,6 @@ fn produce(
                 let mut flushed = 0;
                 for _ in 0..1_000_000 {
                     if lane.post(&mut rng, f, Some(Status::WrFlush)) {
-                        posted += 1;
                         flushed += 1;
                         if flushed == 16 {
                             break;
