@@ -219,9 +219,7 @@ pub fn inline_ok(caps: &Caps, flags: u32, sges: &[Sge]) -> bool {
     if flags & send_flags::INLINE == 0 {
         return true;
     }
-    let len = sges
-        .iter()
-        .fold(0u32, |n, s| n.saturating_add(s.length));
+    let len = sges.iter().fold(0u32, |n, s| n.saturating_add(s.length));
     len <= caps
         .max_inline
         .max(crate::provider::context::limits::MAX_INLINE)
@@ -902,7 +900,12 @@ mod tests {
         let c = caps(2, 0);
         assert!(shape_ok(QpType::Rc, &c, wr::SEND, 2));
         assert!(!shape_ok(QpType::Rc, &c, wr::SEND, 3));
-        assert!(!shape_ok(QpType::Rc, &caps(MAX_SGE as u32, 0), wr::SEND, MAX_SGE + 1));
+        assert!(!shape_ok(
+            QpType::Rc,
+            &caps(MAX_SGE as u32, 0),
+            wr::SEND,
+            MAX_SGE + 1
+        ));
         assert!(!shape_ok(QpType::Ud, &c, wr::RDMA_WRITE, 1));
         assert!(!shape_ok(QpType::Rc, &c, 0xdead, 1));
     }
@@ -918,8 +921,15 @@ mod tests {
         let c = caps(2, 0);
         assert!(inline_ok(&c, send_flags::INLINE, &[sge(limit)]));
         assert!(!inline_ok(&c, send_flags::INLINE, &[sge(limit), sge(1)]));
-        assert!(!inline_ok(&c, send_flags::INLINE, &[sge(u32::MAX), sge(u32::MAX)]));
-        assert!(inline_ok(&c, 0, &[sge(u32::MAX)]), "not inline: not limited");
+        assert!(!inline_ok(
+            &c,
+            send_flags::INLINE,
+            &[sge(u32::MAX), sge(u32::MAX)]
+        ));
+        assert!(
+            inline_ok(&c, 0, &[sge(u32::MAX)]),
+            "not inline: not limited"
+        );
     }
 
     #[test]
@@ -941,14 +951,24 @@ mod tests {
         assert_eq!(local_check(mrs, 3, wr::SEND, 0, &ok), Some(0x100));
         assert_eq!(local_check(mrs, 4, wr::SEND, 0, &ok), None, "other PD");
         let past = [sge(0x10ff, 2, key)];
-        assert_eq!(local_check(mrs, 3, wr::SEND, 0, &past), None, "past the end");
+        assert_eq!(
+            local_check(mrs, 3, wr::SEND, 0, &past),
+            None,
+            "past the end"
+        );
         let wrap = [sge(u64::MAX, 2, key)];
         assert_eq!(local_check(mrs, 3, wr::SEND, 0, &wrap), None, "wraps");
-        assert_eq!(local_check(mrs, 3, wr::SEND, 0, &[sge(0x1000, 1, key + 1)]), None);
+        assert_eq!(
+            local_check(mrs, 3, wr::SEND, 0, &[sge(0x1000, 1, key + 1)]),
+            None
+        );
         // READ writes locally: the region must allow LOCAL_WRITE.
         assert_eq!(local_check(mrs, 3, wr::RDMA_READ, 0, &ok), None);
         // Inline sends are copied, not looked up; zero-length entries too.
-        assert_eq!(local_check(mrs, 9, wr::SEND, send_flags::INLINE, &past), Some(2));
+        assert_eq!(
+            local_check(mrs, 9, wr::SEND, send_flags::INLINE, &past),
+            Some(2)
+        );
         assert_eq!(local_check(mrs, 9, wr::SEND, 0, &[sge(7, 0, 0)]), Some(0));
     }
 }
