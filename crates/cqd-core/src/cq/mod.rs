@@ -189,6 +189,13 @@ pub(crate) struct CqShared<W> {
 }
 
 impl<W> CqShared<W> {
+    /// The slot table, locked. A panic under the lock cannot leave it half
+    /// changed (each change is one call that either happens or not), so a
+    /// poisoned lock is taken as it is.
+    pub(crate) fn table(&self) -> crate::sync::MutexGuard<'_, SlotTable> {
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Rings the doorbell of the poller the CQ is bound to, after a command
     /// was queued (registration, unregistration). The hand-over, in order:
     ///
