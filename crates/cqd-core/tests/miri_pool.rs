@@ -14,7 +14,7 @@ use std::time::Duration;
 use cqd_core::sink::{Route, Routed, WorkSink};
 use cqd_core::topology::{PoolConfig, TopologyConfig};
 
-const ITEMS: u64 = if cfg!(miri) { 60 } else { 20_000 };
+const ITEMS: u64 = if cfg!(miri) { 60 } else { 5_000 };
 
 #[test]
 fn every_item_is_run_once_across_park_and_wake() {
