@@ -20,8 +20,8 @@ use arbitrary::Arbitrary;
 use cqd_core::budget::BudgetOptions;
 use cqd_core::ledger::WrLedger;
 use cqd_core::{
-    split, Completion, CqBudget, CqOptions, CqPoller, Failed, Handler, HandlerKey,
-    NoWork, OpKind, Opcode, Outbox, RecvDone, Registration, SendDone, Side, Status,
+    split, Completion, CqBudget, CqOptions, CqPoller, Failed, Handler, HandlerKey, NoWork, OpKind,
+    Opcode, Outbox, RecvDone, Registration, SendDone, Side, Status,
 };
 use cqd_sim::{sim_cq_with_ledger, Faults, LoopWr, Loopback, SimCq};
 use libfuzzer_sys::fuzz_target;

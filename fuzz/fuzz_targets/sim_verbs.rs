@@ -157,20 +157,22 @@ impl World {
     fn sges(&self, list: &[SgeIn]) -> Vec<Sge> {
         list.iter()
             .take(40)
-            .map(|s| match pick(&self.mrs, s.mr).and_then(|i| self.mrs[i].as_ref()) {
-                Some(mr) => {
-                    let mut g = mr.sge(u64::from(s.offset), u32::from(s.len));
-                    if let Some(k) = s.key {
-                        g.lkey = k;
+            .map(
+                |s| match pick(&self.mrs, s.mr).and_then(|i| self.mrs[i].as_ref()) {
+                    Some(mr) => {
+                        let mut g = mr.sge(u64::from(s.offset), u32::from(s.len));
+                        if let Some(k) = s.key {
+                            g.lkey = k;
+                        }
+                        g
                     }
-                    g
-                }
-                None => Sge {
-                    addr: u64::from(s.offset),
-                    length: u32::from(s.len),
-                    lkey: s.key.unwrap_or(0),
+                    None => Sge {
+                        addr: u64::from(s.offset),
+                        length: u32::from(s.len),
+                        lkey: s.key.unwrap_or(0),
+                    },
                 },
-            })
+            )
             .collect()
     }
 
@@ -329,10 +331,9 @@ fuzz_target!(|calls: Vec<Call>| {
             }
             Call::CreateSrq { max_wr, max_sge } => {
                 if w.srq.is_none() {
-                    w.srq = w
-                        .pd
-                        .create_srq(u32::from(max_wr), u32::from(max_sge % 40))
-                        .ok();
+                    w.srq =
+                        w.pd.create_srq(u32::from(max_wr), u32::from(max_sge % 40))
+                            .ok();
                 }
             }
             Call::DropQp(i) => {
@@ -419,7 +420,12 @@ fuzz_target!(|calls: Vec<Call>| {
                 let id = w.next;
                 w.next += 1;
                 let Some((q, x)) = w.qp(qp) else { continue };
-                if x.post_recv(&[RecvWr { wr_id: id, sg_list: &sg }]).is_ok() {
+                if x.post_recv(&[RecvWr {
+                    wr_id: id,
+                    sg_list: &sg,
+                }])
+                .is_ok()
+                {
                     let p = Posted {
                         cq: Some(w.qps[q].recv_cq),
                         qp: Some(q),
@@ -434,7 +440,13 @@ fuzz_target!(|calls: Vec<Call>| {
                 let id = w.next;
                 w.next += 1;
                 if let Some(srq) = &w.srq {
-                    if srq.post_recv(&[RecvWr { wr_id: id, sg_list: &sg }]).is_ok() {
+                    if srq
+                        .post_recv(&[RecvWr {
+                            wr_id: id,
+                            sg_list: &sg,
+                        }])
+                        .is_ok()
+                    {
                         let p = Posted {
                             cq: None,
                             qp: None,

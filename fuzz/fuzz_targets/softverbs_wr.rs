@@ -183,8 +183,15 @@ fuzz_target!(|input: Input| {
     match wqe {
         Some(w) => {
             assert!(count <= MAX_SGE && count <= caps.max_recv_sge as usize);
-            let got: Vec<_> = w.sges().iter().map(|s| (s.addr, s.length, s.lkey)).collect();
-            let want: Vec<_> = sges[..count].iter().map(|s| (s.addr, s.length, s.lkey)).collect();
+            let got: Vec<_> = w
+                .sges()
+                .iter()
+                .map(|s| (s.addr, s.length, s.lkey))
+                .collect();
+            let want: Vec<_> = sges[..count]
+                .iter()
+                .map(|s| (s.addr, s.length, s.lkey))
+                .collect();
             assert_eq!(got, want);
         }
         None => assert!(count > MAX_SGE || count > caps.max_recv_sge as usize),

@@ -37,5 +37,9 @@ fuzz_target!(|input: (&str, Vec<u8>)| {
         format!("{:?}", plan.warnings()),
         format!("{:?}", replan.warnings())
     );
-    assert_eq!(back.to_toml().expect("serializes"), again, "not a fixed point");
+    assert_eq!(
+        back.to_toml().expect("serializes"),
+        again,
+        "not a fixed point"
+    );
 });
