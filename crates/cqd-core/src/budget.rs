@@ -35,8 +35,10 @@
 //! of completions of one queue.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+
+// The credit counters come from the loom shim (tests/loom_credits.rs).
+use crate::sync::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};

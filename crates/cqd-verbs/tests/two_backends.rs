@@ -747,7 +747,28 @@ fn stop_in_flight<B: Backend>(mode_name: &str) {
             .collect(),
     );
     let m = Arc::new(B::reg_mr(&dev, 8192));
-    let t = poller("stop", mode(mode_name), vec![u]);
+    // The poller thread notes its kernel thread id first thing, so that
+    // the end can check it is gone.
+    let name = format!("stop-{}-{mode_name}", B::NAME);
+    let tid = Arc::new(std::sync::atomic::AtomicI32::new(0));
+    let t = {
+        let tid = Arc::clone(&tid);
+        cqd_core::PollerBuilder::new(name.as_str(), cqd_core::NoSink)
+            .mode(mode(mode_name))
+            .wake_timeout(Duration::from_millis(50))
+            .drain_timeout(Duration::from_secs(10))
+            .stop_timeout(Duration::from_secs(5))
+            .on_start(move || {
+                // SAFETY: gettid has no preconditions.
+                tid.store(unsafe { libc::gettid() }, Ordering::Release);
+                Ok(())
+            })
+            .cq(u)
+            .spawn()
+            .expect("spawn the poller")
+    };
+    let tid = tid.load(Ordering::Acquire);
+    assert!(thread_alive(tid), "{name}: the poller thread runs as {tid}");
     let handlers: Vec<(Registration, Log)> = (0..PARK_PAIRS)
         .map(|_| {
             let log = Log::default();
@@ -814,6 +835,13 @@ fn stop_in_flight<B: Backend>(mode_name: &str) {
     assert!(in_flight >= 10_000, "{in_flight} in flight at the stop");
     assert_clean("stop_in_flight", &report);
     let p = &report.pollers[0];
+    // Nothing left running, nothing left unacknowledged: the poller's
+    // thread is gone (the posting thread was joined in the flush step), it
+    // acknowledged every notification it took and so could destroy its CQ.
+    assert!(!thread_alive(tid), "{name}: the poller thread {tid} leaked");
+    assert!(p.errors.is_empty(), "{name}: {:?}", p.errors);
+    let c = &p.cqs[0];
+    assert_eq!(c.acks, c.events, "{name}: every notification acked");
     let mut flushed = 0;
     for (i, (reg, log)) in handlers.iter().enumerate() {
         let who = format!("{} handler {i}", B::NAME);
@@ -834,6 +862,14 @@ fn stop_in_flight<B: Backend>(mode_name: &str) {
         flushed += account(p, reg, OpKind::Recv).map_or(0, |a| a.flushed);
     }
     assert!(flushed >= 10_000, "{flushed} receives flushed");
+}
+
+/// Whether this process still has a thread `tid` (a cqd poller: its name
+/// starts `cqd-poller`, so a thread id reused by another thread in the
+/// meantime is not taken for it).
+fn thread_alive(tid: i32) -> bool {
+    std::fs::read(format!("/proc/self/task/{tid}/comm"))
+        .is_ok_and(|comm| comm.starts_with(b"cqd-poller"))
 }
 
 // ---------------------------------------------------------------------

@@ -67,7 +67,7 @@ fn retire<W>(shared: &CqShared<W>, slab: &mut Slab<W>, key: HandlerKey) -> bool 
         return false;
     }
     if slab.remove(key).is_some() {
-        shared.table.lock().release(key);
+        shared.table().release(key);
         let m = &shared.metrics.0;
         m.handlers_live.fetch_sub(1, Ordering::Relaxed);
         m.unregistrations.fetch_add(1, Ordering::Relaxed);

@@ -73,7 +73,7 @@ impl<W: Send + 'static> CqHandle<W> {
                 cq: self.shared.name.clone(),
             });
         }
-        let (key, ledger) = self.shared.table.lock().alloc_ledger(&self.shared.name)?;
+        let (key, ledger) = self.shared.table().alloc_ledger(&self.shared.name)?;
         let route = route.unwrap_or(Route::Key(u64::from(key.slot())));
         let m = &self.shared.metrics.0;
         m.handlers_live.fetch_add(1, Ordering::Relaxed);
@@ -105,7 +105,7 @@ impl<W: Send + 'static> CqHandle<W> {
     /// # Errors
     /// [`RegisterError::UnknownKey`] if `key` names no live handler.
     pub fn unregister(&self, key: HandlerKey) -> Result<(), RegisterError> {
-        if !self.shared.table.lock().is_live(key) {
+        if !self.shared.table().is_live(key) {
             return Err(RegisterError::UnknownKey {
                 cq: self.shared.name.clone(),
                 key,

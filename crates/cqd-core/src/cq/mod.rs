@@ -98,7 +98,6 @@ use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use crossbeam::queue::SegQueue;
-use parking_lot::Mutex;
 
 use crate::account::AccountCache;
 use crate::budget::CqBudget;
@@ -172,7 +171,9 @@ pub(crate) struct CqShared<W> {
     /// apply them; only that push rings the doorbell (the registration
     /// doorbell protocol in `handle`).
     pub(crate) commands_rung: AtomicBool,
-    pub(crate) table: Mutex<SlotTable>,
+    /// From the sync shim, so that the loom model of registration and
+    /// retirement (`tests/loom_register.rs`) sees who holds it.
+    pub(crate) table: crate::sync::Mutex<SlotTable>,
     pub(crate) metrics: CqMetrics,
     /// The doorbell of the poller the CQ is bound to, once bound: one per
     /// poller, shared by every CQ of its group (see [`CqShared::ring`]).
@@ -188,6 +189,13 @@ pub(crate) struct CqShared<W> {
 }
 
 impl<W> CqShared<W> {
+    /// The slot table, locked. A panic under the lock cannot leave it half
+    /// changed (each change is one call that either happens or not), so a
+    /// poisoned lock is taken as it is.
+    pub(crate) fn table(&self) -> crate::sync::MutexGuard<'_, SlotTable> {
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Rings the doorbell of the poller the CQ is bound to, after a command
     /// was queued (registration, unregistration). The hand-over, in order:
     ///
@@ -226,7 +234,7 @@ pub fn split<W: Send + 'static>(
         capacity: source.capacity(),
         commands: SegQueue::new(),
         commands_rung: AtomicBool::new(false),
-        table: Mutex::new(SlotTable::default()),
+        table: crate::sync::Mutex::new(SlotTable::default()),
         metrics: CqMetrics::default(),
         doorbell: crate::sync::Mutex::new(None),
         closed: AtomicBool::new(false),

@@ -264,11 +264,13 @@ pub unsafe fn make_qp(
     // SAFETY: `ctx` is a live softverbs context.
     let c = unsafe { inner(ctx) };
     let srq = a.srq.cast::<SvSrq>() as *const SvSrq;
-    let rq_cap = if srq.is_null() && qp_type.has_recv_queue() {
-        Ring::<RecvWqe>::capacity_for(a.cap.max_recv_wr as usize)
+    // With an SRQ, or with no receive queue (XRC_SEND), the QP's own
+    // receive ring is never used: the smallest ring there is.
+    let rq_cap = Ring::<RecvWqe>::capacity_for(if srq.is_null() && qp_type.has_recv_queue() {
+        a.cap.max_recv_wr as usize
     } else {
-        1
-    };
+        0
+    });
     let ids = match Ids::get() {
         Ok(i) => i,
         Err(e) => {

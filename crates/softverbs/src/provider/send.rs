@@ -26,7 +26,7 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::qp::{sv, Pending, SvQp};
+use super::qp::{sv, Caps, Pending, SvQp};
 use super::remote::Remote;
 use super::set_bad;
 use super::xfer::{read_from, write_to, Span};
@@ -37,7 +37,7 @@ use crate::model::wc::{
     access, opcode, send_completes, send_flags, send_wc_opcode, wr, WcStatus, WC_GRH, WC_WITH_IMM,
     WC_WITH_INV,
 };
-use crate::shm::layout::{mr_lookup, Cqe, RecvWqe, Sge, MAX_SGE};
+use crate::shm::layout::{mr_lookup, Cqe, MrSlot, RecvWqe, Sge, MAX_SGE};
 use crate::sys::ibv;
 
 /// How long a WR waits for a responder that is not yet ready (RTR).
@@ -216,32 +216,91 @@ fn remote_ok(r: &Remote, pd: u32, w: &Wr, len: u64, need: u32) -> Option<u64> {
 }
 
 fn local_spans(q: &SvQp, w: &Wr, out: &mut [Span; MAX_SGE]) -> Option<u64> {
-    let mrs = q.ctx().mrs();
+    let sges = &w.sge[..w.nsge];
+    let mut addrs = [0u64; MAX_SGE];
+    let total = local_check(
+        q.ctx().mrs(),
+        q.pd,
+        q.qpn,
+        w.opcode,
+        w.flags,
+        sges,
+        &mut addrs,
+    )?;
+    for ((o, s), addr) in out.iter_mut().zip(sges).zip(addrs) {
+        *o = Span {
+            addr,
+            len: s.length as usize,
+        };
+    }
+    Some(total)
+}
+
+/// Step 1, the requester's check of a send's local gather list against
+/// its context's MR table `mrs`, for QP `qpn` of protection domain `pd`:
+/// each entry of non-zero length names a region (never a memory window)
+/// of `pd` by its lkey, lies inside it, and — for READ and atomics, which
+/// write into it — allows LOCAL_WRITE. Inline sends (not READ, not
+/// atomics) are not checked: their bytes are copied from the caller's
+/// memory at post time. Writes each entry's owner's address (translated
+/// from the address the region's users name) into `addrs` and returns the
+/// total length, or `None` for a `LOC_PROT_ERR` (also for more entries than
+/// `addrs` holds). Pure (no FFI), so the fuzz target `softverbs_wr` runs it
+/// on arbitrary lists.
+pub fn local_check(
+    mrs: &[MrSlot],
+    pd: u32,
+    qpn: u32,
+    opcode: u32,
+    flags: u32,
+    sges: &[Sge],
+    addrs: &mut [u64],
+) -> Option<u64> {
+    if sges.len() > addrs.len() {
+        return None;
+    }
     // READ and atomics write into the local buffers.
-    let writes_local = w.opcode == wr::RDMA_READ || wr::is_atomic(w.opcode);
+    let writes_local = opcode == wr::RDMA_READ || wr::is_atomic(opcode);
     let need = if writes_local { access::LOCAL_WRITE } else { 0 };
-    let inline = w.flags & send_flags::INLINE != 0 && !writes_local;
+    let inline = flags & send_flags::INLINE != 0 && !writes_local;
     let mut total = 0u64;
-    for (i, s) in w.sge[..w.nsge].iter().enumerate() {
-        let addr = if inline || s.length == 0 {
+    for (s, addr) in sges.iter().zip(addrs.iter_mut()) {
+        *addr = if inline || s.length == 0 {
             s.addr
         } else {
             check_local(
                 mr_lookup(mrs, s.lkey),
-                q.pd,
-                q.qpn,
+                pd,
+                qpn,
                 s.addr,
                 s.length as u64,
                 need,
             )?
         };
-        out[i] = Span {
-            addr,
-            len: s.length as usize,
-        };
         total += s.length as u64;
     }
     Some(total)
+}
+
+/// What `post_send` checks of a work request before it reads its gather
+/// list: an operation this QP type has, and no more gather entries than
+/// the QP was created with (nor than the provider's [`MAX_SGE`]). `false`:
+/// the post fails with `EINVAL`, nothing posted.
+pub fn shape_ok(qp_type: QpType, caps: &Caps, opcode: u32, num_sge: usize) -> bool {
+    qp_type.opcode_ok(opcode) && num_sge <= MAX_SGE && num_sge <= caps.max_send_sge as usize
+}
+
+/// Whether an inline send's bytes (`flags` has `IBV_SEND_INLINE`) fit:
+/// at most the QP's `max_inline_data`, or the provider's own limit if
+/// that is larger. `false`: the post fails with `EINVAL`.
+pub fn inline_ok(caps: &Caps, flags: u32, sges: &[Sge]) -> bool {
+    if flags & send_flags::INLINE == 0 {
+        return true;
+    }
+    let len = sges.iter().fold(0u32, |n, s| n.saturating_add(s.length));
+    len <= caps
+        .max_inline
+        .max(crate::provider::context::limits::MAX_INLINE)
 }
 
 fn recv_cqe(
@@ -910,7 +969,7 @@ pub unsafe extern "C" fn post_send(
             unsafe { set_bad(bad, wrp) };
             e
         };
-        if !q.qp_type.opcode_ok(x.opcode) || n > MAX_SGE {
+        if !shape_ok(q.qp_type, &q.caps, x.opcode, n) {
             return fail(libc::EINVAL);
         }
         // ERR and SQE flush what is posted.
@@ -994,7 +1053,6 @@ pub unsafe extern "C" fn post_send(
             // SAFETY: as above.
             w.bind = Some(unsafe { super::mw::bind_op(x) });
         }
-        let mut inline_len = 0u32;
         for i in 0..n {
             // SAFETY: i < num_sge entries of the caller's sg_list.
             let g = unsafe { &*x.sg_list.add(i) };
@@ -1003,14 +1061,8 @@ pub unsafe extern "C" fn post_send(
                 length: g.length,
                 lkey: g.lkey,
             };
-            inline_len = inline_len.saturating_add(g.length);
         }
-        if w.flags & send_flags::INLINE != 0
-            && inline_len
-                > q.caps
-                    .max_inline
-                    .max(crate::provider::context::limits::MAX_INLINE)
-        {
+        if !inline_ok(&q.caps, w.flags, &w.sge[..n]) {
             return fail(libc::EINVAL);
         }
         if flushing {
@@ -1035,4 +1087,121 @@ pub unsafe extern "C" fn post_send(
         wrp = x.next;
     }
     0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shm::layout::{key_index, make_key, mr_publish, mr_table, MrInfo, CTX_BYTES};
+
+    fn caps(max_send_sge: u32, max_inline: u32) -> Caps {
+        Caps {
+            max_send_wr: 16,
+            max_recv_wr: 16,
+            max_send_sge,
+            max_recv_sge: 1,
+            max_inline,
+        }
+    }
+
+    /// Regression (found while writing the `softverbs_wr` fuzz target): a
+    /// send with more gather entries than the QP was created with was
+    /// accepted as long as it stayed under the provider's MAX_SGE; a real
+    /// device refuses it (`EINVAL`), as the receive side already did.
+    #[test]
+    fn more_sges_than_the_qp_has_are_refused() {
+        let c = caps(2, 0);
+        assert!(shape_ok(QpType::Rc, &c, wr::SEND, 2));
+        assert!(!shape_ok(QpType::Rc, &c, wr::SEND, 3));
+        assert!(!shape_ok(
+            QpType::Rc,
+            &caps(MAX_SGE as u32, 0),
+            wr::SEND,
+            MAX_SGE + 1
+        ));
+        assert!(!shape_ok(QpType::Ud, &c, wr::RDMA_WRITE, 1));
+        assert!(!shape_ok(QpType::Rc, &c, 0xdead, 1));
+    }
+
+    #[test]
+    fn oversized_inline_is_refused() {
+        let limit = crate::provider::context::limits::MAX_INLINE;
+        let sge = |length| Sge {
+            addr: 0,
+            length,
+            lkey: 0,
+        };
+        let c = caps(2, 0);
+        assert!(inline_ok(&c, send_flags::INLINE, &[sge(limit)]));
+        assert!(!inline_ok(&c, send_flags::INLINE, &[sge(limit), sge(1)]));
+        assert!(!inline_ok(
+            &c,
+            send_flags::INLINE,
+            &[sge(u32::MAX), sge(u32::MAX)]
+        ));
+        assert!(
+            inline_ok(&c, 0, &[sge(u32::MAX)]),
+            "not inline: not limited"
+        );
+    }
+
+    #[test]
+    fn local_gather_lists_are_checked_against_the_mr_table() {
+        let mut seg = vec![0u64; CTX_BYTES / 8 + 1];
+        // SAFETY: `seg` is CTX_BYTES long, zeroed (every slot free), and
+        // outlives `mrs`.
+        let mrs = unsafe { mr_table(seg.as_mut_ptr().cast()) };
+        let key = make_key(5, 0x05);
+        mr_publish(&mrs[key_index(key)], key, MrInfo::at(3, 0, 0x1000, 0x100));
+        let sge = |addr, length, lkey| Sge { addr, length, lkey };
+        let local_check = |mrs, pd, op, flags, sges: &[Sge]| {
+            local_check(mrs, pd, 1, op, flags, sges, &mut [0; MAX_SGE])
+        };
+        let ok = [sge(0x1000, 0x80, key), sge(0x1080, 0x80, key)];
+        assert_eq!(local_check(mrs, 3, wr::SEND, 0, &ok), Some(0x100));
+        assert_eq!(local_check(mrs, 4, wr::SEND, 0, &ok), None, "other PD");
+        let past = [sge(0x10ff, 2, key)];
+        assert_eq!(
+            local_check(mrs, 3, wr::SEND, 0, &past),
+            None,
+            "past the end"
+        );
+        let wrap = [sge(u64::MAX, 2, key)];
+        assert_eq!(local_check(mrs, 3, wr::SEND, 0, &wrap), None, "wraps");
+        assert_eq!(
+            local_check(mrs, 3, wr::SEND, 0, &[sge(0x1000, 1, key + 1)]),
+            None
+        );
+        // READ writes locally: the region must allow LOCAL_WRITE.
+        assert_eq!(local_check(mrs, 3, wr::RDMA_READ, 0, &ok), None);
+        // Inline sends are copied, not looked up; zero-length entries too.
+        assert_eq!(
+            local_check(mrs, 9, wr::SEND, send_flags::INLINE, &past),
+            Some(2)
+        );
+        assert_eq!(local_check(mrs, 9, wr::SEND, 0, &[sge(7, 0, 0)]), Some(0));
+        // A region registered at an I/O virtual address: users name its
+        // bytes from 0x9000, the owner's addresses are written out.
+        let ikey = make_key(6, 0x06);
+        let mut info = MrInfo::at(3, 0, 0x1000, 0x100);
+        info.iova = 0x9000;
+        mr_publish(&mrs[key_index(ikey)], ikey, info);
+        let mut addrs = [0; MAX_SGE];
+        let list = [sge(0x9010, 8, ikey), sge(0x90f8, 8, ikey)];
+        assert_eq!(
+            super::local_check(mrs, 3, 1, wr::SEND, 0, &list, &mut addrs),
+            Some(16)
+        );
+        assert_eq!(&addrs[..2], &[0x1010, 0x10f8]);
+        assert_eq!(
+            super::local_check(mrs, 3, 1, wr::SEND, 0, &[sge(0x1010, 8, ikey)], &mut addrs),
+            None,
+            "the owner's address is not the region's name"
+        );
+        assert_eq!(
+            super::local_check(mrs, 3, 1, wr::SEND, 0, &list, &mut addrs[..1]),
+            None,
+            "more entries than addresses"
+        );
+    }
 }

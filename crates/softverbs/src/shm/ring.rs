@@ -56,19 +56,28 @@ impl<T: Copy> Ring<T> {
         size_of::<RingHeader>() + cap * size_of::<Slot<T>>()
     }
 
-    /// Round a requested depth up to a usable capacity.
+    /// Round a requested depth up to a usable capacity: a power of two,
+    /// at least 2. With one slot the protocol breaks: the sequence a full
+    /// slot holds for its consumer (`pos + 1`) is the one that frees it for
+    /// the next producer, so a second push would overwrite an entry nobody
+    /// read, and a consumer would then spin forever on a sequence two
+    /// ahead of it.
     pub fn capacity_for(depth: usize) -> usize {
-        depth.max(1).next_power_of_two()
+        depth.max(2).next_power_of_two()
     }
 
-    /// Initialise a ring of `cap` (power of two) slots at `at`.
+    /// Initialise a ring of `cap` (power of two, at least 2: see
+    /// [`Ring::capacity_for`]) slots at `at`.
     ///
     /// # Safety
     /// 1. `at` is 64-byte aligned, writable, and [`Ring::bytes`]`(cap)` long.
     /// 2. No other view of this memory is in use during initialisation.
     /// 3. The memory outlives every view made from it.
     pub unsafe fn init(at: *mut u8, cap: usize) -> Self {
-        debug_assert!(cap.is_power_of_two());
+        assert!(
+            cap >= 2 && cap.is_power_of_two(),
+            "ring capacity {cap}: a power of two of at least 2"
+        );
         let hdr = at.cast::<RingHeader>();
         // SAFETY: (1) the header fits at `at`; (2) nobody else reads it yet.
         unsafe {
@@ -107,7 +116,7 @@ impl<T: Copy> Ring<T> {
         let hdr = at.cast::<RingHeader>();
         // SAFETY: (1) the header is initialised and within `avail`.
         let cap = unsafe { (*hdr).cap };
-        if cap == 0 || !cap.is_power_of_two() || Self::bytes(cap as usize) > avail {
+        if cap < 2 || !cap.is_power_of_two() || Self::bytes(cap as usize) > avail {
             return None;
         }
         // SAFETY: the slots follow the header within `avail` (checked above).
@@ -249,17 +258,43 @@ mod tests {
         }
     }
 
+    /// Regression (found by the `softverbs_wr` fuzz target): a depth of 1
+    /// made a one-slot ring, whose second push overwrote the unread first
+    /// entry (a receive WQE or a CQE lost) and whose consumer then spun
+    /// forever. A depth of 1 now gets two slots; a one-slot header found in
+    /// a segment is refused.
+    #[test]
+    fn a_depth_of_one_keeps_every_entry() {
+        let mut b = Box::new(Buf([0; 4096]));
+        let cap = Ring::<u64>::capacity_for(1);
+        assert_eq!(cap, 2);
+        assert_eq!(Ring::<u64>::capacity_for(0), 2);
+        // SAFETY: the buffer is aligned, large enough, ours alone.
+        let r = unsafe { Ring::<u64>::init(b.0.as_mut_ptr(), cap) };
+        assert_eq!(r.push(1), Ok(()));
+        assert_eq!(r.push(2), Ok(()));
+        assert_eq!(r.push(3), Err(3), "full, nothing overwritten");
+        assert_eq!((r.pop(), r.pop(), r.pop()), (Some(1), Some(2), None));
+        // A header claiming one slot (another process's bad segment).
+        // SAFETY: the header is ours; cap is plain data.
+        unsafe { (*b.0.as_mut_ptr().cast::<RingHeader>()).cap = 1 };
+        // SAFETY: initialised memory of the right type, alive.
+        assert!(unsafe { Ring::<u64>::attach(b.0.as_mut_ptr(), 4096) }.is_none());
+    }
+
     #[test]
     fn threads_preserve_every_item() {
         let mut b = Box::new(Buf([0; 4096]));
         // SAFETY: as above; the threads are scoped and end before `b`.
         let r = unsafe { Ring::<u64>::init(b.0.as_mut_ptr(), 16) };
+        // Miri runs every interleaving it picks slowly: fewer items there.
+        const ITEMS: u64 = if cfg!(miri) { 200 } else { 10_000 };
         let sum = std::sync::atomic::AtomicU64::new(0);
         std::thread::scope(|s| {
             for t in 0..2 {
                 let r = &r;
                 s.spawn(move || {
-                    for i in 0..10_000u64 {
+                    for i in 0..ITEMS {
                         let mut v = t * 100_000 + i;
                         while let Err(back) = r.push(v) {
                             v = back;
@@ -271,7 +306,7 @@ mod tests {
             let (r, sum) = (&r, &sum);
             s.spawn(move || {
                 let mut n = 0;
-                while n < 20_000 {
+                while n < 2 * ITEMS {
                     if let Some(v) = r.pop() {
                         sum.fetch_add(v, Ordering::Relaxed);
                         n += 1;
@@ -281,7 +316,7 @@ mod tests {
                 }
             });
         });
-        let expect: u64 = (0..10_000u64).sum::<u64>() * 2 + 100_000 * 10_000;
+        let expect: u64 = (0..ITEMS).sum::<u64>() * 2 + 100_000 * ITEMS;
         assert_eq!(sum.load(Ordering::Relaxed), expect);
         drop(b);
     }
