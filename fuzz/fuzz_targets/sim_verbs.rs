@@ -404,6 +404,7 @@ fuzz_target!(|calls: Vec<Call>| {
                     sg_list: &sg,
                     signaled,
                     solicited,
+                    ud: None,
                 };
                 if x.post_send(&[wr]).is_ok() {
                     let p = Posted {
