@@ -361,3 +361,44 @@ fn mcast_child(mut ch: Chan) {
     // Exit with both QPs attached, as a crashing process would.
     std::process::exit(0);
 }
+
+/// A dead device (`softverbs_inject_device_fatal`): attach and detach
+/// answer EIO, and a QP still attached is destroyed all the same, its
+/// attachment with it (the group's sends no longer reach it).
+#[test]
+fn multicast_qp_of_a_dead_device_is_destroyed_attached() {
+    if !launcher_or_skip("multicast_qp_of_a_dead_device_is_destroyed_attached") {
+        return;
+    }
+    type Inject = unsafe extern "C" fn(*mut ibv_context) -> i32;
+    let p = unsafe {
+        libc::dlsym(
+            libc::RTLD_DEFAULT,
+            c"softverbs_inject_device_fatal".as_ptr(),
+        )
+    };
+    assert!(!p.is_null(), "softverbs_inject_device_fatal not found");
+    let inject = unsafe { std::mem::transmute::<*mut libc::c_void, Inject>(p) };
+    let g = mgid(6);
+    let dying = Dev::open();
+    let cq = dying.cq(16, null_mut());
+    let qp = dying.qp_of(ibv_qp_type::IBV_QPT_UD, cq, cq, null_mut());
+    ud_up(qp, QKEY);
+    assert_eq!(attach(qp, &g, MLID), 0);
+    assert_eq!(unsafe { inject(dying.ctx) }, 0);
+    assert_eq!(attach(qp, &mgid(7), MLID), libc::EIO);
+    assert_eq!(detach(qp, &g, MLID), libc::EIO);
+    assert_eq!(unsafe { ibv_destroy_qp(qp) }, 0);
+    // The group is empty again: a live device's member is alone in it.
+    let dev = Dev::open();
+    let r = rx(&dev, QKEY, 2);
+    let tx = rx(&dev, QKEY, 0);
+    assert_eq!(attach(r.qp, &g, MLID), 0);
+    let src = Buf::new(&dev, 16, 0x42);
+    let ah = group_ah(&dev, &g);
+    assert_eq!(post_ud(tx.qp, &src, 0, 16, 1, ah, MCAST_QPN, QKEY, None), 0);
+    assert_eq!(poll(tx.cq, 1)[0].status, WC_SUCCESS);
+    assert_eq!(poll(r.cq, 1)[0].byte_len, (GRH + 16) as u32);
+    assert_eq!(detach(r.qp, &g, MLID), 0);
+    unsafe { ibv_destroy_ah(ah) };
+}

@@ -583,8 +583,8 @@ impl Cm {
         for d in doomed {
             self.remove_id(d);
         }
-        // Its groups go with it (librdmacm detached the QP at leave or
-        // leaves that to the application, as with a kernel).
+        // Its groups go with it, as the kernel's CM leaves them; detaching
+        // the QP is the application's (rdma_leave_multicast does it).
         self.mcs.retain(|_, m| m.id != h);
         Some(id)
     }

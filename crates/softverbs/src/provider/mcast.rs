@@ -221,6 +221,23 @@ pub fn attachments(qpn: u32) -> usize {
         .count()
 }
 
+/// Detach QP `qpn` of this process from every group (the QP of a dead
+/// context is destroyed whatever it was attached to).
+pub fn detach_all(qpn: u32) {
+    let me = my_pid();
+    let Ok(mut l) = Locked::take() else {
+        return;
+    };
+    for g in l.groups().iter_mut().filter(|g| g.used > 0) {
+        for m in g.members.iter_mut() {
+            if m.qpn == qpn && m.pid == me {
+                *m = Member::default();
+                g.used -= 1;
+            }
+        }
+    }
+}
+
 /// The members of `mgid` (each QP once, whatever LIDs it attached with).
 pub fn members(mgid: &[u8; 16]) -> Vec<Member> {
     let Ok(mut l) = Locked::take() else {
