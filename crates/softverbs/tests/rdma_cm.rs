@@ -511,3 +511,209 @@ fn stopped_peer_is_unreachable_after_the_cm_timeout() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// A UD id (RDMA_PS_UDP) with its address resolved towards multicast
+/// address `group` from 127.0.0.1, a UD QP on its device and one receive
+/// buffer registered: (id, cq, mr, buffer).
+fn mc_member(ch: &Ch, group: &str) -> (*mut rdma_cm_id, *mut ibv_cq, *mut ibv_mr, Vec<u8>) {
+    let mut id = null_mut();
+    let r = unsafe { rdma_create_id(ch.0, &mut id, null_mut(), rdma_port_space::RDMA_PS_UDP) };
+    assert_eq!(r, 0, "rdma_create_id");
+    let mut s = sin("127.0.0.1:0");
+    let mut d = sin(&format!("{group}:0"));
+    assert_eq!(
+        unsafe {
+            rdma_resolve_addr(
+                id,
+                (&mut s as *mut libc::sockaddr_in).cast(),
+                (&mut d as *mut libc::sockaddr_in).cast(),
+                2000,
+            )
+        },
+        0
+    );
+    ch.expect(ev::RDMA_CM_EVENT_ADDR_RESOLVED);
+    let ctx = unsafe { (*id).verbs };
+    assert!(!ctx.is_null(), "a multicast address resolves to the device");
+    let cq = unsafe { ibv_create_cq(ctx, 16, null_mut(), null_mut(), 0) };
+    assert!(!cq.is_null());
+    let mut a: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+    a.send_cq = cq;
+    a.recv_cq = cq;
+    a.qp_type = ibv_qp_type::IBV_QPT_UD;
+    a.cap.max_send_wr = 8;
+    a.cap.max_recv_wr = 8;
+    a.cap.max_send_sge = 1;
+    a.cap.max_recv_sge = 1;
+    assert_eq!(
+        unsafe { rdma_create_qp(id, null_mut(), &mut a) },
+        0,
+        "rdma_create_qp"
+    );
+    let mut buf = vec![0u8; 4 * 256];
+    let mr = unsafe {
+        ibv_reg_mr(
+            (*id).pd,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 as i32,
+        )
+    };
+    assert!(!mr.is_null(), "reg_mr");
+    (id, cq, mr, buf)
+}
+
+/// The next event, which must be MULTICAST_JOIN: its UD parameters.
+fn join_event(ch: &Ch) -> (rdma_ud_param, *mut rdma_cm_id) {
+    let fd = unsafe { (*ch.0).fd };
+    assert!(fd_readable(fd, 10_000), "no CM event within 10 s");
+    let mut e = null_mut();
+    assert_eq!(unsafe { rdma_get_cm_event(ch.0, &mut e) }, 0);
+    let (t, st, id, ud) = unsafe { ((*e).event, (*e).status, (*e).id, (*e).param.ud) };
+    unsafe { rdma_ack_cm_event(e) };
+    assert_eq!((t, st), (ev::RDMA_CM_EVENT_MULTICAST_JOIN, 0));
+    (ud, id)
+}
+
+/// rdma_join_multicast with two ids (two QPs): MULTICAST_JOIN carries the
+/// group's address handle (global, the IPoIB-style MGID of the address
+/// with rdma_cm's signature, a multicast LID), QPN 0xFFFFFF and
+/// RDMA_UDP_QKEY, and the context given to the join; librdmacm attaches
+/// each QP, so a send through that address handle reaches the other
+/// member; after rdma_leave_multicast it no longer does. The any-address
+/// is refused (no subnet manager to name a group).
+#[test]
+fn multicast_join_traffic_and_leave() {
+    if !launcher_or_skip("multicast_join_traffic_and_leave") {
+        return;
+    }
+    let ch = Ch::new();
+    let group = "230.9.8.7";
+    let (tx, tx_cq, tx_mr, tx_buf) = mc_member(&ch, group);
+    let (rx, rx_cq, rx_mr, mut rx_buf) = mc_member(&ch, group);
+    // The device writes the buffer through this address.
+    let rx_addr = rx_buf.as_mut_ptr() as u64;
+    let mut ga = sin(&format!("{group}:0"));
+    let ctx_tag = 0x5151usize as *mut libc::c_void;
+    for id in [tx, rx] {
+        assert_eq!(
+            unsafe { rdma_join_multicast(id, (&mut ga as *mut libc::sockaddr_in).cast(), ctx_tag) },
+            0,
+            "rdma_join_multicast"
+        );
+    }
+    let mut ud = None;
+    for want in [tx, rx] {
+        let (u, id) = join_event(&ch);
+        assert_eq!(id, want);
+        assert_eq!((u.qp_num, u.qkey), (0x00ff_ffff, 0x0123_4567));
+        assert_eq!(u.private_data, ctx_tag.cast_const(), "the join's context");
+        assert_eq!((u.ah_attr.is_global, u.ah_attr.port_num), (1, 1));
+        assert!(
+            u.ah_attr.dlid >= 0xc000 && u.ah_attr.dlid < 0xffff,
+            "multicast LID"
+        );
+        let want_gid = [
+            0xff,
+            0x12,
+            0x40,
+            0x01,
+            0xff,
+            0xff,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            230 & 0xf,
+            9,
+            8,
+            7,
+        ];
+        assert_eq!(unsafe { u.ah_attr.grh.dgid.raw }, want_gid);
+        ud = Some(u);
+    }
+    let mut ud = ud.unwrap();
+    let ah = unsafe { ibv_create_ah((*tx).pd, &mut ud.ah_attr) };
+    assert!(!ah.is_null());
+    let post_recv_rx = |wr_id: u64| {
+        let mut sge = ibv_sge {
+            addr: rx_addr + wr_id * 256,
+            length: 256,
+            lkey: unsafe { (*rx_mr).lkey },
+        };
+        let mut wr: ibv_recv_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = wr_id;
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        let mut bad = null_mut();
+        assert_eq!(unsafe { ibv_post_recv((*rx).qp, &mut wr, &mut bad) }, 0);
+    };
+    let send = |wr_id: u64| {
+        let mut sge = ibv_sge {
+            addr: tx_buf.as_ptr() as u64,
+            length: 32,
+            lkey: unsafe { (*tx_mr).lkey },
+        };
+        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = wr_id;
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
+        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        wr.wr.ud = ud_t {
+            ah,
+            remote_qpn: ud.qp_num,
+            remote_qkey: ud.qkey,
+        };
+        let mut bad = null_mut();
+        assert_eq!(unsafe { ibv_post_send((*tx).qp, &mut wr, &mut bad) }, 0);
+        assert_eq!(poll(tx_cq, 1)[0].status, WC_SUCCESS);
+    };
+    post_recv_rx(0);
+    send(1);
+    let c = poll(rx_cq, 1)[0];
+    assert_eq!(
+        (c.status, c.byte_len, c.src_qp),
+        (WC_SUCCESS, 40 + 32, unsafe { (*(*tx).qp).qp_num })
+    );
+    assert_eq!(
+        &rx_buf[24..40],
+        unsafe { &ud.ah_attr.grh.dgid.raw },
+        "GRH DGID"
+    );
+    // Left: the receiver's QP is detached, nothing more arrives.
+    assert_eq!(
+        unsafe { rdma_leave_multicast(rx, (&mut ga as *mut libc::sockaddr_in).cast()) },
+        0
+    );
+    post_recv_rx(1);
+    send(2);
+    poll_none(rx_cq, Duration::from_millis(50));
+    // Leaving what was left: librdmacm knows no such group (EADDRNOTAVAIL).
+    assert_ne!(
+        unsafe { rdma_leave_multicast(rx, (&mut ga as *mut libc::sockaddr_in).cast()) },
+        0
+    );
+    // The any-address names no group here.
+    let mut any = sin("0.0.0.0:0");
+    assert_ne!(
+        unsafe { rdma_join_multicast(rx, (&mut any as *mut libc::sockaddr_in).cast(), null_mut()) },
+        0
+    );
+    assert_eq!(
+        unsafe { rdma_leave_multicast(tx, (&mut ga as *mut libc::sockaddr_in).cast()) },
+        0
+    );
+    unsafe {
+        ibv_destroy_ah(ah);
+        for (id, mr, cq) in [(tx, tx_mr, tx_cq), (rx, rx_mr, rx_cq)] {
+            ibv_dereg_mr(mr);
+            rdma_destroy_qp(id);
+            ibv_destroy_cq(cq);
+            assert_eq!(rdma_destroy_id(id), 0);
+        }
+        rdma_destroy_event_channel(ch.0);
+    }
+}

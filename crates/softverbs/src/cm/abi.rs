@@ -400,6 +400,35 @@ pub struct MigrateId {
     pub fd: u32,
 }
 
+/// `struct rdma_ucm_join_ip_mcast` (the answer is a `CreateIdResp`: the
+/// group's handle).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct JoinIpMcast {
+    pub response: u64,
+    pub uid: u64,
+    pub addr: sockaddr_in6,
+    pub id: u32,
+}
+
+/// `struct rdma_ucm_join_mcast`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct JoinMcast {
+    pub response: u64,
+    pub uid: u64,
+    pub id: u32,
+    pub addr_size: u16,
+    pub join_flags: u16,
+    pub addr: SockaddrStorage,
+}
+
+/// `rdma_cm_join_mc_attr_ex` join flags.
+pub mod join_flag {
+    pub const FULLMEMBER: u16 = 0;
+    pub const SENDONLY_FULLMEMBER: u16 = 1;
+}
+
 /// A structure of this module that every bit pattern is valid for.
 ///
 /// # Safety
@@ -446,7 +475,9 @@ pod!(
     GetEvent,
     EventResp,
     SetOption,
-    MigrateId
+    MigrateId,
+    JoinIpMcast,
+    JoinMcast
 );
 
 impl ConnParam {
@@ -467,6 +498,10 @@ mod tests {
         assert_eq!(size_of::<CreateId>(), 24);
         assert_eq!(size_of::<DestroyId>(), 16);
         assert_eq!(size_of::<BindIp>(), 40);
+        assert_eq!(size_of::<JoinIpMcast>(), 48);
+        assert_eq!(offset_of!(JoinIpMcast, id), 44);
+        assert_eq!(size_of::<JoinMcast>(), 152);
+        assert_eq!(offset_of!(JoinMcast, addr), 24);
         assert_eq!(size_of::<Bind>(), 136);
         assert_eq!(size_of::<ResolveIp>(), 64);
         assert_eq!(size_of::<ResolveAddr>(), 272);

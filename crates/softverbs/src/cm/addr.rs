@@ -132,6 +132,54 @@ fn fnv(s: &[u8]) -> u64 {
     h
 }
 
+/// The multicast GID of IP address `ip` for port space `ps`, as the kernel's
+/// CM derives it: IPoIB's mapping of an IP multicast address into the
+/// IPoIB MGID range (`ff12:401b:ffff::` and the address's low 28 bits for
+/// IPv4; `ff12:601b:ffff:` and the last 10 bytes for IPv6; link-local
+/// scope, the default P_Key), with the signature `0x01` instead of `0x1b`
+/// for `RDMA_PS_UDP` so rdma_cm's groups never meet IPoIB's. An IPv6
+/// address that already is an SA-style MGID (`ff1x:a01b::/32`) is taken
+/// as it is. `None` for the any-address (a group the subnet manager would
+/// name; there is none).
+pub fn mc_gid(ip: IpAddr, ps: u16) -> Option<[u8; 16]> {
+    if ip.is_unspecified() {
+        return None;
+    }
+    let mut g = [0u8; 16];
+    g[0] = 0xff;
+    g[1] = 0x12;
+    g[4] = 0xff;
+    g[5] = 0xff;
+    match ip {
+        IpAddr::V4(a) => {
+            let o = a.octets();
+            g[2] = 0x40;
+            g[12] = o[0] & 0x0f;
+            g[13..16].copy_from_slice(&o[1..4]);
+        }
+        IpAddr::V6(a) => {
+            let o = a.octets();
+            if o[0] == 0xff && o[1] & 0xf0 == 0x10 && o[2] == 0xa0 && o[3] == 0x1b {
+                return Some(o);
+            }
+            g[2] = 0x60;
+            g[6..16].copy_from_slice(&o[6..16]);
+        }
+    }
+    g[3] = if ps == super::abi::ps::UDP {
+        0x01
+    } else {
+        0x1b
+    };
+    Some(g)
+}
+
+/// The multicast LID of group `mgid`: derived from the GID, so every
+/// process names the group's LID alike (0xC000..=0xFFFE).
+pub fn mc_lid(mgid: &[u8; 16]) -> u16 {
+    0xc000 + (fnv(mgid) % 0x3fff) as u16
+}
+
 /// The abstract Unix socket name a listener on `ip:port` in port space
 /// `ps` is bound to: unique per fabric directory, so that separate
 /// `$SOFTVERBS_DIR`s are separate fabrics.
@@ -161,6 +209,23 @@ pub fn candidates(ps: u16, dst: SocketAddr) -> Vec<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn multicast_gids_follow_ipoib() {
+        let g = mc_gid("230.1.2.3".parse().unwrap(), super::super::abi::ps::UDP).unwrap();
+        assert_eq!(
+            g,
+            [0xff, 0x12, 0x40, 0x01, 0xff, 0xff, 0, 0, 0, 0, 0, 0, 0x06, 1, 2, 3]
+        );
+        let g = mc_gid("230.1.2.3".parse().unwrap(), super::super::abi::ps::IPOIB).unwrap();
+        assert_eq!(&g[..4], &[0xff, 0x12, 0x40, 0x1b]);
+        let g = mc_gid("ff05::1:3".parse().unwrap(), super::super::abi::ps::UDP).unwrap();
+        assert_eq!(&g[..6], &[0xff, 0x12, 0x60, 0x01, 0xff, 0xff]);
+        assert_eq!(&g[14..], &[0, 3]);
+        assert!(mc_gid("0.0.0.0".parse().unwrap(), 0).is_none());
+        let l = mc_lid(&g);
+        assert!((0xc000..0xffff).contains(&l));
+    }
 
     #[test]
     fn sockaddrs_round_trip() {

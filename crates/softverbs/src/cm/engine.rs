@@ -149,7 +149,17 @@ struct Ev {
     /// For CONNECT_REQUEST: the new id (destroyed with the event if the
     /// event is dropped unreported).
     new_id: Option<u32>,
+    /// For MULTICAST_JOIN/ERROR: the group's handle (its own count).
+    mc: Option<u32>,
     resp: abi::EventResp,
+}
+
+/// A group joined through an id (`rdma_join_multicast`).
+struct Mc {
+    /// The id that joined.
+    id: u32,
+    /// Events reported for the group (LEAVE_MCAST waits for their acks).
+    reported: u32,
 }
 
 struct Chan {
@@ -176,6 +186,8 @@ pub(super) struct Cm {
     ids: HashMap<u32, Id>,
     /// Accepted sockets whose REQ has not arrived: serial → (listener, fd).
     pending: HashMap<u64, (u32, OwnedFd)>,
+    /// Joined multicast groups by handle.
+    mcs: HashMap<u32, Mc>,
     next_handle: u32,
     next_serial: u64,
     epoll: OwnedFd,
@@ -459,6 +471,7 @@ impl Cm {
             chans: HashMap::new(),
             ids: HashMap::new(),
             pending: HashMap::new(),
+            mcs: HashMap::new(),
             next_handle: 1,
             next_serial: 1,
             epoll,
@@ -515,6 +528,7 @@ impl Cm {
             c.events.push_back(Ev {
                 owner: h,
                 new_id: None,
+                mc: None,
                 resp,
             });
         }
@@ -538,6 +552,7 @@ impl Cm {
             c.events.push_back(Ev {
                 owner: h,
                 new_id: None,
+                mc: None,
                 resp,
             });
         }
@@ -568,6 +583,9 @@ impl Cm {
         for d in doomed {
             self.remove_id(d);
         }
+        // Its groups go with it, as the kernel's CM leaves them; detaching
+        // the QP is the application's (rdma_leave_multicast does it).
+        self.mcs.retain(|_, m| m.id != h);
         Some(id)
     }
 
@@ -658,7 +676,10 @@ impl Cm {
         }
         let id = self.id_on(chan, h)?;
         // The kernel resolves asynchronously; the answer is immediate here.
-        let local = dst.ip().is_unspecified() || addr::is_local(dst.ip());
+        // A multicast destination is reached through the local port
+        // (rdma_join_multicast resolves the group's address first).
+        let local =
+            dst.ip().is_unspecified() || dst.ip().is_multicast() || addr::is_local(dst.ip());
         if !local {
             id.dst = Some(dst);
             self.push(h, event::ADDR_ERROR, -libc::ENODEV, None);
@@ -675,10 +696,20 @@ impl Cm {
         } else {
             dst
         };
+        // The source of a multicast destination is the port's: loopback
+        // when the id has none.
+        let own = if dst.ip().is_multicast() {
+            match dst.ip() {
+                IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
+                IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
+            }
+        } else {
+            dst.ip()
+        };
         let src = match id.src {
             Some(s) if !s.ip().is_unspecified() => s,
-            Some(s) => SocketAddr::new(dst.ip(), s.port()),
-            None => SocketAddr::new(dst.ip(), 32768 + (random_u32() % 28232) as u16),
+            Some(s) => SocketAddr::new(own, s.port()),
+            None => SocketAddr::new(own, 32768 + (random_u32() % 28232) as u16),
         };
         id.src = Some(src);
         id.dst = Some(dst);
@@ -686,6 +717,79 @@ impl Cm {
         id.state = St::AddrResolved;
         self.push(h, event::ADDR_RESOLVED, 0, None);
         Ok(())
+    }
+
+    /// JOIN_IP_MCAST / JOIN_MCAST: the id (bound to the device: a local
+    /// address or a resolved one) joins the group of IP address `a`. There
+    /// is no subnet manager to ask: the group exists as soon as it is
+    /// named, so MULTICAST_JOIN follows at once with the group's address
+    /// handle (its MGID from [`addr::mc_gid`], its MLID, global) and Q_Key
+    /// (`RDMA_UDP_QKEY`), remote QPN 0xFFFFFF. librdmacm attaches the QP
+    /// when it reads the event (`ibv_attach_mcast`, provider::mcast) and
+    /// reports MULTICAST_ERROR itself when that fails.
+    fn join(
+        &mut self,
+        chan: RawFd,
+        h: u32,
+        uid: u64,
+        a: SocketAddr,
+        flags: u16,
+    ) -> Result<u32, i32> {
+        if flags != abi::join_flag::FULLMEMBER && flags != abi::join_flag::SENDONLY_FULLMEMBER {
+            return Err(libc::EINVAL);
+        }
+        let id = self.id_on(chan, h)?;
+        if !id.device {
+            return Err(libc::ENODEV);
+        }
+        if id.state != St::Bound && id.state != St::AddrResolved {
+            return Err(libc::EINVAL);
+        }
+        let a = addr::canonical(a);
+        let mgid = addr::mc_gid(a.ip(), id.ps).ok_or(libc::EINVAL)?;
+        let tos = id.tos;
+        let mh = self.next_handle;
+        self.next_handle = self.next_handle.wrapping_add(1).max(1);
+        self.mcs.insert(mh, Mc { id: h, reported: 0 });
+        let mut u = abi::UdParam::zeroed();
+        u.qp_num = crate::model::ud::MULTICAST_QPN;
+        u.qkey = UDP_QKEY;
+        u.ah_attr.dlid = addr::mc_lid(&mgid);
+        u.ah_attr.is_global = 1;
+        u.ah_attr.port_num = 1;
+        u.ah_attr.grh.dgid = mgid;
+        u.ah_attr.grh.traffic_class = tos;
+        let resp = abi::EventResp {
+            uid,
+            id: mh,
+            event: event::MULTICAST_JOIN,
+            status: 0,
+            param: abi::EventParam { ud: u },
+            reserved: 0,
+            ece: abi::Ece::default(),
+        };
+        if let Some(c) = self.chans.get_mut(&chan) {
+            c.events.push_back(Ev {
+                owner: h,
+                new_id: None,
+                mc: Some(mh),
+                resp,
+            });
+        }
+        self.token(chan);
+        Ok(mh)
+    }
+
+    /// LEAVE_MCAST: forget group `mh` and its unreported events; the
+    /// number of its events reported so far.
+    fn leave(&mut self, chan: RawFd, mh: u32) -> Result<u32, i32> {
+        let id = self.mcs.get(&mh).ok_or(libc::ENOENT)?.id;
+        self.id_on(chan, id)?;
+        let m = self.mcs.remove(&mh).ok_or(libc::ENOENT)?;
+        if let Some(c) = self.chans.get_mut(&chan) {
+            c.events.retain(|e| e.mc != Some(mh));
+        }
+        Ok(m.reported)
     }
 
     fn resolve_route(&mut self, chan: RawFd, h: u32) -> Result<(), i32> {
@@ -1041,6 +1145,9 @@ impl Cm {
         if let Some(id) = self.ids.get_mut(&ev.owner) {
             id.reported += 1;
         }
+        if let Some(m) = ev.mc.and_then(|m| self.mcs.get_mut(&m)) {
+            m.reported += 1;
+        }
         self.token(chan);
         Some(ev.resp)
     }
@@ -1326,6 +1433,7 @@ impl Cm {
                     c.events.push_back(Ev {
                         owner: lh,
                         new_id: Some(nh),
+                        mc: None,
                         resp,
                     });
                 }
@@ -1708,12 +1816,45 @@ fn command_inner(fd: RawFd, buf: usize, len: usize) -> Result<(), i32> {
                 &abi::EventsReported { events_reported: r },
             )
         }
-        // Multicast and the AF_IB queries are not offered.
-        cmd::QUERY | cmd::GET_OPTION | cmd::JOIN_IP_MCAST | cmd::JOIN_MCAST | cmd::LEAVE_MCAST => {
-            Err(libc::ENOSYS)
+        cmd::JOIN_IP_MCAST => {
+            let c: abi::JoinIpMcast = read_user(inp, n)?;
+            let a = addr::parse(bytes_of(&c.addr)).ok_or(libc::EAFNOSUPPORT)?;
+            let mh = g.join(fd, c.id, c.uid, a, abi::join_flag::FULLMEMBER)?;
+            join_answer(&mut g, fd, mh, c.response, hdr.out)
         }
+        cmd::JOIN_MCAST => {
+            let c: abi::JoinMcast = read_user(inp, n)?;
+            let b = &c.addr.bytes[..usize::from(c.addr_size).min(128)];
+            if addr::family(b) == addr::AF_IB {
+                return Err(libc::EAFNOSUPPORT);
+            }
+            let a = addr::parse(b).ok_or(libc::EINVAL)?;
+            let mh = g.join(fd, c.id, c.uid, a, c.join_flags)?;
+            join_answer(&mut g, fd, mh, c.response, hdr.out)
+        }
+        cmd::LEAVE_MCAST => {
+            let c: abi::DestroyId = read_user(inp, n)?;
+            let r = g.leave(fd, c.id)?;
+            write_user(
+                c.response,
+                hdr.out,
+                &abi::EventsReported { events_reported: r },
+            )
+        }
+        // The AF_IB queries are not offered.
+        cmd::QUERY | cmd::GET_OPTION => Err(libc::ENOSYS),
         _ => Err(libc::EINVAL),
     }
+}
+
+/// Write a join's answer (the group's handle); a caller whose answer
+/// cannot be written has not joined.
+fn join_answer(g: &mut Cm, fd: RawFd, mh: u32, response: u64, out: u16) -> Result<(), i32> {
+    if let Err(e) = write_user(response, out, &abi::CreateIdResp { id: mh }) {
+        let _ = g.leave(fd, mh);
+        return Err(e);
+    }
+    Ok(())
 }
 
 // SAFETY: a one-byte array: any bit pattern is valid.

@@ -21,6 +21,17 @@
 //!   sender's completion is `IBV_WC_LOC_LEN_ERR` and its QP enters SQE.
 //!   A message longer than the receive buffer (minus the GRH) completes
 //!   that receive with `IBV_WC_LOC_LEN_ERR`; the receiving QP stays up.
+//! - **Multicast.** A UD QP joins a group with `ibv_attach_mcast(qp, mgid,
+//!   mlid)`: the GID must be a multicast GID (first byte 0xFF), the LID a
+//!   multicast LID (0xC000..=0xFFFE). A send whose `remote_qpn` is
+//!   [`MULTICAST_QPN`] through a global AH whose DGID is a multicast GID and
+//!   whose DLID is a multicast LID goes to every QP attached to that MGID,
+//!   the sending QP included when it is attached (InfiniBand loops a
+//!   multicast back to an attached sender unless the QP was created to
+//!   block it); each receiver checks its Q_Key and completes as for a
+//!   unicast message (`src_qp` the sender's QPN, `IBV_WC_GRH`, the GRH's
+//!   destination GID the MGID). Anything else sent to QPN 0xFFFFFF is
+//!   dropped, as a switch drops a multicast packet with no group.
 //! - **Completion.** `src_qp` is the sender's QPN, `slid` the sender port's
 //!   LID (1), `sl` the AH's service level, `pkey_index` the receiving QP's
 //!   (0: the table has one entry).
@@ -39,6 +50,28 @@ pub const PORT_LID: u16 = 1;
 pub const PORT_GID: [u8; 16] = [
     0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0x02, 0, 0, 0xff, 0xfe, 0, 0, 0x01,
 ];
+
+/// The destination QPN of a multicast send (`remote_qpn`).
+pub const MULTICAST_QPN: u32 = 0x00ff_ffff;
+
+/// The first multicast LID; 0xFFFF (the permissive LID) is not one.
+pub const MCAST_LID_BASE: u16 = 0xc000;
+
+/// Multicast groups the fabric holds at most (`max_mcast_grp`).
+pub const MAX_MCAST_GRP: usize = 64;
+
+/// QPs attached to one group at most (`max_mcast_qp_attach`).
+pub const MAX_MCAST_QP_ATTACH: usize = 32;
+
+/// Whether `gid` is a multicast GID (IPv6-style: first byte 0xFF).
+pub fn is_mcast_gid(gid: &[u8; 16]) -> bool {
+    gid[0] == 0xff
+}
+
+/// Whether `lid` is a multicast LID.
+pub fn is_mcast_lid(lid: u16) -> bool {
+    (MCAST_LID_BASE..0xffff).contains(&lid)
+}
 
 /// A Q_Key with this bit set in a work request means "use the QP's Q_Key".
 pub const QKEY_FROM_QP: u32 = 0x8000_0000;
@@ -111,6 +144,19 @@ mod tests {
         assert_eq!((g[6], g[7]), (0x1b, 64));
         assert_eq!(&g[8..24], &PORT_GID);
         assert_eq!(&g[24..40], &[7; 16]);
+    }
+
+    #[test]
+    fn multicast_addresses() {
+        let mut g = [0u8; 16];
+        assert!(!is_mcast_gid(&g));
+        g[0] = 0xff;
+        assert!(is_mcast_gid(&g));
+        assert!(!is_mcast_lid(1));
+        assert!(!is_mcast_lid(0xbfff));
+        assert!(is_mcast_lid(0xc000));
+        assert!(is_mcast_lid(0xfffe));
+        assert!(!is_mcast_lid(0xffff));
     }
 
     #[test]

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use super::{set_errno, CONTEXT_OPS, CTX_OFFSET};
 use crate::model::device::DEAD_ERRNO;
+use crate::model::ud;
 use crate::shm::layout::{self, CtxHeader, MrInfo, MrSlot, CTX_BYTES, MAGIC, MR_SLOTS};
 use crate::shm::segment::IdKind;
 use crate::shm::{Ids, Segment};
@@ -359,6 +360,10 @@ pub unsafe extern "C" fn query_device_ex(
     a.max_srq_wr = limits::MAX_QP_WR as i32;
     a.max_srq_sge = layout::MAX_SGE as i32;
     a.max_pkeys = 1;
+    // Multicast (provider::mcast): the fabric's table.
+    a.max_mcast_grp = ud::MAX_MCAST_GRP as i32;
+    a.max_mcast_qp_attach = ud::MAX_MCAST_QP_ATTACH as i32;
+    a.max_total_mcast_qp_attach = (ud::MAX_MCAST_GRP * ud::MAX_MCAST_QP_ATTACH) as i32;
     a.phys_port_cnt = 1;
     // Past orig_attr only what the caller's structure holds (an older
     // application passes a shorter one).

@@ -13,6 +13,7 @@ pub mod cq_iter;
 pub mod dm;
 pub mod events;
 pub mod fatal;
+pub mod mcast;
 pub mod mw;
 pub mod notify;
 pub mod progress;
@@ -97,10 +98,12 @@ pub static CONTEXT_OPS: VerbsContextOps = VerbsContextOps {
     create_srq: Some(srq::create_srq),
     dealloc_pd: Some(context::dealloc_pd),
     dereg_mr: Some(context::dereg_mr),
+    attach_mcast: Some(mcast::attach_mcast),
     destroy_ah: Some(ah::destroy_ah),
     destroy_cq: Some(cq::destroy_cq),
     destroy_qp: Some(qp::destroy_qp),
     destroy_srq: Some(srq::destroy_srq),
+    detach_mcast: Some(mcast::detach_mcast),
     free_context: Some(context::free_context),
     modify_qp: Some(qp::modify_qp),
     modify_srq: Some(srq::modify_srq),

@@ -401,6 +401,16 @@ pub unsafe fn sv<'a>(qp: *mut ibv::ibv_qp) -> &'a SvQp {
 pub unsafe extern "C" fn destroy_qp(qp: *mut ibv::ibv_qp) -> c_int {
     // SAFETY: caller contract.
     let q = unsafe { sv(qp) };
+    // A QP still attached to a multicast group is not destroyed (the
+    // kernel's answer): detach first. A dead context's QP cannot be
+    // detached (EIO): its attachments go with it.
+    if q.qp_type == QpType::Ud {
+        if q.ctx().dead() {
+            super::mcast::detach_all(q.qpn);
+        } else if super::mcast::attachments(q.qpn) > 0 {
+            return libc::EBUSY;
+        }
+    }
     // Events protocol: no record after this (requesters check it).
     q.hdr().gone.store(1, Ordering::SeqCst);
     {

@@ -400,21 +400,51 @@ fn execute_ud(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u64) -> 
         return Outcome::Done(WcStatus::LocLenErr, 0);
     }
     let sent = Outcome::Done(WcStatus::Success, len as u32);
-    if !ss.ud_peers.contains_key(&d.qpn) {
-        let Ok(r) = Remote::open(d.qpn) else {
-            return sent; // no such QP: dropped
-        };
+    if d.qpn == ud::MULTICAST_QPN {
+        // Multicast: a global AH to a multicast GID and LID, delivered to
+        // every attached QP (provider::mcast); anything else reaches no
+        // group and is dropped.
+        if !d.ah.is_global || !ud::is_mcast_gid(&d.ah.dgid) || !ud::is_mcast_lid(d.ah.dlid) {
+            return sent;
+        }
+        for m in super::mcast::members(&d.ah.dgid) {
+            if let Some(r) = ud_peer(ss, m.qpn) {
+                // The member's own QP, not a later one with its QPN.
+                if r.pid() == m.pid {
+                    deliver_ud(q, w, &d, local, len, r);
+                }
+            }
+        }
+        return sent;
+    }
+    if let Some(r) = ud_peer(ss, d.qpn) {
+        deliver_ud(q, w, &d, local, len, r);
+    }
+    sent
+}
+
+/// The UD destination `qpn`, mapped (cached in `ss`); `None` when it does
+/// not exist or is dead.
+fn ud_peer(ss: &mut SendSide, qpn: u32) -> Option<&Remote> {
+    if !ss.ud_peers.contains_key(&qpn) {
+        let r = Remote::open(qpn).ok()?;
         if ss.ud_peers.len() >= UD_PEERS {
             ss.ud_peers.clear();
         }
-        ss.ud_peers.insert(d.qpn, r);
+        ss.ud_peers.insert(qpn, r);
     }
-    let Some(r) = ss.ud_peers.get(&d.qpn) else {
-        return sent;
-    };
-    if r.dead() {
-        return sent;
+    if ss.ud_peers.get(&qpn)?.dead() {
+        // Destroyed (or its device died): forget it, a later QP may
+        // take the number.
+        ss.ud_peers.remove(&qpn);
+        return None;
     }
+    ss.ud_peers.get(&qpn)
+}
+
+/// One UD message to one destination QP: dropped unless it is a UD QP at
+/// RTR or later with the message's Q_Key and a receive posted.
+fn deliver_ud(q: &SvQp, w: &Wr, d: &UdDest, local: &[Span], len: u64, r: &Remote) {
     let _inside = r.enter();
     let rh = r.hdr();
     let qkey = ud::effective_qkey(d.qkey, q.hdr().qkey.load(Ordering::Acquire));
@@ -422,10 +452,10 @@ fn execute_ud(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u64) -> 
         || !r.state().accepts_incoming()
         || rh.qkey.load(Ordering::Acquire) != qkey
     {
-        return sent;
+        return;
     }
     let Some(wqe) = r.pop_recv() else {
-        return sent;
+        return;
     };
     let imm = w.opcode == wr::SEND_WITH_IMM;
     let mut cqe = Cqe {
@@ -459,7 +489,7 @@ fn execute_ud(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u64) -> 
         } else {
             cqe.status = WcStatus::LocProtErr as u32;
             r.cq.push(cqe);
-            return sent;
+            return;
         };
         dst[i] = Span {
             addr,
@@ -470,7 +500,7 @@ fn execute_ud(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u64) -> 
     if ud::GRH_LEN as u64 + len > cap {
         cqe.status = WcStatus::LocLenErr as u32;
         r.cq.push(cqe);
-        return sent;
+        return;
     }
     let grh = ud::grh(&d.ah, len as u32, imm);
     let mut src = [Span::default(); MAX_SGE + 1];
@@ -486,11 +516,10 @@ fn execute_ud(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u64) -> 
             cqe.status = WcStatus::LocProtErr as u32;
             r.cq.push(cqe);
         }
-        return sent;
+        return;
     }
     cqe.byte_len = ud::GRH_LEN as u32 + len as u32;
     r.cq.push(cqe);
-    sent
 }
 
 /// An RC or UC request to the connected responder.

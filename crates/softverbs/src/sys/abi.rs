@@ -178,7 +178,8 @@ pub struct VerbsContextOps {
     >,
     pub async_event: Option<unsafe extern "C" fn(*mut ibv::ibv_context, *mut ibv::ibv_async_event)>,
     pub attach_counters_point_flow: Unused,
-    pub attach_mcast: Unused,
+    pub attach_mcast:
+        Option<unsafe extern "C" fn(*mut ibv::ibv_qp, *const ibv::ibv_gid, u16) -> c_int>,
     pub bind_mw: Option<
         unsafe extern "C" fn(*mut ibv::ibv_qp, *mut ibv::ibv_mw, *mut ibv::ibv_mw_bind) -> c_int,
     >,
@@ -236,7 +237,8 @@ pub struct VerbsContextOps {
     pub destroy_rwq_ind_table: Unused,
     pub destroy_srq: Option<unsafe extern "C" fn(*mut ibv::ibv_srq) -> c_int>,
     pub destroy_wq: Unused,
-    pub detach_mcast: Unused,
+    pub detach_mcast:
+        Option<unsafe extern "C" fn(*mut ibv::ibv_qp, *const ibv::ibv_gid, u16) -> c_int>,
     pub free_context: Option<unsafe extern "C" fn(*mut ibv::ibv_context)>,
     pub free_dm: Option<unsafe extern "C" fn(*mut ibv::ibv_dm) -> c_int>,
     pub get_srq_num: Option<unsafe extern "C" fn(*mut ibv::ibv_srq, *mut u32) -> c_int>,
