@@ -148,7 +148,9 @@ fn launched() -> bool {
 /// As `open(2)`. The mode is read as the third argument, which C passes in
 /// the same register whether or not the call is variadic (x86-64, AArch64
 /// Linux); it is only used when `flags` ask for it, as the C library does.
-#[no_mangle]
+// Not exported under Miri, whose own shims of these C functions an
+// exported definition would replace (the unit tests run there).
+#[cfg_attr(not(miri), no_mangle)]
 pub unsafe extern "C" fn open(path: *const c_char, flags: c_int, mode: libc::mode_t) -> c_int {
     open_common(c"open", path, flags, mode)
 }
@@ -157,7 +159,9 @@ pub unsafe extern "C" fn open(path: *const c_char, flags: c_int, mode: libc::mod
 ///
 /// # Safety
 /// As [`open`].
-#[no_mangle]
+// Not exported under Miri, whose own shims of these C functions an
+// exported definition would replace (the unit tests run there).
+#[cfg_attr(not(miri), no_mangle)]
 pub unsafe extern "C" fn open64(path: *const c_char, flags: c_int, mode: libc::mode_t) -> c_int {
     open_common(c"open64", path, flags, mode)
 }
@@ -167,7 +171,9 @@ pub unsafe extern "C" fn open64(path: *const c_char, flags: c_int, mode: libc::m
 ///
 /// # Safety
 /// As `write(2)`.
-#[no_mangle]
+// Not exported under Miri, whose own shims of these C functions an
+// exported definition would replace (the unit tests run there).
+#[cfg_attr(not(miri), no_mangle)]
 pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, count: usize) -> isize {
     if marked(fd) {
         if engine::still_channel(fd) {
