@@ -2,6 +2,9 @@
 //! no input, waited for at most a limit (a hang is a failure, never a wait).
 #![allow(dead_code)] // each test file uses its own part
 
+#[cfg(feature = "verbs")]
+pub mod served;
+
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
