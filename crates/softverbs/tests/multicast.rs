@@ -7,11 +7,8 @@
 #![allow(clippy::undocumented_unsafe_blocks, missing_docs)]
 
 mod common;
+use common::child::{child_chan, spawn, Chan};
 use common::*;
-use std::io::{BufRead, BufReader, Write};
-use std::os::fd::{AsRawFd, FromRawFd};
-use std::os::unix::net::UnixStream;
-use std::process::{Child, Command};
 use std::ptr::null_mut;
 use std::time::Duration;
 
@@ -206,53 +203,6 @@ fn multicast_reaches_every_attached_qp_once() {
         ibv_destroy_ah(plain);
         ibv_destroy_ah(nobody);
     }
-}
-
-struct Chan {
-    r: BufReader<UnixStream>,
-    w: UnixStream,
-}
-
-impl Chan {
-    fn new(s: UnixStream) -> Chan {
-        let w = s.try_clone().expect("clone socket");
-        Chan {
-            r: BufReader::new(s),
-            w,
-        }
-    }
-    fn send(&mut self, line: &str) {
-        writeln!(self.w, "{line}").expect("send line");
-    }
-    fn recv(&mut self) -> Vec<u64> {
-        let mut l = String::new();
-        self.r.read_line(&mut l).expect("recv line");
-        l.split_whitespace()
-            .filter_map(|x| x.parse().ok())
-            .collect()
-    }
-}
-
-fn child_chan() -> Option<Chan> {
-    if std::env::var("SOFTVERBS_TEST_ROLE").ok()? != "child" {
-        return None;
-    }
-    let fd: i32 = std::env::var("SOFTVERBS_TEST_FD").ok()?.parse().ok()?;
-    Some(Chan::new(unsafe { UnixStream::from_raw_fd(fd) }))
-}
-
-fn spawn(test: &str) -> (Child, Chan) {
-    let (a, b) = UnixStream::pair().expect("socketpair");
-    let fd = b.as_raw_fd();
-    unsafe { libc::fcntl(fd, libc::F_SETFD, 0) };
-    let child = Command::new(std::env::current_exe().expect("exe"))
-        .args([test, "--exact", "--nocapture", "--test-threads=1"])
-        .env("SOFTVERBS_TEST_ROLE", "child")
-        .env("SOFTVERBS_TEST_FD", fd.to_string())
-        .spawn()
-        .expect("spawn child");
-    drop(b);
-    (child, Chan::new(a))
 }
 
 /// Two receivers in a child process and one here: each send reaches all

@@ -7,6 +7,8 @@
 // The helpers are test scaffolding around FFI calls whose arguments are all
 // built right here; each block calls libibverbs with live objects it made.
 
+pub mod child;
+
 use std::ffi::CStr;
 use std::ptr::null_mut;
 use std::time::{Duration, Instant};
