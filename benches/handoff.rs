@@ -284,9 +284,9 @@ fn disruptor_batched(items: u64, workers: usize) -> u64 {
     total.load(Relaxed)
 }
 
-type Contender = (&'static str, fn(u64, usize) -> u64);
+pub type Contender = (&'static str, fn(u64, usize) -> u64);
 
-const CONTENDERS: [Contender; 7] = [
+pub const CONTENDERS: [Contender; 7] = [
     ("cqd pool (batch offer)", cqd_pool),
     ("cqd pool, spinning workers", cqd_pool_spinning),
     ("std mpsc::sync_channel", std_sync_channel),
