@@ -7,6 +7,7 @@
 //! cargo bench --bench handoff -- --items 2000000  # any count
 //! CQD_BENCH_ONLY=cqd cargo bench --bench handoff  # contenders whose name has `cqd`
 //! CQD_BENCH_WORKERS=1 cargo bench --bench handoff  # only producer -> 1 worker
+//! cargo bench --bench handoff -- --pin        # 1 worker: producer on CPU 0, consumer on CPU 1
 //! ```
 //!
 //! Every contender moves `u64`s from one producer thread to `workers`
@@ -25,9 +26,55 @@ use std::time::{Duration, Instant};
 
 use cqd::core::pool::Work;
 use cqd::core::sink::{Route, Routed, WorkSink};
-use cqd::core::topology::{PoolConfig, TopologyConfig, WorkerIdle};
+use cqd::core::topology::{Placement, PoolConfig, TopologyConfig, WorkerIdle};
 
 const CAPACITY: usize = 1024;
+
+/// `--pin` (and examples/bench_report): with one worker, the producer runs
+/// on CPU 0 and every contender's consumer on CPU 1.
+static PINNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Pins the producer (the calling thread) to CPU 0 and, from now on, each
+/// contender's single consumer to CPU 1. False when the OS refuses.
+pub fn pin_one_to_one() -> bool {
+    PINNED.store(true, Relaxed);
+    core_affinity::set_for_current(core_affinity::CoreId { id: 0 })
+}
+
+/// Runs `f` with this thread's affinity widened to every online CPU (the
+/// disruptor's builder checks that the core it pins a consumer to is in the
+/// building thread's mask), then pins it back to CPU 0.
+fn unpinned_for<T>(f: impl FnOnce() -> T) -> T {
+    if !PINNED.load(Relaxed) {
+        return f();
+    }
+    // SAFETY: sysconf has no preconditions.
+    let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as usize;
+    // SAFETY: an all-zero `cpu_set_t` is a valid, empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    for id in 0..online {
+        // SAFETY: `set` is a valid set; CPU_SET ignores ids past its size.
+        unsafe { libc::CPU_SET(id, &mut set) };
+    }
+    // SAFETY: pid 0 is the calling thread; `set` is a valid set of the
+    // size passed.
+    unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+    let out = f();
+    core_affinity::set_for_current(core_affinity::CoreId { id: 0 });
+    out
+}
+
+/// The consumer's CPU, when pinned and there is one consumer.
+fn consumer_cpu(workers: usize) -> Option<usize> {
+    (PINNED.load(Relaxed) && workers == 1).then_some(1)
+}
+
+/// Called first on each consumer thread of the non-cqd contenders.
+fn pin_consumer(workers: usize) {
+    if let Some(id) = consumer_cpu(workers) {
+        core_affinity::set_for_current(core_affinity::CoreId { id });
+    }
+}
 /// Items per poller batch (the default poll batch).
 const BATCH: usize = 32;
 
@@ -60,14 +107,20 @@ fn cqd_pool_spinning(items: u64, workers: usize) -> u64 {
 }
 
 fn cqd_pool_idle(items: u64, workers: usize, idle: WorkerIdle) -> u64 {
-    let mut topology = TopologyConfig::new()
-        .pool(
-            PoolConfig::new("bench", workers)
-                .capacity(CAPACITY)
-                .idle(idle),
-        )
-        .validate()
-        .expect("valid topology");
+    let placement = consumer_cpu(workers).map_or(Placement::Unpinned, Placement::Fixed);
+    let topology = TopologyConfig::new().pool(
+        PoolConfig::new("bench", workers)
+            .capacity(CAPACITY)
+            .idle(idle)
+            .placement(placement),
+    );
+    // Pinned, this thread's affinity mask is CPU 0 alone, which `validate`
+    // would read as the process's: check against the two CPUs used.
+    let mut topology = match consumer_cpu(workers) {
+        Some(cpu) => topology.validate_for(&[0, cpu].into_iter().collect()),
+        None => topology.validate(),
+    }
+    .expect("valid topology");
     let total = Arc::new(AtomicU64::new(0));
     let (pool, mut sinks) = topology
         .take_pool("bench")
@@ -115,6 +168,7 @@ fn std_sync_channel(items: u64, workers: usize) -> u64 {
         senders.push(tx);
         let total = total.clone();
         handles.push(thread::spawn(move || {
+            pin_consumer(workers);
             let sum = rx.iter().fold(0u64, |s, v| s.wrapping_add(black_box(v)));
             total.fetch_add(sum, Relaxed);
         }));
@@ -142,6 +196,7 @@ fn mutex_condvar(items: u64, workers: usize) -> u64 {
         .map(|q| {
             let (q, total) = (q.clone(), total.clone());
             thread::spawn(move || {
+                pin_consumer(workers);
                 let mut sum = 0u64;
                 let mut guard = q.queue.lock().expect("lock");
                 loop {
@@ -185,6 +240,7 @@ fn crossbeam_bounded(items: u64, workers: usize) -> u64 {
         senders.push(tx);
         let total = total.clone();
         handles.push(thread::spawn(move || {
+            pin_consumer(workers);
             let sum = rx.iter().fold(0u64, |s, v| s.wrapping_add(black_box(v)));
             total.fetch_add(sum, Relaxed);
         }));
@@ -211,6 +267,7 @@ fn crossbeam_array_queue(items: u64, workers: usize) -> u64 {
         .map(|q| {
             let (q, total, done) = (q.clone(), total.clone(), done.clone());
             thread::spawn(move || {
+                pin_consumer(workers);
                 let mut sum = 0u64;
                 loop {
                     match q.pop() {
@@ -238,7 +295,9 @@ fn crossbeam_array_queue(items: u64, workers: usize) -> u64 {
 }
 
 fn disruptor_batched(items: u64, workers: usize) -> u64 {
-    use disruptor::{build_single_producer, BusySpinWithSpinLoopHint, Producer, Sequence};
+    use disruptor::{
+        build_single_producer, BusySpinWithSpinLoopHint, ProcessorSettings, Producer, Sequence,
+    };
     struct Event {
         value: u64,
     }
@@ -269,7 +328,15 @@ fn disruptor_batched(items: u64, workers: usize) -> u64 {
             });
         }
     };
-    if workers == 1 {
+    if let Some(cpu) = consumer_cpu(workers) {
+        let mut producer = unpinned_for(|| {
+            build_single_producer(CAPACITY, factory, BusySpinWithSpinLoopHint)
+                .pin_at_core(cpu)
+                .handle_events_with(handler(0))
+                .build()
+        });
+        publish(&mut |n, set| producer.batch_publish(n, |iter| iter.for_each(&mut *set)));
+    } else if workers == 1 {
         let mut producer = build_single_producer(CAPACITY, factory, BusySpinWithSpinLoopHint)
             .handle_events_with(handler(0))
             .build();
@@ -327,6 +394,9 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(if quick { 200_000 } else { 10_000_000 });
     let cpus = thread::available_parallelism().map_or(1, |n| n.get());
+    if args.iter().any(|a| a == "--pin") && !pin_one_to_one() {
+        eprintln!("--pin: cannot pin the producer to CPU 0");
+    }
     println!("hand-off: 1 producer, {items} u64 items, {CAPACITY} slots per worker queue, median of 3, {cpus} CPUs");
     let worker_counts: Vec<usize> = match std::env::var("CQD_BENCH_WORKERS") {
         Ok(v) => v.split(',').filter_map(|w| w.trim().parse().ok()).collect(),

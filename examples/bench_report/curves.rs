@@ -159,6 +159,9 @@ pub struct Rig {
     pub deliver: Box<dyn FnMut(usize) -> bool>,
     /// Anything the backend must keep alive for the run.
     pub keep: Box<dyn std::any::Any>,
+    /// Arrivals not yet handled at most: beyond, an arrival waits (a
+    /// stall), so that the CQ never overflows.
+    pub max_outstanding: usize,
 }
 
 /// A backend: builds a rig whose CQ calls `handler`.
@@ -200,6 +203,7 @@ pub fn run_one(
         cq,
         mut deliver,
         keep,
+        max_outstanding,
     } = rig;
     let clock: Arc<OnceLock<Option<ThreadCpu>>> = Arc::new(OnceLock::new());
     let on_start = Arc::clone(&clock);
@@ -230,11 +234,18 @@ pub fn run_one(
     for k in 0..n {
         wait_until(start + load.due(k as u64));
         loop {
+            let room = k - shared.done.load(Ordering::Acquire) < max_outstanding;
             shared.arrivals[k].store(now_ns(), Ordering::Release);
-            if deliver(k) {
+            if room && deliver(k) {
                 break;
             }
             stalls += 1;
+            if now_ns() > start + load.due(k as u64) + 10_000_000_000 {
+                return Err(format!(
+                    "{}: arrival {k} could not be delivered for 10 s (the queue stayed full)",
+                    mode.name()
+                ));
+            }
             std::thread::yield_now();
         }
     }
@@ -257,7 +268,8 @@ pub fn run_one(
             report.errors
         ));
     }
-    let mut h = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).map_err(|e| e.to_string())?;
+    let mut h =
+        Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).map_err(|e| e.to_string())?;
     for l in &shared.latencies {
         h.saturating_record(l.load(Ordering::Relaxed).max(1));
     }
@@ -291,7 +303,9 @@ pub struct Point {
 /// load drifts over all contenders alike.
 pub fn curves(backend: &mut Backend<'_>, quick: bool, reps: usize) -> Result<Vec<Point>, String> {
     if !pin(ARRIVAL_CPU) {
-        return Err(format!("cannot pin the arrival thread to CPU {ARRIVAL_CPU}"));
+        return Err(format!(
+            "cannot pin the arrival thread to CPU {ARRIVAL_CPU}"
+        ));
     }
     let modes = modes();
     let mut points = Vec::new();
@@ -337,7 +351,8 @@ pub fn sim_backend() -> impl FnMut(Stamp) -> Result<Rig, String> {
     |stamp: Stamp| {
         let (producer, source) =
             sim_cq("curve", 4096, Faults::default()).map_err(|e| e.to_string())?;
-        let (cq, handle) = split::<NoWork>(source, CqOptions::default()).map_err(|e| e.to_string())?;
+        let (cq, handle) =
+            split::<NoWork>(source, CqOptions::default()).map_err(|e| e.to_string())?;
         let reg = handle.register(stamp).map_err(|e| e.to_string())?;
         let capacity = producer.capacity() as usize;
         let wr_ids: Vec<u64> = (0..=0xffff)
@@ -355,6 +370,7 @@ pub fn sim_backend() -> impl FnMut(Stamp) -> Result<Rig, String> {
             cq,
             deliver,
             keep: Box::new((reg, handle)),
+            max_outstanding: capacity - 1,
         })
     }
 }

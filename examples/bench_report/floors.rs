@@ -28,7 +28,8 @@ pub struct Floor {
 }
 
 fn percentiles(lat: &[u64]) -> Result<(f64, f64), String> {
-    let mut h = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).map_err(|e| e.to_string())?;
+    let mut h =
+        Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).map_err(|e| e.to_string())?;
     for &l in lat {
         h.saturating_record(l.max(1));
     }
@@ -71,7 +72,9 @@ fn eventfd_once(n: usize) -> Result<Vec<u64>, String> {
         while (seen as usize) < n {
             let mut fds = [PollFd::new(&*fd2, PollFlags::IN)];
             if poll(&mut fds, Some(&timeout)).map_err(|e| e.to_string())? == 0 {
-                return Err(format!("eventfd floor: no write for 5 s after {seen} of {n}"));
+                return Err(format!(
+                    "eventfd floor: no write for 5 s after {seen} of {n}"
+                ));
             }
             let woke = now_ns();
             rustix::io::read(&*fd2, &mut buf).map_err(|e| e.to_string())?;

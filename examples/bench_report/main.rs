@@ -193,7 +193,10 @@ fn run(args: &Args) -> Result<(), String> {
     let command = std::env::args().collect::<Vec<_>>().join(" ");
     let mut md = String::new();
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let _ = writeln!(md, "<!-- written by examples/bench_report; do not edit by hand -->");
+    let _ = writeln!(
+        md,
+        "<!-- written by examples/bench_report; do not edit by hand -->"
+    );
     let _ = writeln!(
         md,
         "Run on {} ({backend_name}), {cpus} CPUs, load average at the start {}; \
@@ -223,7 +226,9 @@ fn run(args: &Args) -> Result<(), String> {
         BackendKind::Verbs => unreachable!("verbs_available() is false without the feature"),
     };
     write_curves(&mut md, backend_name, &points);
-    let lat_png = args.out.join(format!("bench-modes-latency-{backend_name}.png"));
+    let lat_png = args
+        .out
+        .join(format!("bench-modes-latency-{backend_name}.png"));
     let cpu_png = args.out.join(format!("bench-modes-cpu-{backend_name}.png"));
     plot::latency(
         &lat_png,
@@ -245,7 +250,10 @@ fn run(args: &Args) -> Result<(), String> {
         handoff_section(&mut md, args, &mut goals)?;
     }
 
-    let _ = writeln!(md, "\n### Goals\n\n| goal | measured | verdict |\n|---|---|---|");
+    let _ = writeln!(
+        md,
+        "\n### Goals\n\n| goal | measured | verdict |\n|---|---|---|"
+    );
     for (goal, measured, met) in &goals {
         let _ = writeln!(md, "| {goal} | {measured} | {} |", verdict(*met));
     }
@@ -330,10 +338,7 @@ fn mode_goals(points: &[Point], floors: &[Floor], goals: &mut Vec<(String, Strin
             let r = a.p50.median / b.p50.median;
             goals.push((
                 format!("Adaptive p50 ≤ 1.5× Busy at {}", load.label()),
-                format!(
-                    "{r:.2}× ({:.2} vs {:.2} µs)",
-                    a.p50.median, b.p50.median
-                ),
+                format!("{r:.2}× ({:.2} vs {:.2} µs)", a.p50.median, b.p50.median),
                 r <= 1.5,
             ));
         }
@@ -367,6 +372,9 @@ fn handoff_section(
     args: &Args,
     goals: &mut Vec<(String, String, bool)>,
 ) -> Result<(), String> {
+    if !handoff::pin_one_to_one() {
+        return Err("hand-off: cannot pin the producer to CPU 0".into());
+    }
     let items: u64 = if args.quick { 100_000 } else { 2_000_000 };
     let expected = (0..items).fold(0u64, |s, v| s.wrapping_add(v));
     let contenders = handoff::CONTENDERS;
@@ -377,7 +385,9 @@ fn handoff_section(
             let sum = f(items, 1);
             let secs = t.elapsed().as_secs_f64();
             if sum != expected {
-                return Err(format!("hand-off {name}: wrong sum, an item was lost or doubled"));
+                return Err(format!(
+                    "hand-off {name}: wrong sum, an item was lost or doubled"
+                ));
             }
             rates[i].push(items as f64 / secs);
         }
@@ -385,7 +395,7 @@ fn handoff_section(
     let spreads: Vec<Spread> = rates.iter_mut().map(|r| spread(r)).collect();
     let _ = writeln!(
         md,
-        "\n### Hand-off, 1 producer → 1 worker ({items} u64 items, batches of 32, 1024 slots)\n\n\
+        "\n### Hand-off, 1 producer (CPU 0) → 1 worker (CPU 1) ({items} u64 items, batches of 32, 1024 slots)\n\n\
          | contender | M items/s | vs cqd pool (parking) |\n|---|---|---|"
     );
     let park = spreads[0].median;

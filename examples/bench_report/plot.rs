@@ -103,13 +103,21 @@ pub fn latency(path: &Path, title: &str, points: &[Point], floors: &[Floor]) -> 
     for (i, mode) in modes(points).into_iter().enumerate() {
         let color = COLORS[i % COLORS.len()];
         let s = series(points, mode);
-        let p50: Vec<(f64, f64)> = s.iter().map(|p| (p.load.mean_rate(), p.p50.median)).collect();
-        let p99: Vec<(f64, f64)> = s.iter().map(|p| (p.load.mean_rate(), p.p99.median)).collect();
+        let p50: Vec<(f64, f64)> = s
+            .iter()
+            .map(|p| (p.load.mean_rate(), p.p50.median))
+            .collect();
+        let p99: Vec<(f64, f64)> = s
+            .iter()
+            .map(|p| (p.load.mean_rate(), p.p99.median))
+            .collect();
         chart
             .draw_series(LineSeries::new(p50.clone(), color.stroke_width(3)))
             .map_err(err)?
             .label(format!("{mode} p50"))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3)));
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3))
+            });
         chart
             .draw_series(p50.iter().map(|&xy| Circle::new(xy, 4, color.filled())))
             .map_err(err)?;
@@ -117,10 +125,16 @@ pub fn latency(path: &Path, title: &str, points: &[Point], floors: &[Floor]) -> 
             .draw_series(DashedLineSeries::new(p99, 6, 4, color.stroke_width(1)))
             .map_err(err)?
             .label(format!("{mode} p99"))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(1)));
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(1))
+            });
     }
     for (i, f) in floors.iter().enumerate() {
-        let color = if i == 0 { RGBColor(120, 120, 120) } else { BLACK };
+        let color = if i == 0 {
+            RGBColor(120, 120, 120)
+        } else {
+            BLACK
+        };
         let y = f.p50.median;
         chart
             .draw_series(DashedLineSeries::new(
@@ -131,7 +145,9 @@ pub fn latency(path: &Path, title: &str, points: &[Point], floors: &[Floor]) -> 
             ))
             .map_err(err)?
             .label(format!("floor: {} p50", f.name))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
     }
     chart
         .configure_series_labels()
@@ -167,12 +183,17 @@ pub fn cpu(path: &Path, title: &str, points: &[Point]) -> Result<(), String> {
     for (i, mode) in modes(points).into_iter().enumerate() {
         let color = COLORS[i % COLORS.len()];
         let s = series(points, mode);
-        let line: Vec<(f64, f64)> = s.iter().map(|p| (p.load.mean_rate(), p.cpu.median)).collect();
+        let line: Vec<(f64, f64)> = s
+            .iter()
+            .map(|p| (p.load.mean_rate(), p.cpu.median))
+            .collect();
         chart
             .draw_series(LineSeries::new(line.clone(), color.stroke_width(3)))
             .map_err(err)?
             .label(mode)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3)));
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3))
+            });
         chart
             .draw_series(line.iter().map(|&xy| Circle::new(xy, 4, color.filled())))
             .map_err(err)?;
@@ -207,9 +228,7 @@ pub struct Bars<'a> {
 pub fn bars(path: &Path, title: &str, panels: &[Bars<'_>]) -> Result<(), String> {
     let root = BitMapBackend::new(path, (300 * panels.len() as u32 + 60, 460)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
-    let root = root
-        .titled(title, ("sans-serif", 22))
-        .map_err(err)?;
+    let root = root.titled(title, ("sans-serif", 22)).map_err(err)?;
     let areas = root.split_evenly((1, panels.len()));
     for (area, panel) in areas.iter().zip(panels) {
         let n = panel.values.len();
