@@ -8,8 +8,10 @@
 //! 3. the hand-off: cqd's pool with parking and with spinning workers
 //!    against the `disruptor` crate (and the other channels of
 //!    benches/handoff.rs, whose code this includes);
-//! 4. the goals, met or not;
-//! 5. the existing dispatch (and, on the device, verbs-path) benchmarks,
+//! 4. end to end: the storage demo (crates/cqd-demo) against its naive
+//!    server (`--naive-server`), same load, same run;
+//! 5. the goals, met or not;
+//! 6. the existing dispatch (and, on the device, verbs-path) benchmarks,
 //!    re-run (benches/dispatch.rs, benches/verbs_dispatch.rs, included).
 //!
 //! ```text
@@ -22,7 +24,7 @@
 //! Options: `--quick` (short runs, 1 rep), `--reps N` (default 5),
 //! `--out DIR` (where report-*.md and the PNGs go; default docs/ for a full
 //! run, `$TMPDIR/cqd-bench-report` for `--quick`), `--backend sim|verbs`,
-//! `--skip-benches` (leave out section 5). Without the device
+//! `--skip-benches` (leave out section 6). Without the device
 //! `--backend verbs` prints `SKIPPED` and exits 0.
 
 use std::fmt::Write as _;
@@ -31,6 +33,7 @@ use std::time::Instant;
 
 mod clock;
 mod curves;
+mod e2e;
 mod floors;
 mod plot;
 #[cfg(feature = "verbs")]
@@ -250,6 +253,15 @@ fn run(args: &Args) -> Result<(), String> {
         handoff_section(&mut md, args, &mut goals)?;
     }
 
+    eprintln!("== end to end on {backend_name} ({} reps)", args.reps);
+    let on = match args.backend {
+        BackendKind::Sim => e2e::On::Sim,
+        BackendKind::Verbs => e2e::On::Verbs,
+    };
+    let e2e = e2e::compare(on, args.quick, args.reps)?;
+    let naive_png = args.out.join(format!("bench-naive-{backend_name}.png"));
+    e2e_section(&mut md, backend_name, &e2e, &naive_png, &mut goals)?;
+
     let _ = writeln!(
         md,
         "\n### Goals\n\n| goal | measured | verdict |\n|---|---|---|"
@@ -259,9 +271,10 @@ fn run(args: &Args) -> Result<(), String> {
     }
     let _ = writeln!(
         md,
-        "\nPlots: `{}`, `{}`. The whole report took {:.0} s; load average at the end {}.",
+        "\nPlots: `{}`, `{}`, `{}`. The whole report took {:.0} s; load average at the end {}.",
         lat_png.display(),
         cpu_png.display(),
+        naive_png.display(),
         started.elapsed().as_secs_f64(),
         loadavg()
     );
@@ -432,4 +445,64 @@ fn handoff_section(
         ratio(s) >= 1.0,
     ));
     Ok(())
+}
+
+fn e2e_section(
+    md: &mut String,
+    backend: &str,
+    rows: &[e2e::Contender],
+    png: &std::path::Path,
+    goals: &mut Vec<(String, String, bool)>,
+) -> Result<(), String> {
+    let _ = writeln!(
+        md,
+        "\n### End to end: the storage demo against the naive server ({backend})\n\n\
+         | server | ops/s | p99 µs | process CPU µs per op |\n|---|---|---|---|"
+    );
+    for r in rows {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} |",
+            r.name,
+            r.ops_per_s.show(0),
+            r.p99_us.show(0),
+            r.cpu_us_per_op.show(2)
+        );
+    }
+    let (Some(c), Some(n)) = (rows.first(), rows.get(1)) else {
+        return Err("end to end: no figures".into());
+    };
+    let ratio = c.ops_per_s.median / n.ops_per_s.median;
+    goals.push((
+        format!("End to end ({backend}): cqd ≥ 3× the naive server's throughput"),
+        format!(
+            "{ratio:.2}× ({:.0} vs {:.0} ops/s)",
+            c.ops_per_s.median, n.ops_per_s.median
+        ),
+        ratio >= 3.0,
+    ));
+    goals.push((
+        format!("End to end ({backend}): cqd's p99 below the naive server's"),
+        format!("{:.0} vs {:.0} µs", c.p99_us.median, n.p99_us.median),
+        c.p99_us.median < n.p99_us.median,
+    ));
+    let bars = |metric: &'static str, f: fn(&e2e::Contender) -> Spread| plot::Bars {
+        metric,
+        values: rows
+            .iter()
+            .map(|r| {
+                let s = f(r);
+                (r.name.replace(" (demo server)", ""), s.median, s.min, s.max)
+            })
+            .collect(),
+    };
+    plot::bars(
+        png,
+        &format!("Storage demo: cqd vs the naive server ({backend})"),
+        &[
+            bars("ops per second", |r| r.ops_per_s),
+            bars("p99 latency, µs", |r| r.p99_us),
+            bars("process CPU µs per op", |r| r.cpu_us_per_op),
+        ],
+    )
 }

@@ -232,7 +232,8 @@ pub fn bars(path: &Path, title: &str, panels: &[Bars<'_>]) -> Result<(), String>
     let areas = root.split_evenly((1, panels.len()));
     for (area, panel) in areas.iter().zip(panels) {
         let n = panel.values.len();
-        let max = panel.values.iter().map(|v| v.3).fold(0.0f64, f64::max) * 1.15;
+        let top = panel.values.iter().map(|v| v.3).fold(0.0f64, f64::max) * 1.15;
+        let max = top;
         let mut chart = ChartBuilder::on(area)
             .caption(panel.metric, ("sans-serif", 16))
             .margin(10)
@@ -240,23 +241,14 @@ pub fn bars(path: &Path, title: &str, panels: &[Bars<'_>]) -> Result<(), String>
             .y_label_area_size(60)
             .build_cartesian_2d(0f64..n as f64, 0f64..max.max(1e-9))
             .map_err(err)?;
-        let names: Vec<String> = panel.values.iter().map(|v| v.0.clone()).collect();
         chart
             .configure_mesh()
             .disable_x_mesh()
-            .x_labels(n + 1)
-            .x_label_formatter(&|x| {
-                let i = (*x - 0.5).round();
-                if (x - 0.5 - i).abs() < 0.01 && i >= 0.0 {
-                    names.get(i as usize).cloned().unwrap_or_default()
-                } else {
-                    String::new()
-                }
-            })
+            .x_labels(0)
             .label_style(("sans-serif", 13))
             .draw()
             .map_err(err)?;
-        for (i, (_, median, min, max)) in panel.values.iter().enumerate() {
+        for (i, (name, median, min, max)) in panel.values.iter().enumerate() {
             let color = COLORS[i % COLORS.len()];
             let x = i as f64;
             chart
@@ -269,6 +261,13 @@ pub fn bars(path: &Path, title: &str, panels: &[Bars<'_>]) -> Result<(), String>
                 .draw_series(std::iter::once(PathElement::new(
                     vec![(x + 0.5, *min), (x + 0.5, *max)],
                     BLACK.stroke_width(2),
+                )))
+                .map_err(err)?;
+            chart
+                .draw_series(std::iter::once(Text::new(
+                    name.clone(),
+                    (x + 0.22, max.max(*median) + top * 0.03),
+                    ("sans-serif", 15).into_font(),
                 )))
                 .map_err(err)?;
         }

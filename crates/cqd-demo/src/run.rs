@@ -23,9 +23,9 @@ use crate::backend::sim::SimFabric;
 use crate::backend::{Link, Node};
 use crate::config::{Config, ModeArg, Stop};
 use crate::load::{Load, LoadConn, LoadSpec, Phase};
+use crate::naive::NaiveSide;
 use crate::report::{self, Report};
 use crate::server::{Server, ServerSpec, ServerWork, SrvConn};
-use crate::naive::NaiveSide;
 use crate::topo::{self, Assigned};
 use crate::DemoError;
 

@@ -830,7 +830,11 @@ mod tests {
         })
         .join()
         .unwrap();
-        assert_eq!(first + rest, 3, "every completion polled once, on either thread");
+        assert_eq!(
+            first + rest,
+            3,
+            "every completion polled once, on either thread"
+        );
         assert_eq!(handle.snapshot().completions, 3);
     }
 
