@@ -274,3 +274,41 @@ fn poll_loop<N: Node>(
             .map_err(e)?;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use crate::config::Args;
+
+    fn cfg(args: &[&str]) -> Result<crate::config::Config, crate::DemoError> {
+        let mut argv = vec!["cqd-demo", "--no-progress"];
+        argv.extend_from_slice(args);
+        Args::try_parse_from(argv).unwrap().check()
+    }
+
+    #[test]
+    fn the_naive_server_serves_the_demo_and_passes_both_verdicts() {
+        let cfg = cfg(&["--quick", "--duration", "300ms", "--naive-server"]).unwrap();
+        assert!(cfg.naive_server);
+        let report = crate::run::run_sim(&cfg, None).unwrap();
+        assert!(report.load.completed > 0, "{:?}", report.load);
+        assert!(report.verdicts.data.passed, "{}", report.verdicts.data.detail);
+        assert!(
+            report.verdicts.accounts.passed,
+            "{}",
+            report.verdicts.accounts.detail
+        );
+        assert!(
+            report.notes.iter().any(|n| n.starts_with("naive server")),
+            "the report says which server ran: {:?}",
+            report.notes
+        );
+    }
+
+    #[test]
+    fn the_naive_server_is_for_one_process_runs_only() {
+        let e = cfg(&["serve", "--backend", "verbs", "--naive-server"]).unwrap_err();
+        assert!(e.to_string().contains("--naive-server"), "{e}");
+    }
+}
