@@ -351,8 +351,11 @@ fn disruptor_batched(items: u64, workers: usize) -> u64 {
     total.load(Relaxed)
 }
 
+/// A contender: its name, and the function that hands `items` to
+/// `workers` consumers and returns the sum they saw.
 pub type Contender = (&'static str, fn(u64, usize) -> u64);
 
+/// Every contender, cqd's pool first (examples/bench_report runs them too).
 pub const CONTENDERS: [Contender; 7] = [
     ("cqd pool (batch offer)", cqd_pool),
     ("cqd pool, spinning workers", cqd_pool_spinning),

@@ -293,7 +293,11 @@ mod tests {
         assert!(cfg.naive_server);
         let report = crate::run::run_sim(&cfg, None).unwrap();
         assert!(report.load.completed > 0, "{:?}", report.load);
-        assert!(report.verdicts.data.passed, "{}", report.verdicts.data.detail);
+        assert!(
+            report.verdicts.data.passed,
+            "{}",
+            report.verdicts.data.detail
+        );
         assert!(
             report.verdicts.accounts.passed,
             "{}",
