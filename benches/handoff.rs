@@ -133,6 +133,7 @@ fn cqd_pool_idle(items: u64, workers: usize, idle: WorkerIdle) -> u64 {
     let mut sink = sinks.pop().expect("one sink");
     // The poller's loop: append a drained batch to the spill queue, offer.
     let mut spill = VecDeque::with_capacity(4 * CAPACITY);
+    let pinned = consumer_cpu(workers).is_some();
     let mut next = 0;
     while next < items || !spill.is_empty() {
         if next < items && spill.len() < CAPACITY {
@@ -147,8 +148,16 @@ fn cqd_pool_idle(items: u64, workers: usize, idle: WorkerIdle) -> u64 {
         sink.offer(&mut spill);
         if spill.len() == before && (spill.len() >= CAPACITY || next >= items) {
             // Every ring full and the spill at its bound: a poller would go
-            // on polling its CQ; here there is nothing else to do.
-            thread::yield_now();
+            // on polling its CQ; here there is nothing else to do. Pinned
+            // to a CPU of its own, the producer spins, as the disruptor's
+            // does when its ring is full (a yield on a loaded machine can
+            // give the CPU away for a whole time slice); otherwise it
+            // yields to the consumers it may share a CPU with.
+            if pinned {
+                std::hint::spin_loop();
+            } else {
+                thread::yield_now();
+            }
         }
     }
     drop(sink);
