@@ -16,8 +16,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use cqd::core::{
-    Failed, Handler, NoSink, NoWork, Outbox, PollMode, PollerBuilder, PollerThread, RecvDone,
-    SendDone, UnboundCq,
+    Adaptive, Failed, Handler, NoSink, NoWork, Outbox, PollMode, PollerBuilder, PollerThread,
+    RecvDone, SendDone, UnboundCq,
 };
 use hdrhistogram::Histogram;
 
@@ -76,11 +76,25 @@ pub fn loads() -> Vec<Load> {
     ]
 }
 
+/// The name of the Adaptive poller told the machine's wake-up cost.
+pub const ADAPTIVE_TOLD: &str = "adaptive, wake_cost = floor";
+
 /// The modes compared: Busy without naps (a poller pinned alone on its
-/// core, as the docs advise for Busy), and Event, Hybrid and Adaptive with
-/// their defaults.
-pub fn modes() -> Vec<(&'static str, PollMode)> {
-    PollMode::all().into_iter().map(|m| (m.name(), m)).collect()
+/// core, as the docs advise for Busy), Event, Hybrid and Adaptive with
+/// their defaults, and Adaptive whose `wake_cost` (its estimate of a
+/// sleep/wake cycle, 5 µs by default) is the eventfd wake-up floor this
+/// run measured.
+pub fn modes(wake_floor: Duration) -> Vec<(&'static str, PollMode)> {
+    let mut m: Vec<(&'static str, PollMode)> =
+        PollMode::all().into_iter().map(|m| (m.name(), m)).collect();
+    m.push((
+        ADAPTIVE_TOLD,
+        PollMode::Adaptive(Adaptive {
+            wake_cost: wake_floor,
+            ..Adaptive::default()
+        }),
+    ));
+    m
 }
 
 /// The handler: for its k-th completion, records `now − arrival[k]`.
@@ -301,13 +315,18 @@ pub struct Point {
 /// Every mode at every load, `reps` runs each; the runs are interleaved
 /// (each rep visits every mode at one load in turn) so that the machine's
 /// load drifts over all contenders alike.
-pub fn curves(backend: &mut Backend<'_>, quick: bool, reps: usize) -> Result<Vec<Point>, String> {
+pub fn curves(
+    backend: &mut Backend<'_>,
+    quick: bool,
+    reps: usize,
+    wake_floor: Duration,
+) -> Result<Vec<Point>, String> {
     if !pin(ARRIVAL_CPU) {
         return Err(format!(
             "cannot pin the arrival thread to CPU {ARRIVAL_CPU}"
         ));
     }
-    let modes = modes();
+    let modes = modes(wake_floor);
     let mut points = Vec::new();
     for load in loads() {
         let n = arrivals(load, quick);
@@ -330,7 +349,7 @@ pub fn curves(backend: &mut Backend<'_>, quick: bool, reps: usize) -> Result<Vec
                 stalls: s.iter().map(|s| s.stalls).sum(),
             };
             eprintln!(
-                "  {:<9} {:<28} p50 {} µs  p99 {} µs  cpu {} s/s",
+                "  {:<28} {:<28} p50 {} µs  p99 {} µs  cpu {} s/s",
                 point.mode,
                 load.label(),
                 point.p50.show(2),

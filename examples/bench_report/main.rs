@@ -29,7 +29,7 @@
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 mod clock;
 mod curves;
@@ -218,12 +218,17 @@ fn run(args: &Args) -> Result<(), String> {
     }
 
     eprintln!("== mode curves on {backend_name} ({} reps)", args.reps);
+    let floor = floors.first().map_or(Duration::from_micros(5), |f| {
+        Duration::from_nanos((f.p50.median * 1e3) as u64)
+    });
     let points = match args.backend {
-        BackendKind::Sim => curves::curves(&mut curves::sim_backend(), args.quick, args.reps)?,
+        BackendKind::Sim => {
+            curves::curves(&mut curves::sim_backend(), args.quick, args.reps, floor)?
+        }
         #[cfg(feature = "verbs")]
         BackendKind::Verbs => {
             let mut b = verbs::backend()?;
-            curves::curves(&mut b, args.quick, args.reps)?
+            curves::curves(&mut b, args.quick, args.reps, floor)?
         }
         #[cfg(not(feature = "verbs"))]
         BackendKind::Verbs => unreachable!("verbs_available() is false without the feature"),
@@ -345,22 +350,40 @@ fn find<'a>(points: &'a [Point], mode: &str, load: Load) -> Option<&'a Point> {
 }
 
 fn mode_goals(points: &[Point], floors: &[Floor], goals: &mut Vec<(String, String, bool)>) {
-    for rate in [100_000, 1_000_000] {
+    for (adaptive, rate) in [
+        ("adaptive", 100_000),
+        ("adaptive", 1_000_000),
+        (curves::ADAPTIVE_TOLD, 100_000),
+        (curves::ADAPTIVE_TOLD, 1_000_000),
+    ] {
         let load = Load::Rate(rate);
-        if let (Some(a), Some(b)) = (find(points, "adaptive", load), find(points, "busy", load)) {
+        if let (Some(a), Some(b)) = (find(points, adaptive, load), find(points, "busy", load)) {
             let r = a.p50.median / b.p50.median;
+            let who = if adaptive == "adaptive" {
+                "Adaptive".to_string()
+            } else {
+                format!("Adaptive ({})", &adaptive[10..])
+            };
             goals.push((
-                format!("Adaptive p50 ≤ 1.5× Busy at {}", load.label()),
+                format!("{who} p50 ≤ 1.5× Busy at {}", load.label()),
                 format!("{r:.2}× ({:.2} vs {:.2} µs)", a.p50.median, b.p50.median),
                 r <= 1.5,
             ));
         }
     }
     let low = Load::Rate(1_000);
-    if let (Some(a), Some(b)) = (find(points, "adaptive", low), find(points, "busy", low)) {
+    for adaptive in ["adaptive", curves::ADAPTIVE_TOLD] {
+        let (Some(a), Some(b)) = (find(points, adaptive, low), find(points, "busy", low)) else {
+            continue;
+        };
+        let who = if adaptive == "adaptive" {
+            "Adaptive".to_string()
+        } else {
+            format!("Adaptive ({})", &adaptive[10..])
+        };
         let r = a.cpu.median / b.cpu.median;
         goals.push((
-            "Adaptive CPU ≤ 10% of Busy's at 1k/s".into(),
+            format!("{who} CPU ≤ 10% of Busy's at 1k/s"),
             format!(
                 "{:.1}% ({:.4} vs {:.3} CPU s/s)",
                 100.0 * r,

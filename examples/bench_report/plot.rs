@@ -38,11 +38,12 @@ pub fn init_font() -> Result<(), String> {
     ))
 }
 
-const COLORS: [RGBColor; 4] = [
+const COLORS: [RGBColor; 5] = [
     RGBColor(214, 39, 40),
     RGBColor(31, 119, 180),
     RGBColor(44, 160, 44),
     RGBColor(148, 103, 189),
+    RGBColor(255, 127, 14),
 ];
 
 fn err(e: impl std::fmt::Display) -> String {
