@@ -134,10 +134,6 @@ pub fn floors(quick: bool, reps: usize) -> Result<Vec<Floor>, String> {
         return Err(format!("cannot pin to CPU {ARRIVAL_CPU}"));
     }
     let (n_event, n_busy) = if quick { (200, 2000) } else { (1000, 20_000) };
-    if std::env::var_os("CQD_REPORT_DEBUG").is_some() {
-        let l = eventfd_once(20)?;
-        eprintln!("eventfd raw: {l:?}");
-    }
     let (mut e50, mut e99, mut b50, mut b99) = (vec![], vec![], vec![], vec![]);
     for _ in 0..reps {
         let (p50, p99) = percentiles(&eventfd_once(n_event)?)?;
