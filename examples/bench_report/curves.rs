@@ -193,6 +193,9 @@ pub struct Sample {
     pub rate: f64,
     /// Times an arrival found the queue full and waited.
     pub stalls: u64,
+    /// Sleeps of the poller that its safety-net timeout ended with
+    /// completions waiting: notifications that never came.
+    pub recovered: u64,
 }
 
 /// How many arrivals a run of `load` makes.
@@ -296,6 +299,7 @@ pub fn run_one(
         cpu: (cpu1 - cpu0).as_secs_f64() / wall,
         rate: n as f64 / wall,
         stalls,
+        recovered: report.cqs.iter().map(|c| c.recovered_missed_events).sum(),
     })
 }
 
@@ -310,6 +314,8 @@ pub struct Point {
     pub cpu: Spread,
     pub rate: Spread,
     pub stalls: u64,
+    /// Over every run: safety-net wake-ups that found completions.
+    pub recovered: u64,
 }
 
 /// Every mode at every load, `reps` runs each; the runs are interleaved
@@ -347,6 +353,7 @@ pub fn curves(
                 cpu: col(|s| s.cpu),
                 rate: col(|s| s.rate),
                 stalls: s.iter().map(|s| s.stalls).sum(),
+                recovered: s.iter().map(|s| s.recovered).sum(),
             };
             eprintln!(
                 "  {:<28} {:<28} p50 {} µs  p99 {} µs  cpu {} s/s",

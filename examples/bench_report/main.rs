@@ -322,26 +322,30 @@ fn write_curves(md: &mut String, backend: &str, points: &[Point]) {
     let _ = writeln!(
         md,
         "\n### Mode curves ({backend})\n\n\
-         | load | mode | p50 µs | p99 µs | p99.9 µs | poller CPU s/s | achieved /s |\n\
-         |---|---|---|---|---|---|---|"
+         | load | mode | p50 µs | p99 µs | p99.9 µs | poller CPU s/s | achieved /s | stalls | missed events |\n\
+         |---|---|---|---|---|---|---|---|---|"
     );
     for p in points {
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {:.0} |",
+            "| {} | {} | {} | {} | {} | {} | {:.0} | {} | {} |",
             p.load.label(),
             p.mode,
             p.p50.show(2),
             p.p99.show(1),
             p.p999.show(1),
             p.cpu.show(3),
-            p.rate.median
+            p.rate.median,
+            p.stalls,
+            p.recovered
         );
     }
-    let stalls: u64 = points.iter().map(|p| p.stalls).sum();
     let _ = writeln!(
         md,
-        "\nArrivals that found the queue full and waited: {stalls} (0 means the schedule was never held back by the poller)."
+        "\n*stalls*: arrivals that found the queue full (the poller behind) and waited, over all \
+         runs; *achieved* is then below the rate asked. *missed events*: over all runs, sleeps of \
+         the poller that its 100 ms safety-net timeout ended with completions waiting \
+         (`CqSnapshot::recovered_missed_events`): notifications that never came."
     );
 }
 
