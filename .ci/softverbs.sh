@@ -11,7 +11,7 @@ start=$(date +%s)
 
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
-apt-get install -y -qq ibverbs-utils rdmacm-utils perftest qperf python3-pyverbs libibverbs-dev librdmacm-dev libclang-dev pkg-config iproute2 >/dev/null
+apt-get install -y -qq ibverbs-utils rdmacm-utils perftest qperf python3-pyverbs libibverbs-dev librdmacm-dev libclang-dev pkg-config iproute2 fonts-dejavu-core >/dev/null
 
 cargo build -p softverbs --release
 cargo test -p softverbs --release --no-run
@@ -295,6 +295,13 @@ timeout 600 "$RUN" cargo test -p cqd-verbs --release
 # The real-path dispatch benchmark, smoke run on the device.
 CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$RUN" timeout 600 \
     cargo bench --features verbs --bench verbs_dispatch -- --quick
+# The benchmark report's device half (mode curves on softverbs; the
+# verbs-path figures are the bench just above), smoke run; its plots go to
+# the log directory.
+cargo build --release --features verbs --example bench_report
+timeout 300 "$RUN" "$REL/examples/bench_report" --backend verbs --quick --skip-benches --out "$LOGS/bench-report" \
+    | tee "$LOGS/bench-report.log" | grep -E '^(### |\| (Adaptive|Event)|SKIPPED)'
+grep -q '^### Goals' "$LOGS/bench-report.log"
 
 # cqd-demo on the device. demo_two NAME PORT N: N `serve` processes in the
 # background (ports PORT, PORT+1, …), one `load` striping blocks over them

@@ -254,10 +254,18 @@ fn stats(v: &mut [f64]) -> (f64, f64, f64) {
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
+    let sweep_only = std::env::args().any(|a| a == "--sweep");
+    run(quick, sweep_only);
+}
+
+/// The whole bench (also called by `examples/bench_report`, which includes
+/// this file as a module): every contender, then the handler-count sweep,
+/// or the sweep alone.
+pub fn run(quick: bool, sweep_only: bool) {
     let rounds = if quick { 20 } else { 400 };
     let reps = if quick { 1 } else { 5 };
     let (sweep_rounds, sweep_reps) = if quick { (4, 1) } else { (20, 15) };
-    if std::env::args().any(|a| a == "--sweep") {
+    if sweep_only {
         sweep(sweep_rounds, sweep_reps);
         return;
     }

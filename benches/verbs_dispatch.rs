@@ -526,13 +526,18 @@ fn pin(cpu: usize) {
 }
 
 fn main() {
+    run(std::env::args().any(|a| a == "--quick"));
+}
+
+/// The whole bench (also called by `examples/bench_report --backend
+/// verbs`, which includes this file as a module).
+pub fn run(quick: bool) {
     let device = std::env::var_os("SOFTVERBS_RUN").is_some()
         || cqd::verbs::devices().is_ok_and(|d| !d.is_empty());
     if !device {
         println!("SKIPPED: needs softverbs-run (no RDMA device)");
         return;
     }
-    let quick = std::env::args().any(|a| a == "--quick");
     let (rounds, reps) = if quick { (10, 1) } else { (200, 9) };
     pin(POLLER_CPU);
 

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use cqd_core::pool::{worker_for_key, Pool, PoolSink, Work};
 use cqd_core::sink::{Route, Routed, WorkSink};
-use cqd_core::topology::{PoolConfig, Routing, TopologyConfig};
+use cqd_core::topology::{PoolConfig, Routing, TopologyConfig, WorkerIdle};
 
 /// A work item: who produced it, its key, its sequence number within
 /// (producer, key), and a globally unique id.
@@ -61,6 +61,7 @@ struct Run {
     delay: Duration,
     panic_every: usize,
     routing: Routing,
+    idle: WorkerIdle,
 }
 
 impl Default for Run {
@@ -75,6 +76,7 @@ impl Default for Run {
             delay: Duration::ZERO,
             panic_every: 0,
             routing: Routing::AsRouted,
+            idle: WorkerIdle::Park,
         }
     }
 }
@@ -96,7 +98,8 @@ fn spawn(
         .pool(
             PoolConfig::new("io", run.threads)
                 .capacity(run.capacity)
-                .routing(run.routing),
+                .routing(run.routing)
+                .idle(run.idle),
         )
         .validate()
         .unwrap();
@@ -218,6 +221,29 @@ fn exactly_once_and_per_key_order_with_more_threads_than_cores() {
     for w in &s.workers {
         assert!(w.items > 0, "every worker got work: {w:?}");
         assert!(w.depth_high_water <= 256);
+    }
+}
+
+#[test]
+fn spinning_workers_never_park_and_lose_nothing() {
+    // Two producers and two spinning workers on however few CPUs: the
+    // workers give their CPU away only when the scheduler takes it, and
+    // still every item arrives once, in per-key order, and the pool stops.
+    let run = Run {
+        total: 100_000,
+        threads: 2,
+        capacity: 64,
+        idle: WorkerIdle::Spin,
+        ..Run::default()
+    };
+    let outcome = produce(&run);
+    assert_exactly_once(&outcome);
+    assert_eq!(outcome.order_violations, 0);
+    for w in &outcome.snapshot.workers {
+        assert_eq!(w.parks, 0, "a spinning worker never parks: {w:?}");
+    }
+    for s in &outcome.snapshot.sinks {
+        assert_eq!(s.unparks, 0, "nothing to unpark: {s:?}");
     }
 }
 

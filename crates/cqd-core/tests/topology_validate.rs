@@ -8,7 +8,7 @@ use std::time::Duration;
 use cqd_core::mode::MIN_WAKE_TIMEOUT;
 use cqd_core::topology::{
     ModeConfig, OnPriorityError, OnSharedCpu, Placement, PollerConfig, PoolConfig, Priority,
-    Routing, TopologyConfig, TopologyError, Warning, LONG_SPIN,
+    Routing, TopologyConfig, TopologyError, Warning, WorkerIdle, LONG_SPIN,
 };
 
 const EXAMPLE: &str = include_str!("../../../examples/topology.toml");
@@ -605,4 +605,85 @@ fn on_shared_cpu_error_refuses_what_would_be_a_warning() {
     // And a config that writes neither reads back as the default.
     let config = TopologyConfig::from_toml("[[pool]]\nname = \"io\"\nthreads = 1\n").unwrap();
     assert_eq!(config.on_shared_cpu, OnSharedCpu::Warn);
+}
+
+#[test]
+fn spinning_workers_are_read_and_warned_about_like_spinning_pollers() {
+    let text = r#"
+        [[poller]]
+        name = "rx"
+        cqs = ["rx0"]
+        placement = { fixed = 1 }
+        mode = { kind = "event" }
+
+        [[pool]]
+        name = "hot"
+        threads = 2
+        idle = "spin"
+        placement = { fenced = [2, 3] }
+
+        [[pool]]
+        name = "crowd"
+        threads = 3
+        idle = "spin"
+        placement = { fenced = [1, 4] }
+    "#;
+    let config = TopologyConfig::from_toml(text).unwrap();
+    assert_eq!(config.pools[0].idle, WorkerIdle::Spin);
+    assert_eq!(
+        config.pools[0],
+        PoolConfig::new("hot", 2)
+            .idle(WorkerIdle::Spin)
+            .placement(Placement::fenced([2, 3]))
+    );
+    // Written back, the field survives; a parking pool does not write it.
+    let back = TopologyConfig::from_toml(&config.to_toml().unwrap()).unwrap();
+    assert_eq!(back, config);
+    assert!(!TopologyConfig::new()
+        .pool(PoolConfig::new("p", 1))
+        .to_toml()
+        .unwrap()
+        .contains("idle"));
+
+    let topology = config.validate_for(&cpus(5)).unwrap();
+    let w = |cpus: &[usize], with: &str| Warning::SpinningWorkersShareCpu {
+        field: "pool[1].placement".into(),
+        pool: "crowd".into(),
+        cpus: cpus.iter().copied().collect(),
+        shares_with: with.into(),
+    };
+    // "hot" has a CPU per worker and shares with nobody; "crowd" has three
+    // workers for two CPUs and overlaps the poller on CPU 1.
+    assert_eq!(
+        topology.warnings(),
+        [
+            w(&[1, 4], "each other (3 workers)"),
+            w(&[1], "poller \"rx\" at poller[0].placement"),
+        ]
+    );
+    assert_eq!(
+        topology.warnings()[1].to_string(),
+        "pool[1].placement: spinning workers of pool \"crowd\" may share CPU 1 with poller \
+         \"rx\" at poller[0].placement; they never give their CPU away"
+    );
+
+    // An unpinned spinning pool may run anywhere the other pool does.
+    let config = TopologyConfig::new()
+        .pool(PoolConfig::new("a", 1).idle(WorkerIdle::Spin))
+        .pool(PoolConfig::new("b", 1).placement(Placement::Fixed(0)));
+    let topology = config.validate_for(&cpus(2)).unwrap();
+    assert!(matches!(
+        topology.warnings(),
+        [Warning::SpinningWorkersShareCpu { pool, shares_with, .. }]
+            if pool == "a" && shares_with == "pool \"b\" at pool[1].placement"
+    ));
+    // on_shared_cpu = "error" refuses it.
+    let e = config
+        .on_shared_cpu(OnSharedCpu::Error)
+        .validate_for(&cpus(2))
+        .unwrap_err();
+    assert!(
+        matches!(&e, TopologyError::SpinningWorkersShareCpu { field, .. } if field == "pool[0].placement"),
+        "{e:?}"
+    );
 }

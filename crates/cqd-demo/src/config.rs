@@ -173,6 +173,13 @@ pub struct Args {
     /// Worker threads of the server pool (default: the topology's).
     #[arg(long)]
     pub workers: Option<usize>,
+    /// A baseline for benchmarks, not a way to run: serve with the naive
+    /// completion loop (two threads polling each CQ under a mutex, one
+    /// completion per poll, a channel send per completion, a re-arm per
+    /// event; see `cqd_demo::naive`) instead of cqd's pollers and pool.
+    /// One-process runs only.
+    #[arg(long)]
+    pub naive_server: bool,
     /// A request older than this fails its connection.
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     pub op_timeout: Duration,
@@ -264,6 +271,8 @@ pub struct Config {
     pub mode: Option<ModeArg>,
     /// Worker override.
     pub workers: Option<usize>,
+    /// Serve with the naive completion loop (`--naive-server`).
+    pub naive_server: bool,
     /// Request timeout.
     #[serde(with = "secs")]
     pub op_timeout: Duration,
@@ -308,6 +317,12 @@ impl Args {
             }
             (_, _) => BackendKind::Verbs,
         };
+        if self.naive_server && command != Command::Run {
+            return bad(
+                "--naive-server is for one-process runs (no command), the benchmark baseline"
+                    .into(),
+            );
+        }
         if backend == BackendKind::Verbs && !cfg!(feature = "verbs") {
             return bad(NO_VERBS.into());
         }
@@ -482,6 +497,7 @@ impl Args {
             stop,
             mode: self.mode,
             workers: self.workers,
+            naive_server: self.naive_server,
             op_timeout: self.op_timeout,
             drain_timeout: self.drain_timeout,
             fault_rate: self.fault_rate,

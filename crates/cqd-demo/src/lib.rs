@@ -18,6 +18,7 @@
 pub mod backend;
 pub mod config;
 pub mod load;
+pub mod naive;
 pub mod net;
 pub mod prom;
 pub mod report;

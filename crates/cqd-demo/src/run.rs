@@ -23,6 +23,7 @@ use crate::backend::sim::SimFabric;
 use crate::backend::{Link, Node};
 use crate::config::{Config, ModeArg, Stop};
 use crate::load::{Load, LoadConn, LoadSpec, Phase};
+use crate::naive::NaiveSide;
 use crate::report::{self, Report};
 use crate::server::{Server, ServerSpec, ServerWork, SrvConn};
 use crate::topo::{self, Assigned};
@@ -99,6 +100,28 @@ fn name_of(names: &mut Names, poller: usize, cq: &str, reg: Option<&Registration
                 n.push_str(name);
             })
             .or_insert_with(|| name.to_string());
+    }
+}
+
+/// The server half: cqd's pollers and pool, or the naive baseline.
+enum Side<N: Node> {
+    Cqd(ServerSide<N>),
+    Naive(NaiveSide<N>),
+}
+
+impl<N: Node> Side<N> {
+    fn accept(&mut self, server: u32) -> Result<Arc<SrvConn<N>>, DemoError> {
+        match self {
+            Side::Cqd(s) => s.accept(server),
+            Side::Naive(s) => s.accept(server),
+        }
+    }
+
+    fn stop(self) -> Stopped<Vec<Server<N>>> {
+        match self {
+            Side::Cqd(s) => s.stop(),
+            Side::Naive(s) => s.stop(),
+        }
     }
 }
 
@@ -518,7 +541,18 @@ pub fn run_on<N: Node>(
             .filter(|c| c % cfg.servers == s)
             .count() as u32
     };
-    let mut server_side = ServerSide::start(cfg, layout.server_pollers, layout.pool, conns, &open)?;
+    let mut server_side = if cfg.naive_server {
+        let workers = layout.pool.threads();
+        Side::Naive(NaiveSide::start(cfg, workers, conns, &open)?)
+    } else {
+        Side::Cqd(ServerSide::start(
+            cfg,
+            layout.server_pollers,
+            layout.pool,
+            conns,
+            &open,
+        )?)
+    };
     let mut load_side = LoadSide::start(cfg, layout.load_pollers, layout.load_cqs, &open)?;
     for c in 0..cfg.connections {
         let s = c % cfg.servers;

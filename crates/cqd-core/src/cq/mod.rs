@@ -389,6 +389,18 @@ impl<W> std::fmt::Debug for CqPoller<W> {
 }
 
 impl<W: Send + 'static> CqPoller<W> {
+    /// Gives the polling right back unbound, so that it can move to another
+    /// thread (which [`bind`](UnboundCq::bind)s it there). The CQ stays as
+    /// it is: armed or not, events acknowledged or not, commands applied
+    /// or pending. Still one thread at a time polls: the right is moved,
+    /// never shared.
+    pub fn unbind(self) -> UnboundCq<W> {
+        UnboundCq {
+            core: self.core,
+            _not_sync: PhantomData,
+        }
+    }
+
     /// The CQ's name.
     pub fn name(&self) -> &str {
         &self.core.shared.name
@@ -798,6 +810,40 @@ mod tests {
                 panic!("a handler that panics in on_async");
             }
         }
+    }
+
+    #[test]
+    fn an_unbound_poller_moves_to_another_thread_and_goes_on() {
+        let options = CqOptions {
+            batch: 1,
+            ..CqOptions::default()
+        };
+        let (unbound, handle) = split::<NoWork>(queue(3), options).unwrap();
+        let mut p = unbound.bind();
+        let mut out = VecDeque::new();
+        let first = p.poll_once(&mut out).unwrap();
+        assert!(first >= 1);
+        let moved: UnboundCq<NoWork> = p.unbind();
+        assert_send::<UnboundCq<NoWork>>();
+        let rest = std::thread::spawn(move || {
+            let mut p = moved.bind();
+            let mut out = VecDeque::new();
+            let mut n = 0;
+            loop {
+                match p.poll_once(&mut out).unwrap() {
+                    0 => return n,
+                    k => n += k,
+                }
+            }
+        })
+        .join()
+        .unwrap();
+        assert_eq!(
+            first + rest,
+            3,
+            "every completion polled once, on either thread"
+        );
+        assert_eq!(handle.snapshot().completions, 3);
     }
 
     #[test]

@@ -101,6 +101,10 @@ pub struct PoolSink<W> {
     start: usize,
     shared: Arc<Shared>,
     space: Arc<SpaceBell>,
+    /// The pool's workers spin and never park ([`WorkerIdle::Spin`](super::WorkerIdle::Spin)):
+    /// no worker ever announces sleep, so an offer needs neither the fence
+    /// nor the wake-up check (steps 4 and 5).
+    pub(crate) spinning_workers: bool,
     #[cfg(loom)]
     unfenced: bool,
     _not_sync: PhantomData<Cell<()>>,
@@ -126,6 +130,7 @@ impl<W> PoolSink<W> {
             start: 0,
             shared,
             space,
+            spinning_workers: false,
             #[cfg(loom)]
             unfenced: false,
             _not_sync: PhantomData,
@@ -201,6 +206,10 @@ impl<W> PoolSink<W> {
         // reads it.
         self.free[dest] -= 1;
         let old = self.rings[dest].publish().unwrap_or(NOT_PUBLISHED);
+        if self.spinning_workers {
+            self.shared.counters.sinks[self.index].offer(1, 0, 0);
+            return Ok(());
+        }
         producer_fence();
         let (bell, thread) = &self.bells[dest];
         let ring = &self.rings[dest];
@@ -358,7 +367,7 @@ impl<W: Send> PoolSink<W> {
             published |= *old != NOT_PUBLISHED;
         }
         let mut unparks = 0;
-        if published {
+        if published && !self.spinning_workers {
             // 4. Fence.
             producer_fence();
             // 5. Wake on empty→non-empty.

@@ -82,6 +82,31 @@ pub enum Routing {
     LeastLoaded,
 }
 
+/// What a pool's worker does when its rings are empty (`idle` in a pool's
+/// config).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
+pub enum WorkerIdle {
+    /// Back off, then park until a producer hands it work: an idle pool
+    /// costs no CPU, and each hand-off pays one `SeqCst` fence on the
+    /// producer (and a wake-up when the worker had parked).
+    #[default]
+    Park,
+    /// Spin on the rings and never park: each worker keeps a whole CPU
+    /// busy even when idle, and producers skip the fence and the wake-up
+    /// check. For pinned, latency-critical servers with a CPU per worker;
+    /// `validate()` warns when spinning workers may share a CPU.
+    Spin,
+}
+
+impl WorkerIdle {
+    /// Whether this is the default, [`Park`](Self::Park).
+    pub fn is_park(&self) -> bool {
+        *self == WorkerIdle::Park
+    }
+}
+
 /// Everything [`spawn`] needs, as plain data (checked by whoever built it).
 #[derive(Debug, Clone)]
 pub(crate) struct PoolSpec {
@@ -93,6 +118,8 @@ pub(crate) struct PoolSpec {
     pub(crate) capacity: usize,
     /// How sinks spread items over the workers.
     pub(crate) routing: Routing,
+    /// Whether idle workers park or spin.
+    pub(crate) idle: WorkerIdle,
 }
 
 /// What can go wrong running or stopping a pool.
@@ -346,6 +373,7 @@ where
         workers: specs,
         capacity,
         routing,
+        idle,
     } = spec;
     if producers == 0 {
         return Err(SpawnError::NoProducers { pool: name });
@@ -386,6 +414,7 @@ where
             bell: bell.clone(),
             shared: shared.clone(),
             work: make(index),
+            spin: idle == WorkerIdle::Spin,
         };
         match crate::thread::spawn(spec, move || worker.run()) {
             Ok(handle) => {
@@ -410,7 +439,10 @@ where
         .zip(spaces)
         .enumerate()
         .map(|(index, (rings, space))| {
-            PoolSink::new(index, rings, bells.clone(), routing, shared.clone(), space)
+            let mut sink =
+                PoolSink::new(index, rings, bells.clone(), routing, shared.clone(), space);
+            sink.spinning_workers = idle == WorkerIdle::Spin;
+            sink
         })
         .collect();
     Ok((

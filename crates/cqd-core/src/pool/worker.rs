@@ -12,6 +12,10 @@
 //! 3. Otherwise go idle: spin, announce, re-check, park (park steps 1–5).
 //!    Work found: go to 1. Every producer gone and every ring empty: return.
 //!
+//! A pool configured to spin ([`WorkerIdle::Spin`](super::WorkerIdle::Spin))
+//! replaces step 3 with: read `open`, re-check the rings, return if no
+//! producer is left and they are empty, else spin once and go to 1.
+//!
 //! On its way out (a return or an unwind) the worker counts itself exited,
 //! which [`Pool::join_timeout`](super::Pool::join_timeout) waits for.
 
@@ -21,7 +25,7 @@ use super::park::{Bell, Idle};
 use super::ring::Consumer;
 use super::space::{consumer_fence, SpaceBell};
 use super::Shared;
-use crate::sync::Arc;
+use crate::sync::{Arc, Ordering};
 
 /// The most items a worker takes from one ring before looking at the next.
 pub const MAX_BATCH: usize = 256;
@@ -62,6 +66,8 @@ pub(crate) struct Worker<W, H> {
     pub(crate) bell: Arc<Bell>,
     pub(crate) shared: Arc<Shared>,
     pub(crate) work: H,
+    /// Spin on the rings instead of parking ([`WorkerIdle::Spin`](super::WorkerIdle::Spin)).
+    pub(crate) spin: bool,
 }
 
 impl<W, H: Work<W>> Worker<W, H> {
@@ -125,6 +131,20 @@ impl<W, H: Work<W>> Worker<W, H> {
             }
             // 3. Idle.
             let rings = &mut self.rings;
+            if self.spin {
+                // Never announce sleep (so producers need not fence): read
+                // `open` first, then re-check, as park step 3 does, so that
+                // a zero makes the departed producers' publications visible.
+                let closed = shared.open.load(Ordering::Acquire) == 0;
+                if rings.iter_mut().any(|r| !r.is_empty()) {
+                    continue;
+                }
+                if closed {
+                    return;
+                }
+                std::hint::spin_loop();
+                continue;
+            }
             match self
                 .bell
                 .idle(&shared.open, || rings.iter_mut().any(|r| !r.is_empty()))

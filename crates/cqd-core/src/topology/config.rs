@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::pool::Routing;
+use crate::pool::{Routing, WorkerIdle};
 use crate::thread::{OnPriorityError, Placement, Priority};
 
 /// The whole thread topology of a dispatcher: every poller thread and every
@@ -100,6 +100,10 @@ pub struct PoolConfig {
     /// How items are spread over the workers.
     #[serde(default)]
     pub routing: Routing,
+    /// What an idle worker does: `"park"` (the default) or `"spin"` (never
+    /// park: for workers pinned to CPUs of their own).
+    #[serde(default, skip_serializing_if = "WorkerIdle::is_park")]
+    pub idle: WorkerIdle,
     /// Scheduling priority applied at spawn; absent keeps the inherited one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<Priority>,

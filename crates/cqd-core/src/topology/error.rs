@@ -145,6 +145,26 @@ pub enum TopologyError {
         /// `poller "tx" at poller[1].placement`.
         shares_with: String,
     },
+    /// A pool of spinning workers (`idle = "spin"`) may share a CPU with
+    /// another thread of the topology or among its own workers, and the
+    /// config asks for that to be an error (`on_shared_cpu = "error"`); the
+    /// same as [`Warning::SpinningWorkersShareCpu`].
+    #[error(
+        "{field}: spinning workers of pool {pool:?} may share {} with {shares_with} \
+         (on_shared_cpu = \"error\")",
+        cpu_list(.cpus)
+    )]
+    SpinningWorkersShareCpu {
+        /// The pool's field, e.g. `pool[0].placement`.
+        field: String,
+        /// The pool's name.
+        pool: String,
+        /// The CPUs shared.
+        cpus: BTreeSet<usize>,
+        /// The other thread(s), as for [`SpinnerSharesCpu`](Self::SpinnerSharesCpu),
+        /// or `each other (4 workers)`.
+        shares_with: String,
+    },
 }
 
 /// A topology that works but is probably not what was meant; each is also
@@ -189,6 +209,25 @@ pub enum Warning {
         cpus: BTreeSet<usize>,
         /// The other thread(s): `pool "io" at pool[0].placement` or
         /// `poller "tx" at poller[1].placement`.
+        shares_with: String,
+    },
+    /// A pool whose workers spin (`idle = "spin"`) may run on a CPU that
+    /// another thread of the topology may run on (a poller, another pool),
+    /// or has more workers than CPUs to run them on. A spinning worker
+    /// never gives its CPU away, so whoever shares it waits for the
+    /// scheduler's time slice. One warning per other poller or pool (a
+    /// spinning poller reports the overlap itself, as
+    /// [`SpinnerSharesCpu`](Self::SpinnerSharesCpu));
+    /// `on_shared_cpu = "error"` makes it
+    /// [`TopologyError::SpinningWorkersShareCpu`].
+    SpinningWorkersShareCpu {
+        /// The pool's field, e.g. `pool[0].placement`.
+        field: String,
+        /// The pool's name.
+        pool: String,
+        /// The CPUs shared.
+        cpus: BTreeSet<usize>,
+        /// The other thread(s), or `each other (4 workers)`.
         shares_with: String,
     },
 }
@@ -240,6 +279,17 @@ impl std::fmt::Display for Warning {
                 f,
                 "{field}: {mode} poller {poller:?} may share {} with {shares_with}; \
                  while it spins, they wait for their turn",
+                cpu_list(cpus)
+            ),
+            Warning::SpinningWorkersShareCpu {
+                field,
+                pool,
+                cpus,
+                shares_with,
+            } => write!(
+                f,
+                "{field}: spinning workers of pool {pool:?} may share {} with {shares_with}; \
+                 they never give their CPU away",
                 cpu_list(cpus)
             ),
         }

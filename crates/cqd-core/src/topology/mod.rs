@@ -46,7 +46,7 @@ pub use validate::{LONG_SPIN, MAX_CAPACITY};
 // Types the config is written in but that belong to the layers below (pools
 // route, threads are placed and prioritised), named here too so that a
 // config reads as one vocabulary.
-pub use crate::pool::Routing;
+pub use crate::pool::{Routing, WorkerIdle};
 pub use crate::thread::{OnPriorityError, Placement, Priority, SpawnError, ThreadHandle};
 
 impl TopologyConfig {
@@ -203,6 +203,7 @@ impl PoolConfig {
             placement: Placement::Unpinned,
             capacity: 1024,
             routing: Routing::AsRouted,
+            idle: WorkerIdle::Park,
             priority: None,
         }
     }
@@ -222,6 +223,12 @@ impl PoolConfig {
     /// Sets `routing`.
     pub fn routing(mut self, routing: Routing) -> Self {
         self.routing = routing;
+        self
+    }
+
+    /// Sets `idle`: [`WorkerIdle::Spin`] for workers that never park.
+    pub fn idle(mut self, idle: WorkerIdle) -> Self {
+        self.idle = idle;
         self
     }
 

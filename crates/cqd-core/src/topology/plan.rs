@@ -2,7 +2,7 @@
 
 use super::config::{ModeConfig, PollerConfig, PoolConfig};
 use super::error::Warning;
-use crate::pool::{Pool, PoolSink, PoolSpec, Routing, Work};
+use crate::pool::{Pool, PoolSink, PoolSpec, Routing, Work, WorkerIdle};
 use crate::thread::{self, OnPriorityError, Placement, SpawnError, ThreadHandle, ThreadSpec};
 
 /// A checked topology, made only by
@@ -216,6 +216,11 @@ impl PoolPlan {
         self.config.routing
     }
 
+    /// What the pool's idle workers do.
+    pub fn idle(&self) -> WorkerIdle {
+        self.config.idle
+    }
+
     /// The thread spec of worker `worker`, named `cqd-worker-<pool>-<worker>`.
     fn worker_spec(&self, worker: usize) -> ThreadSpec {
         ThreadSpec {
@@ -280,6 +285,7 @@ impl PoolPlan {
             name: self.config.name,
             capacity: self.config.capacity,
             routing: self.config.routing,
+            idle: self.config.idle,
         };
         crate::pool::spawn(spec, producers, make)
     }

@@ -8,6 +8,7 @@ use super::config::{ModeConfig, OnSharedCpu, PoolConfig, TopologyConfig};
 use super::error::{TopologyError, Warning};
 use super::plan::{PollerPlan, PoolPlan, Topology};
 use crate::mode::MIN_WAKE_TIMEOUT;
+use crate::pool::WorkerIdle;
 use crate::thread::{Placement, Priority};
 
 /// The largest ring capacity accepted (2^24 slots per ring).
@@ -113,6 +114,7 @@ impl TopologyConfig {
             check_pool(&format!("pool[{i}]"), p, allowed, &mut names, &mut warnings)?;
         }
         self.check_shared_cpus(allowed, &mut warnings)?;
+        self.check_spinning_pools(allowed, &mut warnings)?;
 
         for w in &warnings {
             tracing::warn!(target: "cqd::topology", "{w}");
@@ -185,6 +187,78 @@ impl TopologyConfig {
                     field,
                     poller,
                     mode,
+                    cpus,
+                    shares_with,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl TopologyConfig {
+    /// Each pool of spinning workers (`idle = "spin"`) against its own
+    /// workers (more workers than CPUs to run them on), every poller that
+    /// does not spin itself (a spinning poller reported the overlap in
+    /// [`check_shared_cpus`](Self::check_shared_cpus)) and every other pool
+    /// whose placement may overlap: a warning each, or with
+    /// `on_shared_cpu = "error"` an error for the first. Two spinning pools
+    /// are reported once, at the first.
+    fn check_spinning_pools(
+        &self,
+        allowed: &BTreeSet<usize>,
+        warnings: &mut Vec<Warning>,
+    ) -> Result<(), TopologyError> {
+        let reach = |placement: &Placement| match placement {
+            Placement::Unpinned => allowed.clone(),
+            placement => placement.cpus(),
+        };
+        for (i, p) in self.pools.iter().enumerate() {
+            if p.idle != WorkerIdle::Spin {
+                continue;
+            }
+            let field = format!("pool[{i}].placement");
+            let mine = reach(&p.placement);
+            let mut found: Vec<(BTreeSet<usize>, String)> = Vec::new();
+            if p.threads > mine.len() {
+                found.push((mine.clone(), format!("each other ({} workers)", p.threads)));
+            }
+            for (k, q) in self.pollers.iter().enumerate() {
+                if spins_long(&q.mode) {
+                    continue;
+                }
+                let cpus: BTreeSet<usize> =
+                    mine.intersection(&reach(&q.placement)).copied().collect();
+                if !cpus.is_empty() {
+                    found.push((
+                        cpus,
+                        format!("poller {:?} at poller[{k}].placement", q.name),
+                    ));
+                }
+            }
+            for (j, q) in self.pools.iter().enumerate() {
+                if j == i || (q.idle == WorkerIdle::Spin && j < i) {
+                    continue;
+                }
+                let cpus: BTreeSet<usize> =
+                    mine.intersection(&reach(&q.placement)).copied().collect();
+                if !cpus.is_empty() {
+                    found.push((cpus, format!("pool {:?} at pool[{j}].placement", q.name)));
+                }
+            }
+            for (cpus, shares_with) in found {
+                let (field, pool) = (field.clone(), p.name.clone());
+                if self.on_shared_cpu == OnSharedCpu::Error {
+                    return Err(TopologyError::SpinningWorkersShareCpu {
+                        field,
+                        pool,
+                        cpus,
+                        shares_with,
+                    });
+                }
+                warnings.push(Warning::SpinningWorkersShareCpu {
+                    field,
+                    pool,
                     cpus,
                     shares_with,
                 });
