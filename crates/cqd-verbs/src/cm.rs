@@ -197,7 +197,7 @@ impl Shared {
 
     fn add(&self, id: NonNull<rdma_cm_id>) -> Arc<Slot> {
         let s = Arc::new(Slot::default());
-        self.slots().insert(id.as_ptr() as usize, Arc::clone(&s));
+        self.slots().insert(sys_cm::id::key(id), Arc::clone(&s));
         s
     }
 
@@ -206,19 +206,23 @@ impl Shared {
     /// never names a destroyed id.
     fn forget(&self, id: NonNull<rdma_cm_id>) {
         let mut g = self.slots();
-        g.remove(&(id.as_ptr() as usize));
+        g.remove(&sys_cm::id::key(id));
         sys_cm::id::destroy(id);
     }
 
     /// Sort one event to its slot (the CM thread).
     fn dispatch(&self, e: sys_cm::Event) {
         if e.kind == ev::RDMA_CM_EVENT_CONNECT_REQUEST {
-            let listener = self.slots().get(&e.listen_id).cloned();
-            match listener {
+            // Under the map's lock throughout: a listener found here is not
+            // being dropped until the request is in its queue, and its drop
+            // (after `forget`) finds every request queued.
+            let mut slots = self.slots();
+            match slots.get(&e.listen_key).cloned() {
                 Some(l) => {
                     // The new id's own events go to its slot from now on.
-                    self.slots().insert(e.id, Arc::new(Slot::default()));
+                    slots.insert(e.key, Arc::new(Slot::default()));
                     l.lock().requests.push_back(e);
+                    drop(slots);
                     l.cv.notify_all();
                 }
                 None => {
@@ -231,8 +235,10 @@ impl Shared {
             }
             return;
         }
+        // By key, not by address: an id destroyed after its event was read
+        // is not in the map, and a new id at its address has another key.
         let slots = self.slots();
-        let Some(slot) = slots.get(&e.id).cloned() else {
+        let Some(slot) = slots.get(&e.key).cloned() else {
             return;
         };
         let mut g = slot.lock();
@@ -420,12 +426,15 @@ impl Listener {
         let mut g = self.slot.lock();
         loop {
             if let Some(e) = g.requests.pop_front() {
+                // The slot's lock is released before the map's is taken
+                // (the CM thread takes the map's, then a slot's).
+                drop(g);
                 let id = NonNull::new(e.id as *mut rdma_cm_id).ok_or(CmError::Unexpected {
                     event: e.kind,
                     status: e.status,
                     wanted: "a request with an id",
                 })?;
-                let slot = self.sh.slots().get(&e.id).cloned().unwrap_or_default();
+                let slot = self.sh.slots().get(&e.key).cloned().unwrap_or_default();
                 return Ok(ConnRequest {
                     id: Some(id),
                     slot,
@@ -450,7 +459,16 @@ impl Listener {
 
 impl Drop for Listener {
     fn drop(&mut self) {
+        // Out of the map first: no request is queued after this. Those
+        // queued before are refused, as dropping a request does.
         self.sh.forget(self.id);
+        let queued = std::mem::take(&mut self.slot.lock().requests);
+        for e in queued {
+            if let Some(id) = NonNull::new(e.id as *mut rdma_cm_id) {
+                let _ = sys_cm::id::reject(id, &[]);
+                self.sh.forget(id);
+            }
+        }
     }
 }
 

@@ -131,15 +131,17 @@ impl EventChannel {
         unsafe { (*self.0.as_ptr()).fd }
     }
 
-    /// A new RC id (port space TCP) on this channel.
+    /// A new RC id (port space TCP) on this channel, with a fresh key in
+    /// its context ([`id::key`]).
     pub fn create_id(&self) -> Result<NonNull<rdma_cm_id>, i32> {
         let mut id = std::ptr::null_mut();
-        // SAFETY: live channel; `id` receives the new id.
+        // SAFETY: live channel; `id` receives the new id; the context is a
+        // number, never dereferenced.
         check(unsafe {
             r::rdma_create_id(
                 self.0.as_ptr(),
                 &mut id,
-                std::ptr::null_mut(),
+                fresh_key() as *mut c_void,
                 r::rdma_port_space::RDMA_PS_TCP,
             )
         })?;
@@ -160,7 +162,9 @@ impl EventChannel {
             };
         }
         // SAFETY: `e` is the event librdmacm just returned; everything we
-        // keep is copied before the ack frees it.
+        // keep is copied before the ack frees it. Its ids are live until the
+        // ack (rdma_destroy_id waits for it); a request's new id is known to
+        // nobody else yet, so writing its context races with nothing.
         let out = unsafe {
             let ev = &*e;
             let conn = ev.param.conn;
@@ -173,11 +177,26 @@ impl EventChannel {
                 )
                 .to_vec()
             };
+            // The ids' keys are read before the ack: until then librdmacm
+            // does not let either id be destroyed. A request's new id
+            // inherits its listener's context; it gets a key of its own.
+            if ev.event == r::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST && !ev.id.is_null()
+            {
+                (*ev.id).context = fresh_key() as *mut c_void;
+            }
+            let key_of = |id: *mut rdma_cm_id| {
+                if id.is_null() {
+                    0
+                } else {
+                    (*id).context as usize
+                }
+            };
             Event {
                 kind: ev.event,
                 status: ev.status,
                 id: ev.id as usize,
-                listen_id: ev.listen_id as usize,
+                key: key_of(ev.id),
+                listen_key: key_of(ev.listen_id),
                 private_data: pdata,
                 peer_qpn: conn.qp_num,
             }
@@ -203,8 +222,12 @@ pub struct Event {
     pub status: i32,
     /// The id the event is for (for a request: the new id).
     pub id: usize,
-    /// For a connection request: the listening id.
-    pub listen_id: usize,
+    /// That id's key ([`id::key`]): what the helper looks ids up by. An
+    /// address can be reused by a new id once the old one is destroyed;
+    /// a key never is.
+    pub key: usize,
+    /// For a connection request: the listening id's key.
+    pub listen_key: usize,
     pub private_data: Vec<u8>,
     pub peer_qpn: u32,
 }
@@ -235,10 +258,24 @@ impl Param<'_> {
     }
 }
 
+/// Keys of ids, unique in the process (0 is none).
+fn fresh_key() -> usize {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
 /// The id calls. Each takes a live id (the helper destroys an id only
 /// after its last use).
 pub mod id {
     use super::*;
+
+    /// The id's key, set at creation (`create_id`) or, for a request's
+    /// new id, when its request was read (`get_event`).
+    pub fn key(id: NonNull<rdma_cm_id>) -> usize {
+        // SAFETY: live id; its context is only ever written by us, before
+        // anyone else knows the id.
+        unsafe { (*id.as_ptr()).context as usize }
+    }
 
     pub fn resolve_addr(id: NonNull<rdma_cm_id>, dst: &SocketAddr, ms: i32) -> Result<(), i32> {
         let (mut ss, _) = to_sockaddr(dst);

@@ -246,3 +246,56 @@ fn refused_and_rejected_connections_are_errors_not_hangs() {
     let report = poller.stop().unwrap();
     assert!(report.errors.is_empty(), "{:?}", report.errors);
 }
+
+/// A listener dropped with requests nobody took refuses them, as dropping
+/// a request does: the requester sees REJECTED, never a hang (before, the
+/// queued request was abandoned and the requester waited for its CM to
+/// give up).
+#[test]
+fn a_listener_dropped_with_requests_queued_rejects_them() {
+    if !launcher_or_skip("a_listener_dropped_with_requests_queued_rejects_them") {
+        return;
+    }
+    let ctx = Context::open_first().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let (cq, unbound, _h) = ctx
+        .create_dispatched_cq::<NoWork>("cq", 512, CqSpec::default(), CqOptions::default())
+        .unwrap();
+    let poller = PollerBuilder::new("cm", NoSink)
+        .cq(unbound)
+        .spawn()
+        .unwrap();
+    let cm = ConnectionManager::new().unwrap();
+    let p = port(3);
+    let l = cm
+        .listen(format!("127.0.0.1:{p}").parse().unwrap(), 4)
+        .unwrap();
+    std::thread::scope(|s| {
+        let client = s.spawn(|| {
+            let qp = pd
+                .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
+                .unwrap();
+            let started = Instant::now();
+            let e = cm
+                .connect(
+                    format!("127.0.0.1:{p}").parse().unwrap(),
+                    qp,
+                    &CmParams::default(),
+                )
+                .unwrap_err();
+            (e, started.elapsed())
+        });
+        // Let the request reach the listener's queue (if it comes later,
+        // the listener is gone and the CM thread refuses it: the same
+        // answer).
+        std::thread::sleep(Duration::from_millis(300));
+        drop(l);
+        let (e, took) = client.join().unwrap();
+        assert!(
+            matches!(e, CmError::Rejected { .. }),
+            "{e:?} after {took:?}: the queued request was not refused"
+        );
+    });
+    let report = poller.stop().unwrap();
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+}
