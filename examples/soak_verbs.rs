@@ -56,8 +56,8 @@ use cqd::core::{
     RecvDone, Registration, SendDone,
 };
 use cqd::verbs::{
-    Access, ConnectOptions, Context, Cq, CqSpec, Endpoint, Mr, Mtu, Pd, Qp, QpCap, QpInit,
-    RecvWr, RemoteAddr, SendWr, WrOp,
+    Access, ConnectOptions, Context, Cq, CqSpec, Endpoint, Mr, Mtu, Pd, Qp, QpCap, QpInit, RecvWr,
+    RemoteAddr, SendWr, WrOp,
 };
 
 const LANES: usize = 4;
@@ -146,8 +146,7 @@ fn peer(addr: &str) -> Result<(), String> {
     let mut r = BufReader::new(stream);
     let ctx = Context::open_first().map_err(err)?;
     let pd = ctx.alloc_pd().map_err(err)?;
-    let access =
-        Access(Access::LOCAL_WRITE.0 | Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0);
+    let access = Access(Access::LOCAL_WRITE.0 | Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0);
     let mr = pd.reg_mr(REGION, access).map_err(err)?;
     let (cq, unbound, handle) = ctx
         .create_dispatched_cq::<NoWork>("peer", 8192, CqSpec::default(), CqOptions::default())
@@ -158,8 +157,8 @@ fn peer(addr: &str) -> Result<(), String> {
         .spawn()
         .map_err(err)?;
     writeln!(w, "M {} {}", mr.addr(), mr.rkey()).map_err(err)?;
-    let mut lanes: Vec<Option<Arc<Qp>>> = vec![None; LANES];
-    let mut graveyard = Vec::new();
+    let mut lanes: Vec<Option<(Arc<Qp>, Registration)>> = (0..LANES).map(|_| None).collect();
+    let mut graveyard: Vec<(Arc<Qp>, Registration)> = Vec::new();
     let opts = connect_options();
     let mut psn = 0x10_0000u32;
     loop {
@@ -168,15 +167,27 @@ fn peer(addr: &str) -> Result<(), String> {
             Err(_) => break, // the initiator is done
         };
         let f: Vec<&str> = line.split_whitespace().collect();
-        if f.len() != 7 || f[0] != "Q" {
+        if f.len() != 7 || f[0] != "Q" || f[1].parse::<usize>().map_or(true, |l| l >= LANES) {
             return Err(format!("peer: bad command {line:?}"));
         }
         let lane: usize = f[1].parse().map_err(err)?;
         let theirs = parse_endpoint(&f[2..])?;
-        if let Some(old) = lanes.get_mut(lane).and_then(Option::take) {
+        if let Some((old, reg)) = lanes.get_mut(lane).and_then(Option::take) {
             let _ = old.to_error();
-            graveyard.push(old);
+            graveyard.push((old, reg));
         }
+        // QPs whose receives have all flushed: their handler goes (it
+        // holds the last reference) and the QP with it, giving its CQ
+        // reservation back.
+        let mut kept = Vec::new();
+        for (qp, reg) in graveyard.drain(..) {
+            if reg.ledger().outstanding() == 0 {
+                handle.unregister(reg.key()).map_err(err)?;
+            } else {
+                kept.push((qp, reg));
+            }
+        }
+        graveyard = kept;
         let cap = QpCap {
             max_send_wr: 16,
             max_recv_wr: PEER_RX,
@@ -194,18 +205,20 @@ fn peer(addr: &str) -> Result<(), String> {
             })
             .map_err(err)?;
         let _ = cell.set(reg.clone());
+        psn = psn.wrapping_add(0x1000) & 0xff_ffff;
+        let mine = qp.endpoint(&opts, psn).map_err(err)?;
+        qp.connect(&theirs, psn, &opts).map_err(err)?;
+        // Receives are posted once the QP is out of RESET, before the
+        // initiator learns the endpoint (so before its first SEND).
         for t in 0..PEER_RX {
             let sge = [mr.sge(0, 4096)];
             reg.post_recv(&*qp, &mut [RecvWr::new(u64::from(t), &sge)])
                 .map_err(err)?;
         }
-        psn = psn.wrapping_add(0x1000) & 0xff_ffff;
-        let mine = qp.endpoint(&opts, psn).map_err(err)?;
-        qp.connect(&theirs, psn, &opts).map_err(err)?;
         writeln!(w, "{}", endpoint_line(&mine)).map_err(err)?;
-        lanes[lane] = Some(qp);
+        lanes[lane] = Some((qp, reg));
     }
-    for qp in lanes.iter().flatten().chain(graveyard.iter()) {
+    for (qp, _) in lanes.iter().flatten().chain(graveyard.iter()) {
         let _ = qp.to_error();
     }
     let report = poller.stop().map_err(err)?;
@@ -293,7 +306,8 @@ fn check_tally(t: &Tally) -> Result<u64, String> {
     let posted = t.posted.load(Relaxed);
     let mut seen = t.seen.lock().unwrap_or_else(|p| p.into_inner());
     if seen.len() as u64 != posted || seen.iter().any(|&n| n != 1) {
-        let lost = seen.iter().filter(|&&n| n == 0).count() as u64 + posted.saturating_sub(seen.len() as u64);
+        let lost = seen.iter().filter(|&&n| n == 0).count() as u64
+            + posted.saturating_sub(seen.len() as u64);
         let dup = seen.iter().filter(|&&n| n > 1).count();
         return Err(format!(
             "{posted} posted, {} completions for {} tags: {lost} lost, {dup} duplicated",
@@ -320,7 +334,8 @@ fn spawn_peer(listener: &TcpListener) -> Result<PeerProc, String> {
         .spawn()
         .map_err(|e| format!("spawn the peer: {e}"))?;
     let (s, _) = listener.accept().map_err(err)?;
-    s.set_read_timeout(Some(Duration::from_secs(30))).map_err(err)?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))
+        .map_err(err)?;
     let _ = s.set_nodelay(true);
     let mut r = BufReader::new(s.try_clone().map_err(err)?);
     let line = read_line(&mut r)?;
@@ -428,8 +443,7 @@ fn poller_threads() -> usize {
         .map(|d| {
             d.flatten()
                 .filter(|e| {
-                    std::fs::read(e.path().join("comm"))
-                        .is_ok_and(|c| c.starts_with(b"cqd-poller"))
+                    std::fs::read(e.path().join("comm")).is_ok_and(|c| c.starts_with(b"cqd-poller"))
                 })
                 .count()
         })
@@ -652,7 +666,10 @@ fn initiator(seconds: u64, kill_every: u64) -> Result<(), String> {
             }
         }
         if p.undelivered != 0 || !p.errors.is_empty() {
-            failures.push(format!("{} undelivered, errors {:?}", p.undelivered, p.errors));
+            failures.push(format!(
+                "{} undelivered, errors {:?}",
+                p.undelivered, p.errors
+            ));
         }
         for c in &p.cqs {
             events += c.events;
@@ -661,12 +678,17 @@ fn initiator(seconds: u64, kill_every: u64) -> Result<(), String> {
             anomalies += c.stale_wr_ids + c.foreign_wr_ids + c.handler_panics;
             completions += c.completions;
             if c.acks != c.events {
-                failures.push(format!("CQ {}: {} events, {} acked", c.name, c.events, c.acks));
+                failures.push(format!(
+                    "CQ {}: {} events, {} acked",
+                    c.name, c.events, c.acks
+                ));
             }
         }
     }
     if overflows != 0 || anomalies != 0 {
-        failures.push(format!("{overflows} overflows, {anomalies} stale/foreign/panics"));
+        failures.push(format!(
+            "{overflows} overflows, {anomalies} stale/foreign/panics"
+        ));
     }
     for lane in lanes.iter_mut() {
         let mut all = std::mem::take(&mut lane.retired);
@@ -709,7 +731,9 @@ fn initiator(seconds: u64, kill_every: u64) -> Result<(), String> {
     let warm = rss[rss.len() / 5];
     let max_after = rss[rss.len() / 5..].iter().copied().max().unwrap_or(0);
     if max_after > warm + 8 * 1024 {
-        failures.push(format!("RSS grew from {warm} KiB to {max_after} KiB after warm-up"));
+        failures.push(format!(
+            "RSS grew from {warm} KiB to {max_after} KiB after warm-up"
+        ));
     }
     let t = &totals;
     let mut k: Vec<u128> = kill_to_reconnect.iter().map(Duration::as_millis).collect();
