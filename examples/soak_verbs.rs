@@ -161,11 +161,8 @@ fn peer(addr: &str) -> Result<(), String> {
     let mut graveyard: Vec<(Arc<Qp>, Registration)> = Vec::new();
     let opts = connect_options();
     let mut psn = 0x10_0000u32;
-    loop {
-        let line = match read_line(&mut r) {
-            Ok(l) => l,
-            Err(_) => break, // the initiator is done
-        };
+    // Until the initiator closes the connection (it is done).
+    while let Ok(line) = read_line(&mut r) {
         let f: Vec<&str> = line.split_whitespace().collect();
         if f.len() != 7 || f[0] != "Q" || f[1].parse::<usize>().map_or(true, |l| l >= LANES) {
             return Err(format!("peer: bad command {line:?}"));
