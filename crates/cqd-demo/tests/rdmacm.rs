@@ -7,8 +7,10 @@
 #![allow(missing_docs)]
 
 mod common;
-use common::served::{launcher_or_skip, serve};
-use common::{finish, run_for as run, spawn, text};
+use common::served::{
+    assert_accounts_but_taken_receives, kill_server_mid_run, launcher_or_skip, serve, KilledServer,
+};
+use common::{run_for as run, text};
 use std::time::{Duration, Instant};
 
 #[test]
@@ -111,41 +113,18 @@ fn a_server_killed_mid_run_under_rdma_cm_fails_the_load_fast() {
     if !launcher_or_skip("a_server_killed_mid_run_under_rdma_cm_fails_the_load_fast") {
         return;
     }
-    let mut s = serve(&["--device-size", "4MiB", "--cm", "rdmacm"]);
-    let load = spawn(&[
-        "load",
-        "--device",
-        "softverbs0",
-        "--cm",
-        "rdmacm",
-        "--server",
-        &s.addr,
-        "--duration",
-        "30s",
-    ]);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match s.err.recv_timeout(left) {
-            Ok(l) if l.contains("serving") => break,
-            Ok(_) => {}
-            Err(_) => panic!("the server never served"),
-        }
-    }
-    std::thread::sleep(Duration::from_millis(800));
-    s.child.kill().expect("kill the server");
-    let killed = Instant::now();
-    let _ = s.child.wait();
-    let out = finish(load, "load after its server died", Duration::from_secs(25));
-    let stdout = text(&out.stdout);
-    let stderr = text(&out.stderr);
-    assert!(
-        killed.elapsed() < Duration::from_secs(20),
-        "{:?}",
-        killed.elapsed()
+    let KilledServer {
+        code,
+        stdout,
+        stderr,
+        load_took,
+    } = kill_server_mid_run(
+        &["--device-size", "4MiB", "--cm", "rdmacm"],
+        &["--cm", "rdmacm"],
     );
-    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(load_took < Duration::from_secs(20), "{load_took:?}");
+    assert_eq!(code, Some(1), "{stdout}\n{stderr}");
     assert!(stdout.contains("verdict data:     FAILED"), "{stdout}");
     assert!(stdout.contains("0 mismatched"), "{stdout}");
-    assert!(stdout.contains("verdict accounts: PASSED"), "{stdout}");
+    assert_accounts_but_taken_receives(&stdout);
 }

@@ -89,3 +89,70 @@ impl Served {
         (out.status.code(), stdout.join("\n"), stderr.join("\n"))
     }
 }
+
+/// What a load printed after its server was killed mid-run.
+pub struct KilledServer {
+    /// The load's exit code.
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    /// From the kill to the load's exit.
+    pub load_took: Duration,
+}
+
+/// A server (`serve` with `extra`) and a 30 s load against it (with the
+/// same `extra_load`), the server killed 0.8 s after it starts serving; the
+/// load waited for at most 25 s.
+pub fn kill_server_mid_run(extra: &[&str], extra_load: &[&str]) -> KilledServer {
+    let mut s = serve(extra);
+    let mut args = vec!["load", "--device", "softverbs0"];
+    args.extend_from_slice(extra_load);
+    args.extend_from_slice(&["--server", &s.addr, "--duration", "30s"]);
+    let load = spawn(&args);
+    // Wait until the server serves, let the load run, then kill it.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match s.err.recv_timeout(left) {
+            Ok(l) if l.contains("serving") => break,
+            Ok(_) => {}
+            Err(_) => panic!("the server never served"),
+        }
+    }
+    std::thread::sleep(Duration::from_millis(800));
+    s.child.kill().expect("kill the server");
+    let killed = Instant::now();
+    let _ = s.child.wait();
+    let out = finish(load, "load after its server died", Duration::from_secs(25));
+    KilledServer {
+        code: out.status.code(),
+        stdout: super::text(&out.stdout),
+        stderr: super::text(&out.stderr),
+        load_took: killed.elapsed(),
+    }
+}
+
+/// The accounts verdict of a process whose peer was killed mid-run: every
+/// request accounted for (completed, failed or flushed), with one
+/// exception that is softverbs', not cqd's. Its data path is driven by the
+/// requester, so a peer killed in the middle of a SEND has already taken
+/// this side's receive and dies before completing it (docs/softverbs.md,
+/// Limits); a NIC would flush that receive. Only such receives may be
+/// missing, at most one per connection, and the report must name them.
+pub fn assert_accounts_but_taken_receives(stdout: &str) {
+    if stdout.contains("verdict accounts: PASSED") {
+        return;
+    }
+    let missing: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.contains(", missing "))
+        .collect();
+    assert!(
+        !missing.is_empty()
+            && missing
+                .iter()
+                .all(|l| l.contains(" recv: ") && l.ends_with("missing 1")),
+        "only a receive taken by the killed requester may be missing:\n{stdout}"
+    );
+    assert!(missing.len() <= 4, "at most one per connection:\n{stdout}");
+}
