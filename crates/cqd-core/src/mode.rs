@@ -54,10 +54,45 @@
 //! | `Busy` | spin, never arm or block on a notification; the longer nothing comes, the more of the CPU it gives away (below) |
 //! | `Event` | sleep at once |
 //! | `Hybrid` | spin for a fixed window after the last completion, then sleep |
-//! | `Adaptive` | Hybrid whose window follows the measured gap between bursts against the measured cost of a sleep/wake cycle, within a CPU budget |
+//! | `Adaptive` | Hybrid whose window follows the measured gap between completions against the measured cost of a sleep/wake cycle, within a CPU budget (below) |
 //!
 //! Hybrid and Adaptive spin with pause hints, then `yield_now` after 64
 //! empty rounds, until their window ends.
+//!
+//! # Adaptive: when spinning pays
+//!
+//! Sleeping through a gap costs a sleep/wake cycle: the CPU time of
+//! arming, blocking and collecting the notification (measured on every
+//! sleep), plus the scheduler's wake-up latency — the time from the
+//! notification to the poller running again, which is latency added to the
+//! completion that woke it. Spinning through a gap costs the gap in CPU
+//! time and adds no latency. So Adaptive learns two things:
+//!
+//! - **the gap**: after every round that found work following a round that
+//!   found none, the time since the last work divided by the completions
+//!   found (a poller that slept and found four completions waiting learns a
+//!   quarter of the time asleep, not the whole of it), averaged (EWMA 0.2);
+//! - **the cost of a sleep**: the measured CPU overhead of its sleeps
+//!   (EWMA) plus the wake-up latency: the larger of
+//!   [`Adaptive::wake_cost`] and [`measured_wake_latency`], this machine's,
+//!   measured once per process on the first Adaptive poller's thread
+//!   (about 2 ms: 9 hand-offs to a blocked thread, the median).
+//!
+//! While the gap is shorter than the cost of a sleep, the window is twice
+//! the gap (within `min_spin..=max_spin`): the next completion almost always
+//! comes inside it, and each one caught saves a sleep/wake cycle that would
+//! have cost more than the spinning did, counting its latency at one µs of
+//! CPU per µs. Otherwise the window is `min_spin`: the poller sleeps almost
+//! at once, and CPU follows the arrival rate (at 1k/s, a few % of a
+//! CPU).
+//!
+//! **The budget** bounds what spinning wastes: windows that ended without a
+//! completion, which then slept anyway. Over each 100 ms, if that time
+//! exceeds [`Adaptive::cpu_budget`] of the wall time, the window is
+//! `min_spin` for the next 100 ms. Spinning that caught its completion is
+//! not charged: it replaced a sleep that would have cost more. Under a
+//! steady stream a few µs apart, Adaptive therefore polls like Busy (and
+//! uses a CPU, as Busy does); under bursts far apart, it sleeps like Event.
 //!
 //! # Busy mode when nothing comes
 //!
@@ -85,6 +120,7 @@
 //! each completion, use `Hybrid` with that window: it spins (pause, then
 //! yield) for the whole window before it sleeps on a notification.
 
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -160,7 +196,8 @@ impl PollMode {
     }
 }
 
-/// Parameters of [`PollMode::Adaptive`].
+/// Parameters of [`PollMode::Adaptive`] (the rule: the module
+/// documentation, "Adaptive: when spinning pays").
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Adaptive {
@@ -170,10 +207,11 @@ pub struct Adaptive {
     /// The longest spin window.
     #[serde(with = "duration_us")]
     pub max_spin: Duration,
-    /// The largest fraction of wall time (0..=1) spent spinning idle.
+    /// The largest fraction of wall time (0..=1) wasted spinning: in
+    /// windows that ended without a completion.
     pub cpu_budget: f64,
-    /// A floor for the cost of a sleep/wake cycle (the scheduler's wake-up
-    /// latency, which cannot be measured from inside).
+    /// A floor for the wake-up latency a sleep adds; the poller uses the
+    /// larger of this and [`measured_wake_latency`].
     #[serde(with = "duration_us")]
     pub wake_cost: Duration,
 }
@@ -187,6 +225,86 @@ impl Default for Adaptive {
             wake_cost: Duration::from_micros(5),
         }
     }
+}
+
+/// Hand-offs timed by [`measured_wake_latency`].
+const WAKE_SAMPLES: usize = 9;
+
+/// How long the probe's waiter sleeps before each hand-off: long enough
+/// for its CPU to go properly idle (virtual machines poll for a while
+/// before they halt, and a wake-up within that while costs far less than
+/// one after it).
+const WAKE_PROBE_IDLE: Duration = Duration::from_millis(1);
+
+/// `WAKE_NS` before the probe has a result.
+const WAKE_PENDING: u64 = u64::MAX;
+
+static WAKE_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(WAKE_PENDING);
+
+/// This machine's wake-up latency: from one thread handing a value to a
+/// thread blocked waiting for it, idle for a millisecond (a futex wake-up,
+/// the path a poller's notification takes through the scheduler), to that
+/// thread running. The median of 9 hand-offs, measured once per process by
+/// two short-lived threads that the first call starts (about 10 ms);
+/// `None` until they are done. An Adaptive poller asks as it starts and
+/// uses the floor [`Adaptive::wake_cost`] until then.
+///
+/// ```
+/// use std::time::{Duration, Instant};
+/// let _ = cqd_core::mode::measured_wake_latency(); // starts the probe
+/// let started = Instant::now();
+/// let wake = loop {
+///     if let Some(w) = cqd_core::mode::measured_wake_latency() {
+///         break w;
+///     }
+///     assert!(started.elapsed() < Duration::from_secs(10));
+///     std::thread::sleep(Duration::from_millis(5));
+/// };
+/// assert!(wake > Duration::ZERO && wake < Duration::from_secs(1));
+/// ```
+pub fn measured_wake_latency() -> Option<Duration> {
+    static PROBE: OnceLock<()> = OnceLock::new();
+    PROBE.get_or_init(|| {
+        let started = std::thread::Builder::new()
+            .name("cqd-wake-probe".into())
+            .spawn(|| {
+                let wake = probe_wake_latency();
+                tracing::debug!(?wake, "measured the wake-up latency");
+                WAKE_NS.store(
+                    (wake.as_nanos() as u64).min(WAKE_PENDING - 1),
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+            });
+        if let Err(e) = started {
+            tracing::warn!(error = %e, "cannot measure the wake-up latency: Adaptive uses its wake_cost");
+        }
+    });
+    match WAKE_NS.load(std::sync::atomic::Ordering::Relaxed) {
+        WAKE_PENDING => None,
+        ns => Some(Duration::from_nanos(ns)),
+    }
+}
+
+/// The probe: this thread waits, a second one hands it the time it sent.
+fn probe_wake_latency() -> Duration {
+    let (tx, rx) = std::sync::mpsc::channel::<Instant>();
+    let waker = std::thread::Builder::new()
+        .name("cqd-wake-probe".into())
+        .spawn(move || {
+            for _ in 0..WAKE_SAMPLES {
+                std::thread::sleep(WAKE_PROBE_IDLE);
+                if tx.send(Instant::now()).is_err() {
+                    return;
+                }
+            }
+        });
+    let Ok(waker) = waker else {
+        return Duration::ZERO;
+    };
+    let mut samples: Vec<Duration> = rx.iter().map(|sent| sent.elapsed()).collect();
+    let _ = waker.join();
+    samples.sort_unstable();
+    samples.get(samples.len() / 2).copied().unwrap_or_default()
 }
 
 mod duration_us {
@@ -289,12 +407,24 @@ pub(crate) enum Idle {
 pub(crate) struct IdlePolicy {
     mode: PollMode,
     last_work: Instant,
+    /// A round found nothing since the last work: the next work ends a gap.
+    in_gap: bool,
+    /// When the current spin began (`on_idle`'s first empty round), until
+    /// it ends in work or in a sleep.
     idle_since: Option<Instant>,
     window: Duration,
     gap_ewma_ns: f64,
-    wake_cost_ewma_ns: f64,
+    /// Adaptive: the CPU overhead of a sleep cycle (EWMA).
+    sleep_cpu_ewma_ns: f64,
+    /// Adaptive: the wake-up latency a sleep adds: the configured floor,
+    /// raised to the measured latency once the probe has it.
+    wake_ns: f64,
+    /// Adaptive: the probe's result is in `wake_ns`.
+    wake_measured: bool,
     period_start: Instant,
-    period_spin: Duration,
+    /// Adaptive: spinning wasted this period (windows that ended in a
+    /// sleep).
+    period_waste: Duration,
     over_budget: bool,
     spins: u32,
     /// Busy mode: when the current idle stretch began (its first spin).
@@ -308,25 +438,43 @@ pub(crate) struct IdlePolicy {
 const PERIOD: Duration = Duration::from_millis(100);
 
 impl IdlePolicy {
+    /// The state of `mode` from `now`; Adaptive asks for the machine's
+    /// wake-up latency ([`measured_wake_latency`], measured once per
+    /// process).
     pub(crate) fn new(mode: PollMode, now: Instant) -> Self {
+        let measured = match mode {
+            PollMode::Adaptive(_) => measured_wake_latency(),
+            _ => Some(Duration::ZERO),
+        };
+        Self::with_wake_latency(mode, now, measured)
+    }
+
+    /// As [`new`](Self::new), told the machine's wake-up latency (`None`:
+    /// not yet measured).
+    fn with_wake_latency(mode: PollMode, now: Instant, measured: Option<Duration>) -> Self {
         let window = match mode {
             PollMode::Hybrid { spin } => spin,
             PollMode::Adaptive(a) => a.min_spin,
             _ => Duration::ZERO,
         };
         let wake = match mode {
-            PollMode::Adaptive(a) => a.wake_cost.as_nanos() as f64,
+            PollMode::Adaptive(a) => {
+                a.wake_cost.max(measured.unwrap_or_default()).as_nanos() as f64
+            }
             _ => 0.0,
         };
         IdlePolicy {
             mode,
             last_work: now,
+            in_gap: false,
             idle_since: None,
             window,
             gap_ewma_ns: f64::MAX,
-            wake_cost_ewma_ns: wake,
+            sleep_cpu_ewma_ns: 0.0,
+            wake_ns: wake,
+            wake_measured: measured.is_some(),
             period_start: now,
-            period_spin: Duration::ZERO,
+            period_waste: Duration::ZERO,
             over_budget: false,
             spins: 0,
             spin_since: None,
@@ -352,18 +500,23 @@ impl IdlePolicy {
         self.window
     }
 
-    /// A round found work at `now`.
-    pub(crate) fn on_work(&mut self, now: Instant) {
-        if let Some(since) = self.idle_since.take() {
-            // The end of an idle stretch: account spinning and learn the gap.
-            self.period_spin += now.saturating_duration_since(since);
-            let gap = now.saturating_duration_since(self.last_work).as_nanos() as f64;
+    /// A round (or the poll after a sleep) found `found` completions at
+    /// `now`.
+    pub(crate) fn on_work(&mut self, now: Instant, found: usize) {
+        if std::mem::take(&mut self.in_gap) {
+            // The end of a gap (spun or slept through): learn it, per
+            // completion found, so that a poller which slept and found
+            // several waiting learns their spacing, not its sleep.
+            let gap = now.saturating_duration_since(self.last_work).as_nanos() as f64
+                / found.max(1) as f64;
             self.gap_ewma_ns = if self.gap_ewma_ns == f64::MAX {
                 gap
             } else {
                 0.8 * self.gap_ewma_ns + 0.2 * gap
             };
         }
+        // A spin that ends in work caught its completion: not charged.
+        self.idle_since = None;
         self.last_work = now;
         self.spins = 0;
         self.spin_since = None;
@@ -371,16 +524,22 @@ impl IdlePolicy {
         self.adapt(now);
     }
 
-    /// A sleep cycle cost `overhead` of CPU time outside the blocked wait.
-    pub(crate) fn on_sleep_overhead(&mut self, overhead: Duration) {
-        if let PollMode::Adaptive(a) = self.mode {
-            let cost = (overhead + a.wake_cost).as_nanos() as f64;
-            self.wake_cost_ewma_ns = 0.8 * self.wake_cost_ewma_ns + 0.2 * cost;
+    /// A sleep cycle that ended at `now` cost `overhead` of CPU time.
+    pub(crate) fn on_sleep_overhead(&mut self, now: Instant, overhead: Duration) {
+        if let PollMode::Adaptive(_) = self.mode {
+            let cost = overhead.as_nanos() as f64;
+            self.sleep_cpu_ewma_ns = 0.8 * self.sleep_cpu_ewma_ns + 0.2 * cost;
         }
-        // Whatever was spun before the sleep is accounted now.
+        // The spin before the sleep found nothing: it was wasted.
         if let Some(since) = self.idle_since.take() {
-            self.period_spin += Instant::now().saturating_duration_since(since);
+            self.period_waste += now.saturating_duration_since(since);
         }
+    }
+
+    /// The cost of a sleep/wake cycle, in ns: its CPU overhead and the
+    /// wake-up latency it adds.
+    fn sleep_cost_ns(&self) -> f64 {
+        self.sleep_cpu_ewma_ns + self.wake_ns
     }
 
     fn adapt(&mut self, now: Instant) {
@@ -389,14 +548,20 @@ impl IdlePolicy {
         };
         let elapsed = now.saturating_duration_since(self.period_start);
         if elapsed >= PERIOD {
-            let used = self.period_spin.as_secs_f64() / elapsed.as_secs_f64();
-            self.over_budget = used > a.cpu_budget;
+            if !self.wake_measured {
+                if let Some(measured) = measured_wake_latency() {
+                    self.wake_measured = true;
+                    self.wake_ns = self.wake_ns.max(measured.as_nanos() as f64);
+                }
+            }
+            let wasted = self.period_waste.as_secs_f64() / elapsed.as_secs_f64();
+            self.over_budget = wasted > a.cpu_budget;
             self.period_start = now;
-            self.period_spin = Duration::ZERO;
+            self.period_waste = Duration::ZERO;
         }
         // Keep polling while the next completion is expected sooner than a
         // sleep/wake cycle would cost; otherwise spin only briefly.
-        let window = if self.over_budget || self.gap_ewma_ns >= self.wake_cost_ewma_ns {
+        let window = if self.over_budget || self.gap_ewma_ns >= self.sleep_cost_ns() {
             a.min_spin
         } else {
             Duration::from_nanos((2.0 * self.gap_ewma_ns) as u64)
@@ -406,6 +571,7 @@ impl IdlePolicy {
 
     /// A round found nothing at `now`.
     pub(crate) fn on_idle(&mut self, now: Instant) -> Idle {
+        self.in_gap = true;
         if self.idle_since.is_none() {
             self.idle_since = Some(now);
         }
@@ -549,26 +715,127 @@ mod tests {
         assert!(s.blocked);
     }
 
+    const WAKE: Duration = Duration::from_micros(35);
+
+    fn adaptive(a: Adaptive, t0: Instant) -> IdlePolicy {
+        IdlePolicy::with_wake_latency(PollMode::Adaptive(a), t0, Some(WAKE))
+    }
+
+    /// One gap of `gap` spun through: the poller spins until the work.
+    fn spun(p: &mut IdlePolicy, t: &mut Instant, gap: Duration) -> Idle {
+        let decided = p.on_idle(*t + gap / 2);
+        *t += gap;
+        p.on_work(*t, 1);
+        decided
+    }
+
+    /// One gap of `gap` ended by a sleep (after spinning for the window)
+    /// whose wake-up found `found` completions.
+    fn slept(p: &mut IdlePolicy, t: &mut Instant, gap: Duration, found: usize) {
+        assert!(p.window() < gap);
+        assert_eq!(p.on_idle(*t + p.window()), Idle::Sleep);
+        *t += gap;
+        p.on_sleep_overhead(*t, Duration::from_micros(3));
+        p.on_work(*t, found);
+    }
+
     #[test]
     fn adaptive_window_follows_gaps() {
         let a = Adaptive::default();
         let t0 = Instant::now();
-        let mut p = IdlePolicy::new(PollMode::Adaptive(a), t0);
-        // Bursts 1 µs apart: cheaper to keep polling than to sleep.
+        let mut p = IdlePolicy::with_wake_latency(PollMode::Adaptive(a), t0, Some(Duration::ZERO));
+        // Completions 1 µs apart: cheaper to keep polling than to sleep.
         let mut t = t0;
         for _ in 0..50 {
-            assert_eq!(p.on_idle(t), Idle::Spin);
-            t += Duration::from_micros(1);
-            p.on_work(t);
+            spun(&mut p, &mut t, Duration::from_micros(1));
         }
         assert!(p.window() >= Duration::from_micros(1), "{:?}", p.window());
-        // Bursts 1 ms apart: spin only briefly.
+        // 1 ms apart: spin only briefly.
         for _ in 0..50 {
-            p.on_idle(t);
-            t += Duration::from_millis(1);
-            p.on_work(t);
+            slept(&mut p, &mut t, Duration::from_millis(1), 1);
         }
         assert_eq!(p.window(), a.min_spin);
+    }
+
+    #[test]
+    fn adaptive_spins_through_gaps_shorter_than_a_wake_up() {
+        let a = Adaptive::default();
+        let t0 = Instant::now();
+        let mut p = adaptive(a, t0);
+        let mut t = t0;
+        // Completions 10 µs apart, a wake-up costs 35 µs: spin through them.
+        spun(&mut p, &mut t, Duration::from_micros(10));
+        for _ in 0..100_000 {
+            assert_eq!(spun(&mut p, &mut t, Duration::from_micros(10)), Idle::Spin);
+        }
+        assert_eq!(p.window(), Duration::from_micros(20));
+        // A second of that (all of it spinning) stays within the budget:
+        // every spin caught its completion.
+        assert!(!p.over_budget);
+        // The configured floor counts when it is above the measurement.
+        let told = Adaptive {
+            wake_cost: Duration::from_micros(100),
+            ..a
+        };
+        let mut q = IdlePolicy::with_wake_latency(PollMode::Adaptive(told), t0, Some(WAKE));
+        let mut t = t0;
+        for _ in 0..100 {
+            spun(&mut q, &mut t, Duration::from_micros(50));
+        }
+        assert_eq!(q.window(), Duration::from_micros(100));
+        assert_eq!(p.window(), Duration::from_micros(20));
+    }
+
+    #[test]
+    fn adaptive_learns_the_spacing_not_the_sleep() {
+        let a = Adaptive::default();
+        let t0 = Instant::now();
+        let mut p = adaptive(a, t0);
+        let mut t = t0;
+        // Sleeping, each wake-up 40 µs later finds 4 completions: they are
+        // 10 µs apart, so the poller starts to spin.
+        for _ in 0..30 {
+            slept(&mut p, &mut t, Duration::from_micros(40), 4);
+        }
+        let w = p.window();
+        assert!(
+            w >= Duration::from_micros(18) && w <= Duration::from_micros(24),
+            "{w:?}"
+        );
+        assert_eq!(spun(&mut p, &mut t, Duration::from_micros(10)), Idle::Spin);
+        // The stream slows to 1k/s: the first 1 ms gap ends the spinning.
+        slept(&mut p, &mut t, Duration::from_millis(1), 1);
+        assert_eq!(p.window(), a.min_spin);
+    }
+
+    #[test]
+    fn adaptive_budget_charges_only_wasted_spinning() {
+        let a = Adaptive {
+            cpu_budget: 0.05,
+            ..Adaptive::default()
+        };
+        let t0 = Instant::now();
+        let mut p = adaptive(a, t0);
+        let mut t = t0;
+        // 200 ms of spinning that always catches the completion: free.
+        for _ in 0..20_000 {
+            spun(&mut p, &mut t, Duration::from_micros(10));
+        }
+        assert!(!p.over_budget);
+        assert_eq!(p.window(), Duration::from_micros(20));
+        // Windows that run out: each one spun, then slept as long again,
+        // and the wake-up found 4 completions (so the gap still looks
+        // short). Half the time wasted, over a 5% budget: the window drops
+        // to min_spin.
+        let mut wasted = 0;
+        while !p.over_budget {
+            let gap = 2 * p.window();
+            slept(&mut p, &mut t, gap, 4);
+            wasted += 1;
+            assert!(wasted < 10_000, "the budget never applied");
+        }
+        assert_eq!(p.window(), a.min_spin);
+        assert!(t - t0 < Duration::from_millis(400), "within two periods");
     }
 
     #[test]
@@ -588,7 +855,7 @@ mod tests {
         assert_eq!(BUSY_NAP_MIN.as_micros(), 10);
         assert_eq!(BUSY_NAP_MAX.as_micros(), 1000);
         // Work starts the stretch over: spinning again, the next nap short.
-        p.on_work(Instant::now());
+        p.on_work(Instant::now(), 1);
         assert_eq!(p.idle_spin(), Duration::ZERO);
         assert_eq!(p.next_nap(), BUSY_NAP_MIN);
     }

@@ -248,7 +248,6 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
             watchdog: self.watchdog,
             stop: group_stop,
             ready: readiness,
-            last_block: Duration::ZERO,
             failing: false,
             sleep_failures: 0,
             last_scan: Instant::now(),
@@ -473,7 +472,6 @@ struct Group<W, S> {
     watchdog: Option<Duration>,
     stop: Arc<AtomicBool>,
     ready: Readiness,
-    last_block: Duration,
     failing: bool,
     sleep_failures: u64,
     last_scan: Instant,
@@ -509,7 +507,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                 self.scan_ledgers(now);
             }
             if found > 0 {
-                self.idle.on_work(now);
+                self.idle.on_work(now, found);
                 continue;
             }
             if self.spill.above_mark() {
@@ -570,7 +568,9 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
     }
 
     fn sleep(&mut self) {
-        let start = Instant::now();
+        // The sleep cycle's cost in CPU time (syscalls, the block and the
+        // wake-up in the kernel, the poll after it), for Adaptive.
+        let cpu_before = thread_cpu_time();
         let timeout = self.wake_timeout;
         self.spill.skipped_block = false;
         let slept = match sleep_once(self, timeout) {
@@ -598,12 +598,12 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                 bump(&m.timeouts, 1);
             }
         }
-        self.record_cpu();
-        let overhead = start.elapsed().saturating_sub(self.last_block);
-        self.last_block = Duration::ZERO;
-        self.idle.on_sleep_overhead(overhead);
-        if slept.found > 0 || slept.repoll_found > 0 {
-            self.idle.on_work(Instant::now());
+        let cpu_after = self.record_cpu();
+        self.idle
+            .on_sleep_overhead(Instant::now(), cpu_after.saturating_sub(cpu_before));
+        let found = slept.found + slept.repoll_found;
+        if found > 0 {
+            self.idle.on_work(Instant::now(), found);
         }
     }
 
@@ -619,9 +619,14 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         }
     }
 
-    fn record_cpu(&self) {
-        let cpu = thread_cpu_time().as_nanos() as u64;
-        self.metrics.0.cpu_ns.store(cpu, Ordering::Relaxed);
+    /// Publishes the thread's CPU time, and returns it.
+    fn record_cpu(&self) -> Duration {
+        let cpu = thread_cpu_time();
+        self.metrics
+            .0
+            .cpu_ns
+            .store(cpu.as_nanos() as u64, Ordering::Relaxed);
+        cpu
     }
 
     fn shutdown(mut self) -> PollerReport {

@@ -591,7 +591,6 @@ impl<W: Send + 'static, S: WorkSink<W>> SleepGroup for Group<W, S> {
                     false
                 }
             };
-        let start = Instant::now();
         let n = self
             .ready
             .epoll
@@ -600,7 +599,6 @@ impl<W: Send + 'static, S: WorkSink<W>> SleepGroup for Group<W, S> {
                 op: "epoll_wait",
                 source,
             })?;
-        self.last_block = start.elapsed();
         self.ready.last_check = Instant::now();
         let space = self.on_control();
         if armed || retry {

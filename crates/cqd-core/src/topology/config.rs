@@ -153,7 +153,8 @@ pub enum ModeConfig {
         min_window_us: u64,
         /// Largest spin window, in µs.
         max_window_us: u64,
-        /// Most of one CPU the spinning may use, in percent (1 to 100).
+        /// Most of one CPU the spinning may waste (in windows that ended
+        /// without a completion), in percent (1 to 100).
         cpu_budget_percent: u8,
         /// Safety-net wake-up when sleeping, in milliseconds.
         #[serde(default = "default_timeout_ms")]
