@@ -81,9 +81,9 @@ pub const ADAPTIVE_TOLD: &str = "adaptive, wake_cost = floor";
 
 /// The modes compared: Busy without naps (a poller pinned alone on its
 /// core, as the docs advise for Busy), Event, Hybrid and Adaptive with
-/// their defaults, and Adaptive whose `wake_cost` (its estimate of a
-/// sleep/wake cycle, 5 µs by default) is the eventfd wake-up floor this
-/// run measured.
+/// their defaults, and Adaptive whose `wake_cost` (the floor under its
+/// estimate of the wake-up latency, 20 µs by default, raised to what its
+/// own probe measures) is the eventfd wake-up floor this run measured.
 pub fn modes(wake_floor: Duration) -> Vec<(&'static str, PollMode)> {
     let mut m: Vec<(&'static str, PollMode)> =
         PollMode::all().into_iter().map(|m| (m.name(), m)).collect();

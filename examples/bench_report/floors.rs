@@ -156,3 +156,18 @@ pub fn floors(quick: bool, reps: usize) -> Result<Vec<Floor>, String> {
         },
     ])
 }
+
+/// Adaptive's estimate of the wake-up latency, as it measured it in this
+/// process (waits up to 5 s for the probe).
+pub fn adaptive_estimate() -> String {
+    let started = std::time::Instant::now();
+    loop {
+        if let Some(w) = cqd::core::mode::measured_wake_latency() {
+            return format!("{:.2} µs", w.as_secs_f64() * 1e6);
+        }
+        if started.elapsed() > std::time::Duration::from_secs(5) {
+            return "not measured within 5 s".into();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}

@@ -216,6 +216,12 @@ fn run(args: &Args) -> Result<(), String> {
     for f in &floors {
         let _ = writeln!(md, "| {} | {} | {} |", f.name, f.p50.show(2), f.p99.show(2));
     }
+    let _ = writeln!(
+        md,
+        "\nAdaptive's own estimate of the wake-up latency (`cqd_core::mode::measured_wake_latency`, \
+         once per process): {}.",
+        floors::adaptive_estimate()
+    );
 
     eprintln!("== mode curves on {backend_name} ({} reps)", args.reps);
     let floor = floors.first().map_or(Duration::from_micros(5), |f| {
