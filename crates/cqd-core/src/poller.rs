@@ -250,6 +250,7 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
             ready: readiness,
             failing: false,
             sleep_failures: 0,
+            sleep_cpu_end: None,
             last_scan: Instant::now(),
         };
         let setup = self.setup;
@@ -474,6 +475,9 @@ struct Group<W, S> {
     ready: Readiness,
     failing: bool,
     sleep_failures: u64,
+    /// The thread's CPU time when a sleep's wake-up started its poll round
+    /// (step 5 of the sleep protocol).
+    sleep_cpu_end: Option<Duration>,
     last_scan: Instant,
 }
 
@@ -568,9 +572,11 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
     }
 
     fn sleep(&mut self) {
-        // The sleep cycle's cost in CPU time (syscalls, the block and the
-        // wake-up in the kernel, the poll after it), for Adaptive.
+        // The sleep cycle's cost in CPU time (arming, the block and the
+        // wake-up in the kernel, collecting the notifications), for
+        // Adaptive; it ends where the poll after the wake-up starts.
         let cpu_before = thread_cpu_time();
+        self.sleep_cpu_end = None;
         let timeout = self.wake_timeout;
         self.spill.skipped_block = false;
         let slept = match sleep_once(self, timeout) {
@@ -599,8 +605,9 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             }
         }
         let cpu_after = self.record_cpu();
+        let cpu_end = self.sleep_cpu_end.take().unwrap_or(cpu_after);
         self.idle
-            .on_sleep_overhead(Instant::now(), cpu_after.saturating_sub(cpu_before));
+            .on_sleep_overhead(Instant::now(), cpu_end.saturating_sub(cpu_before));
         let found = slept.found + slept.repoll_found;
         if found > 0 {
             self.idle.on_work(Instant::now(), found);

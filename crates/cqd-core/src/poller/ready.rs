@@ -37,6 +37,7 @@ use crate::mode::{PollMode, SleepGroup};
 use crate::sink::{SpaceWait, WorkSink};
 use crate::source::{CompletionSource, SharedNotifier, SourceError};
 use crate::sync::Ordering;
+use crate::sys::thread_cpu_time;
 use crate::sys::{Doorbell, Epoll};
 
 /// Main-set token of the control set.
@@ -658,6 +659,9 @@ impl<W: Send + 'static, S: WorkSink<W>> SleepGroup for Group<W, S> {
     }
 
     fn poll_round(&mut self) -> Result<usize, SourceError> {
+        // The sleep cycle's own cost ends here; what the handlers do next
+        // is not the price of sleeping (Adaptive compares the two).
+        self.sleep_cpu_end = Some(thread_cpu_time());
         Ok(self.round())
     }
 }
