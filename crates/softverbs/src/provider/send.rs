@@ -454,7 +454,7 @@ fn deliver_ud(q: &SvQp, w: &Wr, d: &UdDest, local: &[Span], len: u64, r: &Remote
     {
         return;
     }
-    let Some(wqe) = r.pop_recv() else {
+    let Some(wqe) = r.take_recv() else {
         return;
     };
     let imm = w.opcode == wr::SEND_WITH_IMM;
@@ -589,7 +589,7 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
     let pid = r.pid();
     match w.opcode {
         wr::SEND | wr::SEND_WITH_IMM | wr::SEND_WITH_INV => {
-            let Some(wqe) = r.pop_recv() else {
+            let Some(wqe) = r.take_recv() else {
                 return no_receive(r);
             };
             let mut dst = [Span::default(); MAX_SGE];
@@ -694,7 +694,7 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
                 return responder_failed(r, WcStatus::RemAccessErr);
             };
             let wqe = if w.opcode == wr::RDMA_WRITE_WITH_IMM {
-                match r.pop_recv() {
+                match r.take_recv() {
                     Some(x) => Some(x),
                     None => return no_receive(r),
                 }

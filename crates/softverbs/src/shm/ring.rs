@@ -28,6 +28,30 @@ pub struct RingHeader {
     _p2: [u64; 7],
 }
 
+impl RingHeader {
+    /// Initialise (creator only, before anybody else sees it).
+    pub(crate) fn init(&mut self, cap: u64) {
+        self.cap = cap;
+        self.head.store(0, Ordering::Relaxed);
+        self.tail.store(0, Ordering::Relaxed);
+    }
+
+    /// Capacity as written at creation.
+    pub(crate) fn cap(&self) -> u64 {
+        self.cap
+    }
+
+    /// The consumers' index.
+    pub(crate) fn head(&self) -> &AtomicU64 {
+        &self.head
+    }
+
+    /// The producers' index.
+    pub(crate) fn tail(&self) -> &AtomicU64 {
+        &self.tail
+    }
+}
+
 #[repr(C)]
 struct Slot<T> {
     seq: AtomicU64,

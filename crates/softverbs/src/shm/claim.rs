@@ -1,0 +1,620 @@
+//! The receive queue of a QP or SRQ: a bounded ring in shared memory
+//! whose entries are *claimed* by the requester that consumes them and
+//! freed only when that requester completed them, so that a receive taken
+//! by a requester that dies before completing it is never lost.
+//!
+//! The ring is D. Vyukov's sequence-numbered queue ([`super::ring`]) with
+//! one more word per slot, the *claim word*:
+//!
+//! 1. A producer (the owner's `post_recv`) at position `pos` waits for the
+//!    slot's sequence to be `pos`, takes `pos` by CAS on `tail`, writes the
+//!    WQE, stores the claim word `pos + 1` ("free at this lap"), then the
+//!    sequence `pos + 1` (Release).
+//! 2. A consumer (a requester taking a receive, or the owner flushing it)
+//!    finds a slot whose sequence is `pos + 1` and claims it by **CAS of the
+//!    claim word from `pos + 1` to its claim token** ([`Token`]: bit 63
+//!    set, the claimer's pid, the start time of its process and the QPN the
+//!    receive is taken for). The CAS is the claim: exactly one consumer
+//!    wins it, and the winner's identity is in shared memory from that
+//!    instant on. `head` is then advanced past `pos` — by the claimer or by
+//!    any consumer that finds `pos` claimed (so a claimer dying between
+//!    the two steps stops nobody).
+//! 3. The slot keeps its WQE and its sequence `pos + 1` while claimed: the
+//!    producer one lap later finds it busy (the queue is full), as a NIC's
+//!    receive queue counts a WQE until its completion is written.
+//! 4. The claimer completes the receive (writes its CQE), then
+//!    **releases** the slot: sequence `pos + cap`, handing it to the
+//!    producer one lap later.
+//! 5. Whoever flushes the queue (its QP went to the error state) walks the
+//!    positions that may be in use, oldest first, and claims, completes
+//!    and releases (a) every free slot and (b) every slot claimed by a
+//!    process that is **proven dead** ([`Token::claimer_dead`]), taking
+//!    the claim over by CAS of the claim word from the dead token to its
+//!    own. A claim by a live process is left to it: its completion is
+//!    the only one. Two flushers (the owner and a requester that moved
+//!    the QP to error) race on the same CAS, so each receive completes
+//!    exactly once, in posting order.
+//!
+//! The claim word values are unique per lap (`pos + 1` is written for one
+//! lap only, and a token only replaces it by CAS), so a consumer that read
+//! a slot a lap ago can never claim it by mistake (no ABA).
+
+use std::marker::PhantomData;
+use std::mem::size_of;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::ring::RingHeader;
+
+/// Bit 63 of a claim word: claimed (the rest is a [`Token`]).
+const CLAIMED: u64 = 1 << 63;
+const PID_BITS: u32 = 22;
+const QPN_BITS: u32 = 24;
+const START_BITS: u32 = 63 - PID_BITS - QPN_BITS;
+
+/// A claimer's identity as it stands in a claim word: bit 63 set, then
+/// the start time of the claimer's process (the low 17 bits of its clock
+/// ticks since boot, `/proc/<pid>/stat` field 22, so that a later process
+/// reusing the pid is not taken for it), the QPN the receive is taken
+/// for (on an SRQ: the QP whose CQ its completion goes to), and the pid
+/// (Linux pids are below 2^22).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Token(u64);
+
+impl Token {
+    /// The token of this process claiming for QP `qpn`.
+    pub fn mine(qpn: u32) -> Self {
+        let me = crate::provider::xfer::my_pid();
+        Self::of(me, my_start(), qpn)
+    }
+
+    fn of(pid: u32, start: u64, qpn: u32) -> Self {
+        let pid = u64::from(pid) & ((1 << PID_BITS) - 1);
+        let qpn = u64::from(qpn) & ((1 << QPN_BITS) - 1);
+        let start = start & ((1 << START_BITS) - 1);
+        Self(CLAIMED | start << (PID_BITS + QPN_BITS) | qpn << PID_BITS | pid)
+    }
+
+    /// The claimer's pid.
+    pub fn pid(self) -> u32 {
+        (self.0 & ((1 << PID_BITS) - 1)) as u32
+    }
+
+    /// The QP the receive was taken for.
+    pub fn qpn(self) -> u32 {
+        ((self.0 >> PID_BITS) & ((1 << QPN_BITS) - 1)) as u32
+    }
+
+    fn start(self) -> u64 {
+        (self.0 >> (PID_BITS + QPN_BITS)) & ((1 << START_BITS) - 1)
+    }
+
+    fn word(self) -> u64 {
+        self.0
+    }
+
+    fn from_word(w: u64) -> Option<Self> {
+        (w & CLAIMED != 0).then_some(Self(w))
+    }
+
+    /// Whether the claimer is proven dead: its process exited or was
+    /// killed (a zombie counts: it runs no more), or its pid now names a
+    /// process started at another time. This process is never dead.
+    pub fn claimer_dead(self) -> bool {
+        let pid = self.pid();
+        if pid == crate::provider::xfer::my_pid() {
+            return false;
+        }
+        match proc_stat(pid) {
+            Ok(Some((state, start))) => {
+                matches!(state, b'Z' | b'X' | b'x')
+                    || (self.start() != 0 && start & ((1 << START_BITS) - 1) != self.start())
+            }
+            Ok(None) => true,
+            Err(()) => {
+                // No readable /proc: only a pid that names nobody is dead.
+                // SAFETY: signal 0 only checks for existence.
+                let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
+                r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+            }
+        }
+    }
+}
+
+/// `(state, start time)` of process `pid` from `/proc/<pid>/stat`;
+/// `Ok(None)` when there is no such process, `Err` when /proc cannot tell.
+fn proc_stat(pid: u32) -> Result<Option<(u8, u64)>, ()> {
+    let s = match std::fs::read(format!("/proc/{pid}/stat")) {
+        Ok(s) => s,
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) || e.raw_os_error() == Some(libc::ESRCH) => {
+            return Ok(None)
+        }
+        Err(_) => return Err(()),
+    };
+    parse_stat(&s).map(Some).ok_or(())
+}
+
+/// Field 3 (state) and field 22 (start time) of a `stat` line; the
+/// command name (field 2) is in parentheses and may contain anything.
+fn parse_stat(s: &[u8]) -> Option<(u8, u64)> {
+    let close = s.iter().rposition(|&b| b == b')')?;
+    let rest = std::str::from_utf8(s.get(close + 1..)?).ok()?;
+    let mut f = rest.split_ascii_whitespace();
+    let state = *f.next()?.as_bytes().first()?;
+    // Fields 4..=21 come before the start time.
+    let start = f.nth(18)?.parse().ok()?;
+    Some((state, start))
+}
+
+static MY_START: AtomicU64 = AtomicU64::new(u64::MAX);
+
+extern "C" fn forget_start_after_fork() {
+    MY_START.store(u64::MAX, Ordering::Relaxed);
+}
+
+/// This process's start time (0 when /proc cannot tell: its claims are
+/// then judged by pid alone), cached and forgotten in a forked child.
+fn my_start() -> u64 {
+    let s = MY_START.load(Ordering::Relaxed);
+    if s != u64::MAX {
+        return s;
+    }
+    static ATFORK: std::sync::Once = std::sync::Once::new();
+    ATFORK.call_once(|| {
+        // SAFETY: registering a child handler that only stores to an atomic.
+        unsafe { libc::pthread_atfork(None, None, Some(forget_start_after_fork)) };
+    });
+    let s = std::fs::read("/proc/self/stat")
+        .ok()
+        .and_then(|s| parse_stat(&s))
+        .map_or(0, |(_, t)| t & ((1 << START_BITS) - 1));
+    MY_START.store(s, Ordering::Relaxed);
+    s
+}
+
+#[repr(C)]
+struct Slot<T> {
+    seq: AtomicU64,
+    claim: AtomicU64,
+    val: T,
+}
+
+/// A receive taken from a [`ClaimRing`]: the WQE and the position to
+/// release once its completion is written.
+#[derive(Debug, Clone, Copy)]
+pub struct Claimed<T> {
+    /// Position in the ring.
+    pub pos: u64,
+    /// The WQE.
+    pub val: T,
+}
+
+/// A view of a claim ring living at a fixed address.
+#[derive(Debug)]
+pub struct ClaimRing<T: Copy> {
+    hdr: *const RingHeader,
+    slots: *mut u8,
+    mask: u64,
+    _t: PhantomData<T>,
+}
+
+// SAFETY: the ring is only accessed through the atomic protocol above; the
+// payload type is `Copy` plain data. The memory outlives the view (callers
+// keep the owning Segment alive alongside).
+unsafe impl<T: Copy + Send> Send for ClaimRing<T> {}
+// SAFETY: as above; all shared mutation goes through atomics.
+unsafe impl<T: Copy + Send> Sync for ClaimRing<T> {}
+
+impl<T: Copy> ClaimRing<T> {
+    /// Bytes a ring of `cap` slots needs.
+    pub fn bytes(cap: usize) -> usize {
+        size_of::<RingHeader>() + cap * size_of::<Slot<T>>()
+    }
+
+    /// Round a requested depth up to a usable capacity (a power of two of
+    /// at least 2, as [`super::ring::Ring::capacity_for`]).
+    pub fn capacity_for(depth: usize) -> usize {
+        depth.max(2).next_power_of_two()
+    }
+
+    /// Initialise a ring of `cap` (power of two, at least 2) slots at `at`.
+    ///
+    /// # Safety
+    /// 1. `at` is 64-byte aligned, writable, and [`ClaimRing::bytes`]`(cap)` long.
+    /// 2. No other view of this memory is in use during initialisation.
+    /// 3. The memory outlives every view made from it.
+    pub unsafe fn init(at: *mut u8, cap: usize) -> Self {
+        assert!(
+            cap >= 2 && cap.is_power_of_two(),
+            "ring capacity {cap}: a power of two of at least 2"
+        );
+        let hdr = at.cast::<RingHeader>();
+        // SAFETY: (1) the header fits at `at`; (2) nobody else reads it yet.
+        unsafe { (*hdr).init(cap as u64) };
+        // SAFETY: (1) the slots follow the header within the region.
+        let slots = unsafe { at.add(size_of::<RingHeader>()) };
+        for i in 0..cap {
+            // SAFETY: slot `i` is within the region (1), exclusively ours (2).
+            unsafe {
+                let s = &*slots.cast::<Slot<T>>().add(i);
+                s.claim.store(0, Ordering::Relaxed);
+                s.seq.store(i as u64, Ordering::Release);
+            }
+        }
+        Self {
+            hdr,
+            slots,
+            mask: cap as u64 - 1,
+            _t: PhantomData,
+        }
+    }
+
+    /// View an initialised ring at `at`, checking it fits in `avail` bytes.
+    ///
+    /// # Safety
+    /// 1. `at` points to a ring made by [`ClaimRing::init`] for the same `T`,
+    ///    or to memory another process initialised that way.
+    /// 2. The memory outlives the view.
+    pub unsafe fn attach(at: *mut u8, avail: usize) -> Option<Self> {
+        if avail < size_of::<RingHeader>() {
+            return None;
+        }
+        let hdr = at.cast::<RingHeader>();
+        // SAFETY: (1) the header is initialised and within `avail`.
+        let cap = unsafe { (*hdr).cap() };
+        if cap < 2 || !cap.is_power_of_two() || Self::bytes(cap as usize) > avail {
+            return None;
+        }
+        // SAFETY: the slots follow the header within `avail` (checked above).
+        let slots = unsafe { at.add(size_of::<RingHeader>()) };
+        Some(Self {
+            hdr,
+            slots,
+            mask: cap - 1,
+            _t: PhantomData,
+        })
+    }
+
+    /// Capacity in entries.
+    pub fn capacity(&self) -> usize {
+        self.mask as usize + 1
+    }
+
+    fn hdr(&self) -> &RingHeader {
+        // SAFETY: the header stays mapped for the life of the view (init/attach contract).
+        unsafe { &*self.hdr }
+    }
+
+    fn slot(&self, pos: u64) -> &Slot<T> {
+        // SAFETY: `pos & mask` < capacity, so the slot lies in the region;
+        // its words are only accessed atomically, its value as plain data
+        // under the protocol.
+        unsafe { &*self.slots.cast::<Slot<T>>().add((pos & self.mask) as usize) }
+    }
+
+    fn val(&self, pos: u64) -> T {
+        let s: *const Slot<T> = self.slot(pos);
+        // SAFETY: called by the holder of the claim of `pos` (or a
+        // consumer that saw the sequence `pos + 1` with Acquire): the
+        // producer finished writing before publishing, and nobody writes
+        // the value again before the slot is released.
+        unsafe { std::ptr::addr_of!((*s).val).read() }
+    }
+
+    /// Append `v` (step 1); `Err(v)` when the ring is full (claimed
+    /// entries not yet released count).
+    ///
+    /// # Errors
+    /// Returns the value back when full.
+    pub fn push(&self, v: T) -> Result<(), T> {
+        let h = self.hdr();
+        let mut pos = h.tail().load(Ordering::Relaxed);
+        loop {
+            let s = self.slot(pos);
+            let seq = s.seq.load(Ordering::Acquire);
+            let dif = seq.wrapping_sub(pos) as i64;
+            if dif == 0 {
+                match h.tail().compare_exchange_weak(
+                    pos,
+                    pos + 1,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                ) {
+                    Ok(_) => {
+                        let p: *const Slot<T> = s;
+                        // SAFETY: step 1: the CAS gave us exclusive use of
+                        // the slot until we publish `pos + 1`.
+                        unsafe { std::ptr::addr_of!((*p).val).cast_mut().write(v) };
+                        s.claim.store(pos + 1, Ordering::Relaxed);
+                        s.seq.store(pos + 1, Ordering::Release);
+                        return Ok(());
+                    }
+                    Err(p) => pos = p,
+                }
+            } else if dif < 0 {
+                return Err(v);
+            } else {
+                pos = h.tail().load(Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Move `head` past `pos` if it is still there (any consumer may: `pos`
+    /// is claimed).
+    fn help_head(&self, pos: u64) {
+        let _ = self.hdr().head().compare_exchange(
+            pos,
+            pos + 1,
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Claim the oldest free entry for `token` (step 2), if any.
+    pub fn claim(&self, token: Token) -> Option<Claimed<T>> {
+        let h = self.hdr();
+        let mut pos = h.head().load(Ordering::Acquire);
+        loop {
+            let s = self.slot(pos);
+            let seq = s.seq.load(Ordering::Acquire);
+            let dif = seq.wrapping_sub(pos + 1) as i64;
+            if dif == 0 {
+                match s.claim.compare_exchange(
+                    pos + 1,
+                    token.word(),
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                ) {
+                    Ok(_) => {
+                        let val = self.val(pos);
+                        self.help_head(pos);
+                        return Some(Claimed { pos, val });
+                    }
+                    // Claimed by someone else at this lap, or already
+                    // released and refilled: `pos` is taken either way.
+                    Err(_) => {
+                        self.help_head(pos);
+                        pos += 1;
+                    }
+                }
+            } else if dif < 0 {
+                // Empty at `pos`, or still claimed from the lap before
+                // (not released: nothing was produced at `pos`).
+                return None;
+            } else {
+                // Released (and maybe reused) since: `pos` was consumed.
+                self.help_head(pos);
+                let now = h.head().load(Ordering::Acquire);
+                pos = if now > pos { now } else { pos + 1 };
+            }
+        }
+    }
+
+    /// Release the claimed position `pos` (step 4): only its claimer, or
+    /// the flusher that took the claim over, calls this, once.
+    pub fn release(&self, pos: u64) {
+        self.slot(pos)
+            .seq
+            .store(pos + self.mask + 1, Ordering::Release);
+    }
+
+    /// Flush (step 5): oldest first, claim for `token` every entry for
+    /// which `take` says so — given `None` for a free entry, or the token
+    /// of the process holding it when that process is proven dead — call
+    /// `f` with its WQE and release it. Returns how many were flushed.
+    /// Claims of live processes are left to them.
+    pub fn flush(&self, token: Token, take: impl Fn(Option<Token>) -> bool, mut f: impl FnMut(T)) -> usize {
+        let tail = self.hdr().tail().load(Ordering::Acquire);
+        let mut n = 0;
+        // A claimed slot is at most one lap behind `tail`: the producer
+        // cannot pass it before it is released.
+        for pos in tail.saturating_sub(self.mask + 1)..tail {
+            let s = self.slot(pos);
+            if s.seq.load(Ordering::Acquire) != pos + 1 {
+                continue;
+            }
+            let cur = s.claim.load(Ordering::Acquire);
+            let holder = Token::from_word(cur);
+            let ours = match holder {
+                None if cur == pos + 1 => take(None),
+                None => false,
+                Some(t) if t == token => false,
+                Some(t) => take(Some(t)) && t.claimer_dead(),
+            };
+            if !ours
+                || s
+                    .claim
+                    .compare_exchange(cur, token.word(), Ordering::AcqRel, Ordering::Acquire)
+                    .is_err()
+            {
+                continue;
+            }
+            f(self.val(pos));
+            self.help_head(pos);
+            self.release(pos);
+            n += 1;
+        }
+        n
+    }
+
+    /// Entries waiting to be claimed (a racy snapshot).
+    pub fn len(&self) -> usize {
+        let h = self.hdr();
+        let head = h.head().load(Ordering::Acquire);
+        h.tail().load(Ordering::Acquire).saturating_sub(head) as usize
+    }
+
+    /// Whether nothing waits to be claimed (a racy hint).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A test-only fault hook: with `SOFTVERBS_TEST_STALL_AFTER_CLAIM=1` in
+/// its environment (read once), a requester that has just claimed a
+/// receive stops for ever instead of completing it, so that a test can
+/// kill it at exactly that point (tests/cross_process.rs). Nothing else
+/// reads it.
+pub fn stall_after_claim_hook() {
+    static STALL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *STALL.get_or_init(|| {
+        std::env::var_os("SOFTVERBS_TEST_STALL_AFTER_CLAIM").is_some_and(|v| v == "1")
+    }) {
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[repr(C, align(64))]
+    struct Buf([u8; 8192]);
+
+    fn ring(b: &mut Buf, cap: usize) -> ClaimRing<u64> {
+        assert!(ClaimRing::<u64>::bytes(cap) <= b.0.len());
+        // SAFETY: aligned, large enough (checked), ours alone.
+        unsafe { ClaimRing::<u64>::init(b.0.as_mut_ptr(), cap) }
+    }
+
+    #[test]
+    fn tokens_round_trip() {
+        let t = Token::of(4_194_303, 0x1_2345, 0xFF_FFFF);
+        assert_eq!((t.pid(), t.qpn(), t.start()), (4_194_303, 0xFF_FFFF, 0x1_2345));
+        assert!(Token::from_word(t.word()).is_some());
+        assert!(Token::from_word(12).is_none());
+        assert!(!Token::mine(7).claimer_dead(), "this process is alive");
+    }
+
+    #[test]
+    fn stat_lines_parse() {
+        let line = b"123 (a (weird) name) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 99887 20";
+        assert_eq!(parse_stat(line), Some((b'S', 99887)));
+        assert_eq!(parse_stat(b"garbage"), None);
+    }
+
+    #[test]
+    fn claims_hold_slots_until_released() {
+        let mut b = Box::new(Buf([0; 8192]));
+        let r = ring(&mut b, 2);
+        let me = Token::mine(1);
+        assert!(r.claim(me).is_none());
+        r.push(10).unwrap();
+        r.push(11).unwrap();
+        assert_eq!(r.push(12), Err(12));
+        let a = r.claim(me).unwrap();
+        assert_eq!((a.pos, a.val), (0, 10));
+        assert_eq!(r.len(), 1);
+        assert_eq!(r.push(12), Err(12), "a claimed slot is still in use");
+        r.release(a.pos);
+        r.push(12).unwrap();
+        let c = r.claim(me).unwrap();
+        assert_eq!(c.val, 11);
+        r.release(c.pos);
+        assert_eq!(r.claim(me).map(|c| c.val), Some(12));
+        assert!(r.claim(me).is_none());
+    }
+
+    #[test]
+    fn flush_takes_free_and_dead_claims_in_order_and_leaves_live_ones() {
+        let mut b = Box::new(Buf([0; 8192]));
+        let r = ring(&mut b, 8);
+        for v in 1..=5 {
+            r.push(v).unwrap();
+        }
+        // Slot 0: claimed by a process that cannot exist (pid 0 is never a
+        // user process: /proc/0 does not exist).
+        let dead = Token::of(0, 1, 9);
+        let d = r.claim(dead).unwrap();
+        assert_eq!(d.val, 1);
+        // Slot 1: claimed by a live process (a thread of ours under
+        // another QPN, so not the flusher's own token).
+        let live = Token::mine(3);
+        let l = r.claim(live).unwrap();
+        assert_eq!(l.val, 2);
+        let flusher = Token::mine(9);
+        let mut got = Vec::new();
+        let n = r.flush(flusher, |_| true, |v| got.push(v));
+        assert_eq!(n, 4);
+        assert_eq!(got, vec![1, 3, 4, 5], "dead claim first, then posted, in order");
+        assert!(r.claim(live).is_none());
+        // A second flush finds nothing more; the live claim completes once.
+        assert_eq!(r.flush(flusher, |_| true, |_| panic!("flushed twice")), 0);
+        r.release(l.pos);
+        assert_eq!(r.flush(flusher, |_| true, |_| panic!("released")), 0);
+        // Every slot is reusable.
+        for v in 0..8 {
+            r.push(v).unwrap();
+        }
+    }
+
+    #[test]
+    fn flush_filter_selects_dead_claims_by_qpn() {
+        let mut b = Box::new(Buf([0; 8192]));
+        let r = ring(&mut b, 4);
+        for v in 1..=3 {
+            r.push(v).unwrap();
+        }
+        let _a = r.claim(Token::of(0, 1, 5)).unwrap();
+        let _b = r.claim(Token::of(0, 1, 6)).unwrap();
+        let mut got = Vec::new();
+        let n = r.flush(
+            Token::mine(6),
+            |t| t.is_some_and(|t| t.qpn() == 6),
+            |v| got.push(v),
+        );
+        assert_eq!((n, got), (1, vec![2]), "only QP 6's dead claim; the free one stays");
+        assert_eq!(r.claim(Token::mine(7)).map(|c| c.val), Some(3));
+    }
+
+    /// The race the claim word exists for: requesters claiming and
+    /// completing while a flusher flushes; every entry is completed by
+    /// exactly one of them.
+    #[test]
+    fn claimers_and_a_flusher_complete_each_entry_once() {
+        const ITEMS: u64 = if cfg!(miri) { 100 } else { 20_000 };
+        let mut b = Box::new(Buf([0; 8192]));
+        let r = ring(&mut b, 16);
+        let done: Vec<std::sync::atomic::AtomicU32> =
+            (0..ITEMS).map(|_| std::sync::atomic::AtomicU32::new(0)).collect();
+        let produced = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let (r, done, produced) = (&r, &done, &produced);
+            s.spawn(move || {
+                for v in 0..ITEMS {
+                    while r.push(v).is_err() {
+                        std::thread::yield_now();
+                    }
+                }
+                produced.store(true, Ordering::Release);
+            });
+            for q in 0..2u32 {
+                s.spawn(move || loop {
+                    if let Some(c) = r.claim(Token::mine(q)) {
+                        done[c.val as usize].fetch_add(1, Ordering::Relaxed);
+                        r.release(c.pos);
+                    } else if produced.load(Ordering::Acquire) && r.is_empty() {
+                        break;
+                    } else {
+                        std::thread::yield_now();
+                    }
+                });
+            }
+            s.spawn(move || loop {
+                let fin = produced.load(Ordering::Acquire);
+                r.flush(Token::mine(99), |_| true, |v| {
+                    done[v as usize].fetch_add(1, Ordering::Relaxed);
+                });
+                if fin && r.is_empty() {
+                    break;
+                }
+                std::thread::yield_now();
+            });
+        });
+        for (i, d) in done.iter().enumerate() {
+            assert_eq!(d.load(Ordering::Relaxed), 1, "entry {i}");
+        }
+        drop(b);
+    }
+}
