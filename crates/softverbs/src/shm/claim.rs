@@ -450,15 +450,18 @@ impl<T: Copy> ClaimRing<T> {
 }
 
 /// A test-only fault hook: with `SOFTVERBS_TEST_STALL_AFTER_CLAIM=1` in
-/// its environment (read once), a requester that has just claimed a
-/// receive stops for ever instead of completing it, so that a test can
-/// kill it at exactly that point (tests/cross_process.rs). Nothing else
-/// reads it.
+/// its environment (read once per process), a requester that has just
+/// claimed a receive stops itself (`SIGSTOP`, which its parent sees with
+/// `waitpid(WUNTRACED)`) and, if continued, sleeps for ever instead of
+/// completing it, so that a test can kill it at exactly that point
+/// (tests/taken_receives.rs). Nothing else reads the variable.
 pub fn stall_after_claim_hook() {
     static STALL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     if *STALL.get_or_init(|| {
         std::env::var_os("SOFTVERBS_TEST_STALL_AFTER_CLAIM").is_some_and(|v| v == "1")
     }) {
+        // SAFETY: raising a signal at ourselves has no memory effects.
+        unsafe { libc::raise(libc::SIGSTOP) };
         loop {
             std::thread::sleep(std::time::Duration::from_secs(3600));
         }
