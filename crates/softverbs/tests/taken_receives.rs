@@ -287,10 +287,26 @@ fn live_requester_and_flush_complete_each_receive_once() {
             .filter(|w| w.status == FLUSH)
             .map(|w| w.wr_id - round * 1000)
             .collect();
-        assert_eq!(ok.len() + flushed.len(), RACE_RECVS as usize, "round {round}: {:?}", ids(&wcs));
-        assert_eq!(ok, (0..ok.len() as u64).collect::<Vec<_>>(), "round {round}: taken in order");
-        assert!(flushed.windows(2).all(|w| w[0] < w[1]), "round {round}: flushed in order");
-        assert_eq!(ok.len() as u64, sent_ok, "round {round}: receives vs the requester's sends");
+        assert_eq!(
+            ok.len() + flushed.len(),
+            RACE_RECVS as usize,
+            "round {round}: {:?}",
+            ids(&wcs)
+        );
+        assert_eq!(
+            ok,
+            (0..ok.len() as u64).collect::<Vec<_>>(),
+            "round {round}: taken in order"
+        );
+        assert!(
+            flushed.windows(2).all(|w| w[0] < w[1]),
+            "round {round}: flushed in order"
+        );
+        assert_eq!(
+            ok.len() as u64,
+            sent_ok,
+            "round {round}: receives vs the requester's sends"
+        );
         flushed_some += u32::from(!flushed.is_empty() && !ok.is_empty());
         succeeded_some += u32::from(!ok.is_empty());
         assert_eq!(unsafe { ibv_destroy_qp(qp) }, 0);
@@ -302,7 +318,10 @@ fn live_requester_and_flush_complete_each_receive_once() {
     assert!(child.wait().expect("wait").success(), "requester failed");
     // The flush must really have met the requester mid-queue.
     println!("rounds with both completions and flushes: {flushed_some} of {RACE_ROUNDS}; with completions: {succeeded_some}");
-    assert!(flushed_some > 0, "the error never came while the requester sent");
+    assert!(
+        flushed_some > 0,
+        "the error never came while the requester sent"
+    );
 }
 
 fn racing_requester(mut ch: Chan) {

@@ -15,7 +15,9 @@ use crate::model::device::DEAD_ERRNO;
 use crate::model::qp::{self as m, QpState, QpType};
 use crate::model::wc::{opcode, WcStatus};
 use crate::shm::claim::{ClaimRing, Token};
-use crate::shm::layout::{ring_offset, recv_seg_bytes, Cqe, QpHeader, RecvWqe, Sge, MAGIC, MAX_SGE};
+use crate::shm::layout::{
+    recv_seg_bytes, ring_offset, Cqe, QpHeader, RecvWqe, Sge, MAGIC, MAX_SGE,
+};
 use crate::shm::{Ids, Segment};
 use crate::sys::abi::VerbsQp;
 use crate::sys::ibv;
@@ -182,8 +184,11 @@ impl SvQp {
     fn recheck_error(&self) {
         std::sync::atomic::fence(Ordering::SeqCst);
         if self.state() == QpState::Err {
-            self.rq
-                .flush(Token::mine(self.qpn), |_| true, |r| self.flush_recv(r.wr_id));
+            self.rq.flush(
+                Token::mine(self.qpn),
+                |_| true,
+                |r| self.flush_recv(r.wr_id),
+            );
         }
     }
 
@@ -296,7 +301,8 @@ pub unsafe fn make_qp(
     };
     // SAFETY: fresh zeroed segment sized for the ring at ring_offset; nobody
     // knows the QPN yet.
-    let rq = unsafe { ClaimRing::<RecvWqe>::init(seg.base().add(ring_offset::<QpHeader>()), rq_cap) };
+    let rq =
+        unsafe { ClaimRing::<RecvWqe>::init(seg.base().add(ring_offset::<QpHeader>()), rq_cap) };
     let recv_cq_id = if recv_cq.is_null() {
         0
     } else {

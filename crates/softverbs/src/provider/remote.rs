@@ -12,11 +12,11 @@ use super::notify::CqPort;
 use crate::model::event::{srq_limit_fires, SRQ_LIMIT_REACHED};
 use crate::model::qp::QpState;
 use crate::model::wc::{opcode, WcStatus};
+use crate::shm::claim::{stall_after_claim_hook, ClaimRing, Token};
 use crate::shm::doorbell::{Doorbell, Watch};
 use crate::shm::layout::{
     mr_table, ring_offset, Cqe, CtxHeader, MrSlot, QpHeader, RecvWqe, SrqHeader, CTX_BYTES, MAGIC,
 };
-use crate::shm::claim::{stall_after_claim_hook, ClaimRing, Token};
 use crate::shm::Segment;
 
 /// The responder of a connected QP, as mapped by the requester.
@@ -116,7 +116,8 @@ impl Remote {
         let off = ring_offset::<QpHeader>();
         // SAFETY: the ring was initialised at `off` by the creator; `qp` is
         // kept alive with the view.
-        let rq = unsafe { ClaimRing::attach(qp.base().add(off), qp.len() - off) }.ok_or_else(seg_err)?;
+        let rq =
+            unsafe { ClaimRing::attach(qp.base().add(off), qp.len() - off) }.ok_or_else(seg_err)?;
         let ctx = Segment::open(&format!("ctx-{ctx_id}"))?;
         // SAFETY: a context segment starts with its header.
         if ctx.len() < CTX_BYTES || unsafe { (*ctx.base().cast::<CtxHeader>()).magic } != MAGIC {
@@ -133,8 +134,8 @@ impl Remote {
                 return Err(seg_err());
             }
             // SAFETY: as for the QP ring.
-            let r =
-                unsafe { ClaimRing::attach(s.base().add(off), s.len() - off) }.ok_or_else(seg_err)?;
+            let r = unsafe { ClaimRing::attach(s.base().add(off), s.len() - off) }
+                .ok_or_else(seg_err)?;
             Some((s, r))
         };
         // SAFETY: checked above.
@@ -175,7 +176,8 @@ impl Remote {
         }
         let off = ring_offset::<QpHeader>();
         // SAFETY: as in open.
-        let rq = unsafe { ClaimRing::attach(qp.base().add(off), qp.len() - off) }.ok_or_else(seg_err)?;
+        let rq =
+            unsafe { ClaimRing::attach(qp.base().add(off), qp.len() - off) }.ok_or_else(seg_err)?;
         let s = Segment::open(&format!("srq-{srqn}")).map_err(|_| invalid())?;
         let soff = ring_offset::<SrqHeader>();
         // SAFETY: the length is checked before the header is read.

@@ -11,7 +11,7 @@ use super::set_bad;
 use crate::model::device::DEAD_ERRNO;
 use crate::model::event::srq_limit_ok;
 use crate::shm::claim::{ClaimRing, Token};
-use crate::shm::layout::{ring_offset, recv_seg_bytes, RecvWqe, SrqHeader, MAGIC, MAX_SGE};
+use crate::shm::layout::{recv_seg_bytes, ring_offset, RecvWqe, SrqHeader, MAGIC, MAX_SGE};
 use crate::shm::segment::IdKind;
 use crate::shm::{Ids, Segment};
 use crate::sys::abi::VerbsSrq;
@@ -105,7 +105,8 @@ pub unsafe fn make_srq(
         Err(e) => return fail(e.raw_os_error().unwrap_or(libc::EIO)),
     };
     // SAFETY: fresh zeroed segment sized for the ring; unknown to others.
-    let ring = unsafe { ClaimRing::<RecvWqe>::init(seg.base().add(ring_offset::<SrqHeader>()), cap) };
+    let ring =
+        unsafe { ClaimRing::<RecvWqe>::init(seg.base().add(ring_offset::<SrqHeader>()), cap) };
     let h = seg.base().cast::<SrqHeader>();
     // SAFETY: as above.
     unsafe {

@@ -19,11 +19,14 @@
 //!    instant on. `head` is then advanced past `pos` — by the claimer or by
 //!    any consumer that finds `pos` claimed (so a claimer dying between
 //!    the two steps stops nobody).
-//! 3. The slot keeps its WQE and its sequence `pos + 1` while claimed: the
-//!    producer one lap later finds it busy (the queue is full), as a NIC's
-//!    receive queue counts a WQE until its completion is written.
+//! 3. The slot keeps its WQE and its sequence `pos + 1` while claimed.
+//!    The ring has twice the queue's depth in slots, so that the owner,
+//!    which may post again as soon as it polled a completion (before the
+//!    claimer's release below), finds a free slot: a push is refused when
+//!    `depth` receives wait unclaimed (`tail - head`), as before, and only
+//!    waits for a slot when a live claimer is a whole extra depth behind.
 //! 4. The claimer completes the receive (writes its CQE), then
-//!    **releases** the slot: sequence `pos + cap`, handing it to the
+//!    **releases** the slot: sequence `pos + slots`, handing it to the
 //!    producer one lap later.
 //! 5. Whoever flushes the queue (its QP went to the error state) walks the
 //!    positions that may be in use, oldest first, and claims, completes
@@ -125,7 +128,9 @@ impl Token {
 fn proc_stat(pid: u32) -> Result<Option<(u8, u64)>, ()> {
     let s = match std::fs::read(format!("/proc/{pid}/stat")) {
         Ok(s) => s,
-        Err(e) if e.raw_os_error() == Some(libc::ENOENT) || e.raw_os_error() == Some(libc::ESRCH) => {
+        Err(e)
+            if e.raw_os_error() == Some(libc::ENOENT) || e.raw_os_error() == Some(libc::ESRCH) =>
+        {
             return Ok(None)
         }
         Err(_) => return Err(()),
@@ -205,9 +210,9 @@ unsafe impl<T: Copy + Send> Send for ClaimRing<T> {}
 unsafe impl<T: Copy + Send> Sync for ClaimRing<T> {}
 
 impl<T: Copy> ClaimRing<T> {
-    /// Bytes a ring of `cap` slots needs.
+    /// Bytes a ring of depth `cap` needs (`2 × cap` slots, step 3).
     pub fn bytes(cap: usize) -> usize {
-        size_of::<RingHeader>() + cap * size_of::<Slot<T>>()
+        size_of::<RingHeader>() + 2 * cap * size_of::<Slot<T>>()
     }
 
     /// Round a requested depth up to a usable capacity (a power of two of
@@ -216,7 +221,7 @@ impl<T: Copy> ClaimRing<T> {
         depth.max(2).next_power_of_two()
     }
 
-    /// Initialise a ring of `cap` (power of two, at least 2) slots at `at`.
+    /// Initialise a ring of depth `cap` (power of two, at least 2) at `at`.
     ///
     /// # Safety
     /// 1. `at` is 64-byte aligned, writable, and [`ClaimRing::bytes`]`(cap)` long.
@@ -228,11 +233,12 @@ impl<T: Copy> ClaimRing<T> {
             "ring capacity {cap}: a power of two of at least 2"
         );
         let hdr = at.cast::<RingHeader>();
+        let phys = 2 * cap;
         // SAFETY: (1) the header fits at `at`; (2) nobody else reads it yet.
-        unsafe { (*hdr).init(cap as u64) };
+        unsafe { (*hdr).init(phys as u64) };
         // SAFETY: (1) the slots follow the header within the region.
         let slots = unsafe { at.add(size_of::<RingHeader>()) };
-        for i in 0..cap {
+        for i in 0..phys {
             // SAFETY: slot `i` is within the region (1), exclusively ours (2).
             unsafe {
                 let s = &*slots.cast::<Slot<T>>().add(i);
@@ -243,7 +249,7 @@ impl<T: Copy> ClaimRing<T> {
         Self {
             hdr,
             slots,
-            mask: cap as u64 - 1,
+            mask: phys as u64 - 1,
             _t: PhantomData,
         }
     }
@@ -260,8 +266,8 @@ impl<T: Copy> ClaimRing<T> {
         }
         let hdr = at.cast::<RingHeader>();
         // SAFETY: (1) the header is initialised and within `avail`.
-        let cap = unsafe { (*hdr).cap() };
-        if cap < 2 || !cap.is_power_of_two() || Self::bytes(cap as usize) > avail {
+        let phys = unsafe { (*hdr).cap() };
+        if phys < 4 || !phys.is_power_of_two() || Self::bytes(phys as usize / 2) > avail {
             return None;
         }
         // SAFETY: the slots follow the header within `avail` (checked above).
@@ -269,14 +275,18 @@ impl<T: Copy> ClaimRing<T> {
         Some(Self {
             hdr,
             slots,
-            mask: cap - 1,
+            mask: phys - 1,
             _t: PhantomData,
         })
     }
 
-    /// Capacity in entries.
+    /// The queue's depth: receives that may wait unclaimed.
     pub fn capacity(&self) -> usize {
-        self.mask as usize + 1
+        (self.mask as usize + 1) / 2
+    }
+
+    fn slots(&self) -> u64 {
+        self.mask + 1
     }
 
     fn hdr(&self) -> &RingHeader {
@@ -300,15 +310,21 @@ impl<T: Copy> ClaimRing<T> {
         unsafe { std::ptr::addr_of!((*s).val).read() }
     }
 
-    /// Append `v` (step 1); `Err(v)` when the ring is full (claimed
-    /// entries not yet released count).
+    /// Append `v` (step 1); `Err(v)` when [`ClaimRing::capacity`]
+    /// entries wait unclaimed, or when the slot is still held a whole
+    /// extra depth behind by a claimer that is dead or does not release it
+    /// within a second (step 3).
     ///
     /// # Errors
     /// Returns the value back when full.
     pub fn push(&self, v: T) -> Result<(), T> {
         let h = self.hdr();
         let mut pos = h.tail().load(Ordering::Relaxed);
+        let mut deadline = None;
         loop {
+            if pos.saturating_sub(h.head().load(Ordering::Acquire)) >= self.capacity() as u64 {
+                return Err(v);
+            }
             let s = self.slot(pos);
             let seq = s.seq.load(Ordering::Acquire);
             let dif = seq.wrapping_sub(pos) as i64;
@@ -331,7 +347,19 @@ impl<T: Copy> ClaimRing<T> {
                     Err(p) => pos = p,
                 }
             } else if dif < 0 {
-                return Err(v);
+                // The slot's previous lap is still claimed: wait for a live
+                // claimer's release (it is past its completion by now).
+                let holder = Token::from_word(s.claim.load(Ordering::Acquire));
+                if holder.is_none_or(Token::claimer_dead) {
+                    return Err(v);
+                }
+                let end = *deadline
+                    .get_or_insert_with(|| std::time::Instant::now() + std::time::Duration::from_secs(1));
+                if std::time::Instant::now() >= end {
+                    return Err(v);
+                }
+                std::thread::yield_now();
+                pos = h.tail().load(Ordering::Relaxed);
             } else {
                 pos = h.tail().load(Ordering::Relaxed);
             }
@@ -341,12 +369,10 @@ impl<T: Copy> ClaimRing<T> {
     /// Move `head` past `pos` if it is still there (any consumer may: `pos`
     /// is claimed).
     fn help_head(&self, pos: u64) {
-        let _ = self.hdr().head().compare_exchange(
-            pos,
-            pos + 1,
-            Ordering::AcqRel,
-            Ordering::Relaxed,
-        );
+        let _ =
+            self.hdr()
+                .head()
+                .compare_exchange(pos, pos + 1, Ordering::AcqRel, Ordering::Relaxed);
     }
 
     /// Claim the oldest free entry for `token` (step 2), if any.
@@ -392,9 +418,7 @@ impl<T: Copy> ClaimRing<T> {
     /// Release the claimed position `pos` (step 4): only its claimer, or
     /// the flusher that took the claim over, calls this, once.
     pub fn release(&self, pos: u64) {
-        self.slot(pos)
-            .seq
-            .store(pos + self.mask + 1, Ordering::Release);
+        self.slot(pos).seq.store(pos + self.slots(), Ordering::Release);
     }
 
     /// Flush (step 5): oldest first, claim for `token` every entry for
@@ -402,12 +426,17 @@ impl<T: Copy> ClaimRing<T> {
     /// of the process holding it when that process is proven dead — call
     /// `f` with its WQE and release it. Returns how many were flushed.
     /// Claims of live processes are left to them.
-    pub fn flush(&self, token: Token, take: impl Fn(Option<Token>) -> bool, mut f: impl FnMut(T)) -> usize {
+    pub fn flush(
+        &self,
+        token: Token,
+        take: impl Fn(Option<Token>) -> bool,
+        mut f: impl FnMut(T),
+    ) -> usize {
         let tail = self.hdr().tail().load(Ordering::Acquire);
         let mut n = 0;
         // A claimed slot is at most one lap behind `tail`: the producer
         // cannot pass it before it is released.
-        for pos in tail.saturating_sub(self.mask + 1)..tail {
+        for pos in tail.saturating_sub(self.slots())..tail {
             let s = self.slot(pos);
             if s.seq.load(Ordering::Acquire) != pos + 1 {
                 continue;
@@ -421,8 +450,7 @@ impl<T: Copy> ClaimRing<T> {
                 Some(t) => take(Some(t)) && t.claimer_dead(),
             };
             if !ours
-                || s
-                    .claim
+                || s.claim
                     .compare_exchange(cur, token.word(), Ordering::AcqRel, Ordering::Acquire)
                     .is_err()
             {
@@ -484,7 +512,10 @@ mod tests {
     #[test]
     fn tokens_round_trip() {
         let t = Token::of(4_194_303, 0x1_2345, 0xFF_FFFF);
-        assert_eq!((t.pid(), t.qpn(), t.start()), (4_194_303, 0xFF_FFFF, 0x1_2345));
+        assert_eq!(
+            (t.pid(), t.qpn(), t.start()),
+            (4_194_303, 0xFF_FFFF, 0x1_2345)
+        );
         assert!(Token::from_word(t.word()).is_some());
         assert!(Token::from_word(12).is_none());
         assert!(!Token::mine(7).claimer_dead(), "this process is alive");
@@ -501,21 +532,33 @@ mod tests {
     fn claims_hold_slots_until_released() {
         let mut b = Box::new(Buf([0; 8192]));
         let r = ring(&mut b, 2);
+        assert_eq!(r.capacity(), 2);
         let me = Token::mine(1);
+        // pid 0 names no process: a dead claimer.
+        let dead = Token::of(0, 1, 1);
         assert!(r.claim(me).is_none());
         r.push(10).unwrap();
         r.push(11).unwrap();
-        assert_eq!(r.push(12), Err(12));
-        let a = r.claim(me).unwrap();
+        assert_eq!(r.push(12), Err(12), "two wait unclaimed: the depth");
+        let a = r.claim(dead).unwrap();
         assert_eq!((a.pos, a.val), (0, 10));
         assert_eq!(r.len(), 1);
-        assert_eq!(r.push(12), Err(12), "a claimed slot is still in use");
-        r.release(a.pos);
+        // The owner may post again before the claimer's release.
         r.push(12).unwrap();
         let c = r.claim(me).unwrap();
         assert_eq!(c.val, 11);
+        r.push(13).unwrap();
+        // Slot 0 comes round again while still claimed by the dead
+        // claimer: refused at once, not overwritten.
+        let d = r.claim(me).unwrap();
+        assert_eq!(d.val, 12);
+        assert_eq!(r.push(14), Err(14), "slot 0 still held");
+        r.release(a.pos);
+        r.push(14).unwrap();
         r.release(c.pos);
-        assert_eq!(r.claim(me).map(|c| c.val), Some(12));
+        r.release(d.pos);
+        assert_eq!(r.claim(me).map(|c| c.val), Some(13));
+        assert_eq!(r.claim(me).map(|c| c.val), Some(14));
         assert!(r.claim(me).is_none());
     }
 
@@ -540,7 +583,11 @@ mod tests {
         let mut got = Vec::new();
         let n = r.flush(flusher, |_| true, |v| got.push(v));
         assert_eq!(n, 4);
-        assert_eq!(got, vec![1, 3, 4, 5], "dead claim first, then posted, in order");
+        assert_eq!(
+            got,
+            vec![1, 3, 4, 5],
+            "dead claim first, then posted, in order"
+        );
         assert!(r.claim(live).is_none());
         // A second flush finds nothing more; the live claim completes once.
         assert_eq!(r.flush(flusher, |_| true, |_| panic!("flushed twice")), 0);
@@ -567,7 +614,11 @@ mod tests {
             |t| t.is_some_and(|t| t.qpn() == 6),
             |v| got.push(v),
         );
-        assert_eq!((n, got), (1, vec![2]), "only QP 6's dead claim; the free one stays");
+        assert_eq!(
+            (n, got),
+            (1, vec![2]),
+            "only QP 6's dead claim; the free one stays"
+        );
         assert_eq!(r.claim(Token::mine(7)).map(|c| c.val), Some(3));
     }
 
@@ -579,8 +630,9 @@ mod tests {
         const ITEMS: u64 = if cfg!(miri) { 100 } else { 20_000 };
         let mut b = Box::new(Buf([0; 8192]));
         let r = ring(&mut b, 16);
-        let done: Vec<std::sync::atomic::AtomicU32> =
-            (0..ITEMS).map(|_| std::sync::atomic::AtomicU32::new(0)).collect();
+        let done: Vec<std::sync::atomic::AtomicU32> = (0..ITEMS)
+            .map(|_| std::sync::atomic::AtomicU32::new(0))
+            .collect();
         let produced = std::sync::atomic::AtomicBool::new(false);
         std::thread::scope(|s| {
             let (r, done, produced) = (&r, &done, &produced);
@@ -606,9 +658,13 @@ mod tests {
             }
             s.spawn(move || loop {
                 let fin = produced.load(Ordering::Acquire);
-                r.flush(Token::mine(99), |_| true, |v| {
-                    done[v as usize].fetch_add(1, Ordering::Relaxed);
-                });
+                r.flush(
+                    Token::mine(99),
+                    |_| true,
+                    |v| {
+                        done[v as usize].fetch_add(1, Ordering::Relaxed);
+                    },
+                );
                 if fin && r.is_empty() {
                     break;
                 }
