@@ -107,6 +107,12 @@ impl Token {
         if pid == crate::provider::xfer::my_pid() {
             return false;
         }
+        if cfg!(miri) {
+            // Miri cannot read /proc or signal: there only pid 0, which
+            // never names a user process, is dead (the unit tests' dead
+            // claimer). The real check runs in the integration tests.
+            return pid == 0;
+        }
         match proc_stat(pid) {
             Ok(Some((state, start))) => {
                 matches!(state, b'Z' | b'X' | b'x')
@@ -168,8 +174,9 @@ fn my_start() -> u64 {
         // SAFETY: registering a child handler that only stores to an atomic.
         unsafe { libc::pthread_atfork(None, None, Some(forget_start_after_fork)) };
     });
-    let s = std::fs::read("/proc/self/stat")
-        .ok()
+    let s = (!cfg!(miri))
+        .then(|| std::fs::read("/proc/self/stat").ok())
+        .flatten()
         .and_then(|s| parse_stat(&s))
         .map_or(0, |(_, t)| t & ((1 << START_BITS) - 1));
     MY_START.store(s, Ordering::Relaxed);
@@ -181,6 +188,12 @@ struct Slot<T> {
     seq: AtomicU64,
     claim: AtomicU64,
     val: T,
+}
+
+/// The two atomic words of a slot.
+struct SlotWords<'a> {
+    seq: &'a AtomicU64,
+    claim: &'a AtomicU64,
 }
 
 /// A receive taken from a [`ClaimRing`]: the WQE and the position to
@@ -282,7 +295,7 @@ impl<T: Copy> ClaimRing<T> {
 
     /// The queue's depth: receives that may wait unclaimed.
     pub fn capacity(&self) -> usize {
-        (self.mask as usize + 1) / 2
+        (self.slots() / 2) as usize
     }
 
     fn slots(&self) -> u64 {
@@ -294,20 +307,33 @@ impl<T: Copy> ClaimRing<T> {
         unsafe { &*self.hdr }
     }
 
-    fn slot(&self, pos: u64) -> &Slot<T> {
-        // SAFETY: `pos & mask` < capacity, so the slot lies in the region;
-        // its words are only accessed atomically, its value as plain data
-        // under the protocol.
-        unsafe { &*self.slots.cast::<Slot<T>>().add((pos & self.mask) as usize) }
+    fn slot_ptr(&self, pos: u64) -> *mut Slot<T> {
+        // SAFETY: `pos & mask` < the number of slots, so the slot lies in
+        // the region.
+        unsafe { self.slots.cast::<Slot<T>>().add((pos & self.mask) as usize) }
+    }
+
+    /// The atomic words of the slot of `pos` (never a reference to the
+    /// whole slot: its value is written through a raw pointer).
+    fn words(&self, pos: u64) -> SlotWords<'_> {
+        let p = self.slot_ptr(pos);
+        // SAFETY: the slot is in the mapped region for the life of the
+        // view; its two words are only ever accessed atomically.
+        unsafe {
+            SlotWords {
+                seq: &*std::ptr::addr_of!((*p).seq),
+                claim: &*std::ptr::addr_of!((*p).claim),
+            }
+        }
     }
 
     fn val(&self, pos: u64) -> T {
-        let s: *const Slot<T> = self.slot(pos);
+        let p = self.slot_ptr(pos);
         // SAFETY: called by the holder of the claim of `pos` (or a
         // consumer that saw the sequence `pos + 1` with Acquire): the
         // producer finished writing before publishing, and nobody writes
         // the value again before the slot is released.
-        unsafe { std::ptr::addr_of!((*s).val).read() }
+        unsafe { std::ptr::addr_of!((*p).val).read() }
     }
 
     /// Append `v` (step 1); `Err(v)` when [`ClaimRing::capacity`]
@@ -325,7 +351,7 @@ impl<T: Copy> ClaimRing<T> {
             if pos.saturating_sub(h.head().load(Ordering::Acquire)) >= self.capacity() as u64 {
                 return Err(v);
             }
-            let s = self.slot(pos);
+            let s = self.words(pos);
             let seq = s.seq.load(Ordering::Acquire);
             let dif = seq.wrapping_sub(pos) as i64;
             if dif == 0 {
@@ -336,10 +362,10 @@ impl<T: Copy> ClaimRing<T> {
                     Ordering::Relaxed,
                 ) {
                     Ok(_) => {
-                        let p: *const Slot<T> = s;
+                        let p = self.slot_ptr(pos);
                         // SAFETY: step 1: the CAS gave us exclusive use of
                         // the slot until we publish `pos + 1`.
-                        unsafe { std::ptr::addr_of!((*p).val).cast_mut().write(v) };
+                        unsafe { std::ptr::addr_of_mut!((*p).val).write(v) };
                         s.claim.store(pos + 1, Ordering::Relaxed);
                         s.seq.store(pos + 1, Ordering::Release);
                         return Ok(());
@@ -353,8 +379,9 @@ impl<T: Copy> ClaimRing<T> {
                 if holder.is_none_or(Token::claimer_dead) {
                     return Err(v);
                 }
-                let end = *deadline
-                    .get_or_insert_with(|| std::time::Instant::now() + std::time::Duration::from_secs(1));
+                let end = *deadline.get_or_insert_with(|| {
+                    std::time::Instant::now() + std::time::Duration::from_secs(1)
+                });
                 if std::time::Instant::now() >= end {
                     return Err(v);
                 }
@@ -380,7 +407,7 @@ impl<T: Copy> ClaimRing<T> {
         let h = self.hdr();
         let mut pos = h.head().load(Ordering::Acquire);
         loop {
-            let s = self.slot(pos);
+            let s = self.words(pos);
             let seq = s.seq.load(Ordering::Acquire);
             let dif = seq.wrapping_sub(pos + 1) as i64;
             if dif == 0 {
@@ -418,7 +445,9 @@ impl<T: Copy> ClaimRing<T> {
     /// Release the claimed position `pos` (step 4): only its claimer, or
     /// the flusher that took the claim over, calls this, once.
     pub fn release(&self, pos: u64) {
-        self.slot(pos).seq.store(pos + self.slots(), Ordering::Release);
+        self.words(pos)
+            .seq
+            .store(pos + self.slots(), Ordering::Release);
     }
 
     /// Flush (step 5): oldest first, claim for `token` every entry for
@@ -437,7 +466,7 @@ impl<T: Copy> ClaimRing<T> {
         // A claimed slot is at most one lap behind `tail`: the producer
         // cannot pass it before it is released.
         for pos in tail.saturating_sub(self.slots())..tail {
-            let s = self.slot(pos);
+            let s = self.words(pos);
             if s.seq.load(Ordering::Acquire) != pos + 1 {
                 continue;
             }
