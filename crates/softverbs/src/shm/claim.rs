@@ -99,9 +99,12 @@ impl Token {
         (w & CLAIMED != 0).then_some(Self(w))
     }
 
-    /// Whether the claimer is proven dead: its process exited or was
-    /// killed (a zombie counts: it runs no more), or its pid now names a
-    /// process started at another time. This process is never dead.
+    /// Whether the claimer is proven dead: its process is gone, or none of
+    /// its threads will run user code again (each is a zombie, or exiting:
+    /// `PF_EXITING`, set as a killed or exiting thread enters the kernel's
+    /// exit path, before its files close and its peers hear of it), or its
+    /// pid now names a process started at another time. This process is
+    /// never dead.
     pub fn claimer_dead(self) -> bool {
         let pid = self.pid();
         if pid == crate::provider::xfer::my_pid() {
@@ -114,9 +117,9 @@ impl Token {
             return pid == 0;
         }
         match proc_stat(pid) {
-            Ok(Some((state, start))) => {
-                matches!(state, b'Z' | b'X' | b'x')
-                    || (self.start() != 0 && start & ((1 << START_BITS) - 1) != self.start())
+            Ok(Some(leader)) => {
+                (self.start() != 0 && leader.start & ((1 << START_BITS) - 1) != self.start())
+                    || !any_thread_runs(pid)
             }
             Ok(None) => true,
             Err(()) => {
@@ -129,9 +132,45 @@ impl Token {
     }
 }
 
-/// `(state, start time)` of process `pid` from `/proc/<pid>/stat`;
-/// `Ok(None)` when there is no such process, `Err` when /proc cannot tell.
-fn proc_stat(pid: u32) -> Result<Option<(u8, u64)>, ()> {
+/// `PF_EXITING` in a task's flags (`/proc/<pid>/stat` field 9).
+const PF_EXITING: u64 = 0x4;
+
+/// What a `stat` line says of a task.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stat {
+    state: u8,
+    flags: u64,
+    start: u64,
+}
+
+impl Stat {
+    /// Whether the task may still run user code.
+    fn runs(self) -> bool {
+        !matches!(self.state, b'Z' | b'X' | b'x') && self.flags & PF_EXITING == 0
+    }
+}
+
+/// Whether a thread of process `pid` may still run user code (a process
+/// whose first thread exited while others run is alive). A thread that
+/// vanishes while we look does not run; a task list that cannot be read
+/// for another reason than the process being gone proves nothing.
+fn any_thread_runs(pid: u32) -> bool {
+    let dir = match std::fs::read_dir(format!("/proc/{pid}/task")) {
+        Ok(d) => d,
+        Err(e) => return e.raw_os_error() != Some(libc::ENOENT),
+    };
+    dir.flatten().any(|t| {
+        std::fs::read(t.path().join("stat"))
+            .ok()
+            .and_then(|s| parse_stat(&s))
+            .is_some_and(Stat::runs)
+    })
+}
+
+/// The `stat` of process `pid` (its first thread's state and flags, the
+/// process's start time); `Ok(None)` when there is no such process, `Err`
+/// when /proc cannot tell.
+fn proc_stat(pid: u32) -> Result<Option<Stat>, ()> {
     let s = match std::fs::read(format!("/proc/{pid}/stat")) {
         Ok(s) => s,
         Err(e)
@@ -144,16 +183,22 @@ fn proc_stat(pid: u32) -> Result<Option<(u8, u64)>, ()> {
     parse_stat(&s).map(Some).ok_or(())
 }
 
-/// Field 3 (state) and field 22 (start time) of a `stat` line; the
+/// Fields 3 (state), 9 (flags) and 22 (start time) of a `stat` line; the
 /// command name (field 2) is in parentheses and may contain anything.
-fn parse_stat(s: &[u8]) -> Option<(u8, u64)> {
+fn parse_stat(s: &[u8]) -> Option<Stat> {
     let close = s.iter().rposition(|&b| b == b')')?;
     let rest = std::str::from_utf8(s.get(close + 1..)?).ok()?;
     let mut f = rest.split_ascii_whitespace();
     let state = *f.next()?.as_bytes().first()?;
-    // Fields 4..=21 come before the start time.
-    let start = f.nth(18)?.parse().ok()?;
-    Some((state, start))
+    // Fields 4..=8, then the flags.
+    let flags = f.nth(5)?.parse().ok()?;
+    // Fields 10..=21, then the start time.
+    let start = f.nth(12)?.parse().ok()?;
+    Some(Stat {
+        state,
+        flags,
+        start,
+    })
 }
 
 static MY_START: AtomicU64 = AtomicU64::new(u64::MAX);
@@ -178,7 +223,7 @@ fn my_start() -> u64 {
         .then(|| std::fs::read("/proc/self/stat").ok())
         .flatten()
         .and_then(|s| parse_stat(&s))
-        .map_or(0, |(_, t)| t & ((1 << START_BITS) - 1));
+        .map_or(0, |st| st.start & ((1 << START_BITS) - 1));
     MY_START.store(s, Ordering::Relaxed);
     s
 }
@@ -552,9 +597,32 @@ mod tests {
 
     #[test]
     fn stat_lines_parse() {
-        let line = b"123 (a (weird) name) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 99887 20";
-        assert_eq!(parse_stat(line), Some((b'S', 99887)));
+        let line =
+            b"123 (a (weird) name) S 1 2 3 4 5 4194564 7 8 9 10 11 12 13 14 15 16 17 18 99887 20";
+        let st = parse_stat(line).unwrap();
+        assert_eq!(
+            st,
+            Stat {
+                state: b'S',
+                flags: 4194564,
+                start: 99887
+            }
+        );
+        assert!(!st.runs(), "PF_EXITING");
+        assert!(Stat { flags: 0, ..st }.runs());
+        assert!(!Stat {
+            state: b'Z',
+            flags: 0,
+            ..st
+        }
+        .runs());
         assert_eq!(parse_stat(b"garbage"), None);
+        if !cfg!(miri) {
+            let me = parse_stat(&std::fs::read("/proc/self/stat").unwrap()).unwrap();
+            assert!(me.runs());
+            assert!(any_thread_runs(std::process::id()));
+            assert!(!any_thread_runs(0), "no process 0");
+        }
     }
 
     #[test]
