@@ -53,13 +53,19 @@ const CLAIMED: u64 = 1 << 63;
 const PID_BITS: u32 = 22;
 const QPN_BITS: u32 = 24;
 const START_BITS: u32 = 63 - PID_BITS - QPN_BITS;
+const _: () = assert!(1 + START_BITS + QPN_BITS + PID_BITS == 64 && START_BITS == 17);
 
-/// A claimer's identity as it stands in a claim word: bit 63 set, then
-/// the start time of the claimer's process (the low 17 bits of its clock
-/// ticks since boot, `/proc/<pid>/stat` field 22, so that a later process
-/// reusing the pid is not taken for it), the QPN the receive is taken
-/// for (on an SRQ: the QP whose CQ its completion goes to), and the pid
-/// (Linux pids are below 2^22).
+/// A claimer's identity as it stands in a claim word:
+///
+/// | bits   | field   | meaning                                                  |
+/// |--------|---------|----------------------------------------------------------|
+/// | 63     | claimed | 1 (a free claim word, `pos + 1`, has it clear)           |
+/// | 46..63 | start   | low 17 bits of the claimer process's start time (clock   |
+/// |        |         | ticks since boot, `/proc/<pid>/stat` field 22): a later  |
+/// |        |         | process reusing the pid is not taken for it              |
+/// | 22..46 | qpn     | the QP the receive is taken for (on an SRQ: the QP whose |
+/// |        |         | CQ its completion goes to)                               |
+/// | 0..22  | pid     | the claimer's pid (Linux pids are below 2^22)            |
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Token(u64);
 
@@ -590,7 +596,20 @@ mod tests {
             (t.pid(), t.qpn(), t.start()),
             (4_194_303, 0xFF_FFFF, 0x1_2345)
         );
-        assert!(Token::from_word(t.word()).is_some());
+        // Every field at its extremes and a spread of values in between;
+        // a start time is cut to its low 17 bits, nothing leaks across.
+        let picks = |max: u64| [0, 1, max / 3, max / 2 + 7, max - 1, max];
+        for pid in picks((1 << PID_BITS) - 1) {
+            for qpn in picks((1 << QPN_BITS) - 1) {
+                for start in picks(u64::from(u32::MAX)) {
+                    let t = Token::of(pid as u32, start, qpn as u32);
+                    assert_eq!(t.pid(), pid as u32);
+                    assert_eq!(t.qpn(), qpn as u32);
+                    assert_eq!(t.start(), start & ((1 << START_BITS) - 1));
+                    assert_eq!(Token::from_word(t.word()), Some(t));
+                }
+            }
+        }
         assert!(Token::from_word(12).is_none());
         assert!(!Token::mine(7).claimer_dead(), "this process is alive");
     }
