@@ -160,23 +160,38 @@ impl SvQp {
         ss.set_waiting(self, false);
         let me = Token::mine(self.qpn);
         if self.srq.is_null() {
-            self.rq.flush(me, |_| true, |r| self.flush_recv(r.wr_id));
+            self.rq.flush(
+                me,
+                |_| true,
+                |r, release| self.flush_recv_with(r.wr_id, release),
+            );
         } else {
             // SAFETY: an SRQ cannot be destroyed while a QP uses it (verbs
             // rule: destroy the QPs first).
             let srq = unsafe { &*self.srq };
-            srq.flush_taken_for(self.qpn, |r| self.flush_recv(r.wr_id));
+            srq.flush_taken_for(self.qpn, |r, release| {
+                self.flush_recv_with(r.wr_id, release)
+            });
         }
     }
 
     fn flush_recv(&self, wr_id: u64) {
-        self.recv_cq().port.push(Cqe {
-            wr_id,
-            status: WcStatus::WrFlushErr as u32,
-            opcode: opcode::RECV,
-            qp_num: self.qpn,
-            ..Cqe::default()
-        });
+        self.flush_recv_with(wr_id, &|| {});
+    }
+
+    /// Flush a receive whose claim `release` releases (shm::claim) before
+    /// its completion is published.
+    fn flush_recv_with(&self, wr_id: u64, release: &dyn Fn()) {
+        self.recv_cq().port.push_with(
+            Cqe {
+                wr_id,
+                status: WcStatus::WrFlushErr as u32,
+                opcode: opcode::RECV,
+                qp_num: self.qpn,
+                ..Cqe::default()
+            },
+            release,
+        );
     }
 
     /// After a receive was pushed: if a requester moved the QP to ERR
@@ -187,7 +202,7 @@ impl SvQp {
             self.rq.flush(
                 Token::mine(self.qpn),
                 |_| true,
-                |r| self.flush_recv(r.wr_id),
+                |r, release| self.flush_recv_with(r.wr_id, release),
             );
         }
     }
@@ -581,7 +596,7 @@ pub unsafe extern "C" fn modify_qp(
                 ss.pending.clear();
                 ss.set_waiting(q, false);
                 // Posted receives go, and those a dead requester took.
-                q.rq.flush(Token::mine(q.qpn), |_| true, |_| {});
+                q.rq.flush(Token::mine(q.qpn), |_| true, |_, _| {});
                 if !q.send_cq.is_null() {
                     q.send_cq().clean(q.qpn);
                 }

@@ -381,14 +381,17 @@ impl Remote {
             events::raise(self.qp_ctx_hdr(), &h.events, &h.gone, h.qp_ptr, ty);
         }
         if moved {
-            let flush = |w: RecvWqe| {
-                self.cq.push(Cqe {
-                    wr_id: w.wr_id,
-                    status: WcStatus::WrFlushErr as u32,
-                    opcode: opcode::RECV,
-                    qp_num: h.qpn,
-                    ..Cqe::default()
-                });
+            let flush = |w: RecvWqe, release: &dyn Fn()| {
+                self.cq.push_with(
+                    Cqe {
+                        wr_id: w.wr_id,
+                        status: WcStatus::WrFlushErr as u32,
+                        opcode: opcode::RECV,
+                        qp_num: h.qpn,
+                        ..Cqe::default()
+                    },
+                    release,
+                );
             };
             match &self.srq {
                 None => {
@@ -406,14 +409,25 @@ impl Remote {
     }
 }
 
-/// A receive WQE claimed by [`Remote::take_recv`]: released (its slot
-/// freed for the owner's next post) when dropped, so drop it after the
-/// completion is written.
+/// A receive WQE claimed by [`Remote::take_recv`]. [`Taken::complete`]
+/// writes its completion and releases the claim before publishing it; a
+/// receive dropped without a completion (its owner is gone) is released.
 #[derive(Debug)]
 pub struct Taken<'a> {
     ring: &'a ClaimRing<RecvWqe>,
     pos: u64,
     wqe: RecvWqe,
+}
+
+impl Taken<'_> {
+    /// Push the receive's completion `cqe` to `cq`, releasing the claim
+    /// between writing it and publishing it (`CqPort::push_with`): there
+    /// is no moment when the completion is visible and the claim still
+    /// held, so a flush never completes the receive a second time.
+    pub fn complete(self, cq: &CqPort, cqe: Cqe) {
+        cq.push_with(cqe, || self.ring.release(self.pos));
+        std::mem::forget(self);
+    }
 }
 
 impl std::ops::Deref for Taken<'_> {

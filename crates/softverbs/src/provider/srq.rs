@@ -48,7 +48,7 @@ impl SvSrq {
     /// as a NIC completes in error the WQE a QP had consumed for a message
     /// that never finished. Receives nobody took stay in the SRQ for the
     /// other QPs.
-    pub fn flush_taken_for(&self, qpn: u32, f: impl FnMut(RecvWqe)) -> usize {
+    pub fn flush_taken_for(&self, qpn: u32, f: impl FnMut(RecvWqe, &dyn Fn())) -> usize {
         flush_taken_for(&self.ring, qpn, f)
     }
 
@@ -292,7 +292,11 @@ pub unsafe extern "C" fn query_srq(srq: *mut ibv::ibv_srq, attr: *mut ibv::ibv_s
 
 /// [`SvSrq::flush_taken_for`] on an SRQ's ring, for the owner and for a
 /// requester that moved the QP to error (provider::remote).
-pub fn flush_taken_for(ring: &ClaimRing<RecvWqe>, qpn: u32, f: impl FnMut(RecvWqe)) -> usize {
+pub fn flush_taken_for(
+    ring: &ClaimRing<RecvWqe>,
+    qpn: u32,
+    f: impl FnMut(RecvWqe, &dyn Fn()),
+) -> usize {
     ring.flush(
         Token::mine(qpn),
         |holder| holder.is_some_and(|t| t.qpn() == qpn),

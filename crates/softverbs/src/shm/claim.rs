@@ -25,9 +25,15 @@
 //!    claimer's release below), finds a free slot: a push is refused when
 //!    `depth` receives wait unclaimed (`tail - head`), as before, and only
 //!    waits for a slot when a live claimer is a whole extra depth behind.
-//! 4. The claimer completes the receive (writes its CQE), then
-//!    **releases** the slot: sequence `pos + slots`, handing it to the
-//!    producer one lap later.
+//! 4. The claimer completes the receive and **releases** the slot
+//!    (sequence `pos + slots`, handing it to the producer one lap later)
+//!    *inside* the push of its CQE: after writing the CQE into the CQ
+//!    ring, before publishing it (`CqPort::push_with`). So no completion
+//!    is ever visible while its claim is still held: a claimer that dies
+//!    before the release has published nothing, and one that dies after
+//!    it has nothing left to flush. (Dying between the two, like dying
+//!    anywhere inside a CQ push, leaves that CQ slot unpublished and the
+//!    CQ stuck — a hazard of the CQ ring that this protocol does not add.)
 //! 5. Whoever flushes the queue (its QP went to the error state) walks the
 //!    positions that may be in use, oldest first, and claims, completes
 //!    and releases (a) every free slot and (b) every slot claimed by a
@@ -503,14 +509,16 @@ impl<T: Copy> ClaimRing<T> {
 
     /// Flush (step 5): oldest first, claim for `token` every entry for
     /// which `take` says so — given `None` for a free entry, or the token
-    /// of the process holding it when that process is proven dead — call
-    /// `f` with its WQE and release it. Returns how many were flushed.
-    /// Claims of live processes are left to them.
+    /// of the process holding it when that process is proven dead — and
+    /// call `f` with its WQE and a function releasing it, to be called
+    /// once the flush completion is written but before it is published
+    /// (`CqPort::push_with`); it is released after `f` otherwise. Returns
+    /// how many were flushed. Claims of live processes are left to them.
     pub fn flush(
         &self,
         token: Token,
         take: impl Fn(Option<Token>) -> bool,
-        mut f: impl FnMut(T),
+        mut f: impl FnMut(T, &dyn Fn()),
     ) -> usize {
         let tail = self.hdr().tail().load(Ordering::Acquire);
         let mut n = 0;
@@ -536,9 +544,15 @@ impl<T: Copy> ClaimRing<T> {
             {
                 continue;
             }
-            f(self.val(pos));
             self.help_head(pos);
-            self.release(pos);
+            let done = std::cell::Cell::new(false);
+            let release = || {
+                if !done.replace(true) {
+                    self.release(pos);
+                }
+            };
+            f(self.val(pos), &release);
+            release();
             n += 1;
         }
         n
@@ -697,7 +711,7 @@ mod tests {
         assert_eq!(l.val, 2);
         let flusher = Token::mine(9);
         let mut got = Vec::new();
-        let n = r.flush(flusher, |_| true, |v| got.push(v));
+        let n = r.flush(flusher, |_| true, |v, _| got.push(v));
         assert_eq!(n, 4);
         assert_eq!(
             got,
@@ -706,9 +720,12 @@ mod tests {
         );
         assert!(r.claim(live).is_none());
         // A second flush finds nothing more; the live claim completes once.
-        assert_eq!(r.flush(flusher, |_| true, |_| panic!("flushed twice")), 0);
+        assert_eq!(
+            r.flush(flusher, |_| true, |_, _| panic!("flushed twice")),
+            0
+        );
         r.release(l.pos);
-        assert_eq!(r.flush(flusher, |_| true, |_| panic!("released")), 0);
+        assert_eq!(r.flush(flusher, |_| true, |_, _| panic!("released")), 0);
         // Every slot is reusable.
         for v in 0..8 {
             r.push(v).unwrap();
@@ -728,7 +745,7 @@ mod tests {
         let n = r.flush(
             Token::mine(6),
             |t| t.is_some_and(|t| t.qpn() == 6),
-            |v| got.push(v),
+            |v, _| got.push(v),
         );
         assert_eq!(
             (n, got),
@@ -777,7 +794,7 @@ mod tests {
                 r.flush(
                     Token::mine(99),
                     |_| true,
-                    |v| {
+                    |v, _| {
                         done[v as usize].fetch_add(1, Ordering::Relaxed);
                     },
                 );
