@@ -7,9 +7,10 @@
 //! alive completes its own and is never flushed over.
 //!
 //! The killed requester is made deterministic with the provider's test
-//! hook `SOFTVERBS_TEST_STALL_AFTER_CLAIM=1` (src/shm/claim.rs): the child
-//! stops itself (`SIGSTOP`) right after claiming, and the parent kills it
-//! there. Run under `softverbs-run`; skipped loudly otherwise.
+//! hook `SOFTVERBS_TEST_STALL_AFTER_CLAIM` (src/shm/claim.rs): the child
+//! stops itself (`SIGSTOP`) right after claiming (`1`) or right after
+//! publishing the receive's completion (`complete`), and the parent kills
+//! it there. Run under `softverbs-run`; skipped loudly otherwise.
 #![allow(clippy::undocumented_unsafe_blocks, missing_docs)]
 
 mod common;
@@ -147,6 +148,47 @@ fn receive_taken_by_a_killed_requester_is_flushed_once() {
     for cq in [scq, rcq] {
         assert_eq!(unsafe { ibv_destroy_cq(cq) }, 0);
     }
+}
+
+/// The other side of the same window: a requester killed right after
+/// publishing a receive's completion (before it completes its own send,
+/// and before any system call that follows, as the completion channel's
+/// write) must not see that receive flushed again: the claim was released
+/// before the completion became visible. Receive 1 completes once, with
+/// success and the data; 2 and 3 flush.
+#[test]
+fn receive_completed_by_a_requester_killed_afterwards_is_not_flushed_again() {
+    const NAME: &str = "receive_completed_by_a_requester_killed_afterwards_is_not_flushed_again";
+    if let Some(ch) = child_chan() {
+        return stalling_requester(ch);
+    }
+    if !launcher_or_skip(NAME) {
+        return;
+    }
+    let (mut child, mut ch) = spawn_env(NAME, &[("SOFTVERBS_TEST_STALL_AFTER_CLAIM", "complete")]);
+    let dev = Dev::open();
+    let rcq = dev.cq(16, null_mut());
+    let qp = dev.qp(rcq, rcq, null_mut());
+    ch.send(&qpn(qp).to_string());
+    let peer = ch.recv()[0] as u32;
+    connect_with(qp, peer, DEAD_TIMEOUT, DEAD_RETRY);
+    let dst = Buf::new(&dev, 256, 0);
+    for id in 1..=3 {
+        post_recv(qp, &dst, 64 * (id as usize - 1), 64, id);
+    }
+    ch.send("0");
+    wait_stopped(&child);
+    kill_and_wait_dead(&child);
+    let done = poll(rcq, 1);
+    assert_eq!(ids(&done), vec![(1, OK)]);
+    assert_eq!(done[0].byte_len, 8);
+    assert_eq!(dst.data[..8], [9; 8], "the data arrived");
+    to_error(qp);
+    assert_eq!(ids(&poll(rcq, 2)), vec![(2, FLUSH), (3, FLUSH)]);
+    poll_none(rcq, Duration::from_millis(30));
+    assert!(!child.wait().expect("reap").success());
+    assert_eq!(unsafe { ibv_destroy_qp(qp) }, 0);
+    assert_eq!(unsafe { ibv_destroy_cq(rcq) }, 0);
 }
 
 /// On an SRQ a taken receive belongs to the QP it was taken for: a NIC

@@ -12,7 +12,7 @@ use super::notify::CqPort;
 use crate::model::event::{srq_limit_fires, SRQ_LIMIT_REACHED};
 use crate::model::qp::QpState;
 use crate::model::wc::{opcode, WcStatus};
-use crate::shm::claim::{stall_after_claim_hook, ClaimRing, Token};
+use crate::shm::claim::{stall_hook, ClaimRing, StallAt, Token};
 use crate::shm::doorbell::{Doorbell, Watch};
 use crate::shm::layout::{
     mr_table, ring_offset, Cqe, CtxHeader, MrSlot, QpHeader, RecvWqe, SrqHeader, CTX_BYTES, MAGIC,
@@ -307,7 +307,7 @@ impl Remote {
         let me = Token::mine(self.hdr().qpn);
         let Some((seg, ring)) = &self.srq else {
             let c = self.rq.claim(me)?;
-            stall_after_claim_hook();
+            stall_hook(StallAt::Claim);
             return Some(Taken {
                 ring: &self.rq,
                 pos: c.pos,
@@ -315,7 +315,7 @@ impl Remote {
             });
         };
         let c = ring.claim(me)?;
-        stall_after_claim_hook();
+        stall_hook(StallAt::Claim);
         let wqe = Taken {
             ring,
             pos: c.pos,
@@ -427,6 +427,7 @@ impl Taken<'_> {
     pub fn complete(self, cq: &CqPort, cqe: Cqe) {
         cq.push_with(cqe, || self.ring.release(self.pos));
         std::mem::forget(self);
+        stall_hook(StallAt::Complete);
     }
 }
 

@@ -571,17 +571,33 @@ impl<T: Copy> ClaimRing<T> {
     }
 }
 
-/// A test-only fault hook: with `SOFTVERBS_TEST_STALL_AFTER_CLAIM=1` in
-/// its environment (read once per process), a requester that has just
-/// claimed a receive stops itself (`SIGSTOP`, which its parent sees with
-/// `waitpid(WUNTRACED)`) and, if continued, sleeps for ever instead of
-/// completing it, so that a test can kill it at exactly that point
-/// (tests/taken_receives.rs). Nothing else reads the variable.
-pub fn stall_after_claim_hook() {
-    static STALL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *STALL.get_or_init(|| {
-        std::env::var_os("SOFTVERBS_TEST_STALL_AFTER_CLAIM").is_some_and(|v| v == "1")
-    }) {
+/// Where [`stall_hook`] may stop a requester.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StallAt {
+    /// Right after claiming a receive (`SOFTVERBS_TEST_STALL_AFTER_CLAIM=1`).
+    Claim,
+    /// Right after publishing a receive's completion
+    /// (`SOFTVERBS_TEST_STALL_AFTER_CLAIM=complete`).
+    Complete,
+}
+
+/// A test-only fault hook: with `SOFTVERBS_TEST_STALL_AFTER_CLAIM` in its
+/// environment (read once per process) set to `1`, a requester that has
+/// just claimed a receive — set to `complete`, one that has just published
+/// a receive's completion — stops itself (`SIGSTOP`, which its parent sees
+/// with `waitpid(WUNTRACED)`) and, if continued, sleeps for ever, so that a
+/// test can kill it at exactly that point (tests/taken_receives.rs).
+/// Nothing else reads the variable.
+pub fn stall_hook(at: StallAt) {
+    static STALL: std::sync::OnceLock<Option<StallAt>> = std::sync::OnceLock::new();
+    let stall = *STALL.get_or_init(|| {
+        match std::env::var_os("SOFTVERBS_TEST_STALL_AFTER_CLAIM")?.to_str()? {
+            "1" => Some(StallAt::Claim),
+            "complete" => Some(StallAt::Complete),
+            _ => None,
+        }
+    });
+    if stall == Some(at) {
         // SAFETY: raising a signal at ourselves has no memory effects.
         unsafe { libc::raise(libc::SIGSTOP) };
         loop {
