@@ -19,6 +19,7 @@
 
 pub mod atomics;
 pub mod claim;
+pub mod claimer;
 pub mod doorbell;
 pub mod layout;
 pub mod ring;
