@@ -8,7 +8,7 @@
 
 mod common;
 use common::served::{
-    assert_accounts_but_taken_receives, kill_server_mid_run, launcher_or_skip, serve, KilledServer,
+    assert_accounts_balanced, kill_server_mid_run, launcher_or_skip, serve, KilledServer,
 };
 use common::{run_for as run, text};
 use std::time::{Duration, Instant};
@@ -126,5 +126,5 @@ fn a_server_killed_mid_run_under_rdma_cm_fails_the_load_fast() {
     assert_eq!(code, Some(1), "{stdout}\n{stderr}");
     assert!(stdout.contains("verdict data:     FAILED"), "{stdout}");
     assert!(stdout.contains("0 mismatched"), "{stdout}");
-    assert_accounts_but_taken_receives(&stdout);
+    assert_accounts_balanced(&stdout);
 }

@@ -9,7 +9,7 @@
 
 mod common;
 use common::served::{
-    assert_accounts_but_taken_receives, kill_server_mid_run, launcher_or_skip, serve, KilledServer,
+    assert_accounts_balanced, kill_server_mid_run, launcher_or_skip, serve, KilledServer,
 };
 use common::{run_for as run, spawn, text};
 use std::net::TcpListener;
@@ -169,10 +169,9 @@ fn a_server_killed_mid_run_fails_the_load_fast_and_never_hangs() {
     assert!(stdout.contains("verdict data:     FAILED"), "{stdout}");
     assert!(stdout.contains("(its own side) FAILED"), "{stdout}");
     // What failed was not taken for data, and the load's own requests are
-    // all accounted for (completed, failed or flushed), but for softverbs'
-    // limit.
+    // all accounted for (completed, failed or flushed).
     assert!(stdout.contains("0 mismatched"), "{stdout}");
-    assert_accounts_but_taken_receives(&stdout);
+    assert_accounts_balanced(&stdout);
 }
 
 #[test]
@@ -204,6 +203,6 @@ fn a_load_killed_mid_run_ends_the_server_with_its_verdict() {
     assert!(stderr.contains("went away mid-session"), "{stderr}");
     assert!(stdout.contains("verdict session:  FAILED"), "{stdout}");
     // Its own requests are all accounted for (completed, failed or
-    // flushed) even though the peer vanished, but for softverbs' limit.
-    assert_accounts_but_taken_receives(&stdout);
+    // flushed) even though the peer vanished.
+    assert_accounts_balanced(&stdout);
 }

@@ -149,8 +149,18 @@ impl CqPort {
 
     /// Add a completion, firing the arm or raising CQ_ERR as the model says.
     pub fn push(&self, cqe: Cqe) {
+        self.push_with(cqe, || {});
+    }
+
+    /// [`CqPort::push`], calling `before_publish` once the CQE is written
+    /// but before the owner can poll it — also when the CQ overflows and
+    /// the CQE is lost. A receive completion releases the receive's claim
+    /// there (shm::claim): a requester dying after publishing its CQE has
+    /// released the claim already, so no flush completes that receive a
+    /// second time.
+    pub fn push_with(&self, cqe: Cqe, before_publish: impl FnOnce()) {
         let p = self.newest();
-        p.push_here(cqe);
+        p.push_here(cqe, before_publish);
         // The CQ grew while we pushed: the owner drains this ring first,
         // but arms the newest one.
         if p.hdr().moved_to.load(Ordering::Acquire) != 0 {
@@ -158,12 +168,21 @@ impl CqPort {
         }
     }
 
-    fn push_here(&self, mut cqe: Cqe) {
+    fn push_here(&self, mut cqe: Cqe, before_publish: impl FnOnce()) {
         if cqe.ts == 0 {
             cqe.ts = super::clock::device_ns();
         }
         let h = self.hdr();
-        if self.ring.push(cqe).is_err() {
+        let mut once = Some(before_publish);
+        let pushed = self.ring.push_with(cqe, || {
+            if let Some(f) = once.take() {
+                f();
+            }
+        });
+        if let Some(f) = once.take() {
+            f();
+        }
+        if pushed.is_err() {
             if h.overflow.swap(1, Ordering::AcqRel) == 0 {
                 let fd = self
                     .asy

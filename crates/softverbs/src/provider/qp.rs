@@ -14,8 +14,10 @@ use super::{set_bad, set_errno};
 use crate::model::device::DEAD_ERRNO;
 use crate::model::qp::{self as m, QpState, QpType};
 use crate::model::wc::{opcode, WcStatus};
-use crate::shm::layout::{ring_offset, seg_bytes, Cqe, QpHeader, RecvWqe, Sge, MAGIC, MAX_SGE};
-use crate::shm::ring::Ring;
+use crate::shm::claim::{ClaimRing, Token};
+use crate::shm::layout::{
+    recv_seg_bytes, ring_offset, Cqe, QpHeader, RecvWqe, Sge, MAGIC, MAX_SGE,
+};
 use crate::shm::{Ids, Segment};
 use crate::sys::abi::VerbsQp;
 use crate::sys::ibv;
@@ -50,8 +52,8 @@ pub struct SvQp {
     pub pd: u32,
     /// Segment `qp-<qpn>`.
     pub seg: Arc<Segment>,
-    /// Receive ring (peers pop from it).
-    pub rq: Ring<RecvWqe>,
+    /// Receive queue (requesters claim from it, shm::claim).
+    pub rq: ClaimRing<RecvWqe>,
     /// Send CQ.
     pub send_cq: *const SvCq,
     /// Receive CQ.
@@ -142,7 +144,9 @@ impl SvQp {
     }
 
     /// Complete every waiting send and (without SRQ) every posted receive
-    /// with `IBV_WC_WR_FLUSH_ERR`.
+    /// with `IBV_WC_WR_FLUSH_ERR`, in order, including receives taken by a
+    /// requester that died before completing them (shm::claim); on an SRQ,
+    /// the receives such a requester took for this QP.
     pub fn flush(&self, ss: &mut SendSide) {
         while let Some(w) = ss.pending.pop_front() {
             self.send_cq().port.push(Cqe {
@@ -154,21 +158,40 @@ impl SvQp {
             });
         }
         ss.set_waiting(self, false);
+        let me = Token::mine(self.qpn);
         if self.srq.is_null() {
-            while let Some(r) = self.rq.pop() {
-                self.flush_recv(r.wr_id);
-            }
+            self.rq.flush(
+                me,
+                |_| true,
+                |r, release| self.flush_recv_with(r.wr_id, release),
+            );
+        } else {
+            // SAFETY: an SRQ cannot be destroyed while a QP uses it (verbs
+            // rule: destroy the QPs first).
+            let srq = unsafe { &*self.srq };
+            srq.flush_taken_for(self.qpn, |r, release| {
+                self.flush_recv_with(r.wr_id, release)
+            });
         }
     }
 
     fn flush_recv(&self, wr_id: u64) {
-        self.recv_cq().port.push(Cqe {
-            wr_id,
-            status: WcStatus::WrFlushErr as u32,
-            opcode: opcode::RECV,
-            qp_num: self.qpn,
-            ..Cqe::default()
-        });
+        self.flush_recv_with(wr_id, &|| {});
+    }
+
+    /// Flush a receive whose claim `release` releases (shm::claim) before
+    /// its completion is published.
+    fn flush_recv_with(&self, wr_id: u64, release: &dyn Fn()) {
+        self.recv_cq().port.push_with(
+            Cqe {
+                wr_id,
+                status: WcStatus::WrFlushErr as u32,
+                opcode: opcode::RECV,
+                qp_num: self.qpn,
+                ..Cqe::default()
+            },
+            release,
+        );
     }
 
     /// After a receive was pushed: if a requester moved the QP to ERR
@@ -176,9 +199,11 @@ impl SvQp {
     fn recheck_error(&self) {
         std::sync::atomic::fence(Ordering::SeqCst);
         if self.state() == QpState::Err {
-            while let Some(r) = self.rq.pop() {
-                self.flush_recv(r.wr_id);
-            }
+            self.rq.flush(
+                Token::mine(self.qpn),
+                |_| true,
+                |r, release| self.flush_recv_with(r.wr_id, release),
+            );
         }
     }
 
@@ -266,7 +291,7 @@ pub unsafe fn make_qp(
     let srq = a.srq.cast::<SvSrq>() as *const SvSrq;
     // With an SRQ, or with no receive queue (XRC_SEND), the QP's own
     // receive ring is never used: the smallest ring there is.
-    let rq_cap = Ring::<RecvWqe>::capacity_for(if srq.is_null() && qp_type.has_recv_queue() {
+    let rq_cap = ClaimRing::<RecvWqe>::capacity_for(if srq.is_null() && qp_type.has_recv_queue() {
         a.cap.max_recv_wr as usize
     } else {
         0
@@ -281,7 +306,7 @@ pub unsafe fn make_qp(
     let (qpn, seg) = match crate::shm::segment::create_fresh(
         "qp-",
         || ids.next_qpn(),
-        seg_bytes::<QpHeader, RecvWqe>(rq_cap),
+        recv_seg_bytes::<QpHeader>(rq_cap),
     ) {
         Ok(x) => x,
         Err(e) => {
@@ -291,7 +316,8 @@ pub unsafe fn make_qp(
     };
     // SAFETY: fresh zeroed segment sized for the ring at ring_offset; nobody
     // knows the QPN yet.
-    let rq = unsafe { Ring::<RecvWqe>::init(seg.base().add(ring_offset::<QpHeader>()), rq_cap) };
+    let rq =
+        unsafe { ClaimRing::<RecvWqe>::init(seg.base().add(ring_offset::<QpHeader>()), rq_cap) };
     let recv_cq_id = if recv_cq.is_null() {
         0
     } else {
@@ -569,7 +595,8 @@ pub unsafe extern "C" fn modify_qp(
                 q.hdr().last_wqe.store(0, Ordering::Release);
                 ss.pending.clear();
                 ss.set_waiting(q, false);
-                while q.rq.pop().is_some() {}
+                // Posted receives go, and those a dead requester took.
+                q.rq.flush(Token::mine(q.qpn), |_| true, |_, _| {});
                 if !q.send_cq.is_null() {
                     q.send_cq().clean(q.qpn);
                 }

@@ -12,11 +12,11 @@ use super::notify::CqPort;
 use crate::model::event::{srq_limit_fires, SRQ_LIMIT_REACHED};
 use crate::model::qp::QpState;
 use crate::model::wc::{opcode, WcStatus};
+use crate::shm::claim::{stall_hook, ClaimRing, StallAt, Token};
 use crate::shm::doorbell::{Doorbell, Watch};
 use crate::shm::layout::{
     mr_table, ring_offset, Cqe, CtxHeader, MrSlot, QpHeader, RecvWqe, SrqHeader, CTX_BYTES, MAGIC,
 };
-use crate::shm::ring::Ring;
 use crate::shm::Segment;
 
 /// The responder of a connected QP, as mapped by the requester.
@@ -29,8 +29,8 @@ pub struct Remote {
     ctx: Arc<Segment>,
     /// The QP's own context, where its events go.
     qp_ctx: Arc<Segment>,
-    rq: Ring<RecvWqe>,
-    srq: Option<(Arc<Segment>, Ring<RecvWqe>)>,
+    rq: ClaimRing<RecvWqe>,
+    srq: Option<(Arc<Segment>, ClaimRing<RecvWqe>)>,
     owner: Owner,
     /// The PD its memory is checked against: the QP's, or for an XRC
     /// target the SRQ's.
@@ -116,7 +116,8 @@ impl Remote {
         let off = ring_offset::<QpHeader>();
         // SAFETY: the ring was initialised at `off` by the creator; `qp` is
         // kept alive with the view.
-        let rq = unsafe { Ring::attach(qp.base().add(off), qp.len() - off) }.ok_or_else(seg_err)?;
+        let rq =
+            unsafe { ClaimRing::attach(qp.base().add(off), qp.len() - off) }.ok_or_else(seg_err)?;
         let ctx = Segment::open(&format!("ctx-{ctx_id}"))?;
         // SAFETY: a context segment starts with its header.
         if ctx.len() < CTX_BYTES || unsafe { (*ctx.base().cast::<CtxHeader>()).magic } != MAGIC {
@@ -133,8 +134,8 @@ impl Remote {
                 return Err(seg_err());
             }
             // SAFETY: as for the QP ring.
-            let r =
-                unsafe { Ring::attach(s.base().add(off), s.len() - off) }.ok_or_else(seg_err)?;
+            let r = unsafe { ClaimRing::attach(s.base().add(off), s.len() - off) }
+                .ok_or_else(seg_err)?;
             Some((s, r))
         };
         // SAFETY: checked above.
@@ -175,7 +176,8 @@ impl Remote {
         }
         let off = ring_offset::<QpHeader>();
         // SAFETY: as in open.
-        let rq = unsafe { Ring::attach(qp.base().add(off), qp.len() - off) }.ok_or_else(seg_err)?;
+        let rq =
+            unsafe { ClaimRing::attach(qp.base().add(off), qp.len() - off) }.ok_or_else(seg_err)?;
         let s = Segment::open(&format!("srq-{srqn}")).map_err(|_| invalid())?;
         let soff = ring_offset::<SrqHeader>();
         // SAFETY: the length is checked before the header is read.
@@ -192,7 +194,7 @@ impl Remote {
         }
         // SAFETY: as for the QP ring.
         let ring =
-            unsafe { Ring::attach(s.base().add(soff), s.len() - soff) }.ok_or_else(seg_err)?;
+            unsafe { ClaimRing::attach(s.base().add(soff), s.len() - soff) }.ok_or_else(seg_err)?;
         let ctx = Segment::open(&format!("ctx-{s_ctx}"))?;
         // SAFETY: a context segment starts with its header.
         if ctx.len() < CTX_BYTES || unsafe { (*ctx.base().cast::<CtxHeader>()).magic } != MAGIC {
@@ -297,13 +299,28 @@ impl Remote {
         unsafe { &*self.qp_ctx.base().cast::<CtxHeader>() }
     }
 
-    /// Take a receive WQE from the responder's ring or SRQ. Taking one from
+    /// Take (claim, shm::claim) a receive WQE from the responder's ring or
+    /// SRQ; it is released when the returned guard drops, which the
+    /// caller lets happen after writing its completion. Taking one from
     /// an armed SRQ may raise its limit event (model::event).
-    pub fn pop_recv(&self) -> Option<RecvWqe> {
+    pub fn take_recv(&self) -> Option<Taken<'_>> {
+        let me = Token::mine(self.hdr().qpn);
         let Some((seg, ring)) = &self.srq else {
-            return self.rq.pop();
+            let c = self.rq.claim(me)?;
+            stall_hook(StallAt::Claim);
+            return Some(Taken {
+                ring: &self.rq,
+                pos: c.pos,
+                wqe: c.val,
+            });
         };
-        let wqe = ring.pop()?;
+        let c = ring.claim(me)?;
+        stall_hook(StallAt::Claim);
+        let wqe = Taken {
+            ring,
+            pos: c.pos,
+            wqe: c.val,
+        };
         // SAFETY: an SRQ segment starts with its header (its ring was
         // attached after it in open); lives with `seg`.
         let h = unsafe { &*seg.base().cast::<SrqHeader>() };
@@ -363,20 +380,68 @@ impl Remote {
         if let Some(ty) = event {
             events::raise(self.qp_ctx_hdr(), &h.events, &h.gone, h.qp_ptr, ty);
         }
-        if moved && self.srq.is_none() {
-            // Pairs with the fence of the owner's post_recv: a receive it
-            // pushes is flushed either here or there.
-            std::sync::atomic::fence(Ordering::SeqCst);
-            while let Some(w) = self.rq.pop() {
-                self.cq.push(Cqe {
-                    wr_id: w.wr_id,
-                    status: WcStatus::WrFlushErr as u32,
-                    opcode: opcode::RECV,
-                    qp_num: h.qpn,
-                    ..Cqe::default()
-                });
+        if moved {
+            let flush = |w: RecvWqe, release: &dyn Fn()| {
+                self.cq.push_with(
+                    Cqe {
+                        wr_id: w.wr_id,
+                        status: WcStatus::WrFlushErr as u32,
+                        opcode: opcode::RECV,
+                        qp_num: h.qpn,
+                        ..Cqe::default()
+                    },
+                    release,
+                );
+            };
+            match &self.srq {
+                None => {
+                    // Pairs with the fence of the owner's post_recv: a
+                    // receive it pushes is flushed either here or there.
+                    std::sync::atomic::fence(Ordering::SeqCst);
+                    self.rq.flush(Token::mine(h.qpn), |_| true, flush);
+                }
+                // Only what a dead requester took for this QP (provider::srq).
+                Some((_, ring)) => {
+                    super::srq::flush_taken_for(ring, h.qpn, flush);
+                }
             }
         }
+    }
+}
+
+/// A receive WQE claimed by [`Remote::take_recv`]. [`Taken::complete`]
+/// writes its completion and releases the claim before publishing it; a
+/// receive dropped without a completion (its owner is gone) is released.
+#[derive(Debug)]
+pub struct Taken<'a> {
+    ring: &'a ClaimRing<RecvWqe>,
+    pos: u64,
+    wqe: RecvWqe,
+}
+
+impl Taken<'_> {
+    /// Push the receive's completion `cqe` to `cq`, releasing the claim
+    /// between writing it and publishing it (`CqPort::push_with`): there
+    /// is no moment when the completion is visible and the claim still
+    /// held, so a flush never completes the receive a second time.
+    pub fn complete(self, cq: &CqPort, cqe: Cqe) {
+        cq.push_with(cqe, || self.ring.release(self.pos));
+        std::mem::forget(self);
+        stall_hook(StallAt::Complete);
+    }
+}
+
+impl std::ops::Deref for Taken<'_> {
+    type Target = RecvWqe;
+
+    fn deref(&self) -> &RecvWqe {
+        &self.wqe
+    }
+}
+
+impl Drop for Taken<'_> {
+    fn drop(&mut self) {
+        self.ring.release(self.pos);
     }
 }
 

@@ -454,7 +454,7 @@ fn deliver_ud(q: &SvQp, w: &Wr, d: &UdDest, local: &[Span], len: u64, r: &Remote
     {
         return;
     }
-    let Some(wqe) = r.pop_recv() else {
+    let Some(wqe) = r.take_recv() else {
         return;
     };
     let imm = w.opcode == wr::SEND_WITH_IMM;
@@ -488,7 +488,7 @@ fn deliver_ud(q: &SvQp, w: &Wr, d: &UdDest, local: &[Span], len: u64, r: &Remote
             a
         } else {
             cqe.status = WcStatus::LocProtErr as u32;
-            r.cq.push(cqe);
+            wqe.complete(&r.cq, cqe);
             return;
         };
         dst[i] = Span {
@@ -499,7 +499,7 @@ fn deliver_ud(q: &SvQp, w: &Wr, d: &UdDest, local: &[Span], len: u64, r: &Remote
     }
     if ud::GRH_LEN as u64 + len > cap {
         cqe.status = WcStatus::LocLenErr as u32;
-        r.cq.push(cqe);
+        wqe.complete(&r.cq, cqe);
         return;
     }
     let grh = ud::grh(&d.ah, len as u32, imm);
@@ -514,12 +514,12 @@ fn deliver_ud(q: &SvQp, w: &Wr, d: &UdDest, local: &[Span], len: u64, r: &Remote
     if !unsafe { write_to(r.pid(), &dst[..wqe.sges().len()], &src[..=local.len()]) } {
         if !r.owner_gone() {
             cqe.status = WcStatus::LocProtErr as u32;
-            r.cq.push(cqe);
+            wqe.complete(&r.cq, cqe);
         }
         return;
     }
     cqe.byte_len = ud::GRH_LEN as u32 + len as u32;
-    r.cq.push(cqe);
+    wqe.complete(&r.cq, cqe);
 }
 
 /// An RC or UC request to the connected responder.
@@ -589,7 +589,7 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
     let pid = r.pid();
     match w.opcode {
         wr::SEND | wr::SEND_WITH_IMM | wr::SEND_WITH_INV => {
-            let Some(wqe) = r.pop_recv() else {
+            let Some(wqe) = r.take_recv() else {
                 return no_receive(r);
             };
             let mut dst = [Span::default(); MAX_SGE];
@@ -609,15 +609,8 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
                     )
                 };
                 let Some(addr) = addr else {
-                    r.cq.push(recv_cqe(
-                        r,
-                        &wqe,
-                        q,
-                        w,
-                        WcStatus::LocProtErr,
-                        0,
-                        opcode::RECV,
-                    ));
+                    let cqe = recv_cqe(r, &wqe, q, w, WcStatus::LocProtErr, 0, opcode::RECV);
+                    wqe.complete(&r.cq, cqe);
                     return responder_failed(r, WcStatus::RemOpErr);
                 };
                 dst[i] = Span {
@@ -627,15 +620,8 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
                 cap += s.length as u64;
             }
             if len > cap {
-                r.cq.push(recv_cqe(
-                    r,
-                    &wqe,
-                    q,
-                    w,
-                    WcStatus::LocLenErr,
-                    0,
-                    opcode::RECV,
-                ));
+                let cqe = recv_cqe(r, &wqe, q, w, WcStatus::LocLenErr, 0, opcode::RECV);
+                wqe.complete(&r.cq, cqe);
                 return responder_failed(r, WcStatus::RemInvReqErr);
             }
             // SAFETY: local spans were validated against our MR table (or are
@@ -645,15 +631,8 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
                 if r.owner_gone() {
                     return Outcome::NoAnswer;
                 }
-                r.cq.push(recv_cqe(
-                    r,
-                    &wqe,
-                    q,
-                    w,
-                    WcStatus::LocProtErr,
-                    0,
-                    opcode::RECV,
-                ));
+                let cqe = recv_cqe(r, &wqe, q, w, WcStatus::LocProtErr, 0, opcode::RECV);
+                wqe.complete(&r.cq, cqe);
                 return responder_failed(r, WcStatus::RemOpErr);
             }
             // SEND with invalidate: the responder invalidates the key, a
@@ -662,26 +641,12 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
             if w.opcode == wr::SEND_WITH_INV
                 && !super::mw::invalidate(r.mrs(), w.imm, r.pd(), rh.qpn)
             {
-                r.cq.push(recv_cqe(
-                    r,
-                    &wqe,
-                    q,
-                    w,
-                    WcStatus::LocProtErr,
-                    0,
-                    opcode::RECV,
-                ));
+                let cqe = recv_cqe(r, &wqe, q, w, WcStatus::LocProtErr, 0, opcode::RECV);
+                wqe.complete(&r.cq, cqe);
                 return responder_failed(r, WcStatus::RemInvReqErr);
             }
-            r.cq.push(recv_cqe(
-                r,
-                &wqe,
-                q,
-                w,
-                WcStatus::Success,
-                len as u32,
-                opcode::RECV,
-            ));
+            let cqe = recv_cqe(r, &wqe, q, w, WcStatus::Success, len as u32, opcode::RECV);
+            wqe.complete(&r.cq, cqe);
             Outcome::Done(WcStatus::Success, len as u32)
         }
         wr::RDMA_WRITE | wr::RDMA_WRITE_WITH_IMM => {
@@ -694,7 +659,7 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
                 return responder_failed(r, WcStatus::RemAccessErr);
             };
             let wqe = if w.opcode == wr::RDMA_WRITE_WITH_IMM {
-                match r.pop_recv() {
+                match r.take_recv() {
                     Some(x) => Some(x),
                     None => return no_receive(r),
                 }
@@ -711,7 +676,7 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
                     return Outcome::NoAnswer;
                 }
                 if let Some(wqe) = wqe {
-                    r.cq.push(recv_cqe(
+                    let cqe = recv_cqe(
                         r,
                         &wqe,
                         q,
@@ -719,12 +684,13 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
                         WcStatus::LocProtErr,
                         0,
                         opcode::RECV_RDMA_WITH_IMM,
-                    ));
+                    );
+                    wqe.complete(&r.cq, cqe);
                 }
                 return responder_failed(r, WcStatus::RemAccessErr);
             }
             if let Some(wqe) = wqe {
-                r.cq.push(recv_cqe(
+                let cqe = recv_cqe(
                     r,
                     &wqe,
                     q,
@@ -732,7 +698,8 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
                     WcStatus::Success,
                     len as u32,
                     opcode::RECV_RDMA_WITH_IMM,
-                ));
+                );
+                wqe.complete(&r.cq, cqe);
             }
             Outcome::Done(WcStatus::Success, len as u32)
         }

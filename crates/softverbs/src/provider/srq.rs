@@ -10,8 +10,8 @@ use super::qp::{fail, recv_wqe};
 use super::set_bad;
 use crate::model::device::DEAD_ERRNO;
 use crate::model::event::srq_limit_ok;
-use crate::shm::layout::{ring_offset, seg_bytes, RecvWqe, SrqHeader, MAGIC, MAX_SGE};
-use crate::shm::ring::Ring;
+use crate::shm::claim::{ClaimRing, Token};
+use crate::shm::layout::{recv_seg_bytes, ring_offset, RecvWqe, SrqHeader, MAGIC, MAX_SGE};
 use crate::shm::segment::IdKind;
 use crate::shm::{Ids, Segment};
 use crate::sys::abi::VerbsSrq;
@@ -27,7 +27,7 @@ pub struct SvSrq {
     /// Owning context (its `dead` flag).
     ctx: *const ContextInner,
     seg: Arc<Segment>,
-    ring: Ring<RecvWqe>,
+    ring: ClaimRing<RecvWqe>,
     max_sge: u32,
     /// An XRC SRQ's CQ (its receives complete there), else null.
     pub xrc_cq: *const super::cq::SvCq,
@@ -40,6 +40,16 @@ impl SvSrq {
         // SAFETY: the segment starts with the SrqHeader written at creation
         // and lives as long as `self`.
         unsafe { &*self.seg.base().cast::<SrqHeader>() }
+    }
+
+    /// Flush, oldest first, the receives of this SRQ that a requester
+    /// took for QP `qpn` and died before completing (shm::claim): taken,
+    /// they belong to that QP, whose error state flushes them to its CQ,
+    /// as a NIC completes in error the WQE a QP had consumed for a message
+    /// that never finished. Receives nobody took stay in the SRQ for the
+    /// other QPs.
+    pub fn flush_taken_for(&self, qpn: u32, f: impl FnMut(RecvWqe, &dyn Fn())) -> usize {
+        flush_taken_for(&self.ring, qpn, f)
     }
 
     /// Whether the device died for the owning context (model::device).
@@ -82,20 +92,21 @@ pub unsafe fn make_srq(
     }
     // SAFETY: caller contract.
     let pdid = unsafe { pd_id(pd) };
-    let cap = Ring::<RecvWqe>::capacity_for(a.max_wr as usize);
+    let cap = ClaimRing::<RecvWqe>::capacity_for(a.max_wr as usize);
     let Ok(ids) = Ids::get() else {
         return fail(libc::EIO);
     };
     let (id, seg) = match crate::shm::segment::create_fresh(
         "srq-",
         || ids.next(IdKind::Srq),
-        seg_bytes::<SrqHeader, RecvWqe>(cap),
+        recv_seg_bytes::<SrqHeader>(cap),
     ) {
         Ok(x) => x,
         Err(e) => return fail(e.raw_os_error().unwrap_or(libc::EIO)),
     };
     // SAFETY: fresh zeroed segment sized for the ring; unknown to others.
-    let ring = unsafe { Ring::<RecvWqe>::init(seg.base().add(ring_offset::<SrqHeader>()), cap) };
+    let ring =
+        unsafe { ClaimRing::<RecvWqe>::init(seg.base().add(ring_offset::<SrqHeader>()), cap) };
     let h = seg.base().cast::<SrqHeader>();
     // SAFETY: as above.
     unsafe {
@@ -277,6 +288,20 @@ pub unsafe extern "C" fn query_srq(srq: *mut ibv::ibv_srq, attr: *mut ibv::ibv_s
     a.max_sge = s.max_sge;
     a.srq_limit = s.hdr().limit.load(Ordering::Acquire);
     0
+}
+
+/// [`SvSrq::flush_taken_for`] on an SRQ's ring, for the owner and for a
+/// requester that moved the QP to error (provider::remote).
+pub fn flush_taken_for(
+    ring: &ClaimRing<RecvWqe>,
+    qpn: u32,
+    f: impl FnMut(RecvWqe, &dyn Fn()),
+) -> usize {
+    ring.flush(
+        Token::mine(qpn),
+        |holder| holder.is_some_and(|t| t.qpn() == qpn),
+        f,
+    )
 }
 
 crate::opaque_debug!(SvSrq);

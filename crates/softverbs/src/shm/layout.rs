@@ -360,6 +360,12 @@ pub fn seg_bytes<H, T: Copy>(cap: usize) -> usize {
     size_of::<H>().next_multiple_of(64) + Ring::<T>::bytes(cap)
 }
 
+/// Size of a segment holding header `H` then a receive queue of `cap`
+/// WQEs (a [`crate::shm::claim::ClaimRing`]).
+pub fn recv_seg_bytes<H>(cap: usize) -> usize {
+    size_of::<H>().next_multiple_of(64) + crate::shm::claim::ClaimRing::<RecvWqe>::bytes(cap)
+}
+
 /// Offset of the ring after header `H`.
 pub fn ring_offset<H>() -> usize {
     size_of::<H>().next_multiple_of(64)

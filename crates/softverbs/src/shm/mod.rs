@@ -9,8 +9,8 @@
 //! | `ids`         | shared    | atomic counters: QPN, CQ, context, SRQ ids  |
 //! | `ctx-<id>`    | a context | [`layout::CtxHeader`] + MR table            |
 //! | `cq-<id>`     | a CQ      | [`layout::CqHeader`] + ring of CQEs         |
-//! | `qp-<qpn>`    | a QP      | [`layout::QpHeader`] + receive ring         |
-//! | `srq-<id>`    | an SRQ    | [`layout::SrqHeader`] + receive ring        |
+//! | `qp-<qpn>`    | a QP      | [`layout::QpHeader`] + receive [`claim`] ring |
+//! | `srq-<id>`    | an SRQ    | [`layout::SrqHeader`] + receive [`claim`] ring |
 //! | `atomics`     | shared    | lock table of remote atomics ([`atomics`])  |
 //!
 //! Peers find a QP by the QPN that verbs programs exchange out of band.
@@ -18,6 +18,8 @@
 //! waiting on them.
 
 pub mod atomics;
+pub mod claim;
+pub mod claimer;
 pub mod doorbell;
 pub mod layout;
 pub mod ring;

@@ -28,6 +28,30 @@ pub struct RingHeader {
     _p2: [u64; 7],
 }
 
+impl RingHeader {
+    /// Initialise (creator only, before anybody else sees it).
+    pub(crate) fn init(&mut self, cap: u64) {
+        self.cap = cap;
+        self.head.store(0, Ordering::Relaxed);
+        self.tail.store(0, Ordering::Relaxed);
+    }
+
+    /// Capacity as written at creation.
+    pub(crate) fn cap(&self) -> u64 {
+        self.cap
+    }
+
+    /// The consumers' index.
+    pub(crate) fn head(&self) -> &AtomicU64 {
+        &self.head
+    }
+
+    /// The producers' index.
+    pub(crate) fn tail(&self) -> &AtomicU64 {
+        &self.tail
+    }
+}
+
 #[repr(C)]
 struct Slot<T> {
     seq: AtomicU64,
@@ -149,6 +173,16 @@ impl<T: Copy> Ring<T> {
     /// # Errors
     /// Returns the value back when full.
     pub fn push(&self, v: T) -> Result<(), T> {
+        self.push_with(v, || {})
+    }
+
+    /// [`Ring::push`], calling `before_publish` once the entry is written
+    /// but before consumers can see it (step 2), and only if it is pushed.
+    /// A process that dies inside leaves the slot unpublished.
+    ///
+    /// # Errors
+    /// Returns the value back when full (`before_publish` not called).
+    pub fn push_with(&self, v: T, before_publish: impl FnOnce()) -> Result<(), T> {
         let h = self.hdr();
         let mut pos = h.tail.load(Ordering::Relaxed);
         loop {
@@ -166,10 +200,10 @@ impl<T: Copy> Ring<T> {
                     Ok(_) => {
                         // SAFETY: step 2: the CAS gave us exclusive use of the
                         // slot until we publish `pos + 1`.
-                        unsafe {
-                            std::ptr::addr_of_mut!((*s).val).write(v);
-                            (*s).seq.store(pos + 1, Ordering::Release);
-                        }
+                        unsafe { std::ptr::addr_of_mut!((*s).val).write(v) };
+                        before_publish();
+                        // SAFETY: as above.
+                        unsafe { (*s).seq.store(pos + 1, Ordering::Release) };
                         return Ok(());
                     }
                     Err(p) => pos = p,

@@ -47,6 +47,11 @@ pub fn child_chan() -> Option<Chan> {
 /// In the parent: the binary re-run as the child for `test`, and the
 /// parent's end of the socketpair.
 pub fn spawn(test: &str) -> (Child, Chan) {
+    spawn_env(test, &[])
+}
+
+/// [`spawn`] with extra environment variables for the child.
+pub fn spawn_env(test: &str, env: &[(&str, &str)]) -> (Child, Chan) {
     let (a, b) = UnixStream::pair().expect("socketpair");
     let fd = b.as_raw_fd();
     // SAFETY: `fd` is `b`, open until dropped below; clearing FD_CLOEXEC
@@ -56,6 +61,7 @@ pub fn spawn(test: &str) -> (Child, Chan) {
         .args([test, "--exact", "--nocapture", "--test-threads=1"])
         .env("SOFTVERBS_TEST_ROLE", "child")
         .env("SOFTVERBS_TEST_FD", fd.to_string())
+        .envs(env.iter().copied())
         .spawn()
         .expect("spawn child");
     drop(b);
