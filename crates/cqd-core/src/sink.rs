@@ -109,6 +109,25 @@ pub trait WorkSink<W>: Send {
         items.len().min(n.saturating_sub(fresh))
     }
 
+    /// As [`offer_fresh`](Self::offer_fresh), for an offer in the middle of
+    /// a burst: the caller promises to make another offer or call
+    /// [`settle`](Self::settle) soon, and always before it blocks, sleeps
+    /// or goes idle. The sink may then defer work that can wait that long;
+    /// the worker pool defers the fence and the wake-up check while every
+    /// worker it feeds looks awake (at most a few offers in a row). Every
+    /// other method (a plain offer, [`arm_space`](Self::arm_space),
+    /// dropping the sink) completes what was deferred. The poller uses it
+    /// for the hand-off of a round that found completions, which is
+    /// followed by another round. The provided version is `offer_fresh`.
+    fn offer_burst(&mut self, items: &mut VecDeque<Routed<W>>, fresh: usize) -> usize {
+        self.offer_fresh(items, fresh)
+    }
+
+    /// Completes what [`offer_burst`](Self::offer_burst) deferred (for the
+    /// worker pool: the fence and the wake-up check). The provided version
+    /// does nothing.
+    fn settle(&mut self) {}
+
     /// How many destinations (workers) this sink feeds; used for metrics.
     fn destinations(&self) -> usize {
         1

@@ -164,14 +164,34 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         }
     }
 
-    /// Offers the spill (fresh items behind the counted ones) to the sink.
+    /// Offers the spill (fresh items behind the counted ones) to the sink,
+    /// completing any wake-up check an earlier burst deferred: what the
+    /// poller calls before it may go idle.
     pub(super) fn hand_off(&mut self) {
+        self.offer_spill(false);
+    }
+
+    /// The hand-off of a round that found completions: the poller runs
+    /// another round next, whose hand-off completes what this one defers
+    /// ([`WorkSink::offer_burst`]).
+    pub(super) fn hand_off_burst(&mut self) {
+        self.offer_spill(true);
+    }
+
+    fn offer_spill(&mut self, burst: bool) {
         let before = self.spill.items.len();
         if before == 0 {
+            if !burst {
+                self.sink.settle();
+            }
             return;
         }
         let fresh = self.spill.counted.min(before);
-        let refused = self.sink.offer_fresh(&mut self.spill.items, fresh);
+        let refused = if burst {
+            self.sink.offer_burst(&mut self.spill.items, fresh)
+        } else {
+            self.sink.offer_fresh(&mut self.spill.items, fresh)
+        };
         self.after_offer(before, refused);
     }
 

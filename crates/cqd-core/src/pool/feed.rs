@@ -66,6 +66,11 @@ pub fn worker_for_key(key: u64, workers: usize) -> usize {
 
 const NOT_PUBLISHED: usize = usize::MAX;
 
+/// The most burst offers ([`WorkSink::offer_burst`]) whose fence and
+/// wake-up check may be deferred before one is run anyway: bounds how late
+/// a worker that raced into sleep is woken, in offers.
+pub const MAX_DEFERRED_CHECKS: u32 = 8;
+
 /// One producer's end of a worker pool: a ring to every worker. Hand it to
 /// the poller that feeds the pool; `Send`, not `Sync`, not `Clone`.
 /// Dropping it tells the workers this producer is gone; once every sink is
@@ -97,6 +102,13 @@ pub struct PoolSink<W> {
     bells: Box<[(Arc<Bell>, thread::Thread)]>,
     free: Box<[usize]>,
     old_tail: Box<[usize]>,
+    /// Per ring, the old tail of the first publication whose wake-up check
+    /// (steps 4 and 5) is still owed, or `NOT_PUBLISHED`.
+    unchecked: Box<[usize]>,
+    /// Whether any ring has an owed check.
+    owed: bool,
+    /// Burst offers since the last check.
+    deferred: u32,
     routing: Routing,
     start: usize,
     shared: Arc<Shared>,
@@ -126,6 +138,9 @@ impl<W> PoolSink<W> {
             bells: bells.into(),
             free: vec![0; n].into(),
             old_tail: vec![NOT_PUBLISHED; n].into(),
+            unchecked: vec![NOT_PUBLISHED; n].into(),
+            owed: false,
+            deferred: 0,
             routing,
             start: 0,
             shared,
@@ -210,15 +225,60 @@ impl<W> PoolSink<W> {
             self.shared.counters.sinks[self.index].offer(1, 0, 0);
             return Ok(());
         }
-        producer_fence();
-        let (bell, thread) = &self.bells[dest];
-        let ring = &self.rings[dest];
-        let unparks = usize::from(bell.needs_wake(|| ring.consumer_position() == old));
-        if unparks > 0 {
-            thread.unpark();
-        }
+        self.owe_check(dest, old);
+        let unparks = self.check_wakes();
         self.shared.counters.sinks[self.index].offer(1, 0, unparks);
         Ok(())
+    }
+
+    /// Records that ring `w`'s publication from tail `old` still needs its
+    /// wake-up check.
+    fn owe_check(&mut self, w: usize, old: usize) {
+        if old != NOT_PUBLISHED && self.unchecked[w] == NOT_PUBLISHED {
+            self.unchecked[w] = old;
+            self.owed = true;
+        }
+    }
+
+    /// Steps 4 and 5 for every owed publication: one fence, then unpark
+    /// each worker that announced sleep on a ring that holds items it has
+    /// not seen. Returns the unparks.
+    ///
+    /// A worker parks only after its re-check saw its ring empty at some
+    /// published tail `h` (its position). If `h` is at or past the first
+    /// owed publication's old tail and below the tail now, a publication it
+    /// may have missed followed its re-check: wake it. If `h` is below the
+    /// first owed publication, the publication that ended at `h` or later
+    /// was checked with a fence already (it woke the worker, or the
+    /// worker's re-check saw it). With one owed publication this is the
+    /// plain "position equals the old tail" test.
+    fn check_wakes(&mut self) -> usize {
+        self.deferred = 0;
+        if !std::mem::take(&mut self.owed) {
+            return 0;
+        }
+        producer_fence();
+        let mut unparks = 0;
+        for ((ring, from), (bell, thread)) in self
+            .rings
+            .iter()
+            .zip(self.unchecked.iter_mut())
+            .zip(self.bells.iter())
+        {
+            let first = std::mem::replace(from, NOT_PUBLISHED);
+            if first == NOT_PUBLISHED {
+                continue;
+            }
+            let published = ring.published();
+            if bell.needs_wake(|| {
+                let position = ring.consumer_position();
+                first <= position && position < published
+            }) {
+                thread.unpark();
+                unparks += 1;
+            }
+        }
+        unparks
     }
 
     /// The destination of an item.
@@ -298,11 +358,16 @@ impl<W> PoolSink<W> {
 }
 
 impl<W: Send> PoolSink<W> {
-    /// One offer (steps 1 to 5); returns how many refused items were at
-    /// positions `fresh..` on entry.
-    fn offer_inner(&mut self, items: &mut VecDeque<Routed<W>>, fresh: usize) -> usize {
+    /// One offer (steps 1 to 5; in a burst, steps 4 and 5 may be owed,
+    /// see [`WorkSink::offer_burst`]); returns how many refused items were
+    /// at positions `fresh..` on entry.
+    fn offer_inner(&mut self, items: &mut VecDeque<Routed<W>>, fresh: usize, burst: bool) -> usize {
         let n = items.len();
         if n == 0 {
+            if self.owed && !burst {
+                let unparks = self.check_wakes();
+                self.shared.counters.sinks[self.index].unparked(unparks);
+            }
             return 0;
         }
         let workers = self.rings.len();
@@ -367,19 +432,22 @@ impl<W: Send> PoolSink<W> {
             published |= *old != NOT_PUBLISHED;
         }
         let mut unparks = 0;
-        if published && !self.spinning_workers {
-            // 4. Fence.
-            producer_fence();
-            // 5. Wake on empty→non-empty.
-            for ((ring, old), (bell, thread)) in self
-                .rings
-                .iter()
-                .zip(self.old_tail.iter())
-                .zip(self.bells.iter())
-            {
-                if *old != NOT_PUBLISHED && bell.needs_wake(|| ring.consumer_position() == *old) {
-                    thread.unpark();
-                    unparks += 1;
+        if !self.spinning_workers {
+            let mut asleep = false;
+            for w in 0..self.rings.len() {
+                let old = self.old_tail[w];
+                self.owe_check(w, old);
+                // 4'. In a burst: a worker that looks asleep is checked now.
+                asleep |= burst && old != NOT_PUBLISHED && self.bells[w].0.looks_asleep();
+            }
+            if self.owed {
+                self.deferred += 1;
+                // 4 and 5, unless a burst may defer them: outside a burst,
+                // for a worker that looks asleep, for an offer that
+                // published nothing (the producer is not streaming), and
+                // after `MAX_DEFERRED_CHECKS` deferred offers.
+                if !burst || asleep || !published || self.deferred >= MAX_DEFERRED_CHECKS {
+                    unparks = self.check_wakes();
                 }
             }
         }
@@ -392,11 +460,26 @@ impl<W: Send> PoolSink<W> {
 impl<W: Send> WorkSink<W> for PoolSink<W> {
     fn offer(&mut self, items: &mut VecDeque<Routed<W>>) {
         let n = items.len();
-        self.offer_inner(items, n);
+        self.offer_inner(items, n, false);
     }
 
     fn offer_fresh(&mut self, items: &mut VecDeque<Routed<W>>, fresh: usize) -> usize {
-        self.offer_inner(items, fresh)
+        self.offer_inner(items, fresh, false)
+    }
+
+    /// Defers the fence and the wake-up check (steps 4 and 5) while every
+    /// worker published to looks awake, for at most
+    /// [`MAX_DEFERRED_CHECKS`] burst offers in a row (see `pool::park`,
+    /// "Deferred checks").
+    fn offer_burst(&mut self, items: &mut VecDeque<Routed<W>>, fresh: usize) -> usize {
+        self.offer_inner(items, fresh, true)
+    }
+
+    fn settle(&mut self) {
+        if self.owed {
+            let unparks = self.check_wakes();
+            self.shared.counters.sinks[self.index].unparked(unparks);
+        }
     }
 
     fn destinations(&self) -> usize {

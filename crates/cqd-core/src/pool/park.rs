@@ -108,6 +108,15 @@ impl Bell {
     pub(crate) fn needs_wake(&self, was_empty: impl FnOnce() -> bool) -> bool {
         self.sleeping.load(Ordering::Relaxed) && was_empty()
     }
+
+    /// The producer side of a deferred check (step 2'): whether the worker
+    /// looks like it announced sleep, by a `Relaxed` load with no fence
+    /// before it. `true` is a hint to check now; `false` proves nothing
+    /// (the announcement may not be visible yet), so the caller must still
+    /// run steps 2 and 3 later.
+    pub(crate) fn looks_asleep(&self) -> bool {
+        self.sleeping.load(Ordering::Relaxed)
+    }
 }
 
 /// The producer side, step 2: one fence per offer, between publication and

@@ -194,6 +194,11 @@ impl<T> Producer<T> {
         Some(old)
     }
 
+    /// One past the last published slot (the producer's own copy of `tail`).
+    pub(crate) fn published(&self) -> usize {
+        self.published
+    }
+
     /// The consumer's position, loaded `Relaxed`; the wake-up protocol orders
     /// this load with a `SeqCst` fence of its own.
     pub(crate) fn consumer_position(&self) -> usize {
