@@ -1,7 +1,11 @@
 //! The poller's spill: back-pressure and the space wait.
 //!
 //! Work the sink refuses stays in the poller's spill queue, in order, and is
-//! offered again on every loop. Two rules keep that queue bounded and the
+//! offered again on every loop. The hand-off of a round that found
+//! completions is a burst offer ([`WorkSink::offer_burst`]: the next round
+//! follows at once); every other hand-off is a plain offer, or a
+//! [`WorkSink::settle`] when the spill is empty, so that whatever a burst
+//! deferred (the pool's wake-up check) is done before the poller can sleep. Two rules keep that queue bounded and the
 //! poller off the CPU:
 //!
 //! 1. **The mark.** Before polling a round, the poller compares its spill

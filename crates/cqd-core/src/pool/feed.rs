@@ -20,6 +20,11 @@
 //! 5. For each ring published to that was empty, unpark its worker if it
 //!    announced sleep.
 //!
+//! A burst offer ([`WorkSink::offer_burst`]) may owe steps 4 and 5 to a
+//! later offer or [`settle`](WorkSink::settle) while every worker it
+//! published to looks awake, for at most [`MAX_DEFERRED_CHECKS`] offers in a
+//! row (see "Deferred checks" in [`park`](super::park)).
+//!
 //! A full ring's refusal leaves items in the caller's queue (the poller's
 //! spill). The sink never blocks; the bound on that queue is the poller's
 //! back-pressure, see `poller::spill` (above its high-water mark a poller
@@ -619,6 +624,84 @@ mod tests {
         sink.offer(&mut items);
         let left: Vec<_> = items.iter().map(|r| r.item).collect();
         assert_eq!(left, [2, 3, 4, 5]);
+    }
+
+    fn unparks(sink: &PoolSink<usize>) -> u64 {
+        sink.shared.counters.sinks[sink.index].snapshot().unparks
+    }
+
+    fn least_loaded(items: impl IntoIterator<Item = usize>) -> VecDeque<Routed<usize>> {
+        items
+            .into_iter()
+            .map(|item| Routed {
+                route: Route::LeastLoaded,
+                item,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn bursts_owe_the_check_for_at_most_max_deferred_offers() {
+        let (mut sink, mut rings) = sink(1, 1024, Routing::AsRouted);
+        for i in 0..MAX_DEFERRED_CHECKS - 1 {
+            sink.offer_burst(&mut least_loaded([i as usize]), 0);
+            assert!(sink.owed, "an awake worker's check is owed");
+            assert_eq!(sink.unchecked[0], 0, "from the first owed publication");
+        }
+        // The worker announces sleep without having seen anything: its
+        // position is the first owed publication's old tail.
+        sink.bells[0].0.set_sleeping(true);
+        sink.settle();
+        assert!(!sink.owed);
+        assert_eq!(unparks(&sink), 1, "the settle wakes the sleeper");
+        sink.bells[0].0.set_sleeping(false);
+        assert_eq!(drain(&mut rings[0]).len(), MAX_DEFERRED_CHECKS as usize - 1);
+        // An awake worker: the check runs after MAX_DEFERRED_CHECKS bursts.
+        for i in 0..MAX_DEFERRED_CHECKS {
+            assert!(!sink.owed || sink.deferred < MAX_DEFERRED_CHECKS);
+            sink.offer_burst(&mut least_loaded([i as usize]), 0);
+        }
+        assert!(!sink.owed, "checked after {MAX_DEFERRED_CHECKS} bursts");
+        assert_eq!(unparks(&sink), 1);
+    }
+
+    #[test]
+    fn a_burst_to_a_worker_that_looks_asleep_checks_at_once() {
+        let (mut sink, mut rings) = sink(1, 1024, Routing::AsRouted);
+        sink.bells[0].0.set_sleeping(true);
+        sink.offer_burst(&mut least_loaded([1, 2]), 0);
+        assert!(!sink.owed);
+        assert_eq!(unparks(&sink), 1);
+        // Woken but not yet out of `park` (the flag still set), the worker
+        // has not moved: a second burst owes no second unpark ...
+        sink.offer_burst(&mut least_loaded([3]), 0);
+        assert_eq!(unparks(&sink), 1, "position below the first owed tail");
+        // ... and once it has taken everything, nothing is left to wake it for.
+        assert_eq!(drain(&mut rings[0]), [1, 2, 3]);
+        sink.settle();
+        assert_eq!(unparks(&sink), 1);
+    }
+
+    #[test]
+    fn a_plain_offer_settles_what_bursts_owe_on_every_ring() {
+        let (mut sink, mut rings) = sink(2, 4, Routing::AsRouted);
+        let k0 = (0..).find(|&k| worker_for_key(k, 2) == 0).unwrap();
+        let k1 = (0..).find(|&k| worker_for_key(k, 2) == 1).unwrap();
+        let keyed = |k: u64, item: usize| Routed {
+            route: Route::Key(k),
+            item,
+        };
+        sink.offer_burst(&mut VecDeque::from([keyed(k0, 1)]), 0);
+        sink.offer_burst(&mut VecDeque::from([keyed(k1, 2)]), 0);
+        assert!(sink.owed);
+        sink.bells[0].0.set_sleeping(true);
+        sink.bells[1].0.set_sleeping(true);
+        // A plain offer to worker 0 only checks worker 1's owed publication too.
+        sink.offer(&mut VecDeque::from([keyed(k0, 3)]));
+        assert!(!sink.owed);
+        assert_eq!(unparks(&sink), 2);
+        assert_eq!(drain(&mut rings[0]), [1, 3]);
+        assert_eq!(drain(&mut rings[1]), [2]);
     }
 
     proptest! {
