@@ -5,16 +5,14 @@
 //! the common path (a success for a live handler stays inline; every other
 //! case is out of line).
 
-use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use super::{Command, CqOptions, CqShared};
 use crate::account::AccountCache;
 use crate::completion::{Completion, Status};
-use crate::handler::{Failed, Outbox, RecvDone, SendDone};
+use crate::handler::{Emit, Failed, RecvDone, SendDone};
 use crate::ledger::WrLedger;
 use crate::metrics::bump;
-use crate::sink::Routed;
 use crate::slab::{Entry, Slab};
 use crate::sync::Ordering;
 use crate::wr_id::{HandlerKey, Side, WrId, SLOT_MASK, SLOT_SHIFT};
@@ -92,7 +90,7 @@ pub(super) fn dispatch_batch<W: 'static>(
     accounts: &mut AccountCache,
     options: &CqOptions,
     wcs: &[Completion],
-    out: &mut VecDeque<Routed<W>>,
+    out: &mut Emit<'_, W>,
 ) {
     // Every polled entry has left the CQ, whatever its dispatch finds
     // (stale included): retire what it covers in its queue's account and
@@ -139,7 +137,7 @@ fn dispatch<W: 'static>(
     slab: &mut Slab<W>,
     options: &CqOptions,
     wc: &Completion,
-    out: &mut VecDeque<Routed<W>>,
+    out: &mut Emit<'_, W>,
 ) {
     if options.trace_completions {
         trace_completion(&shared.name, wc);
@@ -165,11 +163,11 @@ fn complete<W: 'static>(
     entry: &mut Entry<W>,
     id: WrId,
     wc: &Completion,
-    out: &mut VecDeque<Routed<W>>,
+    out: &mut Emit<'_, W>,
 ) {
     entry.ledger.add_completed(id.kind);
     if wc.status.is_success() && wc.opcode.is_known() {
-        let mut outbox = Outbox::new(out, entry.route);
+        let mut outbox = out.outbox(entry.route);
         match id.kind.side() {
             Side::Send => entry.handler.on_send(
                 &SendDone {
@@ -248,7 +246,7 @@ fn miss<W: 'static>(
     slab: &mut Slab<W>,
     wc: &Completion,
     id: WrId,
-    out: &mut VecDeque<Routed<W>>,
+    out: &mut Emit<'_, W>,
 ) {
     if !shared.commands.is_empty() {
         apply_commands(shared, slab);
@@ -276,7 +274,7 @@ fn not_success<W: 'static>(
     entry: &mut Entry<W>,
     id: WrId,
     wc: &Completion,
-    out: &mut VecDeque<Routed<W>>,
+    out: &mut Emit<'_, W>,
 ) {
     let m = &shared.metrics.0;
     let anomaly = match wc.status {
@@ -308,7 +306,7 @@ fn not_success<W: 'static>(
         key: id.key,
         wc,
     };
-    let mut outbox = Outbox::new(out, entry.route);
+    let mut outbox = out.outbox(entry.route);
     entry.handler.on_error(&failed, &mut outbox);
 }
 
