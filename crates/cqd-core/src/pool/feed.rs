@@ -446,8 +446,10 @@ impl<W: Send> PoolSink<W> {
             for w in 0..self.rings.len() {
                 let old = self.old_tail[w];
                 self.owe_check(w, old);
-                // 4'. In a burst: a worker that looks asleep is checked now.
-                asleep |= burst && old != NOT_PUBLISHED && self.bells[w].0.looks_asleep();
+                // 4'. In a burst: a worker owed a check that looks asleep
+                //     is checked now.
+                asleep |=
+                    burst && self.unchecked[w] != NOT_PUBLISHED && self.bells[w].0.looks_asleep();
             }
             if self.owed {
                 self.deferred += 1;

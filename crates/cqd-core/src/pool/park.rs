@@ -49,10 +49,10 @@
 //! the poller's hand-off after a round that found completions) may owe
 //! steps 2 and 3 instead of running them:
 //!
-//! - 2'. After publishing, load the `sleeping` flag of each worker
-//!   published to, `Relaxed` and without a fence (a cache hit: the flag is
-//!   rarely written). If any is set, run steps 2 and 3 now. Otherwise
-//!   record each publication's old tail as owed (the first one per ring).
+//! - 2'. After publishing, record each publication's old tail as owed
+//!   (the first one per ring), and load the `sleeping` flag of each worker
+//!   owed a check, `Relaxed` and without a fence (a cache hit: the flag is
+//!   rarely written). If any is set, run steps 2 and 3 now.
 //! - The owed steps 2 and 3 run, for every owed ring at once, at the
 //!   producer's next plain offer, [`settle`](crate::sink::WorkSink::settle)
 //!   or space arm, at an offer that published nothing, and after at most
