@@ -25,9 +25,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use cqd::core::pool::Work;
-use cqd::core::sink::{Direct, Route, WorkSink};
+use cqd::core::sink::{Route, Routed, WorkSink};
 use cqd::core::topology::{Placement, PoolConfig, TopologyConfig, WorkerIdle};
-use cqd::core::Outbox;
 
 const CAPACITY: usize = 1024;
 
@@ -132,11 +131,8 @@ fn cqd_pool_idle(items: u64, workers: usize, idle: WorkerIdle) -> u64 {
         })
         .expect("spawn");
     let mut sink = sinks.pop().expect("one sink");
-    // The poller's loop: a handler pushes each item of a drained batch
-    // into its outbox, which stages it straight into the ring while the
-    // spill is empty and spills it otherwise (the direct path, through the
-    // sink's `Direct` stage, as the poller's rounds do); then the hand-off.
-    // A round that drained a batch offers as a burst (`offer_burst`), one
+    // The poller's loop: append a drained batch to the spill queue, offer;
+    // a round that drained a batch offers as a burst (`offer_burst`), one
     // that found nothing new offers plainly, as the poller's rounds do.
     let mut spill = VecDeque::with_capacity(4 * CAPACITY);
     let pinned = consumer_cpu(workers).is_some();
@@ -146,11 +142,10 @@ fn cqd_pool_idle(items: u64, workers: usize, idle: WorkerIdle) -> u64 {
         let fresh = spill.len();
         if next < items && spill.len() < CAPACITY {
             let end = (next + BATCH as u64).min(items);
-            let mut direct = Direct::new(&mut sink);
-            let mut outbox = Outbox::with_stage(&mut spill, Route::LeastLoaded, &mut direct);
-            for item in next..end {
-                outbox.push(item);
-            }
+            spill.extend((next..end).map(|item| Routed {
+                route: Route::LeastLoaded,
+                item,
+            }));
             next = end;
             found = true;
         }

@@ -14,7 +14,7 @@
 use std::collections::VecDeque;
 
 use crate::completion::{Completion, Opcode, Status};
-use crate::sink::{NoWork, Route, Routed, Stage};
+use crate::sink::{NoWork, Route, Routed};
 use crate::wr_id::{HandlerKey, OpKind, Side};
 
 /// A successful send-side completion (SEND, RDMA WRITE, RDMA READ, atomic).
@@ -194,105 +194,37 @@ impl Failed<'_> {
 /// Items are handed to the workers after the batch that produced them, in
 /// the order they were pushed. The poller never drops them: a full worker
 /// ring makes the poller keep them (a spill) and retry.
-///
-/// The direct path: while the spill is empty, an outbox with a [`Stage`]
-/// (the poller gives its sink's) writes each item straight into its
-/// destination (for a worker pool, the worker's ring; published by the
-/// hand-off after the batch). The first item the stage refuses goes to the
-/// spill, and so does every item after it, so order holds exactly as if
-/// everything had gone through the spill.
+#[derive(Debug)]
 pub struct Outbox<'a, W> {
     pub(crate) items: &'a mut VecDeque<Routed<W>>,
-    pub(crate) direct: Option<&'a mut dyn Stage<W>>,
     pub(crate) route: Route,
-}
-
-impl<W> std::fmt::Debug for Outbox<'_, W> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Outbox")
-            .field("spilled", &self.items.len())
-            .field("direct", &self.direct.is_some())
-            .field("route", &self.route)
-            .finish()
-    }
 }
 
 impl<'a, W> Outbox<'a, W> {
     /// An outbox appending to `items` with `route` as the default route.
     /// The poller makes these; this is public for custom poll loops and tests.
     pub fn new(items: &'a mut VecDeque<Routed<W>>, route: Route) -> Self {
-        Outbox {
-            items,
-            direct: None,
-            route,
-        }
-    }
-
-    /// An outbox that stages items straight into `stage` while `items`
-    /// (the spill) is empty, and appends to `items` from the first item
-    /// `stage` refuses on (the direct path, see above). The poller makes
-    /// these with its sink's [`Direct`](crate::sink::Direct) stage; this is
-    /// public for custom poll loops and benchmarks.
-    pub fn with_stage(
-        items: &'a mut VecDeque<Routed<W>>,
-        route: Route,
-        stage: &'a mut dyn Stage<W>,
-    ) -> Self {
-        Outbox {
-            items,
-            direct: Some(stage),
-            route,
-        }
+        Outbox { items, route }
     }
 
     /// Emits `item` on the handler's default route (given at registration).
     #[inline]
     pub fn push(&mut self, item: W) {
-        let route = self.route;
-        self.push_to(route, item);
+        self.items.push_back(Routed {
+            route: self.route,
+            item,
+        });
     }
 
     /// Emits `item` on an explicit route.
     #[inline]
     pub fn push_to(&mut self, route: Route, item: W) {
-        let routed = Routed { route, item };
-        let routed = match &mut self.direct {
-            // Straight to the destination only while nothing waits in the
-            // spill: an item never overtakes an earlier one.
-            Some(stage) if self.items.is_empty() => match stage.stage(routed) {
-                Ok(()) => return,
-                Err(refused) => refused,
-            },
-            _ => routed,
-        };
-        self.items.push_back(routed);
+        self.items.push_back(Routed { route, item });
     }
 
     /// The handler's default route.
     pub fn route(&self) -> Route {
         self.route
-    }
-}
-
-/// Where the handlers of one poll put their work: the spill, and the
-/// direct path's stage (see [`Outbox`]).
-pub(crate) struct Emit<'a, W> {
-    pub(crate) spill: &'a mut VecDeque<Routed<W>>,
-    pub(crate) direct: Option<&'a mut dyn Stage<W>>,
-}
-
-impl<W> Emit<'_, W> {
-    /// An outbox over this emit target, with `route` as its default route.
-    #[inline]
-    pub(crate) fn outbox(&mut self, route: Route) -> Outbox<'_, W> {
-        Outbox {
-            items: &mut *self.spill,
-            direct: match &mut self.direct {
-                Some(d) => Some(&mut **d),
-                None => None,
-            },
-            route,
-        }
     }
 }
 

@@ -87,43 +87,6 @@ pub enum SpaceWait {
     Unsupported,
 }
 
-/// Takes one item straight into its destination, or refuses it: the
-/// direct path of an [`Outbox`](crate::handler::Outbox). What a stage takes
-/// is handed over (published, for a worker pool) by the sink's next offer.
-pub trait Stage<W>: Send {
-    /// Takes `item`, or gives it back.
-    fn stage(&mut self, item: Routed<W>) -> Result<(), Routed<W>>;
-}
-
-/// The stage of a sink ([`WorkSink::stage`]), counting what it took: what
-/// the poller hands its outboxes for the direct path.
-#[derive(Debug)]
-pub struct Direct<'a, S> {
-    sink: &'a mut S,
-    staged: usize,
-}
-
-impl<'a, S> Direct<'a, S> {
-    /// A stage over `sink`.
-    pub fn new(sink: &'a mut S) -> Self {
-        Direct { sink, staged: 0 }
-    }
-
-    /// How many items it took.
-    pub fn staged(&self) -> usize {
-        self.staged
-    }
-}
-
-impl<W, S: WorkSink<W>> Stage<W> for Direct<'_, S> {
-    #[inline]
-    fn stage(&mut self, item: Routed<W>) -> Result<(), Routed<W>> {
-        self.sink.stage(item)?;
-        self.staged += 1;
-        Ok(())
-    }
-}
-
 /// Anything the poller can hand work to without blocking.
 pub trait WorkSink<W>: Send {
     /// Takes as many items from the front-to-back order of `items` as it can
@@ -160,22 +123,10 @@ pub trait WorkSink<W>: Send {
         self.offer_fresh(items, fresh)
     }
 
-    /// Hands over what [`stage`](Self::stage) took and completes what
-    /// [`offer_burst`](Self::offer_burst) deferred (for the worker pool:
-    /// publication, the fence and the wake-up check). The provided version
+    /// Completes what [`offer_burst`](Self::offer_burst) deferred (for the
+    /// worker pool: the fence and the wake-up check). The provided version
     /// does nothing.
     fn settle(&mut self) {}
-
-    /// The direct path: takes `item` straight into its destination without
-    /// handing it over yet, or gives it back. The next offer of any kind
-    /// (or [`settle`](Self::settle)) hands over everything staged, before
-    /// the items it is given. The caller (an [`Outbox`](crate::handler::Outbox))
-    /// stages only while its spill is empty and spills every item from the
-    /// first refused one on, so contract points 1 and 2 hold as if every
-    /// item had been offered. The provided version refuses everything.
-    fn stage(&mut self, item: Routed<W>) -> Result<(), Routed<W>> {
-        Err(item)
-    }
 
     /// How many destinations (workers) this sink feeds; used for metrics.
     fn destinations(&self) -> usize {

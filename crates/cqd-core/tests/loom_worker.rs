@@ -242,30 +242,3 @@ fn burst_then_plain_offer_lose_no_wakeup() {
         pool.join().unwrap();
     });
 }
-
-/// The direct path: an outbox stages straight into the ring (the poller's
-/// rounds while the spill is empty), a burst offer publishes it, and the
-/// settle that follows completes the deferred check; then a second item
-/// staged and handed over by a plain offer. No wake-up is lost.
-#[test]
-fn direct_staging_then_burst_and_settle_lose_no_wakeup() {
-    use cqd_core::handler::Outbox;
-    use cqd_core::sink::Direct;
-    model(|| {
-        let (pool, mut sinks, log) = pool(2, 1);
-        let mut sink = sinks.pop().unwrap();
-        let mut spill = VecDeque::new();
-        let mut direct = Direct::new(&mut sink);
-        Outbox::with_stage(&mut spill, Route::Key(7), &mut direct).push(1);
-        assert_eq!(direct.staged(), 1);
-        sink.offer_burst(&mut spill, 0);
-        sink.settle();
-        let mut direct = Direct::new(&mut sink);
-        Outbox::with_stage(&mut spill, Route::Key(7), &mut direct).push(2);
-        sink.offer(&mut spill);
-        assert!(spill.is_empty());
-        assert_eq!(log.wait_for(2), [1, 2]);
-        drop(sink);
-        pool.join().unwrap();
-    });
-}

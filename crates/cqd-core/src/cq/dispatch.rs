@@ -5,14 +5,16 @@
 //! the common path (a success for a live handler stays inline; every other
 //! case is out of line).
 
+use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use super::{Command, CqOptions, CqShared};
 use crate::account::AccountCache;
 use crate::completion::{Completion, Status};
-use crate::handler::{Emit, Failed, RecvDone, SendDone};
+use crate::handler::{Failed, Outbox, RecvDone, SendDone};
 use crate::ledger::WrLedger;
 use crate::metrics::bump;
+use crate::sink::Routed;
 use crate::slab::{Entry, Slab};
 use crate::sync::Ordering;
 use crate::wr_id::{HandlerKey, Side, WrId, SLOT_MASK, SLOT_SHIFT};
@@ -90,7 +92,7 @@ pub(super) fn dispatch_batch<W: 'static>(
     accounts: &mut AccountCache,
     options: &CqOptions,
     wcs: &[Completion],
-    out: &mut Emit<'_, W>,
+    out: &mut VecDeque<Routed<W>>,
 ) {
     // Every polled entry has left the CQ, whatever its dispatch finds
     // (stale included): retire what it covers in its queue's account and
@@ -137,7 +139,7 @@ fn dispatch<W: 'static>(
     slab: &mut Slab<W>,
     options: &CqOptions,
     wc: &Completion,
-    out: &mut Emit<'_, W>,
+    out: &mut VecDeque<Routed<W>>,
 ) {
     if options.trace_completions {
         trace_completion(&shared.name, wc);
@@ -163,11 +165,11 @@ fn complete<W: 'static>(
     entry: &mut Entry<W>,
     id: WrId,
     wc: &Completion,
-    out: &mut Emit<'_, W>,
+    out: &mut VecDeque<Routed<W>>,
 ) {
     entry.ledger.add_completed(id.kind);
     if wc.status.is_success() && wc.opcode.is_known() {
-        let mut outbox = out.outbox(entry.route);
+        let mut outbox = Outbox::new(out, entry.route);
         match id.kind.side() {
             Side::Send => entry.handler.on_send(
                 &SendDone {
@@ -246,7 +248,7 @@ fn miss<W: 'static>(
     slab: &mut Slab<W>,
     wc: &Completion,
     id: WrId,
-    out: &mut Emit<'_, W>,
+    out: &mut VecDeque<Routed<W>>,
 ) {
     if !shared.commands.is_empty() {
         apply_commands(shared, slab);
@@ -274,7 +276,7 @@ fn not_success<W: 'static>(
     entry: &mut Entry<W>,
     id: WrId,
     wc: &Completion,
-    out: &mut Emit<'_, W>,
+    out: &mut VecDeque<Routed<W>>,
 ) {
     let m = &shared.metrics.0;
     let anomaly = match wc.status {
@@ -306,7 +308,7 @@ fn not_success<W: 'static>(
         key: id.key,
         wc,
     };
-    let mut outbox = out.outbox(entry.route);
+    let mut outbox = Outbox::new(out, entry.route);
     entry.handler.on_error(&failed, &mut outbox);
 }
 

@@ -102,7 +102,6 @@ use crossbeam::queue::SegQueue;
 use crate::account::AccountCache;
 use crate::budget::CqBudget;
 use crate::completion::Completion;
-use crate::handler::Emit;
 use crate::ledger::WrLedger;
 use crate::metrics::{batch_bucket, bump, CqMetrics};
 use crate::sink::Routed;
@@ -421,15 +420,6 @@ impl<W: Send + 'static> CqPoller<W> {
     /// # Errors
     /// When the source fails (device gone); nothing polled is lost.
     pub fn poll_once(&mut self, out: &mut VecDeque<Routed<W>>) -> Result<usize, SourceError> {
-        self.poll_into(&mut Emit {
-            spill: out,
-            direct: None,
-        })
-    }
-
-    /// [`poll_once`](Self::poll_once) into an emit target (the spill and
-    /// the direct path's stage).
-    fn poll_into(&mut self, out: &mut Emit<'_, W>) -> Result<usize, SourceError> {
         // The registration doorbell protocol (step 3, in `handle`): every
         // poll looks at the flag, so a ring consumed without a poll cannot
         // strand a command.
@@ -594,20 +584,20 @@ impl<W: Send + 'static> CqPoller<W> {
     /// again).
     pub(crate) fn poll_round(
         &mut self,
-        out: &mut Emit<'_, W>,
+        out: &mut VecDeque<Routed<W>>,
         spill_mark: usize,
     ) -> Result<usize, SourceError> {
         let batch = self.core.buf.len();
         let budget = self.core.options.round_budget.max(1);
         let mut total = 0;
         loop {
-            let n = match self.poll_into(out) {
+            let n = match self.poll_once(out) {
                 Ok(n) => n,
                 Err(e) if total == 0 => return Err(e),
                 Err(_) => return Ok(total),
             };
             total += n;
-            if n < batch || total >= budget || out.spill.len() > spill_mark {
+            if n < batch || total >= budget || out.len() > spill_mark {
                 return Ok(total);
             }
         }
@@ -914,39 +904,21 @@ mod tests {
         // Full batches of 4 until the budget of 10 is reached: 12.
         assert_eq!(
             poller::<NoWork>(100, 4, 10)
-                .poll_round(
-                    &mut Emit {
-                        spill: &mut out,
-                        direct: None
-                    },
-                    usize::MAX
-                )
+                .poll_round(&mut out, usize::MAX)
                 .unwrap(),
             12
         );
         // A short batch ends the round.
         assert_eq!(
             poller::<NoWork>(6, 4, 10)
-                .poll_round(
-                    &mut Emit {
-                        spill: &mut out,
-                        direct: None
-                    },
-                    usize::MAX
-                )
+                .poll_round(&mut out, usize::MAX)
                 .unwrap(),
             6
         );
         // A budget below a batch still polls one batch.
         assert_eq!(
             poller::<NoWork>(100, 4, 1)
-                .poll_round(
-                    &mut Emit {
-                        spill: &mut out,
-                        direct: None
-                    },
-                    usize::MAX
-                )
+                .poll_round(&mut out, usize::MAX)
                 .unwrap(),
             4
         );
@@ -956,14 +928,7 @@ mod tests {
             .0
             .bind();
         assert_eq!(
-            p.poll_round(
-                &mut Emit {
-                    spill: &mut out,
-                    direct: None
-                },
-                usize::MAX
-            )
-            .unwrap(),
+            p.poll_round(&mut out, usize::MAX).unwrap(),
             DEFAULT_ROUND_BUDGET
         );
     }
@@ -976,17 +941,7 @@ mod tests {
             item: 7u32,
             route: crate::sink::Route::Key(0),
         }]);
-        assert_eq!(
-            p.poll_round(
-                &mut Emit {
-                    spill: &mut out,
-                    direct: None
-                },
-                0
-            )
-            .unwrap(),
-            4
-        );
+        assert_eq!(p.poll_round(&mut out, 0).unwrap(), 4);
     }
 
     #[test]

@@ -32,10 +32,9 @@ use std::time::{Duration, Instant};
 
 use super::Group;
 use crate::cq::GroupBell;
-use crate::handler::Emit;
 use crate::metrics::bump;
 use crate::mode::{PollMode, SleepGroup};
-use crate::sink::{Direct, SpaceWait, WorkSink};
+use crate::sink::{SpaceWait, WorkSink};
 use crate::source::{CompletionSource, SharedNotifier, SourceError};
 use crate::sync::Ordering;
 use crate::sys::{Doorbell, Epoll};
@@ -241,20 +240,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
     fn try_poll_cq(&mut self, i: usize) -> Option<usize> {
         let mark = self.spill.mark();
         let cq = self.cqs.get_mut(i)?;
-        // The direct path: while the spill is empty, what the handlers emit
-        // is staged straight into the sink (see `Outbox`); the hand-off
-        // after the round hands it over.
-        let mut direct = Direct::new(&mut self.sink);
-        let polled = cq.poll_round(
-            &mut Emit {
-                spill: &mut self.spill.items,
-                direct: Some(&mut direct),
-            },
-            mark,
-        );
-        let staged = direct.staged();
-        self.spill.staged(staged);
-        let n = match polled {
+        let n = match cq.poll_round(&mut self.spill.items, mark) {
             Ok(n) => n,
             Err(e) => {
                 // Counted by the CQ; traced at 1, 2, 4, 8… so a dead

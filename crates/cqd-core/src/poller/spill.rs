@@ -1,12 +1,7 @@
 //! The poller's spill: back-pressure and the space wait.
 //!
 //! Work the sink refuses stays in the poller's spill queue, in order, and is
-//! offered again on every loop. While the spill is empty, what handlers emit
-//! skips it: the direct path stages each item straight into the sink
-//! ([`WorkSink::stage`], for a pool the worker's ring), and the hand-off
-//! after the round publishes it; the first item the sink refuses, and
-//! everything after it in that round, goes to the spill (see
-//! [`Outbox`](crate::handler::Outbox)). The hand-off of a round that found
+//! offered again on every loop. The hand-off of a round that found
 //! completions is a burst offer ([`WorkSink::offer_burst`]: the next round
 //! follows at once); every other hand-off is a plain offer, or a
 //! [`WorkSink::settle`] when the spill is empty, so that whatever a burst
@@ -83,8 +78,6 @@ pub(super) struct Spill<W> {
     pub(super) items: VecDeque<Routed<W>>,
     /// Items at the front of `items` already counted as spilled.
     counted: usize,
-    /// Items the direct path staged in the sink since the last hand-off.
-    staged: usize,
     mark: usize,
     above: bool,
     /// The space doorbell, once the sink took its waker.
@@ -99,7 +92,6 @@ impl<W> Spill<W> {
         Spill {
             items: VecDeque::new(),
             counted: 0,
-            staged: 0,
             mark,
             above: false,
             space: None,
@@ -111,11 +103,6 @@ impl<W> Spill<W> {
     /// The high-water mark.
     pub(super) fn mark(&self) -> usize {
         self.mark
-    }
-
-    /// Counts items the direct path staged (handed over by the next offer).
-    pub(super) fn staged(&mut self, n: usize) {
-        self.staged += n;
     }
 
     /// Rule 1: the poller must not poll.
@@ -197,7 +184,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
 
     fn offer_spill(&mut self, burst: bool) {
         let before = self.spill.items.len();
-        if before == 0 && self.spill.staged == 0 {
+        if before == 0 {
             if !burst {
                 self.sink.settle();
             }
@@ -217,8 +204,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
     fn after_offer(&mut self, before: usize, fresh_refused: usize) {
         let left = self.spill.items.len();
         let m = &self.metrics.0;
-        let staged = std::mem::take(&mut self.spill.staged);
-        bump(&m.handed_off, (before.saturating_sub(left) + staged) as u64);
+        bump(&m.handed_off, before.saturating_sub(left) as u64);
         bump(&m.spills, fresh_refused as u64);
         m.spill_len.store(left as u64, Ordering::Relaxed);
         raise(&m.spill_high_water, left as u64);

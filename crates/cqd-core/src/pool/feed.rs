@@ -114,9 +114,6 @@ pub struct PoolSink<W> {
     owed: bool,
     /// Burst offers since the last check.
     deferred: u32,
-    /// Items staged by the direct path ([`WorkSink::stage`]) since the last
-    /// publication.
-    direct: usize,
     routing: Routing,
     start: usize,
     shared: Arc<Shared>,
@@ -149,7 +146,6 @@ impl<W> PoolSink<W> {
             unchecked: vec![NOT_PUBLISHED; n].into(),
             owed: false,
             deferred: 0,
-            direct: 0,
             routing,
             start: 0,
             shared,
@@ -372,7 +368,7 @@ impl<W: Send> PoolSink<W> {
     /// at positions `fresh..` on entry.
     fn offer_inner(&mut self, items: &mut VecDeque<Routed<W>>, fresh: usize, burst: bool) -> usize {
         let n = items.len();
-        if n == 0 && self.direct == 0 {
+        if n == 0 {
             if self.owed && !burst {
                 let unparks = self.check_wakes();
                 self.shared.counters.sinks[self.index].unparked(unparks);
@@ -463,8 +459,7 @@ impl<W: Send> PoolSink<W> {
             }
         }
         let refused = items.len();
-        let direct = std::mem::take(&mut self.direct);
-        self.shared.counters.sinks[self.index].offer(n - refused + direct, refused, unparks);
+        self.shared.counters.sinks[self.index].offer(n - refused, refused, unparks);
         fresh_refused
     }
 }
@@ -488,37 +483,10 @@ impl<W: Send> WorkSink<W> for PoolSink<W> {
     }
 
     fn settle(&mut self) {
-        if self.direct > 0 {
-            self.offer_inner(&mut VecDeque::new(), 0, false);
-        } else if self.owed {
+        if self.owed {
             let unparks = self.check_wakes();
             self.shared.counters.sinks[self.index].unparked(unparks);
         }
-    }
-
-    /// The direct path: writes `item` into its ring's next free slot, not
-    /// yet published (ring step 1; the next offer publishes it with what it
-    /// stages). A ring the cached position shows full is reloaded once
-    /// before it refuses.
-    #[inline]
-    fn stage(&mut self, item: Routed<W>) -> Result<(), Routed<W>> {
-        let Routed { route, item } = item;
-        if self.rings.len() == 1 {
-            // One ring: nothing to route, and `free` is recomputed by the
-            // next offer's step 1 before anyone reads it.
-            self.rings[0]
-                .stage_or_refresh(item)
-                .map_err(|item| Routed { route, item })?;
-        } else {
-            let dest = self.route(route, self.rings.len());
-            let ring = &mut self.rings[dest];
-            let staged = ring.stage_or_refresh(item);
-            // Keep `free` current for least-loaded routing.
-            self.free[dest] = ring.free();
-            staged.map_err(|item| Routed { route, item })?;
-        }
-        self.direct += 1;
-        Ok(())
     }
 
     fn destinations(&self) -> usize {
@@ -672,61 +640,6 @@ mod tests {
                 item,
             })
             .collect()
-    }
-
-    #[test]
-    fn the_direct_path_stages_until_a_refusal_then_spills_in_order() {
-        use crate::handler::Outbox;
-        use crate::sink::Direct;
-        let (mut sink, mut rings) = sink(1, 2, Routing::AsRouted);
-        let mut spill = VecDeque::new();
-        let mut direct = Direct::new(&mut sink);
-        let mut out = Outbox::with_stage(&mut spill, Route::LeastLoaded, &mut direct);
-        for item in 1..=4 {
-            out.push(item);
-        }
-        assert_eq!(direct.staged(), 2);
-        assert!(drain(&mut rings[0]).is_empty(), "staged, not yet published");
-        assert_eq!(spill.iter().map(|r| r.item).collect::<Vec<_>>(), [3, 4]);
-        sink.offer(&mut spill);
-        assert_eq!(
-            drain(&mut rings[0]),
-            [1, 2],
-            "the offer publishes the staged items first"
-        );
-        sink.offer(&mut spill);
-        assert!(spill.is_empty());
-        assert_eq!(drain(&mut rings[0]), [3, 4]);
-        assert_eq!(sink.shared.counters.sinks[0].snapshot().accepted, 4);
-        // With the spill empty again, the direct path resumes; a settle
-        // publishes what it staged.
-        let mut direct = Direct::new(&mut sink);
-        Outbox::with_stage(&mut spill, Route::LeastLoaded, &mut direct).push(5);
-        sink.settle();
-        assert_eq!(drain(&mut rings[0]), [5]);
-    }
-
-    #[test]
-    fn the_direct_path_keeps_per_worker_order_across_a_refusal() {
-        use crate::handler::Outbox;
-        use crate::sink::Direct;
-        let (mut sink, mut rings) = sink(2, 1, Routing::AsRouted);
-        let k0 = (0..).find(|&k| worker_for_key(k, 2) == 0).unwrap();
-        let k1 = (0..).find(|&k| worker_for_key(k, 2) == 1).unwrap();
-        let mut spill = VecDeque::new();
-        let mut direct = Direct::new(&mut sink);
-        let mut out = Outbox::with_stage(&mut spill, Route::Key(k0), &mut direct);
-        out.push(1); // staged for worker 0
-        out.push(2); // worker 0's ring is full: spilled
-        out.push_to(Route::Key(k1), 3); // behind a spilled item: spilled too
-        assert_eq!(direct.staged(), 1);
-        sink.offer(&mut spill);
-        // Worker 1 takes 3 now; 2 waits for worker 0, in order.
-        assert_eq!(drain(&mut rings[0]), [1]);
-        assert_eq!(drain(&mut rings[1]), [3]);
-        assert_eq!(spill.iter().map(|r| r.item).collect::<Vec<_>>(), [2]);
-        sink.offer(&mut spill);
-        assert_eq!(drain(&mut rings[0]), [2]);
     }
 
     #[test]

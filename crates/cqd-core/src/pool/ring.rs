@@ -159,25 +159,6 @@ impl<T> Producer<T> {
         Ok(())
     }
 
-    /// As [`stage`](Self::stage), reloading the consumer's position once
-    /// (step 1) when the cached one shows the ring full: the direct path's
-    /// per-item call, kept small.
-    #[inline]
-    pub(crate) fn stage_or_refresh(&mut self, value: T) -> Result<(), T> {
-        if self.free() == 0 && self.refresh() == 0 {
-            return Err(value);
-        }
-        let slot = &self.ring.slots[self.staged & self.ring.mask];
-        slot.with_mut(|slot| {
-            // SAFETY: as in `stage`: `free() > 0` was just checked, so this
-            // slot is free, and only this producer touches it until it is
-            // published in step 2.
-            unsafe { (*slot).write(value) };
-        });
-        self.staged += 1;
-        Ok(())
-    }
-
     /// Stages the first [`free`](Self::free) values of `values` (step 1) in
     /// one tight loop and returns how many it took; it consumes no more than
     /// that from the iterator, so a caller that passes at most `free()`
@@ -370,23 +351,6 @@ mod tests {
         c.ready();
         c.pop_batch(usize::MAX, |v| seen.push(v));
         assert_eq!(seen, [0, 1, 2, 3, 7, 8]);
-    }
-
-    #[test]
-    fn stage_or_refresh_reloads_once_when_full() {
-        let (mut p, mut c) = ring::<u32>(2);
-        p.stage_or_refresh(1).unwrap();
-        p.stage_or_refresh(2).unwrap();
-        assert_eq!(p.stage_or_refresh(3), Err(3), "full, nothing consumed");
-        p.publish();
-        let mut seen = Vec::new();
-        c.pop_batch(1, |v| seen.push(v));
-        assert_eq!(p.free(), 0, "the cached position is stale");
-        p.stage_or_refresh(3).unwrap();
-        p.publish();
-        c.ready();
-        c.pop_batch(usize::MAX, |v| seen.push(v));
-        assert_eq!(seen, [1, 2, 3]);
     }
 
     #[test]
