@@ -296,6 +296,7 @@ impl<W> PoolSink<W> {
 
     /// Step 2a: stages items off the front of `items` for as long as each
     /// fits, and returns how many it took.
+    #[inline]
     fn stage_prefix(&mut self, items: &mut VecDeque<Routed<W>>, open: &mut usize) -> usize {
         let workers = self.rings.len();
         if workers == 1 {
