@@ -15,6 +15,10 @@
 //!    work therefore keeps per-key order.
 //! 3. One `offer` is one batch: a sink should publish to each destination once
 //!    per call and wake a parked consumer at most once per call.
+//! 4. A parked consumer is woken by the offer that handed it work, or, for an
+//!    [`offer_burst`](WorkSink::offer_burst), at the latest by the caller's
+//!    next plain offer, [`settle`](WorkSink::settle) or space arm (the poller
+//!    bursts only while its rounds find completions, see `poller::spill`).
 //!
 //! # Waiting for space
 //!

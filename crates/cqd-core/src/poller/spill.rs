@@ -5,8 +5,9 @@
 //! completions is a burst offer ([`WorkSink::offer_burst`]: the next round
 //! follows at once); every other hand-off is a plain offer, or a
 //! [`WorkSink::settle`] when the spill is empty, so that whatever a burst
-//! deferred (the pool's wake-up check) is done before the poller can sleep. Two rules keep that queue bounded and the
-//! poller off the CPU:
+//! deferred (the pool's wake-up check) is done before the poller can sleep.
+//!
+//! Two rules keep that queue bounded and the poller off the CPU:
 //!
 //! 1. **The mark.** Before polling a round, the poller compares its spill
 //!    with its high-water mark ([`PollerBuilder::spill_high_water_mark`]).
