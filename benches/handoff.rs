@@ -131,11 +131,15 @@ fn cqd_pool_idle(items: u64, workers: usize, idle: WorkerIdle) -> u64 {
         })
         .expect("spawn");
     let mut sink = sinks.pop().expect("one sink");
-    // The poller's loop: append a drained batch to the spill queue, offer.
+    // The poller's loop: append a drained batch to the spill queue, offer;
+    // a round that drained a batch offers as a burst (`offer_burst`), one
+    // that found nothing new offers plainly, as the poller's rounds do.
     let mut spill = VecDeque::with_capacity(4 * CAPACITY);
     let pinned = consumer_cpu(workers).is_some();
     let mut next = 0;
     while next < items || !spill.is_empty() {
+        let mut found = false;
+        let fresh = spill.len();
         if next < items && spill.len() < CAPACITY {
             let end = (next + BATCH as u64).min(items);
             spill.extend((next..end).map(|item| Routed {
@@ -143,9 +147,14 @@ fn cqd_pool_idle(items: u64, workers: usize, idle: WorkerIdle) -> u64 {
                 item,
             }));
             next = end;
+            found = true;
         }
         let before = spill.len();
-        sink.offer(&mut spill);
+        if found {
+            sink.offer_burst(&mut spill, fresh);
+        } else {
+            sink.offer(&mut spill);
+        }
         if spill.len() == before && (spill.len() >= CAPACITY || next >= items) {
             // Every ring full and the spill at its bound: a poller would go
             // on polling its CQ; here there is nothing else to do. Pinned
@@ -160,6 +169,9 @@ fn cqd_pool_idle(items: u64, workers: usize, idle: WorkerIdle) -> u64 {
             }
         }
     }
+    // The round after the last finds nothing: its (empty) hand-off
+    // completes what the bursts deferred.
+    sink.settle();
     drop(sink);
     let snapshot = pool.join().expect("join");
     if std::env::var_os("CQD_BENCH_STATS").is_some() {

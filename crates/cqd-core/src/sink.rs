@@ -15,6 +15,10 @@
 //!    work therefore keeps per-key order.
 //! 3. One `offer` is one batch: a sink should publish to each destination once
 //!    per call and wake a parked consumer at most once per call.
+//! 4. A parked consumer is woken by the offer that handed it work, or, for an
+//!    [`offer_burst`](WorkSink::offer_burst), at the latest by the caller's
+//!    next plain offer, [`settle`](WorkSink::settle) or space arm (the poller
+//!    bursts only while its rounds find completions, see `poller::spill`).
 //!
 //! # Waiting for space
 //!
@@ -108,6 +112,25 @@ pub trait WorkSink<W>: Send {
         self.offer(items);
         items.len().min(n.saturating_sub(fresh))
     }
+
+    /// As [`offer_fresh`](Self::offer_fresh), for an offer in the middle of
+    /// a burst: the caller promises to make another offer or call
+    /// [`settle`](Self::settle) soon, and always before it blocks, sleeps
+    /// or goes idle. The sink may then defer work that can wait that long;
+    /// the worker pool defers the fence and the wake-up check while every
+    /// worker it feeds looks awake (at most a few offers in a row). Every
+    /// other method (a plain offer, [`arm_space`](Self::arm_space),
+    /// dropping the sink) completes what was deferred. The poller uses it
+    /// for the hand-off of a round that found completions, which is
+    /// followed by another round. The provided version is `offer_fresh`.
+    fn offer_burst(&mut self, items: &mut VecDeque<Routed<W>>, fresh: usize) -> usize {
+        self.offer_fresh(items, fresh)
+    }
+
+    /// Completes what [`offer_burst`](Self::offer_burst) deferred (for the
+    /// worker pool: the fence and the wake-up check). The provided version
+    /// does nothing.
+    fn settle(&mut self) {}
 
     /// How many destinations (workers) this sink feeds; used for metrics.
     fn destinations(&self) -> usize {

@@ -198,3 +198,47 @@ fn one_offer_wakes_each_worker_it_feeds() {
         assert_eq!(seen, [1, 2]);
     });
 }
+
+/// Burst offers (`offer_burst`) may defer the fence and the wake-up check
+/// while the worker looks awake; the settle after them (the poller's next
+/// round that finds nothing) completes the check. Every interleaving of
+/// two deferred publications and the settle against the worker's
+/// announce/fence/re-check/park ends with both items handled: a worker that
+/// raced into sleep is woken by the settle at the latest.
+#[test]
+fn burst_offers_then_settle_lose_no_wakeup() {
+    model(|| {
+        let (pool, mut sinks, log) = pool(2, 1);
+        let mut sink = sinks.pop().unwrap();
+        let mut spill = keyed([1]);
+        sink.offer_burst(&mut spill, 0);
+        assert!(spill.is_empty());
+        let mut spill = keyed([2]);
+        sink.offer_burst(&mut spill, 0);
+        assert!(spill.is_empty());
+        sink.settle();
+        assert_eq!(log.wait_for(2), [1, 2]);
+        drop(sink);
+        let snapshot = pool.join().unwrap();
+        assert_eq!(snapshot.items(), 2);
+    });
+}
+
+/// A burst offer followed by a plain offer (the poller's spill offered
+/// again, or the stop's flush): the plain offer completes the deferred
+/// check of the burst's publication as well as its own.
+#[test]
+fn burst_then_plain_offer_lose_no_wakeup() {
+    model(|| {
+        let (pool, mut sinks, log) = pool(2, 1);
+        let mut sink = sinks.pop().unwrap();
+        let mut spill = keyed([1]);
+        sink.offer_burst(&mut spill, 0);
+        assert!(spill.is_empty());
+        let mut spill = keyed([]);
+        sink.offer(&mut spill);
+        assert_eq!(log.wait_for(1), [1]);
+        drop(sink);
+        pool.join().unwrap();
+    });
+}

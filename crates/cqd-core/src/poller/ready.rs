@@ -309,7 +309,14 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                 total += self.safety_round();
             }
         }
-        self.hand_off();
+        // A round that found completions is followed by another round
+        // (the loop's step 5), whose hand-off completes what a burst
+        // defers; one that found none may be followed by a sleep.
+        if total > 0 {
+            self.hand_off_burst();
+        } else {
+            self.hand_off();
+        }
         total
     }
 

@@ -1,8 +1,13 @@
 //! The poller's spill: back-pressure and the space wait.
 //!
 //! Work the sink refuses stays in the poller's spill queue, in order, and is
-//! offered again on every loop. Two rules keep that queue bounded and the
-//! poller off the CPU:
+//! offered again on every loop. The hand-off of a round that found
+//! completions is a burst offer ([`WorkSink::offer_burst`]: the next round
+//! follows at once); every other hand-off is a plain offer, or a
+//! [`WorkSink::settle`] when the spill is empty, so that whatever a burst
+//! deferred (the pool's wake-up check) is done before the poller can sleep.
+//!
+//! Two rules keep that queue bounded and the poller off the CPU:
 //!
 //! 1. **The mark.** Before polling a round, the poller compares its spill
 //!    with its high-water mark ([`PollerBuilder::spill_high_water_mark`]).
@@ -164,14 +169,34 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         }
     }
 
-    /// Offers the spill (fresh items behind the counted ones) to the sink.
+    /// Offers the spill (fresh items behind the counted ones) to the sink,
+    /// completing any wake-up check an earlier burst deferred: what the
+    /// poller calls before it may go idle.
     pub(super) fn hand_off(&mut self) {
+        self.offer_spill(false);
+    }
+
+    /// The hand-off of a round that found completions: the poller runs
+    /// another round next, whose hand-off completes what this one defers
+    /// ([`WorkSink::offer_burst`]).
+    pub(super) fn hand_off_burst(&mut self) {
+        self.offer_spill(true);
+    }
+
+    fn offer_spill(&mut self, burst: bool) {
         let before = self.spill.items.len();
         if before == 0 {
+            if !burst {
+                self.sink.settle();
+            }
             return;
         }
         let fresh = self.spill.counted.min(before);
-        let refused = self.sink.offer_fresh(&mut self.spill.items, fresh);
+        let refused = if burst {
+            self.sink.offer_burst(&mut self.spill.items, fresh)
+        } else {
+            self.sink.offer_fresh(&mut self.spill.items, fresh)
+        };
         self.after_offer(before, refused);
     }
 

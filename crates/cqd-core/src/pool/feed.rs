@@ -20,6 +20,11 @@
 //! 5. For each ring published to that was empty, unpark its worker if it
 //!    announced sleep.
 //!
+//! A burst offer ([`WorkSink::offer_burst`]) may owe steps 4 and 5 to a
+//! later offer or [`settle`](WorkSink::settle) while every worker it
+//! published to looks awake, for at most [`MAX_DEFERRED_CHECKS`] offers in a
+//! row (see "Deferred checks" in [`park`](super::park)).
+//!
 //! A full ring's refusal leaves items in the caller's queue (the poller's
 //! spill). The sink never blocks; the bound on that queue is the poller's
 //! back-pressure, see `poller::spill` (above its high-water mark a poller
@@ -66,6 +71,11 @@ pub fn worker_for_key(key: u64, workers: usize) -> usize {
 
 const NOT_PUBLISHED: usize = usize::MAX;
 
+/// The most burst offers ([`WorkSink::offer_burst`]) whose fence and
+/// wake-up check may be deferred before one is run anyway: bounds how late
+/// a worker that raced into sleep is woken, in offers.
+pub const MAX_DEFERRED_CHECKS: u32 = 8;
+
 /// One producer's end of a worker pool: a ring to every worker. Hand it to
 /// the poller that feeds the pool; `Send`, not `Sync`, not `Clone`.
 /// Dropping it tells the workers this producer is gone; once every sink is
@@ -97,6 +107,13 @@ pub struct PoolSink<W> {
     bells: Box<[(Arc<Bell>, thread::Thread)]>,
     free: Box<[usize]>,
     old_tail: Box<[usize]>,
+    /// Per ring, the old tail of the first publication whose wake-up check
+    /// (steps 4 and 5) is still owed, or `NOT_PUBLISHED`.
+    unchecked: Box<[usize]>,
+    /// Whether any ring has an owed check.
+    owed: bool,
+    /// Burst offers since the last check.
+    deferred: u32,
     routing: Routing,
     start: usize,
     shared: Arc<Shared>,
@@ -126,6 +143,9 @@ impl<W> PoolSink<W> {
             bells: bells.into(),
             free: vec![0; n].into(),
             old_tail: vec![NOT_PUBLISHED; n].into(),
+            unchecked: vec![NOT_PUBLISHED; n].into(),
+            owed: false,
+            deferred: 0,
             routing,
             start: 0,
             shared,
@@ -210,15 +230,60 @@ impl<W> PoolSink<W> {
             self.shared.counters.sinks[self.index].offer(1, 0, 0);
             return Ok(());
         }
-        producer_fence();
-        let (bell, thread) = &self.bells[dest];
-        let ring = &self.rings[dest];
-        let unparks = usize::from(bell.needs_wake(|| ring.consumer_position() == old));
-        if unparks > 0 {
-            thread.unpark();
-        }
+        self.owe_check(dest, old);
+        let unparks = self.check_wakes();
         self.shared.counters.sinks[self.index].offer(1, 0, unparks);
         Ok(())
+    }
+
+    /// Records that ring `w`'s publication from tail `old` still needs its
+    /// wake-up check.
+    fn owe_check(&mut self, w: usize, old: usize) {
+        if old != NOT_PUBLISHED && self.unchecked[w] == NOT_PUBLISHED {
+            self.unchecked[w] = old;
+            self.owed = true;
+        }
+    }
+
+    /// Steps 4 and 5 for every owed publication: one fence, then unpark
+    /// each worker that announced sleep on a ring that holds items it has
+    /// not seen. Returns the unparks.
+    ///
+    /// A worker parks only after its re-check saw its ring empty at some
+    /// published tail `h` (its position). If `h` is at or past the first
+    /// owed publication's old tail and below the tail now, a publication it
+    /// may have missed followed its re-check: wake it. If `h` is below the
+    /// first owed publication, the publication that ended at `h` or later
+    /// was checked with a fence already (it woke the worker, or the
+    /// worker's re-check saw it). With one owed publication this is the
+    /// plain "position equals the old tail" test.
+    fn check_wakes(&mut self) -> usize {
+        self.deferred = 0;
+        if !std::mem::take(&mut self.owed) {
+            return 0;
+        }
+        producer_fence();
+        let mut unparks = 0;
+        for ((ring, from), (bell, thread)) in self
+            .rings
+            .iter()
+            .zip(self.unchecked.iter_mut())
+            .zip(self.bells.iter())
+        {
+            let first = std::mem::replace(from, NOT_PUBLISHED);
+            if first == NOT_PUBLISHED {
+                continue;
+            }
+            let published = ring.published();
+            if bell.needs_wake(|| {
+                let position = ring.consumer_position();
+                first <= position && position < published
+            }) {
+                thread.unpark();
+                unparks += 1;
+            }
+        }
+        unparks
     }
 
     /// The destination of an item.
@@ -231,6 +296,7 @@ impl<W> PoolSink<W> {
 
     /// Step 2a: stages items off the front of `items` for as long as each
     /// fits, and returns how many it took.
+    #[inline]
     fn stage_prefix(&mut self, items: &mut VecDeque<Routed<W>>, open: &mut usize) -> usize {
         let workers = self.rings.len();
         if workers == 1 {
@@ -298,11 +364,16 @@ impl<W> PoolSink<W> {
 }
 
 impl<W: Send> PoolSink<W> {
-    /// One offer (steps 1 to 5); returns how many refused items were at
-    /// positions `fresh..` on entry.
-    fn offer_inner(&mut self, items: &mut VecDeque<Routed<W>>, fresh: usize) -> usize {
+    /// One offer (steps 1 to 5; in a burst, steps 4 and 5 may be owed,
+    /// see [`WorkSink::offer_burst`]); returns how many refused items were
+    /// at positions `fresh..` on entry.
+    fn offer_inner(&mut self, items: &mut VecDeque<Routed<W>>, fresh: usize, burst: bool) -> usize {
         let n = items.len();
         if n == 0 {
+            if self.owed && !burst {
+                let unparks = self.check_wakes();
+                self.shared.counters.sinks[self.index].unparked(unparks);
+            }
             return 0;
         }
         let workers = self.rings.len();
@@ -367,19 +438,24 @@ impl<W: Send> PoolSink<W> {
             published |= *old != NOT_PUBLISHED;
         }
         let mut unparks = 0;
-        if published && !self.spinning_workers {
-            // 4. Fence.
-            producer_fence();
-            // 5. Wake on empty→non-empty.
-            for ((ring, old), (bell, thread)) in self
-                .rings
-                .iter()
-                .zip(self.old_tail.iter())
-                .zip(self.bells.iter())
-            {
-                if *old != NOT_PUBLISHED && bell.needs_wake(|| ring.consumer_position() == *old) {
-                    thread.unpark();
-                    unparks += 1;
+        if !self.spinning_workers {
+            let mut asleep = false;
+            for w in 0..self.rings.len() {
+                let old = self.old_tail[w];
+                self.owe_check(w, old);
+                // 4'. In a burst: a worker owed a check that looks asleep
+                //     is checked now.
+                asleep |=
+                    burst && self.unchecked[w] != NOT_PUBLISHED && self.bells[w].0.looks_asleep();
+            }
+            if self.owed {
+                self.deferred += 1;
+                // 4 and 5, unless a burst may defer them: outside a burst,
+                // for a worker that looks asleep, for an offer that
+                // published nothing (the producer is not streaming), and
+                // after `MAX_DEFERRED_CHECKS` deferred offers.
+                if !burst || asleep || !published || self.deferred >= MAX_DEFERRED_CHECKS {
+                    unparks = self.check_wakes();
                 }
             }
         }
@@ -392,11 +468,26 @@ impl<W: Send> PoolSink<W> {
 impl<W: Send> WorkSink<W> for PoolSink<W> {
     fn offer(&mut self, items: &mut VecDeque<Routed<W>>) {
         let n = items.len();
-        self.offer_inner(items, n);
+        self.offer_inner(items, n, false);
     }
 
     fn offer_fresh(&mut self, items: &mut VecDeque<Routed<W>>, fresh: usize) -> usize {
-        self.offer_inner(items, fresh)
+        self.offer_inner(items, fresh, false)
+    }
+
+    /// Defers the fence and the wake-up check (steps 4 and 5) while every
+    /// worker published to looks awake, for at most
+    /// [`MAX_DEFERRED_CHECKS`] burst offers in a row (see `pool::park`,
+    /// "Deferred checks").
+    fn offer_burst(&mut self, items: &mut VecDeque<Routed<W>>, fresh: usize) -> usize {
+        self.offer_inner(items, fresh, true)
+    }
+
+    fn settle(&mut self) {
+        if self.owed {
+            let unparks = self.check_wakes();
+            self.shared.counters.sinks[self.index].unparked(unparks);
+        }
     }
 
     fn destinations(&self) -> usize {
@@ -536,6 +627,84 @@ mod tests {
         sink.offer(&mut items);
         let left: Vec<_> = items.iter().map(|r| r.item).collect();
         assert_eq!(left, [2, 3, 4, 5]);
+    }
+
+    fn unparks(sink: &PoolSink<usize>) -> u64 {
+        sink.shared.counters.sinks[sink.index].snapshot().unparks
+    }
+
+    fn least_loaded(items: impl IntoIterator<Item = usize>) -> VecDeque<Routed<usize>> {
+        items
+            .into_iter()
+            .map(|item| Routed {
+                route: Route::LeastLoaded,
+                item,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn bursts_owe_the_check_for_at_most_max_deferred_offers() {
+        let (mut sink, mut rings) = sink(1, 1024, Routing::AsRouted);
+        for i in 0..MAX_DEFERRED_CHECKS - 1 {
+            sink.offer_burst(&mut least_loaded([i as usize]), 0);
+            assert!(sink.owed, "an awake worker's check is owed");
+            assert_eq!(sink.unchecked[0], 0, "from the first owed publication");
+        }
+        // The worker announces sleep without having seen anything: its
+        // position is the first owed publication's old tail.
+        sink.bells[0].0.set_sleeping(true);
+        sink.settle();
+        assert!(!sink.owed);
+        assert_eq!(unparks(&sink), 1, "the settle wakes the sleeper");
+        sink.bells[0].0.set_sleeping(false);
+        assert_eq!(drain(&mut rings[0]).len(), MAX_DEFERRED_CHECKS as usize - 1);
+        // An awake worker: the check runs after MAX_DEFERRED_CHECKS bursts.
+        for i in 0..MAX_DEFERRED_CHECKS {
+            assert!(!sink.owed || sink.deferred < MAX_DEFERRED_CHECKS);
+            sink.offer_burst(&mut least_loaded([i as usize]), 0);
+        }
+        assert!(!sink.owed, "checked after {MAX_DEFERRED_CHECKS} bursts");
+        assert_eq!(unparks(&sink), 1);
+    }
+
+    #[test]
+    fn a_burst_to_a_worker_that_looks_asleep_checks_at_once() {
+        let (mut sink, mut rings) = sink(1, 1024, Routing::AsRouted);
+        sink.bells[0].0.set_sleeping(true);
+        sink.offer_burst(&mut least_loaded([1, 2]), 0);
+        assert!(!sink.owed);
+        assert_eq!(unparks(&sink), 1);
+        // Woken but not yet out of `park` (the flag still set), the worker
+        // has not moved: a second burst owes no second unpark ...
+        sink.offer_burst(&mut least_loaded([3]), 0);
+        assert_eq!(unparks(&sink), 1, "position below the first owed tail");
+        // ... and once it has taken everything, nothing is left to wake it for.
+        assert_eq!(drain(&mut rings[0]), [1, 2, 3]);
+        sink.settle();
+        assert_eq!(unparks(&sink), 1);
+    }
+
+    #[test]
+    fn a_plain_offer_settles_what_bursts_owe_on_every_ring() {
+        let (mut sink, mut rings) = sink(2, 4, Routing::AsRouted);
+        let k0 = (0..).find(|&k| worker_for_key(k, 2) == 0).unwrap();
+        let k1 = (0..).find(|&k| worker_for_key(k, 2) == 1).unwrap();
+        let keyed = |k: u64, item: usize| Routed {
+            route: Route::Key(k),
+            item,
+        };
+        sink.offer_burst(&mut VecDeque::from([keyed(k0, 1)]), 0);
+        sink.offer_burst(&mut VecDeque::from([keyed(k1, 2)]), 0);
+        assert!(sink.owed);
+        sink.bells[0].0.set_sleeping(true);
+        sink.bells[1].0.set_sleeping(true);
+        // A plain offer to worker 0 only checks worker 1's owed publication too.
+        sink.offer(&mut VecDeque::from([keyed(k0, 3)]));
+        assert!(!sink.owed);
+        assert_eq!(unparks(&sink), 2);
+        assert_eq!(drain(&mut rings[0]), [1, 3]);
+        assert_eq!(drain(&mut rings[1]), [2]);
     }
 
     proptest! {

@@ -90,6 +90,13 @@ impl SinkCounters {
         add(&self.unparks, unparks as u64);
     }
 
+    /// Unparks of a wake-up check run outside an offer (a settle).
+    pub(crate) fn unparked(&self, unparks: usize) {
+        if unparks > 0 {
+            add(&self.unparks, unparks as u64);
+        }
+    }
+
     pub(crate) fn snapshot(&self) -> SinkSnapshot {
         SinkSnapshot {
             offers: self.offers.load(Relaxed),

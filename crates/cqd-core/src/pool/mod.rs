@@ -7,7 +7,11 @@
 //! one consumer. The poller offers each drained batch at once: one
 //! publication per ring per offer, and a wake-up only when a ring goes from
 //! empty to non-empty while its worker sleeps (see the `park` protocol in
-//! this module's source, model-checked by `tests/loom_worker.rs`).
+//! this module's source, model-checked by `tests/loom_worker.rs`). While
+//! rounds keep finding completions the poller offers in bursts
+//! ([`WorkSink::offer_burst`](crate::sink::WorkSink::offer_burst)): the
+//! fence and wake-up check are then owed to a later offer for as long as
+//! the workers look awake, at most [`MAX_DEFERRED_CHECKS`] offers.
 //!
 //! Routing: [`Route::Key`](crate::sink::Route::Key) hashes to a fixed worker
 //! ([`worker_for_key`]), so per-key order holds; `Route::LeastLoaded` goes to
@@ -56,7 +60,7 @@ use std::time::{Duration, Instant};
 use crossbeam_utils::CachePadded;
 use serde::{Deserialize, Serialize};
 
-pub use feed::{worker_for_key, PoolSink};
+pub use feed::{worker_for_key, PoolSink, MAX_DEFERRED_CHECKS};
 pub use metrics::{PoolSnapshot, SinkSnapshot, WorkerSnapshot};
 pub use worker::{Work, MAX_BATCH};
 

@@ -37,6 +37,46 @@
 //! makes a later `park` return at once. A producer going away (drop) lowers
 //! `open` and then unparks every worker unconditionally, so step 4 is reached.
 //! `tests/loom_worker.rs` checks this exhaustively on small rings.
+//!
+//! # Deferred checks (burst offers)
+//!
+//! The fence of producer step 2 waits until every store before it, the
+//! batch's slot writes and the tail included, has left the store buffer;
+//! those lines sit in the worker's cache, so it costs a round trip to the
+//! worker's core per offer (perf showed it at about 60% of the producer's
+//! time in `benches/handoff.rs`). A producer that knows it will offer
+//! again soon ([`WorkSink::offer_burst`](crate::sink::WorkSink::offer_burst),
+//! the poller's hand-off after a round that found completions) may owe
+//! steps 2 and 3 instead of running them:
+//!
+//! - 2'. After publishing, record each publication's old tail as owed
+//!   (the first one per ring), and load the `sleeping` flag of each worker
+//!   owed a check, `Relaxed` and without a fence (a cache hit: the flag is
+//!   rarely written). If any is set, run steps 2 and 3 now.
+//! - The owed steps 2 and 3 run, for every owed ring at once, at the
+//!   producer's next plain offer, [`settle`](crate::sink::WorkSink::settle)
+//!   or space arm, at an offer that published nothing, and after at most
+//!   [`MAX_DEFERRED_CHECKS`](super::MAX_DEFERRED_CHECKS) deferring offers
+//!   in a row; dropping the sink unparks every worker anyway.
+//! - Step 3 generalised: with several publications owed on a ring, the
+//!   first one's old tail `f` and the tail now `t`, unpark if the worker
+//!   announced sleep and its position `h` has `f <= h < t`. A parked
+//!   worker saw its ring empty at position `h` after its fence. If
+//!   `h >= f`, a publication it may have missed came after: wake it. If
+//!   `h < f`, the publication that started at `h` was checked with a fence
+//!   before (the argument above: it woke the worker, or the worker's
+//!   re-check saw it and so `h` could not be its position). With one
+//!   publication owed this is the `h == old tail` test of step 3.
+//!
+//! The `Relaxed` load of step 2' proves nothing when it reads `false` (the
+//! worker's announcement may not have reached this core), which is why the
+//! check is owed rather than skipped: a worker that raced into sleep is
+//! woken by the owed check, at most one burst later than by a plain offer.
+//! A worker that has slept for a while shows its flag, and is woken at once.
+//! The poller owes checks only across rounds that found completions (the
+//! next round follows at once) and settles in every hand-off that may
+//! precede a sleep. `tests/loom_worker.rs` models burst offers followed by
+//! a settle, and by a plain offer.
 
 use crossbeam_utils::CachePadded;
 
@@ -107,6 +147,21 @@ impl Bell {
     /// does not matter to the protocol.
     pub(crate) fn needs_wake(&self, was_empty: impl FnOnce() -> bool) -> bool {
         self.sleeping.load(Ordering::Relaxed) && was_empty()
+    }
+
+    /// The producer side of a deferred check (step 2'): whether the worker
+    /// looks like it announced sleep, by a `Relaxed` load with no fence
+    /// before it. `true` is a hint to check now; `false` proves nothing
+    /// (the announcement may not be visible yet), so the caller must still
+    /// run steps 2 and 3 later.
+    pub(crate) fn looks_asleep(&self) -> bool {
+        self.sleeping.load(Ordering::Relaxed)
+    }
+
+    /// For unit tests of the producer side: a worker's announcement.
+    #[cfg(all(test, not(loom)))]
+    pub(crate) fn set_sleeping(&self, sleeping: bool) {
+        self.sleeping.store(sleeping, Ordering::Relaxed);
     }
 }
 

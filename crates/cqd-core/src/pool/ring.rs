@@ -163,6 +163,7 @@ impl<T> Producer<T> {
     /// one tight loop and returns how many it took; it consumes no more than
     /// that from the iterator, so a caller that passes at most `free()`
     /// values loses none.
+    #[inline]
     pub(crate) fn stage_all(&mut self, values: impl Iterator<Item = T>) -> usize {
         let free = self.free();
         let mask = self.ring.mask;
@@ -192,6 +193,11 @@ impl<T> Producer<T> {
         self.ring.tail.store(self.staged, Ordering::Release);
         self.published = self.staged;
         Some(old)
+    }
+
+    /// One past the last published slot (the producer's own copy of `tail`).
+    pub(crate) fn published(&self) -> usize {
+        self.published
     }
 
     /// The consumer's position, loaded `Relaxed`; the wake-up protocol orders
