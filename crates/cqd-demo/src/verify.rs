@@ -106,29 +106,45 @@ pub struct Verifier {
     described: Mutex<Vec<String>>,
 }
 
-/// splitmix64: the pattern's generator and the checksum's mixer.
+/// splitmix64's finalizer: the pattern's seed mixer and the checksum's
+/// final step.
 #[inline]
 fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = z.wrapping_add(GOLDEN);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
 }
 
-/// A 64-bit checksum of `data` (length a multiple of 8 or not): each
-/// 8-byte word mixed with its position, so reordered words differ too.
+const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// One word of a stream or a checksum term: `x` hashed with one multiply
+/// (a 64-bit bijection, so distinct inputs give distinct words).
+#[inline(always)]
+fn scramble(x: u64) -> u64 {
+    let x = (x ^ (x >> 32)).wrapping_mul(0xd6e8_feb8_6659_fd93);
+    x ^ (x >> 32)
+}
+
+/// A 64-bit checksum of `data` (length a multiple of 8 or not): the sum of
+/// every 8-byte word scrambled with its position (so reordered words
+/// differ too), finished with the length. The terms are independent, so
+/// it runs at memory speed rather than one multiply chain per word: the
+/// load generator checks every block it reads with it.
 pub fn checksum(data: &[u8]) -> u64 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64 ^ data.len() as u64;
     let mut chunks = data.chunks_exact(8);
+    let mut h = 0u64;
     for (i, c) in (&mut chunks).enumerate() {
         let mut w = [0u8; 8];
         w.copy_from_slice(c);
-        h = mix(h ^ u64::from_le_bytes(w) ^ (i as u64).rotate_left(32));
+        h = h.wrapping_add(scramble(
+            u64::from_le_bytes(w) ^ (i as u64).wrapping_mul(GOLDEN),
+        ));
     }
     for &b in chunks.remainder() {
         h = mix(h ^ u64::from(b));
     }
-    h
+    mix(h ^ 0xcbf2_9ce4_8422_2325 ^ data.len() as u64)
 }
 
 impl Verifier {
@@ -201,18 +217,48 @@ impl Verifier {
         (version, checksum(buf))
     }
 
-    /// The data of write `version` of `block`.
+    /// The data of write `version` of `block`: a counter-mode stream (word
+    /// `i` depends on the seed, `block`, `version` and `i` only), its
+    /// first [`HEADER`] bytes `block` and `version`.
     pub fn pattern(&self, block: u64, version: u64, buf: &mut [u8]) {
-        let mut state = self.seed ^ mix(block) ^ mix(version.rotate_left(17));
-        for chunk in buf.chunks_mut(8) {
-            state = mix(state);
-            let bytes = state.to_le_bytes();
-            chunk.copy_from_slice(&bytes[..chunk.len()]);
+        let base = self.seed ^ mix(block) ^ mix(version.rotate_left(17));
+        let mut chunks = buf.chunks_exact_mut(8);
+        for (i, chunk) in (&mut chunks).enumerate() {
+            let w = scramble(base.wrapping_add((i as u64).wrapping_mul(GOLDEN)));
+            chunk.copy_from_slice(&w.to_le_bytes());
         }
+        let rest = chunks.into_remainder();
+        let tail = scramble(base ^ !0).to_le_bytes();
+        let n = rest.len();
+        rest.copy_from_slice(&tail[..n]);
         if buf.len() >= HEADER {
             buf[0..8].copy_from_slice(&block.to_le_bytes());
             buf[8..16].copy_from_slice(&version.to_le_bytes());
         }
+    }
+
+    /// The poison of `block` (see [`Verifier::poisoned`]): what a read's
+    /// buffer holds before the read, so that a read whose data never
+    /// arrives cannot match. Every 16 bytes are `block` and `u64::MAX`, a
+    /// version no write has; a plain fill, as cheap as a `memset`.
+    pub fn poison(&self, block: u64, buf: &mut [u8]) {
+        let mut word = [0u8; HEADER];
+        word[0..8].copy_from_slice(&block.to_le_bytes());
+        word[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+        let mut chunks = buf.chunks_exact_mut(HEADER);
+        for c in &mut chunks {
+            c.copy_from_slice(&word);
+        }
+        let rest = chunks.into_remainder();
+        let n = rest.len();
+        rest.copy_from_slice(&word[..n]);
+    }
+
+    /// True if `data` is `block`'s poison (the read delivered nothing).
+    pub fn poisoned(&self, block: u64, data: &[u8]) -> bool {
+        let mut p = vec![0u8; data.len()];
+        self.poison(block, &mut p);
+        p == data
     }
 
     /// Records the outcome of a write of a claimed block and releases it.
@@ -294,13 +340,13 @@ impl Verifier {
         let b = u64::from_le_bytes(h);
         h.copy_from_slice(&data[8..16]);
         let v = u64::from_le_bytes(h);
-        let mut expect = vec![0u8; self.block_size];
-        self.pattern(b, v, &mut expect);
-        if expect == data && b == block && v == u64::MAX {
+        if self.poisoned(block, data) {
             return format!(
                 "a read of block {block} delivered no data (its buffer still holds the poison written before the read), expected {want}"
             );
         }
+        let mut expect = vec![0u8; self.block_size];
+        self.pattern(b, v, &mut expect);
         if expect == data {
             format!("a read of block {block} returned version {v} of block {b}, expected {want}")
         } else {
