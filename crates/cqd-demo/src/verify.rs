@@ -118,33 +118,35 @@ fn mix(mut z: u64) -> u64 {
 
 const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
 
-/// One word of a stream or a checksum term: `x` hashed with one multiply
-/// (a 64-bit bijection, so distinct inputs give distinct words).
-#[inline(always)]
-fn scramble(x: u64) -> u64 {
-    let x = (x ^ (x >> 32)).wrapping_mul(0xd6e8_feb8_6659_fd93);
-    x ^ (x >> 32)
-}
-
-/// A 64-bit checksum of `data` (length a multiple of 8 or not): the sum of
-/// every 8-byte word scrambled with its position (so reordered words
-/// differ too), finished with the length. The terms are independent, so
-/// it runs at memory speed rather than one multiply chain per word: the
-/// load generator checks every block it reads with it.
+/// A 64-bit checksum of `data` (length a multiple of 8 or not): four
+/// lanes of 8-byte words, each keeping the sum of its words and the sum
+/// of those running sums (Fletcher's construction, so a word's position
+/// counts: moved, swapped or reordered words change it), hashed together
+/// with the length. No multiply chain runs through the words: it goes at
+/// a few bytes a cycle, and the load generator checks every block it
+/// reads with it.
 pub fn checksum(data: &[u8]) -> u64 {
-    let mut chunks = data.chunks_exact(8);
-    let mut h = 0u64;
-    for (i, c) in (&mut chunks).enumerate() {
-        let mut w = [0u8; 8];
-        w.copy_from_slice(c);
-        h = h.wrapping_add(scramble(
-            u64::from_le_bytes(w) ^ (i as u64).wrapping_mul(GOLDEN),
-        ));
+    const LANES: usize = 4;
+    let mut sum = [0u64; LANES];
+    let mut runs = [0u64; LANES];
+    let mut chunks = data.chunks_exact(8 * LANES);
+    for c in &mut chunks {
+        for (j, w) in c.chunks_exact(8).enumerate() {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(w);
+            sum[j] = sum[j].wrapping_add(u64::from_le_bytes(b) ^ GOLDEN);
+            runs[j] = runs[j].wrapping_add(sum[j]);
+        }
+    }
+    let mut h = 0xcbf2_9ce4_8422_2325u64 ^ data.len() as u64;
+    for j in 0..LANES {
+        h = mix(h ^ sum[j]);
+        h = mix(h ^ runs[j]);
     }
     for &b in chunks.remainder() {
         h = mix(h ^ u64::from(b));
     }
-    mix(h ^ 0xcbf2_9ce4_8422_2325 ^ data.len() as u64)
+    h
 }
 
 impl Verifier {
@@ -217,20 +219,31 @@ impl Verifier {
         (version, checksum(buf))
     }
 
-    /// The data of write `version` of `block`: a counter-mode stream (word
-    /// `i` depends on the seed, `block`, `version` and `i` only), its
-    /// first [`HEADER`] bytes `block` and `version`.
+    /// The data of write `version` of `block`: a pseudo-random stream
+    /// whose word `i` depends on the seed, `block`, `version` and `i` only
+    /// (so it is made at a few bytes a cycle), its first [`HEADER`] bytes
+    /// `block` and `version`.
     pub fn pattern(&self, block: u64, version: u64, buf: &mut [u8]) {
         let base = self.seed ^ mix(block) ^ mix(version.rotate_left(17));
+        // Word i: a 32 × 32-bit product of the base's halves, each stepped
+        // by i (no chain from word to word), with the base over it.
+        let (lo, hi) = (base as u32, (base >> 32) as u32);
+        let word = |i: usize| {
+            let i = i as u32;
+            let a = lo.wrapping_add(i.wrapping_mul(0x9e37_79b9));
+            let b = hi ^ i.wrapping_mul(0x85eb_ca6b);
+            (u64::from(a) * u64::from(b)) ^ base
+        };
         let mut chunks = buf.chunks_exact_mut(8);
+        let mut n = 0;
         for (i, chunk) in (&mut chunks).enumerate() {
-            let w = scramble(base.wrapping_add((i as u64).wrapping_mul(GOLDEN)));
-            chunk.copy_from_slice(&w.to_le_bytes());
+            chunk.copy_from_slice(&word(i).to_le_bytes());
+            n = i + 1;
         }
         let rest = chunks.into_remainder();
-        let tail = scramble(base ^ !0).to_le_bytes();
-        let n = rest.len();
-        rest.copy_from_slice(&tail[..n]);
+        let tail = word(n).to_le_bytes();
+        let k = rest.len();
+        rest.copy_from_slice(&tail[..k]);
         if buf.len() >= HEADER {
             buf[0..8].copy_from_slice(&block.to_le_bytes());
             buf[8..16].copy_from_slice(&version.to_le_bytes());
