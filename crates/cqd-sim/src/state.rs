@@ -205,11 +205,40 @@ impl SrqCtx {
     }
 }
 
+/// A hasher for the NIC's own small integer ids (QP numbers, SRQ and
+/// region ids, all handed out by the fabric): one multiply instead of
+/// SipHash, whose flood resistance a table of ids this process made does
+/// not need. Every request looks several of them up under the fabric's
+/// lock.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        // The high bits pick hashbrown's groups, the low its tags: spread
+        // the id over both.
+        self.0 = (self.0 ^ u64::from(n)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+/// Tables keyed by the fabric's ids.
+pub(crate) type IdMap<V> = HashMap<u32, V, std::hash::BuildHasherDefault<IdHasher>>;
+
 #[derive(Debug)]
 pub(crate) struct FabricState {
-    pub(crate) qps: HashMap<u32, QpCtx>,
-    pub(crate) srqs: HashMap<u32, SrqCtx>,
-    pub(crate) mrs: HashMap<u32, MrCtx>,
+    pub(crate) qps: IdMap<QpCtx>,
+    pub(crate) srqs: IdMap<SrqCtx>,
+    pub(crate) mrs: IdMap<MrCtx>,
     pub(crate) next_qpn: u32,
     pub(crate) next_srq: u32,
     pub(crate) next_mr: u32,
@@ -229,9 +258,9 @@ pub(crate) struct FabricState {
 impl FabricState {
     pub(crate) fn new() -> Self {
         FabricState {
-            qps: HashMap::new(),
-            srqs: HashMap::new(),
-            mrs: HashMap::new(),
+            qps: IdMap::default(),
+            srqs: IdMap::default(),
+            mrs: IdMap::default(),
             next_qpn: 0x100,
             next_srq: 0,
             next_mr: 0,
