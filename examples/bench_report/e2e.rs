@@ -48,13 +48,26 @@ pub struct Contender {
     pub runs: Vec<f64>,
 }
 
-/// The load generator's poller thread: the demo layout's second poller
-/// (`examples/demo-topology.toml`).
-const LOAD_THREAD: &str = "cqd-poller-1";
+/// The load generator's poller thread: `cqd-poller-<i>`, `i` the index of
+/// the demo layout's poller of `load0` (`examples/demo-topology.toml`).
+fn load_thread() -> &'static str {
+    static NAME: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    NAME.get_or_init(|| {
+        let i = cqd_demo::topo::load(None)
+            .ok()
+            .and_then(|t| {
+                t.pollers
+                    .iter()
+                    .position(|p| p.cqs.iter().any(|c| c == "load0"))
+            })
+            .unwrap_or(1);
+        format!("cqd-poller-{i}")
+    })
+}
 
 /// Which role a thread of the demo has, by name.
 fn role(name: &str) -> Option<usize> {
-    if name == LOAD_THREAD {
+    if name == load_thread() {
         Some(0)
     } else if name.starts_with("cqd-poller-")
         || name.starts_with("cqd-worker-")
@@ -83,7 +96,7 @@ fn role_cpu() -> ([u64; 2], bool) {
             continue;
         };
         let comm = comm.trim();
-        load_up |= comm == LOAD_THREAD;
+        load_up |= comm == load_thread();
         let ns: u64 = stat
             .split_whitespace()
             .next()

@@ -225,8 +225,8 @@ impl std::hash::Hasher for IdHasher {
     }
 
     fn write_u32(&mut self, n: u32) {
-        // The high bits pick hashbrown's groups, the low its tags: spread
-        // the id over both.
+        // hashbrown takes the bucket from the low bits and a tag from the
+        // top seven: a multiply by an odd constant spreads the id over both.
         self.0 = (self.0 ^ u64::from(n)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     }
 }
