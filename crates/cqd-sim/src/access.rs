@@ -10,14 +10,14 @@ impl FabricState {
     /// The region and offset an SGE covers, if its lkey is valid in `pd`,
     /// it lies inside the region and, when `write`, the region allows local
     /// writes.
-    fn local(&self, pd: u32, sge: &Sge, write: bool) -> Option<(Buf, usize)> {
+    fn local(&self, pd: u32, sge: &Sge, write: bool) -> Option<(&Buf, usize)> {
         let mr = self.mrs.get(&id_of(sge.lkey, false)?)?;
         if mr.pd != pd || (write && !mr.access.contains(Access::LOCAL_WRITE)) {
             return None;
         }
         let off = sge.addr.checked_sub(mr.base)?;
         let end = off.checked_add(u64::from(sge.length))?;
-        (end <= mr.len).then(|| (mr.buf.clone(), off as usize))
+        (end <= mr.len).then_some((&mr.buf, off as usize))
     }
 
     /// Total length of `sges` if every one is valid (see [`Self::local`]).

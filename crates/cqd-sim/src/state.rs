@@ -250,6 +250,9 @@ pub(crate) struct FabricState {
     pub(crate) rng: u64,
     /// When the simulated link is free again (timed engine).
     pub(crate) link_free_at: Instant,
+    /// When the fabric was made: the inline engine's "now" while no
+    /// request has ever been delayed (see [`FabricState::now`]).
+    pub(crate) epoch: Instant,
     pub(crate) stats: NicStats,
     /// The RNR timer (timed engine only).
     pub(crate) rnr_timer: Option<std::time::Duration>,
@@ -270,12 +273,26 @@ impl FabricState {
             faults: NicFaults::default(),
             rng: 1,
             link_free_at: Instant::now(),
+            epoch: Instant::now(),
             stats: NicStats::default(),
             rnr_timer: None,
         }
     }
 
     /// xorshift64*, deterministic for a seed.
+    /// The time a post stamps its requests with and runs the engine at.
+    /// Only delayed requests (fault injection) and the timed engine have
+    /// a due time in the future; until one exists every request is due at
+    /// once, and the fabric's epoch stands for now (a clock read per post
+    /// saved). From the first delay on it is the clock.
+    pub(crate) fn now(&self, timed: bool) -> Instant {
+        if timed || self.faults.delay_rate > 0.0 || self.stats.delayed > 0 {
+            Instant::now()
+        } else {
+            self.epoch
+        }
+    }
+
     pub(crate) fn chance(&mut self, p: f64) -> bool {
         if p <= 0.0 {
             return false;
