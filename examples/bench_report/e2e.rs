@@ -1,10 +1,11 @@
-//! End to end: the storage demo (crates/cqd-demo, its default topology)
-//! against the same demo served by its naive baseline (`--naive-server`,
-//! `cqd_demo::naive`): two threads polling each CQ under a mutex, one
-//! completion per poll, a channel send per completion, a re-arm per event.
-//! Same load generator, same load, same layout (the naive server takes the
-//! topology's load poller and its number of workers), same run,
-//! alternating who goes first: throughput, p99 latency, and CPU per
+//! End to end: the storage demo (crates/cqd-demo, its default topology with
+//! one worker, [`WORKERS`]) against the same demo served by its naive
+//! baseline (`--naive-server`, `cqd_demo::naive`): two threads polling each
+//! CQ under a mutex, one completion per poll, a channel send per
+//! completion, a re-arm per event. Same load generator, same load, same
+//! layout (the naive server takes the topology's load poller and its number
+//! of workers), same run, alternating who goes first: throughput, p99
+//! latency, and CPU per
 //! operation (the whole process's CPU time, load generator included — it is
 //! the same for both — divided by the operations done).
 //!
@@ -47,6 +48,14 @@ pub struct Contender {
     /// right before or after run `i`).
     pub runs: Vec<f64>,
 }
+
+/// Workers of the server pool (`--workers`), for both contenders. The
+/// machine has 2 CPUs and the process also runs the load generator and the
+/// NIC's work: with one worker the server is two threads (its poller and
+/// the worker), the whole process three, and a request waits less often
+/// for a descheduled thread (docs/benchmarks.md, "End to end: where the CPU
+/// goes": same throughput, a shorter tail than with the topology's two).
+pub const WORKERS: &str = "1";
 
 /// The load generator's poller thread: `cqd-poller-<i>`, `i` the index of
 /// the demo layout's poller of `load0` (`examples/demo-topology.toml`).
@@ -148,7 +157,7 @@ struct Once {
 }
 
 fn once(on: On, naive: bool, quick: bool) -> Result<Once, String> {
-    let mut argv = vec!["cqd-demo", "--no-progress"];
+    let mut argv = vec!["cqd-demo", "--no-progress", "--workers", WORKERS];
     let load = if quick {
         argv.extend(["--quick", "--duration", "1s"]);
         Duration::from_secs(1)

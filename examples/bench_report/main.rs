@@ -535,7 +535,7 @@ fn e2e_section(
     let _ = writeln!(
         md,
         "\n### End to end: the storage demo against the naive server ({backend})\n\n\
-         The demo's default layout for both. CPU µs per op: the whole \
+         The demo's default layout with one worker (`--workers 1`) for both. CPU µs per op: the whole \
          process's, then the load generator's poller thread and the server's threads \
          (each with the NIC's work for what it posts), sampled over the middle of the load.\n\n\
          | server | ops/s | p99 µs | process CPU µs per op | load poller µs/op | server threads µs/op |\n\
