@@ -88,7 +88,12 @@ fn parse_args() -> Result<Args, String> {
             "--skip-benches" => skip_benches = true,
             "--only" => match it.next().as_deref() {
                 Some("e2e") => only_e2e = true,
-                other => return Err(format!("--only {other:?}: the one section is e2e")),
+                other => {
+                    return Err(format!(
+                        "--only {}: the one section it takes is e2e",
+                        other.unwrap_or("(nothing)")
+                    ))
+                }
             },
             "--reps" => {
                 let v = it.next().ok_or("--reps needs a number")?;
@@ -535,11 +540,12 @@ fn e2e_section(
     let _ = writeln!(
         md,
         "\n### End to end: the storage demo against the naive server ({backend})\n\n\
-         The demo's default layout with one worker (`--workers 1`) for both. CPU µs per op: the whole \
+         The demo's default layout with `--workers {}`, for both. CPU µs per op: the whole \
          process's, then the load generator's poller thread and the server's threads \
          (each with the NIC's work for what it posts), sampled over the middle of the load.\n\n\
          | server | ops/s | p99 µs | process CPU µs per op | load poller µs/op | server threads µs/op |\n\
-         |---|---|---|---|---|---|"
+         |---|---|---|---|---|---|",
+        e2e::WORKERS
     );
     for r in rows {
         let _ = writeln!(
