@@ -205,6 +205,11 @@ pub struct LoadConn<N: Node> {
     latency: crate::prom::Latency,
 }
 
+thread_local! {
+    /// A load poller's buffer for the data of a finished read.
+    static READ_BACK: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
 fn next(rng: &mut u64) -> u64 {
     *rng ^= *rng << 13;
     *rng ^= *rng >> 7;
@@ -351,7 +356,7 @@ impl<N: Node> LoadConn<N> {
                 // names version u64::MAX, which no write ever has.
                 let mut scratch = std::mem::take(&mut s.scratch);
                 scratch.resize(self.block_size as usize, 0);
-                v.pattern(global, u64::MAX, &mut scratch);
+                v.poison(global, &mut scratch);
                 let wrote = self.region.write(data_off, &scratch);
                 s.scratch = scratch;
                 if let Err(e) = wrote {
@@ -440,14 +445,22 @@ impl<N: Node> LoadConn<N> {
         match f.op {
             BlockOp::Write => sh.verifier.finish_write(f.global, f.version, f.sum, true),
             BlockOp::Read => {
-                let mut data = vec![0u8; self.block_size as usize];
-                let outcome = match self.region.read(self.data_off(slot), &mut data) {
-                    Ok(()) => sh.verifier.finish_read(f.global, Some(&data)),
-                    Err(e) => {
-                        tracing::error!(conn = %self.name, "read back the data buffer: {e}");
-                        sh.verifier.finish_read(f.global, None)
-                    }
-                };
+                // The data is copied out of the buffer to be checked (the
+                // next request of the slot reuses the buffer), into this
+                // thread's scratch rather than a fresh allocation per read.
+                let outcome = READ_BACK.with(|cell| {
+                    let mut data = cell.take();
+                    data.resize(self.block_size as usize, 0);
+                    let outcome = match self.region.read(self.data_off(slot), &mut data) {
+                        Ok(()) => sh.verifier.finish_read(f.global, Some(&data)),
+                        Err(e) => {
+                            tracing::error!(conn = %self.name, "read back the data buffer: {e}");
+                            sh.verifier.finish_read(f.global, None)
+                        }
+                    };
+                    cell.set(data);
+                    outcome
+                });
                 if f.verify {
                     sh.verify_read.fetch_add(1, Ordering::Relaxed);
                     let c = match outcome {

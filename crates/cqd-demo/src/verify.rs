@@ -106,24 +106,42 @@ pub struct Verifier {
     described: Mutex<Vec<String>>,
 }
 
-/// splitmix64: the pattern's generator and the checksum's mixer.
+/// splitmix64's finalizer: the pattern's seed mixer and the checksum's
+/// final step.
 #[inline]
 fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = z.wrapping_add(GOLDEN);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
 }
 
-/// A 64-bit checksum of `data` (length a multiple of 8 or not): each
-/// 8-byte word mixed with its position, so reordered words differ too.
+const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// A 64-bit checksum of `data` (length a multiple of 8 or not): four
+/// lanes of 8-byte words, each keeping the sum of its words and the sum
+/// of those running sums (Fletcher's construction, so a word's position
+/// counts: moved, swapped or reordered words change it), hashed together
+/// with the length. No multiply chain runs through the words: it goes at
+/// a few bytes a cycle, and the load generator checks every block it
+/// reads with it.
 pub fn checksum(data: &[u8]) -> u64 {
+    const LANES: usize = 4;
+    let mut sum = [0u64; LANES];
+    let mut runs = [0u64; LANES];
+    let mut chunks = data.chunks_exact(8 * LANES);
+    for c in &mut chunks {
+        for (j, w) in c.chunks_exact(8).enumerate() {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(w);
+            sum[j] = sum[j].wrapping_add(u64::from_le_bytes(b) ^ GOLDEN);
+            runs[j] = runs[j].wrapping_add(sum[j]);
+        }
+    }
     let mut h = 0xcbf2_9ce4_8422_2325u64 ^ data.len() as u64;
-    let mut chunks = data.chunks_exact(8);
-    for (i, c) in (&mut chunks).enumerate() {
-        let mut w = [0u8; 8];
-        w.copy_from_slice(c);
-        h = mix(h ^ u64::from_le_bytes(w) ^ (i as u64).rotate_left(32));
+    for j in 0..LANES {
+        h = mix(h ^ sum[j]);
+        h = mix(h ^ runs[j]);
     }
     for &b in chunks.remainder() {
         h = mix(h ^ u64::from(b));
@@ -201,18 +219,59 @@ impl Verifier {
         (version, checksum(buf))
     }
 
-    /// The data of write `version` of `block`.
+    /// The data of write `version` of `block`: a pseudo-random stream
+    /// whose word `i` depends on the seed, `block`, `version` and `i` only
+    /// (so it is made at a few bytes a cycle), its first [`HEADER`] bytes
+    /// `block` and `version`.
     pub fn pattern(&self, block: u64, version: u64, buf: &mut [u8]) {
-        let mut state = self.seed ^ mix(block) ^ mix(version.rotate_left(17));
-        for chunk in buf.chunks_mut(8) {
-            state = mix(state);
-            let bytes = state.to_le_bytes();
-            chunk.copy_from_slice(&bytes[..chunk.len()]);
+        let base = self.seed ^ mix(block) ^ mix(version.rotate_left(17));
+        // Word i: a 32 × 32-bit product of the base's halves, each stepped
+        // by i (no chain from word to word), with the base over it.
+        let (lo, hi) = (base as u32, (base >> 32) as u32);
+        let word = |i: usize| {
+            let i = i as u32;
+            let a = lo.wrapping_add(i.wrapping_mul(0x9e37_79b9));
+            let b = hi ^ i.wrapping_mul(0x85eb_ca6b);
+            (u64::from(a) * u64::from(b)) ^ base
+        };
+        let mut chunks = buf.chunks_exact_mut(8);
+        let mut n = 0;
+        for (i, chunk) in (&mut chunks).enumerate() {
+            chunk.copy_from_slice(&word(i).to_le_bytes());
+            n = i + 1;
         }
+        let rest = chunks.into_remainder();
+        let tail = word(n).to_le_bytes();
+        let k = rest.len();
+        rest.copy_from_slice(&tail[..k]);
         if buf.len() >= HEADER {
             buf[0..8].copy_from_slice(&block.to_le_bytes());
             buf[8..16].copy_from_slice(&version.to_le_bytes());
         }
+    }
+
+    /// The poison of `block` (see [`Verifier::poisoned`]): what a read's
+    /// buffer holds before the read, so that a read whose data never
+    /// arrives cannot match. Every 16 bytes are `block` and `u64::MAX`, a
+    /// version no write has; a plain fill, as cheap as a `memset`.
+    pub fn poison(&self, block: u64, buf: &mut [u8]) {
+        let mut word = [0u8; HEADER];
+        word[0..8].copy_from_slice(&block.to_le_bytes());
+        word[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+        let mut chunks = buf.chunks_exact_mut(HEADER);
+        for c in &mut chunks {
+            c.copy_from_slice(&word);
+        }
+        let rest = chunks.into_remainder();
+        let n = rest.len();
+        rest.copy_from_slice(&word[..n]);
+    }
+
+    /// True if `data` is `block`'s poison (the read delivered nothing).
+    pub fn poisoned(&self, block: u64, data: &[u8]) -> bool {
+        let mut p = vec![0u8; data.len()];
+        self.poison(block, &mut p);
+        p == data
     }
 
     /// Records the outcome of a write of a claimed block and releases it.
@@ -294,13 +353,13 @@ impl Verifier {
         let b = u64::from_le_bytes(h);
         h.copy_from_slice(&data[8..16]);
         let v = u64::from_le_bytes(h);
-        let mut expect = vec![0u8; self.block_size];
-        self.pattern(b, v, &mut expect);
-        if expect == data && b == block && v == u64::MAX {
+        if self.poisoned(block, data) {
             return format!(
                 "a read of block {block} delivered no data (its buffer still holds the poison written before the read), expected {want}"
             );
         }
+        let mut expect = vec![0u8; self.block_size];
+        self.pattern(b, v, &mut expect);
         if expect == data {
             format!("a read of block {block} returned version {v} of block {b}, expected {want}")
         } else {

@@ -10,14 +10,14 @@ impl FabricState {
     /// The region and offset an SGE covers, if its lkey is valid in `pd`,
     /// it lies inside the region and, when `write`, the region allows local
     /// writes.
-    fn local(&self, pd: u32, sge: &Sge, write: bool) -> Option<(Buf, usize)> {
+    fn local(&self, pd: u32, sge: &Sge, write: bool) -> Option<(&Buf, usize)> {
         let mr = self.mrs.get(&id_of(sge.lkey, false)?)?;
         if mr.pd != pd || (write && !mr.access.contains(Access::LOCAL_WRITE)) {
             return None;
         }
         let off = sge.addr.checked_sub(mr.base)?;
         let end = off.checked_add(u64::from(sge.length))?;
-        (end <= mr.len).then(|| (mr.buf.clone(), off as usize))
+        (end <= mr.len).then_some((&mr.buf, off as usize))
     }
 
     /// Total length of `sges` if every one is valid (see [`Self::local`]).
@@ -82,5 +82,74 @@ impl FabricState {
             }
             data = &data[n..];
         }
+    }
+
+    /// Copies the bytes `sges` name (checked before) to `len` bytes at
+    /// `off` of `dst`, region to region, without an intermediate buffer
+    /// (RDMA WRITE).
+    pub(crate) fn gather_into(&self, sges: &[Sge], dst: &Buf, off: usize, len: usize) -> bool {
+        let mut at = off;
+        for s in sges {
+            let Some(mr) = id_of(s.lkey, false).and_then(|id| self.mrs.get(&id)) else {
+                return false;
+            };
+            let Some(src_off) = s.addr.checked_sub(mr.base) else {
+                return false;
+            };
+            let n = s.length as usize;
+            if at + n > off + len || !copy(&mr.buf, src_off as usize, dst, at, n) {
+                return false;
+            }
+            at += n;
+        }
+        true
+    }
+
+    /// Spreads `len` bytes at `off` of `src` over `sges` (checked before),
+    /// in order, region to region (RDMA READ).
+    pub(crate) fn scatter_from(&self, src: &Buf, off: usize, len: usize, sges: &[Sge]) {
+        let mut at = off;
+        let end = off + len;
+        for s in sges {
+            if at >= end {
+                return;
+            }
+            let Some(mr) = id_of(s.lkey, false).and_then(|id| self.mrs.get(&id)) else {
+                return;
+            };
+            let Some(dst_off) = s.addr.checked_sub(mr.base) else {
+                return;
+            };
+            let n = (s.length as usize).min(end - at);
+            if !copy(src, at, &mr.buf, dst_off as usize, n) {
+                return;
+            }
+            at += n;
+        }
+    }
+}
+
+/// Copies `n` bytes from `src[from..]` to `dst[to..]`; false if either
+/// range is out of its buffer. The same region on both sides is locked
+/// once (a region may be both the source and the target).
+fn copy(src: &Buf, from: usize, dst: &Buf, to: usize, n: usize) -> bool {
+    if std::sync::Arc::ptr_eq(src, dst) {
+        let mut b = src.lock();
+        if from.checked_add(n).is_some_and(|e| e <= b.len())
+            && to.checked_add(n).is_some_and(|e| e <= b.len())
+        {
+            b.copy_within(from..from + n, to);
+            return true;
+        }
+        return false;
+    }
+    let s = src.lock();
+    let mut d = dst.lock();
+    match (s.get(from..from + n), d.get_mut(to..to + n)) {
+        (Some(s), Some(d)) => {
+            d.copy_from_slice(s);
+            true
+        }
+        _ => false,
     }
 }

@@ -112,10 +112,9 @@ impl FabricState {
                     },
                     None => None,
                 };
-                let Some(data) = self.gather(&wr.sges) else {
+                if !self.gather_into(&wr.sges, &buf, off, len as usize) {
                     return Outcome::Fail(Status::LocalProtection);
-                };
-                buf.lock()[off..off + data.len()].copy_from_slice(&data);
+                }
                 if let (Some(recv), Some(imm)) = (recv, imm) {
                     let mut wc = Completion::success(recv.wr_id, Opcode::RecvRdmaWithImm, peer);
                     wc.src_qp = qpn;
@@ -135,8 +134,7 @@ impl FabricState {
                 else {
                     return self.remote_access(peer);
                 };
-                let data = buf.lock()[off..off + len as usize].to_vec();
-                self.scatter(&wr.sges, &data);
+                self.scatter_from(&buf, off, len as usize, &wr.sges);
                 Outcome::Ok {
                     opcode: Opcode::RdmaRead,
                     byte_len: len32,

@@ -32,6 +32,23 @@ pub struct QpInit<'a> {
     pub qp_type: QpType,
 }
 
+/// A zeroed buffer of `len` bytes with every page faulted in, as
+/// registration pins a real region's pages (`ibv_reg_mr` faults them in
+/// writable). Without it the first write to each page of a fresh region
+/// takes a copy-on-write fault and a TLB shoot-down in the middle of the
+/// traffic, a cost no registered memory has.
+fn pinned(len: usize) -> Vec<u8> {
+    const PAGE: usize = 4096;
+    let mut buf = vec![0u8; len];
+    // black_box: the compiler may not assume the pages are zero and drop
+    // the stores.
+    let pages = std::hint::black_box(&mut buf[..]);
+    for p in pages.chunks_mut(PAGE) {
+        p[0] = 0;
+    }
+    buf
+}
+
 impl<'a> QpInit<'a> {
     /// A QP on `send_cq` / `recv_cq` with `cap`, no SRQ, selective signaling.
     pub fn new(send_cq: &'a Cq, recv_cq: &'a Cq, cap: QpCap) -> Self {
@@ -86,7 +103,7 @@ impl Pd {
             });
         }
         let fabric = self.device.fabric.clone();
-        let buf = Arc::new(Mutex::new(vec![0u8; len]));
+        let buf = Arc::new(Mutex::new(pinned(len)));
         let mut st = fabric.core.state.lock();
         st.next_mr += 1;
         let id = st.next_mr;

@@ -15,8 +15,6 @@
 //! the CQ's credits; [`Qp::post_send`] and [`Qp::post_recv`] are the raw
 //! posts under them.
 
-use std::time::Instant;
-
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -344,8 +342,8 @@ impl Qp {
             used,
             q.cap.max_send_wr,
         )?;
-        let now = Instant::now();
         let in_error = q.state == QpState::Err;
+        let now = st.now(matches!(core.engine, Engine::Timed(_)));
         for wr in wrs {
             let mut ready_at = match core.engine {
                 Engine::Inline => now,
@@ -426,7 +424,8 @@ impl Qp {
         if q.state == QpState::Err {
             st.enter_error(qpn);
         }
-        self.fabric.kick(&mut st, Instant::now());
+        let now = st.now(matches!(self.fabric.core.engine, Engine::Timed(_)));
+        self.fabric.kick(&mut st, now);
         Ok(())
     }
 }

@@ -7,7 +7,6 @@
 //! completion is polled, whichever CQ it went to.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use cqd_core::ledger::QueueAccount;
 use cqd_core::post::PostRecv;
@@ -87,7 +86,11 @@ impl Srq {
             wr_id: w.wr_id,
             sges: w.sg_list.to_vec(),
         }));
-        self.fabric.kick(&mut st, Instant::now());
+        let now = st.now(matches!(
+            self.fabric.core.engine,
+            crate::engine::Engine::Timed(_)
+        ));
+        self.fabric.kick(&mut st, now);
         Ok(())
     }
 }

@@ -205,11 +205,40 @@ impl SrqCtx {
     }
 }
 
+/// A hasher for the NIC's own small integer ids (QP numbers, SRQ and
+/// region ids, all handed out by the fabric): one multiply instead of
+/// SipHash, whose flood resistance a table of ids this process made does
+/// not need. Every request looks several of them up under the fabric's
+/// lock.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        // hashbrown takes the bucket from the low bits and a tag from the
+        // top seven: a multiply by an odd constant spreads the id over both.
+        self.0 = (self.0 ^ u64::from(n)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+/// Tables keyed by the fabric's ids.
+pub(crate) type IdMap<V> = HashMap<u32, V, std::hash::BuildHasherDefault<IdHasher>>;
+
 #[derive(Debug)]
 pub(crate) struct FabricState {
-    pub(crate) qps: HashMap<u32, QpCtx>,
-    pub(crate) srqs: HashMap<u32, SrqCtx>,
-    pub(crate) mrs: HashMap<u32, MrCtx>,
+    pub(crate) qps: IdMap<QpCtx>,
+    pub(crate) srqs: IdMap<SrqCtx>,
+    pub(crate) mrs: IdMap<MrCtx>,
     pub(crate) next_qpn: u32,
     pub(crate) next_srq: u32,
     pub(crate) next_mr: u32,
@@ -221,6 +250,9 @@ pub(crate) struct FabricState {
     pub(crate) rng: u64,
     /// When the simulated link is free again (timed engine).
     pub(crate) link_free_at: Instant,
+    /// When the fabric was made: the inline engine's "now" while no
+    /// request has ever been delayed (see [`FabricState::now`]).
+    pub(crate) epoch: Instant,
     pub(crate) stats: NicStats,
     /// The RNR timer (timed engine only).
     pub(crate) rnr_timer: Option<std::time::Duration>,
@@ -229,9 +261,9 @@ pub(crate) struct FabricState {
 impl FabricState {
     pub(crate) fn new() -> Self {
         FabricState {
-            qps: HashMap::new(),
-            srqs: HashMap::new(),
-            mrs: HashMap::new(),
+            qps: IdMap::default(),
+            srqs: IdMap::default(),
+            mrs: IdMap::default(),
             next_qpn: 0x100,
             next_srq: 0,
             next_mr: 0,
@@ -241,12 +273,26 @@ impl FabricState {
             faults: NicFaults::default(),
             rng: 1,
             link_free_at: Instant::now(),
+            epoch: Instant::now(),
             stats: NicStats::default(),
             rnr_timer: None,
         }
     }
 
     /// xorshift64*, deterministic for a seed.
+    /// The time a post stamps its requests with and runs the engine at.
+    /// Only delayed requests (fault injection) and the timed engine have
+    /// a due time in the future; until one exists every request is due at
+    /// once, and the fabric's epoch stands for now (a clock read per post
+    /// saved). From the first delay on it is the clock.
+    pub(crate) fn now(&self, timed: bool) -> Instant {
+        if timed || self.faults.delay_rate > 0.0 || self.stats.delayed > 0 {
+            Instant::now()
+        } else {
+            self.epoch
+        }
+    }
+
     pub(crate) fn chance(&mut self, p: f64) -> bool {
         if p <= 0.0 {
             return false;

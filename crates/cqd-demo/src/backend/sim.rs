@@ -105,6 +105,21 @@ impl Region for SimRegion {
     }
 }
 
+/// The simulated work request of `op`, gathering `sge`.
+fn sim_wr<'a>(op: &Op<'_, SimRegion>, sge: &'a [Sge; 1]) -> SendWr<'a> {
+    let verb = match op.verb {
+        Verb::Send => WrOp::Send,
+        Verb::Write(r) => WrOp::Write(remote_of(r)),
+        Verb::Read(r) => WrOp::Read(remote_of(r)),
+    };
+    let wr = SendWr::new(u64::from(op.tag), verb, sge);
+    if op.signaled {
+        wr
+    } else {
+        wr.unsignaled()
+    }
+}
+
 fn remote_of(r: Remote) -> cqd_sim::RemoteAddr {
     cqd_sim::RemoteAddr {
         addr: r.addr,
@@ -157,29 +172,26 @@ impl Link for SimLink {
     }
 
     fn post_send(&self, reg: &Registration, ops: &[Op<'_, SimRegion>]) -> Result<(), BackendError> {
-        let sges: Vec<[Sge; 1]> = ops
-            .iter()
-            .map(|op| [op.region.0.sge(op.offset, op.len)])
-            .collect();
-        let mut wrs: Vec<SendWr<'_>> = ops
-            .iter()
-            .zip(&sges)
-            .map(|(op, sge)| {
-                let verb = match op.verb {
-                    Verb::Send => WrOp::Send,
-                    Verb::Write(r) => WrOp::Write(remote_of(r)),
-                    Verb::Read(r) => WrOp::Read(remote_of(r)),
-                };
-                let wr = SendWr::new(u64::from(op.tag), verb, sge);
-                if op.signaled {
-                    wr
-                } else {
-                    wr.unsignaled()
-                }
-            })
-            .collect();
-        reg.post_send(&self.0, &mut wrs)
-            .map_err(|e| BackendError::new(format!("post on QP {}", self.0.qpn()), e))
+        let sge = |op: &Op<'_, SimRegion>| [op.region.0.sge(op.offset, op.len)];
+        // The demo posts one or two requests at a time: those lists live
+        // on the stack, not in two allocations per post.
+        let posted = match ops {
+            [a] => {
+                let s = [sge(a)];
+                reg.post_send(&self.0, &mut [sim_wr(a, &s[0])])
+            }
+            [a, b] => {
+                let s = [sge(a), sge(b)];
+                reg.post_send(&self.0, &mut [sim_wr(a, &s[0]), sim_wr(b, &s[1])])
+            }
+            _ => {
+                let sges: Vec<[Sge; 1]> = ops.iter().map(sge).collect();
+                let mut wrs: Vec<SendWr<'_>> =
+                    ops.iter().zip(&sges).map(|(op, s)| sim_wr(op, s)).collect();
+                reg.post_send(&self.0, &mut wrs)
+            }
+        };
+        posted.map_err(|e| BackendError::new(format!("post on QP {}", self.0.qpn()), e))
     }
 
     fn to_error(&self) {

@@ -183,6 +183,26 @@ impl Region for VerbsRegion {
     }
 }
 
+/// The scatter/gather entry of `op`.
+fn verbs_sge<'a>(op: &Op<'a, VerbsRegion>) -> Result<[Sge<'a>; 1], BackendError> {
+    Ok([op.region.sge(op.offset, op.len)?])
+}
+
+/// The verbs work request of `op`, gathering `sge`.
+fn verbs_wr<'a>(op: &Op<'_, VerbsRegion>, sge: &'a [Sge<'a>; 1]) -> SendWr<'a> {
+    let verb = match op.verb {
+        Verb::Send => WrOp::Send,
+        Verb::Write(r) => WrOp::Write(remote_of(r)),
+        Verb::Read(r) => WrOp::Read(remote_of(r)),
+    };
+    let wr = SendWr::new(u64::from(op.tag), verb, sge);
+    if op.signaled {
+        wr
+    } else {
+        wr.unsignaled()
+    }
+}
+
 fn remote_of(r: Remote) -> RemoteAddr {
     RemoteAddr {
         addr: r.addr,
@@ -246,29 +266,31 @@ impl Link for VerbsLink {
         reg: &Registration,
         ops: &[Op<'_, VerbsRegion>],
     ) -> Result<(), BackendError> {
-        let sges = ops
-            .iter()
-            .map(|op| Ok([op.region.sge(op.offset, op.len)?]))
-            .collect::<Result<Vec<[Sge<'_>; 1]>, BackendError>>()?;
-        let mut wrs: Vec<SendWr<'_>> = ops
-            .iter()
-            .zip(&sges)
-            .map(|(op, sge)| {
-                let verb = match op.verb {
-                    Verb::Send => WrOp::Send,
-                    Verb::Write(r) => WrOp::Write(remote_of(r)),
-                    Verb::Read(r) => WrOp::Read(remote_of(r)),
-                };
-                let wr = SendWr::new(u64::from(op.tag), verb, sge);
-                if op.signaled {
-                    wr
-                } else {
-                    wr.unsignaled()
-                }
-            })
-            .collect();
-        reg.post_send(&*self.qp, &mut wrs)
-            .map_err(|e| BackendError::new(format!("post on QP {}", self.qp.qpn()), e))
+        // The demo posts one or two requests at a time: those lists live
+        // on the stack, not in two allocations per post.
+        let posted = match ops {
+            [a] => {
+                let s = [verbs_sge(a)?];
+                reg.post_send(&*self.qp, &mut [verbs_wr(a, &s[0])])
+            }
+            [a, b] => {
+                let s = [verbs_sge(a)?, verbs_sge(b)?];
+                reg.post_send(&*self.qp, &mut [verbs_wr(a, &s[0]), verbs_wr(b, &s[1])])
+            }
+            _ => {
+                let sges = ops
+                    .iter()
+                    .map(verbs_sge)
+                    .collect::<Result<Vec<[Sge<'_>; 1]>, BackendError>>()?;
+                let mut wrs: Vec<SendWr<'_>> = ops
+                    .iter()
+                    .zip(&sges)
+                    .map(|(op, s)| verbs_wr(op, s))
+                    .collect();
+                reg.post_send(&*self.qp, &mut wrs)
+            }
+        };
+        posted.map_err(|e| BackendError::new(format!("post on QP {}", self.qp.qpn()), e))
     }
 
     fn cm_connect(&self, dst: std::net::SocketAddr, conn: u32) -> Result<(), BackendError> {
