@@ -275,13 +275,10 @@ pub fn measured_wake_latency() -> Option<Duration> {
     static PROBE: OnceLock<()> = OnceLock::new();
     PROBE.get_or_init(|| {
         let here = rustix::thread::sched_getcpu();
-        let other = crate::thread::allowed_cpus()
-            .ok()
-            .and_then(|cpus| cpus.into_iter().find(|&c| c != here));
         let started = std::thread::Builder::new()
             .name("cqd-wake-probe".into())
             .spawn(move || {
-                let wake = probe_wake_latency(here, other);
+                let wake = probe_wake_latency(here);
                 tracing::debug!(?wake, "measured the wake-up latency");
                 WAKE_NS.store(
                     (wake.as_nanos() as u64).min(WAKE_PENDING - 1),
@@ -298,23 +295,29 @@ pub fn measured_wake_latency() -> Option<Duration> {
     }
 }
 
-/// Pins the calling thread to `cpu`, if it can (the probe measures
-/// unpinned otherwise).
-fn pin_probe(cpu: Option<usize>) {
-    if let Some(id) = cpu {
-        let _ = core_affinity::set_for_current(core_affinity::CoreId { id });
+/// Pins the calling thread to the first CPU it may run on that `accept`s
+/// (the probe measures where it is otherwise). Tried one by one, since the
+/// caller's own mask may be a single CPU (a pinned poller) while the
+/// process may use others.
+fn pin_probe(accept: impl Fn(usize) -> bool) {
+    for cpu in (0..rustix::thread::CpuSet::MAX_CPU).filter(|&c| accept(c)) {
+        let mut set = rustix::thread::CpuSet::new();
+        set.set(cpu);
+        if rustix::thread::sched_setaffinity(None, &set).is_ok() {
+            return;
+        }
     }
 }
 
-/// The probe: this thread waits on `waiter_cpu`, a second one (on
-/// `waker_cpu`) hands it the time it sent.
-fn probe_wake_latency(waiter_cpu: usize, waker_cpu: Option<usize>) -> Duration {
-    pin_probe(Some(waiter_cpu));
+/// The probe: this thread waits on `waiter_cpu`, a second one, on another
+/// CPU if there is one, hands it the time it sent.
+fn probe_wake_latency(waiter_cpu: usize) -> Duration {
+    pin_probe(|c| c == waiter_cpu);
     let (tx, rx) = std::sync::mpsc::channel::<Instant>();
     let waker = std::thread::Builder::new()
         .name("cqd-wake-probe".into())
         .spawn(move || {
-            pin_probe(waker_cpu);
+            pin_probe(|c| c != waiter_cpu);
             for _ in 0..WAKE_SAMPLES {
                 std::thread::sleep(WAKE_PROBE_IDLE);
                 if tx.send(Instant::now()).is_err() {
