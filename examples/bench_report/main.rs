@@ -282,22 +282,8 @@ fn run(args: &Args) -> Result<(), String> {
         handoff_section(&mut md, args, &mut goals)?;
     }
 
-    eprintln!("== end to end on {backend_name} ({} reps)", args.reps);
-    let on = match args.backend {
-        BackendKind::Sim => e2e::On::Sim,
-        BackendKind::Verbs => e2e::On::Verbs,
-    };
-    let e2e = e2e::compare(on, args.quick, args.reps)?;
-    let naive_png = args.out.join(format!("bench-naive-{backend_name}.png"));
-    e2e_section(&mut md, backend_name, &e2e, &naive_png, &mut goals)?;
-
-    let _ = writeln!(
-        md,
-        "\n### Goals\n\n| goal | measured | verdict |\n|---|---|---|"
-    );
-    for (goal, measured, met) in &goals {
-        let _ = writeln!(md, "| {goal} | {measured} | {} |", verdict(*met));
-    }
+    let naive_png = end_to_end(args, backend_name, &mut md, &mut goals)?;
+    write_goals(&mut md, &goals);
     let _ = writeln!(
         md,
         "\nPlots: `{}`, `{}`, `{}`. The whole report took {:.0} s; load average at the end {}.",
@@ -338,22 +324,9 @@ fn only_e2e(
     mut md: String,
     started: Instant,
 ) -> Result<(), String> {
-    eprintln!("== end to end on {backend_name} ({} reps)", args.reps);
-    let on = match args.backend {
-        BackendKind::Sim => e2e::On::Sim,
-        BackendKind::Verbs => e2e::On::Verbs,
-    };
-    let rows = e2e::compare(on, args.quick, args.reps)?;
-    let png = args.out.join(format!("bench-naive-{backend_name}.png"));
     let mut goals = Vec::new();
-    e2e_section(&mut md, backend_name, &rows, &png, &mut goals)?;
-    let _ = writeln!(
-        md,
-        "\n### Goals\n\n| goal | measured | verdict |\n|---|---|---|"
-    );
-    for (goal, measured, met) in &goals {
-        let _ = writeln!(md, "| {goal} | {measured} | {} |", verdict(*met));
-    }
+    let png = end_to_end(args, backend_name, &mut md, &mut goals)?;
+    write_goals(&mut md, &goals);
     let _ = writeln!(
         md,
         "\nPlot: `{}`. The run took {:.0} s; load average at the end {}.",
@@ -366,6 +339,36 @@ fn only_e2e(
     println!("{md}");
     println!("(report written to {})", report.display());
     Ok(())
+}
+
+/// Section 4: runs the comparison, writes its table and plot and adds its
+/// goals; returns the plot's path.
+fn end_to_end(
+    args: &Args,
+    backend_name: &str,
+    md: &mut String,
+    goals: &mut Vec<(String, String, bool)>,
+) -> Result<PathBuf, String> {
+    eprintln!("== end to end on {backend_name} ({} reps)", args.reps);
+    let on = match args.backend {
+        BackendKind::Sim => e2e::On::Sim,
+        BackendKind::Verbs => e2e::On::Verbs,
+    };
+    let rows = e2e::compare(on, args.quick, args.reps)?;
+    let png = args.out.join(format!("bench-naive-{backend_name}.png"));
+    e2e_section(md, backend_name, &rows, &png, goals)?;
+    Ok(png)
+}
+
+/// The goals table.
+fn write_goals(md: &mut String, goals: &[(String, String, bool)]) {
+    let _ = writeln!(
+        md,
+        "\n### Goals\n\n| goal | measured | verdict |\n|---|---|---|"
+    );
+    for (goal, measured, met) in goals {
+        let _ = writeln!(md, "| {goal} | {measured} | {} |", verdict(*met));
+    }
 }
 
 fn verbs_available() -> bool {
