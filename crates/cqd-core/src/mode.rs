@@ -79,7 +79,8 @@
 //!   [`Adaptive::wake_cost`] and [`measured_wake_latency`] — this machine's,
 //!   measured once per process in the background when the first Adaptive
 //!   poller starts (9 hand-offs to a thread blocked on an idle CPU, the
-//!   median; about 10 ms, during which the floor alone counts).
+//!   median; about 10 ms); a poller takes it up at the start of its next
+//!   100 ms period, and counts the floor alone until then.
 //!
 //! While the gap is shorter than the cost of a sleep, the window is twice
 //! the gap (within `min_spin..=max_spin`): the next completion almost always
