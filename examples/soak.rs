@@ -161,11 +161,12 @@ impl Lane {
         (reg, count)
     }
 
-    /// Posts one request; false if the CQ's credits refused it.
-    fn post(&mut self, rng: &mut Rng, f: &Faulted, status: Option<Status>) -> bool {
+    /// Posts one request (a send if `send`, else a send or a receive at
+    /// random); false if the CQ's credits refused it.
+    fn post(&mut self, rng: &mut Rng, f: &Faulted, status: Option<Status>, send: bool) -> bool {
         let i = (rng.next() % self.regs.len() as u64) as usize;
         let tag = self.tag % TAG_SPACE;
-        let recv = rng.one_in(2);
+        let recv = !send && rng.one_in(2);
         let kind = if recv { OpKind::Recv } else { OpKind::Send };
         let mut wr = LoopWr::new(tag, kind);
         let mut owed = true;
@@ -569,7 +570,7 @@ fn produce(
         let mut any = false;
         for lane in &mut lanes {
             for _ in 0..32 {
-                if lane.post(&mut rng, f, None) {
+                if lane.post(&mut rng, f, None, false) {
                     any = true;
                 } else {
                     break;
@@ -578,11 +579,13 @@ fn produce(
             if rng.one_in(2_000) {
                 // QP to error: what is queued completes as flushes, then
                 // the QP goes and a new one takes its place.
-                // At least one flush, which retires the unsignaled sends
-                // before it on that queue (their queue is going away).
+                // At least one flush, and the first a send's, which
+                // retires the unsignaled sends before it on the send queue
+                // (their queue is going away; a receive's flush would not,
+                // and they would stay outstanding for ever).
                 let mut flushed = 0;
                 for _ in 0..1_000_000 {
-                    if lane.post(&mut rng, f, Some(Status::WrFlush)) {
+                    if lane.post(&mut rng, f, Some(Status::WrFlush), flushed == 0) {
                         flushed += 1;
                         if flushed == 16 {
                             break;
