@@ -47,16 +47,17 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool as PlainAtomicBool;
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::Instant;
 
 use crossbeam_utils::CachePadded;
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::Mutex as PlainMutex;
 
 use crate::budget::CqBudget;
 use crate::completion::Completion;
 use crate::ledger::{LedgerInner, WrLedger};
+use crate::sync::{AtomicBool, Mutex, MutexGuard, Ordering};
 use crate::wr_id::{Side, WrId};
 
 /// Which kind of queue an account is for.
@@ -106,14 +107,18 @@ pub struct QueueAccount {
     /// (a wr_id names a handler of one CQ, and a receive completes on the
     /// CQ of whichever QP consumes it).
     pub(crate) ledger: OnceLock<Weak<LedgerInner>>,
+    /// Set by [`close`](Self::close) under the ring's lock, and read under
+    /// it by the poller: "drained and closed" is one observation, so no
+    /// request posted between the two can be detached with the account.
     closed: AtomicBool,
     /// The account of a destroyed queue whose number this queue reuses,
     /// while it still holds requests (step 6 of the module documentation).
     /// Locked by the poller only.
-    prev: Mutex<Option<Arc<QueueAccount>>>,
-    has_prev: AtomicBool,
+    prev: PlainMutex<Option<Arc<QueueAccount>>>,
+    has_prev: PlainAtomicBool,
     /// On its own cache line: posters of this queue and the poller meet
-    /// here, posters and pollers of other queues never do.
+    /// here, posters and pollers of other queues never do. From the
+    /// synchronisation shim, so that loom checks the close and the drain.
     ring: CachePadded<Mutex<VecDeque<Outstanding>>>,
 }
 
@@ -146,8 +151,8 @@ impl QueueAccount {
             credits: budget.filter(|b| b.has_credits()).cloned(),
             ledger: home,
             closed: AtomicBool::new(false),
-            has_prev: AtomicBool::new(prev.is_some()),
-            prev: Mutex::new(prev),
+            has_prev: PlainAtomicBool::new(prev.is_some()),
+            prev: PlainMutex::new(prev),
             ring: CachePadded::new(Mutex::new(VecDeque::new())),
         }
     }
@@ -178,13 +183,12 @@ impl QueueAccount {
 
     /// Requests posted on the queue and not yet retired by a completion.
     pub fn outstanding(&self) -> usize {
-        self.ring.lock().len()
+        self.lock_ring().len()
     }
 
     /// Age of the oldest outstanding request.
     pub fn oldest(&self, now: Instant) -> Option<std::time::Duration> {
-        self.ring
-            .lock()
+        self.lock_ring()
             .iter()
             .map(|e| now.saturating_duration_since(e.at))
             .max()
@@ -192,11 +196,12 @@ impl QueueAccount {
 
     /// Marks the queue destroyed (the backend calls it when the queue
     /// goes): it is detached from its CQ's ledger now if nothing is
-    /// outstanding, else by the poller once its last request is retired.
+    /// outstanding (its predecessor's requests included), else by the
+    /// poller once its last request is retired.
     pub fn close(self: &Arc<Self>) {
-        let ring = self.ring.lock();
+        let ring = self.lock_ring();
         self.closed.store(true, Ordering::Release);
-        let drained = ring.is_empty();
+        let drained = ring.is_empty() && !self.has_prev();
         drop(ring);
         let ledger = self.ledger.get().and_then(Weak::upgrade);
         if let (true, Some(inner)) = (drained, ledger) {
@@ -241,10 +246,17 @@ impl QueueAccount {
         credits
     }
 
+    /// The ring's lock. A panic while it was held (a backend's post that
+    /// panicked) leaves the ring as the last step left it, and every step
+    /// leaves it consistent, so poisoning is ignored.
+    fn lock_ring(&self) -> MutexGuard<'_, VecDeque<Outstanding>> {
+        self.ring.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     pub(crate) fn lock(&self) -> Ring<'_> {
         Ring {
             account: self,
-            ring: self.ring.lock(),
+            ring: self.lock_ring(),
         }
     }
 }
@@ -445,6 +457,10 @@ impl AccountCache {
                         credits += account.retire_chained(wc.wr_id, ok, &mut self.silent);
                     }
                 }
+                let ring = account.lock();
+                if ring.ring.is_empty() && !account.has_prev() && account.is_closed() {
+                    self.closed.push((qp, side, Arc::clone(account)));
+                }
                 continue;
             }
             let mut ring = account.lock();
@@ -455,11 +471,13 @@ impl AccountCache {
                     credits += ring.retire(wc.wr_id, ok, &mut self.silent).0;
                 }
             }
-            let drained = ring.ring.is_empty();
-            drop(ring);
-            if drained && account.is_closed() {
+            // Drained and closed, seen under the lock that `close` sets
+            // the flag under: requests posted after the last retirement
+            // here and before the close keep the account attached.
+            if ring.ring.is_empty() && account.is_closed() {
                 self.closed.push((qp, side, Arc::clone(account)));
             }
+            drop(ring);
         }
         if let Some(b) = ledger.budget() {
             b.give_back(credits);
@@ -639,5 +657,55 @@ mod tests {
             prop_assert_eq!(credits, signaled.len() as u64);
             prop_assert_eq!(sq.outstanding(), 0);
         }
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_close {
+    use super::*;
+    use crate::completion::Opcode;
+    use crate::wr_id::{HandlerKey, OpKind};
+
+    /// A queue's last requests posted (an unsignaled send, then a signaled
+    /// one) and the queue closed, while the poller retires the request
+    /// before them: whatever the interleaving, the account stays attached
+    /// until the signaled one's completion retires both, then leaves the
+    /// ledger. (Deciding "drained" under the lock and "closed" after it
+    /// let the poller detach an account the poster had just refilled: the
+    /// next completion then found no account, and the unsignaled send was
+    /// never counted completed.)
+    #[test]
+    fn a_close_after_a_refill_never_detaches_a_live_account() {
+        loom::model(|| {
+            let key = HandlerKey::new(0, 0).unwrap();
+            let id = move |tag| key.wr_id(OpKind::Send, tag).unwrap();
+            let ledger = WrLedger::new();
+            let sq = ledger.open_queue(7, Queue::Send);
+            let now = Instant::now();
+            sq.lock().push(id(1), now, false, true);
+            let poster = Arc::clone(&sq);
+            let t = loom::thread::spawn(move || {
+                {
+                    let mut ring = poster.lock();
+                    ring.push(id(2), now, false, false);
+                    ring.push(id(3), now, false, true);
+                }
+                poster.close();
+            });
+            let mut cache = AccountCache::default();
+            cache.account_batch(&ledger, &[Completion::success(id(1), Opcode::Send, 7)]);
+            t.join().unwrap();
+            assert!(
+                ledger.lookup(7, Side::Send).is_some(),
+                "detached with two requests outstanding"
+            );
+            cache.account_batch(&ledger, &[Completion::success(id(3), Opcode::Send, 7)]);
+            assert_eq!(cache.silent, [id(2)], "the unsignaled send, silently");
+            assert_eq!(sq.outstanding(), 0);
+            assert!(
+                ledger.lookup(7, Side::Send).is_none(),
+                "detached once drained"
+            );
+        });
     }
 }
