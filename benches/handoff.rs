@@ -25,7 +25,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use cqd::core::pool::Work;
-use cqd::core::sink::{Route, Routed, WorkSink};
+use cqd::core::sink::{Burst, Route, Routed, WorkSink};
 use cqd::core::topology::{Placement, PoolConfig, TopologyConfig, WorkerIdle};
 
 const CAPACITY: usize = 1024;
@@ -132,8 +132,9 @@ fn cqd_pool_idle(items: u64, workers: usize, idle: WorkerIdle) -> u64 {
         .expect("spawn");
     let mut sink = sinks.pop().expect("one sink");
     // The poller's loop: append a drained batch to the spill queue, offer;
-    // a round that drained a batch offers as a burst (`offer_burst`), one
+    // a round that drained a batch offers as a burst (`Burst::offer`), one
     // that found nothing new offers plainly, as the poller's rounds do.
+    let mut burst = Burst::new(&mut sink);
     let mut spill = VecDeque::with_capacity(4 * CAPACITY);
     let pinned = consumer_cpu(workers).is_some();
     let mut next = 0;
@@ -151,9 +152,9 @@ fn cqd_pool_idle(items: u64, workers: usize, idle: WorkerIdle) -> u64 {
         }
         let before = spill.len();
         if found {
-            sink.offer_burst(&mut spill, fresh);
+            burst.offer(&mut spill, fresh);
         } else {
-            sink.offer(&mut spill);
+            burst.sink().offer(&mut spill);
         }
         if spill.len() == before && (spill.len() >= CAPACITY || next >= items) {
             // Every ring full and the spill at its bound: a poller would go
@@ -169,9 +170,9 @@ fn cqd_pool_idle(items: u64, workers: usize, idle: WorkerIdle) -> u64 {
             }
         }
     }
-    // The round after the last finds nothing: its (empty) hand-off
-    // completes what the bursts deferred.
-    sink.settle();
+    // The round after the last finds nothing: the burst ends, which
+    // completes what it deferred.
+    drop(burst);
     drop(sink);
     let snapshot = pool.join().expect("join");
     if std::env::var_os("CQD_BENCH_STATS").is_some() {

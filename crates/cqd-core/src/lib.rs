@@ -67,6 +67,6 @@ pub use mode::{Adaptive, PollMode};
 pub use poller::{PollerBuilder, PollerMonitor, PollerReport, PollerThread};
 pub use post::{Invalid, PostRecv, PostSend, Refused, SendRequest, WorkRequest};
 pub use shutdown::{shutdown, shutdown_with, ShutdownOptions, SystemReport};
-pub use sink::{NoSink, NoWork, Route, Routed, SpaceWait, SpaceWaker, WorkSink};
+pub use sink::{Burst, NoSink, NoWork, Route, Routed, SpaceWait, SpaceWaker, WorkSink};
 pub use source::{ArmKind, AsyncEvent, CompletionSource, QpEvent, SourceError, SrqEvent};
 pub use wr_id::{HandlerKey, OpKind, Side, WrId};

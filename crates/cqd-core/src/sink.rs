@@ -17,8 +17,11 @@
 //!    per call and wake a parked consumer at most once per call.
 //! 4. A parked consumer is woken by the offer that handed it work, or, for an
 //!    [`offer_burst`](WorkSink::offer_burst), at the latest by the caller's
-//!    next plain offer, [`settle`](WorkSink::settle) or space arm (the poller
-//!    bursts only while its rounds find completions, see `poller::spill`).
+//!    next plain offer, [`settle`](WorkSink::settle) or space arm. Only
+//!    cqd-core can make a burst offer (it takes a [`Bursting`], which no
+//!    other crate can make): the poller, which bursts only while its rounds
+//!    find completions (see `poller::spill`), and a [`Burst`], which settles
+//!    when it is dropped. A deferred wake-up cannot be forgotten.
 //!
 //! # Waiting for space
 //!
@@ -32,6 +35,7 @@
 //! timer instead. The worker pool's protocol is written out in `pool::space`.
 
 use std::collections::VecDeque;
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 /// Where a work item goes.
@@ -91,6 +95,90 @@ pub enum SpaceWait {
     Unsupported,
 }
 
+/// The permission to make a burst offer ([`WorkSink::offer_burst`]):
+/// only cqd-core makes one, where it is sure the burst is settled (the
+/// poller's rounds, [`Burst`]).
+#[derive(Debug)]
+pub struct Bursting(pub(crate) ());
+
+/// Burst offers to a sink, settled when this is dropped: for code that
+/// drives a sink as the poller does (a benchmark, a poll loop of one's
+/// own), offering what each round found without paying the pool's fence
+/// and wake-up check on every offer. Drop it before waiting for anything
+/// (the next completion, space, a timer): until it is dropped or
+/// [`settled`](Self::settle), a worker that went to sleep just as items
+/// reached it may stay asleep.
+///
+/// ```
+/// use std::collections::VecDeque;
+/// use cqd_core::sink::{Burst, Route, Routed, WorkSink};
+/// # use cqd_core::pool::Work;
+/// # use cqd_core::topology::{PoolConfig, TopologyConfig};
+/// # struct Sum;
+/// # impl Work<u64> for Sum { fn run(&mut self, _: u64) {} }
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # let mut topology = TopologyConfig::new().pool(PoolConfig::new("p", 1)).validate()?;
+/// # let (pool, mut sinks) = topology.take_pool("p").unwrap().spawn(1, |_| Sum)?;
+/// # let mut sink = sinks.pop().unwrap();
+/// let mut burst = Burst::new(&mut sink);
+/// for round in 0..4u64 {
+///     let mut items: VecDeque<_> = (0..32)
+///         .map(|i| Routed { route: Route::LeastLoaded, item: round * 32 + i })
+///         .collect();
+///     let refused = burst.offer(&mut items, 0);
+///     # assert_eq!(refused, items.len());
+/// }
+/// drop(burst); // settles: every worker that has items is awake
+/// # drop(sink);
+/// # pool.join()?;
+/// # Ok(())
+/// # }
+/// ```
+pub struct Burst<'a, W, S: WorkSink<W> + ?Sized> {
+    sink: &'a mut S,
+    _items: PhantomData<fn(W)>,
+}
+
+impl<'a, W, S: WorkSink<W> + ?Sized> Burst<'a, W, S> {
+    /// Starts a burst on `sink`.
+    pub fn new(sink: &'a mut S) -> Self {
+        Burst {
+            sink,
+            _items: PhantomData,
+        }
+    }
+
+    /// A burst offer ([`WorkSink::offer_burst`]): returns how many of the
+    /// fresh items (at positions `fresh..` on entry) it refused; what it
+    /// refused stays in `items`, in order.
+    pub fn offer(&mut self, items: &mut VecDeque<Routed<W>>, fresh: usize) -> usize {
+        self.sink.offer_burst(items, fresh, &Bursting(()))
+    }
+
+    /// The sink, for plain offers between burst offers (each completes
+    /// what the burst deferred).
+    pub fn sink(&mut self) -> &mut S {
+        self.sink
+    }
+
+    /// Completes what the burst deferred now; the burst goes on.
+    pub fn settle(&mut self) {
+        self.sink.settle();
+    }
+}
+
+impl<W, S: WorkSink<W> + ?Sized> Drop for Burst<'_, W, S> {
+    fn drop(&mut self) {
+        self.sink.settle();
+    }
+}
+
+impl<W, S: WorkSink<W> + ?Sized> std::fmt::Debug for Burst<'_, W, S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Burst")
+    }
+}
+
 /// Anything the poller can hand work to without blocking.
 pub trait WorkSink<W>: Send {
     /// Takes as many items from the front-to-back order of `items` as it can
@@ -114,16 +202,24 @@ pub trait WorkSink<W>: Send {
     }
 
     /// As [`offer_fresh`](Self::offer_fresh), for an offer in the middle of
-    /// a burst: the caller promises to make another offer or call
-    /// [`settle`](Self::settle) soon, and always before it blocks, sleeps
-    /// or goes idle. The sink may then defer work that can wait that long;
-    /// the worker pool defers the fence and the wake-up check while every
-    /// worker it feeds looks awake (at most a few offers in a row). Every
-    /// other method (a plain offer, [`arm_space`](Self::arm_space),
-    /// dropping the sink) completes what was deferred. The poller uses it
-    /// for the hand-off of a round that found completions, which is
-    /// followed by another round. The provided version is `offer_fresh`.
-    fn offer_burst(&mut self, items: &mut VecDeque<Routed<W>>, fresh: usize) -> usize {
+    /// a burst: another offer or a [`settle`](Self::settle) follows soon,
+    /// and always before the caller blocks, sleeps or goes idle. The sink
+    /// may then defer work that can wait that long; the worker pool defers
+    /// the fence and the wake-up check while every worker it feeds looks
+    /// awake (at most a few offers in a row). Every other method (a plain
+    /// offer, [`arm_space`](Self::arm_space), dropping the sink) completes
+    /// what was deferred. The provided version is `offer_fresh`.
+    ///
+    /// A sink implements it; only cqd-core calls it, with the [`Bursting`]
+    /// that only it can make: the poller, for the hand-off of a round that
+    /// found completions (another round follows), and [`Burst::offer`].
+    fn offer_burst(
+        &mut self,
+        items: &mut VecDeque<Routed<W>>,
+        fresh: usize,
+        bursting: &Bursting,
+    ) -> usize {
+        let _ = bursting;
         self.offer_fresh(items, fresh)
     }
 

@@ -17,7 +17,7 @@ use loom::sync::{Arc, Condvar, Mutex};
 
 use cqd_core::pool::PoolSink;
 use cqd_core::pool::{worker_for_key, Pool};
-use cqd_core::sink::{Route, Routed, WorkSink};
+use cqd_core::sink::{Burst, Route, Routed, WorkSink};
 use cqd_core::topology::{PoolConfig, TopologyConfig};
 
 /// What the worker has handled, in order, and a condvar to wait on it.
@@ -199,9 +199,9 @@ fn one_offer_wakes_each_worker_it_feeds() {
     });
 }
 
-/// Burst offers (`offer_burst`) may defer the fence and the wake-up check
+/// Burst offers (`Burst::offer`) may defer the fence and the wake-up check
 /// while the worker looks awake; the settle after them (the poller's next
-/// round that finds nothing) completes the check. Every interleaving of
+/// round that finds nothing; here, the burst dropped) completes the check. Every interleaving of
 /// two deferred publications and the settle against the worker's
 /// announce/fence/re-check/park ends with both items handled: a worker that
 /// raced into sleep is woken by the settle at the latest.
@@ -210,13 +210,14 @@ fn burst_offers_then_settle_lose_no_wakeup() {
     model(|| {
         let (pool, mut sinks, log) = pool(2, 1);
         let mut sink = sinks.pop().unwrap();
+        let mut burst = Burst::new(&mut sink);
         let mut spill = keyed([1]);
-        sink.offer_burst(&mut spill, 0);
+        burst.offer(&mut spill, 0);
         assert!(spill.is_empty());
         let mut spill = keyed([2]);
-        sink.offer_burst(&mut spill, 0);
+        burst.offer(&mut spill, 0);
         assert!(spill.is_empty());
-        sink.settle();
+        drop(burst);
         assert_eq!(log.wait_for(2), [1, 2]);
         drop(sink);
         let snapshot = pool.join().unwrap();
@@ -232,12 +233,15 @@ fn burst_then_plain_offer_lose_no_wakeup() {
     model(|| {
         let (pool, mut sinks, log) = pool(2, 1);
         let mut sink = sinks.pop().unwrap();
+        let mut burst = Burst::new(&mut sink);
         let mut spill = keyed([1]);
-        sink.offer_burst(&mut spill, 0);
+        burst.offer(&mut spill, 0);
         assert!(spill.is_empty());
         let mut spill = keyed([]);
-        sink.offer(&mut spill);
+        burst.sink().offer(&mut spill);
+        // Woken by the plain offer: the burst is not settled yet.
         assert_eq!(log.wait_for(1), [1]);
+        drop(burst);
         drop(sink);
         pool.join().unwrap();
     });

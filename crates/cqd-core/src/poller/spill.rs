@@ -64,7 +64,7 @@ use std::time::Duration;
 use super::{Group, PollerBuilder};
 use crate::metrics::{bump, raise};
 use crate::mode::PollMode;
-use crate::sink::{Routed, SpaceWait, SpaceWaker, WorkSink};
+use crate::sink::{Bursting, Routed, SpaceWait, SpaceWaker, WorkSink};
 use crate::sync::Ordering;
 use crate::sys::Doorbell;
 
@@ -193,7 +193,8 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         }
         let fresh = self.spill.counted.min(before);
         let refused = if burst {
-            self.sink.offer_burst(&mut self.spill.items, fresh)
+            self.sink
+                .offer_burst(&mut self.spill.items, fresh, &Bursting(()))
         } else {
             self.sink.offer_fresh(&mut self.spill.items, fresh)
         };

@@ -51,7 +51,7 @@ use super::park::{producer_fence, Bell};
 use super::ring::Producer;
 use super::space::{self, SpaceBell};
 use super::{PoolError, Routing, Shared};
-use crate::sink::{Route, Routed, SpaceWait, SpaceWaker, WorkSink};
+use crate::sink::{Bursting, Route, Routed, SpaceWait, SpaceWaker, WorkSink};
 use crate::sync::{thread, Arc, Ordering};
 
 /// The worker a key maps to in a pool of `workers` workers: the same key
@@ -479,7 +479,12 @@ impl<W: Send> WorkSink<W> for PoolSink<W> {
     /// worker published to looks awake, for at most
     /// [`MAX_DEFERRED_CHECKS`] burst offers in a row (see `pool::park`,
     /// "Deferred checks").
-    fn offer_burst(&mut self, items: &mut VecDeque<Routed<W>>, fresh: usize) -> usize {
+    fn offer_burst(
+        &mut self,
+        items: &mut VecDeque<Routed<W>>,
+        fresh: usize,
+        _: &Bursting,
+    ) -> usize {
         self.offer_inner(items, fresh, true)
     }
 
@@ -647,7 +652,7 @@ mod tests {
     fn bursts_owe_the_check_for_at_most_max_deferred_offers() {
         let (mut sink, mut rings) = sink(1, 1024, Routing::AsRouted);
         for i in 0..MAX_DEFERRED_CHECKS - 1 {
-            sink.offer_burst(&mut least_loaded([i as usize]), 0);
+            sink.offer_burst(&mut least_loaded([i as usize]), 0, &Bursting(()));
             assert!(sink.owed, "an awake worker's check is owed");
             assert_eq!(sink.unchecked[0], 0, "from the first owed publication");
         }
@@ -662,7 +667,7 @@ mod tests {
         // An awake worker: the check runs after MAX_DEFERRED_CHECKS bursts.
         for i in 0..MAX_DEFERRED_CHECKS {
             assert!(!sink.owed || sink.deferred < MAX_DEFERRED_CHECKS);
-            sink.offer_burst(&mut least_loaded([i as usize]), 0);
+            sink.offer_burst(&mut least_loaded([i as usize]), 0, &Bursting(()));
         }
         assert!(!sink.owed, "checked after {MAX_DEFERRED_CHECKS} bursts");
         assert_eq!(unparks(&sink), 1);
@@ -672,12 +677,12 @@ mod tests {
     fn a_burst_to_a_worker_that_looks_asleep_checks_at_once() {
         let (mut sink, mut rings) = sink(1, 1024, Routing::AsRouted);
         sink.bells[0].0.set_sleeping(true);
-        sink.offer_burst(&mut least_loaded([1, 2]), 0);
+        sink.offer_burst(&mut least_loaded([1, 2]), 0, &Bursting(()));
         assert!(!sink.owed);
         assert_eq!(unparks(&sink), 1);
         // Woken but not yet out of `park` (the flag still set), the worker
         // has not moved: a second burst owes no second unpark ...
-        sink.offer_burst(&mut least_loaded([3]), 0);
+        sink.offer_burst(&mut least_loaded([3]), 0, &Bursting(()));
         assert_eq!(unparks(&sink), 1, "position below the first owed tail");
         // ... and once it has taken everything, nothing is left to wake it for.
         assert_eq!(drain(&mut rings[0]), [1, 2, 3]);
@@ -694,8 +699,8 @@ mod tests {
             route: Route::Key(k),
             item,
         };
-        sink.offer_burst(&mut VecDeque::from([keyed(k0, 1)]), 0);
-        sink.offer_burst(&mut VecDeque::from([keyed(k1, 2)]), 0);
+        sink.offer_burst(&mut VecDeque::from([keyed(k0, 1)]), 0, &Bursting(()));
+        sink.offer_burst(&mut VecDeque::from([keyed(k1, 2)]), 0, &Bursting(()));
         assert!(sink.owed);
         sink.bells[0].0.set_sleeping(true);
         sink.bells[1].0.set_sleeping(true);
