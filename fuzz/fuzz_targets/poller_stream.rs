@@ -23,7 +23,9 @@ use cqd_core::{
     split, Completion, CqBudget, CqOptions, CqPoller, Failed, Handler, HandlerKey, NoWork, OpKind,
     Opcode, Outbox, RecvDone, Registration, SendDone, Side, Status,
 };
-use cqd_sim::{sim_cq_with_ledger, Faults, LoopWr, Loopback, SimCq};
+use cqd_core::post::Refused;
+use cqd_core::wr_id::WrIdError;
+use cqd_sim::{sim_cq_with_ledger, Faults, LoopWr, Loopback, LoopbackError, SimCq};
 use libfuzzer_sys::fuzz_target;
 
 const CAPACITY: u32 = 64;
@@ -225,7 +227,19 @@ fuzz_target!(|input: (u8, Vec<Op>)| {
                 } else {
                     l.reg.post_send(&w.qp, &mut [wr])
                 };
-                if posted.is_ok() && (signaled || status != Status::Success) {
+                if kind == OpKind::Internal {
+                    // cqd's own kind (drain markers): refused untouched.
+                    assert!(
+                        matches!(
+                            posted,
+                            Err(LoopbackError::Refused(Refused::Tag {
+                                source: WrIdError::Reserved,
+                                ..
+                            }))
+                        ),
+                        "a handler posted cqd's internal kind: {posted:?}"
+                    );
+                } else if posted.is_ok() && (signaled || status != Status::Success) {
                     *l.expect.entry((kind.side(), tag)).or_default() += 1;
                     w.pushed += 1;
                 }
@@ -276,8 +290,11 @@ fuzz_target!(|input: (u8, Vec<Op>)| {
                 w.producer.push(c, false).unwrap();
                 w.pushed += 1;
                 if let Some(i) = owner {
+                    // Of cqd's own kind (a drain marker's), no handler's.
                     let d = cqd_core::WrId::decode(raw).unwrap();
-                    *w.live[i].expect.entry((d.kind.side(), d.tag)).or_default() += 1;
+                    if d.kind != OpKind::Internal {
+                        *w.live[i].expect.entry((d.kind.side(), d.tag)).or_default() += 1;
+                    }
                 }
             }
             Op::Poll => {

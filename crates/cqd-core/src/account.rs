@@ -44,6 +44,14 @@
 //!    ends the predecessor: what it still holds will never complete
 //!    (unsignaled requests that ran silently), so it is retired as silently
 //!    completed and its credits come back.
+//! 7. **A queue that ends silently** (a send queue whose last requests are
+//!    unsignaled, on a QP being destroyed): nothing after them will retire
+//!    them. The backend, once the QP is in the error state, posts a *drain
+//!    marker* ([`QueueAccount::post_drain_marker`]): a signaled request of
+//!    cqd's own kind ([`OpKind::Internal`]) recorded behind them. The QP
+//!    in error flushes it after everything before it, in order, so its
+//!    completion retires the silent ones as any later completion would;
+//!    the dispatcher gives it to no handler.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -58,7 +66,7 @@ use crate::budget::CqBudget;
 use crate::completion::Completion;
 use crate::ledger::{LedgerInner, WrLedger};
 use crate::sync::{AtomicBool, Mutex, MutexGuard, Ordering};
-use crate::wr_id::{Side, WrId};
+use crate::wr_id::{HandlerKey, OpKind, Side, WrId};
 
 /// Which kind of queue an account is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -81,6 +89,33 @@ impl Queue {
         }
     }
 }
+
+/// What [`QueueAccount::post_drain_marker`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub enum DrainMarker<E> {
+    /// Not a send queue, or its last request is signaled (its completion,
+    /// or its flush, retires everything before it): nothing posted.
+    NotNeeded,
+    /// The marker is posted; its flush retires the silent requests.
+    Posted,
+    /// The CQ's credits refused the marker's: nothing posted.
+    NoCredit,
+    /// The backend's post failed: nothing posted.
+    Failed(E),
+}
+
+/// The wr_id of a drain marker: cqd's own kind, which the dispatcher never
+/// gives to a handler, so the key and tag it carries name nobody.
+const DRAIN_MARKER: u64 = match HandlerKey::new(0, 0) {
+    Some(key) => WrId {
+        kind: OpKind::Internal,
+        key,
+        tag: 0,
+    }
+    .encode(),
+    None => panic!("slot 0, generation 0 is a key"),
+};
 
 /// One request outstanding on a queue.
 #[derive(Debug, Clone, Copy)]
@@ -206,6 +241,39 @@ impl QueueAccount {
         let ledger = self.ledger.get().and_then(Weak::upgrade);
         if let (true, Some(inner)) = (drained, ledger) {
             WrLedger { inner }.detach(self.number, self.queue.side(), self);
+        }
+    }
+
+    /// Step 7 of the module documentation, for a backend destroying a QP:
+    /// if this send queue's last request is unsignaled, records a drain
+    /// marker behind it (taking a credit if the CQ has credits) and calls
+    /// `post` with the marker's wr_id, under the queue's lock; `post` must
+    /// post a signaled request with that wr_id on the QP, **which must be
+    /// in the error state** (a QP that is not would execute it). If `post`
+    /// fails, the marker's entry and credit are taken back.
+    ///
+    /// Without a marker (none could be posted), the silent requests stay
+    /// outstanding: the stop reports them missing.
+    pub fn post_drain_marker<E>(&self, post: impl FnOnce(u64) -> Result<(), E>) -> DrainMarker<E> {
+        if self.queue != Queue::Send {
+            return DrainMarker::NotNeeded;
+        }
+        let mut ring = self.lock();
+        if !ring.ring.back().is_some_and(|e| !e.signaled) {
+            return DrainMarker::NotNeeded;
+        }
+        let credit = match ring.take_credits(1) {
+            Ok(c) => c,
+            Err(_) => return DrainMarker::NoCredit,
+        };
+        let wr_id = DRAIN_MARKER;
+        ring.push(wr_id, Instant::now(), credit, true);
+        match post(wr_id) {
+            Ok(()) => DrainMarker::Posted,
+            Err(e) => {
+                ring.unpush(1);
+                DrainMarker::Failed(e)
+            }
         }
     }
 
@@ -557,6 +625,61 @@ mod tests {
         cache.account_batch(&ledger, &[wc]);
         assert_eq!(cache.silent, [1], "the foreign entry before it, silently");
         assert!(ledger.lookup(7, Side::Send).is_none(), "detached");
+    }
+
+    #[test]
+    fn a_drain_marker_follows_a_silent_tail_only_and_retires_it() {
+        let b = budget();
+        let ledger = WrLedger::with_budget(b.clone());
+        let key = crate::wr_id::HandlerKey::new(0, 0).unwrap();
+        let id = |tag| key.wr_id(OpKind::Write, tag).unwrap();
+        let sq = ledger.open_queue(3, Queue::Send);
+        let rq = ledger.open_queue(3, Queue::Recv);
+        let now = Instant::now();
+        let push = |tag, signaled| {
+            let mut ring = sq.lock();
+            let c = ring.take_credits(1).unwrap();
+            ring.push(id(tag), now, c, signaled);
+        };
+        let never = |_| -> Result<(), ()> { panic!("no marker is needed") };
+        assert_eq!(sq.post_drain_marker(never), DrainMarker::NotNeeded, "empty");
+        push(1, true);
+        assert_eq!(
+            sq.post_drain_marker(never),
+            DrainMarker::NotNeeded,
+            "signaled last"
+        );
+        assert_eq!(
+            rq.post_drain_marker(never),
+            DrainMarker::NotNeeded,
+            "a receive queue"
+        );
+        push(2, false);
+        push(3, false);
+        // The backend's post fails: nothing is left behind.
+        assert_eq!(sq.post_drain_marker(|_| Err(7)), DrainMarker::Failed(7));
+        assert_eq!((sq.outstanding(), b.credits_in_use()), (3, 3));
+        let mut marker = None;
+        let posted = sq.post_drain_marker(|wr_id| -> Result<(), ()> {
+            marker = Some(wr_id);
+            Ok(())
+        });
+        assert_eq!(posted, DrainMarker::Posted);
+        assert_eq!(
+            (sq.outstanding(), b.credits_in_use()),
+            (4, 4),
+            "the marker holds a credit"
+        );
+        let marker = marker.unwrap();
+        assert_eq!(WrId::decode(marker).unwrap().kind, OpKind::Internal);
+        // The completions: the signaled write, then the marker's flush,
+        // which retires the silent ones before it.
+        let mut cache = AccountCache::default();
+        let done = Completion::success(id(1), crate::completion::Opcode::RdmaWrite, 3);
+        let flush = Completion::error(marker, crate::completion::Status::WrFlush, 3);
+        cache.account_batch(&ledger, &[done, flush]);
+        assert_eq!(cache.silent, [id(2), id(3)]);
+        assert_eq!((sq.outstanding(), b.credits_in_use()), (0, 0));
     }
 
     #[test]

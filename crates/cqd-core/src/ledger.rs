@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
 
-pub use crate::account::{Queue, QueueAccount};
+pub use crate::account::{DrainMarker, Queue, QueueAccount};
 use crate::budget::CqBudget;
 use crate::slab::SlotLedger;
 use crate::wr_id::{HandlerKey, OpKind, Side, WrId};

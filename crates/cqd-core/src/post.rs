@@ -152,7 +152,8 @@ pub const fn check_datagram(len: u64, mtu: u32) -> Result<(), Invalid> {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Refused {
-    /// A request's tag does not fit the wr_id.
+    /// A request's wr_id cannot be made: its tag does not fit, or its
+    /// kind is cqd's own ([`OpKind::Internal`]).
     #[error("work request {index}: {source}")]
     Tag {
         /// The request's index in the list.
@@ -313,7 +314,7 @@ where
             .into());
         }
         let tag = u32::try_from(wr.wr_id()).unwrap_or(u32::MAX);
-        match key.wr_id(k, tag) {
+        match reg.wr_id(k, tag) {
             Ok(id) => wr.set_wr_id(id),
             Err(source) => {
                 restore(&mut wrs[..index]);

@@ -292,6 +292,10 @@ pub enum WrIdError {
         /// The largest tag that fits.
         max: u32,
     },
+    /// The kind is cqd's own ([`OpKind::Internal`], drain markers): a
+    /// handler cannot post it (its completion goes to no handler).
+    #[error("kind `internal` is reserved for cqd's own requests (drain markers)")]
+    Reserved,
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use cqd_core::ledger::{Queue, QueueAccount};
+use cqd_core::ledger::{DrainMarker, Queue, QueueAccount};
 use cqd_core::post::{
     check_atomic, check_datagram, Invalid, PostRecv, PostSend, SendRequest, WorkRequest,
 };
@@ -505,6 +505,21 @@ impl PostRecv for Qp {
 
 impl Drop for Qp {
     fn drop(&mut self) {
+        // To ERR first: what is in flight is flushed, in order. Then, if
+        // the send queue ends in unsignaled requests that ran silently, a
+        // drain marker behind them (flushed at once), whose completion
+        // retires them; a UD marker would need a destination, so UD QPs
+        // have none (their silent tail stays outstanding).
+        self.force_error();
+        if self.qp_type == QpType::Rc {
+            let marker = self
+                .send_account
+                .post_drain_marker(|wr_id| self.post_send(&[SendWr::new(wr_id, WrOp::Send, &[])]));
+            if let DrainMarker::NoCredit | DrainMarker::Failed(_) = marker {
+                tracing::warn!(qpn = self.qpn, ?marker,
+                    "no drain marker: the unsignaled requests at the end of the send queue stay outstanding");
+            }
+        }
         self.send_account.close();
         if self.recv_account.queue() == Queue::Recv {
             self.recv_account.close();

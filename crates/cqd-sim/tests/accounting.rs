@@ -680,6 +680,37 @@ fn a_request_of_the_other_side_is_refused() {
     assert_eq!(reg.ledger().posted(OpKind::Send), 0);
 }
 
+#[test]
+fn cqds_own_kind_is_refused_to_handlers() {
+    let (producer, source) = cqd_sim::sim_cq("internal", 64, Default::default()).unwrap();
+    let (_poller, handle) =
+        cqd_core::split::<cqd_core::NoWork>(source, Default::default()).unwrap();
+    let reg = handle.register(Recorder(Log::default())).unwrap();
+    let qp = cqd_sim::Loopback::new(producer, 1);
+    let mut wrs = [
+        cqd_sim::LoopWr::new(1, OpKind::Send),
+        cqd_sim::LoopWr::new(2, OpKind::Internal),
+    ];
+    let err = reg.post_send(&qp, &mut wrs).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            cqd_sim::LoopbackError::Refused(Refused::Tag {
+                index: 1,
+                source: cqd_core::wr_id::WrIdError::Reserved
+            })
+        ),
+        "{err}"
+    );
+    assert_eq!(wrs.map(|w| w.wr_id), [1, 2], "tags given back");
+    assert_eq!(reg.ledger().posted(OpKind::Send), 0);
+    assert_eq!(
+        reg.wr_id(OpKind::Internal, 3),
+        Err(cqd_core::wr_id::WrIdError::Reserved),
+        "nor can the expert path make one"
+    );
+}
+
 /// A send queue that checks, inside the raw post, what the posting call
 /// promises: the completion is already in the CQ (the inline NIC ran the
 /// request), and the handler's ledger and the queue's account already hold

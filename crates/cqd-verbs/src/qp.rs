@@ -16,7 +16,7 @@ use std::fmt;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use cqd_core::account::{Queue, QueueAccount};
+use cqd_core::account::{DrainMarker, Queue, QueueAccount};
 use cqd_core::budget::Admission;
 use cqd_core::cq::Registration;
 use cqd_core::post::{check_atomic, check_datagram, Invalid, PostRecv, PostSend};
@@ -1014,6 +1014,23 @@ impl Drop for Qp {
             tracing::warn!(qpn = inner.qpn, error = %e, "dropped QP could not be moved to ERR; destroyed with requests outstanding");
             drop(inner);
             return;
+        }
+        // In ERR: a send queue that ends in unsignaled requests (which
+        // may have run silently) gets a drain marker, flushed after them,
+        // whose completion retires them. A UD marker would need an
+        // address handle, so a UD QP has none.
+        if inner.qp_type == QpType::Rc {
+            let marker = inner.send_account.post_drain_marker(|wr_id| {
+                let mut wr =
+                    raw_send_wr(&SendWr::new(wr_id, WrOp::Send, &[]), std::ptr::null_mut());
+                // SAFETY: the QP is live (destroyed only by `QpInner`'s
+                // drop); one signaled SEND naming no memory, `next` null.
+                unsafe { sys::post_send(inner.qp, std::slice::from_mut(&mut wr)) }
+            });
+            if let DrainMarker::NoCredit | DrainMarker::Failed(_) = marker {
+                tracing::warn!(qpn = inner.qpn, ?marker,
+                    "no drain marker: the unsignaled requests at the end of the send queue stay outstanding");
+            }
         }
         let cq = Arc::clone(&inner.send_cq);
         cq.bury(inner);

@@ -954,6 +954,72 @@ fn qp_dropped_unflushed<B: Backend>(mode_name: &str) {
     drop((a, cq));
 }
 
+/// A QP dropped right after requests that completed unannounced (its
+/// send queue's last requests unsignaled): no completion of their own and
+/// none after them will retire them, so the backend closes the queue's
+/// order with a drain marker, whose flush retires them as completed.
+/// Nothing is reported missing, the credits come back, and no user
+/// handler sees the marker.
+fn qp_dropped_with_silent_tail<B: Backend>(mode_name: &str) {
+    let dev = B::open();
+    let (cq, u, h) = B::dispatched_cq(&dev, "silent-tail", 256, true);
+    let m = B::reg_mr(&dev, 4096);
+    let log = Log::default();
+    let reg = h.register(Recorder(log.clone())).unwrap();
+    let t = poller_with("tail", mode(mode_name), vec![u], Duration::from_secs(2));
+    let src = [B::sge(&m, 0, 8)];
+    for round in 0..3u32 {
+        let (a, b) = B::pair(&dev, &cq, &cq, Cap::default());
+        let dst = B::remote(&m, 1024);
+        let base = round * 10;
+        // A signaled write, then three unsignaled ones: the signaled one
+        // completes, the others run silently.
+        let mut l: Vec<_> = (base..base + 4)
+            .map(|t| B::send_wr(t, Op::Write(dst), &src, t == base))
+            .collect();
+        reg.post_send(&a, &mut l).unwrap();
+        assert!(
+            wait_until(Duration::from_secs(10), || log.len() == round as usize + 1),
+            "{}: round {round}: the signaled write did not complete",
+            B::NAME
+        );
+        // Let the unsignaled ones run (nothing will announce them).
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(B::outstanding(&a), 3, "the silent tail is outstanding");
+        drop((a, b));
+        // Retired, and the QP gone: cqd-verbs destroys it at the poll
+        // after the marker's flush, its admission with it (the simulator
+        // releases a destroyed QP's admission when its next create_qp
+        // sweeps it).
+        assert!(
+            wait_until(Duration::from_secs(10), || reg.ledger().outstanding() == 0
+                && (B::NAME == "sim" || B::reserved(&cq) == 0)),
+            "{}: round {round}: the silent tail of a dropped QP was never retired ({} outstanding), or the QP never went ({} CQ entries still admitted)",
+            B::NAME,
+            reg.ledger().outstanding(),
+            B::reserved(&cq)
+        );
+    }
+    let report = within("stopping", Duration::from_secs(10), move || {
+        cqd_core::shutdown(|| {}, [t], [])
+    });
+    assert_clean("qp_dropped_with_silent_tail", &report);
+    let p = &report.pollers[0];
+    let acc = |k| account(p, &reg, k).map(|a| (a.posted, a.completed, a.flushed));
+    assert_eq!(acc(OpKind::Write), Some((12, 12, 0)));
+    assert!(
+        log.errors().is_empty(),
+        "no handler saw a flush: {:?}",
+        log.errors()
+    );
+    assert_eq!(
+        log.len(),
+        3,
+        "one completion per signaled write, nothing else"
+    );
+    assert_eq!(B::credits_in_use(&cq), 0);
+}
+
 // ---------------------------------------------------------------------
 // Overflow with admission off: the CQ error event reaches the poller and
 // is counted as an overflow; the stop reports exactly what was lost.
@@ -1670,6 +1736,9 @@ matrix!(qp_dropped_after_flush: busy, event, hybrid, adaptive);
 // account every flush (cqd-verbs keeps the QP, in ERR, until its CQ's
 // poller has retired them; devices discard a destroyed QP's completions).
 matrix!(qp_dropped_unflushed: busy, event, hybrid, adaptive);
+// Dropped with a tail of unsignaled requests that ran silently: a drain
+// marker retires them (every backend, every mode).
+matrix!(qp_dropped_with_silent_tail: busy, event, hybrid, adaptive);
 
 matrix!(overflow: busy, event, hybrid, adaptive);
 

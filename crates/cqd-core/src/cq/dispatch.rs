@@ -17,7 +17,7 @@ use crate::metrics::bump;
 use crate::sink::Routed;
 use crate::slab::{Entry, Slab};
 use crate::sync::Ordering;
-use crate::wr_id::{HandlerKey, Side, WrId, SLOT_MASK, SLOT_SHIFT};
+use crate::wr_id::{HandlerKey, OpKind, Side, WrId, SLOT_MASK, SLOT_SHIFT};
 
 /// Applies every pending command. Registration doorbell protocol step 2
 /// (in `handle`): the flag is cleared first, then the queue is drained to
@@ -147,6 +147,9 @@ fn dispatch<W: 'static>(
     let Ok(id) = WrId::decode(wc.wr_id) else {
         return foreign(shared, wc);
     };
+    if matches!(id.kind, OpKind::Internal) {
+        return internal(shared, wc);
+    }
     let Some(entry) = slab.get_mut(id.key) else {
         return miss(shared, slab, wc, id, out);
     };
@@ -211,6 +214,9 @@ fn account_hooks<W>(
         let Ok(id) = WrId::decode(wr_id) else {
             continue;
         };
+        if matches!(id.kind, OpKind::Internal) {
+            continue;
+        }
         if slab.get_mut(id.key).is_none() && !shared.commands.is_empty() {
             apply_commands(shared, slab);
         }
@@ -237,6 +243,17 @@ fn foreign<W>(shared: &CqShared<W>, wc: &Completion) {
     let why = WrId::decode(wc.wr_id).err();
     tracing::warn!(cq = %shared.name, wr_id = format_args!("{:#x}", wc.wr_id),
         status = %wc.status, qp = wc.qp_num, why = ?why, "completion not dispatched: foreign wr_id");
+}
+
+/// A request cqd posted for itself (a drain marker, see
+/// [`QueueAccount::post_drain_marker`](crate::ledger::QueueAccount::post_drain_marker)):
+/// the accounting pass has retired what it covers; no handler is called
+/// and no handler's ledger counted it.
+#[cold]
+#[inline(never)]
+fn internal<W>(shared: &CqShared<W>, wc: &Completion) {
+    tracing::debug!(cq = %shared.name, qp = wc.qp_num, status = %wc.status,
+        "drain marker completed: the queue's silent requests before it are retired");
 }
 
 /// The slot is empty or has another generation: maybe a registration not

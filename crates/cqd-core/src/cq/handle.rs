@@ -318,9 +318,13 @@ impl Registration {
     /// [`track`](Self::track)ed; the posting call does all of this.
     ///
     /// # Errors
-    /// [`WrIdError::TagTooLarge`].
+    /// [`WrIdError::TagTooLarge`]; [`WrIdError::Reserved`] for
+    /// [`OpKind::Internal`] (cqd's own requests).
     #[inline]
     pub fn wr_id(&self, kind: OpKind, tag: u32) -> Result<u64, WrIdError> {
+        if matches!(kind, OpKind::Internal) {
+            return Err(WrIdError::Reserved);
+        }
         self.key.wr_id(kind, tag)
     }
 

@@ -91,6 +91,8 @@ pub trait Backend: Sized + 'static {
     fn capacity(cq: &Self::Cq) -> u32;
     /// Credits in use on the CQ's budget.
     fn credits_in_use(cq: &Self::Cq) -> u64;
+    /// CQ entries the CQ's budget holds admitted for live queues.
+    fn reserved(cq: &Self::Cq) -> u64;
     /// Overflows the CQ's budget recorded.
     fn budget_overflows(cq: &Self::Cq) -> u64;
     /// An RC QP in RESET on `send_cq` / `recv_cq`.
@@ -276,6 +278,10 @@ impl Backend for Sim {
 
     fn credits_in_use(cq: &Self::Cq) -> u64 {
         cq.budget_snapshot().credits_in_use
+    }
+
+    fn reserved(cq: &Self::Cq) -> u64 {
+        cq.budget_snapshot().reserved
     }
 
     fn budget_overflows(cq: &Self::Cq) -> u64 {
@@ -557,6 +563,10 @@ impl Backend for Verbs {
 
     fn credits_in_use(cq: &Self::Cq) -> u64 {
         cq.budget_snapshot().credits_in_use
+    }
+
+    fn reserved(cq: &Self::Cq) -> u64 {
+        cq.budget_snapshot().reserved
     }
 
     fn budget_overflows(cq: &Self::Cq) -> u64 {
