@@ -259,7 +259,7 @@ impl QueueAccount {
             return DrainMarker::NotNeeded;
         }
         let mut ring = self.lock();
-        if !ring.ring.back().is_some_and(|e| !e.signaled) {
+        if ring.ring.back().is_none_or(|e| e.signaled) {
             return DrainMarker::NotNeeded;
         }
         let credit = match ring.take_credits(1) {
