@@ -657,13 +657,24 @@ fn a_wr_id_posted_twice_retires_both_requests() {
     assert_eq!(r.cq.budget_snapshot().credits_in_use, 0);
 }
 
+/// A handler and a loopback QP on a CQ of their own (the unbound poller
+/// must outlive them).
+fn loopback_rig(
+    name: &str,
+) -> (
+    cqd_core::UnboundCq<cqd_core::NoWork>,
+    cqd_core::Registration,
+    cqd_sim::Loopback,
+) {
+    let (producer, source) = cqd_sim::sim_cq(name, 64, Default::default()).unwrap();
+    let (poller, handle) = cqd_core::split::<cqd_core::NoWork>(source, Default::default()).unwrap();
+    let reg = handle.register(Recorder(Log::default())).unwrap();
+    (poller, reg, cqd_sim::Loopback::new(producer, 1))
+}
+
 #[test]
 fn a_request_of_the_other_side_is_refused() {
-    let (producer, source) = cqd_sim::sim_cq("side", 64, Default::default()).unwrap();
-    let (_poller, handle) =
-        cqd_core::split::<cqd_core::NoWork>(source, Default::default()).unwrap();
-    let reg = handle.register(Recorder(Log::default())).unwrap();
-    let qp = cqd_sim::Loopback::new(producer, 1);
+    let (_poller, reg, qp) = loopback_rig("side");
     let mut wrs = [
         cqd_sim::LoopWr::new(1, OpKind::Send),
         cqd_sim::LoopWr::new(2, OpKind::Recv),
@@ -682,11 +693,7 @@ fn a_request_of_the_other_side_is_refused() {
 
 #[test]
 fn cqds_own_kind_is_refused_to_handlers() {
-    let (producer, source) = cqd_sim::sim_cq("internal", 64, Default::default()).unwrap();
-    let (_poller, handle) =
-        cqd_core::split::<cqd_core::NoWork>(source, Default::default()).unwrap();
-    let reg = handle.register(Recorder(Log::default())).unwrap();
-    let qp = cqd_sim::Loopback::new(producer, 1);
+    let (_poller, reg, qp) = loopback_rig("internal");
     let mut wrs = [
         cqd_sim::LoopWr::new(1, OpKind::Send),
         cqd_sim::LoopWr::new(2, OpKind::Internal),
