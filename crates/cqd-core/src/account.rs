@@ -65,7 +65,7 @@ use parking_lot::Mutex as PlainMutex;
 use crate::budget::CqBudget;
 use crate::completion::Completion;
 use crate::ledger::{LedgerInner, WrLedger};
-use crate::sync::{AtomicBool, Mutex, MutexGuard, Ordering};
+use crate::sync::{AtomicBool, Ordering, ShortGuard, ShortMutex};
 use crate::wr_id::{HandlerKey, OpKind, Side, WrId};
 
 /// Which kind of queue an account is for.
@@ -154,7 +154,7 @@ pub struct QueueAccount {
     /// On its own cache line: posters of this queue and the poller meet
     /// here, posters and pollers of other queues never do. From the
     /// synchronisation shim, so that loom checks the close and the drain.
-    ring: CachePadded<Mutex<VecDeque<Outstanding>>>,
+    ring: CachePadded<ShortMutex<VecDeque<Outstanding>>>,
 }
 
 impl fmt::Debug for QueueAccount {
@@ -188,7 +188,7 @@ impl QueueAccount {
             closed: AtomicBool::new(false),
             has_prev: PlainAtomicBool::new(prev.is_some()),
             prev: PlainMutex::new(prev),
-            ring: CachePadded::new(Mutex::new(VecDeque::new())),
+            ring: CachePadded::new(ShortMutex::new(VecDeque::new())),
         }
     }
 
@@ -314,11 +314,8 @@ impl QueueAccount {
         credits
     }
 
-    /// The ring's lock. A panic while it was held (a backend's post that
-    /// panicked) leaves the ring as the last step left it, and every step
-    /// leaves it consistent, so poisoning is ignored.
-    fn lock_ring(&self) -> MutexGuard<'_, VecDeque<Outstanding>> {
-        self.ring.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock_ring(&self) -> ShortGuard<'_, VecDeque<Outstanding>> {
+        self.ring.lock()
     }
 
     pub(crate) fn lock(&self) -> Ring<'_> {
@@ -332,7 +329,7 @@ impl QueueAccount {
 /// A locked account.
 pub(crate) struct Ring<'a> {
     account: &'a QueueAccount,
-    pub(crate) ring: MutexGuard<'a, VecDeque<Outstanding>>,
+    pub(crate) ring: ShortGuard<'a, VecDeque<Outstanding>>,
 }
 
 impl Ring<'_> {
