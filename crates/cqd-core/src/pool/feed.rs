@@ -320,10 +320,7 @@ impl<W> PoolSink<W> {
     fn stage_prefix(&mut self, items: &mut VecDeque<Routed<W>>, open: &mut usize) -> usize {
         let workers = self.rings.len();
         if workers == 1 {
-            // `stage_all` takes at most `free()` values, and exactly that
-            // many are drained, so none is dropped.
-            let fit = items.len().min(self.rings[0].free());
-            let taken = self.rings[0].stage_all(items.drain(..fit).map(|r| r.item));
+            let taken = self.rings[0].stage_front(items, usize::MAX);
             self.free[0] -= taken;
             *open -= usize::from(self.free[0] == 0 && taken > 0);
             return taken;

@@ -90,8 +90,13 @@ impl SinkCounters {
     pub(crate) fn offer(&self, accepted: usize, refused: usize, unparks: usize) {
         add(&self.offers, 1);
         add(&self.accepted, accepted as u64);
-        add(&self.refused, refused as u64);
-        add(&self.unparks, unparks as u64);
+        // Rarely non-zero: spare the stores.
+        if refused > 0 {
+            add(&self.refused, refused as u64);
+        }
+        if unparks > 0 {
+            add(&self.unparks, unparks as u64);
+        }
     }
 
     /// Unparks of a wake-up check run outside an offer (a settle).

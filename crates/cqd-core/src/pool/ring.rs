@@ -1,7 +1,9 @@
 //! The bounded single-producer single-consumer ring behind each hand-off.
 //!
 //! This is the only module of the pool with `unsafe` code: it moves values in
-//! and out of uninitialised slots. Everything else uses its safe API.
+//! and out of uninitialised slots (and out of the poller's spill queue,
+//! [`Producer::stage_front`]), and issues a write prefetch. Everything else
+//! uses its safe API.
 //!
 //! Layout: a power-of-two array of slots and two free-running counters, `tail`
 //! (written only by the producer) and `head` (written only by the consumer),
@@ -24,11 +26,13 @@
 //!
 //! Values still in the ring when both ends are gone are dropped by the ring.
 
+use std::collections::VecDeque;
 use std::marker::PhantomData;
 use std::mem::MaybeUninit;
 
 use crossbeam_utils::CachePadded;
 
+use crate::sink::Routed;
 use crate::sync::{Arc, AtomicUsize, Ordering};
 
 /// A cell that loom can check for data races; a thin wrapper over the std
@@ -132,7 +136,7 @@ pub(crate) fn ring<T>(capacity: usize) -> (Producer<T>, Consumer<T>) {
         published: 0,
         staged: 0,
         cached_head: 0,
-        #[cfg(all(target_arch = "x86_64", not(loom)))]
+        #[cfg(all(target_arch = "x86_64", not(loom), not(miri)))]
         prefetchw: has_prefetchw(),
         _not_sync: PhantomData,
     };
@@ -156,7 +160,7 @@ pub(crate) struct Producer<T> {
     staged: usize,
     cached_head: usize,
     /// The CPU has `prefetchw` ([`Producer::prefetch_free`]).
-    #[cfg(all(target_arch = "x86_64", not(loom)))]
+    #[cfg(all(target_arch = "x86_64", not(loom), not(miri)))]
     prefetchw: bool,
     _not_sync: PhantomData<std::cell::Cell<()>>,
 }
@@ -200,7 +204,7 @@ impl<T> Producer<T> {
     /// one tight loop and returns how many it took; it consumes no more than
     /// that from the iterator, so a caller that passes at most `free()`
     /// values loses none.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn stage_all(&mut self, mut values: impl Iterator<Item = T>) -> usize {
         let free = self.free();
         let start = self.staged & self.ring.mask;
@@ -230,6 +234,31 @@ impl<T> Producer<T> {
         taken
     }
 
+    /// Moves the first `n` routed items of `items` (at most the free slots)
+    /// into the ring (step 1) and removes them from `items`; returns how
+    /// many. The same as staging `items.drain(..n).map(|r| r.item)`, but
+    /// the values are read off the deque's two contiguous runs in tight
+    /// loops (a load and a store per item), and what is left to the deque
+    /// is the removal of the moved-out items, which does nothing per item.
+    #[inline]
+    pub(crate) fn stage_front(&mut self, items: &mut VecDeque<Routed<T>>, n: usize) -> usize {
+        let n = n.min(self.free()).min(items.len());
+        let (a, b) = items.as_slices();
+        let a = &a[..n.min(a.len())];
+        let b = &b[..n - a.len()];
+        // SAFETY: each value read here is moved, not copied: the maps are
+        // lazy, so exactly the `taken` values that `stage_all` consumed are
+        // read, once each, front first, and the first `taken` items are
+        // then removed from `items` with `mem::forget`, so their originals
+        // are never dropped or used again. Nothing between the reads and
+        // the removal can unwind (slot writes, slice iteration, and the
+        // drain of a range within `len`).
+        let read = |r: &Routed<T>| unsafe { std::ptr::read(&r.item) };
+        let taken = self.stage_all(a.iter().map(read)) + self.stage_all(b.iter().map(read));
+        items.drain(..taken).for_each(std::mem::forget);
+        taken
+    }
+
     /// Publishes every staged value with one `Release` store (step 2).
     /// Returns the tail before publication when there was anything to publish.
     pub(crate) fn publish(&mut self) -> Option<usize> {
@@ -254,7 +283,7 @@ impl<T> Producer<T> {
     /// line shared and so does not help the write).
     #[inline]
     fn prefetch_free(&self) {
-        #[cfg(all(target_arch = "x86_64", not(loom)))]
+        #[cfg(all(target_arch = "x86_64", not(loom), not(miri)))]
         if self.prefetchw {
             let size = std::mem::size_of::<T>();
             if size == 0 {
@@ -283,7 +312,7 @@ impl<T> Producer<T> {
 }
 
 /// Whether the CPU has `prefetchw` (CPUID leaf 0x8000_0001, ECX bit 8).
-#[cfg(all(target_arch = "x86_64", not(loom)))]
+#[cfg(all(target_arch = "x86_64", not(loom), not(miri)))]
 fn has_prefetchw() -> bool {
     use std::arch::x86_64::__cpuid;
     // Leaf 0x8000_0000 gives the highest extended leaf, checked before
@@ -293,7 +322,7 @@ fn has_prefetchw() -> bool {
 
 /// Prefetches `bytes` bytes from `first` for writing (`prefetchw`); only
 /// called where the CPU has the instruction (`Producer::prefetchw`).
-#[cfg(all(target_arch = "x86_64", not(loom)))]
+#[cfg(all(target_arch = "x86_64", not(loom), not(miri)))]
 #[inline]
 fn prefetch_for_write(first: *const u8, bytes: usize) {
     let mut offset = 0;
@@ -478,6 +507,49 @@ mod tests {
         }
         let (p, _c) = ring::<[u8; 3]>(4);
         assert_eq!(p.ring.slots().len(), 4);
+    }
+
+    #[test]
+    fn stage_front_moves_each_item_once_across_the_wrap() {
+        use crate::sink::Route;
+        let marker = std::sync::Arc::new(());
+        let (mut p, mut c) = ring(4);
+        let routed = |v: usize| Routed {
+            route: Route::LeastLoaded,
+            item: (v, marker.clone()),
+        };
+        // A deque whose contents wrap: pop from the front, push at the back.
+        let mut items: VecDeque<_> = VecDeque::with_capacity(4);
+        items.extend((0..4).map(routed));
+        items.drain(..3);
+        items.extend((4..7).map(routed));
+        assert_eq!(items.as_slices().1.len(), 3, "the deque wraps");
+        assert_eq!(p.stage_front(&mut items, usize::MAX), 4);
+        assert_eq!(items.len(), 0);
+        p.publish();
+        let mut seen = Vec::new();
+        c.pop_batch(2, |(v, _)| seen.push(v));
+        p.refresh();
+        items.extend((7..10).map(routed));
+        assert_eq!(p.stage_front(&mut items, 1), 1, "at most n");
+        assert_eq!(
+            p.stage_front(&mut items, usize::MAX),
+            1,
+            "at most the free slots"
+        );
+        assert_eq!(items.len(), 1);
+        p.publish();
+        c.pop_batch(usize::MAX, |(v, _)| seen.push(v));
+        c.ready();
+        c.pop_batch(usize::MAX, |(v, _)| seen.push(v));
+        assert_eq!(seen, [3, 4, 5, 6, 7, 8]);
+        drop(items);
+        drop((p, c));
+        assert_eq!(
+            std::sync::Arc::strong_count(&marker),
+            1,
+            "no leak, no double drop"
+        );
     }
 
     #[test]
