@@ -109,7 +109,9 @@ pub struct Bursting(pub(crate) ());
 /// and wake-up check on every offer. Drop it before waiting for anything
 /// (the next completion, space, a timer): until it is dropped or
 /// [`settled`](Self::settle), a worker that went to sleep just as items
-/// reached it may stay asleep.
+/// reached it may stay asleep, and the last offer's items may not be
+/// published to the workers yet (a pool holds a burst offer's publication
+/// for the next hand-off).
 ///
 /// ```
 /// use std::collections::VecDeque;
