@@ -17,7 +17,9 @@
 //!    per call and wake a parked consumer at most once per call.
 //! 4. A parked consumer is woken by the offer that handed it work, or, for an
 //!    [`offer_burst`](WorkSink::offer_burst), at the latest by the caller's
-//!    next plain offer, [`settle`](WorkSink::settle) or space arm. Only
+//!    next hand-off (a burst offer may hold its publication until the next
+//!    burst offer, empty or not), plain offer, [`settle`](WorkSink::settle)
+//!    or space arm. Only
 //!    cqd-core can make a burst offer (it takes a [`Bursting`], which no
 //!    other crate can make): the poller, which bursts only while its rounds
 //!    find completions (see `poller::spill`), and a [`Burst`], which settles
@@ -107,7 +109,9 @@ pub struct Bursting(pub(crate) ());
 /// and wake-up check on every offer. Drop it before waiting for anything
 /// (the next completion, space, a timer): until it is dropped or
 /// [`settled`](Self::settle), a worker that went to sleep just as items
-/// reached it may stay asleep.
+/// reached it may stay asleep, and the last offer's items may not be
+/// published to the workers yet (a pool holds a burst offer's publication
+/// for the next hand-off).
 ///
 /// ```
 /// use std::collections::VecDeque;
@@ -206,9 +210,12 @@ pub trait WorkSink<W>: Send {
     /// and always before the caller blocks, sleeps or goes idle. The sink
     /// may then defer work that can wait that long; the worker pool defers
     /// the fence and the wake-up check while every worker it feeds looks
-    /// awake (at most a few offers in a row). Every other method (a plain
-    /// offer, [`arm_space`](Self::arm_space), dropping the sink) completes
-    /// what was deferred. The provided version is `offer_fresh`.
+    /// awake (at most a few offers in a row), and may hold one offer's
+    /// publication back until the next hand-off. Every other method (a
+    /// plain offer, [`arm_space`](Self::arm_space), dropping the sink)
+    /// completes what was deferred. A burst offer of an empty queue is the
+    /// next hand-off of a round that brought nothing new (the poller makes
+    /// one). The provided version is `offer_fresh`.
     ///
     /// A sink implements it; only cqd-core calls it, with the [`Bursting`]
     /// that only it can make: the poller, for the hand-off of a round that

@@ -186,7 +186,15 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
     fn offer_spill(&mut self, burst: bool) {
         let before = self.spill.items.len();
         if before == 0 {
-            if !burst {
+            if burst {
+                // Nothing to hand over, but the sink hears of the round: a
+                // pool publishes what an earlier burst offer held back and
+                // counts the round toward its bound on deferred checks
+                // (`pool::park`, "Deferred checks"), so neither waits for
+                // a round that finds nothing.
+                self.sink
+                    .offer_burst(&mut self.spill.items, 0, &Bursting(()));
+            } else {
                 self.sink.settle();
             }
             return;

@@ -16,6 +16,9 @@
 //!      When every ring is full the walk stops and the unvisited items are
 //!      rotated behind the refused ones: the queue keeps its order.
 //! 3. Publish each ring that got items (one `Release` store per ring).
+//!    3'. A burst offer that was refused nothing may instead hold its
+//!    publication back for the next hand-off, once, while every worker
+//!    looks awake (see "Held publications" in [`park`](super::park)).
 //! 4. One `SeqCst` fence.
 //! 5. For each ring published to that was empty, unpark its worker if it
 //!    announced sleep.
@@ -106,7 +109,6 @@ pub struct PoolSink<W> {
     rings: Box<[Producer<W>]>,
     bells: Box<[(Arc<Bell>, thread::Thread)]>,
     free: Box<[usize]>,
-    old_tail: Box<[usize]>,
     /// Per ring, the old tail of the first publication whose wake-up check
     /// (steps 4 and 5) is still owed, or `NOT_PUBLISHED`.
     unchecked: Box<[usize]>,
@@ -114,6 +116,8 @@ pub struct PoolSink<W> {
     owed: bool,
     /// Burst offers since the last check.
     deferred: u32,
+    /// Whether a burst offer left staged values unpublished (step 3').
+    held: bool,
     routing: Routing,
     start: usize,
     shared: Arc<Shared>,
@@ -142,10 +146,10 @@ impl<W> PoolSink<W> {
             rings: rings.into(),
             bells: bells.into(),
             free: vec![0; n].into(),
-            old_tail: vec![NOT_PUBLISHED; n].into(),
             unchecked: vec![NOT_PUBLISHED; n].into(),
             owed: false,
             deferred: 0,
+            held: false,
             routing,
             start: 0,
             shared,
@@ -225,15 +229,31 @@ impl<W> PoolSink<W> {
         // Keep `free` a lower bound of the truth: arming the space wake-up
         // reads it.
         self.free[dest] -= 1;
-        let old = self.rings[dest].publish().unwrap_or(NOT_PUBLISHED);
+        self.publish_all();
         if self.spinning_workers {
             self.shared.counters.sinks[self.index].offer(1, 0, 0);
             return Ok(());
         }
-        self.owe_check(dest, old);
         let unparks = self.check_wakes();
         self.shared.counters.sinks[self.index].offer(1, 0, unparks);
         Ok(())
+    }
+
+    /// Step 3 for every ring: publishes what is staged (including what
+    /// burst offers held back), noting, for parking workers, each
+    /// publication's wake-up check as owed.
+    /// Returns whether anything was published.
+    fn publish_all(&mut self) -> bool {
+        self.held = false;
+        let mut published = false;
+        for w in 0..self.rings.len() {
+            let old = self.rings[w].publish().unwrap_or(NOT_PUBLISHED);
+            published |= old != NOT_PUBLISHED;
+            if !self.spinning_workers {
+                self.owe_check(w, old);
+            }
+        }
+        published
     }
 
     /// Records that ring `w`'s publication from tail `old` still needs its
@@ -300,10 +320,7 @@ impl<W> PoolSink<W> {
     fn stage_prefix(&mut self, items: &mut VecDeque<Routed<W>>, open: &mut usize) -> usize {
         let workers = self.rings.len();
         if workers == 1 {
-            // `stage_all` takes at most `free()` values, and exactly that
-            // many are drained, so none is dropped.
-            let fit = items.len().min(self.rings[0].free());
-            let taken = self.rings[0].stage_all(items.drain(..fit).map(|r| r.item));
+            let taken = self.rings[0].stage_front(items, usize::MAX);
             self.free[0] -= taken;
             *open -= usize::from(self.free[0] == 0 && taken > 0);
             return taken;
@@ -370,9 +387,18 @@ impl<W: Send> PoolSink<W> {
     fn offer_inner(&mut self, items: &mut VecDeque<Routed<W>>, fresh: usize, burst: bool) -> usize {
         let n = items.len();
         if n == 0 {
-            if self.owed && !burst {
-                let unparks = self.check_wakes();
-                self.shared.counters.sinks[self.index].unparked(unparks);
+            // Nothing new: publish what bursts held (3'), and run the owed
+            // checks outside a burst, or after `MAX_DEFERRED_CHECKS`
+            // hand-offs of a burst.
+            if self.held {
+                self.publish_all();
+            }
+            if self.owed {
+                self.deferred += u32::from(burst);
+                if !burst || self.deferred >= MAX_DEFERRED_CHECKS {
+                    let unparks = self.check_wakes();
+                    self.shared.counters.sinks[self.index].unparked(unparks);
+                }
             }
             return 0;
         }
@@ -431,18 +457,27 @@ impl<W: Send> PoolSink<W> {
         if self.start == workers {
             self.start = 0;
         }
-        // 3. Publish.
-        let mut published = false;
-        for (ring, old) in self.rings.iter_mut().zip(self.old_tail.iter_mut()) {
-            *old = ring.publish().unwrap_or(NOT_PUBLISHED);
-            published |= *old != NOT_PUBLISHED;
-        }
+        // 3. Publish. 3'. A burst offer that staged something and was
+        //    refused nothing may hold its publication back for the next
+        //    hand-off, once: a worker then takes two offers per pass, and
+        //    the producer stores each ring's tail (a line the worker keeps
+        //    reading, so a round trip to its core) half as often.
+        //    Not while a worker looks asleep: it would wait for the next
+        //    hand-off.
+        let hold = burst
+            && !self.held
+            && items.is_empty()
+            && (self.spinning_workers || self.bells.iter().all(|(b, _)| !b.looks_asleep()));
+        let published = if hold {
+            self.held = true;
+            false
+        } else {
+            self.publish_all()
+        };
         let mut unparks = 0;
         if !self.spinning_workers {
             let mut asleep = false;
             for w in 0..self.rings.len() {
-                let old = self.old_tail[w];
-                self.owe_check(w, old);
                 // 4'. In a burst: a worker owed a check that looks asleep
                 //     is checked now.
                 asleep |=
@@ -452,9 +487,11 @@ impl<W: Send> PoolSink<W> {
                 self.deferred += 1;
                 // 4 and 5, unless a burst may defer them: outside a burst,
                 // for a worker that looks asleep, for an offer that
-                // published nothing (the producer is not streaming), and
-                // after `MAX_DEFERRED_CHECKS` deferred offers.
-                if !burst || asleep || !published || self.deferred >= MAX_DEFERRED_CHECKS {
+                // published nothing and held nothing (the producer is not
+                // streaming), and after `MAX_DEFERRED_CHECKS` deferred
+                // offers.
+                if !burst || asleep || !(published || hold) || self.deferred >= MAX_DEFERRED_CHECKS
+                {
                     unparks = self.check_wakes();
                 }
             }
@@ -489,6 +526,9 @@ impl<W: Send> WorkSink<W> for PoolSink<W> {
     }
 
     fn settle(&mut self) {
+        if self.held {
+            self.publish_all();
+        }
         if self.owed {
             let unparks = self.check_wakes();
             self.shared.counters.sinks[self.index].unparked(unparks);
@@ -653,24 +693,53 @@ mod tests {
         let (mut sink, mut rings) = sink(1, 1024, Routing::AsRouted);
         for i in 0..MAX_DEFERRED_CHECKS - 1 {
             sink.offer_burst(&mut least_loaded([i as usize]), 0, &Bursting(()));
-            assert!(sink.owed, "an awake worker's check is owed");
-            assert_eq!(sink.unchecked[0], 0, "from the first owed publication");
+            // Every other burst offer holds its publication back (3'); the
+            // others publish it and the one held before, and owe the check.
+            assert_eq!(sink.held, i % 2 == 0, "offer {i}");
+            assert_eq!(sink.owed, i > 0, "an awake worker's check is owed");
+            if sink.owed {
+                assert_eq!(sink.unchecked[0], 0, "from the first owed publication");
+            }
         }
         // The worker announces sleep without having seen anything: its
         // position is the first owed publication's old tail.
         sink.bells[0].0.set_sleeping(true);
         sink.settle();
-        assert!(!sink.owed);
+        assert!(!sink.owed && !sink.held);
         assert_eq!(unparks(&sink), 1, "the settle wakes the sleeper");
         sink.bells[0].0.set_sleeping(false);
         assert_eq!(drain(&mut rings[0]).len(), MAX_DEFERRED_CHECKS as usize - 1);
-        // An awake worker: the check runs after MAX_DEFERRED_CHECKS bursts.
+        // An awake worker: the check runs `MAX_DEFERRED_CHECKS` burst
+        // offers after the first owed publication.
+        sink.offer_burst(&mut least_loaded([0]), 0, &Bursting(()));
+        assert!(
+            sink.held && !sink.owed,
+            "held: nothing published, nothing owed"
+        );
         for i in 0..MAX_DEFERRED_CHECKS {
-            assert!(!sink.owed || sink.deferred < MAX_DEFERRED_CHECKS);
             sink.offer_burst(&mut least_loaded([i as usize]), 0, &Bursting(()));
+            assert_eq!(sink.owed, i + 1 < MAX_DEFERRED_CHECKS, "offer {i}");
         }
-        assert!(!sink.owed, "checked after {MAX_DEFERRED_CHECKS} bursts");
         assert_eq!(unparks(&sink), 1);
+    }
+
+    #[test]
+    fn bursts_that_bring_nothing_publish_what_was_held_and_keep_the_bound() {
+        let (mut sink, mut rings) = sink(1, 1024, Routing::AsRouted);
+        sink.offer_burst(&mut least_loaded([1, 2]), 0, &Bursting(()));
+        assert!(sink.held);
+        assert!(drain(&mut rings[0]).is_empty(), "held: not visible yet");
+        sink.offer_burst(&mut least_loaded([]), 0, &Bursting(()));
+        assert!(!sink.held && sink.owed);
+        assert_eq!(drain(&mut rings[0]), [1, 2]);
+        for _ in 1..MAX_DEFERRED_CHECKS {
+            assert!(sink.owed);
+            sink.offer_burst(&mut least_loaded([]), 0, &Bursting(()));
+        }
+        assert!(
+            !sink.owed,
+            "checked after {MAX_DEFERRED_CHECKS} burst hand-offs"
+        );
     }
 
     #[test]

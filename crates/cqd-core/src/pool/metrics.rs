@@ -15,6 +15,7 @@ use crossbeam_utils::CachePadded;
 use serde::{Deserialize, Serialize};
 
 /// Adds `n` to a counter that only the calling thread writes.
+#[inline]
 fn add(counter: &AtomicU64, n: u64) {
     counter.store(counter.load(Relaxed).wrapping_add(n), Relaxed);
 }
@@ -31,11 +32,13 @@ pub(crate) struct WorkerCounters {
 }
 
 impl WorkerCounters {
+    #[inline]
     pub(crate) fn batch(&self, items: usize) {
         add(&self.items, items as u64);
         add(&self.batches, 1);
     }
 
+    #[inline]
     pub(crate) fn depth(&self, depth: usize) {
         if depth as u64 > self.depth_high_water.load(Relaxed) {
             self.depth_high_water.store(depth as u64, Relaxed);
@@ -83,14 +86,21 @@ impl SinkCounters {
         self.dropped.store(true, Relaxed);
     }
 
+    #[inline]
     pub(crate) fn offer(&self, accepted: usize, refused: usize, unparks: usize) {
         add(&self.offers, 1);
         add(&self.accepted, accepted as u64);
-        add(&self.refused, refused as u64);
-        add(&self.unparks, unparks as u64);
+        // Rarely non-zero: spare the stores.
+        if refused > 0 {
+            add(&self.refused, refused as u64);
+        }
+        if unparks > 0 {
+            add(&self.unparks, unparks as u64);
+        }
     }
 
     /// Unparks of a wake-up check run outside an offer (a settle).
+    #[inline]
     pub(crate) fn unparked(&self, unparks: usize) {
         if unparks > 0 {
             add(&self.unparks, unparks as u64);

@@ -11,7 +11,9 @@
 //! rounds keep finding completions the poller offers in bursts
 //! ([`WorkSink::offer_burst`](crate::sink::WorkSink::offer_burst)): the
 //! fence and wake-up check are then owed to a later offer for as long as
-//! the workers look awake, at most [`MAX_DEFERRED_CHECKS`] offers.
+//! the workers look awake, at most [`MAX_DEFERRED_CHECKS`] offers, and an
+//! offer may hold its publication back for the next hand-off, once in a
+//! row ("Held publications" in the `park` protocol).
 //!
 //! Routing: [`Route::Key`](crate::sink::Route::Key) hashes to a fixed worker
 //! ([`worker_for_key`]), so per-key order holds; `Route::LeastLoaded` goes to

@@ -8,9 +8,11 @@
 //!
 //! Worker, when a pass over its rings found nothing:
 //!
-//! 1. Back off: re-check the rings between exponentially growing spins,
-//!    then between `yield`s (crossbeam's `Backoff::snooze`), so that a
-//!    worker sharing its CPU lets the producer run before it parks.
+//! 1. Spin, then back off: re-check the rings after every spin-loop hint
+//!    for up to [`SPIN_WINDOW`] (a producer that keeps publishing is seen
+//!    at once, as by a spinning worker), then between exponentially growing
+//!    spins and `yield`s (crossbeam's `Backoff::snooze`), so that a worker
+//!    sharing its CPU lets the producer run before it parks.
 //! 2. Announce: store `sleeping = true`, then `fence(SeqCst)`.
 //! 3. Read `open` (the number of producers still alive) with `Acquire`, then
 //!    re-check every ring. Work found: store `sleeping = false` and serve it.
@@ -77,15 +79,47 @@
 //! next round follows at once) and settles in every hand-off that may
 //! precede a sleep. `tests/loom_worker.rs` models burst offers followed by
 //! a settle, and by a plain offer.
+//!
+//! # Held publications (burst offers)
+//!
+//! A worker waiting for work keeps reading its ring's tail, so every
+//! publication's store of the tail waits for that line to come back from
+//! the worker's core, and the producer's later stores queue behind it.
+//! A burst offer that was refused nothing may therefore hold its
+//! publication back (producer step 1 without step 2) for the next
+//! hand-off, once in a row, and only while every worker looks awake (the
+//! same `Relaxed` read of the flags as step 2'; a worker that shows its
+//! flag gets the publication at once). The next hand-off publishes what was
+//! held with its own items, as one publication whose old tail is the held
+//! items' first slot, so steps 2 and 3 above apply unchanged; until then
+//! the held items are staged slots that no worker can see, so no
+//! interleaving of the worker's steps differs from one where the producer
+//! had not yet staged them. The next hand-off is a burst offer (the poller
+//! makes one for every round that found completions, even when their
+//! handlers emitted nothing), a plain offer, a settle or a space arm, or
+//! the sink's drop: items wait at most one poller round longer, never past
+//! the poller's next sleep. `tests/loom_worker.rs` models a held
+//! publication then a settle, and then an empty burst hand-off.
 
 use crossbeam_utils::CachePadded;
 
 use crate::sync::{fence, thread, AtomicBool, AtomicUsize, Ordering};
 
-/// Whether a worker backs off before parking (step 1). Under loom every
-/// check is a branch of the model and a yield is not a loom yield, so the
-/// model goes straight to step 2, which is the step that matters there.
+/// Whether a worker spins and backs off before parking (step 1). Under loom
+/// every check is a branch of the model and a yield is not a loom yield, so
+/// the model goes straight to step 2, which is the step that matters there.
 const BACK_OFF: bool = cfg!(not(loom));
+
+/// How long a worker that found its rings empty spins on them, re-checking
+/// after every spin-loop hint, before it backs off (step 1). A producer
+/// streaming batches publishes far more often than this, so its worker
+/// never leaves the spin (measured in `docs/benchmarks-handoff.md`); an
+/// idle worker pays this much CPU once per idle spell, then backs off and
+/// parks.
+pub(crate) const SPIN_WINDOW: std::time::Duration = std::time::Duration::from_micros(20);
+
+/// Spin-loop hints between two reads of the clock in the spin window.
+const SPINS_PER_CLOCK_READ: u32 = 32;
 
 /// A worker's sleeping flag.
 #[derive(Debug, Default)]
@@ -107,8 +141,20 @@ pub(crate) enum Idle {
 impl Bell {
     /// The worker side, steps 1 to 5. `has_work` re-checks every ring.
     pub(crate) fn idle(&self, open: &AtomicUsize, mut has_work: impl FnMut() -> bool) -> Idle {
-        // 1. Back off.
+        // 1. Spin, then back off.
         if BACK_OFF {
+            let started = std::time::Instant::now();
+            'spin: loop {
+                for _ in 0..SPINS_PER_CLOCK_READ {
+                    std::hint::spin_loop();
+                    if has_work() {
+                        return Idle::Work;
+                    }
+                }
+                if started.elapsed() >= SPIN_WINDOW {
+                    break 'spin;
+                }
+            }
             let backoff = crossbeam_utils::Backoff::new();
             while !backoff.is_completed() {
                 backoff.snooze();
@@ -145,6 +191,7 @@ impl Bell {
     /// written (a cache hit) while the position's line moves with every
     /// batch the worker takes. Both loads follow the fence, so their order
     /// does not matter to the protocol.
+    #[inline]
     pub(crate) fn needs_wake(&self, was_empty: impl FnOnce() -> bool) -> bool {
         self.sleeping.load(Ordering::Relaxed) && was_empty()
     }
@@ -154,6 +201,7 @@ impl Bell {
     /// before it. `true` is a hint to check now; `false` proves nothing
     /// (the announcement may not be visible yet), so the caller must still
     /// run steps 2 and 3 later.
+    #[inline]
     pub(crate) fn looks_asleep(&self) -> bool {
         self.sleeping.load(Ordering::Relaxed)
     }
@@ -167,6 +215,7 @@ impl Bell {
 
 /// The producer side, step 2: one fence per offer, between publication and
 /// the loads of step 3.
+#[inline]
 pub(crate) fn producer_fence() {
     fence(Ordering::SeqCst);
 }

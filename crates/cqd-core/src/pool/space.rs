@@ -97,6 +97,7 @@ impl SpaceBell {
 
     /// Worker step 3 (after [`consumer_fence`]), for the ring from this
     /// producer to `worker`: wakes the producer if it announced.
+    #[inline]
     pub(crate) fn wake_if_waiting(&self, worker: usize) -> bool {
         let Some(flag) = self.waiting.get(worker) else {
             return false;
@@ -112,12 +113,14 @@ impl SpaceBell {
 }
 
 /// Producer step 2: one fence between the announcements and the re-check.
+#[inline]
 pub(crate) fn producer_fence() {
     fence(Ordering::SeqCst);
 }
 
 /// Worker step 2: one fence per pass, between freeing slots and reading the
 /// flags.
+#[inline]
 pub(crate) fn consumer_fence() {
     fence(Ordering::SeqCst);
 }
