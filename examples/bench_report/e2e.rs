@@ -1,13 +1,13 @@
-//! End to end: the storage demo (crates/cqd-demo, its default topology with
-//! one worker, [`WORKERS`]) against the same demo served by its naive
-//! baseline (`--naive-server`, `cqd_demo::naive`): two threads polling each
-//! CQ under a mutex, one completion per poll, a channel send per
-//! completion, a re-arm per event. Same load generator, same load, same
-//! layout (the naive server takes the topology's load poller and its number
-//! of workers), same run, alternating who goes first: throughput, p99
-//! latency, and CPU per
-//! operation (the whole process's CPU time, load generator included — it is
-//! the same for both — divided by the operations done).
+//! End to end: the storage demo (crates/cqd-demo, with one worker,
+//! [`WORKERS`], in its default layout and in the fenced one, [`Layout`])
+//! against the same demo served by its naive baseline (`--naive-server`,
+//! `cqd_demo::naive`): two threads polling each CQ under a mutex, one
+//! completion per poll, a channel send per completion, a re-arm per event.
+//! Same load generator, same load, same layout (the naive server takes the
+//! topology's load poller and its number of workers), same run, alternating
+//! who goes first: throughput, p99 latency, and CPU per operation (the
+//! whole process's CPU time, load generator included — it is the same for
+//! both — divided by the operations done).
 //!
 //! Where the CPU goes: while the load runs, a sampler reads every thread's
 //! CPU time (`/proc/self/task/*/schedstat`, nanoseconds) at two points and
@@ -31,6 +31,39 @@ pub enum On {
     Sim,
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     Verbs,
+}
+
+/// The demo's thread layout for a comparison. The naive server takes the
+/// layout's load generator poller and its number of workers; its own
+/// threads are placed as the naive loop places them (nowhere).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// The demo's default (`examples/demo-topology.toml`): nothing pinned.
+    Default,
+    /// `examples/demo-topology-fenced.toml`: the load generator's poller on
+    /// CPU 0, the server's poller and its one worker on CPU 1.
+    Fenced,
+}
+
+impl Layout {
+    /// What the report calls it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Layout::Default => "default layout",
+            Layout::Fenced => "fenced layout",
+        }
+    }
+
+    /// The demo's `--topology`, if not the built-in one.
+    fn file(self) -> Option<&'static str> {
+        match self {
+            Layout::Default => None,
+            Layout::Fenced => Some(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/examples/demo-topology-fenced.toml"
+            )),
+        }
+    }
 }
 
 /// One contender's figures over the runs.
@@ -156,8 +189,11 @@ struct Once {
     roles: [f64; 2],
 }
 
-fn once(on: On, naive: bool, quick: bool) -> Result<Once, String> {
+fn once(on: On, naive: bool, quick: bool, layout: Layout) -> Result<Once, String> {
     let mut argv = vec!["cqd-demo", "--no-progress", "--workers", WORKERS];
+    if let Some(file) = layout.file() {
+        argv.extend(["--topology", file]);
+    }
     let load = if quick {
         argv.extend(["--quick", "--duration", "1s"]);
         Duration::from_secs(1)
@@ -209,8 +245,9 @@ fn once(on: On, naive: bool, quick: bool) -> Result<Once, String> {
     })
 }
 
-/// cqd's server and the naive one, `reps` runs each, alternating.
-pub fn compare(on: On, quick: bool, reps: usize) -> Result<Vec<Contender>, String> {
+/// cqd's server and the naive one in `layout`, `reps` runs each,
+/// alternating.
+pub fn compare(on: On, quick: bool, reps: usize, layout: Layout) -> Result<Vec<Contender>, String> {
     #[derive(Default)]
     struct Col {
         ops: Vec<f64>,
@@ -228,7 +265,7 @@ pub fn compare(on: On, quick: bool, reps: usize) -> Result<Vec<Contender>, Strin
             [true, false]
         };
         for naive in order {
-            let o = once(on, naive, quick)?;
+            let o = once(on, naive, quick, layout)?;
             let r = &o.report;
             eprintln!(
                 "  {:<6} {:>9.0} ops/s  p99 {:>8.1} µs  {:>6.2} CPU µs/op (load poller {:.2}, server threads {:.2})",
@@ -251,7 +288,10 @@ pub fn compare(on: On, quick: bool, reps: usize) -> Result<Vec<Contender>, Strin
     }
     Ok(cols
         .iter_mut()
-        .zip(["cqd (demo server)", "naive server"])
+        .zip(match layout {
+            Layout::Default => ["cqd (demo server)", "naive server"],
+            Layout::Fenced => ["cqd, fenced layout", "naive, fenced layout"],
+        })
         .map(|(c, name)| Contender {
             name,
             runs: c.ops.clone(),

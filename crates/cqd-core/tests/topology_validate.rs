@@ -687,3 +687,53 @@ fn spinning_workers_are_read_and_warned_about_like_spinning_pollers() {
         "{e:?}"
     );
 }
+
+/// A pool's parking workers spin briefly before they back off only when
+/// its CPUs are its own: a CPU per worker, and no poller or other pool
+/// that may run there (an unpinned placement may run anywhere).
+#[test]
+fn a_pool_has_cpus_of_its_own_only_when_nothing_else_may_run_there() {
+    let own = |config: TopologyConfig| {
+        config
+            .validate_for(&cpus(4))
+            .unwrap()
+            .take_pool("io")
+            .unwrap()
+            .has_own_cpus()
+    };
+    let poller = |cpu: Option<usize>| {
+        let p = PollerConfig::new("p").cq("cq");
+        match cpu {
+            Some(c) => p.placement(Placement::Fixed(c)),
+            None => p,
+        }
+    };
+    let pool =
+        |placement: Placement, threads: usize| PoolConfig::new("io", threads).placement(placement);
+    // Alone, unpinned: every CPU is its own.
+    assert!(own(TopologyConfig::new().pool(pool(Placement::Unpinned, 2))));
+    // Unpinned beside a poller: the poller may run anywhere it does.
+    assert!(!own(TopologyConfig::new()
+        .poller(poller(None))
+        .pool(pool(Placement::Unpinned, 1))));
+    // Fenced apart from the poller: its own.
+    assert!(own(TopologyConfig::new()
+        .poller(poller(Some(0)))
+        .pool(pool(Placement::Fixed(1), 1))));
+    // On the poller's CPU: shared.
+    assert!(!own(TopologyConfig::new()
+        .poller(poller(Some(1)))
+        .pool(pool(Placement::Fixed(1), 1))));
+    // Fenced apart but unpinned poller: shared.
+    assert!(!own(TopologyConfig::new()
+        .poller(poller(None))
+        .pool(pool(Placement::Fixed(1), 1))));
+    // Two workers on one CPU: they would take turns.
+    assert!(!own(TopologyConfig::new()
+        .poller(poller(Some(0)))
+        .pool(pool(Placement::Fixed(1), 2))));
+    // Another pool on its CPUs.
+    assert!(!own(TopologyConfig::new()
+        .pool(pool(Placement::Fixed(1), 1))
+        .pool(PoolConfig::new("bg", 1).placement(Placement::Fixed(1)))));
+}

@@ -321,6 +321,31 @@ mod tests {
     }
 
     #[test]
+    fn the_fenced_layout_keeps_the_load_apart_from_the_server() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../examples/demo-topology-fenced.toml"
+        );
+        let l = resolve(
+            load(Some(std::path::Path::new(path))).unwrap(),
+            1,
+            None,
+            None,
+        )
+        .unwrap();
+        assert_eq!(l.server_pollers.len(), 1);
+        assert_eq!(l.load_pollers.len(), 1);
+        assert_eq!(l.pool.threads(), 1);
+        // Placements, as the file writes them (validation against this
+        // machine's CPUs comes at spawn).
+        assert!(
+            l.toml.contains("fixed = 0") && l.toml.contains("fixed = 1"),
+            "{}",
+            l.toml
+        );
+    }
+
+    #[test]
     fn each_side_keeps_only_its_own_pollers() {
         let s = resolve_side(load(None).unwrap(), 2, None, None, Side::Server).unwrap();
         assert_eq!(s.server_pollers.len(), 1);

@@ -126,6 +126,11 @@ pub(crate) struct PoolSpec {
     pub(crate) routing: Routing,
     /// Whether idle workers park or spin.
     pub(crate) idle: WorkerIdle,
+    /// For parking workers: spin on the rings for [`park::SPIN_WINDOW`]
+    /// before backing off (park step 1). Only for a pool whose CPUs no
+    /// other thread of its topology may use: sharing, the spin would take
+    /// the CPU from a poller that needs it.
+    pub(crate) spin_before_park: bool,
 }
 
 /// What can go wrong running or stopping a pool.
@@ -380,6 +385,7 @@ where
         capacity,
         routing,
         idle,
+        spin_before_park,
     } = spec;
     if producers == 0 {
         return Err(SpawnError::NoProducers { pool: name });
@@ -421,6 +427,11 @@ where
             shared: shared.clone(),
             work: make(index),
             spin: idle == WorkerIdle::Spin,
+            spin_window: if spin_before_park {
+                park::SPIN_WINDOW
+            } else {
+                std::time::Duration::ZERO
+            },
         };
         match crate::thread::spawn(spec, move || worker.run()) {
             Ok(handle) => {

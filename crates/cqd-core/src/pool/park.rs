@@ -115,7 +115,11 @@ const BACK_OFF: bool = cfg!(not(loom));
 /// streaming batches publishes far more often than this, so its worker
 /// never leaves the spin (measured in `docs/benchmarks-handoff.md`); an
 /// idle worker pays this much CPU once per idle spell, then backs off and
-/// parks.
+/// parks. Only workers with CPUs of their own spin (a pool whose placement
+/// no poller or other pool of the topology may share, `PoolPlan`): on a
+/// shared CPU the spin would take the time of the thread that is about to
+/// hand it work (measured: the storage demo with its server poller and
+/// worker on one CPU lost a fifth of its throughput to it).
 pub(crate) const SPIN_WINDOW: std::time::Duration = std::time::Duration::from_micros(20);
 
 /// Spin-loop hints between two reads of the clock in the spin window.
@@ -140,18 +144,23 @@ pub(crate) enum Idle {
 
 impl Bell {
     /// The worker side, steps 1 to 5. `has_work` re-checks every ring.
-    pub(crate) fn idle(&self, open: &AtomicUsize, mut has_work: impl FnMut() -> bool) -> Idle {
+    pub(crate) fn idle(
+        &self,
+        open: &AtomicUsize,
+        spin_window: std::time::Duration,
+        mut has_work: impl FnMut() -> bool,
+    ) -> Idle {
         // 1. Spin, then back off.
         if BACK_OFF {
             let started = std::time::Instant::now();
-            'spin: loop {
+            'spin: while !spin_window.is_zero() {
                 for _ in 0..SPINS_PER_CLOCK_READ {
                     std::hint::spin_loop();
                     if has_work() {
                         return Idle::Work;
                     }
                 }
-                if started.elapsed() >= SPIN_WINDOW {
+                if started.elapsed() >= spin_window {
                     break 'spin;
                 }
             }

@@ -68,6 +68,8 @@ pub(crate) struct Worker<W, H> {
     pub(crate) work: H,
     /// Spin on the rings instead of parking ([`WorkerIdle::Spin`](super::WorkerIdle::Spin)).
     pub(crate) spin: bool,
+    /// How long park step 1 spins before backing off (zero: no spin).
+    pub(crate) spin_window: std::time::Duration,
 }
 
 impl<W, H: Work<W>> Worker<W, H> {
@@ -145,10 +147,9 @@ impl<W, H: Work<W>> Worker<W, H> {
                 std::hint::spin_loop();
                 continue;
             }
-            match self
-                .bell
-                .idle(&shared.open, || rings.iter_mut().any(|r| !r.is_empty()))
-            {
+            match self.bell.idle(&shared.open, self.spin_window, || {
+                rings.iter_mut().any(|r| !r.is_empty())
+            }) {
                 Idle::Work => {}
                 Idle::Parked => {
                     counters.park();

@@ -186,6 +186,7 @@ impl PollerPlan {
 pub struct PoolPlan {
     config: PoolConfig,
     on_priority_error: OnPriorityError,
+    own_cpus: bool,
 }
 
 impl PoolPlan {
@@ -193,7 +194,25 @@ impl PoolPlan {
         Self {
             config,
             on_priority_error,
+            own_cpus: false,
         }
+    }
+
+    /// Marks the pool's CPUs as its own (no poller or other pool of the
+    /// topology may run there, and it has a CPU per worker): its parking
+    /// workers then spin briefly before they back off (`pool::park`).
+    pub(crate) fn with_own_cpus(mut self, own: bool) -> Self {
+        self.own_cpus = own;
+        self
+    }
+
+    /// Whether the pool has CPUs of its own: no poller or other pool of
+    /// the topology may run on them, and there is one per worker. Its
+    /// parking workers then spin on their rings for a few µs before they
+    /// back off and park, which a worker sharing its CPU would take from
+    /// the thread about to hand it work.
+    pub fn has_own_cpus(&self) -> bool {
+        self.own_cpus
     }
 
     /// The pool's name.
@@ -286,6 +305,7 @@ impl PoolPlan {
             capacity: self.config.capacity,
             routing: self.config.routing,
             idle: self.config.idle,
+            spin_before_park: self.own_cpus,
         };
         crate::pool::spawn(spec, producers, make)
     }

@@ -128,7 +128,11 @@ impl TopologyConfig {
         let pools = self
             .pools
             .iter()
-            .map(|p| PoolPlan::new(p.clone(), self.on_priority_error))
+            .enumerate()
+            .map(|(i, p)| {
+                PoolPlan::new(p.clone(), self.on_priority_error)
+                    .with_own_cpus(self.pool_has_own_cpus(i, allowed))
+            })
             .collect();
         Ok(Topology::new(pollers, pools, warnings))
     }
@@ -265,6 +269,32 @@ impl TopologyConfig {
             }
         }
         Ok(())
+    }
+}
+
+impl TopologyConfig {
+    /// Whether pool `i` has CPUs of its own: a CPU per worker in its reach
+    /// (an unpinned placement reaches every allowed CPU), and no poller or
+    /// other pool that may run on any of them.
+    fn pool_has_own_cpus(&self, i: usize, allowed: &BTreeSet<usize>) -> bool {
+        let reach = |placement: &Placement| match placement {
+            Placement::Unpinned => allowed.clone(),
+            placement => placement.cpus(),
+        };
+        let Some(pool) = self.pools.get(i) else {
+            return false;
+        };
+        let mine = reach(&pool.placement);
+        pool.threads <= mine.len()
+            && self
+                .pollers
+                .iter()
+                .all(|p| mine.is_disjoint(&reach(&p.placement)))
+            && self
+                .pools
+                .iter()
+                .enumerate()
+                .all(|(j, q)| j == i || mine.is_disjoint(&reach(&q.placement)))
     }
 }
 
