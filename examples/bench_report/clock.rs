@@ -12,9 +12,51 @@ pub fn now_ns() -> u64 {
 }
 
 /// Pins the calling thread to `cpu`; false when the OS refuses (the
-/// report says so rather than measuring unpinned silently).
+/// report says so rather than measuring unpinned silently). The first call
+/// records the thread's mask before it, for [`with_process_mask`].
 pub fn pin(cpu: usize) -> bool {
+    process_mask();
     core_affinity::set_for_current(core_affinity::CoreId { id: cpu })
+}
+
+/// The main thread's CPU mask before the report pinned anything: the
+/// process's (read by `main` first thing, or at the first pin).
+pub fn process_mask() -> &'static libc::cpu_set_t {
+    static MASK: OnceLock<libc::cpu_set_t> = OnceLock::new();
+    MASK.get_or_init(current_mask)
+}
+
+fn current_mask() -> libc::cpu_set_t {
+    // SAFETY: an all-zero `cpu_set_t` is a valid, empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: pid 0 is the calling thread; `set` is a valid out-parameter
+    // of the size passed. On failure the set stays empty and is not used.
+    let ok = unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) } == 0;
+    if !ok {
+        // Every CPU the set can name.
+        for id in 0..libc::CPU_SETSIZE as usize {
+            // SAFETY: `set` is a valid set and `id` below its size.
+            unsafe { libc::CPU_SET(id, &mut set) };
+        }
+    }
+    set
+}
+
+/// Runs `f` with the calling thread's mask widened back to the process's
+/// (threads `f` spawns inherit it: the end-to-end runs place the demo's
+/// threads themselves, and an unpinned one must be free to use every CPU),
+/// then restores the thread's mask.
+pub fn with_process_mask<T>(f: impl FnOnce() -> T) -> T {
+    let mine = current_mask();
+    let set = |m: &libc::cpu_set_t| {
+        // SAFETY: pid 0 is the calling thread; `m` is a valid set of the
+        // size passed.
+        unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(m), m) }
+    };
+    set(process_mask());
+    let out = f();
+    set(&mine);
+    out
 }
 
 /// Waits until `now_ns() >= at`: sleeps while more than 200 µs remain

@@ -138,6 +138,8 @@ fn parse_args() -> Result<Args, String> {
 }
 
 fn main() {
+    // Before any section pins this thread.
+    clock::process_mask();
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
@@ -357,7 +359,7 @@ fn end_to_end(
     let mut all = Vec::new();
     for layout in [e2e::Layout::Default, e2e::Layout::Fenced] {
         eprintln!("   {}", layout.name());
-        match e2e::compare(on, args.quick, args.reps, layout) {
+        match clock::with_process_mask(|| e2e::compare(on, args.quick, args.reps, layout)) {
             Ok(rows) => {
                 e2e_section(md, backend_name, layout, &rows, goals)?;
                 all.extend(rows);
