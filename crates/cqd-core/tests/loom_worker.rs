@@ -199,91 +199,73 @@ fn one_offer_wakes_each_worker_it_feeds() {
     });
 }
 
-/// Burst offers (`Burst::offer`) may defer the fence and the wake-up check
-/// while the worker looks awake; the settle after them (the poller's next
-/// round that finds nothing; here, the burst dropped) completes the check. Every interleaving of
-/// two deferred publications and the settle against the worker's
-/// announce/fence/re-check/park ends with both items handled: a worker that
-/// raced into sleep is woken by the settle at the latest.
-#[test]
-fn burst_offers_then_settle_lose_no_wakeup() {
-    model(|| {
+/// A two-slot, one-worker pool fed through a [`Burst`]: `hand_offs` makes
+/// the offers, the burst is then dropped (settled), and in every
+/// interleaving against the worker's announce/fence/re-check/park the
+/// worker handles `expect`, in order: none lost, none left asleep.
+fn through_a_burst(
+    expect: &'static [u32],
+    hand_offs: impl Fn(&mut Burst<'_, u32, PoolSink<u32>>, &Log) + Send + Sync + 'static,
+) {
+    model(move || {
         let (pool, mut sinks, log) = pool(2, 1);
         let mut sink = sinks.pop().unwrap();
         let mut burst = Burst::new(&mut sink);
-        let mut spill = keyed([1]);
-        burst.offer(&mut spill, 0);
-        assert!(spill.is_empty());
-        let mut spill = keyed([2]);
-        burst.offer(&mut spill, 0);
-        assert!(spill.is_empty());
+        hand_offs(&mut burst, &log);
         drop(burst);
-        assert_eq!(log.wait_for(2), [1, 2]);
+        assert_eq!(log.wait_for(expect.len()), expect);
         drop(sink);
         let snapshot = pool.join().unwrap();
-        assert_eq!(snapshot.items(), 2);
+        assert_eq!(snapshot.items(), expect.len() as _);
+    });
+}
+
+/// Burst offers (`Burst::offer`) may defer the fence and the wake-up check
+/// while the worker looks awake; the settle after them (the poller's next
+/// round that finds nothing; here, the burst dropped) completes the check:
+/// a worker that raced into sleep is woken by the settle at the latest.
+#[test]
+fn burst_offers_then_settle_lose_no_wakeup() {
+    through_a_burst(&[1, 2], |burst, _| {
+        for item in [1, 2] {
+            let mut spill = keyed([item]);
+            burst.offer(&mut spill, 0);
+            assert!(spill.is_empty());
+        }
     });
 }
 
 /// A burst offer followed by a plain offer (the poller's spill offered
 /// again, or the stop's flush): the plain offer completes the deferred
-/// check of the burst's publication as well as its own.
+/// check of the burst's publication as well as its own, before the burst
+/// is settled.
 #[test]
 fn burst_then_plain_offer_lose_no_wakeup() {
-    model(|| {
-        let (pool, mut sinks, log) = pool(2, 1);
-        let mut sink = sinks.pop().unwrap();
-        let mut burst = Burst::new(&mut sink);
-        let mut spill = keyed([1]);
-        burst.offer(&mut spill, 0);
-        assert!(spill.is_empty());
-        let mut spill = keyed([]);
-        burst.sink().offer(&mut spill);
-        // Woken by the plain offer: the burst is not settled yet.
-        assert_eq!(log.wait_for(1), [1]);
-        drop(burst);
-        drop(sink);
-        pool.join().unwrap();
+    through_a_burst(&[1], |burst, log| {
+        burst.offer(&mut keyed([1]), 0);
+        burst.sink().offer(&mut keyed([]));
+        assert_eq!(log.wait_for(1), [1], "woken by the plain offer");
     });
 }
 
 /// A burst offer may hold its publication back for the next hand-off (the
-/// pool's step 3'); the settle after it (here, the burst dropped) publishes
-/// it and runs the check. Every interleaving against the worker's
-/// announce/fence/re-check/park ends with the item handled.
+/// pool's step 3'); the settle after it publishes it and runs the check.
 #[test]
 fn held_burst_publication_then_settle_loses_nothing() {
-    model(|| {
-        let (pool, mut sinks, log) = pool(2, 1);
-        let mut sink = sinks.pop().unwrap();
-        let mut burst = Burst::new(&mut sink);
-        let mut spill = keyed([1]);
-        burst.offer(&mut spill, 0);
-        assert!(spill.is_empty());
-        drop(burst);
-        assert_eq!(log.wait_for(1), [1]);
-        drop(sink);
-        pool.join().unwrap();
+    through_a_burst(&[1], |burst, _| {
+        burst.offer(&mut keyed([1]), 0);
     });
 }
 
 /// A held publication followed by a burst hand-off with nothing new (a
 /// poller round whose completions emitted no work), which publishes what
-/// was held and owes its check, then the settle: nothing is lost in any
-/// interleaving (the unit tests in `pool::feed` check that the empty
-/// hand-off publishes).
+/// was held and owes its check, then the settle (the unit tests in
+/// `pool::feed` check that the empty hand-off publishes).
 #[test]
 fn held_burst_publication_then_empty_burst_publishes() {
-    model(|| {
-        let (pool, mut sinks, log) = pool(2, 1);
-        let mut sink = sinks.pop().unwrap();
-        let mut burst = Burst::new(&mut sink);
+    through_a_burst(&[1], |burst, _| {
         let mut spill = keyed([1]);
         burst.offer(&mut spill, 0);
         burst.offer(&mut spill, 0);
-        drop(burst);
-        assert_eq!(log.wait_for(1), [1]);
-        drop(sink);
-        pool.join().unwrap();
     });
 }
