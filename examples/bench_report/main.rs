@@ -371,8 +371,7 @@ fn end_to_end(
                 eprintln!("SKIPPED: end to end, fenced layout: {e}");
                 let _ = writeln!(
                     md,
-                    "
-**SKIPPED: the fenced layout** (it needs CPUs 0 and 1): {e}"
+                    "\n**SKIPPED: the fenced layout** (it needs CPUs 0 and 1): {e}"
                 );
             }
             Err(e) => return Err(e),
