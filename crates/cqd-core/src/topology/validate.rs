@@ -148,10 +148,7 @@ impl TopologyConfig {
         allowed: &BTreeSet<usize>,
         warnings: &mut Vec<Warning>,
     ) -> Result<(), TopologyError> {
-        let reach = |placement: &Placement| match placement {
-            Placement::Unpinned => allowed.clone(),
-            placement => placement.cpus(),
-        };
+        let reach = |placement: &Placement| reach(placement, allowed);
         let pollers = self.pollers.iter().enumerate().map(|(k, p)| {
             let with = format!("poller {:?} at poller[{k}].placement", p.name);
             (k, with, reach(&p.placement), spins_long(&p.mode))
@@ -213,10 +210,7 @@ impl TopologyConfig {
         allowed: &BTreeSet<usize>,
         warnings: &mut Vec<Warning>,
     ) -> Result<(), TopologyError> {
-        let reach = |placement: &Placement| match placement {
-            Placement::Unpinned => allowed.clone(),
-            placement => placement.cpus(),
-        };
+        let reach = |placement: &Placement| reach(placement, allowed);
         for (i, p) in self.pools.iter().enumerate() {
             if p.idle != WorkerIdle::Spin {
                 continue;
@@ -277,10 +271,7 @@ impl TopologyConfig {
     /// (an unpinned placement reaches every allowed CPU), and no poller or
     /// other pool that may run on any of them.
     fn pool_has_own_cpus(&self, i: usize, allowed: &BTreeSet<usize>) -> bool {
-        let reach = |placement: &Placement| match placement {
-            Placement::Unpinned => allowed.clone(),
-            placement => placement.cpus(),
-        };
+        let reach = |placement: &Placement| reach(placement, allowed);
         let Some(pool) = self.pools.get(i) else {
             return false;
         };
@@ -295,6 +286,15 @@ impl TopologyConfig {
                 .iter()
                 .enumerate()
                 .all(|(j, q)| j == i || mine.is_disjoint(&reach(&q.placement)))
+    }
+}
+
+/// The CPUs a thread with `placement` may run on: an unpinned one, every
+/// allowed CPU.
+fn reach(placement: &Placement, allowed: &BTreeSet<usize>) -> BTreeSet<usize> {
+    match placement {
+        Placement::Unpinned => allowed.clone(),
+        placement => placement.cpus(),
     }
 }
 
