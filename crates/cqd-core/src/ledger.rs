@@ -254,12 +254,15 @@ impl WrLedger {
     /// them if the post fails.
     pub fn posted(&self, qp_num: u32, side: Side, wr_ids: &[u64], now: Instant) {
         let account = self.account(qp_num, side);
-        let mut ring = account.lock();
+        let mut post = account.posting();
+        let at = crate::account::stamp(now);
         for &wr_id in wr_ids {
             // Signaled as far as the ledger knows: a later completion of
             // the queue retires it anyway if it was not.
-            ring.push(wr_id, now, false, true);
+            post.write_stamped(wr_id, at, true);
         }
+        post.publish();
+        post.commit();
     }
 
     /// Retires as the poller does for a completion of `wr_id` (of any
@@ -272,7 +275,7 @@ impl WrLedger {
             return 0;
         };
         let mut silent = Vec::new();
-        let mut ring = account.lock();
+        let mut ring = account.retiring();
         let (credits, found) = ring.retire(wr_id, false, &mut silent);
         ring.give_back(credits);
         silent.len() + usize::from(found)
@@ -311,9 +314,10 @@ impl WrLedger {
         let mut newly = 0;
         for (qp_num, side, account) in self.accounts() {
             let in_order = account.queue() == Queue::Send;
-            let mut ring = account.lock();
-            for e in ring.ring.iter_mut() {
-                let age = now.saturating_duration_since(e.at);
+            let mut ring = account.retiring();
+            let mut report = Vec::new();
+            for (pos, e) in ring.live() {
+                let age = now.saturating_duration_since(e.at());
                 if age < threshold {
                     if in_order {
                         break; // later ones are younger
@@ -332,14 +336,17 @@ impl WrLedger {
                     decoded: WrId::decode(e.wr_id).ok(),
                     age,
                 };
-                if !e.reported {
-                    e.reported = true;
+                if !e.reported() {
+                    report.push(pos);
                     newly += 1;
                     tracing::warn!(qp = qp_num, side = ?side, wr_id = format_args!("{:#x}", e.wr_id),
                         handler = %stuck.decoded.map_or_else(|| "foreign".to_string(), |d| d.key.to_string()),
                         kind = %stuck.decoded.map_or("?", |d| d.kind.name()), ?age, "work request stuck");
                 }
                 out.push(stuck);
+            }
+            for pos in report {
+                ring.mark_reported(pos);
             }
         }
         self.inner.stuck.fetch_add(newly, Ordering::Relaxed);

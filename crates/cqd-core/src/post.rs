@@ -14,21 +14,25 @@
 //! 2. counts the requests as posted in the handler's ledger, per kind, or
 //!    refuses the list if the handler was released
 //!    ([`Refused::Released`]);
-//! 3. locks the queue's [`QueueAccount`] and takes the CQ's credits
-//!    (refused: the counts of step 2 are taken back);
-//! 4. appends the requests to the account (wr_id, post time, credit), in
-//!    post order;
-//! 5. calls the backend's post — still under the queue's lock, so that the
-//!    account's order is the queue's order whatever the number of posting
-//!    threads;
+//! 3. takes the queue's posting lock (posters of one queue serialise; the
+//!    poller never takes it) and the CQ's credits (refused: the counts of
+//!    step 2 are taken back);
+//! 4. writes the requests' entries in the queue's [`QueueAccount`] (wr_id,
+//!    post time, credit, signaled), in post order, and publishes them
+//!    (R1–R2 of the ring protocol in `account::ring`);
+//! 5. calls the backend's post (R3) — still under the posting lock, so that
+//!    the account's order is the queue's order whatever the number of
+//!    posting threads;
 //! 6. if the backend posted only the first `k` requests (verbs posts up to
-//!    `bad_wr`), takes back everything of the others: their entries, their
-//!    credits, their posted counts, and puts their tags back in their wr_id
-//!    fields, so the rest of the list can be posted again as it is.
+//!    `bad_wr`), tombstones the others' entries (R4) and takes back
+//!    everything else of them: their credits, their posted counts, and
+//!    their tags in their wr_id fields, so the rest of the list can be
+//!    posted again as it is.
 //!
 //! A completion can arrive before the post returns (an inline NIC, a fast
-//! one): it finds the handler's ledger already counting the request, and
-//! the poller waits for the queue's lock before retiring its entry.
+//! one): it finds the handler's ledger counting the request (step 2) and
+//! its entry published (step 4), and the poller retires it at once: it
+//! never waits for a poster, nor a poster for it.
 //!
 //! Backends implement [`PostSend`] (a QP's send queue) and [`PostRecv`] (a
 //! QP's receive queue, a shared receive queue); applications and tests are
@@ -331,41 +335,46 @@ where
         restore(wrs);
         return Err(Refused::Released { handler: key }.into());
     }
-    // 3. Lock the queue, take the credits.
-    let mut ring = account.lock();
-    let credit = match ring.take_credits(wrs.len() as u32) {
-        Ok(c) => c,
-        Err(e) => {
-            drop(ring);
-            for k in OpKind::ALL {
-                if per_kind[k.index()] > 0 {
-                    slot.sub_posted(k, per_kind[k.index()]);
-                }
+    // 3. The queue's posting lock (posters of this queue serialise; the
+    // poller never takes it), and the credits.
+    let mut posting = account.posting();
+    if let Err(e) = posting.take_credits(wrs.len() as u32) {
+        drop(posting);
+        for k in OpKind::ALL {
+            if per_kind[k.index()] > 0 {
+                slot.sub_posted(k, per_kind[k.index()]);
             }
-            reg.taken_back();
-            restore(wrs);
-            return Err(Refused::Credits(e).into());
         }
-    };
-    // 4. Record them in the queue's account.
-    let now = Instant::now();
-    for wr in wrs.iter() {
-        ring.push(wr.wr_id(), now, credit, signaled(wr));
+        reg.taken_back();
+        restore(wrs);
+        return Err(Refused::Credits(e).into());
     }
-    // 5. Post, under the queue's lock.
+    // 4. Record them in the queue's account and publish them (R1–R2 of
+    // `account::ring`), before the backend's post: a completion that
+    // arrives inside it finds them.
+    let now = crate::account::stamp(Instant::now());
+    for wr in wrs.iter() {
+        posting.write_stamped(wr.wr_id(), now, signaled(wr));
+    }
+    posting.publish();
+    // 5. Post (R3), still holding the posting lock.
     let Err((posted, err)) = raw(wrs) else {
+        posting.commit();
         return Ok(());
     };
-    // 6. Take back what was not posted.
+    // 6. Take back what was not posted (R4): tombstone its entries, give
+    // back their credits, then their ledger counts and tags.
+    // A request past `bad_wr` that a completion retired first (only a
+    // foreign wr_id equal to it can do that) counts as posted.
     let posted = posted.min(wrs.len());
-    let rest = &mut wrs[posted..];
-    ring.unpush(rest.len());
-    drop(ring);
-    for wr in rest.iter() {
-        slot.sub_posted(kind(wr), 1);
-    }
+    posting.settle(posted, |i, taken_back| {
+        if taken_back {
+            let wr = &mut wrs[i];
+            slot.sub_posted(kind(wr), 1);
+            wr.set_wr_id(wr.wr_id() & TAG_MASK);
+        }
+    });
     reg.taken_back();
-    restore(rest);
     Err(err)
 }
 

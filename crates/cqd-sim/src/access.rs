@@ -50,9 +50,12 @@ impl FabricState {
         (end <= mr.len).then(|| (mr.buf.clone(), off as usize))
     }
 
-    /// Copies the bytes `sges` name (checked before) into one buffer.
-    pub(crate) fn gather(&self, sges: &[Sge]) -> Option<Vec<u8>> {
-        let mut out = Vec::with_capacity(sges.iter().map(|s| s.length as usize).sum());
+    /// Copies the bytes `sges` name (checked before) into one buffer: the
+    /// fabric's scratch buffer, to be given back with [`recycle`](Self::recycle).
+    pub(crate) fn gather(&mut self, sges: &[Sge]) -> Option<Vec<u8>> {
+        let mut out = std::mem::take(&mut self.scratch);
+        out.clear();
+        out.reserve(sges.iter().map(|s| s.length as usize).sum());
         for s in sges {
             let mr = self.mrs.get(&id_of(s.lkey, false)?)?;
             let off = s.addr.checked_sub(mr.base)? as usize;
@@ -60,6 +63,11 @@ impl FabricState {
             out.extend_from_slice(b.get(off..off + s.length as usize)?);
         }
         Some(out)
+    }
+
+    /// Gives a gathered buffer back for the next transfer.
+    pub(crate) fn recycle(&mut self, buf: Vec<u8>) {
+        self.scratch = buf;
     }
 
     /// Spreads `data` over `sges` (checked before), in order.

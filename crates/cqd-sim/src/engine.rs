@@ -129,9 +129,12 @@ impl FabricState {
     /// Executes every due request of every active QP; returns when the next
     /// not-blocked request is due, if any.
     pub(crate) fn run(&mut self, now: Instant) -> Option<Instant> {
-        let active = std::mem::take(&mut self.active);
+        // The list being run and the list being refilled swap buffers, so
+        // that a run allocates nothing in steady state.
+        let spare = std::mem::take(&mut self.active_spare);
+        let mut active = std::mem::replace(&mut self.active, spare);
         let mut next: Option<Instant> = None;
-        for qpn in active {
+        for qpn in active.drain(..) {
             match self.step(qpn, now) {
                 Step::Idle => {}
                 Step::Blocked => self.activate(qpn),
@@ -141,6 +144,7 @@ impl FabricState {
                 }
             }
         }
+        self.active_spare = active;
         next
     }
 

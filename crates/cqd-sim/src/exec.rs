@@ -88,6 +88,7 @@ impl FabricState {
                     Some(_) => {}
                 }
                 self.scatter(&recv.sges, &data);
+                self.recycle(data);
                 wc.byte_len = len32;
                 if let Some(imm) = imm {
                     wc.imm_data = imm;

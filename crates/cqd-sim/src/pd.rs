@@ -215,9 +215,14 @@ impl Pd {
         }
         st.next_qpn += 1;
         let send_account = init.send_cq.ledger().open_queue(qpn, Queue::Send);
+        send_account.reserve(init.cap.max_send_wr);
         let recv_account = match init.srq {
             Some(srq) => Arc::clone(&srq.account),
-            None => init.recv_cq.ledger().open_queue(qpn, Queue::Recv),
+            None => {
+                let a = init.recv_cq.ledger().open_queue(qpn, Queue::Recv);
+                a.reserve(init.cap.max_recv_wr);
+                a
+            }
         };
         st.qps.insert(
             qpn,
@@ -292,10 +297,12 @@ impl Pd {
             },
         );
         drop(st);
+        let account = QueueAccount::srq(id);
+        account.reserve(max_wr);
         Ok(Srq {
             fabric,
             id,
-            account: QueueAccount::srq(id),
+            account,
         })
     }
 }

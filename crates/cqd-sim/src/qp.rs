@@ -360,7 +360,7 @@ impl Qp {
             let pending = PendingSend {
                 wr_id: wr.wr_id,
                 op: op_of(wr),
-                sges: wr.sg_list.to_vec(),
+                sges: crate::state::Sges::from_slice(wr.sg_list),
                 signaled: wr.signaled,
                 solicited: wr.solicited,
                 ready_at,
@@ -419,7 +419,7 @@ impl Qp {
         )?;
         q.rq.extend(wrs.iter().map(|w| PendingRecv {
             wr_id: w.wr_id,
-            sges: w.sg_list.to_vec(),
+            sges: crate::state::Sges::from_slice(w.sg_list),
         }));
         if q.state == QpState::Err {
             st.enter_error(qpn);

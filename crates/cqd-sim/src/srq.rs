@@ -84,7 +84,7 @@ impl Srq {
         }
         s.rq.extend(wrs.iter().map(|w| PendingRecv {
             wr_id: w.wr_id,
-            sges: w.sg_list.to_vec(),
+            sges: crate::state::Sges::from_slice(w.sg_list),
         }));
         let now = st.now(matches!(
             self.fabric.core.engine,

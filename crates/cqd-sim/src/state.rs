@@ -50,7 +50,7 @@ pub(crate) enum Op {
 pub(crate) struct PendingSend {
     pub(crate) wr_id: u64,
     pub(crate) op: Op,
-    pub(crate) sges: Vec<Sge>,
+    pub(crate) sges: Sges,
     pub(crate) signaled: bool,
     pub(crate) solicited: bool,
     pub(crate) ready_at: Instant,
@@ -62,8 +62,12 @@ pub(crate) struct PendingSend {
 #[derive(Debug, Clone)]
 pub(crate) struct PendingRecv {
     pub(crate) wr_id: u64,
-    pub(crate) sges: Vec<Sge>,
+    pub(crate) sges: Sges,
 }
+
+/// A request's scatter/gather list, held with the request: inline up to
+/// four entries (the common case), so that posting allocates nothing.
+pub(crate) type Sges = smallvec::SmallVec<[Sge; 4]>;
 
 /// An executed request still holding its queue slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -246,6 +250,8 @@ pub(crate) struct FabricState {
     pub(crate) next_device: u32,
     /// QPs with send requests not executed yet.
     pub(crate) active: Vec<u32>,
+    /// `active`'s other buffer (see `FabricState::run`).
+    pub(crate) active_spare: Vec<u32>,
     pub(crate) faults: NicFaults,
     pub(crate) rng: u64,
     /// When the simulated link is free again (timed engine).
@@ -256,6 +262,9 @@ pub(crate) struct FabricState {
     pub(crate) stats: NicStats,
     /// The RNR timer (timed engine only).
     pub(crate) rnr_timer: Option<std::time::Duration>,
+    /// A SEND's bytes between its gather and the receive's scatter, kept
+    /// so that a transfer allocates nothing in steady state.
+    pub(crate) scratch: Vec<u8>,
 }
 
 impl FabricState {
@@ -270,9 +279,11 @@ impl FabricState {
             next_pd: 0,
             next_device: 0,
             active: Vec::new(),
+            active_spare: Vec::new(),
             faults: NicFaults::default(),
             rng: 1,
             link_free_at: Instant::now(),
+            scratch: Vec::new(),
             epoch: Instant::now(),
             stats: NicStats::default(),
             rnr_timer: None,

@@ -642,9 +642,14 @@ impl Pd {
             ),
         }
         let send_account = init.send_cq.ledger().open_queue(qpn, Queue::Send);
+        send_account.reserve(granted.max_send_wr);
         let recv_account = match init.srq {
             Some(srq) => Arc::clone(&srq.inner.account),
-            None => init.recv_cq.ledger().open_queue(qpn, Queue::Recv),
+            None => {
+                let a = init.recv_cq.ledger().open_queue(qpn, Queue::Recv);
+                a.reserve(granted.max_recv_wr);
+                a
+            }
         };
         // The QP's events go to the poller of its owner's CQ.
         let (owner, event_cq) = match init.owner {

@@ -122,7 +122,11 @@ impl Pd {
                 depth,
                 max_sge,
                 pd: Arc::clone(&self.inner),
-                account: QueueAccount::srq(srqn),
+                account: {
+                    let a = QueueAccount::srq(srqn);
+                    a.reserve(depth);
+                    a
+                },
                 pins: Pins::default(),
             }),
         })

@@ -2,22 +2,26 @@
 //!
 //! Every queue a request can be posted to — a QP's send queue, a QP's
 //! receive queue, a shared receive queue — has one [`QueueAccount`]: a ring
-//! of (wr_id, post time, credit taken) under its own small lock. Nothing
-//! else is shared between the threads that post on a queue and the poller
-//! that completes it.
+//! of (wr_id, post time, credit taken, signaled) in post order. Its posters
+//! and its poller share no lock: posters serialise among themselves on the
+//! ring's posting lock, the poller holds its retiring lock, and the two
+//! sides meet only in atomics (the protocol, numbered, is in
+//! `account::ring`; its steps are cited as R1–R7 here and in
+//! [`crate::post`]).
 //!
-//! 1. **Posting** (the posting call, [`crate::post`], its steps 2–6): the
-//!    poster locks the account, takes the CQ credits, appends its requests,
-//!    calls the backend's post and, if the post fails, removes what was not
-//!    posted —
-//!    all under the lock, so the ring's order is the queue's order even
-//!    with several posting threads, and the poller never sees a request
-//!    that the post then takes back.
+//! 1. **Posting** (the posting call, [`crate::post`]): the poster takes the
+//!    posting lock and the CQ credits, writes its requests' entries and
+//!    publishes them (R1–R2) *before* the backend's post (R3), so that a
+//!    completion arriving inside the post finds them; if the backend took
+//!    only the first `k`, it tombstones the rest (R4). The posting lock is
+//!    held across the backend's post, so the ring's order is the queue's
+//!    order whatever the number of posting threads, and the poller never
+//!    waits for it.
 //! 2. **Completing** (the poller, once per batch): the poller finds the
 //!    account of each completion's queue through a poller-local cache
 //!    (qp_num and side → account, filled from the CQ's
-//!    [`WrLedger`] only on a miss), and locks each account once per run of
-//!    completions of that queue. A send-side completion retires every entry
+//!    [`WrLedger`] only on a miss), and takes each account's retiring lock
+//!    (which no poster takes) once per run of completions of that queue. A send-side completion retires every entry
 //!    up to and including its wr_id: send queues complete in order, so the
 //!    unsignaled requests before it completed silently. A receive retires
 //!    its own entry (an SRQ's receives are consumed in any order). The
@@ -53,20 +57,23 @@
 //!    completion retires the silent ones as any later completion would;
 //!    the dispatcher gives it to no handler.
 
-use std::collections::{HashMap, VecDeque};
+mod ring;
+
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::AtomicBool as PlainAtomicBool;
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::Instant;
 
-use crossbeam_utils::CachePadded;
 use parking_lot::Mutex as PlainMutex;
 
 use crate::budget::CqBudget;
 use crate::completion::Completion;
 use crate::ledger::{LedgerInner, WrLedger};
-use crate::sync::{AtomicBool, Ordering, ShortGuard, ShortMutex};
+use crate::sync::{AtomicBool, Ordering};
 use crate::wr_id::{HandlerKey, OpKind, Side, WrId};
+pub(crate) use ring::stamp;
+use ring::{NewEntry, Poster, Retirer, Ring};
 
 /// Which kind of queue an account is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -117,17 +124,6 @@ const DRAIN_MARKER: u64 = match HandlerKey::new(0, 0) {
     None => panic!("slot 0, generation 0 is a key"),
 };
 
-/// One request outstanding on a queue.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Outstanding {
-    pub(crate) wr_id: u64,
-    pub(crate) at: Instant,
-    pub(crate) credit: bool,
-    /// False for an unsignaled send: no success will name it.
-    pub(crate) signaled: bool,
-    pub(crate) reported: bool,
-}
-
 /// The account of one queue (see the module documentation). Made by the
 /// backend when it makes the queue ([`WrLedger::open_queue`],
 /// [`QueueAccount::srq`]); the posting call and the poller keep it.
@@ -142,19 +138,20 @@ pub struct QueueAccount {
     /// (a wr_id names a handler of one CQ, and a receive completes on the
     /// CQ of whichever QP consumes it).
     pub(crate) ledger: OnceLock<Weak<LedgerInner>>,
-    /// Set by [`close`](Self::close) under the ring's lock, and read under
-    /// it by the poller: "drained and closed" is one observation, so no
-    /// request posted between the two can be detached with the account.
+    /// Set by [`close`](Self::close) under the ring's two locks, and read
+    /// by the poller under the retiring lock: "drained and closed" is one
+    /// observation, so no request posted between the two can be detached
+    /// with the account.
     closed: AtomicBool,
     /// The account of a destroyed queue whose number this queue reuses,
     /// while it still holds requests (step 6 of the module documentation).
     /// Locked by the poller only.
     prev: PlainMutex<Option<Arc<QueueAccount>>>,
     has_prev: PlainAtomicBool,
-    /// On its own cache line: posters of this queue and the poller meet
-    /// here, posters and pollers of other queues never do. From the
-    /// synchronisation shim, so that loom checks the close and the drain.
-    ring: CachePadded<ShortMutex<VecDeque<Outstanding>>>,
+    /// The outstanding requests (`account::ring`): its atomics and locks
+    /// come from the synchronisation shim, so that loom checks the post,
+    /// the close and the drain.
+    ring: Ring,
 }
 
 impl fmt::Debug for QueueAccount {
@@ -188,7 +185,7 @@ impl QueueAccount {
             closed: AtomicBool::new(false),
             has_prev: PlainAtomicBool::new(prev.is_some()),
             prev: PlainMutex::new(prev),
-            ring: CachePadded::new(ShortMutex::new(VecDeque::new())),
+            ring: Ring::new(),
         }
     }
 
@@ -218,26 +215,31 @@ impl QueueAccount {
 
     /// Requests posted on the queue and not yet retired by a completion.
     pub fn outstanding(&self) -> usize {
-        self.lock_ring().len()
+        self.ring.retirer().count()
     }
 
     /// Age of the oldest outstanding request.
     pub fn oldest(&self, now: Instant) -> Option<std::time::Duration> {
-        self.lock_ring()
-            .iter()
-            .map(|e| now.saturating_duration_since(e.at))
+        self.ring
+            .retirer()
+            .live()
+            .map(|(_, e)| now.saturating_duration_since(e.at()))
             .max()
     }
 
     /// Marks the queue destroyed (the backend calls it when the queue
     /// goes): it is detached from its CQ's ledger now if nothing is
     /// outstanding (its predecessor's requests included), else by the
-    /// poller once its last request is retired.
+    /// poller once its last request is retired. It waits for a post in
+    /// flight on the queue (the posting lock), so a post and a close never
+    /// overlap.
     pub fn close(self: &Arc<Self>) {
-        let ring = self.lock_ring();
+        let poster = self.ring.poster();
+        let mut r = self.ring.retirer();
         self.closed.store(true, Ordering::Release);
-        let drained = ring.is_empty() && !self.has_prev();
-        drop(ring);
+        let drained = r.drained() && !self.has_prev();
+        drop(r);
+        drop(poster);
         let ledger = self.ledger.get().and_then(Weak::upgrade);
         if let (true, Some(inner)) = (drained, ledger) {
             WrLedger { inner }.detach(self.number, self.queue.side(), self);
@@ -247,10 +249,10 @@ impl QueueAccount {
     /// Step 7 of the module documentation, for a backend destroying a QP:
     /// if this send queue's last request is unsignaled, records a drain
     /// marker behind it (taking a credit if the CQ has credits) and calls
-    /// `post` with the marker's wr_id, under the queue's lock; `post` must
-    /// post a signaled request with that wr_id on the QP, **which must be
-    /// in the error state** (a QP that is not would execute it). If `post`
-    /// fails, the marker's entry and credit are taken back.
+    /// `post` with the marker's wr_id, under the queue's posting lock;
+    /// `post` must post a signaled request with that wr_id on the QP,
+    /// **which must be in the error state** (a QP that is not would execute
+    /// it). If `post` fails, the marker's entry and credit are taken back.
     ///
     /// Without a marker (none could be posted), the silent requests stay
     /// outstanding: the stop reports them missing.
@@ -258,22 +260,64 @@ impl QueueAccount {
         if self.queue != Queue::Send {
             return DrainMarker::NotNeeded;
         }
-        let mut ring = self.lock();
-        if ring.ring.back().is_none_or(|e| e.signaled) {
+        let mut p = self.posting();
+        if !p.poster.ends_silently() {
             return DrainMarker::NotNeeded;
         }
-        let credit = match ring.take_credits(1) {
-            Ok(c) => c,
-            Err(_) => return DrainMarker::NoCredit,
-        };
+        if p.take_credits(1).is_err() {
+            return DrainMarker::NoCredit;
+        }
         let wr_id = DRAIN_MARKER;
-        ring.push(wr_id, Instant::now(), credit, true);
+        p.write(wr_id, Instant::now(), true);
+        p.publish();
         match post(wr_id) {
-            Ok(()) => DrainMarker::Posted,
+            Ok(()) => {
+                p.commit();
+                DrainMarker::Posted
+            }
             Err(e) => {
-                ring.unpush(1);
+                p.settle(0, |_, _| {});
                 DrainMarker::Failed(e)
             }
+        }
+    }
+
+    /// Prepares the account for a queue `depth` requests deep: it then
+    /// holds them, and a poller's batch of completions not yet retired
+    /// (`CqOptions::batch` up to 64), without allocating. Backends call it
+    /// when they make the queue; without it the account grows to its
+    /// high-water mark the first time it is reached, then allocates no
+    /// more.
+    pub fn reserve(&self, depth: u32) {
+        self.ring.reserve(u64::from(depth) + 64);
+    }
+
+    /// The posting lock, for one post (steps R1–R4 of `account::ring`).
+    #[inline]
+    pub(crate) fn posting(&self) -> Posting<'_> {
+        Posting {
+            account: self,
+            poster: self.ring.poster(),
+            credit: false,
+            done: false,
+        }
+    }
+
+    /// The retiring lock, for the poller and readers beside it (R5–R6).
+    #[inline]
+    pub(crate) fn retiring(&self) -> Retiring<'_> {
+        Retiring {
+            in_order: self.queue == Queue::Send,
+            account: self,
+            r: self.ring.retirer(),
+        }
+    }
+
+    /// Gives `credits` back to the CQ's budget.
+    #[inline]
+    pub(crate) fn give_back(&self, credits: u64) {
+        if let (Some(b), true) = (&self.credits, credits > 0) {
+            b.give_back(credits);
         }
     }
 
@@ -295,78 +339,122 @@ impl QueueAccount {
     fn retire_chained(&self, wr_id: u64, success: bool, silent: &mut Vec<u64>) -> u64 {
         let mut prev = self.prev.lock();
         if let Some(p) = prev.as_ref() {
-            let (credits, found) = p.lock().retire(wr_id, success, silent);
+            let (credits, found) = p.retiring().retire(wr_id, success, silent);
             if found {
                 return credits;
             }
         }
-        let (mut credits, found) = self.lock().retire(wr_id, success, silent);
+        let (mut credits, found) = self.retiring().retire(wr_id, success, silent);
         if found {
             if let Some(p) = prev.take() {
                 self.has_prev.store(false, Ordering::Release);
-                let mut ring = p.lock();
-                for e in ring.ring.drain(..) {
-                    credits += u64::from(e.credit);
-                    silent.push(e.wr_id);
-                }
+                credits += p.retiring().r.take_all(silent);
             }
         }
         credits
     }
-
-    fn lock_ring(&self) -> ShortGuard<'_, VecDeque<Outstanding>> {
-        self.ring.lock()
-    }
-
-    pub(crate) fn lock(&self) -> Ring<'_> {
-        Ring {
-            account: self,
-            ring: self.lock_ring(),
-        }
-    }
 }
 
-/// A locked account.
-pub(crate) struct Ring<'a> {
+/// A post on one queue, holding its posting lock (the posting call's
+/// steps; R1–R4 of `account::ring`). Dropped unfinished (a backend's post
+/// that panicked), what it published stays recorded as posted: the stop
+/// then reports what never completed.
+pub(crate) struct Posting<'a> {
     account: &'a QueueAccount,
-    pub(crate) ring: ShortGuard<'a, VecDeque<Outstanding>>,
+    poster: Poster<'a>,
+    /// The entries take credits.
+    credit: bool,
+    done: bool,
 }
 
-impl Ring<'_> {
-    /// Takes `n` credits if the queue's CQ has credits; returns whether it
-    /// did.
-    pub(crate) fn take_credits(&self, n: u32) -> Result<bool, crate::budget::BudgetError> {
-        match &self.account.credits {
-            Some(b) => b.try_take(n).map(|()| true),
-            None => Ok(false),
-        }
-    }
-
-    pub(crate) fn push(&mut self, wr_id: u64, at: Instant, credit: bool, signaled: bool) {
-        self.ring.push_back(Outstanding {
-            wr_id,
-            at,
-            credit,
-            signaled,
-            reported: false,
-        });
-    }
-
-    /// Takes back the last `n` entries (a post that failed part-way) and
-    /// their credits.
-    pub(crate) fn unpush(&mut self, n: usize) {
-        let keep = self.ring.len().saturating_sub(n);
-        let credits = self.ring.range(keep..).filter(|e| e.credit).count() as u64;
-        self.ring.truncate(keep);
-        self.give_back(credits);
-    }
-
-    pub(crate) fn give_back(&self, credits: u64) {
+impl Posting<'_> {
+    /// Takes `n` of the CQ's credits, if it has credits.
+    ///
+    /// # Errors
+    /// Too few are left.
+    #[inline]
+    pub(crate) fn take_credits(&mut self, n: u32) -> Result<(), crate::budget::BudgetError> {
         if let Some(b) = &self.account.credits {
-            b.give_back(credits);
+            b.try_take(n)?;
+            self.credit = true;
         }
+        Ok(())
     }
 
+    /// R1: writes one request's entry.
+    #[inline]
+    pub(crate) fn write(&mut self, wr_id: u64, at: Instant, signaled: bool) {
+        self.write_stamped(wr_id, ring::stamp(at), signaled);
+    }
+
+    /// R1 with the post time already converted (`stamp`), once per
+    /// list.
+    #[inline]
+    pub(crate) fn write_stamped(&mut self, wr_id: u64, at: u64, signaled: bool) {
+        self.poster
+            .write(NewEntry::new(wr_id, at, self.credit, signaled));
+    }
+
+    /// R2: publishes the entries written, before the backend's post.
+    #[inline]
+    pub(crate) fn publish(&self) {
+        self.poster.publish();
+    }
+
+    /// R4: the backend took the whole list.
+    #[inline]
+    pub(crate) fn commit(mut self) {
+        self.done = true;
+        self.poster.commit();
+    }
+
+    /// R4: the backend took only the first `posted` requests. The others
+    /// are tombstoned and their credits given back; `each(i, taken_back)`
+    /// is called for each of them, `i` counted from the first of the list
+    /// (`taken_back` false: a completion retired it first, it counts as
+    /// posted).
+    pub(crate) fn settle(mut self, posted: usize, mut each: impl FnMut(usize, bool)) {
+        self.done = true;
+        let mut credits = 0;
+        let mut i = posted;
+        self.poster.settle(posted, |taken_back, credit| {
+            if taken_back && credit {
+                credits += 1;
+            }
+            each(i, taken_back);
+            i += 1;
+        });
+        self.account.give_back(credits);
+    }
+}
+
+#[cfg(loom)]
+impl Posting<'_> {
+    /// The loom models' mutation of R4: tombstones with a plain store, as
+    /// if no completion could race with it, and gives the credits back.
+    pub(crate) fn settle_without_cas(mut self, posted: usize) {
+        self.done = true;
+        let credits = self.poster.settle_without_cas(posted);
+        self.account.give_back(credits);
+    }
+}
+
+impl Drop for Posting<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.poster.commit();
+        }
+    }
+}
+
+/// One queue's retiring lock held (the poller, the watchdog, a report).
+pub(crate) struct Retiring<'a> {
+    account: &'a QueueAccount,
+    in_order: bool,
+    r: Retirer<'a>,
+}
+
+impl Retiring<'_> {
     /// Retires what the completion of `wr_id` covers (see the module
     /// documentation; `success` is the completion's status, step 5); the
     /// wr_ids of send-queue entries before it, which completed silently,
@@ -379,40 +467,27 @@ impl Ring<'_> {
         success: bool,
         silent: &mut Vec<u64>,
     ) -> (u64, bool) {
-        // The common case: the oldest entry (a signaled send with nothing
-        // unsignaled before it, a receive of a QP's own queue).
-        if self
-            .ring
-            .front()
-            .is_some_and(|e| e.wr_id == wr_id && (e.signaled || !success))
-        {
-            let credit = self.ring.pop_front().is_some_and(|e| e.credit);
-            return (u64::from(credit), true);
-        }
-        self.retire_behind(wr_id, success, silent)
+        self.r.retire(wr_id, success, self.in_order, silent)
     }
 
-    /// Out of line: a send completion behind unsignaled sends, an SRQ
-    /// receive out of order, a wr_id the account does not hold.
-    #[inline(never)]
-    fn retire_behind(&mut self, wr_id: u64, success: bool, silent: &mut Vec<u64>) -> (u64, bool) {
-        let named = |e: &Outstanding| e.wr_id == wr_id && (e.signaled || !success);
-        let Some(i) = self.ring.iter().position(named) else {
-            return (0, false);
-        };
-        let mut credits = 0;
-        if self.account.queue == Queue::Send {
-            for e in self.ring.drain(..i) {
-                credits += u64::from(e.credit);
-                silent.push(e.wr_id);
-            }
-            if let Some(e) = self.ring.pop_front() {
-                credits += u64::from(e.credit);
-            }
-        } else if let Some(e) = self.ring.remove(i) {
-            credits += u64::from(e.credit);
-        }
-        (credits, true)
+    /// True when nothing is outstanding (R6 first).
+    pub(crate) fn drained(&mut self) -> bool {
+        self.r.drained()
+    }
+
+    /// Gives `credits` back to the CQ's budget.
+    pub(crate) fn give_back(&self, credits: u64) {
+        self.account.give_back(credits);
+    }
+
+    /// The live entries (position, entry), oldest first.
+    pub(crate) fn live(&mut self) -> impl Iterator<Item = (u64, ring::Seen)> + '_ {
+        self.r.live()
+    }
+
+    /// Marks the entry at `pos` reported stuck.
+    pub(crate) fn mark_reported(&mut self, pos: u64) {
+        self.r.mark_reported(pos);
     }
 }
 
@@ -522,13 +597,13 @@ impl AccountCache {
                         credits += account.retire_chained(wc.wr_id, ok, &mut self.silent);
                     }
                 }
-                let ring = account.lock();
-                if ring.ring.is_empty() && !account.has_prev() && account.is_closed() {
+                let mut ring = account.retiring();
+                if account.is_closed() && !account.has_prev() && ring.drained() {
                     self.closed.push((qp, side, Arc::clone(account)));
                 }
                 continue;
             }
-            let mut ring = account.lock();
+            let mut ring = account.retiring();
             for (k, wc) in mine {
                 if *k == key {
                     *k = DONE;
@@ -536,10 +611,11 @@ impl AccountCache {
                     credits += ring.retire(wc.wr_id, ok, &mut self.silent).0;
                 }
             }
-            // Drained and closed, seen under the lock that `close` sets
-            // the flag under: requests posted after the last retirement
-            // here and before the close keep the account attached.
-            if ring.ring.is_empty() && account.is_closed() {
+            // Drained and closed, seen under the retiring lock that `close`
+            // sets the flag under (with the posting lock, so no post is in
+            // flight then): requests posted after the last retirement here
+            // and before the close keep the account attached.
+            if account.is_closed() && ring.drained() {
                 self.closed.push((qp, side, Arc::clone(account)));
             }
             drop(ring);
@@ -559,6 +635,18 @@ mod tests {
     use crate::budget::BudgetOptions;
     use proptest::prelude::*;
 
+    /// Posts `ids` (wr_id, signaled) on `q` as the posting call does,
+    /// taking a credit each if the CQ has credits.
+    fn push(q: &QueueAccount, ids: &[(u64, bool)]) {
+        let mut p = q.posting();
+        p.take_credits(ids.len() as u32).unwrap();
+        for &(id, signaled) in ids {
+            p.write(id, Instant::now(), signaled);
+        }
+        p.publish();
+        p.commit();
+    }
+
     fn budget() -> CqBudget {
         let opts = BudgetOptions {
             admission: false,
@@ -573,33 +661,37 @@ mod tests {
         let ledger = WrLedger::with_budget(b.clone());
         let sq = ledger.open_queue(1, Queue::Send);
         let rq = ledger.open_queue(1, Queue::Recv);
-        let now = Instant::now();
-        for (q, ids) in [(&sq, [10, 11, 12, 13]), (&rq, [20, 21, 22, 23])] {
-            let mut ring = q.lock();
-            let credit = ring.take_credits(4).unwrap();
-            for id in ids {
-                // 10 and 11 are unsignaled sends.
-                ring.push(id, now, credit, !(10..12).contains(&id));
-            }
+        // 10 and 11 are unsignaled sends.
+        push(&sq, &[(10, false), (11, false), (12, true), (13, true)]);
+        assert_eq!(b.credits_in_use(), 4);
+        // The receive queue's post: the backend takes only the first two.
+        let mut p = rq.posting();
+        p.take_credits(4).unwrap();
+        for id in [20, 21, 22, 23] {
+            p.write(id, Instant::now(), true);
         }
-        assert_eq!(b.credits_in_use(), 8);
+        p.publish();
+        let mut back = Vec::new();
+        p.settle(2, |i, taken_back| back.push((i, taken_back)));
+        assert_eq!(back, [(2, true), (3, true)]);
+        assert_eq!(b.credits_in_use(), 6, "8 taken, 2 given back");
         let mut silent = Vec::new();
-        let mut ring = sq.lock();
+        let mut ring = sq.retiring();
         assert_eq!(ring.retire(12, true, &mut silent), (3, true));
         assert_eq!(silent, [10, 11], "the unsignaled ones before it");
         assert_eq!(ring.retire(99, true, &mut silent), (0, false), "not held");
         ring.give_back(3);
         drop(ring);
-        let mut ring = rq.lock();
-        assert_eq!(ring.retire(22, true, &mut silent), (1, true));
+        let mut ring = rq.retiring();
+        assert_eq!(ring.retire(22, true, &mut silent), (0, false), "not posted");
+        assert_eq!(ring.retire(21, true, &mut silent), (1, true));
         assert_eq!(silent.len(), 2, "receives retire only themselves");
-        ring.unpush(2);
         drop(ring);
         assert_eq!((sq.outstanding(), rq.outstanding()), (1, 1));
         assert_eq!(
             b.credits_in_use(),
             3,
-            "8 taken, 3 given back, 2 unpushed (22's not given back yet)"
+            "6 in use, 3 given back (21's not given back yet)"
         );
     }
 
@@ -607,7 +699,7 @@ mod tests {
     fn a_closed_queue_leaves_its_ledger_once_drained() {
         let ledger = WrLedger::new();
         let sq = ledger.open_queue(7, Queue::Send);
-        sq.lock().push(1, Instant::now(), false, false);
+        push(&sq, &[(1, false)]);
         sq.close();
         assert!(ledger.lookup(7, Side::Send).is_some(), "still outstanding");
         let mut cache = AccountCache::default();
@@ -617,7 +709,7 @@ mod tests {
         assert_eq!(sq.outstanding(), 1, "wr_id 1 is foreign: not retired");
         let key = crate::wr_id::HandlerKey::new(0, 0).unwrap();
         let id = key.wr_id(crate::wr_id::OpKind::Send, 1).unwrap();
-        sq.lock().push(id, Instant::now(), false, true);
+        push(&sq, &[(id, true)]);
         wc.wr_id = id;
         cache.account_batch(&ledger, &[wc]);
         assert_eq!(cache.silent, [1], "the foreign entry before it, silently");
@@ -632,12 +724,7 @@ mod tests {
         let id = |tag| key.wr_id(OpKind::Write, tag).unwrap();
         let sq = ledger.open_queue(3, Queue::Send);
         let rq = ledger.open_queue(3, Queue::Recv);
-        let now = Instant::now();
-        let push = |tag, signaled| {
-            let mut ring = sq.lock();
-            let c = ring.take_credits(1).unwrap();
-            ring.push(id(tag), now, c, signaled);
-        };
+        let push = |tag, signaled| push(&sq, &[(id(tag), signaled)]);
         let never = |_| -> Result<(), ()> { panic!("no marker is needed") };
         assert_eq!(sq.post_drain_marker(never), DrainMarker::NotNeeded, "empty");
         push(1, true);
@@ -683,24 +770,16 @@ mod tests {
     fn a_success_names_the_signaled_entry_of_a_wr_id_posted_twice() {
         let ledger = WrLedger::new();
         let sq = ledger.open_queue(1, Queue::Send);
-        let now = Instant::now();
-        {
-            let mut ring = sq.lock();
-            ring.push(5, now, false, false); // the write, unsignaled
-            ring.push(5, now, false, true); // the final request, signaled
-        }
+        // The write, unsignaled, and the final request, signaled.
+        push(&sq, &[(5, false), (5, true)]);
         let mut silent = Vec::new();
-        assert_eq!(sq.lock().retire(5, true, &mut silent), (0, true));
+        assert_eq!(sq.retiring().retire(5, true, &mut silent), (0, true));
         assert_eq!(silent, [5], "the unsignaled one ran silently");
         assert_eq!(sq.outstanding(), 0, "both retired by the one success");
         // An error names the oldest entry, signaled or not.
-        {
-            let mut ring = sq.lock();
-            ring.push(6, now, false, false);
-            ring.push(6, now, false, true);
-        }
+        push(&sq, &[(6, false), (6, true)]);
         silent.clear();
-        assert_eq!(sq.lock().retire(6, false, &mut silent), (0, true));
+        assert_eq!(sq.retiring().retire(6, false, &mut silent), (0, true));
         assert!(silent.is_empty());
         assert_eq!(sq.outstanding(), 1, "the flush of the second is to come");
     }
@@ -712,20 +791,13 @@ mod tests {
         let key = crate::wr_id::HandlerKey::new(0, 0).unwrap();
         let id = |tag| key.wr_id(crate::wr_id::OpKind::Send, tag).unwrap();
         let old = ledger.open_queue(7, Queue::Send);
-        let now = Instant::now();
         for (tag, signaled) in [(1, true), (2, false), (3, true), (4, false)] {
-            let mut ring = old.lock();
-            let c = ring.take_credits(1).unwrap();
-            ring.push(id(tag), now, c, signaled);
+            push(&old, &[(id(tag), signaled)]);
         }
         old.close();
         // Queue 7 is made again before the old one drained.
         let new = ledger.open_queue(7, Queue::Send);
-        {
-            let mut ring = new.lock();
-            let c = ring.take_credits(1).unwrap();
-            ring.push(id(3), now, c, true); // the same wr_id as an old entry
-        }
+        push(&new, &[(id(3), true)]); // the same wr_id as an old entry
         assert_eq!(b.credits_in_use(), 5);
         let wc = |tag| Completion::success(id(tag), crate::completion::Opcode::Send, 7);
         let mut cache = AccountCache::default();
@@ -749,26 +821,23 @@ mod tests {
             let b = budget();
             let ledger = WrLedger::with_budget(b.clone());
             let sq = ledger.open_queue(1, Queue::Send);
-            let now = Instant::now();
             for (i, s) in signaled.iter().enumerate() {
-                let mut ring = sq.lock();
-                let c = ring.take_credits(1).unwrap();
-                ring.push(i as u64, now, c, *s);
+                push(&sq, &[(i as u64, *s)]);
             }
             let (mut retired, mut credits) = (0usize, 0u64);
             let mut silent = Vec::new();
             for (i, s) in signaled.iter().enumerate() {
                 if *s {
-                    let (c, found) = sq.lock().retire(i as u64, true, &mut silent);
+                    let (c, found) = sq.retiring().retire(i as u64, true, &mut silent);
                     prop_assert!(found);
                     credits += c;
                     retired += 1;
                 }
             }
             // A QP in error flushes what is left, each with its own completion.
-            let rest: Vec<u64> = sq.lock().ring.iter().map(|e| e.wr_id).collect();
+            let rest: Vec<u64> = sq.retiring().live().map(|(_, e)| e.wr_id).collect();
             for id in rest {
-                let (c, found) = sq.lock().retire(id, false, &mut silent);
+                let (c, found) = sq.retiring().retire(id, false, &mut silent);
                 prop_assert!(found);
                 credits += c;
                 retired += 1;
@@ -786,6 +855,15 @@ mod loom_close {
     use crate::completion::Opcode;
     use crate::wr_id::{HandlerKey, OpKind};
 
+    fn post(q: &QueueAccount, ids: &[(u64, bool)]) {
+        let mut p = q.posting();
+        for &(id, signaled) in ids {
+            p.write(id, Instant::now(), signaled);
+        }
+        p.publish();
+        p.commit();
+    }
+
     /// A queue's last requests posted (an unsignaled send, then a signaled
     /// one) and the queue closed, while the poller retires the request
     /// before them: whatever the interleaving, the account stays attached
@@ -801,15 +879,10 @@ mod loom_close {
             let id = move |tag| key.wr_id(OpKind::Send, tag).unwrap();
             let ledger = WrLedger::new();
             let sq = ledger.open_queue(7, Queue::Send);
-            let now = Instant::now();
-            sq.lock().push(id(1), now, false, true);
+            post(&sq, &[(id(1), true)]);
             let poster = Arc::clone(&sq);
             let t = loom::thread::spawn(move || {
-                {
-                    let mut ring = poster.lock();
-                    ring.push(id(2), now, false, false);
-                    ring.push(id(3), now, false, true);
-                }
+                post(&poster, &[(id(2), false), (id(3), true)]);
                 poster.close();
             });
             let mut cache = AccountCache::default();
@@ -827,5 +900,164 @@ mod loom_close {
                 "detached once drained"
             );
         });
+    }
+}
+
+/// Loom models of the posting protocol (R1–R7 of `account::ring`): a
+/// completion that arrives inside the post, and a post refused part-way at
+/// `bad_wr`, each with the poller retiring concurrently, and each with a
+/// mutation of the protocol that loom must catch.
+///
+/// The provider is a one-entry CQ (an atomic wr_id) that the poster's
+/// "post" writes with Release and the poller reads with Acquire, as a
+/// device's completion write and a poll would order them.
+#[cfg(all(test, loom))]
+mod loom_post {
+    use super::*;
+    use crate::budget::BudgetOptions;
+    use crate::completion::Opcode;
+    use crate::sync::AtomicU64;
+    use crate::wr_id::{HandlerKey, OpKind};
+
+    fn id(tag: u32) -> u64 {
+        HandlerKey::new(0, 0)
+            .unwrap()
+            .wr_id(OpKind::Send, tag)
+            .unwrap()
+    }
+
+    fn rig() -> (CqBudget, WrLedger, Arc<QueueAccount>) {
+        let b = CqBudget::new(
+            "loom",
+            8,
+            BudgetOptions {
+                admission: false,
+                credits: Some(8),
+            },
+        );
+        let ledger = WrLedger::with_budget(b.clone());
+        let sq = ledger.open_queue(7, Queue::Send);
+        (b, ledger, sq)
+    }
+
+    /// The poller: waits for the fake CQ's entries, then accounts them as
+    /// one batch.
+    fn poll(ledger: &WrLedger, cq: &[AtomicU64]) -> Vec<u64> {
+        let mut wcs = Vec::new();
+        for slot in cq {
+            let wr_id = loop {
+                match slot.load(Ordering::Acquire) {
+                    0 => loom::thread::yield_now(),
+                    w => break w,
+                }
+            };
+            wcs.push(Completion::success(wr_id, Opcode::Send, 7));
+        }
+        let mut cache = AccountCache::default();
+        cache.account_batch(ledger, &wcs);
+        cache.silent.clone()
+    }
+
+    /// The completion of a request arrives while its post is still in the
+    /// provider (softverbs, an inline NIC): it finds the entry published
+    /// (R2 before R3), and retires it once, credit included.
+    fn inside_the_post(publish_first: bool) {
+        loom::model(move || {
+            let (b, ledger, sq) = rig();
+            let cq = Arc::new([AtomicU64::new(0)]);
+            let (q, device) = (Arc::clone(&sq), Arc::clone(&cq));
+            let poster = loom::thread::spawn(move || {
+                let mut p = q.posting();
+                p.take_credits(1).unwrap();
+                p.write(id(1), Instant::now(), true);
+                if publish_first {
+                    p.publish();
+                }
+                // R3: the device completes the request inside the post.
+                device[0].store(id(1), Ordering::Release);
+                if !publish_first {
+                    p.publish();
+                }
+                p.commit();
+            });
+            poll(&ledger, &cq[..]);
+            poster.join().unwrap();
+            assert_eq!(sq.outstanding(), 0, "the completion found no entry");
+            assert_eq!(b.credits_in_use(), 0, "its credit came back");
+        });
+    }
+
+    #[test]
+    fn a_completion_inside_the_post_finds_its_entry() {
+        inside_the_post(true);
+    }
+
+    /// Mutation: publishing after the provider's post lets the poller
+    /// look before the entry exists.
+    #[test]
+    #[should_panic(expected = "the completion found no entry")]
+    fn publishing_after_the_post_loses_the_completion() {
+        inside_the_post(false);
+    }
+
+    /// The provider takes the first of two requests and refuses the second
+    /// (`bad_wr` at 1). The first completes inside the post; a foreign
+    /// completion that happens to carry the second's wr_id arrives too
+    /// (the worst case: it may retire that entry before the tombstone).
+    /// One credit is held by someone else. Whatever the interleaving, each
+    /// entry is decided once: the credits in use end at exactly 1.
+    fn refused_at_bad_wr(cas: bool) {
+        loom::model(move || {
+            let (b, ledger, sq) = rig();
+            b.try_take(1).unwrap();
+            let cq = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
+            let (q, device) = (Arc::clone(&sq), Arc::clone(&cq));
+            let poster = loom::thread::spawn(move || {
+                let mut p = q.posting();
+                p.take_credits(2).unwrap();
+                p.write(id(1), Instant::now(), false);
+                p.write(id(2), Instant::now(), true);
+                p.publish();
+                device[0].store(id(1), Ordering::Release);
+                device[1].store(id(2), Ordering::Release); // foreign
+                let mut back = 0;
+                if cas {
+                    p.settle(1, |_, taken_back| back += u32::from(taken_back));
+                } else {
+                    p.settle_without_cas(1);
+                }
+                back
+            });
+            // Completions of 1 (an error: unsignaled requests complete
+            // only in error) and of the foreign copy of 2.
+            let wcs = loop {
+                let (a, c) = (cq[0].load(Ordering::Acquire), cq[1].load(Ordering::Acquire));
+                if a != 0 && c != 0 {
+                    break [
+                        Completion::error(a, crate::completion::Status::WrFlush, 7),
+                        Completion::success(c, Opcode::Send, 7),
+                    ];
+                }
+                loom::thread::yield_now();
+            };
+            let mut cache = AccountCache::default();
+            cache.account_batch(&ledger, &wcs);
+            poster.join().unwrap();
+            assert_eq!(b.credits_in_use(), 1, "an entry was decided twice");
+            assert_eq!(sq.outstanding(), 0, "nothing is left");
+        });
+    }
+
+    #[test]
+    fn a_refused_tail_is_decided_once() {
+        refused_at_bad_wr(true);
+    }
+
+    /// Mutation: tombstoning with a plain store lets a poster take back an
+    /// entry the poller has just retired.
+    #[test]
+    #[should_panic(expected = "decided twice")]
+    fn tombstoning_without_cas_decides_twice() {
+        refused_at_bad_wr(false);
     }
 }

@@ -1,0 +1,775 @@
+//! The ring of one queue's outstanding requests: its posters publish entries,
+//! its poller retires them, and the two share no lock.
+//!
+//! A queue's posters serialise among themselves (verbs orders posts per
+//! queue, and the provider's queue lock serialises them anyway): they hold
+//! the ring's **posting lock**, which the poller never takes. The poller,
+//! and the rare reader beside it (the watchdog, a report, a queue's close),
+//! hold the **retiring lock**, which posters never take. Between the two
+//! sides there are only atomics: the entries and two positions.
+//!
+//! Positions count the entries ever written on the queue (`u64`). Entries
+//! live in segments of [`SEG`], linked in position order; a segment the
+//! poller has left goes to a free stack and is used again by a later post,
+//! so a queue in steady state allocates nothing, and no segment is freed
+//! before the ring is dropped.
+//!
+//! **The protocol.** The SAFETY comments, `QueueAccount`'s posting call and
+//! the loom models (`account::loom_post`) cite these numbers.
+//!
+//! 1. **Write.** A poster, holding the posting lock, writes each request's
+//!    entry at the next positions from its tail: wr_id, post time, flags,
+//!    state *live*. A position that starts a segment first links one
+//!    (popped from the free stack, or allocated) behind the last.
+//! 2. **Publish** `tail` (Release), *before* the provider's post: a
+//!    completion that arrives inside the post (an inline NIC, softverbs, a
+//!    fast device) finds its entry.
+//! 3. **Post** through the provider.
+//! 4. **Settle.** If the provider took only the first `k` of the list,
+//!    each entry past them is tombstoned, in position order: its state
+//!    goes *live → dead* by compare-and-swap. An entry the poller took
+//!    first (only a completion naming a request that was never posted can
+//!    do that: a foreign wr_id equal to it) stays taken, and counts as
+//!    posted. Then `committed` is stored (Release) at the tail. Entries
+//!    below `committed` are final for the posters: they never touch them
+//!    again.
+//! 5. **Retire.** The poller, holding the retiring lock, loads `tail` and
+//!    `committed` (Acquire) and looks for the entry a completion names, from
+//!    `head` up to `tail`. It takes an entry below `committed` with a plain
+//!    store, one at or above it by compare-and-swap *live → taken* (a poster
+//!    may be tombstoning it, step 4): each entry is decided once, by
+//!    whichever side wins.
+//! 6. **Advance.** `head` moves over taken and dead entries (both final).
+//!    A segment `head` has left, once the next one is linked, is pushed on
+//!    the free stack.
+//! 7. **The free stack** is a Treiber stack: pushed by the poller (step 6),
+//!    popped only by posters, under the posting lock. With one popper at a
+//!    time a pop cannot meet the ABA problem (nobody else removes the head
+//!    it read), and a segment's links change only once a poster has popped
+//!    it.
+//!
+//! So a segment is written by one side at a time: posters write positions
+//! at or after `head` that they own (steps 1, 4); the poller recycles a
+//! segment only when every position in it is below `head`; a poster reuses
+//! it only after popping it.
+
+use std::ptr;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use crossbeam_utils::CachePadded;
+
+use crate::sync::{AtomicPtr, AtomicU64, Ordering, ShortGuard, ShortMutex};
+
+/// Entries per segment (two under loom, so that the models cross
+/// segments).
+#[cfg(not(loom))]
+pub(crate) const SEG: u64 = 64;
+#[cfg(loom)]
+pub(crate) const SEG: u64 = 2;
+
+/// The state of an entry, in the low bits of its word.
+const STATE: u64 = 0b11;
+const LIVE: u64 = 0;
+const TAKEN: u64 = 1;
+const DEAD: u64 = 2;
+/// The request took a CQ credit.
+const CREDIT: u64 = 1 << 2;
+/// The request asked for a completion on success.
+const SIGNALED: u64 = 1 << 3;
+/// The watchdog has reported it stuck.
+const REPORTED: u64 = 1 << 4;
+/// The post time, in nanoseconds since [`base`], above the flags (2^59 ns:
+/// 18 years).
+const AT_SHIFT: u32 = 5;
+
+/// The instant post times count from.
+fn base() -> Instant {
+    static BASE: OnceLock<Instant> = OnceLock::new();
+    *BASE.get_or_init(Instant::now)
+}
+
+/// A post time, as an entry's word holds it.
+#[inline]
+pub(crate) fn stamp(at: Instant) -> u64 {
+    let ns = at.saturating_duration_since(base()).as_nanos();
+    u64::try_from(ns)
+        .unwrap_or(u64::MAX >> AT_SHIFT)
+        .min(u64::MAX >> AT_SHIFT)
+        << AT_SHIFT
+}
+
+/// One outstanding request, as read from the ring.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Seen {
+    pub(crate) wr_id: u64,
+    word: u64,
+}
+
+impl Seen {
+    pub(crate) fn at(self) -> Instant {
+        base() + Duration::from_nanos(self.word >> AT_SHIFT)
+    }
+    pub(crate) fn credit(self) -> bool {
+        self.word & CREDIT != 0
+    }
+    #[cfg(test)]
+    pub(crate) fn signaled(self) -> bool {
+        self.word & SIGNALED != 0
+    }
+    pub(crate) fn reported(self) -> bool {
+        self.word & REPORTED != 0
+    }
+    fn state(self) -> u64 {
+        self.word & STATE
+    }
+}
+
+struct Entry {
+    wr_id: AtomicU64,
+    word: AtomicU64,
+}
+
+struct Segment {
+    entries: [Entry; SEG as usize],
+    /// The segment after this one, once a poster links it (step 1).
+    next: AtomicPtr<Segment>,
+    /// The free stack's link (step 7).
+    free_next: AtomicPtr<Segment>,
+}
+
+fn alloc_segment() -> *mut Segment {
+    Box::into_raw(Box::new(Segment {
+        entries: std::array::from_fn(|_| Entry {
+            wr_id: AtomicU64::new(0),
+            word: AtomicU64::new(DEAD),
+        }),
+        next: AtomicPtr::new(ptr::null_mut()),
+        free_next: AtomicPtr::new(ptr::null_mut()),
+    }))
+}
+
+/// A place in the chain of segments: the segment holding positions
+/// `start..start + SEG`. Moves forward only.
+#[derive(Clone, Copy)]
+struct Cursor {
+    seg: *mut Segment,
+    start: u64,
+}
+
+impl Cursor {
+    /// The entry at `pos`, at or after the cursor's segment and below the
+    /// tail its caller loaded (or wrote, for a poster). The reference is
+    /// not tied to the cursor (which moves on): callers use it while they
+    /// hold the ring's lock of their side, and segments live as long as
+    /// the ring.
+    #[inline]
+    fn at<'r>(&mut self, pos: u64) -> &'r Entry {
+        while pos >= self.start + SEG {
+            // SAFETY: the segment is live (segments are freed only with the
+            // ring) and, since `pos` is below a tail this thread published
+            // or loaded with Acquire, its successor was linked before that
+            // tail was published (steps 1–2); its link changes only when a
+            // poster pops it from the free stack (step 7), which needs the
+            // posting lock: a poster holding it is this thread, and the
+            // poller never recycles a segment holding a position at or
+            // after `head` (step 6).
+            let next = unsafe { (*self.seg).next.load(Ordering::Acquire) };
+            self.seg = next;
+            self.start += SEG;
+        }
+        // SAFETY: as above, the segment is live; `pos - start < SEG`.
+        unsafe { &(*self.seg).entries[(pos - self.start) as usize] }
+    }
+}
+
+/// What the posters keep, under the posting lock.
+pub(crate) struct Producer {
+    /// The last segment linked.
+    last: Cursor,
+    tail: u64,
+    /// Where the current post began (step 4 tombstones from there).
+    post: Cursor,
+    post_from: u64,
+    /// The last entry posted and not tombstoned (position, wr_id), and
+    /// what it was before the current post.
+    last_posted: Option<(Cursor, u64, u64)>,
+    before_post: Option<(Cursor, u64, u64)>,
+    /// Segments made by [`Ring::reserve`] and the first.
+    reserved: u64,
+}
+
+/// What the poller keeps, under the retiring lock.
+pub(crate) struct Consumer {
+    at: Cursor,
+    head: u64,
+}
+
+// SAFETY: the cursors name segments of the ring these states belong to,
+// which live as long as it; the states are reached only through the ring's
+// posting and retiring locks, so one thread at a time uses each (steps 1–6).
+unsafe impl Send for Producer {}
+// SAFETY: see `Producer`.
+unsafe impl Send for Consumer {}
+
+/// One queue's ring (see the module documentation).
+pub(crate) struct Ring {
+    /// Both written by posters only, read by the poller.
+    tail: CachePadded<AtomicU64>,
+    committed: AtomicU64,
+    free: CachePadded<AtomicPtr<Segment>>,
+    post: CachePadded<ShortMutex<Producer>>,
+    retire: CachePadded<ShortMutex<Consumer>>,
+}
+
+// SAFETY: the raw pointers inside are reached only under the two locks
+// (`Producer`, `Consumer`) or through atomics; segments are freed only by
+// `Drop`, which has the ring to itself.
+unsafe impl Sync for Ring {}
+// SAFETY: as above.
+unsafe impl Send for Ring {}
+
+impl Ring {
+    pub(crate) fn new() -> Self {
+        let first = Cursor {
+            seg: alloc_segment(),
+            start: 0,
+        };
+        Ring {
+            tail: CachePadded::new(AtomicU64::new(0)),
+            committed: AtomicU64::new(0),
+            free: CachePadded::new(AtomicPtr::new(ptr::null_mut())),
+            post: CachePadded::new(ShortMutex::new(Producer {
+                last: first,
+                tail: 0,
+                post: first,
+                post_from: 0,
+                last_posted: None,
+                before_post: None,
+                reserved: 1,
+            })),
+            retire: CachePadded::new(ShortMutex::new(Consumer { at: first, head: 0 })),
+        }
+    }
+
+    /// Puts segments on the free stack (step 7) until the ring holds at
+    /// least `entries` without allocating: a queue `depth` deep, plus the
+    /// completions a poller has taken from the CQ but not yet retired,
+    /// never needs more, so a queue in steady state allocates nothing even
+    /// at its high-water mark.
+    pub(crate) fn reserve(&self, entries: u64) {
+        let mut p = self.post.lock();
+        // Segments this ring has made so far: those are counted here only
+        // (a reserve is made once, when the queue is made).
+        let want = entries.div_ceil(SEG) + 1;
+        while p.reserved < want {
+            push_free(self, alloc_segment());
+            p.reserved += 1;
+        }
+    }
+
+    /// The posting lock (steps 1–4).
+    #[inline]
+    pub(crate) fn poster(&self) -> Poster<'_> {
+        let mut p = self.post.lock();
+        p.post = p.last;
+        p.post_from = p.tail;
+        p.before_post = p.last_posted;
+        Poster { ring: self, p }
+    }
+
+    /// The retiring lock (steps 5–6).
+    #[inline]
+    pub(crate) fn retirer(&self) -> Retirer<'_> {
+        let c = self.retire.lock();
+        let tail = self.tail.load(Ordering::Acquire);
+        let committed = self.committed.load(Ordering::Acquire);
+        Retirer {
+            ring: self,
+            c,
+            tail,
+            committed,
+        }
+    }
+}
+
+impl Drop for Ring {
+    fn drop(&mut self) {
+        // Every segment is on the chain from the consumer's segment on, or
+        // on the free stack (step 6 pushes only segments before it).
+        let mut p = self.retire.lock().at.seg;
+        while !p.is_null() {
+            // SAFETY: a segment of the chain, from `Box::into_raw`, freed
+            // once here; nothing else runs during drop.
+            let seg = unsafe { Box::from_raw(p) };
+            p = seg.next.load(Ordering::Relaxed);
+        }
+        let mut p = self.free.load(Ordering::Relaxed);
+        while !p.is_null() {
+            // SAFETY: a segment of the free stack, off the chain, from
+            // `Box::into_raw`, freed once here.
+            let seg = unsafe { Box::from_raw(p) };
+            p = seg.free_next.load(Ordering::Relaxed);
+        }
+    }
+}
+
+/// One request to write (step 1).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct NewEntry {
+    pub(crate) wr_id: u64,
+    word: u64,
+}
+
+impl NewEntry {
+    /// An entry for `wr_id`, posted at `at` (see [`stamp`]).
+    #[inline]
+    pub(crate) fn new(wr_id: u64, at: u64, credit: bool, signaled: bool) -> Self {
+        let word =
+            at | LIVE | if credit { CREDIT } else { 0 } | if signaled { SIGNALED } else { 0 };
+        NewEntry { wr_id, word }
+    }
+}
+
+/// A poster of the queue, holding the posting lock.
+pub(crate) struct Poster<'a> {
+    ring: &'a Ring,
+    p: ShortGuard<'a, Producer>,
+}
+
+impl Poster<'_> {
+    /// Step 1 for one entry: writes it at the next position, not yet
+    /// published.
+    #[inline]
+    pub(crate) fn write(&mut self, e: NewEntry) {
+        let p = &mut *self.p;
+        if p.tail == p.last.start + SEG {
+            link(self.ring, &mut p.last);
+        }
+        let tail = p.tail;
+        let slot = p.last.at(tail);
+        slot.wr_id.store(e.wr_id, Ordering::Relaxed);
+        slot.word.store(e.word, Ordering::Relaxed);
+        p.last_posted = Some((p.last, tail, e.wr_id));
+        p.tail += 1;
+    }
+
+    /// Whether the queue ends in a live unsignaled request: the last
+    /// request posted (tombstoned ones aside) is unsignaled and the poller
+    /// has not retired it. A drain marker follows only such a tail.
+    pub(crate) fn ends_silently(&mut self) -> bool {
+        let Some((mut cur, pos, wr_id)) = self.p.last_posted else {
+            return false;
+        };
+        // The segment may have been recycled since (the poller left it):
+        // then that request was retired, and whatever the slot holds now
+        // is not it (its wr_id or state differs) or is dead.
+        let e = cur.at(pos);
+        let w = e.word.load(Ordering::Acquire);
+        e.wr_id.load(Ordering::Relaxed) == wr_id && w & STATE == LIVE && w & SIGNALED == 0
+    }
+
+    /// Step 2: publishes what was written.
+    #[inline]
+    pub(crate) fn publish(&self) {
+        self.ring.tail.store(self.p.tail, Ordering::Release);
+    }
+
+    /// Step 4 when the provider took the whole list.
+    #[inline]
+    pub(crate) fn commit(&self) {
+        self.ring.committed.store(self.p.tail, Ordering::Release);
+    }
+
+    /// Step 4 when the provider took only the first `posted` entries of
+    /// this post: tombstones the others in order, then commits. `each` is
+    /// told, per entry after them, whether it was tombstoned here (false:
+    /// the poller took it first, it counts as posted) and whether it held
+    /// a credit.
+    pub(crate) fn settle(&mut self, posted: usize, mut each: impl FnMut(bool, bool)) {
+        let p = &mut *self.p;
+        let mut cur = p.post;
+        let kept = p.post_from + posted as u64;
+        p.last_posted = match kept.checked_sub(1) {
+            Some(pos) if pos >= p.post_from => {
+                let wr_id = cur.at(pos).wr_id.load(Ordering::Relaxed);
+                Some((cur, pos, wr_id))
+            }
+            _ => p.before_post,
+        };
+        for pos in kept..p.tail {
+            let e = cur.at(pos);
+            let (won, word) = set_state(&e.word, DEAD);
+            if !won && word & STATE == TAKEN {
+                p.last_posted = Some((cur, pos, e.wr_id.load(Ordering::Relaxed)));
+            }
+            each(won, word & CREDIT != 0);
+        }
+        self.ring.committed.store(p.tail, Ordering::Release);
+    }
+}
+
+#[cfg(loom)]
+impl Poster<'_> {
+    /// The loom models' mutation of step 4 (plain stores, no
+    /// compare-and-swap); returns the credits of the entries it killed.
+    pub(crate) fn settle_without_cas(&mut self, posted: usize) -> u64 {
+        let p = &mut *self.p;
+        let mut cur = p.post;
+        let mut credits = 0;
+        for pos in p.post_from + posted as u64..p.tail {
+            let e = cur.at(pos);
+            let w = e.word.load(Ordering::Acquire);
+            if w & STATE == DEAD {
+                continue;
+            }
+            e.word.store((w & !STATE) | DEAD, Ordering::Release);
+            credits += u64::from(w & CREDIT != 0);
+        }
+        self.ring.committed.store(p.tail, Ordering::Release);
+        credits
+    }
+}
+
+/// Links a segment behind `last` (step 1): one from the free stack
+/// (step 7), else a new one.
+#[cold]
+#[inline(never)]
+fn link(ring: &Ring, last: &mut Cursor) {
+    let mut seg = ring.free.load(Ordering::Acquire);
+    while !seg.is_null() {
+        // SAFETY: a segment on the free stack is live; its `free_next` was
+        // written before it was pushed (Release), and is not changed while
+        // it is on the stack.
+        let next = unsafe { (*seg).free_next.load(Ordering::Relaxed) };
+        match ring
+            .free
+            .compare_exchange(seg, next, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => break,
+            Err(now) => seg = now,
+        }
+    }
+    if seg.is_null() {
+        seg = alloc_segment();
+    }
+    // SAFETY: `seg` is this poster's: popped (one popper at a time, step
+    // 7) or just made; the poller reaches it only once a position in it is
+    // published (step 2), after this store.
+    unsafe { (*seg).next.store(ptr::null_mut(), Ordering::Relaxed) };
+    // SAFETY: `last.seg` is the last segment linked, live; the poller reads
+    // its link only for positions published after this store (the Release
+    // of step 2 orders it).
+    unsafe { (*last.seg).next.store(seg, Ordering::Release) };
+    last.seg = seg;
+    last.start += SEG;
+}
+
+/// Moves `word`'s state from live to `to`, keeping its other bits;
+/// returns whether it did, and the word as it was.
+#[inline]
+fn set_state(word: &AtomicU64, to: u64) -> (bool, u64) {
+    let mut w = word.load(Ordering::Acquire);
+    loop {
+        if w & STATE != LIVE {
+            return (false, w);
+        }
+        match word.compare_exchange_weak(w, (w & !STATE) | to, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => return (true, w),
+            Err(now) => w = now,
+        }
+    }
+}
+
+/// The poller (or a reader beside it), holding the retiring lock, with the
+/// positions it loaded (step 5).
+pub(crate) struct Retirer<'a> {
+    ring: &'a Ring,
+    c: ShortGuard<'a, Consumer>,
+    tail: u64,
+    committed: u64,
+}
+
+impl Retirer<'_> {
+    /// The live entries from `head`, in order, with their positions.
+    pub(crate) fn live(&mut self) -> impl Iterator<Item = (u64, Seen)> + '_ {
+        let mut cur = self.c.at;
+        (self.c.head..self.tail).filter_map(move |pos| {
+            let e = cur.at(pos);
+            let seen = Seen {
+                wr_id: e.wr_id.load(Ordering::Relaxed),
+                word: e.word.load(Ordering::Acquire),
+            };
+            (seen.state() == LIVE).then_some((pos, seen))
+        })
+    }
+
+    /// Entries live from `head` (requests outstanding).
+    pub(crate) fn count(&mut self) -> usize {
+        self.live().count()
+    }
+
+    /// Marks the entry at `pos` reported (the watchdog).
+    pub(crate) fn mark_reported(&mut self, pos: u64) {
+        let mut cur = self.c.at;
+        cur.at(pos).word.fetch_or(REPORTED, Ordering::AcqRel);
+    }
+
+    /// Step 5 for one entry: takes it if it is live; returns it if this
+    /// call took it.
+    #[inline]
+    fn take(&self, cur: &mut Cursor, pos: u64) -> Option<Seen> {
+        let committed = self.committed;
+        let e = cur.at(pos);
+        let wr_id = e.wr_id.load(Ordering::Relaxed);
+        if pos < committed {
+            // Final for the posters (step 4): nobody else writes it.
+            let word = e.word.load(Ordering::Relaxed);
+            if word & STATE != LIVE {
+                return None;
+            }
+            e.word.store(word | TAKEN, Ordering::Relaxed);
+            Some(Seen { wr_id, word })
+        } else {
+            let (won, word) = set_state(&e.word, TAKEN);
+            won.then_some(Seen { wr_id, word })
+        }
+    }
+
+    /// Retires what a completion of `wr_id` covers (`success`: its status;
+    /// `in_order`: a send queue, where it covers every live entry before
+    /// it, which completed silently and are appended to `silent`). A
+    /// success names the oldest live *signaled* entry with its wr_id, an
+    /// error the oldest live one. Returns the credits of what it retired
+    /// (not yet given back) and whether it found the named entry.
+    #[inline]
+    pub(crate) fn retire(
+        &mut self,
+        wr_id: u64,
+        success: bool,
+        in_order: bool,
+        silent: &mut Vec<u64>,
+    ) -> (u64, bool) {
+        let head = self.c.head;
+        if head < self.tail {
+            // The common case: the entry at `head`.
+            let mut cur = self.c.at;
+            let e = cur.at(head);
+            if e.wr_id.load(Ordering::Relaxed) == wr_id {
+                let w = e.word.load(Ordering::Acquire);
+                if w & STATE == LIVE && (w & SIGNALED != 0 || !success) {
+                    if let Some(seen) = self.take(&mut cur, head) {
+                        self.advance();
+                        return (u64::from(seen.credit()), true);
+                    }
+                }
+            }
+        }
+        self.retire_behind(wr_id, success, in_order, silent)
+    }
+
+    /// Out of line: a send completion behind unsignaled sends, an SRQ
+    /// receive out of order, a wr_id the ring does not hold.
+    #[inline(never)]
+    fn retire_behind(
+        &mut self,
+        wr_id: u64,
+        success: bool,
+        in_order: bool,
+        silent: &mut Vec<u64>,
+    ) -> (u64, bool) {
+        let mut cur = self.c.at;
+        let mut found = None;
+        for pos in self.c.head..self.tail {
+            let e = cur.at(pos);
+            if e.wr_id.load(Ordering::Relaxed) != wr_id {
+                continue;
+            }
+            let w = e.word.load(Ordering::Acquire);
+            if w & STATE == LIVE && (w & SIGNALED != 0 || !success) {
+                found = Some(pos);
+                break;
+            }
+        }
+        let Some(named) = found else {
+            return (0, false);
+        };
+        let mut credits = 0;
+        let mut cur = self.c.at;
+        if in_order {
+            for pos in self.c.head..named {
+                if let Some(seen) = self.take(&mut cur, pos) {
+                    credits += u64::from(seen.credit());
+                    silent.push(seen.wr_id);
+                }
+            }
+        }
+        let took = self.take(&mut cur, named);
+        if let Some(seen) = took {
+            credits += u64::from(seen.credit());
+        }
+        self.advance();
+        (credits, took.is_some())
+    }
+
+    /// Takes every live entry (a predecessor's end, step 6 of
+    /// `crate::account`): appends their wr_ids to `silent`, returns their
+    /// credits.
+    pub(crate) fn take_all(&mut self, silent: &mut Vec<u64>) -> u64 {
+        let mut credits = 0;
+        let mut cur = self.c.at;
+        for pos in self.c.head..self.tail {
+            if let Some(seen) = self.take(&mut cur, pos) {
+                credits += u64::from(seen.credit());
+                silent.push(seen.wr_id);
+            }
+        }
+        self.advance();
+        credits
+    }
+
+    /// True when no entry from `head` is live.
+    pub(crate) fn drained(&mut self) -> bool {
+        self.advance();
+        self.c.head == self.tail
+    }
+
+    /// Step 6: moves `head` over taken and dead entries, and recycles the
+    /// segments it leaves.
+    #[inline]
+    fn advance(&mut self) {
+        let tail = self.tail;
+        let c = &mut *self.c;
+        while c.head < tail {
+            if c.head == c.at.start + SEG {
+                // `head` has left its segment and the next is linked (a
+                // position in it is below `tail`): recycle the old one.
+                let old = c.at.seg;
+                let _ = c.at.at(c.head);
+                push_free(self.ring, old);
+            }
+            if c.at.at(c.head).word.load(Ordering::Acquire) & STATE == LIVE {
+                break;
+            }
+            c.head += 1;
+        }
+    }
+}
+
+/// Step 7: pushes a segment the poller has left.
+fn push_free(ring: &Ring, seg: *mut Segment) {
+    let mut top = ring.free.load(Ordering::Relaxed);
+    loop {
+        // SAFETY: `seg` is off the chain's live part (every position in it
+        // is below `head`, step 6) and not yet on the stack: nobody else
+        // reads or writes its free link now.
+        unsafe { (*seg).free_next.store(top, Ordering::Relaxed) };
+        match ring
+            .free
+            .compare_exchange_weak(top, seg, Ordering::AcqRel, Ordering::Relaxed)
+        {
+            Ok(_) => return,
+            Err(now) => top = now,
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn post(ring: &Ring, ids: &[u64], signaled: bool, posted: usize) -> Vec<(bool, bool)> {
+        let mut p = ring.poster();
+        for &id in ids {
+            p.write(NewEntry::new(id, stamp(Instant::now()), true, signaled));
+        }
+        p.publish();
+        let mut out = Vec::new();
+        if posted == ids.len() {
+            p.commit();
+        } else {
+            p.settle(posted, |won, credit| out.push((won, credit)));
+        }
+        out
+    }
+
+    #[test]
+    fn in_order_retirement_across_segments_recycles_them() {
+        let ring = Ring::new();
+        let mut silent = Vec::new();
+        for round in 0..10u64 {
+            let ids: Vec<u64> = (0..SEG * 2 + 3).map(|i| round * 1000 + i).collect();
+            post(&ring, &ids, false, ids.len());
+            let last = *ids.last().unwrap();
+            // The last is unsignaled too, so a success does not name it:
+            // an error (a flush) does, and retires every one before it.
+            let mut r = ring.retirer();
+            assert_eq!(r.retire(last, true, true, &mut silent), (0, false));
+            let (credits, found) = r.retire(last, false, true, &mut silent);
+            assert!(found);
+            assert_eq!(credits, ids.len() as u64);
+            assert!(r.drained());
+            assert_eq!(silent.len(), ids.len() - 1);
+            silent.clear();
+        }
+        // Steady state: the segments went round the free stack.
+        let mut n = 0;
+        let mut p = ring.free.load(Ordering::Relaxed);
+        while !p.is_null() {
+            n += 1;
+            // SAFETY: test-only walk of a live free stack, no other thread.
+            p = unsafe { (*p).free_next.load(Ordering::Relaxed) };
+        }
+        assert!(n <= 4, "{n} segments free: allocation did not level off");
+    }
+
+    #[test]
+    fn a_refused_tail_is_tombstoned_and_skipped() {
+        let ring = Ring::new();
+        let settled = post(&ring, &[1, 2, 3, 4], true, 1);
+        assert_eq!(settled, [(true, true); 3], "three tombstoned, with credits");
+        let mut r = ring.retirer();
+        assert_eq!(r.count(), 1);
+        let mut silent = Vec::new();
+        assert_eq!(r.retire(3, true, true, &mut silent), (0, false), "dead");
+        assert_eq!(r.retire(1, true, true, &mut silent), (1, true));
+        assert!(r.drained());
+        drop(r);
+        post(&ring, &[5], true, 1);
+        let mut r = ring.retirer();
+        assert_eq!(r.retire(5, true, true, &mut silent), (1, true));
+        assert!(silent.is_empty());
+    }
+
+    #[test]
+    fn out_of_order_receives_leave_head_at_the_oldest() {
+        let ring = Ring::new();
+        let ids: Vec<u64> = (0..SEG + 5).collect();
+        post(&ring, &ids, true, ids.len());
+        let mut silent = Vec::new();
+        let mut r = ring.retirer();
+        for id in ids.iter().rev().skip(1) {
+            assert_eq!(r.retire(*id, true, false, &mut silent), (1, true));
+        }
+        assert_eq!(r.count(), 1);
+        assert!(!r.drained());
+        assert_eq!(
+            r.retire(ids[ids.len() - 1], true, false, &mut silent),
+            (1, true)
+        );
+        assert!(r.drained() && silent.is_empty());
+    }
+
+    #[test]
+    fn post_times_round_trip_to_the_nanosecond_scale() {
+        let t = Instant::now();
+        let seen = Seen {
+            wr_id: 0,
+            word: NewEntry::new(0, stamp(t), false, true).word,
+        };
+        let back = seen.at();
+        assert!(back <= t && t.duration_since(back) < Duration::from_micros(1));
+        assert!(seen.signaled() && !seen.credit() && !seen.reported());
+    }
+}

@@ -1,0 +1,192 @@
+//! Zero heap allocations per request and per completion in steady state, on
+//! the simulated NIC: 100,000 requests of each stream (SEND/RECV, and
+//! signaled RDMA WRITEs) go through the posting call and a Busy poller
+//! thread while a counting global allocator counts every allocation of the
+//! process. After a warm-up (the queue accounts' segments, the poller's
+//! scratch buffers, the CQ's first batch), the count must not move.
+//!
+//! The softverbs twin is `crates/cqd-verbs/tests/alloc_free.rs`.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::backtrace::Backtrace;
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cqd::core::*;
+use cqd::sim::{connect, Access, CqConfig, Device, QpCap, QpInit, RecvWr, SendWr, WrOp};
+
+/// Counts allocations while `COUNTING` is set, whichever thread makes them,
+/// and keeps the stacks of the first few (printed when the test fails).
+struct Counting;
+
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+/// parking_lot's bookkeeping, made once per process (its hash table) and
+/// once per thread (a thread's first park registers its thread data): the
+/// first contention on a lock may fall in the window, but it is not per
+/// request. Counted apart, by the stack.
+static ONCE: AtomicU64 = AtomicU64::new(0);
+static STACKS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+thread_local! {
+    /// Set while this thread records a stack (which allocates).
+    static RECORDING: Cell<bool> = const { Cell::new(false) };
+}
+
+fn counted(layout: Layout) {
+    if !COUNTING.load(Ordering::Relaxed) || RECORDING.with(Cell::get) {
+        return;
+    }
+    RECORDING.with(|r| r.set(true));
+    let stack = format!("{layout:?}\n{}", Backtrace::force_capture());
+    if stack.contains("parking_lot_core::parking_lot::ThreadData::new")
+        || stack.contains("parking_lot_core::parking_lot::create_hashtable")
+    {
+        ONCE.fetch_add(1, Ordering::Relaxed);
+    } else if ALLOCS.fetch_add(1, Ordering::Relaxed) < 4 {
+        if let Ok(mut s) = STACKS.lock() {
+            s.push(stack);
+        }
+    }
+    RECORDING.with(|r| r.set(false));
+}
+
+// SAFETY: forwards every call to the system allocator unchanged; the
+// counter is a side effect only.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        counted(layout);
+        // SAFETY: the caller's layout, as GlobalAlloc requires.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from `alloc` with this layout.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new: usize) -> *mut u8 {
+        counted(layout);
+        // SAFETY: as for `alloc` and `dealloc`.
+        unsafe { System.realloc(ptr, layout, new) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Counts what reaches it; an error is a failure of the test.
+struct Count {
+    done: Arc<AtomicU64>,
+    errors: Arc<AtomicU64>,
+}
+
+impl Handler for Count {
+    fn on_send(&mut self, _: &SendDone<'_>, _: &mut Outbox<'_, NoWork>) {
+        self.done.fetch_add(1, Ordering::Release);
+    }
+    fn on_recv(&mut self, _: &RecvDone<'_>, _: &mut Outbox<'_, NoWork>) {
+        self.done.fetch_add(1, Ordering::Release);
+    }
+    fn on_error(&mut self, _: &Failed<'_>, _: &mut Outbox<'_, NoWork>) {
+        self.errors.fetch_add(1, Ordering::Release);
+    }
+}
+
+const LIST: usize = 8;
+const REQUESTS: u64 = 100_000;
+const WARM_UP: u64 = 10_000;
+
+#[test]
+fn steady_state_posting_and_dispatch_allocate_nothing() {
+    let dev = Device::open("alloc0");
+    let (cq, unbound, handle) = dev
+        .create_dispatched_cq("cq0", 1024, CqConfig::default(), CqOptions::default())
+        .unwrap();
+    let poller = PollerBuilder::new("p0", NoSink)
+        .mode(PollMode::Busy)
+        .cq(unbound)
+        .spawn()
+        .unwrap();
+    let done = Arc::new(AtomicU64::new(0));
+    let errors = Arc::new(AtomicU64::new(0));
+    let reg = handle
+        .register(Count {
+            done: Arc::clone(&done),
+            errors: Arc::clone(&errors),
+        })
+        .unwrap();
+    let pd = dev.alloc_pd();
+    let cap = QpCap {
+        max_send_wr: 128,
+        max_recv_wr: 128,
+        ..QpCap::default()
+    };
+    let a = pd.create_qp(&QpInit::new(&cq, &cq, cap)).unwrap();
+    let b = pd.create_qp(&QpInit::new(&cq, &cq, cap)).unwrap();
+    connect(&a, &b).unwrap();
+    let mr_a = pd.reg_mr(4096, Access::ALL).unwrap();
+    let mr_b = pd.reg_mr(4096, Access::ALL).unwrap();
+    let (src, dst) = ([mr_a.sge(0, 64)], [mr_b.sge(0, 64)]);
+    let remote = mr_b.remote(1024);
+
+    let mut posted = 0u64;
+    // Keeps at most `window` completions outstanding, so the queues (128
+    // deep) never refuse a post.
+    let wait = |posted: u64, window: u64| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while done.load(Ordering::Acquire) + window < posted {
+            assert!(Instant::now() < deadline, "completions stopped coming");
+            std::hint::spin_loop();
+        }
+    };
+    let round = |posted: &mut u64, tag: u32, write: bool| {
+        if write {
+            let mut wrs = [SendWr::new(u64::from(tag), WrOp::Write(remote), &src); LIST];
+            reg.post_send(&a, &mut wrs).unwrap();
+            *posted += LIST as u64;
+        } else {
+            let mut rs = [RecvWr::new(u64::from(tag), &dst); LIST / 2];
+            reg.post_recv(&b, &mut rs).unwrap();
+            let mut ss = [SendWr::new(u64::from(tag), WrOp::Send, &src); LIST / 2];
+            reg.post_send(&a, &mut ss).unwrap();
+            *posted += LIST as u64;
+        }
+        wait(*posted, 64);
+    };
+    for write in [false, true] {
+        let stream = if write { "RDMA WRITE" } else { "SEND/RECV" };
+        let start = posted;
+        while posted - start < WARM_UP {
+            let tag = (posted % 1000) as u32;
+            round(&mut posted, tag, write);
+        }
+        wait(posted, 0);
+        let before = ALLOCS.load(Ordering::Relaxed);
+        COUNTING.store(true, Ordering::SeqCst);
+        let start = posted;
+        while posted - start < REQUESTS {
+            let tag = (posted % 1000) as u32;
+            round(&mut posted, tag, write);
+        }
+        wait(posted, 0);
+        COUNTING.store(false, Ordering::SeqCst);
+        let allocs = ALLOCS.load(Ordering::Relaxed) - before;
+        println!(
+            "{stream}: {REQUESTS} requests and their completions, {allocs} allocations \
+             (and {} of parking_lot's once-per-thread bookkeeping)",
+            ONCE.swap(0, Ordering::Relaxed)
+        );
+        assert_eq!(
+            allocs,
+            0,
+            "{stream}: {allocs} heap allocations over {REQUESTS} requests in steady state; the first:\n{}",
+            STACKS.lock().map(|s| s.join("\n")).unwrap_or_default()
+        );
+    }
+    assert_eq!(errors.load(Ordering::Acquire), 0);
+    drop((a, b));
+    let report = poller.stop().unwrap();
+    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    assert_eq!(done.load(Ordering::Acquire), posted);
+}
