@@ -62,9 +62,11 @@ use crossbeam_utils::CachePadded;
 use crate::sync::{AtomicPtr, AtomicU64, Ordering, ShortGuard, ShortMutex};
 
 /// Entries per segment (two under loom, so that the models cross
-/// segments).
+/// segments): a segment is one 4 KiB page, the span a hardware prefetcher
+/// streams over, so a queue's entries cost no more to walk than a
+/// contiguous ring's.
 #[cfg(not(loom))]
-pub(crate) const SEG: u64 = 64;
+pub(crate) const SEG: u64 = 255;
 #[cfg(loom)]
 pub(crate) const SEG: u64 = 2;
 
@@ -130,6 +132,7 @@ struct Entry {
     word: AtomicU64,
 }
 
+#[cfg_attr(not(loom), repr(C, align(4096)))]
 struct Segment {
     entries: [Entry; SEG as usize],
     /// The segment after this one, once a poster links it (step 1).
@@ -151,6 +154,9 @@ fn alloc_segment() -> *mut Segment {
 
 /// A place in the chain of segments: the segment holding positions
 /// `start..start + SEG`. Moves forward only.
+#[cfg(not(loom))]
+const _: () = assert!(std::mem::size_of::<Segment>() == 4096);
+
 #[derive(Clone, Copy)]
 struct Cursor {
     seg: *mut Segment,
@@ -212,11 +218,19 @@ unsafe impl Send for Producer {}
 // SAFETY: see `Producer`.
 unsafe impl Send for Consumer {}
 
+struct Positions {
+    tail: AtomicU64,
+    committed: AtomicU64,
+}
+
 /// One queue's ring (see the module documentation).
 pub(crate) struct Ring {
-    /// Both written by posters only, read by the poller.
-    tail: CachePadded<AtomicU64>,
-    committed: AtomicU64,
+    /// Written by posters only, read by the poller: `tail` and
+    /// `committed`, on one line.
+    pos: CachePadded<Positions>,
+    /// `head` as the poller last left it (Release), for a poster asking
+    /// whether its last request was retired (a drain marker).
+    head: CachePadded<AtomicU64>,
     free: CachePadded<AtomicPtr<Segment>>,
     post: CachePadded<ShortMutex<Producer>>,
     retire: CachePadded<ShortMutex<Consumer>>,
@@ -236,8 +250,11 @@ impl Ring {
             start: 0,
         };
         Ring {
-            tail: CachePadded::new(AtomicU64::new(0)),
-            committed: AtomicU64::new(0),
+            pos: CachePadded::new(Positions {
+                tail: AtomicU64::new(0),
+                committed: AtomicU64::new(0),
+            }),
+            head: CachePadded::new(AtomicU64::new(0)),
             free: CachePadded::new(AtomicPtr::new(ptr::null_mut())),
             post: CachePadded::new(ShortMutex::new(Producer {
                 last: first,
@@ -282,8 +299,8 @@ impl Ring {
     #[inline]
     pub(crate) fn retirer(&self) -> Retirer<'_> {
         let c = self.retire.lock();
-        let tail = self.tail.load(Ordering::Acquire);
-        let committed = self.committed.load(Ordering::Acquire);
+        let tail = self.pos.tail.load(Ordering::Acquire);
+        let committed = self.pos.committed.load(Ordering::Acquire);
         Retirer {
             ring: self,
             c,
@@ -364,6 +381,9 @@ impl Poster<'_> {
         // The segment may have been recycled since (the poller left it):
         // then that request was retired, and whatever the slot holds now
         // is not it (its wr_id or state differs) or is dead.
+        if pos < self.ring.head.load(Ordering::Acquire) {
+            return false; // retired (step 6)
+        }
         let e = cur.at(pos);
         let w = e.word.load(Ordering::Acquire);
         e.wr_id.load(Ordering::Relaxed) == wr_id && w & STATE == LIVE && w & SIGNALED == 0
@@ -372,13 +392,16 @@ impl Poster<'_> {
     /// Step 2: publishes what was written.
     #[inline]
     pub(crate) fn publish(&self) {
-        self.ring.tail.store(self.p.tail, Ordering::Release);
+        self.ring.pos.tail.store(self.p.tail, Ordering::Release);
     }
 
     /// Step 4 when the provider took the whole list.
     #[inline]
     pub(crate) fn commit(&self) {
-        self.ring.committed.store(self.p.tail, Ordering::Release);
+        self.ring
+            .pos
+            .committed
+            .store(self.p.tail, Ordering::Release);
     }
 
     /// Step 4 when the provider took only the first `posted` entries of
@@ -405,7 +428,7 @@ impl Poster<'_> {
             }
             each(won, word & CREDIT != 0);
         }
-        self.ring.committed.store(p.tail, Ordering::Release);
+        self.ring.pos.committed.store(p.tail, Ordering::Release);
     }
 }
 
@@ -426,7 +449,7 @@ impl Poster<'_> {
             e.word.store((w & !STATE) | DEAD, Ordering::Release);
             credits += u64::from(w & CREDIT != 0);
         }
-        self.ring.committed.store(p.tail, Ordering::Release);
+        self.ring.pos.committed.store(p.tail, Ordering::Release);
         credits
     }
 }
@@ -516,24 +539,33 @@ impl Retirer<'_> {
         cur.at(pos).word.fetch_or(REPORTED, Ordering::AcqRel);
     }
 
-    /// Step 5 for one entry: takes it if it is live; returns it if this
-    /// call took it.
+    /// Step 5 for one entry: claims it if it is live; returns it if this
+    /// call did. Below `committed` nothing is written: the caller moves
+    /// `head` past it, or marks it ([`mark`](Self::mark)) if it is not at
+    /// `head` — so the common retirement writes nothing to the lines the
+    /// posters wrote. At or above it, the claim is a compare-and-swap
+    /// against a poster's tombstone (step 4).
     #[inline]
-    fn take(&self, cur: &mut Cursor, pos: u64) -> Option<Seen> {
-        let committed = self.committed;
+    fn claim(&self, cur: &mut Cursor, pos: u64) -> Option<Seen> {
         let e = cur.at(pos);
         let wr_id = e.wr_id.load(Ordering::Relaxed);
-        if pos < committed {
-            // Final for the posters (step 4): nobody else writes it.
-            let word = e.word.load(Ordering::Relaxed);
-            if word & STATE != LIVE {
-                return None;
-            }
-            e.word.store(word | TAKEN, Ordering::Relaxed);
-            Some(Seen { wr_id, word })
+        if pos < self.committed {
+            let word = e.word.load(Ordering::Acquire);
+            (word & STATE == LIVE).then_some(Seen { wr_id, word })
         } else {
             let (won, word) = set_state(&e.word, TAKEN);
             won.then_some(Seen { wr_id, word })
+        }
+    }
+
+    /// Marks a claimed entry below `committed` taken, for one `head` will
+    /// not pass now (an out-of-order receive).
+    #[inline]
+    fn mark(&self, cur: &mut Cursor, pos: u64) {
+        if pos < self.committed {
+            let e = cur.at(pos);
+            let w = e.word.load(Ordering::Relaxed);
+            e.word.store((w & !STATE) | TAKEN, Ordering::Relaxed);
         }
     }
 
@@ -551,18 +583,16 @@ impl Retirer<'_> {
         in_order: bool,
         silent: &mut Vec<u64>,
     ) -> (u64, bool) {
-        let head = self.c.head;
-        if head < self.tail {
-            // The common case: the entry at `head`.
-            let mut cur = self.c.at;
-            let e = cur.at(head);
-            if e.wr_id.load(Ordering::Relaxed) == wr_id {
-                let w = e.word.load(Ordering::Acquire);
-                if w & STATE == LIVE && (w & SIGNALED != 0 || !success) {
-                    if let Some(seen) = self.take(&mut cur, head) {
-                        self.advance();
-                        return (u64::from(seen.credit()), true);
-                    }
+        // The common case: the live entry at `head` (step 6 done here,
+        // lazily: the entry at `head` is read anyway).
+        if let Some(e) = self.at_head() {
+            if e.wr_id.load(Ordering::Relaxed) == wr_id && self.c.head < self.committed {
+                // Final for the posters: a plain read, and no write (`head`
+                // moves past it).
+                let w = e.word.load(Ordering::Relaxed);
+                if w & SIGNALED != 0 || !success {
+                    self.c.head += 1;
+                    return (u64::from(w & CREDIT != 0), true);
                 }
             }
         }
@@ -579,9 +609,10 @@ impl Retirer<'_> {
         in_order: bool,
         silent: &mut Vec<u64>,
     ) -> (u64, bool) {
+        let head = self.c.head;
         let mut cur = self.c.at;
         let mut found = None;
-        for pos in self.c.head..self.tail {
+        for pos in head..self.tail {
             let e = cur.at(pos);
             if e.wr_id.load(Ordering::Relaxed) != wr_id {
                 continue;
@@ -598,16 +629,25 @@ impl Retirer<'_> {
         let mut credits = 0;
         let mut cur = self.c.at;
         if in_order {
-            for pos in self.c.head..named {
-                if let Some(seen) = self.take(&mut cur, pos) {
+            for pos in head..named {
+                if let Some(seen) = self.claim(&mut cur, pos) {
                     credits += u64::from(seen.credit());
                     silent.push(seen.wr_id);
                 }
             }
         }
-        let took = self.take(&mut cur, named);
+        let took = self.claim(&mut cur, named);
         if let Some(seen) = took {
             credits += u64::from(seen.credit());
+            if in_order || named == head {
+                // Everything up to it is retired or dead.
+                self.c.head = named + 1;
+            } else {
+                self.mark(&mut cur, named);
+            }
+        } else if in_order {
+            // Lost to a tombstone: what was before it is still retired.
+            self.c.head = named;
         }
         self.advance();
         (credits, took.is_some())
@@ -620,40 +660,67 @@ impl Retirer<'_> {
         let mut credits = 0;
         let mut cur = self.c.at;
         for pos in self.c.head..self.tail {
-            if let Some(seen) = self.take(&mut cur, pos) {
+            if let Some(seen) = self.claim(&mut cur, pos) {
                 credits += u64::from(seen.credit());
                 silent.push(seen.wr_id);
             }
         }
+        self.c.head = self.tail;
         self.advance();
         credits
     }
 
     /// True when no entry from `head` is live.
     pub(crate) fn drained(&mut self) -> bool {
-        self.advance();
-        self.c.head == self.tail
+        self.at_head().is_none()
     }
 
-    /// Step 6: moves `head` over taken and dead entries, and recycles the
-    /// segments it leaves.
+    /// Step 6, then the live entry at `head`, if any.
     #[inline]
-    fn advance(&mut self) {
-        let tail = self.tail;
-        let c = &mut *self.c;
-        while c.head < tail {
-            if c.head == c.at.start + SEG {
-                // `head` has left its segment and the next is linked (a
-                // position in it is below `tail`): recycle the old one.
-                let old = c.at.seg;
-                let _ = c.at.at(c.head);
-                push_free(self.ring, old);
+    fn at_head(&mut self) -> Option<&'static Entry> {
+        loop {
+            let c = &mut *self.c;
+            if c.head >= self.tail {
+                return None;
             }
-            if c.at.at(c.head).word.load(Ordering::Acquire) & STATE == LIVE {
-                break;
+            if c.head >= c.at.start + SEG {
+                self.recycle();
+                continue;
+            }
+            let e = c.at.at(c.head);
+            if e.word.load(Ordering::Acquire) & STATE == LIVE {
+                return Some(e);
             }
             c.head += 1;
         }
+    }
+
+    /// Moves the cursor off the segments `head` has left (the next is
+    /// linked: a position in it is below `tail`) and recycles them.
+    #[cold]
+    #[inline(never)]
+    fn recycle(&mut self) {
+        let c = &mut *self.c;
+        while c.head >= c.at.start + SEG && c.head < self.tail {
+            let old = c.at.seg;
+            let start = c.at.start;
+            let _ = c.at.at(start + SEG);
+            push_free(self.ring, old);
+        }
+    }
+
+    /// Step 6: moves `head` over taken and dead entries, and recycles the
+    /// segments it leaves. (Entries below `head` are retired whatever
+    /// their state word says.)
+    #[inline]
+    fn advance(&mut self) {
+        let _ = self.at_head();
+    }
+}
+
+impl Drop for Retirer<'_> {
+    fn drop(&mut self) {
+        self.ring.head.store(self.c.head, Ordering::Release);
     }
 }
 
