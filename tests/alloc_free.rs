@@ -1,6 +1,7 @@
 //! Zero heap allocations per request and per completion in steady state, on
-//! the simulated NIC: 100,000 requests of each stream (SEND/RECV, and
-//! signaled RDMA WRITEs) go through the posting call and a Busy poller
+//! the simulated NIC: 100,000 requests of each stream (SEND/RECV, signaled
+//! RDMA WRITEs, and SEND/RECV carrying a request context each) go through
+//! the posting call and a Busy poller
 //! thread while a counting global allocator counts every allocation of the
 //! process. After a warm-up (the queue accounts' segments, the poller's
 //! scratch buffers, the CQ's first batch), the count must not move.
@@ -93,9 +94,53 @@ impl Handler for Count {
     }
 }
 
+/// The same with a context per request: a boxed value moved in at the
+/// post and out at the completion (the table is made at registration).
+struct WithCtx {
+    done: Arc<AtomicU64>,
+    errors: Arc<AtomicU64>,
+}
+
+impl ContextHandler for WithCtx {
+    type Ctx = u64;
+    fn on_send(&mut self, _: &SendDone<'_>, _: u64, _: &mut Outbox<'_, NoWork>) {
+        self.done.fetch_add(1, Ordering::Release);
+    }
+    fn on_recv(&mut self, _: &RecvDone<'_>, _: u64, _: &mut Outbox<'_, NoWork>) {
+        self.done.fetch_add(1, Ordering::Release);
+    }
+    fn on_error(&mut self, _: &Failed<'_>, _: u64, _: &mut Outbox<'_, NoWork>) {
+        self.errors.fetch_add(1, Ordering::Release);
+    }
+    fn on_silent(&mut self, _: &Silent, _: u64, _: &mut Outbox<'_, NoWork>) {
+        self.done.fetch_add(1, Ordering::Release);
+    }
+    fn on_abandoned(&mut self, _: u64) {
+        self.errors.fetch_add(1, Ordering::Release);
+    }
+}
+
 const LIST: usize = 8;
 const REQUESTS: u64 = 100_000;
 const WARM_UP: u64 = 10_000;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stream {
+    SendRecv,
+    Write,
+    /// SEND/RECV through a context registration.
+    Contexts,
+}
+
+impl std::fmt::Display for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Stream::SendRecv => "SEND/RECV",
+            Stream::Write => "RDMA WRITE",
+            Stream::Contexts => "SEND/RECV with contexts",
+        })
+    }
+}
 
 #[test]
 fn steady_state_posting_and_dispatch_allocate_nothing() {
@@ -115,6 +160,15 @@ fn steady_state_posting_and_dispatch_allocate_nothing() {
             done: Arc::clone(&done),
             errors: Arc::clone(&errors),
         })
+        .unwrap();
+    let ctx_reg = handle
+        .register_with_contexts(
+            WithCtx {
+                done: Arc::clone(&done),
+                errors: Arc::clone(&errors),
+            },
+            256,
+        )
         .unwrap();
     let pd = dev.alloc_pd();
     let cap = QpCap {
@@ -140,8 +194,19 @@ fn steady_state_posting_and_dispatch_allocate_nothing() {
             std::hint::spin_loop();
         }
     };
-    let round = |posted: &mut u64, tag: u32, write: bool| {
-        if write {
+    let round = |posted: &mut u64, tag: u32, stream: Stream| {
+        if stream == Stream::Contexts {
+            let n = *posted;
+            let mut rs = [RecvWr::new(0, &dst); LIST / 2];
+            ctx_reg
+                .post_recv(&b, &mut rs, std::array::from_fn(|i| n + i as u64))
+                .unwrap();
+            let mut ss = [SendWr::new(0, WrOp::Send, &src); LIST / 2];
+            ctx_reg
+                .post_send(&a, &mut ss, std::array::from_fn(|i| n + i as u64))
+                .unwrap();
+            *posted += LIST as u64;
+        } else if stream == Stream::Write {
             let mut wrs = [SendWr::new(u64::from(tag), WrOp::Write(remote), &src); LIST];
             reg.post_send(&a, &mut wrs).unwrap();
             *posted += LIST as u64;
@@ -154,12 +219,11 @@ fn steady_state_posting_and_dispatch_allocate_nothing() {
         }
         wait(*posted, 64);
     };
-    for write in [false, true] {
-        let stream = if write { "RDMA WRITE" } else { "SEND/RECV" };
+    for stream in [Stream::SendRecv, Stream::Write, Stream::Contexts] {
         let start = posted;
         while posted - start < WARM_UP {
             let tag = (posted % 1000) as u32;
-            round(&mut posted, tag, write);
+            round(&mut posted, tag, stream);
         }
         wait(posted, 0);
         let before = ALLOCS.load(Ordering::Relaxed);
@@ -167,7 +231,7 @@ fn steady_state_posting_and_dispatch_allocate_nothing() {
         let start = posted;
         while posted - start < REQUESTS {
             let tag = (posted % 1000) as u32;
-            round(&mut posted, tag, write);
+            round(&mut posted, tag, stream);
         }
         wait(posted, 0);
         COUNTING.store(false, Ordering::SeqCst);

@@ -189,6 +189,32 @@ impl Failed<'_> {
     }
 }
 
+/// An unsignaled send-side request that ran silently: a later completion
+/// of its send queue retired it (send queues complete in order), or the
+/// flush of a drain marker did when its QP went away. No completion of its
+/// own exists; this is how its handler learns it is over.
+#[derive(Debug, Clone, Copy)]
+pub struct Silent {
+    pub(crate) kind: OpKind,
+    pub(crate) tag: u32,
+    pub(crate) key: HandlerKey,
+}
+
+impl Silent {
+    /// The kind given at post time.
+    pub fn kind(&self) -> OpKind {
+        self.kind
+    }
+    /// The user tag given at post time.
+    pub fn tag(&self) -> u32 {
+        self.tag
+    }
+    /// The handler's key.
+    pub fn key(&self) -> HandlerKey {
+        self.key
+    }
+}
+
 /// Where a handler puts work for the worker pools.
 ///
 /// Items are handed to the workers after the batch that produced them, in
@@ -242,6 +268,17 @@ pub trait Handler<W = NoWork>: Send + 'static {
     /// reported a status or opcode this cqd does not know
     /// ([`Failed::is_anomaly`]): either way the request is over.
     fn on_error(&mut self, failed: &Failed<'_>, out: &mut Outbox<'_, W>);
+
+    /// An unsignaled send-side request of this handler was retired by a
+    /// later completion of its queue (see [`Silent`]): called before that
+    /// completion's own callback. The default does nothing (the request is
+    /// already counted completed in the handler's ledger); a handler that
+    /// keeps state per request releases it here.
+    /// [`ContextHandler`](crate::context::ContextHandler)s receive the
+    /// request's context.
+    fn on_silent(&mut self, silent: &Silent, out: &mut Outbox<'_, W>) {
+        let _ = (silent, out);
+    }
 
     /// An asynchronous event of a queue this handler owns (a QP or SRQ
     /// made with this handler as its owner): called on the poller thread

@@ -32,6 +32,7 @@
 pub mod account;
 pub mod budget;
 pub mod completion;
+pub mod context;
 pub mod cq;
 #[cfg(feature = "metrics")]
 pub mod export;
@@ -56,10 +57,11 @@ pub mod wr_id;
 
 pub use budget::{cq_depth_for, Admission, BudgetError, BudgetOptions, BudgetSnapshot, CqBudget};
 pub use completion::{Completion, Opcode, Status, WcFlags};
+pub use context::{ContextHandler, ContextRegistration, PostRefused};
 pub use cq::{split, CqHandle, CqOptions, CqPoller, Registration, UnboundCq};
 #[cfg(feature = "metrics")]
 pub use export::MetricsExporter;
-pub use handler::{Failed, Handler, Outbox, RecvDone, SendDone};
+pub use handler::{Failed, Handler, Outbox, RecvDone, SendDone, Silent};
 pub use ledger::{
     drain, KindAccount, Queue, QueueAccount, ShutdownReport, StuckWr, Watchdog, WrLedger,
 };

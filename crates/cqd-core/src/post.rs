@@ -208,6 +208,15 @@ pub enum Refused {
         /// The handler.
         handler: crate::wr_id::HandlerKey,
     },
+    /// The handler's table of request contexts has fewer free slots than
+    /// the list has requests: `capacity` requests are outstanding.
+    #[error("handler {handler}'s {capacity} request contexts are all in use")]
+    Contexts {
+        /// The handler.
+        handler: crate::wr_id::HandlerKey,
+        /// The table's capacity.
+        capacity: u32,
+    },
     /// The queue's completions go to another CQ than the handler's: they
     /// would never reach it.
     #[error("the queue's completions go to another CQ than handler {handler}'s ({cq})")]

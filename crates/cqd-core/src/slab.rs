@@ -426,6 +426,13 @@ pub enum RegisterError {
         /// The CQ.
         cq: String,
     },
+    /// A context table's capacity must be 1 to 2^24 (a request's tag names
+    /// its slot).
+    #[error("a request context table holds 1 to 16777216 contexts, not {capacity}")]
+    Contexts {
+        /// The capacity asked for.
+        capacity: u32,
+    },
 }
 
 #[derive(Debug, Clone, Copy)]

@@ -85,10 +85,18 @@ const REPORTED: u64 = 1 << 4;
 /// 18 years).
 const AT_SHIFT: u32 = 5;
 
-/// The instant post times count from.
+/// The instant post times count from: set at the first use, well before
+/// it (a post's time is taken before its first stamp, and may be), so that
+/// every time a caller can pass is after it.
 fn base() -> Instant {
     static BASE: OnceLock<Instant> = OnceLock::new();
-    *BASE.get_or_init(Instant::now)
+    *BASE.get_or_init(|| {
+        let now = Instant::now();
+        [1 << 20, 3600, 1]
+            .into_iter()
+            .find_map(|s| now.checked_sub(Duration::from_secs(s)))
+            .unwrap_or(now)
+    })
 }
 
 /// A post time, as an entry's word holds it.

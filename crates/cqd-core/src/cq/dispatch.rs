@@ -100,7 +100,7 @@ pub(super) fn dispatch_batch<W: 'static>(
     // accounts skips (a ledger whose epoch is still 0 never had a queue:
     // opening one moves it before the queue can post).
     if let Some(ledger) = shared.ledger.get().filter(|l| l.epoch() != 0) {
-        account_hooks(shared, slab, accounts, ledger, wcs);
+        account_hooks(shared, slab, accounts, ledger, wcs, out);
     }
     // With more handlers than the cache holds, the batch's lines are
     // asked for before they are needed, so that the misses of cold
@@ -200,17 +200,34 @@ fn complete<W: 'static>(
 /// The accounting pass of one batch (see [`crate::account`]): retires
 /// queue-account entries and returns their credits, then counts each
 /// unsignaled request retired by a later completion as completed for its
-/// own handler.
+/// own handler and tells the handler ([`Handler::on_silent`]), before the
+/// batch's own callbacks (its requests came first on their queue).
 #[inline(never)]
-fn account_hooks<W>(
+fn account_hooks<W: 'static>(
     shared: &CqShared<W>,
     slab: &mut Slab<W>,
     accounts: &mut AccountCache,
     ledger: &WrLedger,
     wcs: &[Completion],
+    out: &mut VecDeque<Routed<W>>,
 ) {
     accounts.account_batch(ledger, wcs);
-    for &wr_id in &accounts.silent {
+    if accounts.silent.is_empty() {
+        return;
+    }
+    silent_hooks(shared, slab, &accounts.silent, out);
+}
+
+/// Out of line: the unsignaled requests a batch retired.
+#[cold]
+#[inline(never)]
+fn silent_hooks<W: 'static>(
+    shared: &CqShared<W>,
+    slab: &mut Slab<W>,
+    silent: &[u64],
+    out: &mut VecDeque<Routed<W>>,
+) {
+    for &wr_id in silent {
         let Ok(id) = WrId::decode(wr_id) else {
             continue;
         };
@@ -222,6 +239,18 @@ fn account_hooks<W>(
         }
         if let Some(entry) = slab.get_mut(id.key) {
             entry.ledger.add_completed(id.kind);
+            let s = crate::handler::Silent {
+                kind: id.kind,
+                tag: id.tag,
+                key: id.key,
+            };
+            let mut outbox = Outbox::new(out, entry.route);
+            // A panic here is caught as in the batch's dispatch: counted,
+            // and the request stays counted completed.
+            let handler = &mut entry.handler;
+            if catch_unwind(AssertUnwindSafe(|| handler.on_silent(&s, &mut outbox))).is_err() {
+                silent_panicked(shared, wr_id);
+            }
             if entry.retiring {
                 retire_if_drained(shared, slab, id.key);
             }
@@ -336,6 +365,14 @@ fn handler_panicked<W>(shared: &CqShared<W>, wc: &Completion) {
     let id = WrId::decode(wc.wr_id).ok();
     tracing::error!(cq = %shared.name, wr_id = format_args!("{:#x}", wc.wr_id), id = ?id,
         status = %wc.status, "handler panicked; completion counted as delivered");
+}
+
+#[cold]
+#[inline(never)]
+fn silent_panicked<W>(shared: &CqShared<W>, wr_id: u64) {
+    bump(&shared.metrics.0.handler_panics, 1);
+    tracing::error!(cq = %shared.name, wr_id = format_args!("{:#x}", wr_id),
+        "handler panicked in on_silent; the request counts as completed");
 }
 
 #[cold]

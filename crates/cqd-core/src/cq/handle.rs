@@ -99,6 +99,34 @@ impl<W: Send + 'static> CqHandle<W> {
         })
     }
 
+    /// Registers a [`ContextHandler`](crate::context::ContextHandler): each
+    /// request it posts carries a context, handed back to exactly one of
+    /// its callbacks (`crate::context`). Its table of `capacity` contexts
+    /// (at most [`MAX_TAG`](crate::wr_id::MAX_TAG) + 1) is made here, once:
+    /// that many requests, at most, are outstanding at a time; a post
+    /// beyond them is refused ([`Refused::Contexts`](crate::Refused::Contexts)).
+    /// A capacity of the handler's queues' depths never refuses one that
+    /// the queues would take.
+    ///
+    /// # Errors
+    /// As [`register`](Self::register); [`RegisterError::Contexts`] for a
+    /// capacity of 0 or above `MAX_TAG + 1`.
+    pub fn register_with_contexts<H: crate::context::ContextHandler<W>>(
+        &self,
+        handler: H,
+        capacity: u32,
+    ) -> Result<crate::context::ContextRegistration<H::Ctx>, RegisterError> {
+        if capacity == 0 || capacity > crate::wr_id::MAX_TAG + 1 {
+            return Err(RegisterError::Contexts { capacity });
+        }
+        let table = Arc::new(crate::context::Table::new(capacity));
+        let reg = self.register(crate::context::WithContexts {
+            inner: handler,
+            table: Arc::clone(&table),
+        })?;
+        Ok(crate::context::ContextRegistration { reg, table })
+    }
+
     /// Retires a handler: it keeps receiving the completions of what it
     /// posted (flushes included) and is dropped once none is outstanding.
     ///
