@@ -10,6 +10,13 @@
 //!   posting call (`Registration::post_send` / `post_recv`), so each
 //!   completion also retires its queue account's entry and returns its CQ
 //!   credit;
+//! - `hand-written + contexts`: the hand-written loop keeping a context per
+//!   request, as SPDK and the kernel do: the poster stores the request's
+//!   value in a slab slot named by the wr_id, the poller reads it back
+//!   (one slot per request in flight, indexed from its sequence number);
+//! - `cqd + contexts`: cqd's poller with `ContextHandler`s, each request
+//!   posted with a `u64` context through `ContextRegistration::post_send` /
+//!   `post_recv` and handed back to its callback;
 //! - `mutex map`: `ibv_poll_cq`, then per completion a lock of a
 //!   `Mutex<HashMap<u64, u32>>` (wr_id → handler) to remove the entry that
 //!   the posting thread inserted (one lock per request) before it posted,
@@ -59,13 +66,14 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::hint::black_box;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 use cqd::core::{
-    Completion, CqOptions, CqPoller, Failed, Handler, NoWork, Outbox, RecvDone, Registration,
-    SendDone,
+    Completion, ContextHandler, ContextRegistration, CqOptions, CqPoller, Failed, Handler, NoWork,
+    Outbox, RecvDone, Registration, SendDone, Silent,
 };
 use cqd::verbs::{
     completion_of, Access, ConnectOptions, Context, Cq, CqSpec, Mr, Qp, QpCap, QpInit, RecvWr,
@@ -97,9 +105,20 @@ enum Contender {
     Raw,
     Cqd,
     Map,
+    RawCtx,
+    CqdCtx,
 }
 
-const CONTENDERS: [Contender; 3] = [Contender::Raw, Contender::Cqd, Contender::Map];
+const CONTENDERS: [Contender; 5] = [
+    Contender::Raw,
+    Contender::Cqd,
+    Contender::Map,
+    Contender::RawCtx,
+    Contender::CqdCtx,
+];
+/// Slots of the hand-written context slab: more than the requests in
+/// flight (two rounds).
+const CTX_SLOTS: usize = 8192;
 
 impl Contender {
     fn name(self) -> &'static str {
@@ -107,6 +126,8 @@ impl Contender {
             Contender::Raw => "hand-written ibv_poll_cq + match",
             Contender::Cqd => "cqd dispatch (poller + handlers)",
             Contender::Map => "mutex map (insert on post, remove on completion)",
+            Contender::RawCtx => "hand-written + contexts (slab by wr_id)",
+            Contender::CqdCtx => "cqd + contexts (ContextHandler)",
         }
     }
 }
@@ -125,6 +146,33 @@ impl Handler for Count {
         self.0 += 1;
     }
 }
+
+/// cqd's context handlers: the same work, with the request's value.
+struct CountCtx(u64);
+
+impl ContextHandler for CountCtx {
+    type Ctx = u64;
+    fn on_send(&mut self, _: &SendDone<'_>, ctx: u64, _: &mut Outbox<'_, NoWork>) {
+        self.0 += ctx;
+    }
+    fn on_recv(&mut self, d: &RecvDone<'_>, ctx: u64, _: &mut Outbox<'_, NoWork>) {
+        self.0 += u64::from(d.byte_len()) + ctx;
+    }
+    fn on_error(&mut self, _: &Failed<'_>, _: u64, _: &mut Outbox<'_, NoWork>) {
+        self.0 += 1;
+    }
+    fn on_silent(&mut self, _: &Silent, _: u64, _: &mut Outbox<'_, NoWork>) {
+        self.0 += 1;
+    }
+    fn on_abandoned(&mut self, _: u64) {
+        panic!("a context was abandoned");
+    }
+}
+
+/// The hand-written loop's context slab: one slot per request in flight,
+/// written by the poster before the post, read by the poller (plain loads
+/// and stores on x86; atomics so that Rust orders them as C would).
+type Slab = Arc<Vec<AtomicU64>>;
 
 /// The hand-written loop's handlers: the same work, called directly.
 #[derive(Default)]
@@ -221,7 +269,9 @@ struct Poster {
     cur: usize,
     mr: Mr,
     regs: Vec<Registration>,
+    ctx_regs: Vec<ContextRegistration<u64>>,
     map: Map,
+    slab: Slab,
     barrier: Arc<Barrier>,
     seq: u64,
 }
@@ -240,8 +290,9 @@ impl Poster {
                 let h = list % HANDLERS;
                 match who {
                     Contender::Cqd => self.post_cqd(side, h),
-                    Contender::Raw | Contender::Map => {
-                        self.post_raw(side, h, who == Contender::Map)
+                    Contender::CqdCtx => self.post_cqd_ctx(side, h),
+                    Contender::Raw | Contender::Map | Contender::RawCtx => {
+                        self.post_raw(side, h, who)
                     }
                 }
             }
@@ -272,9 +323,34 @@ impl Poster {
         }
     }
 
+    fn post_cqd_ctx(&mut self, side: u64, h: usize) {
+        let mr = &self.mr;
+        let sges: [[Sge<'_>; 1]; LIST] = std::array::from_fn(|i| [mr.sge(buf(side, i), MSG)]);
+        let seq = self.seq;
+        self.seq += LIST as u64;
+        let ctxs: [u64; LIST] = std::array::from_fn(|i| seq + i as u64);
+        let reg = &self.ctx_regs[h];
+        if side == KIND_RECV {
+            let mut wrs: [RecvWr<'_>; LIST] = std::array::from_fn(|i| RecvWr::new(0, &sges[i]));
+            reg.post_recv(&*self.pairs[self.cur].1, &mut wrs, ctxs)
+                .expect("post_recv");
+        } else {
+            let op = |i: usize| match side {
+                KIND_WRITE => WrOp::Write(mr.remote(buf(KIND_RECV, i))),
+                _ => WrOp::Send,
+            };
+            let mut wrs: [SendWr<'_>; LIST] =
+                std::array::from_fn(|i| SendWr::new(0, op(i), &sges[i]));
+            reg.post_send(&*self.pairs[self.cur].0, &mut wrs, ctxs)
+                .expect("post_send");
+        }
+    }
+
     /// A list of LIST raw requests of handler `h`, with hand-encoded
-    /// wr_ids (and, for the mutex map, one insert per request first).
-    fn post_raw(&mut self, side: u64, h: usize, map: bool) {
+    /// wr_ids (and, for the mutex map, one insert per request first; for
+    /// the context slab, one slot written per request).
+    fn post_raw(&mut self, side: u64, h: usize, who: Contender) {
+        let map = who == Contender::Map;
         let lkey = self.mr.lkey();
         let mut sges: [ibv_sge; LIST] = std::array::from_fn(|i| ibv_sge {
             addr: self.mr.addr() + buf(side, i) as u64,
@@ -288,6 +364,12 @@ impl Poster {
         if map {
             for id in ids {
                 self.map.lock().unwrap().insert(id, h as u32);
+            }
+        }
+        if who == Contender::RawCtx {
+            for id in ids {
+                let slot = (id as usize) % CTX_SLOTS;
+                self.slab[slot].store(id & 0xffff, Ordering::Relaxed);
             }
         }
         let base = sges.as_mut_ptr();
@@ -389,6 +471,7 @@ struct Consumer {
     out: VecDeque<cqd::core::Routed<NoWork>>,
     plain: Vec<Plain>,
     map: Map,
+    slab: Slab,
     wcs: Vec<ibv_wc>,
     /// Real `ibv_wc`s kept for the conversion measurement.
     captured: Vec<ibv_wc>,
@@ -452,11 +535,35 @@ impl Consumer {
         n
     }
 
+    /// The hand-written loop with the context slab (SPDK's, the kernel's
+    /// shape): the wr_id names the slot, the slot holds the request's value.
+    #[inline]
+    fn with_slab(&mut self) -> usize {
+        let n = self.poll_raw();
+        for wc in &self.wcs[..n] {
+            if wc.status != rdma_sys::ibv_wc_status::IBV_WC_SUCCESS {
+                self.bad += 1;
+                continue;
+            }
+            let h = (wc.wr_id >> 32 & 0xffff) as usize;
+            let ctx = self.slab[(wc.wr_id as usize) % CTX_SLOTS].load(Ordering::Relaxed);
+            match wc.wr_id & (3 << 62) {
+                KIND_RECV => self.plain[h].on_recv(wc.byte_len + ctx as u32),
+                KIND_SEND | KIND_WRITE => self.plain[h].on_send(ctx as u32),
+                _ => self.bad += 1,
+            }
+        }
+        n
+    }
+
     fn drain_once(&mut self, who: Contender) -> usize {
         match who {
             Contender::Raw => self.raw(),
-            Contender::Cqd => self.poller.poll_once(&mut self.out).expect("poll"),
+            Contender::Cqd | Contender::CqdCtx => {
+                self.poller.poll_once(&mut self.out).expect("poll")
+            }
             Contender::Map => self.mapped(),
+            Contender::RawCtx => self.with_slab(),
         }
     }
 
@@ -574,6 +681,10 @@ pub fn run(quick: bool) {
     let regs: Vec<Registration> = (0..HANDLERS)
         .map(|_| handle.register(Count(0)).unwrap())
         .collect();
+    let ctx_regs: Vec<ContextRegistration<u64>> = (0..HANDLERS)
+        .map(|_| handle.register_with_contexts(CountCtx(0), DEPTH).unwrap())
+        .collect();
+    let slab: Slab = Arc::new((0..CTX_SLOTS).map(|_| AtomicU64::new(0)).collect());
     let mut poller = unbound.bind();
     poller.apply_commands();
     let map: Map = Arc::new(Mutex::new(HashMap::new()));
@@ -586,7 +697,9 @@ pub fn run(quick: bool) {
         cur: 0,
         mr: mr.clone(),
         regs: regs.clone(),
+        ctx_regs: ctx_regs.clone(),
         map: Arc::clone(&map),
+        slab: Arc::clone(&slab),
         barrier: Arc::clone(&barrier),
         seq: 0,
     };
@@ -606,14 +719,15 @@ pub fn run(quick: bool) {
         out: VecDeque::new(),
         plain: (0..HANDLERS).map(|_| Plain::default()).collect(),
         map: Arc::clone(&map),
+        slab: Arc::clone(&slab),
         // SAFETY: plain C data; all-zero is a valid value.
         wcs: (0..BATCH).map(|_| unsafe { std::mem::zeroed() }).collect(),
         captured: Vec::new(),
         bad: 0,
     };
     // [stream][setting][contender] → per-run figures.
-    let mut poll: [[[Vec<f64>; 3]; 3]; 2] = Default::default();
-    let mut post: [[[Vec<f64>; 3]; 3]; 2] = Default::default();
+    let mut poll: [[[Vec<f64>; 5]; 3]; 2] = Default::default();
+    let mut post: [[[Vec<f64>; 5]; 3]; 2] = Default::default();
     let mut conv = Vec::new();
     for _ in 0..reps {
         for (t, stream) in STREAMS.into_iter().enumerate() {
@@ -651,7 +765,7 @@ pub fn run(quick: bool) {
             print!(" {:>33}", setting.name());
         }
         println!();
-        let mut med = [[0.0; 3]; 3];
+        let mut med = [[0.0; 5]; 3];
         for (s, row) in med.iter_mut().enumerate() {
             for (c, m) in row.iter_mut().enumerate() {
                 *m = stats(&mut poll[t][s][c]).0;
@@ -683,6 +797,15 @@ pub fn run(quick: bool) {
                 print!(" (goal >= 5.0): {}", verdict(map >= 5.0));
             }
             println!();
+            let vs_ctx = med[s][1] / med[s][3];
+            let ctx_vs_ctx = med[s][4] / med[s][3];
+            let added = med[s][1] - med[s][0];
+            println!(
+                "{:<24} cqd / hand-written + contexts = {vs_ctx:.2}, cqd + contexts / hand-written + contexts = {ctx_vs_ctx:.2}{}; cqd adds {added:.1} ns per completion{}",
+                "",
+                if setting.concurrent() { String::new() } else { format!(" (goal <= 1.2): {}", verdict(vs_ctx <= 1.2 && ctx_vs_ctx <= 1.2)) },
+                if setting.concurrent() { String::new() } else { format!(" (goal <= 10): {}", verdict(added <= 10.0)) },
+            );
         }
         println!("post side, ns per request (posting thread), median [min–max]:");
         for (c, who) in CONTENDERS.into_iter().enumerate() {
@@ -712,10 +835,14 @@ pub fn run(quick: bool) {
         "cqd: undispatched"
     );
     assert_eq!(
-        snap.completions as usize, per_contender,
-        "cqd saw exactly its stream"
+        snap.completions as usize,
+        2 * per_contender,
+        "cqd (with and without contexts) saw exactly its streams"
     );
     assert!(regs.iter().all(|r| r.ledger().outstanding() == 0));
+    assert!(ctx_regs
+        .iter()
+        .all(|r| r.ledger().outstanding() == 0 && r.empty_hits() == 0));
     assert_eq!(
         cq.budget_snapshot().credits_in_use,
         0,

@@ -286,7 +286,7 @@ pub trait Handler<W = NoWork>: Send + 'static {
     /// state still come, flushed, to [`on_error`](Self::on_error). The
     /// default does nothing (the poller has already counted and traced
     /// the event).
-    fn on_async(&mut self, event: &crate::source::AsyncEvent) {
+    fn on_async(&mut self, event: &crate::event::AsyncEvent) {
         let _ = event;
     }
 }

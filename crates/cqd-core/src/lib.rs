@@ -34,6 +34,7 @@ pub mod budget;
 pub mod completion;
 pub mod context;
 pub mod cq;
+pub mod event;
 #[cfg(feature = "metrics")]
 pub mod export;
 pub mod handler;
@@ -57,8 +58,10 @@ pub mod wr_id;
 
 pub use budget::{cq_depth_for, Admission, BudgetError, BudgetOptions, BudgetSnapshot, CqBudget};
 pub use completion::{Completion, Opcode, Status, WcFlags};
-pub use context::{ContextHandler, ContextRegistration, PostRefused};
-pub use cq::{split, CqHandle, CqOptions, CqPoller, Registration, UnboundCq};
+pub use context::ContextHandler;
+pub use cq::{
+    split, ContextRegistration, CqHandle, CqOptions, CqPoller, PostRefused, Registration, UnboundCq,
+};
 #[cfg(feature = "metrics")]
 pub use export::MetricsExporter;
 pub use handler::{Failed, Handler, Outbox, RecvDone, SendDone, Silent};

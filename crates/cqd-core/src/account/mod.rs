@@ -59,7 +59,6 @@
 
 mod ring;
 
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::AtomicBool as PlainAtomicBool;
 use std::sync::{Arc, OnceLock, Weak};
@@ -68,12 +67,19 @@ use std::time::Instant;
 use parking_lot::Mutex as PlainMutex;
 
 use crate::budget::CqBudget;
-use crate::completion::Completion;
-use crate::ledger::{LedgerInner, WrLedger};
 use crate::sync::{AtomicBool, Ordering};
 use crate::wr_id::{HandlerKey, OpKind, Side, WrId};
 pub(crate) use ring::stamp;
 use ring::{NewEntry, Poster, Retirer, Ring};
+
+/// Where an account belongs: its CQ's ledger (`crate::ledger`), which
+/// detaches the account from its map once the queue is closed and
+/// drained. A trait, so that accounts need not know the ledger's type.
+pub(crate) trait Home: Send + Sync {
+    /// Detaches `account` from (number, side), if it is still the one
+    /// attached there.
+    fn detach(&self, number: u32, side: Side, account: &Arc<QueueAccount>);
+}
 
 /// Which kind of queue an account is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -137,7 +143,7 @@ pub struct QueueAccount {
     /// to it, whichever comes first — an SRQ serves the handlers of one CQ
     /// (a wr_id names a handler of one CQ, and a receive completes on the
     /// CQ of whichever QP consumes it).
-    pub(crate) ledger: OnceLock<Weak<LedgerInner>>,
+    pub(crate) home: OnceLock<Weak<dyn Home>>,
     /// Set by [`close`](Self::close) under the ring's two locks, and read
     /// by the poller under the retiring lock: "drained and closed" is one
     /// observation, so no request posted between the two can be detached
@@ -170,29 +176,23 @@ impl QueueAccount {
         number: u32,
         queue: Queue,
         budget: Option<&CqBudget>,
-        ledger: Option<Weak<LedgerInner>>,
+        home: Option<Weak<dyn Home>>,
         prev: Option<Arc<QueueAccount>>,
     ) -> Self {
-        let home = OnceLock::new();
-        if let Some(l) = ledger {
-            let _ = home.set(l);
+        let cell = OnceLock::new();
+        if let Some(h) = home {
+            let _ = cell.set(h);
         }
         QueueAccount {
             number,
             queue,
             credits: budget.filter(|b| b.has_credits()).cloned(),
-            ledger: home,
+            home: cell,
             closed: AtomicBool::new(false),
             has_prev: PlainAtomicBool::new(prev.is_some()),
             prev: PlainMutex::new(prev),
             ring: Ring::new(),
         }
-    }
-
-    /// Binds the account to `ledger`'s CQ if it belongs to none yet (an
-    /// SRQ's first user); true if it belongs to that CQ.
-    pub(crate) fn belongs_to(&self, ledger: &WrLedger) -> bool {
-        ledger.same(self.ledger.get_or_init(|| Arc::downgrade(&ledger.inner)))
     }
 
     /// The account of shared receive queue `srq_num`. Its receives take no
@@ -240,9 +240,9 @@ impl QueueAccount {
         let drained = r.drained() && !self.has_prev();
         drop(r);
         drop(poster);
-        let ledger = self.ledger.get().and_then(Weak::upgrade);
-        if let (true, Some(inner)) = (drained, ledger) {
-            WrLedger { inner }.detach(self.number, self.queue.side(), self);
+        let home = self.home.get().and_then(Weak::upgrade);
+        if let (true, Some(home)) = (drained, home) {
+            home.detach(self.number, self.queue.side(), self);
         }
     }
 
@@ -336,7 +336,7 @@ impl QueueAccount {
     /// credits retired (not yet given back).
     #[cold]
     #[inline(never)]
-    fn retire_chained(&self, wr_id: u64, success: bool, silent: &mut Vec<u64>) -> u64 {
+    pub(crate) fn retire_chained(&self, wr_id: u64, success: bool, silent: &mut Vec<u64>) -> u64 {
         let mut prev = self.prev.lock();
         if let Some(p) = prev.as_ref() {
             let (credits, found) = p.retiring().retire(wr_id, success, silent);
@@ -428,7 +428,7 @@ impl Posting<'_> {
     }
 }
 
-#[cfg(loom)]
+#[cfg(all(test, loom))]
 impl Posting<'_> {
     /// The loom models' mutation of R4: tombstones with a plain store, as
     /// if no completion could race with it, and gives the credits back.
@@ -488,576 +488,5 @@ impl Retiring<'_> {
     /// Marks the entry at `pos` reported stuck.
     pub(crate) fn mark_reported(&mut self, pos: u64) {
         self.r.mark_reported(pos);
-    }
-}
-
-/// A multiply-rotate hash for the cache's integer keys (SipHash would cost
-/// more than the rest of a look-up).
-#[derive(Default, Clone, Copy)]
-pub(crate) struct KeyHasher(u64);
-
-impl std::hash::Hasher for KeyHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.write_u64(u64::from(*b));
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
-    }
-}
-
-type KeyMap<V> = HashMap<u64, V, std::hash::BuildHasherDefault<KeyHasher>>;
-
-fn cache_key(qp_num: u32, side: Side) -> u64 {
-    u64::from(qp_num) << 1 | u64::from(side == Side::Recv)
-}
-
-/// The poller's own map from (qp_num, side) to the queue's account, filled
-/// from the CQ's [`WrLedger`] on a miss (a miss is remembered too, so a
-/// queue nobody attached costs one map look-up per run). Emptied whenever
-/// the ledger's attachments change.
-#[derive(Default)]
-pub(crate) struct AccountCache {
-    epoch: u64,
-    map: KeyMap<Option<Arc<QueueAccount>>>,
-    /// Scratch: silently completed wr_ids of the current batch.
-    pub(crate) silent: Vec<u64>,
-    /// Scratch: closed accounts the batch drained, to detach.
-    closed: Vec<(u32, Side, Arc<QueueAccount>)>,
-    /// Scratch: each completion's queue key ([`DONE`] once retired or for
-    /// a wr_id that is not cqd's).
-    keys: Vec<u64>,
-}
-
-/// A completion of the batch that is already accounted (or not cqd's).
-const DONE: u64 = u64::MAX;
-
-impl fmt::Debug for AccountCache {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("AccountCache")
-            .field("queues", &self.map.len())
-            .finish()
-    }
-}
-
-impl AccountCache {
-    /// Step 2 of the module documentation for one batch: retires what each
-    /// completion covers, gives the credits back (one subtraction for the
-    /// batch: every account of a ledger takes its credits from the ledger's
-    /// budget), and leaves the silently completed wr_ids in `self.silent`
-    /// for the dispatcher.
-    pub(crate) fn account_batch(&mut self, ledger: &WrLedger, wcs: &[Completion]) {
-        self.silent.clear();
-        let epoch = ledger.epoch();
-        if epoch != self.epoch {
-            self.map.clear();
-            self.epoch = epoch;
-        }
-        // Each completion's queue, decoded once.
-        self.keys.clear();
-        self.keys
-            .extend(wcs.iter().map(|wc| match WrId::decode(wc.wr_id) {
-                Ok(id) => cache_key(wc.qp_num, id.kind.side()),
-                Err(_) => DONE,
-            }));
-        let mut credits = 0;
-        for i in 0..wcs.len() {
-            let key = self.keys[i];
-            if key == DONE {
-                continue;
-            }
-            let (qp, side) = (
-                wcs[i].qp_num,
-                if key & 1 == 1 { Side::Recv } else { Side::Send },
-            );
-            let account = self
-                .map
-                .entry(key)
-                .or_insert_with(|| ledger.lookup(qp, side));
-            let Some(account) = account else {
-                continue;
-            };
-            // Every completion of this queue in the batch, in batch order
-            // (a queue's completions come in its order), under one lock:
-            // completions of several queues interleaved in a batch (sends
-            // and receives of one QP) cost one lock per queue, not one per
-            // completion.
-            let mine = self.keys[i..].iter_mut().zip(&wcs[i..]);
-            if account.has_prev() {
-                for (k, wc) in mine {
-                    if *k == key {
-                        *k = DONE;
-                        let ok = wc.status.is_success();
-                        credits += account.retire_chained(wc.wr_id, ok, &mut self.silent);
-                    }
-                }
-                let mut ring = account.retiring();
-                if account.is_closed() && !account.has_prev() && ring.drained() {
-                    self.closed.push((qp, side, Arc::clone(account)));
-                }
-                continue;
-            }
-            let mut ring = account.retiring();
-            for (k, wc) in mine {
-                if *k == key {
-                    *k = DONE;
-                    let ok = wc.status.is_success();
-                    credits += ring.retire(wc.wr_id, ok, &mut self.silent).0;
-                }
-            }
-            // Drained and closed, seen under the retiring lock that `close`
-            // sets the flag under (with the posting lock, so no post is in
-            // flight then): requests posted after the last retirement here
-            // and before the close keep the account attached.
-            if account.is_closed() && ring.drained() {
-                self.closed.push((qp, side, Arc::clone(account)));
-            }
-            drop(ring);
-        }
-        if let Some(b) = ledger.budget() {
-            b.give_back(credits);
-        }
-        for (qp, side, account) in self.closed.drain(..) {
-            ledger.detach(qp, side, &account);
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::budget::BudgetOptions;
-    use proptest::prelude::*;
-
-    /// Posts `ids` (wr_id, signaled) on `q` as the posting call does,
-    /// taking a credit each if the CQ has credits.
-    fn push(q: &QueueAccount, ids: &[(u64, bool)]) {
-        let mut p = q.posting();
-        p.take_credits(ids.len() as u32).unwrap();
-        for &(id, signaled) in ids {
-            p.write(id, Instant::now(), signaled);
-        }
-        p.publish();
-        p.commit();
-    }
-
-    fn budget() -> CqBudget {
-        let opts = BudgetOptions {
-            admission: false,
-            credits: Some(100),
-        };
-        CqBudget::new("cq", 100, opts)
-    }
-
-    #[test]
-    fn send_queue_retires_in_order_receive_queue_by_id() {
-        let b = budget();
-        let ledger = WrLedger::with_budget(b.clone());
-        let sq = ledger.open_queue(1, Queue::Send);
-        let rq = ledger.open_queue(1, Queue::Recv);
-        // 10 and 11 are unsignaled sends.
-        push(&sq, &[(10, false), (11, false), (12, true), (13, true)]);
-        assert_eq!(b.credits_in_use(), 4);
-        // The receive queue's post: the backend takes only the first two.
-        let mut p = rq.posting();
-        p.take_credits(4).unwrap();
-        for id in [20, 21, 22, 23] {
-            p.write(id, Instant::now(), true);
-        }
-        p.publish();
-        let mut back = Vec::new();
-        p.settle(2, |i, taken_back| back.push((i, taken_back)));
-        assert_eq!(back, [(2, true), (3, true)]);
-        assert_eq!(b.credits_in_use(), 6, "8 taken, 2 given back");
-        let mut silent = Vec::new();
-        let mut ring = sq.retiring();
-        assert_eq!(ring.retire(12, true, &mut silent), (3, true));
-        assert_eq!(silent, [10, 11], "the unsignaled ones before it");
-        assert_eq!(ring.retire(99, true, &mut silent), (0, false), "not held");
-        ring.give_back(3);
-        drop(ring);
-        let mut ring = rq.retiring();
-        assert_eq!(ring.retire(22, true, &mut silent), (0, false), "not posted");
-        assert_eq!(ring.retire(21, true, &mut silent), (1, true));
-        assert_eq!(silent.len(), 2, "receives retire only themselves");
-        drop(ring);
-        assert_eq!((sq.outstanding(), rq.outstanding()), (1, 1));
-        assert_eq!(
-            b.credits_in_use(),
-            3,
-            "6 in use, 3 given back (21's not given back yet)"
-        );
-    }
-
-    #[test]
-    fn a_closed_queue_leaves_its_ledger_once_drained() {
-        let ledger = WrLedger::new();
-        let sq = ledger.open_queue(7, Queue::Send);
-        push(&sq, &[(1, false)]);
-        sq.close();
-        assert!(ledger.lookup(7, Side::Send).is_some(), "still outstanding");
-        let mut cache = AccountCache::default();
-        let mut wc = Completion::success(0, crate::completion::Opcode::Send, 7);
-        wc.wr_id = 1;
-        cache.account_batch(&ledger, &[wc]);
-        assert_eq!(sq.outstanding(), 1, "wr_id 1 is foreign: not retired");
-        let key = crate::wr_id::HandlerKey::new(0, 0).unwrap();
-        let id = key.wr_id(crate::wr_id::OpKind::Send, 1).unwrap();
-        push(&sq, &[(id, true)]);
-        wc.wr_id = id;
-        cache.account_batch(&ledger, &[wc]);
-        assert_eq!(cache.silent, [1], "the foreign entry before it, silently");
-        assert!(ledger.lookup(7, Side::Send).is_none(), "detached");
-    }
-
-    #[test]
-    fn a_drain_marker_follows_a_silent_tail_only_and_retires_it() {
-        let b = budget();
-        let ledger = WrLedger::with_budget(b.clone());
-        let key = crate::wr_id::HandlerKey::new(0, 0).unwrap();
-        let id = |tag| key.wr_id(OpKind::Write, tag).unwrap();
-        let sq = ledger.open_queue(3, Queue::Send);
-        let rq = ledger.open_queue(3, Queue::Recv);
-        let push = |tag, signaled| push(&sq, &[(id(tag), signaled)]);
-        let never = |_| -> Result<(), ()> { panic!("no marker is needed") };
-        assert_eq!(sq.post_drain_marker(never), DrainMarker::NotNeeded, "empty");
-        push(1, true);
-        assert_eq!(
-            sq.post_drain_marker(never),
-            DrainMarker::NotNeeded,
-            "signaled last"
-        );
-        assert_eq!(
-            rq.post_drain_marker(never),
-            DrainMarker::NotNeeded,
-            "a receive queue"
-        );
-        push(2, false);
-        push(3, false);
-        // The backend's post fails: nothing is left behind.
-        assert_eq!(sq.post_drain_marker(|_| Err(7)), DrainMarker::Failed(7));
-        assert_eq!((sq.outstanding(), b.credits_in_use()), (3, 3));
-        let mut marker = None;
-        let posted = sq.post_drain_marker(|wr_id| -> Result<(), ()> {
-            marker = Some(wr_id);
-            Ok(())
-        });
-        assert_eq!(posted, DrainMarker::Posted);
-        assert_eq!(
-            (sq.outstanding(), b.credits_in_use()),
-            (4, 4),
-            "the marker holds a credit"
-        );
-        let marker = marker.unwrap();
-        assert_eq!(WrId::decode(marker).unwrap().kind, OpKind::Internal);
-        // The completions: the signaled write, then the marker's flush,
-        // which retires the silent ones before it.
-        let mut cache = AccountCache::default();
-        let done = Completion::success(id(1), crate::completion::Opcode::RdmaWrite, 3);
-        let flush = Completion::error(marker, crate::completion::Status::WrFlush, 3);
-        cache.account_batch(&ledger, &[done, flush]);
-        assert_eq!(cache.silent, [id(2), id(3)]);
-        assert_eq!((sq.outstanding(), b.credits_in_use()), (0, 0));
-    }
-
-    #[test]
-    fn a_success_names_the_signaled_entry_of_a_wr_id_posted_twice() {
-        let ledger = WrLedger::new();
-        let sq = ledger.open_queue(1, Queue::Send);
-        // The write, unsignaled, and the final request, signaled.
-        push(&sq, &[(5, false), (5, true)]);
-        let mut silent = Vec::new();
-        assert_eq!(sq.retiring().retire(5, true, &mut silent), (0, true));
-        assert_eq!(silent, [5], "the unsignaled one ran silently");
-        assert_eq!(sq.outstanding(), 0, "both retired by the one success");
-        // An error names the oldest entry, signaled or not.
-        push(&sq, &[(6, false), (6, true)]);
-        silent.clear();
-        assert_eq!(sq.retiring().retire(6, false, &mut silent), (0, true));
-        assert!(silent.is_empty());
-        assert_eq!(sq.outstanding(), 1, "the flush of the second is to come");
-    }
-
-    #[test]
-    fn a_reused_queue_number_retires_the_old_queue_first_then_ends_it() {
-        let b = budget();
-        let ledger = WrLedger::with_budget(b.clone());
-        let key = crate::wr_id::HandlerKey::new(0, 0).unwrap();
-        let id = |tag| key.wr_id(crate::wr_id::OpKind::Send, tag).unwrap();
-        let old = ledger.open_queue(7, Queue::Send);
-        for (tag, signaled) in [(1, true), (2, false), (3, true), (4, false)] {
-            push(&old, &[(id(tag), signaled)]);
-        }
-        old.close();
-        // Queue 7 is made again before the old one drained.
-        let new = ledger.open_queue(7, Queue::Send);
-        push(&new, &[(id(3), true)]); // the same wr_id as an old entry
-        assert_eq!(b.credits_in_use(), 5);
-        let wc = |tag| Completion::success(id(tag), crate::completion::Opcode::Send, 7);
-        let mut cache = AccountCache::default();
-        // The old queue's completions come first and retire the old entries.
-        cache.account_batch(&ledger, &[wc(1), wc(3)]);
-        assert!(cache.silent.contains(&id(2)));
-        assert_eq!((old.outstanding(), new.outstanding()), (1, 1));
-        // The new queue's first completion ends the old one: 4 ran silently.
-        cache.account_batch(&ledger, &[wc(3)]);
-        assert_eq!(cache.silent, [id(4)]);
-        assert_eq!((old.outstanding(), new.outstanding()), (0, 0));
-        assert_eq!(b.credits_in_use(), 0, "every credit came back");
-    }
-
-    proptest! {
-        /// However signaled and unsignaled sends interleave, in-order
-        /// completions of the signaled ones (and a final flush of the rest)
-        /// retire each entry exactly once and return every credit.
-        #[test]
-        fn every_entry_retires_once(signaled in proptest::collection::vec(any::<bool>(), 1..64)) {
-            let b = budget();
-            let ledger = WrLedger::with_budget(b.clone());
-            let sq = ledger.open_queue(1, Queue::Send);
-            for (i, s) in signaled.iter().enumerate() {
-                push(&sq, &[(i as u64, *s)]);
-            }
-            let (mut retired, mut credits) = (0usize, 0u64);
-            let mut silent = Vec::new();
-            for (i, s) in signaled.iter().enumerate() {
-                if *s {
-                    let (c, found) = sq.retiring().retire(i as u64, true, &mut silent);
-                    prop_assert!(found);
-                    credits += c;
-                    retired += 1;
-                }
-            }
-            // A QP in error flushes what is left, each with its own completion.
-            let rest: Vec<u64> = sq.retiring().live().map(|(_, e)| e.wr_id).collect();
-            for id in rest {
-                let (c, found) = sq.retiring().retire(id, false, &mut silent);
-                prop_assert!(found);
-                credits += c;
-                retired += 1;
-            }
-            prop_assert_eq!(retired + silent.len(), signaled.len());
-            prop_assert_eq!(credits, signaled.len() as u64);
-            prop_assert_eq!(sq.outstanding(), 0);
-        }
-    }
-}
-
-#[cfg(all(test, loom))]
-mod loom_close {
-    use super::*;
-    use crate::completion::Opcode;
-    use crate::wr_id::{HandlerKey, OpKind};
-
-    fn post(q: &QueueAccount, ids: &[(u64, bool)]) {
-        let mut p = q.posting();
-        for &(id, signaled) in ids {
-            p.write(id, Instant::now(), signaled);
-        }
-        p.publish();
-        p.commit();
-    }
-
-    /// A queue's last requests posted (an unsignaled send, then a signaled
-    /// one) and the queue closed, while the poller retires the request
-    /// before them: whatever the interleaving, the account stays attached
-    /// until the signaled one's completion retires both, then leaves the
-    /// ledger. (Deciding "drained" under the lock and "closed" after it
-    /// let the poller detach an account the poster had just refilled: the
-    /// next completion then found no account, and the unsignaled send was
-    /// never counted completed.)
-    #[test]
-    fn a_close_after_a_refill_never_detaches_a_live_account() {
-        loom::model(|| {
-            let key = HandlerKey::new(0, 0).unwrap();
-            let id = move |tag| key.wr_id(OpKind::Send, tag).unwrap();
-            let ledger = WrLedger::new();
-            let sq = ledger.open_queue(7, Queue::Send);
-            post(&sq, &[(id(1), true)]);
-            let poster = Arc::clone(&sq);
-            let t = loom::thread::spawn(move || {
-                post(&poster, &[(id(2), false), (id(3), true)]);
-                poster.close();
-            });
-            let mut cache = AccountCache::default();
-            cache.account_batch(&ledger, &[Completion::success(id(1), Opcode::Send, 7)]);
-            t.join().unwrap();
-            assert!(
-                ledger.lookup(7, Side::Send).is_some(),
-                "detached with two requests outstanding"
-            );
-            cache.account_batch(&ledger, &[Completion::success(id(3), Opcode::Send, 7)]);
-            assert_eq!(cache.silent, [id(2)], "the unsignaled send, silently");
-            assert_eq!(sq.outstanding(), 0);
-            assert!(
-                ledger.lookup(7, Side::Send).is_none(),
-                "detached once drained"
-            );
-        });
-    }
-}
-
-/// Loom models of the posting protocol (R1–R7 of `account::ring`): a
-/// completion that arrives inside the post, and a post refused part-way at
-/// `bad_wr`, each with the poller retiring concurrently, and each with a
-/// mutation of the protocol that loom must catch.
-///
-/// The provider is a one-entry CQ (an atomic wr_id) that the poster's
-/// "post" writes with Release and the poller reads with Acquire, as a
-/// device's completion write and a poll would order them.
-#[cfg(all(test, loom))]
-mod loom_post {
-    use super::*;
-    use crate::budget::BudgetOptions;
-    use crate::completion::Opcode;
-    use crate::sync::AtomicU64;
-    use crate::wr_id::{HandlerKey, OpKind};
-
-    fn id(tag: u32) -> u64 {
-        HandlerKey::new(0, 0)
-            .unwrap()
-            .wr_id(OpKind::Send, tag)
-            .unwrap()
-    }
-
-    fn rig() -> (CqBudget, WrLedger, Arc<QueueAccount>) {
-        let b = CqBudget::new(
-            "loom",
-            8,
-            BudgetOptions {
-                admission: false,
-                credits: Some(8),
-            },
-        );
-        let ledger = WrLedger::with_budget(b.clone());
-        let sq = ledger.open_queue(7, Queue::Send);
-        (b, ledger, sq)
-    }
-
-    /// The poller: waits for the fake CQ's entries, then accounts them as
-    /// one batch.
-    fn poll(ledger: &WrLedger, cq: &[AtomicU64]) -> Vec<u64> {
-        let mut wcs = Vec::new();
-        for slot in cq {
-            let wr_id = loop {
-                match slot.load(Ordering::Acquire) {
-                    0 => loom::thread::yield_now(),
-                    w => break w,
-                }
-            };
-            wcs.push(Completion::success(wr_id, Opcode::Send, 7));
-        }
-        let mut cache = AccountCache::default();
-        cache.account_batch(ledger, &wcs);
-        cache.silent.clone()
-    }
-
-    /// The completion of a request arrives while its post is still in the
-    /// provider (softverbs, an inline NIC): it finds the entry published
-    /// (R2 before R3), and retires it once, credit included.
-    fn inside_the_post(publish_first: bool) {
-        loom::model(move || {
-            let (b, ledger, sq) = rig();
-            let cq = Arc::new([AtomicU64::new(0)]);
-            let (q, device) = (Arc::clone(&sq), Arc::clone(&cq));
-            let poster = loom::thread::spawn(move || {
-                let mut p = q.posting();
-                p.take_credits(1).unwrap();
-                p.write(id(1), Instant::now(), true);
-                if publish_first {
-                    p.publish();
-                }
-                // R3: the device completes the request inside the post.
-                device[0].store(id(1), Ordering::Release);
-                if !publish_first {
-                    p.publish();
-                }
-                p.commit();
-            });
-            poll(&ledger, &cq[..]);
-            poster.join().unwrap();
-            assert_eq!(sq.outstanding(), 0, "the completion found no entry");
-            assert_eq!(b.credits_in_use(), 0, "its credit came back");
-        });
-    }
-
-    #[test]
-    fn a_completion_inside_the_post_finds_its_entry() {
-        inside_the_post(true);
-    }
-
-    /// Mutation: publishing after the provider's post lets the poller
-    /// look before the entry exists.
-    #[test]
-    #[should_panic(expected = "the completion found no entry")]
-    fn publishing_after_the_post_loses_the_completion() {
-        inside_the_post(false);
-    }
-
-    /// The provider takes the first of two requests and refuses the second
-    /// (`bad_wr` at 1). The first completes inside the post; a foreign
-    /// completion that happens to carry the second's wr_id arrives too
-    /// (the worst case: it may retire that entry before the tombstone).
-    /// One credit is held by someone else. Whatever the interleaving, each
-    /// entry is decided once: the credits in use end at exactly 1.
-    fn refused_at_bad_wr(cas: bool) {
-        loom::model(move || {
-            let (b, ledger, sq) = rig();
-            b.try_take(1).unwrap();
-            let cq = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
-            let (q, device) = (Arc::clone(&sq), Arc::clone(&cq));
-            let poster = loom::thread::spawn(move || {
-                let mut p = q.posting();
-                p.take_credits(2).unwrap();
-                p.write(id(1), Instant::now(), false);
-                p.write(id(2), Instant::now(), true);
-                p.publish();
-                device[0].store(id(1), Ordering::Release);
-                device[1].store(id(2), Ordering::Release); // foreign
-                let mut back = 0;
-                if cas {
-                    p.settle(1, |_, taken_back| back += u32::from(taken_back));
-                } else {
-                    p.settle_without_cas(1);
-                }
-                back
-            });
-            // Completions of 1 (an error: unsignaled requests complete
-            // only in error) and of the foreign copy of 2.
-            let wcs = loop {
-                let (a, c) = (cq[0].load(Ordering::Acquire), cq[1].load(Ordering::Acquire));
-                if a != 0 && c != 0 {
-                    break [
-                        Completion::error(a, crate::completion::Status::WrFlush, 7),
-                        Completion::success(c, Opcode::Send, 7),
-                    ];
-                }
-                loom::thread::yield_now();
-            };
-            let mut cache = AccountCache::default();
-            cache.account_batch(&ledger, &wcs);
-            poster.join().unwrap();
-            assert_eq!(b.credits_in_use(), 1, "an entry was decided twice");
-            assert_eq!(sq.outstanding(), 0, "nothing is left");
-        });
-    }
-
-    #[test]
-    fn a_refused_tail_is_decided_once() {
-        refused_at_bad_wr(true);
-    }
-
-    /// Mutation: tombstoning with a plain store lets a poster take back an
-    /// entry the poller has just retired.
-    #[test]
-    #[should_panic(expected = "decided twice")]
-    fn tombstoning_without_cas_decides_twice() {
-        refused_at_bad_wr(false);
     }
 }

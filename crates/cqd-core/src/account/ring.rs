@@ -15,7 +15,7 @@
 //! before the ring is dropped.
 //!
 //! **The protocol.** The SAFETY comments, `QueueAccount`'s posting call and
-//! the loom models (`account::loom_post`) cite these numbers.
+//! the loom models (`ledger::cache::loom_post`) cite these numbers.
 //!
 //! 1. **Write.** A poster, holding the posting lock, writes each request's
 //!    entry at the next positions from its tail: wr_id, post time, flags,
@@ -123,7 +123,7 @@ impl Seen {
     pub(crate) fn credit(self) -> bool {
         self.word & CREDIT != 0
     }
-    #[cfg(test)]
+    #[cfg(all(test, not(loom)))]
     pub(crate) fn signaled(self) -> bool {
         self.word & SIGNALED != 0
     }
@@ -440,7 +440,7 @@ impl Poster<'_> {
     }
 }
 
-#[cfg(loom)]
+#[cfg(all(test, loom))]
 impl Poster<'_> {
     /// The loom models' mutation of step 4 (plain stores, no
     /// compare-and-swap); returns the credits of the entries it killed.

@@ -9,9 +9,9 @@ use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use super::{Command, CqOptions, CqShared};
-use crate::account::AccountCache;
 use crate::completion::{Completion, Status};
 use crate::handler::{Failed, Outbox, RecvDone, SendDone};
+use crate::ledger::AccountCache;
 use crate::ledger::WrLedger;
 use crate::metrics::bump;
 use crate::sink::Routed;

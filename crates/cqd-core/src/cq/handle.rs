@@ -4,13 +4,14 @@
 
 use std::sync::{Arc, OnceLock};
 
+use super::posting;
 use super::{Command, CqShared};
 use crate::account::QueueAccount;
 use crate::budget::{BudgetSnapshot, CqBudget};
 use crate::handler::Handler;
 use crate::ledger::WrLedger;
 use crate::metrics::CqSnapshot;
-use crate::post::{self, PostRecv, PostSend, Refused};
+use crate::post::{PostRecv, PostSend, Refused};
 use crate::sink::Route;
 use crate::slab::{Entry, RegisterError, SlotLedger};
 use crate::sync::Ordering;
@@ -115,7 +116,7 @@ impl<W: Send + 'static> CqHandle<W> {
         &self,
         handler: H,
         capacity: u32,
-    ) -> Result<crate::context::ContextRegistration<H::Ctx>, RegisterError> {
+    ) -> Result<super::ContextRegistration<H::Ctx>, RegisterError> {
         if capacity == 0 || capacity > crate::wr_id::MAX_TAG + 1 {
             return Err(RegisterError::Contexts { capacity });
         }
@@ -124,7 +125,7 @@ impl<W: Send + 'static> CqHandle<W> {
             inner: handler,
             table: Arc::clone(&table),
         })?;
-        Ok(crate::context::ContextRegistration { reg, table })
+        Ok(super::ContextRegistration { reg, table })
     }
 
     /// Retires a handler: it keeps receiving the completions of what it
@@ -283,7 +284,7 @@ impl Registration {
         qp: &Q,
         wrs: &mut [Q::Wr<'_>],
     ) -> Result<(), Q::Error> {
-        post::post(
+        posting::post(
             self,
             qp.send_account(),
             wrs,
@@ -304,7 +305,7 @@ impl Registration {
         queue: &Q,
         wrs: &mut [Q::Wr<'_>],
     ) -> Result<(), Q::Error> {
-        post::post(
+        posting::post(
             self,
             queue.recv_account(),
             wrs,
@@ -331,7 +332,7 @@ impl Registration {
                 cq: self.cq.to_string(),
             });
         };
-        if account.belongs_to(ledger) {
+        if ledger.owns(account) {
             Ok(())
         } else {
             Err(Refused::WrongCq {

@@ -99,9 +99,9 @@ use std::time::Instant;
 
 use crossbeam::queue::SegQueue;
 
-use crate::account::AccountCache;
 use crate::budget::CqBudget;
 use crate::completion::Completion;
+use crate::ledger::AccountCache;
 use crate::ledger::WrLedger;
 use crate::metrics::{batch_bucket, bump, CqMetrics};
 use crate::sink::Routed;
@@ -702,11 +702,14 @@ impl<W: Send + 'static> CqPoller<W> {
 }
 
 mod bell;
+mod contexts;
 mod dispatch;
 mod handle;
+mod posting;
 
 pub(crate) use bell::GroupBell;
 
+pub use contexts::{ContextRegistration, PostRefused};
 use dispatch::{apply_commands, dispatch_batch};
 pub use handle::{CqHandle, Registration};
 

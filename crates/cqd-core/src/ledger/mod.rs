@@ -35,10 +35,14 @@ use std::time::{Duration, Instant};
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
 
+use crate::account::Home;
 pub use crate::account::{DrainMarker, Queue, QueueAccount};
 use crate::budget::CqBudget;
 use crate::slab::SlotLedger;
+
+pub(crate) mod cache;
 use crate::wr_id::{HandlerKey, OpKind, Side, WrId};
+pub(crate) use cache::AccountCache;
 
 /// An SRQ serves the handlers of one CQ (see
 /// [`WrLedger::attach_srq_user`]).
@@ -109,6 +113,19 @@ pub(crate) struct LedgerInner {
     scans: AtomicU64,
 }
 
+impl Home for LedgerInner {
+    fn detach(&self, qp_num: u32, side: Side, account: &Arc<QueueAccount>) {
+        let mut q = self.queues.write();
+        if q.get(&(qp_num, side))
+            .is_some_and(|a| Arc::ptr_eq(a, account))
+        {
+            q.remove(&(qp_num, side));
+            drop(q);
+            self.epoch.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+}
+
 /// The ledger of one CQ: which queue account each completion belongs to.
 /// Cloneable; every clone is the same ledger. The backend attaches a queue
 /// when it makes a QP or SRQ; the posting call and the poller keep the
@@ -157,8 +174,14 @@ impl WrLedger {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
 
-    pub(crate) fn same(&self, other: &Weak<LedgerInner>) -> bool {
-        std::ptr::eq(Arc::as_ptr(&self.inner), other.as_ptr())
+    /// Binds `account` to this ledger's CQ if it belongs to none yet (an
+    /// SRQ's first user); true if it belongs to this CQ.
+    pub(crate) fn owns(&self, account: &QueueAccount) -> bool {
+        let home = account.home.get_or_init(|| {
+            let weak: Weak<dyn Home> = Arc::downgrade(&self.inner) as Weak<dyn Home>;
+            weak
+        });
+        std::ptr::addr_eq(home.as_ptr(), Arc::as_ptr(&self.inner))
     }
 
     pub(crate) fn epoch(&self) -> u64 {
@@ -184,7 +207,7 @@ impl WrLedger {
             qp_num,
             queue,
             self.inner.budget.as_ref(),
-            Some(Arc::downgrade(&self.inner)),
+            Some(Arc::downgrade(&self.inner) as Weak<dyn Home>),
             prev,
         ));
         queues.insert(key, Arc::clone(&account));
@@ -207,7 +230,7 @@ impl WrLedger {
         qp_num: u32,
         srq: &Arc<QueueAccount>,
     ) -> Result<(), SrqOnOtherCq> {
-        if !srq.belongs_to(self) {
+        if !self.owns(srq) {
             return Err(SrqOnOtherCq { srq: srq.number() });
         }
         self.inner
@@ -221,14 +244,7 @@ impl WrLedger {
     /// Detaches `account` from (qp_num, side), if it is still the one
     /// attached there.
     pub(crate) fn detach(&self, qp_num: u32, side: Side, account: &Arc<QueueAccount>) {
-        let mut q = self.inner.queues.write();
-        if q.get(&(qp_num, side))
-            .is_some_and(|a| Arc::ptr_eq(a, account))
-        {
-            q.remove(&(qp_num, side));
-            drop(q);
-            self.changed();
-        }
+        self.inner.detach(qp_num, side, account);
     }
 
     /// The account completions of (qp_num, side) retire.
