@@ -117,6 +117,17 @@ impl ChannelInner {
     /// Reads every pending event (`ibv_get_cq_event` to EAGAIN) and counts
     /// each on its CQ (steps 1–4 of `cqd_core::notifier`).
     fn drain(&self) -> Result<(), SourceError> {
+        self.drain_up_to(u32::MAX)
+    }
+
+    /// As [`drain`](Self::drain), stopping after `limit` events. A CQ's own
+    /// channel holds at most one: an arm is one-shot, and its poller arms it
+    /// again only after taking the event the last arm raised. So its poller
+    /// reads one event and stops, without the read that would only return
+    /// EAGAIN (one system call per wake-up fewer; an event left behind,
+    /// were there one, keeps the descriptor readable and is read at the
+    /// next wake-up).
+    fn drain_up_to(&self, limit: u32) -> Result<(), SourceError> {
         if self.ctx.fatal.load(Ordering::Acquire) {
             // A disassociated device's channel may stay readable (an error
             // condition) with nothing to read: say so, do not spin on it.
@@ -125,7 +136,7 @@ impl ChannelInner {
                 self.ctx.name
             )));
         }
-        loop {
+        for _ in 0..limit {
             // SAFETY: the channel is live and non-blocking.
             match unsafe { sys::get_cq_event(self.ch) } {
                 Ok(Some((cq, token))) => {
@@ -153,6 +164,7 @@ impl ChannelInner {
                 }
             }
         }
+        Ok(())
     }
 }
 
@@ -661,7 +673,7 @@ impl CompletionSource for VerbsCqSource {
             // CQ's events on its member.
             Ok(())
         } else {
-            self.cq.channel.drain()
+            self.cq.channel.drain_up_to(1)
         };
         let n = self.cq.member.take();
         self.unacked = self.unacked.saturating_add(n);

@@ -58,6 +58,12 @@ pub(super) const SAFETY_SWEEP: usize = 8;
 /// While the poller does not block (it has work, or spins), it still looks
 /// at the epoll set this often so that quiet CQs are not starved.
 const READY_CHECK: Duration = Duration::from_micros(50);
+/// Busy mode: a CQ of a group of several that finds nothing this many
+/// polls in a row goes cold…
+pub(super) const BUSY_COOL_AFTER: u32 = 64;
+/// …and the cold CQs are polled a slice per round, each at least once
+/// every this many rounds; one found holding completions is hot again.
+pub(super) const BUSY_COLD_SWEEP: usize = 128;
 
 /// One CQ's place in the sleep protocol.
 #[derive(Debug, Clone, Copy, Default)]
@@ -70,6 +76,8 @@ pub(super) struct CqState {
     errored: bool,
     /// Notifications collected since its last poll.
     events: u32,
+    /// Busy mode: polls in a row that found nothing, while hot.
+    empty: u32,
 }
 
 /// The epoll sets and the per-CQ states.
@@ -93,6 +101,10 @@ pub(super) struct Readiness {
     scratch: Vec<u64>,
     /// The next CQ the safety net polls.
     cursor: usize,
+    /// Busy mode: the next CQ the cold sweep looks at, and the next whose
+    /// asynchronous events it checks.
+    cold_cursor: usize,
+    async_cursor: usize,
     last_safety: Instant,
     last_check: Instant,
     /// An asynchronous-event descriptor was ready: check every CQ.
@@ -162,6 +174,8 @@ impl Readiness {
             ctl_tokens: Vec::new(),
             scratch: Vec::new(),
             cursor: 0,
+            cold_cursor: 0,
+            async_cursor: 0,
             last_safety: now,
             last_check: now,
             async_ready: false,
@@ -283,12 +297,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         let slack = self.wake_timeout / 16;
         let safety_due = self.ready.last_safety.elapsed() + slack >= self.wake_timeout;
         if matches!(self.idle.mode(), PollMode::Busy) {
-            // Every CQ but those in error, which wait for the safety time.
-            for i in 0..self.cqs.len() {
-                if !self.ready.st[i].errored {
-                    total += self.poll_cq(i);
-                }
-            }
+            total += self.busy_round();
             if safety_due && !self.ready.errored.is_empty() {
                 self.ready.last_safety = Instant::now();
                 for j in 0..self.ready.errored.len() {
@@ -316,6 +325,64 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             self.hand_off_burst();
         } else {
             self.hand_off();
+        }
+        total
+    }
+
+    /// Busy mode's round: every hot CQ (on the active list), each up to its
+    /// round budget, so busy CQs share the poller fairly; then a slice of
+    /// the cold ones, rotating, so that each is polled at least once every
+    /// [`BUSY_COLD_SWEEP`] rounds. A hot CQ that finds nothing
+    /// [`BUSY_COOL_AFTER`] polls in a row goes cold (in a group of several;
+    /// a lone CQ stays hot), a cold one that finds completions is hot
+    /// again. So a round costs the hot CQs and about `1 / BUSY_COLD_SWEEP`
+    /// of the quiet ones, not the whole group; CQs in error wait for the
+    /// safety time.
+    fn busy_round(&mut self) -> usize {
+        let mut total = 0;
+        let n = self.cqs.len();
+        let mut j = 0;
+        while j < self.ready.active.len() {
+            let i = self.ready.active[j];
+            if self.ready.st[i].errored {
+                self.ready.st[i].active = false;
+                self.ready.active.swap_remove(j);
+                continue;
+            }
+            let got = self.poll_cq(i);
+            total += got;
+            let s = &mut self.ready.st[i];
+            if got > 0 {
+                s.empty = 0;
+            } else {
+                s.empty += 1;
+                if s.empty >= BUSY_COOL_AFTER && n > 1 {
+                    s.active = false;
+                    s.empty = 0;
+                    self.ready.active.swap_remove(j);
+                    continue;
+                }
+            }
+            j += 1;
+        }
+        let cold = n - self.ready.active.len();
+        let mut want = cold.div_ceil(BUSY_COLD_SWEEP);
+        let mut looked = 0;
+        while want > 0 && looked < n {
+            let i = self.ready.cold_cursor % n;
+            self.ready.cold_cursor = i + 1;
+            looked += 1;
+            let s = self.ready.st[i];
+            if s.active || s.errored {
+                continue;
+            }
+            want -= 1;
+            let got = self.poll_cq(i);
+            if got > 0 {
+                total += got;
+                self.ready.st[i].active = true;
+                self.ready.active.push(i);
+            }
         }
         total
     }
@@ -385,12 +452,12 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         total
     }
 
-    /// Asynchronous events: every CQ in Busy mode or after an async
-    /// descriptor was ready; otherwise the active ones (the safety round
-    /// checks the quiet ones slice by slice).
+    /// Asynchronous events: every CQ after an async descriptor was ready;
+    /// otherwise the active ones (in Busy mode, the hot ones). The quiet
+    /// ones are checked by the safety round slice by slice, in Busy mode
+    /// (which looks at no epoll set) an eighth of them every `READY_CHECK`.
     pub(super) fn check_async(&mut self) {
-        if matches!(self.idle.mode(), PollMode::Busy) || std::mem::take(&mut self.ready.async_ready)
-        {
+        if std::mem::take(&mut self.ready.async_ready) {
             for cq in &mut self.cqs {
                 cq.check_async();
             }
@@ -414,6 +481,16 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         self.ready.last_check = now;
         if matches!(self.idle.mode(), PollMode::Busy) {
             self.on_doorbell();
+            // Busy mode looks at no epoll set: the asynchronous events of
+            // the cold CQs are checked here (the hot ones' every loop), a
+            // rotating eighth of the group each time, so every CQ's within
+            // 8 × READY_CHECK.
+            let n = self.cqs.len();
+            for _ in 0..n.div_ceil(SAFETY_SWEEP) {
+                let i = self.ready.async_cursor % n;
+                self.ready.async_cursor = i + 1;
+                self.cqs[i].check_async();
+            }
         } else {
             self.collect_now();
         }
