@@ -309,11 +309,13 @@ impl Ring {
         let c = self.retire.lock();
         let tail = self.pos.tail.load(Ordering::Acquire);
         let committed = self.pos.committed.load(Ordering::Acquire);
+        let head_at_lock = c.head;
         Retirer {
             ring: self,
             c,
             tail,
             committed,
+            head_at_lock,
         }
     }
 }
@@ -520,6 +522,8 @@ pub(crate) struct Retirer<'a> {
     c: ShortGuard<'a, Consumer>,
     tail: u64,
     committed: u64,
+    /// `head` when the lock was taken (published again only if it moved).
+    head_at_lock: u64,
 }
 
 impl Retirer<'_> {
@@ -593,11 +597,10 @@ impl Retirer<'_> {
     ) -> (u64, bool) {
         // The common case: the live entry at `head` (step 6 done here,
         // lazily: the entry at `head` is read anyway).
-        if let Some(e) = self.at_head() {
+        if let Some((e, w)) = self.at_head() {
+            // Below `committed` the entry is final for the posters: no
+            // write (`head` moves past it).
             if e.wr_id.load(Ordering::Relaxed) == wr_id && self.c.head < self.committed {
-                // Final for the posters: a plain read, and no write (`head`
-                // moves past it).
-                let w = e.word.load(Ordering::Relaxed);
                 if w & SIGNALED != 0 || !success {
                     self.c.head += 1;
                     return (u64::from(w & CREDIT != 0), true);
@@ -683,9 +686,9 @@ impl Retirer<'_> {
         self.at_head().is_none()
     }
 
-    /// Step 6, then the live entry at `head`, if any.
+    /// Step 6, then the live entry at `head` and its word, if any.
     #[inline]
-    fn at_head(&mut self) -> Option<&'static Entry> {
+    fn at_head(&mut self) -> Option<(&'static Entry, u64)> {
         loop {
             let c = &mut *self.c;
             if c.head >= self.tail {
@@ -696,8 +699,9 @@ impl Retirer<'_> {
                 continue;
             }
             let e = c.at.at(c.head);
-            if e.word.load(Ordering::Acquire) & STATE == LIVE {
-                return Some(e);
+            let w = e.word.load(Ordering::Acquire);
+            if w & STATE == LIVE {
+                return Some((e, w));
             }
             c.head += 1;
         }
@@ -728,7 +732,9 @@ impl Retirer<'_> {
 
 impl Drop for Retirer<'_> {
     fn drop(&mut self) {
-        self.ring.head.store(self.c.head, Ordering::Release);
+        if self.c.head != self.head_at_lock {
+            self.ring.head.store(self.c.head, Ordering::Release);
+        }
     }
 }
 
