@@ -1,6 +1,7 @@
 //! The dispatcher's integration scenarios, written once and run against
-//! both backends — the simulated NIC (cqd-sim) and libibverbs on the
-//! softverbs device (cqd-verbs) — in every poll mode where it makes sense.
+//! three backends — the simulated NIC (cqd-sim), libibverbs on the
+//! softverbs device (cqd-verbs) and libibverbs on the kernel's Soft-RoCE
+//! (rxe, in a VM) — in every poll mode where it makes sense.
 //!
 //! Each scenario is one generic function over [`backend::Backend`] (a
 //! device, CQs, connected QP pairs, memory, work requests); handlers post
@@ -20,7 +21,22 @@
 //! softverbs-run, root)` to fd 2 and passes; the sim half always runs.
 //! `CQD_SUITE_TIMES=1` prints each test's run time to fd 2.
 //!
-//! Every cell runs on both backends; none is ignored.
+//! The rxe third runs where `CQD_RXE` names an rxe device, which
+//! scripts/rxe-vm.sh sets up in a VM (docs/verbs.md, "Running on
+//! Soft-RoCE in a VM"); it runs the binary built on the host:
+//!
+//! ```sh
+//! cargo test -p cqd-verbs --release --test two_backends --no-run   # prints the binary
+//! scripts/rxe-vm.sh target/release/deps/two_backends-HASH ::rxe:: --test-threads=1
+//! ```
+//!
+//! Elsewhere each rxe test prints `SKIPPED: <name> (needs rxe, ...)`.
+//! Under TCG the rxe third runs the exactly-once volume divided by
+//! [`backend::Backend::SIZE_DIV`] and every wait's limit multiplied by
+//! `support::slow()`; the device-death scenarios say why they cannot run
+//! there ([`backend::Backend::cannot_run`]).
+//!
+//! Every cell runs on every backend; none is ignored.
 #![allow(missing_docs)]
 
 #[path = "two_backends/backend.rs"]
@@ -43,15 +59,20 @@ use cqd_core::{
     Side, Status, SystemReport,
 };
 use support::{
-    launcher_or_skip, mode, poller, poller_with, readable, retry, wait_until, within, Ev, Log,
+    device_or_skip, mode, poller, poller_with, readable, retry, wait_until, within, Ev, Log,
     Recorder, Spy,
 };
 use ud_atomic::{atomics, mixed_kinds, ud_routing};
 
-/// Runs one cell of the matrix: skips the verbs half outside the
-/// launcher, times the run.
+/// Runs one cell of the matrix: skips a verbs backend without its device
+/// (and a scenario the backend cannot run, saying why), times the run.
 fn run<B: Backend>(test: &str, scenario: impl FnOnce()) {
-    if B::NAME == "verbs" && !launcher_or_skip(test) {
+    if !device_or_skip(B::NAME, test) {
+        return;
+    }
+    let name = test.split("::").next().unwrap_or(test);
+    if let Some(why) = B::cannot_run(name) {
+        support::say(&format!("SKIPPED: {test} ({why})\n"));
         return;
     }
     let start = Instant::now();
@@ -146,8 +167,12 @@ fn assert_log_matches_ledger(who: &str, log: &Log, reg: &Registration) {
 const EO_HANDLERS: usize = 64;
 const EO_ROUNDS: u32 = 800;
 const EO_PAIRS: usize = 4;
+const EO_TOTAL: usize = 100_000;
 
 fn exactly_once<B: Backend>(mode_name: &str) {
+    // Divided on a device under TCG (rxe in the VM: 100 rounds, 12,800
+    // completions).
+    let rounds = EO_ROUNDS / B::SIZE_DIV;
     let dev = B::open();
     let (cq0, u0, h0) = B::dispatched_cq(&dev, "eo0", 4096, true);
     let (cq1, u1, h1) = B::dispatched_cq(&dev, "eo1", 4096, true);
@@ -183,11 +208,11 @@ fn exactly_once<B: Backend>(mode_name: &str) {
                 let mut next = [0u32; EO_HANDLERS];
                 let ssg = [B::sge(mr, 0, 8)];
                 let rsg = [B::sge(mr, 4096, 64)];
-                let deadline = Instant::now() + Duration::from_secs(30);
+                let deadline = Instant::now() + support::secs(30);
                 loop {
                     let (mut left, mut posted) = (false, false);
                     for &i in &mine {
-                        if next[i] == EO_ROUNDS {
+                        if next[i] == rounds {
                             continue;
                         }
                         left = true;
@@ -227,8 +252,8 @@ fn exactly_once<B: Backend>(mode_name: &str) {
         let evs = log.snapshot();
         let who = format!("{} handler {i}", B::NAME);
         assert!(evs.iter().all(|e| e.ok), "{who}: an error: {evs:?}");
-        assert_each_once(&who, &evs, OpKind::Send, 0..EO_ROUNDS);
-        assert_each_once(&who, &evs, OpKind::Recv, 0..EO_ROUNDS);
+        assert_each_once(&who, &evs, OpKind::Send, 0..rounds);
+        assert_each_once(&who, &evs, OpKind::Recv, 0..rounds);
         assert_log_matches_ledger(&who, log, reg);
         total += evs.len();
     }
@@ -237,7 +262,10 @@ fn exactly_once<B: Backend>(mode_name: &str) {
         polled, total as u64,
         "every polled completion was delivered"
     );
-    assert!(total >= 100_000, "{total} completions");
+    assert!(
+        total >= EO_TOTAL / B::SIZE_DIV as usize,
+        "{total} completions"
+    );
     for (cq, _) in &cqs {
         assert_eq!(B::credits_in_use(cq), 0);
     }
@@ -1643,7 +1671,7 @@ fn two_processes_sim(m: &str) {
     responder_thread.join().expect("the responder thread");
 }
 
-fn two_processes_verbs(test: &str, m: &str) {
+fn two_processes_verbs<B: Backend>(test: &str, m: &str) {
     use std::net::{TcpListener, TcpStream};
     if let Ok(addr) = std::env::var(PEER_ENV) {
         // The child: the responder.
@@ -1652,8 +1680,8 @@ fn two_processes_verbs(test: &str, m: &str) {
             r: BufReader::new(s.try_clone().expect("clone")),
             w: s,
         };
-        let dev = backend::Verbs::open();
-        responder::<backend::Verbs, _>(&dev, &mut link, m);
+        let dev = B::open();
+        responder::<B, _>(&dev, &mut link, m);
         return;
     }
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -1667,14 +1695,14 @@ fn two_processes_verbs(test: &str, m: &str) {
         .spawn()
         .expect("spawn the peer process");
     let (s, _) = listener.accept().expect("the peer connects");
-    s.set_read_timeout(Some(Duration::from_secs(30)))
+    s.set_read_timeout(Some(support::secs(30)))
         .expect("timeout");
     let mut link = Link {
         r: BufReader::new(s.try_clone().expect("clone")),
         w: s,
     };
-    let dev = backend::Verbs::open();
-    initiator::<backend::Verbs, _>(&dev, &mut link, m);
+    let dev = B::open();
+    initiator::<B, _>(&dev, &mut link, m);
     let out = child.wait_with_output().expect("the peer process");
     assert!(
         out.status.success(),
@@ -1715,6 +1743,17 @@ macro_rules! matrix {
                         let name = concat!(stringify!($scenario), "::verbs::", stringify!($mode));
                         crate::run::<crate::backend::Verbs>(name, || {
                             crate::$scenario::<crate::backend::Verbs>(stringify!($mode))
+                        });
+                    }
+                )+
+            }
+            mod rxe {
+                $(
+                    #[test]
+                    fn $mode() {
+                        let name = concat!(stringify!($scenario), "::rxe::", stringify!($mode));
+                        crate::run::<crate::backend::Rxe>(name, || {
+                            crate::$scenario::<crate::backend::Rxe>(stringify!($mode))
                         });
                     }
                 )+
@@ -1780,7 +1819,18 @@ macro_rules! two_processes {
                     fn $mode() {
                         let name = concat!("two_processes::verbs::", stringify!($mode));
                         crate::run::<crate::backend::Verbs>(name, || {
-                            crate::two_processes_verbs(name, stringify!($mode))
+                            crate::two_processes_verbs::<crate::backend::Verbs>(name, stringify!($mode))
+                        });
+                    }
+                )+
+            }
+            mod rxe {
+                $(
+                    #[test]
+                    fn $mode() {
+                        let name = concat!("two_processes::rxe::", stringify!($mode));
+                        crate::run::<crate::backend::Rxe>(name, || {
+                            crate::two_processes_verbs::<crate::backend::Rxe>(name, stringify!($mode))
                         });
                     }
                 )+
