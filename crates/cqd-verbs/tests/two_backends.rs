@@ -501,7 +501,30 @@ fn errors_by_side<B: Backend>(mode_name: &str) {
         .unwrap();
     expected.push((Side::Recv, OpKind::Recv, 5, Status::WrFlush));
     expected.push((Side::Send, OpKind::Send, 13, Status::WrFlush));
-    assert!(wait_until(Duration::from_secs(10), || log.len() == 10));
+    if !B::RECV_IN_ERR_FLUSHED {
+        // rxe: the send flushed, the receive waits (Backend::
+        // RECV_IN_ERR_FLUSHED); it must not complete on its own, and the
+        // next move to ERR flushes it.
+        assert!(
+            wait_until(Duration::from_secs(10), || log.len() == 9),
+            "{}: the send posted in ERR: {:?}",
+            B::NAME,
+            log.errors()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(log.len(), 9, "{}: {:?}", B::NAME, log.errors());
+        support::say(&format!(
+            "NOTE: errors_by_side::{}::{mode_name}: a receive posted in ERR was not flushed; moving the QP to ERR again\n",
+            B::NAME
+        ));
+        B::to_error(&a1);
+    }
+    assert!(
+        wait_until(Duration::from_secs(10), || log.len() == 10),
+        "{}: posts to a QP in ERR: {:?}",
+        B::NAME,
+        log.errors()
+    );
     assert_eq!(log.errors(), sorted(expected.clone()), "{}", B::NAME);
     // 2. An RDMA WRITE beyond the peer's region: a send-side error.
     let (addr, rkey) = B::remote_parts(B::remote(&m, 0));
@@ -515,8 +538,10 @@ fn errors_by_side<B: Backend>(mode_name: &str) {
     reg.post_recv(&b3, &mut [B::recv_wr(30, &short)]).unwrap();
     reg.post_send(&a3, &mut [B::send_wr(31, Op::Send, &ss, true)])
         .unwrap();
-    expected.push((Side::Recv, OpKind::Recv, 30, Status::LocalLength));
-    expected.push((Side::Send, OpKind::Send, 31, Status::RemoteInvalidRequest));
+    // (rxe 6.1 reports other statuses for it: Backend::SHORT_RECV.)
+    let (recv_status, send_status) = B::SHORT_RECV;
+    expected.push((Side::Recv, OpKind::Recv, 30, recv_status));
+    expected.push((Side::Send, OpKind::Send, 31, send_status));
     assert!(wait_until(Duration::from_secs(10), || log.len() == 13));
     assert_eq!(log.errors(), sorted(expected), "{}", B::NAME);
     assert!(log.snapshot().iter().all(|e| !e.ok), "no success expected");
@@ -762,7 +787,10 @@ const PARKED: u32 = 1000;
 
 fn stop_in_flight<B: Backend>(mode_name: &str) {
     let dev = B::open();
-    let (cq, u, h) = B::dispatched_cq(&dev, "stop", 32768, true);
+    // 32,768 entries, or the device's most (rxe: 32,767); both admit the
+    // 21,760 the queues below need.
+    let cqe = 32768.min(B::max_cqe(&dev));
+    let (cq, u, h) = B::dispatched_cq(&dev, "stop", cqe, true);
     // Depths the device grants as asked (softverbs rounds up to a power
     // of two: 1024 is exact).
     let cap = Cap {
