@@ -24,6 +24,11 @@
 #   RXE_VM_ENV      names of further variables to pass into the guest
 #   RXE_VM_LOGDIR   a host directory the guest may write ($RXE_VM_LOGDIR
 #                   inside too; default: none)
+#   RXE_VM_NET      two VMs: `listen:PORT:N` or `connect:PORT:N` gives
+#                   this VM a virtio NIC joined to the other VM's by QEMU's
+#                   socket backend over 127.0.0.1:PORT (the listening VM
+#                   first); the guest's NIC gets 10.77.0.N/24 and rxe0 goes
+#                   on it instead of lo. Nothing else is reachable.
 #
 # Inside, COMMAND runs in the current directory with CQD_RXE=rxe0 (the
 # device name; the shared suite's rxe backend keys on it), RXE_GID_INDEX=1
@@ -115,6 +120,18 @@ fi
 accel_opts=()
 [[ $accel == kvm ]] || accel_opts=(--disable-kvm)
 
+net_opts=() rxe_netdev=lo guest_ip=
+if [[ -n ${RXE_VM_NET:-} ]]; then
+    IFS=: read -r net_role net_port net_n <<<"$RXE_VM_NET"
+    [[ $net_role == listen || $net_role == connect ]] && [[ $net_port =~ ^[0-9]+$ && $net_n =~ ^[0-9]+$ ]] ||
+        { echo "rxe-vm: RXE_VM_NET is listen:PORT:N or connect:PORT:N, not $RXE_VM_NET" >&2; exit 2; }
+    mac=$(printf '52:54:00:77:00:%02x' "$net_n")
+    # The PCI machine (virtme-ng's default microvm has no PCI bus).
+    net_opts=(--disable-microvm --qemu-opts
+        "-netdev socket,id=n0,$net_role=127.0.0.1:$net_port -device virtio-net-pci,netdev=n0,mac=$mac")
+    rxe_netdev=auto guest_ip=10.77.0.$net_n/24
+fi
+
 # 3. The guest's script: rxe up on lo, then COMMAND, its status returned.
 #    The run directory goes in as a --rwdir (virtme-ng's overlay hides
 #    /var/cache from the guest, and the kernel's command line is too short
@@ -129,16 +146,30 @@ trap 'rm -rf "$run"' EXIT
     for v in HOME CARGO_TARGET_DIR RUST_BACKTRACE CQD_SUITE_TIMES RXE_VM_LOGDIR ${RXE_VM_ENV:-}; do
         if [[ -n ${!v+x} ]]; then echo "export $v=$(printf '%q' "${!v}")"; fi
     done
+    printf 'rxe_netdev=%q guest_ip=%q\n' "$rxe_netdev" "$guest_ip"
     cat <<'EOF'
 ip link set lo up
+if [ "$rxe_netdev" = auto ]; then
+    # The one NIC besides lo (virtio: eth0 or enp0sN).
+    rxe_netdev=$(ls /sys/class/net | grep -v '^lo$' | head -1)
+    [ -n "$rxe_netdev" ] || { echo "rxe-vm: no NIC in the guest" >&2; exit 97; }
+    ip addr add "$guest_ip" dev "$rxe_netdev"
+    ip link set "$rxe_netdev" up
+    export RXE_VM_ADDR=${guest_ip%/*}
+fi
 modprobe rdma_rxe
-rdma link add rxe0 type rxe netdev lo
+rdma link add rxe0 type rxe netdev "$rxe_netdev"
 i=0
 until grep -q ACTIVE /sys/class/infiniband/rxe0/ports/1/state 2>/dev/null; do
     i=$((i + 1)); [ $i -lt 100 ] || { echo "rxe-vm: rxe0 never became ACTIVE" >&2; exit 97; }
     sleep 0.1
 done
-echo "rxe-vm: rxe0 up on lo ($(uname -r), GID 1 $(cat /sys/class/infiniband/rxe0/ports/1/gids/1))" >&2
+i=0
+until [ "$(cat /sys/class/infiniband/rxe0/ports/1/gids/1)" != 0000:0000:0000:0000:0000:0000:0000:0000 ]; do
+    i=$((i + 1)); [ $i -lt 100 ] || { echo "rxe-vm: rxe0 has no GID 1" >&2; exit 97; }
+    sleep 0.1
+done
+echo "rxe-vm: rxe0 up on $rxe_netdev ($(uname -r), GID 1 $(cat /sys/class/infiniband/rxe0/ports/1/gids/1))" >&2
 EOF
     printf 'cd %q\n' "$PWD"
     printf 'exec </dev/null\n'
@@ -154,7 +185,7 @@ log "booting $(basename "$KERNEL") ($accel, $CPUS CPUs, $MEM, timeout ${TIMEOUT}
 t0=$(date +%s)
 rc=0
 timeout --kill-after=10 "$TIMEOUT" vng --run "$KERNEL" "${accel_opts[@]}" --cpus "$CPUS" --memory "$MEM" \
-    "${rw[@]}" --exec "sh $run/guest.sh" </dev/null || rc=$?
+    "${net_opts[@]}" "${rw[@]}" --exec "sh $run/guest.sh" </dev/null || rc=$?
 log "VM done in $(( $(date +%s) - t0 )) s, status $rc"
 [[ $rc -ne 124 ]] || log "the VM run hit its ${TIMEOUT} s timeout"
 exit "$rc"

@@ -65,9 +65,6 @@ pub trait Backend: Sized + 'static {
         cqd_core::Status::LocalLength,
         cqd_core::Status::RemoteInvalidRequest,
     );
-    /// Divides the scenarios' largest sizes (the exactly-once volume): 1
-    /// but on a device emulated under TCG.
-    const SIZE_DIV: u32 = 1;
     /// Why `scenario` cannot run on this backend, if it cannot.
     fn cannot_run(scenario: &str) -> Option<&'static str> {
         let _ = scenario;
@@ -547,8 +544,6 @@ pub trait Flavour: Send + Sync + 'static {
     const OVERFLOW_STICKY: bool;
     /// See [`Backend::GRH_ALWAYS`].
     const GRH_ALWAYS: bool;
-    /// See [`Backend::SIZE_DIV`].
-    const SIZE_DIV: u32;
     /// See [`Backend::RECV_IN_ERR_FLUSHED`].
     const RECV_IN_ERR_FLUSHED: bool;
     /// See [`Backend::SHORT_RECV`].
@@ -583,7 +578,6 @@ impl Flavour for Soft {
     const NAME: &'static str = "verbs";
     const OVERFLOW_STICKY: bool = false;
     const GRH_ALWAYS: bool = false;
-    const SIZE_DIV: u32 = 1;
     const RECV_IN_ERR_FLUSHED: bool = true;
     const SHORT_RECV: (cqd_core::Status, cqd_core::Status) = Sim::SHORT_RECV;
 
@@ -660,7 +654,6 @@ impl Flavour for RxeDevice {
     // 14 of 512 writes delivered, 78-81 retired by the ledger).
     const OVERFLOW_STICKY: bool = false;
     const GRH_ALWAYS: bool = true;
-    const SIZE_DIV: u32 = 8;
     const RECV_IN_ERR_FLUSHED: bool = false;
     const SHORT_RECV: (cqd_core::Status, cqd_core::Status) = (
         cqd_core::Status::LocalQpOperation,
@@ -712,7 +705,6 @@ impl<F: Flavour> Backend for VerbsOn<F> {
     const NAME: &'static str = F::NAME;
     const OVERFLOW_STICKY: bool = F::OVERFLOW_STICKY;
     const GRH_ALWAYS: bool = F::GRH_ALWAYS;
-    const SIZE_DIV: u32 = F::SIZE_DIV;
     const RECV_IN_ERR_FLUSHED: bool = F::RECV_IN_ERR_FLUSHED;
     const SHORT_RECV: (cqd_core::Status, cqd_core::Status) = F::SHORT_RECV;
 
