@@ -22,6 +22,9 @@ if [[ ${1:-} == --guest-serve ]]; then
     exit
 fi
 if [[ ${1:-} == --guest-load ]]; then
+    # Until the other VM's server listens (it boots at the same time). Each
+    # probe is a connection the server logs as a refused handshake and
+    # carries on.
     for _ in $(seq 1 200); do
         timeout 2 bash -c 'exec 3<>/dev/tcp/10.77.0.1/18530' 2>/dev/null && break
         sleep 1

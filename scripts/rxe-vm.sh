@@ -127,8 +127,9 @@ if [[ -n ${RXE_VM_NET:-} ]]; then
         { echo "rxe-vm: RXE_VM_NET is listen:PORT:N or connect:PORT:N, not $RXE_VM_NET" >&2; exit 2; }
     mac=$(printf '52:54:00:77:00:%02x' "$net_n")
     # The PCI machine (virtme-ng's default microvm has no PCI bus).
-    net_opts=(--disable-microvm --qemu-opts
-        "-netdev socket,id=n0,$net_role=127.0.0.1:$net_port -device virtio-net-pci,netdev=n0,mac=$mac")
+    # (--qemu-opts=...: as a separate word vng's parser takes it for a flag.)
+    net_opts=(--disable-microvm
+        "--qemu-opts=-netdev socket,id=n0,$net_role=127.0.0.1:$net_port -device virtio-net-pci,netdev=n0,mac=$mac")
     rxe_netdev=auto guest_ip=10.77.0.$net_n/24
 fi
 
