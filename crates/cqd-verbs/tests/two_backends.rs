@@ -194,7 +194,7 @@ fn exactly_once<B: Backend>(mode_name: &str) {
     // Handler i is on CQ i % 2 and pair (i / 2) % EO_PAIRS of it; posting
     // thread (i / 8) % 2 posts for it, so both threads post on every pair
     // at once. Round-robin, each handler with at most 4 (receive, send)
-    // EO_ROUNDS in flight: a receive on b, then a send on a (which consumes
+    // rounds in flight: a receive on b, then a send on a (which consumes
     // the oldest receive on b, whichever handler posted it).
     std::thread::scope(|s| {
         for c in 0..2 {

@@ -157,7 +157,9 @@ pub fn poller_with(
 
 /// How much slower than the host this process runs: 1, or
 /// `CQD_SUITE_SLOW` (scripts/rxe-vm.sh sets `RXE_VM`, which makes it 8: a
-/// VM under TCG runs the same code about that much slower). Every
+/// margin for a VM under TCG on a shared machine, not a measured ratio;
+/// the rxe third's slowest test, `overflow`, takes 2.5 s, most of it its
+/// poller's scaled 300 ms drain timeout). Every
 /// limit of the suite (waits, hang checks, posting retries, poller
 /// drain and stop timeouts) is multiplied by it; what is asserted is not.
 pub fn slow() -> u32 {
