@@ -7,7 +7,8 @@
 #   3. examples/send_lat, and
 #   4. the demo in one process, and as serve + load on the VM's loopback,
 # then, in two VMs joined by QEMU's socket network backend over 127.0.0.1,
-#   5. cqd-demo serve in one and load in the other,
+#   5. cqd-demo serve in one and load in the other, over the TCP exchange
+#      and through rdma_cm,
 # and fails if any of them fails. Root, no stdin. Where the VM cannot run,
 # scripts/rxe-vm.sh says SKIPPED and this exits 0. Every client runs under
 # `timeout`, each VM under its own (RXE_VM_TIMEOUT: 840 s, 300 s for the two).
@@ -17,7 +18,8 @@ cd "$(dirname "$0")/.."
 # The two-VM demo's halves (5. below): serve in the VM at 10.77.0.1,
 # load in the one at 10.77.0.2, rxe0 on each one's virtio NIC.
 if [[ ${1:-} == --guest-serve ]]; then
-    timeout 240 "$DEMO" serve --device rxe0 --gid-index "$RXE_GID_INDEX" --quick \
+    shift
+    timeout 240 "$DEMO" serve --device rxe0 --gid-index "$RXE_GID_INDEX" --quick "$@" \
         --listen "$RXE_VM_ADDR:18530" --accept-timeout 200s
     exit
 fi
@@ -29,7 +31,8 @@ if [[ ${1:-} == --guest-load ]]; then
         timeout 2 bash -c 'exec 3<>/dev/tcp/10.77.0.1/18530' 2>/dev/null && break
         sleep 1
     done
-    timeout 120 "$DEMO" load --device rxe0 --gid-index "$RXE_GID_INDEX" --quick --server 10.77.0.1:18530
+    shift
+    timeout 120 "$DEMO" load --device rxe0 --gid-index "$RXE_GID_INDEX" --quick "$@" --server 10.77.0.1:18530
     exit
 fi
 
@@ -185,28 +188,32 @@ if grep -q '^SKIPPED: rxe-vm' "$RXE_VM_LOGDIR/vm.log"; then exit 0; fi
 
 # 5. Two VMs, each with its own kernel and rxe0 on its own virtio NIC, the
 #    NICs joined by QEMU's socket backend over 127.0.0.1 (nothing else on
-#    that link): cqd-demo serve in one, load in the other, one vCPU each.
-port=$((30000 + $$ % 1000))
+#    that link): cqd-demo serve in one, load in the other, one vCPU each;
+#    the QPs connected over the TCP exchange, then through rdma_cm (which
+#    fails on rxe bound to lo: rdma_resolve_route, ENODEV).
 two=0
-RXE_VM_CPUS=1 RXE_VM_MEM=1G RXE_VM_TIMEOUT=300 RXE_VM_NET=listen:$port:1 RXE_VM_ENV=DEMO \
-    bash scripts/rxe-vm.sh bash .ci/rxe.sh --guest-serve >"$RXE_VM_LOGDIR/two-vm.serve.log" 2>&1 &
-spid=$!
-sleep 3 # QEMU's listening socket first
-src=0 lrc=0
-RXE_VM_CPUS=1 RXE_VM_MEM=1G RXE_VM_TIMEOUT=300 RXE_VM_NET=connect:$port:2 RXE_VM_ENV=DEMO \
-    bash scripts/rxe-vm.sh bash .ci/rxe.sh --guest-load >"$RXE_VM_LOGDIR/two-vm.load.log" 2>&1 || lrc=$?
-wait "$spid" || src=$?
-sl=$RXE_VM_LOGDIR/two-vm.serve.log ll=$RXE_VM_LOGDIR/two-vm.load.log
-if [[ $src -eq 0 && $lrc -eq 0 ]] && grep -q 'verdict data:     PASSED' "$ll" \
-    && grep -q 'verdict accounts: PASSED' "$ll" && grep -q 'verdict accounts: PASSED' "$sl" \
-    && grep -q 'verdict session:  PASSED' "$sl"; then
-    echo "ok   demo_two_vms (serve in one VM, load in the other, rxe over QEMU's socket link):"
-    grep -aE '^(load +[0-9]|verdict)' "$ll" | sed 's/^/       load: /'
-    grep -aE '^verdict' "$sl" | sed 's/^/       serve: /'
-else
-    echo "FAIL demo_two_vms (serve VM rc=$src, load VM rc=$lrc)"
-    echo "--- serve VM"; tail -30 "$sl"; echo "--- load VM"; tail -30 "$ll"
-    two=1
-fi
-echo "rxe: done in $(( $(date +%s) - start )) s, status $rc (one VM), $two (two VMs)"
+for cm in tcp rdmacm; do
+    port=$((30000 + $$ % 1000 + ${#cm}))
+    sl=$RXE_VM_LOGDIR/two-vm.$cm.serve.log ll=$RXE_VM_LOGDIR/two-vm.$cm.load.log
+    RXE_VM_CPUS=1 RXE_VM_MEM=1G RXE_VM_TIMEOUT=300 RXE_VM_NET=listen:$port:1 RXE_VM_ENV=DEMO \
+        bash scripts/rxe-vm.sh bash .ci/rxe.sh --guest-serve --cm "$cm" >"$sl" 2>&1 &
+    spid=$!
+    sleep 3 # QEMU's listening socket first
+    src=0 lrc=0
+    RXE_VM_CPUS=1 RXE_VM_MEM=1G RXE_VM_TIMEOUT=300 RXE_VM_NET=connect:$port:2 RXE_VM_ENV=DEMO \
+        bash scripts/rxe-vm.sh bash .ci/rxe.sh --guest-load --cm "$cm" >"$ll" 2>&1 || lrc=$?
+    wait "$spid" || src=$?
+    if [[ $src -eq 0 && $lrc -eq 0 ]] && grep -aq 'verdict data:     PASSED' "$ll" \
+        && grep -aq 'verdict accounts: PASSED' "$ll" && grep -aq 'verdict accounts: PASSED' "$sl" \
+        && grep -aq 'verdict session:  PASSED' "$sl"; then
+        echo "ok   demo_two_vms_$cm (serve in one VM, load in the other, --cm $cm, rxe over QEMU's socket link):"
+        grep -aE '^(load +[0-9]|verdict)' "$ll" | sed 's/^/       load: /'
+        grep -aE '^verdict' "$sl" | sed 's/^/       serve: /'
+    else
+        echo "FAIL demo_two_vms_$cm (serve VM rc=$src, load VM rc=$lrc)"
+        echo "--- serve VM"; tail -30 "$sl"; echo "--- load VM"; tail -30 "$ll"
+        two=$((two + 1))
+    fi
+done
+echo "rxe: done in $(( $(date +%s) - start )) s, status $rc (one VM), $two two-VM run(s) failed"
 [[ $rc -eq 0 && $two -eq 0 ]]
