@@ -1,6 +1,9 @@
 //! The one seam between the scenarios and a NIC: what a scenario needs of a
 //! backend (a device, CQs, connected QP pairs, memory, work requests), for
-//! the simulated NIC (cqd-sim) and for libibverbs on softverbs (cqd-verbs).
+//! the simulated NIC (cqd-sim) and for libibverbs (cqd-verbs) on two
+//! devices: softverbs, and the kernel's Soft-RoCE (rxe) in a VM
+//! (scripts/rxe-vm.sh). The two verbs backends are one implementation,
+//! [`VerbsOn`], over a [`Flavour`] that holds what differs.
 //! Posting itself is not here: scenarios post through a handler's
 //! `Registration`, generic over cqd_core's `PostSend` / `PostRecv`.
 
@@ -40,8 +43,41 @@ impl Default for Cap {
 }
 
 pub trait Backend: Sized + 'static {
-    /// `sim` or `verbs`, for names and messages.
+    /// `sim`, `verbs` (softverbs) or `rxe`, for names and messages.
     const NAME: &'static str;
+    /// Every datagram carries a GRH (RoCE: there are no LIDs, an address
+    /// handle is always global).
+    const GRH_ALWAYS: bool = false;
+    /// A receive posted to a QP already in ERR is flushed at once (the
+    /// verbs specification; hardware does). False on rxe (kernel 6.1): its
+    /// provider writes receives into the queue from userspace and nothing
+    /// wakes the kernel's responder, so the receive waits for the next
+    /// move to ERR.
+    const RECV_IN_ERR_FLUSHED: bool = true;
+    /// The statuses of a SEND longer than the receive it lands in: the
+    /// receive's and the send's. The specification's (and softverbs'):
+    /// local length error and remote invalid request (the responder NAKs
+    /// the message as an invalid request). rxe on kernel 6.1 reports a
+    /// local QP operation error and a remote operational error instead
+    /// (its copy_data fails the copy with EINVAL, not ENOSPC, and the
+    /// responder takes that for a malformed WQE).
+    const SHORT_RECV: (cqd_core::Status, cqd_core::Status) = (
+        cqd_core::Status::LocalLength,
+        cqd_core::Status::RemoteInvalidRequest,
+    );
+    /// Why `scenario` cannot run on this backend, if it cannot.
+    fn cannot_run(scenario: &str) -> Option<&'static str> {
+        let _ = scenario;
+        None
+    }
+    /// Checks the 40 bytes a UD receive's buffer starts with, when the
+    /// completion says `IBV_WC_GRH`: an IPv6-shaped GRH from and to `gid`.
+    fn check_grh(grh: &[u8], gid: &[u8; 16]) {
+        assert_eq!(grh[0] >> 4, 6, "GRH: IP version 6");
+        assert_eq!(grh[6], 0x1b, "GRH: next header");
+        assert_eq!(&grh[8..24], &gid[..], "GRH: source GID");
+        assert_eq!(&grh[24..40], &gid[..], "GRH: destination GID");
+    }
     /// True when an overflowed CQ loses every later completion, as
     /// hardware's CQ in error does (the simulator); false when it accepts
     /// completions again once polled (softverbs, docs/softverbs.md
@@ -89,6 +125,8 @@ pub trait Backend: Sized + 'static {
     ) -> (Self::Cq, Self::Source);
     /// The entries the CQ really has.
     fn capacity(cq: &Self::Cq) -> u32;
+    /// The most entries a CQ of the device may have.
+    fn max_cqe(dev: &Self::Dev) -> u32;
     /// Credits in use on the CQ's budget.
     fn credits_in_use(cq: &Self::Cq) -> u64;
     /// CQ entries the CQ's budget holds admitted for live queues.
@@ -274,6 +312,10 @@ impl Backend for Sim {
 
     fn capacity(cq: &Self::Cq) -> u32 {
         cq.capacity()
+    }
+
+    fn max_cqe(_: &Self::Dev) -> u32 {
+        u32::MAX
     }
 
     fn credits_in_use(cq: &Self::Cq) -> u64 {
@@ -494,9 +536,163 @@ impl SimDev {
     }
 }
 
-/// libibverbs on the softverbs device.
+/// What differs between the devices cqd-verbs runs on in this suite.
+pub trait Flavour: Send + Sync + 'static {
+    /// The backend's name in test names and messages.
+    const NAME: &'static str;
+    /// See [`Backend::OVERFLOW_STICKY`].
+    const OVERFLOW_STICKY: bool;
+    /// See [`Backend::GRH_ALWAYS`].
+    const GRH_ALWAYS: bool;
+    /// See [`Backend::RECV_IN_ERR_FLUSHED`].
+    const RECV_IN_ERR_FLUSHED: bool;
+    /// See [`Backend::SHORT_RECV`].
+    const SHORT_RECV: (cqd_core::Status, cqd_core::Status);
+    /// The local GID index every endpoint and address handle uses (`None`:
+    /// none, routed by LID).
+    fn gid_index() -> Option<u8>;
+    /// Opens the device.
+    fn open() -> Result<cqd_verbs::Context, cqd_verbs::VerbsError>;
+    /// See [`Backend::cannot_run`].
+    fn cannot_run(scenario: &str) -> Option<&'static str>;
+    /// See [`Backend::check_grh`].
+    fn check_grh(grh: &[u8], gid: &[u8; 16]);
+    /// See [`Backend::kill`].
+    fn kill(dev: &VerbsDev);
+}
+
+/// libibverbs on a device of flavour `F`.
 #[derive(Debug)]
-pub struct Verbs;
+pub struct VerbsOn<F>(std::marker::PhantomData<F>);
+
+/// libibverbs on the softverbs device (under softverbs-run).
+pub type Verbs = VerbsOn<Soft>;
+/// libibverbs on the kernel's Soft-RoCE (in the VM of scripts/rxe-vm.sh).
+pub type Rxe = VerbsOn<RxeDevice>;
+
+/// softverbs: IB-style addressing by LID, killed on demand.
+#[derive(Debug)]
+pub struct Soft;
+
+impl Flavour for Soft {
+    const NAME: &'static str = "verbs";
+    const OVERFLOW_STICKY: bool = false;
+    const GRH_ALWAYS: bool = false;
+    const RECV_IN_ERR_FLUSHED: bool = true;
+    const SHORT_RECV: (cqd_core::Status, cqd_core::Status) = Sim::SHORT_RECV;
+
+    fn gid_index() -> Option<u8> {
+        None
+    }
+
+    fn open() -> Result<cqd_verbs::Context, cqd_verbs::VerbsError> {
+        cqd_verbs::Context::open_first()
+    }
+
+    fn cannot_run(_: &str) -> Option<&'static str> {
+        None
+    }
+
+    fn check_grh(grh: &[u8], gid: &[u8; 16]) {
+        Sim::check_grh(grh, gid);
+    }
+
+    fn kill(dev: &VerbsDev) {
+        type Inject = unsafe extern "C" fn(*mut cqd_verbs::raw::ibv_context) -> i32;
+        // SAFETY: dlsym with a NUL-terminated name; RTLD_DEFAULT searches
+        // the global scope, where softverbs-run preloads the provider.
+        let sym = unsafe {
+            libc::dlsym(
+                libc::RTLD_DEFAULT,
+                c"softverbs_inject_device_fatal".as_ptr(),
+            )
+        };
+        assert!(
+            !sym.is_null(),
+            "softverbs_inject_device_fatal not found: not running on softverbs"
+        );
+        // SAFETY: the symbol is the function docs/softverbs.md documents,
+        // with this signature.
+        let inject: Inject = unsafe { std::mem::transmute::<*mut libc::c_void, Inject>(sym) };
+        // SAFETY: the context is open while `dev` holds it.
+        let rc = unsafe { inject(dev.ctx.as_raw()) };
+        assert_eq!(rc, 0, "softverbs_inject_device_fatal failed: {rc}");
+    }
+}
+
+/// The environment variable naming the rxe device (scripts/rxe-vm.sh sets
+/// it to `rxe0`).
+pub const RXE_ENV: &str = "CQD_RXE";
+
+/// Why a device-death scenario cannot run on rxe.
+pub const RXE_NO_DEATH: &str = "rxe cannot die under an open context: it has no \
+    disassociate_ucontext, so `rdma link delete` blocks in the kernel until every \
+    process using the device has closed it, and no DEVICE_FATAL reaches a live one \
+    (measured in the VM, kernel 6.1)";
+
+/// The kernel's Soft-RoCE device named by `CQD_RXE`: RoCE v2, addressed by
+/// the IPv4-mapped GID `RXE_GID_INDEX` (1: `::ffff:127.0.0.1` on `lo`).
+#[derive(Debug)]
+pub struct RxeDevice;
+
+impl RxeDevice {
+    /// The device's name, if this process is meant to run on rxe and the
+    /// device exists.
+    pub fn name() -> Option<String> {
+        let name = std::env::var(RXE_ENV).ok()?;
+        std::path::Path::new("/sys/class/infiniband")
+            .join(&name)
+            .exists()
+            .then_some(name)
+    }
+}
+
+impl Flavour for RxeDevice {
+    const NAME: &'static str = "rxe";
+    // rxe drops the completion that finds its CQ full (with CQ_ERR) and
+    // posts the next ones once there is room, as softverbs does (measured:
+    // 14 of 512 writes delivered, 78-81 retired by the ledger).
+    const OVERFLOW_STICKY: bool = false;
+    const GRH_ALWAYS: bool = true;
+    const RECV_IN_ERR_FLUSHED: bool = false;
+    const SHORT_RECV: (cqd_core::Status, cqd_core::Status) = (
+        cqd_core::Status::LocalQpOperation,
+        cqd_core::Status::RemoteOperation,
+    );
+
+    fn gid_index() -> Option<u8> {
+        let i = std::env::var("RXE_GID_INDEX").ok();
+        Some(i.and_then(|i| i.parse().ok()).unwrap_or(1))
+    }
+
+    fn open() -> Result<cqd_verbs::Context, cqd_verbs::VerbsError> {
+        let name = Self::name().expect("CQD_RXE names no rxe device");
+        cqd_verbs::Context::open(&name)
+    }
+
+    fn cannot_run(scenario: &str) -> Option<&'static str> {
+        scenario.starts_with("device_gone").then_some(RXE_NO_DEATH)
+    }
+
+    fn check_grh(grh: &[u8], gid: &[u8; 16]) {
+        // RoCE v2 over IPv4: the 40 bytes hold 20 undefined ones, then the
+        // IPv4 header (the verbs specification's RoCE v2 annex).
+        assert_eq!(
+            &gid[..12],
+            &[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff],
+            "an IPv4-mapped GID"
+        );
+        let ip = &grh[20..40];
+        assert_eq!(ip[0] >> 4, 4, "IPv4 header: version 4: {ip:?}");
+        assert_eq!(ip[9], 17, "IPv4 header: protocol UDP: {ip:?}");
+        assert_eq!(&ip[12..16], &gid[12..], "IPv4 header: source address");
+        assert_eq!(&ip[16..20], &gid[12..], "IPv4 header: destination address");
+    }
+
+    fn kill(_: &VerbsDev) {
+        panic!("{RXE_NO_DEATH}");
+    }
+}
 
 /// A verbs device: its context and one protection domain.
 #[derive(Debug, Clone)]
@@ -505,9 +701,21 @@ pub struct VerbsDev {
     pub pd: cqd_verbs::Pd,
 }
 
-impl Backend for Verbs {
-    const NAME: &'static str = "verbs";
-    const OVERFLOW_STICKY: bool = false;
+impl<F: Flavour> Backend for VerbsOn<F> {
+    const NAME: &'static str = F::NAME;
+    const OVERFLOW_STICKY: bool = F::OVERFLOW_STICKY;
+    const GRH_ALWAYS: bool = F::GRH_ALWAYS;
+    const RECV_IN_ERR_FLUSHED: bool = F::RECV_IN_ERR_FLUSHED;
+    const SHORT_RECV: (cqd_core::Status, cqd_core::Status) = F::SHORT_RECV;
+
+    fn cannot_run(scenario: &str) -> Option<&'static str> {
+        F::cannot_run(scenario)
+    }
+
+    fn check_grh(grh: &[u8], gid: &[u8; 16]) {
+        F::check_grh(grh, gid);
+    }
+
     type Dev = VerbsDev;
     type Cq = cqd_verbs::Cq;
     type Source = cqd_verbs::VerbsCqSource;
@@ -521,7 +729,7 @@ impl Backend for Verbs {
     type Ah = cqd_verbs::Ah;
 
     fn open() -> Self::Dev {
-        let ctx = cqd_verbs::Context::open_first().expect("open the softverbs device");
+        let ctx = F::open().unwrap_or_else(|e| panic!("open the {} device: {e}", F::NAME));
         let pd = ctx.alloc_pd().expect("alloc_pd");
         VerbsDev { ctx, pd }
     }
@@ -559,6 +767,10 @@ impl Backend for Verbs {
 
     fn capacity(cq: &Self::Cq) -> u32 {
         cq.capacity()
+    }
+
+    fn max_cqe(dev: &Self::Dev) -> u32 {
+        dev.ctx.attr().max_cqe
     }
 
     fn credits_in_use(cq: &Self::Cq) -> u64 {
@@ -624,14 +836,18 @@ impl Backend for Verbs {
     }
 
     fn endpoint(qp: &Self::Qp) -> Self::Endpoint {
-        qp.endpoint(&cqd_verbs::ConnectOptions::default(), qp.qpn() & 0xffff)
-            .expect("endpoint")
+        let opts = cqd_verbs::ConnectOptions {
+            gid_index: F::gid_index(),
+            ..cqd_verbs::ConnectOptions::default()
+        };
+        qp.endpoint(&opts, qp.qpn() & 0xffff).expect("endpoint")
     }
 
     fn connect(qp: &Self::Qp, peer: &Self::Endpoint) {
         use cqd_verbs::Access;
         let opts = cqd_verbs::ConnectOptions {
             access: Access(Access::ALL_RDMA.0 | Access::REMOTE_ATOMIC.0),
+            gid_index: F::gid_index(),
             ..cqd_verbs::ConnectOptions::default()
         };
         qp.connect(peer, qp.qpn() & 0xffff, &opts).expect("connect");
@@ -737,12 +953,12 @@ impl Backend for Verbs {
     }
 
     fn ud_ready(qp: &Self::Qp, qkey: u32) {
-        qp.ready_ud(
-            qkey,
-            qp.qpn() & 0xffff,
-            &cqd_verbs::ConnectOptions::default(),
-        )
-        .expect("UD QP to RTS");
+        let opts = cqd_verbs::ConnectOptions {
+            gid_index: F::gid_index(),
+            ..cqd_verbs::ConnectOptions::default()
+        };
+        qp.ready_ud(qkey, qp.qpn() & 0xffff, &opts)
+            .expect("UD QP to RTS");
     }
 
     fn mtu(qp: &Self::Qp) -> u32 {
@@ -750,10 +966,14 @@ impl Backend for Verbs {
     }
 
     fn gid(dev: &Self::Dev) -> [u8; 16] {
-        dev.ctx.gid(1, 0).expect("query_gid")
+        dev.ctx
+            .gid(1, F::gid_index().unwrap_or(0))
+            .expect("query_gid")
     }
 
     fn ah(dev: &Self::Dev, to: &Self::Dev, global: bool) -> Self::Ah {
+        // RoCE has no LIDs: its handles are always global.
+        let global = global || F::GRH_ALWAYS;
         let port = to.ctx.port(1).expect("query_port");
         let to_ep = cqd_verbs::Endpoint {
             lid: port.lid,
@@ -763,7 +983,7 @@ impl Backend for Verbs {
             mtu: port.active_mtu,
         };
         let opts = cqd_verbs::AhOptions {
-            gid_index: global.then_some(0),
+            gid_index: global.then_some(F::gid_index().unwrap_or(0)),
             ..cqd_verbs::AhOptions::default()
         };
         dev.pd.create_ah(&to_ep, &opts).expect("create_ah")
@@ -782,25 +1002,7 @@ impl Backend for Verbs {
     }
 
     fn kill(dev: &Self::Dev) {
-        type Inject = unsafe extern "C" fn(*mut cqd_verbs::raw::ibv_context) -> i32;
-        // SAFETY: dlsym with a NUL-terminated name; RTLD_DEFAULT searches
-        // the global scope, where softverbs-run preloads the provider.
-        let sym = unsafe {
-            libc::dlsym(
-                libc::RTLD_DEFAULT,
-                c"softverbs_inject_device_fatal".as_ptr(),
-            )
-        };
-        assert!(
-            !sym.is_null(),
-            "softverbs_inject_device_fatal not found: not running on softverbs"
-        );
-        // SAFETY: the symbol is the function docs/softverbs.md documents,
-        // with this signature.
-        let inject: Inject = unsafe { std::mem::transmute::<*mut libc::c_void, Inject>(sym) };
-        // SAFETY: the context is open while `dev` holds it.
-        let rc = unsafe { inject(dev.ctx.as_raw()) };
-        assert_eq!(rc, 0, "softverbs_inject_device_fatal failed: {rc}");
+        F::kill(dev);
     }
 
     fn is_gone(dev: &Self::Dev) -> bool {

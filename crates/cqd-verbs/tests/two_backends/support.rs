@@ -1,6 +1,7 @@
 //! What every scenario uses: a handler that records each callback, poller
 //! threads in a given mode, waiting with a deadline, posting with retry,
-//! and the skip line for the verbs half outside the launcher.
+//! the skip line for a verbs backend without its device, and the slowdown
+//! of every limit when the suite runs in a VM under TCG.
 
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -146,17 +147,43 @@ pub fn poller_with(
     let mut b = PollerBuilder::new(name, NoSink)
         .mode(mode)
         .wake_timeout(Duration::from_millis(50))
-        .drain_timeout(drain)
-        .stop_timeout(Duration::from_secs(5));
+        .drain_timeout(drain * slow())
+        .stop_timeout(secs(5));
     for cq in cqs {
         b = b.cq(cq);
     }
     b.spawn().expect("spawn the poller")
 }
 
-/// Waits until `cond` holds; false if `limit` passed first.
+/// How much slower than the host this process runs: 1, or
+/// `CQD_SUITE_SLOW` (scripts/rxe-vm.sh sets `RXE_VM`, which makes it 8: a
+/// margin for a VM under TCG on a shared machine, not a measured ratio;
+/// the rxe third's slowest test, `overflow`, takes 2.5 s, most of it its
+/// poller's scaled 300 ms drain timeout). Every
+/// limit of the suite (waits, hang checks, posting retries, poller
+/// drain and stop timeouts) is multiplied by it; what is asserted is not.
+pub fn slow() -> u32 {
+    static SLOW: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *SLOW.get_or_init(|| {
+        let vm = std::env::var_os("RXE_VM").map(|_| 8);
+        std::env::var("CQD_SUITE_SLOW")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .or(vm)
+            .unwrap_or(1)
+            .max(1)
+    })
+}
+
+/// `n` seconds, times [`slow`].
+pub fn secs(n: u64) -> Duration {
+    Duration::from_secs(n) * slow()
+}
+
+/// Waits until `cond` holds; false if `limit` (times [`slow`]) passed
+/// first.
 pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + limit;
+    let deadline = Instant::now() + limit * slow();
     loop {
         if cond() {
             return true;
@@ -170,9 +197,9 @@ pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
 
 /// Runs `post` until it succeeds, again while the backend says the queue
 /// is full (the poller frees slots as it polls); any other error, or 20 s
-/// of refusals, fails the test.
+/// (times [`slow`]) of refusals, fails the test.
 pub fn retry<B: Backend>(mut post: impl FnMut() -> Result<(), B::PostErr>) {
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + secs(20);
     loop {
         match post() {
             Ok(()) => return,
@@ -184,20 +211,30 @@ pub fn retry<B: Backend>(mut post: impl FnMut() -> Result<(), B::PostErr>) {
     }
 }
 
-/// The verbs half runs only under softverbs-run; elsewhere it says so on
-/// fd 2 (unbuffered, past the test harness's capture) and passes.
-pub fn launcher_or_skip(test: &str) -> bool {
-    if std::env::var_os("SOFTVERBS_RUN").is_some() {
-        return true;
-    }
-    let line = format!("SKIPPED: {test} (needs softverbs-run, root)\n");
+/// Writes `line` to fd 2, unbuffered, past the test harness's capture.
+pub fn say(line: &str) {
     // SAFETY: writes a live buffer of `line.len()` bytes to fd 2.
     unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
+}
+
+/// Whether backend `name`'s device is here: softverbs (`verbs`) only under
+/// softverbs-run, rxe only where `CQD_RXE` names an rxe device
+/// (scripts/rxe-vm.sh); elsewhere it says so on fd 2 and the test passes.
+/// The simulator is always here.
+pub fn device_or_skip(name: &str, test: &str) -> bool {
+    let why = match name {
+        "verbs" if std::env::var_os("SOFTVERBS_RUN").is_none() => "needs softverbs-run, root",
+        "rxe" if crate::backend::RxeDevice::name().is_none() => {
+            "needs rxe: CQD_RXE naming an rxe device, as in scripts/rxe-vm.sh"
+        }
+        _ => return true,
+    };
+    say(&format!("SKIPPED: {test} ({why})\n"));
     false
 }
 
 /// Runs `f` on its own thread and fails if it does not finish within
-/// `limit` (a hang is a failure, not a stuck test run).
+/// `limit` times [`slow`] (a hang is a failure, not a stuck test run).
 pub fn within<T: Send + 'static>(
     what: &str,
     limit: Duration,
@@ -207,6 +244,7 @@ pub fn within<T: Send + 'static>(
     let t = std::thread::spawn(move || {
         let _ = tx.send(f());
     });
+    let limit = limit * slow();
     match rx.recv_timeout(limit) {
         Ok(v) => {
             t.join().expect("join");
