@@ -74,6 +74,8 @@ struct Args {
     cpu: Option<usize>,
     pin: bool,
     step: bool,
+    /// The GID index to address the peer by (RoCE needs one: rxe's is 1).
+    gid_index: Option<u8>,
     host: Option<String>,
 }
 
@@ -87,6 +89,7 @@ fn parse_args() -> Result<Args, String> {
         cpu: None,
         pin: true,
         step: false,
+        gid_index: None,
         host: None,
     };
     let mut it = std::env::args().skip(1);
@@ -113,6 +116,9 @@ fn parse_args() -> Result<Args, String> {
             "--cq-mod" => a.cq_mod = num("--cq-mod", value("--cq-mod")?)?.clamp(1, 64),
             "--cpu" => a.cpu = Some(num("--cpu", value("--cpu")?)? as usize),
             "--no-pin" => a.pin = false,
+            "-g" | "--gid-index" => {
+                a.gid_index = Some(num("--gid-index", value("--gid-index")?)?.min(255) as u8)
+            }
             "--loop" => {
                 a.step = match value("--loop")?.as_str() {
                     "thread" => false,
@@ -123,7 +129,7 @@ fn parse_args() -> Result<Args, String> {
             host if !host.starts_with('-') && a.host.is_none() => a.host = Some(host.into()),
             other => {
                 return Err(format!(
-                    "unknown argument {other} (send_lat [--mode busy|event] [-p PORT] [-n ITERS] [-s SIZE] [--cq-mod N] [--cpu N | --no-pin] [--loop thread|step] [HOST])"
+                    "unknown argument {other} (send_lat [--mode busy|event] [-p PORT] [-n ITERS] [-s SIZE] [--cq-mod N] [--cpu N | --no-pin] [--loop thread|step] [-g GID_INDEX] [HOST])"
                 ))
             }
         }
@@ -427,7 +433,10 @@ fn run(args: &Args) -> Result<Vec<f64>, String> {
     let mut stream = connect(args)?;
     let _ = stream.set_nodelay(true);
     let mut reader = BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
-    let opts = ConnectOptions::default();
+    let opts = ConnectOptions {
+        gid_index: args.gid_index,
+        ..ConnectOptions::default()
+    };
     let psn = if client { 0x1000 } else { 0x2000 };
     let mine = qp.endpoint(&opts, psn).map_err(|e| e.to_string())?;
     send_endpoint(&mut stream, &mine).map_err(|e| e.to_string())?;

@@ -26,11 +26,11 @@
 //! Storage is a table of `capacity` slots made once, at registration
 //! ([`CqHandle::register_with_contexts`](crate::CqHandle::register_with_contexts)):
 //! no allocation per request. The slot's index is the request's tag. A
-//! table with no free slot refuses the post ([`Refused::Contexts`]), as
+//! table with no free slot refuses the post ([`Refused::Contexts`](crate::post::Refused::Contexts)), as
 //! credits refuse one on a full CQ. Posts go through the
 //! `ContextRegistration` the registration returns (`crate::cq`), which
 //! has no tag-based posting call. Plain tags
-//! ([`Handler`](crate::Handler)) cost what they always did: no table.
+//! ([`Handler`]) cost what they always did: no table.
 //!
 //! **The slot protocol** (the SAFETY comments and the loom model
 //! `context::loom_table` cite these numbers):

@@ -20,7 +20,7 @@
 //! 2. **Completing** (the poller, once per batch): the poller finds the
 //!    account of each completion's queue through a poller-local cache
 //!    (qp_num and side → account, filled from the CQ's
-//!    [`WrLedger`] only on a miss), and takes each account's retiring lock
+//!    `WrLedger` (`crate::ledger`) only on a miss), and takes each account's retiring lock
 //!    (which no poster takes) once per run of completions of that queue. A send-side completion retires every entry
 //!    up to and including its wr_id: send queues complete in order, so the
 //!    unsignaled requests before it completed silently. A receive retires
@@ -131,7 +131,7 @@ const DRAIN_MARKER: u64 = match HandlerKey::new(0, 0) {
 };
 
 /// The account of one queue (see the module documentation). Made by the
-/// backend when it makes the queue ([`WrLedger::open_queue`],
+/// backend when it makes the queue (`WrLedger::open_queue`,
 /// [`QueueAccount::srq`]); the posting call and the poller keep it.
 pub struct QueueAccount {
     number: u32,
@@ -198,7 +198,7 @@ impl QueueAccount {
     /// The account of shared receive queue `srq_num`. Its receives take no
     /// credits (their CQ is known only when a QP consumes them; admission
     /// covers them). Attach it for each QP that draws on it with
-    /// [`WrLedger::attach_srq_user`].
+    /// `WrLedger::attach_srq_user`.
     pub fn srq(srq_num: u32) -> Arc<QueueAccount> {
         Arc::new(QueueAccount::new(srq_num, Queue::Srq, None, None, None))
     }

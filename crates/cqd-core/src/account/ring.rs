@@ -600,11 +600,12 @@ impl Retirer<'_> {
         if let Some((e, w)) = self.at_head() {
             // Below `committed` the entry is final for the posters: no
             // write (`head` moves past it).
-            if e.wr_id.load(Ordering::Relaxed) == wr_id && self.c.head < self.committed {
-                if w & SIGNALED != 0 || !success {
-                    self.c.head += 1;
-                    return (u64::from(w & CREDIT != 0), true);
-                }
+            if e.wr_id.load(Ordering::Relaxed) == wr_id
+                && self.c.head < self.committed
+                && (w & SIGNALED != 0 || !success)
+            {
+                self.c.head += 1;
+                return (u64::from(w & CREDIT != 0), true);
             }
         }
         self.retire_behind(wr_id, success, in_order, silent)

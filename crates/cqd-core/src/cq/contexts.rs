@@ -10,7 +10,7 @@ use crate::post::{PostRecv, PostSend, Refused, WorkRequest};
 use crate::sync::Ordering;
 use crate::wr_id::{HandlerKey, MAX_TAG, TAG_MASK};
 
-/// A registered [`ContextHandler`]: its posting calls take one context per
+/// A registered [`ContextHandler`](crate::context::ContextHandler): its posting calls take one context per
 /// request. Cloneable and `Sync` like a [`Registration`](super::Registration);
 /// it has no tag-based posting call, so no request of this handler can
 /// name a slot it did not fill.
