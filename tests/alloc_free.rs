@@ -8,139 +8,16 @@
 //!
 //! The softverbs twin is `crates/cqd-verbs/tests/alloc_free.rs`.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::backtrace::Backtrace;
-use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+#[path = "support/counting.rs"]
+mod counting;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use counting::{counted_window, Count, Stream, WithCtx, LIST, REQUESTS, WARM_UP};
 use cqd::core::*;
 use cqd::sim::{connect, Access, CqConfig, Device, QpCap, QpInit, RecvWr, SendWr, WrOp};
-
-/// Counts allocations while `COUNTING` is set, whichever thread makes them,
-/// and keeps the stacks of the first few (printed when the test fails).
-struct Counting;
-
-static COUNTING: AtomicBool = AtomicBool::new(false);
-static ALLOCS: AtomicU64 = AtomicU64::new(0);
-/// parking_lot's bookkeeping, made once per process (its hash table) and
-/// once per thread (a thread's first park registers its thread data): the
-/// first contention on a lock may fall in the window, but it is not per
-/// request. Counted apart, by the stack.
-static ONCE: AtomicU64 = AtomicU64::new(0);
-static STACKS: Mutex<Vec<String>> = Mutex::new(Vec::new());
-
-thread_local! {
-    /// Set while this thread records a stack (which allocates).
-    static RECORDING: Cell<bool> = const { Cell::new(false) };
-}
-
-fn counted(layout: Layout) {
-    if !COUNTING.load(Ordering::Relaxed) || RECORDING.with(Cell::get) {
-        return;
-    }
-    RECORDING.with(|r| r.set(true));
-    let stack = format!("{layout:?}\n{}", Backtrace::force_capture());
-    if stack.contains("parking_lot_core::parking_lot::ThreadData::new")
-        || stack.contains("parking_lot_core::parking_lot::create_hashtable")
-    {
-        ONCE.fetch_add(1, Ordering::Relaxed);
-    } else if ALLOCS.fetch_add(1, Ordering::Relaxed) < 4 {
-        if let Ok(mut s) = STACKS.lock() {
-            s.push(stack);
-        }
-    }
-    RECORDING.with(|r| r.set(false));
-}
-
-// SAFETY: forwards every call to the system allocator unchanged; the
-// counter is a side effect only.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        counted(layout);
-        // SAFETY: the caller's layout, as GlobalAlloc requires.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` came from `alloc` with this layout.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new: usize) -> *mut u8 {
-        counted(layout);
-        // SAFETY: as for `alloc` and `dealloc`.
-        unsafe { System.realloc(ptr, layout, new) }
-    }
-}
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
-
-/// Counts what reaches it; an error is a failure of the test.
-struct Count {
-    done: Arc<AtomicU64>,
-    errors: Arc<AtomicU64>,
-}
-
-impl Handler for Count {
-    fn on_send(&mut self, _: &SendDone<'_>, _: &mut Outbox<'_, NoWork>) {
-        self.done.fetch_add(1, Ordering::Release);
-    }
-    fn on_recv(&mut self, _: &RecvDone<'_>, _: &mut Outbox<'_, NoWork>) {
-        self.done.fetch_add(1, Ordering::Release);
-    }
-    fn on_error(&mut self, _: &Failed<'_>, _: &mut Outbox<'_, NoWork>) {
-        self.errors.fetch_add(1, Ordering::Release);
-    }
-}
-
-/// The same with a context per request: a boxed value moved in at the
-/// post and out at the completion (the table is made at registration).
-struct WithCtx {
-    done: Arc<AtomicU64>,
-    errors: Arc<AtomicU64>,
-}
-
-impl ContextHandler for WithCtx {
-    type Ctx = u64;
-    fn on_send(&mut self, _: &SendDone<'_>, _: u64, _: &mut Outbox<'_, NoWork>) {
-        self.done.fetch_add(1, Ordering::Release);
-    }
-    fn on_recv(&mut self, _: &RecvDone<'_>, _: u64, _: &mut Outbox<'_, NoWork>) {
-        self.done.fetch_add(1, Ordering::Release);
-    }
-    fn on_error(&mut self, _: &Failed<'_>, _: u64, _: &mut Outbox<'_, NoWork>) {
-        self.errors.fetch_add(1, Ordering::Release);
-    }
-    fn on_silent(&mut self, _: &Silent, _: u64, _: &mut Outbox<'_, NoWork>) {
-        self.done.fetch_add(1, Ordering::Release);
-    }
-    fn on_abandoned(&mut self, _: u64) {
-        self.errors.fetch_add(1, Ordering::Release);
-    }
-}
-
-const LIST: usize = 8;
-const REQUESTS: u64 = 100_000;
-const WARM_UP: u64 = 10_000;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Stream {
-    SendRecv,
-    Write,
-    /// SEND/RECV through a context registration.
-    Contexts,
-}
-
-impl std::fmt::Display for Stream {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Stream::SendRecv => "SEND/RECV",
-            Stream::Write => "RDMA WRITE",
-            Stream::Contexts => "SEND/RECV with contexts",
-        })
-    }
-}
 
 #[test]
 fn steady_state_posting_and_dispatch_allocate_nothing() {
@@ -226,27 +103,14 @@ fn steady_state_posting_and_dispatch_allocate_nothing() {
             round(&mut posted, tag, stream);
         }
         wait(posted, 0);
-        let before = ALLOCS.load(Ordering::Relaxed);
-        COUNTING.store(true, Ordering::SeqCst);
         let start = posted;
-        while posted - start < REQUESTS {
-            let tag = (posted % 1000) as u32;
-            round(&mut posted, tag, stream);
-        }
-        wait(posted, 0);
-        COUNTING.store(false, Ordering::SeqCst);
-        let allocs = ALLOCS.load(Ordering::Relaxed) - before;
-        println!(
-            "{stream}: {REQUESTS} requests and their completions, {allocs} allocations \
-             (and {} of parking_lot's once-per-thread bookkeeping)",
-            ONCE.swap(0, Ordering::Relaxed)
-        );
-        assert_eq!(
-            allocs,
-            0,
-            "{stream}: {allocs} heap allocations over {REQUESTS} requests in steady state; the first:\n{}",
-            STACKS.lock().map(|s| s.join("\n")).unwrap_or_default()
-        );
+        counted_window(stream, "the simulator", || {
+            while posted - start < REQUESTS {
+                let tag = (posted % 1000) as u32;
+                round(&mut posted, tag, stream);
+            }
+            wait(posted, 0);
+        });
     }
     assert_eq!(errors.load(Ordering::Acquire), 0);
     drop((a, b));

@@ -1,0 +1,160 @@
+//! The counting allocator and the handlers of the allocation tests
+//! (`tests/alloc_free.rs` on the simulator, `crates/cqd-verbs/tests/alloc_free.rs`
+//! on softverbs), included by both with `#[path]`: each test binary gets its
+//! own global allocator.
+#![allow(dead_code)]
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::backtrace::Backtrace;
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cqd_core::{ContextHandler, Failed, Handler, NoWork, Outbox, RecvDone, SendDone, Silent};
+
+/// Counts allocations while `COUNTING` is set, whichever thread makes them,
+/// and keeps the stacks of the first few (printed when the test fails).
+struct Counting;
+
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+/// parking_lot's bookkeeping, made once per process (its hash table) and
+/// once per thread (a thread's first park registers its thread data): the
+/// first contention on a lock may fall in the window, but it is not per
+/// request. Counted apart, by the stack.
+static ONCE: AtomicU64 = AtomicU64::new(0);
+static STACKS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+thread_local! {
+    /// Set while this thread records a stack (which allocates).
+    static RECORDING: Cell<bool> = const { Cell::new(false) };
+}
+
+fn counted(layout: Layout) {
+    if !COUNTING.load(Ordering::Relaxed) || RECORDING.with(Cell::get) {
+        return;
+    }
+    RECORDING.with(|r| r.set(true));
+    let stack = format!("{layout:?}\n{}", Backtrace::force_capture());
+    if stack.contains("parking_lot_core::parking_lot::ThreadData::new")
+        || stack.contains("parking_lot_core::parking_lot::create_hashtable")
+    {
+        ONCE.fetch_add(1, Ordering::Relaxed);
+    } else if ALLOCS.fetch_add(1, Ordering::Relaxed) < 4 {
+        if let Ok(mut s) = STACKS.lock() {
+            s.push(stack);
+        }
+    }
+    RECORDING.with(|r| r.set(false));
+}
+
+// SAFETY: forwards every call to the system allocator unchanged; the
+// counter is a side effect only.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        counted(layout);
+        // SAFETY: the caller's layout, as GlobalAlloc requires.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from `alloc` with this layout.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new: usize) -> *mut u8 {
+        counted(layout);
+        // SAFETY: as for `alloc` and `dealloc`.
+        unsafe { System.realloc(ptr, layout, new) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Counts what reaches it; an error is a failure of the test.
+pub struct Count {
+    pub done: Arc<AtomicU64>,
+    pub errors: Arc<AtomicU64>,
+}
+
+impl Handler for Count {
+    fn on_send(&mut self, _: &SendDone<'_>, _: &mut Outbox<'_, NoWork>) {
+        self.done.fetch_add(1, Ordering::Release);
+    }
+    fn on_recv(&mut self, _: &RecvDone<'_>, _: &mut Outbox<'_, NoWork>) {
+        self.done.fetch_add(1, Ordering::Release);
+    }
+    fn on_error(&mut self, _: &Failed<'_>, _: &mut Outbox<'_, NoWork>) {
+        self.errors.fetch_add(1, Ordering::Release);
+    }
+}
+
+/// The same with a context per request: a boxed value moved in at the
+/// post and out at the completion (the table is made at registration).
+pub struct WithCtx {
+    pub done: Arc<AtomicU64>,
+    pub errors: Arc<AtomicU64>,
+}
+
+impl ContextHandler for WithCtx {
+    type Ctx = u64;
+    fn on_send(&mut self, _: &SendDone<'_>, _: u64, _: &mut Outbox<'_, NoWork>) {
+        self.done.fetch_add(1, Ordering::Release);
+    }
+    fn on_recv(&mut self, _: &RecvDone<'_>, _: u64, _: &mut Outbox<'_, NoWork>) {
+        self.done.fetch_add(1, Ordering::Release);
+    }
+    fn on_error(&mut self, _: &Failed<'_>, _: u64, _: &mut Outbox<'_, NoWork>) {
+        self.errors.fetch_add(1, Ordering::Release);
+    }
+    fn on_silent(&mut self, _: &Silent, _: u64, _: &mut Outbox<'_, NoWork>) {
+        self.done.fetch_add(1, Ordering::Release);
+    }
+    fn on_abandoned(&mut self, _: u64) {
+        self.errors.fetch_add(1, Ordering::Release);
+    }
+}
+
+pub const LIST: usize = 8;
+pub const REQUESTS: u64 = 100_000;
+pub const WARM_UP: u64 = 10_000;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stream {
+    SendRecv,
+    Write,
+    /// SEND/RECV through a context registration.
+    Contexts,
+}
+
+impl std::fmt::Display for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Stream::SendRecv => "SEND/RECV",
+            Stream::Write => "RDMA WRITE",
+            Stream::Contexts => "SEND/RECV with contexts",
+        })
+    }
+}
+
+/// Runs `body` (100,000 requests of `stream` and their completions, after
+/// its warm-up) with the allocator counting; asserts that nothing but
+/// parking_lot's once-per-thread bookkeeping allocated, naming the first
+/// stacks if something did.
+pub fn counted_window(stream: Stream, backend: &str, body: impl FnOnce()) {
+    let before = ALLOCS.load(Ordering::Relaxed);
+    COUNTING.store(true, Ordering::SeqCst);
+    body();
+    COUNTING.store(false, Ordering::SeqCst);
+    let allocs = ALLOCS.load(Ordering::Relaxed) - before;
+    println!(
+        "{stream}: {REQUESTS} requests and their completions on {backend}, {allocs} allocations \
+         (and {} of parking_lot's once-per-thread bookkeeping)",
+        ONCE.swap(0, Ordering::Relaxed)
+    );
+    assert_eq!(
+        allocs,
+        0,
+        "{stream} on {backend}: {allocs} heap allocations over {REQUESTS} requests in steady state; the first:\n{}",
+        STACKS.lock().map(|s| s.join("\n")).unwrap_or_default()
+    );
+}
