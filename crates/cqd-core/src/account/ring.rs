@@ -160,11 +160,12 @@ fn alloc_segment() -> *mut Segment {
     }))
 }
 
-/// A place in the chain of segments: the segment holding positions
-/// `start..start + SEG`. Moves forward only.
+// A segment is one page (see `SEG`).
 #[cfg(not(loom))]
 const _: () = assert!(std::mem::size_of::<Segment>() == 4096);
 
+/// A place in the chain of segments: the segment holding positions
+/// `start..start + SEG`. Moves forward only.
 #[derive(Clone, Copy)]
 struct Cursor {
     seg: *mut Segment,
