@@ -528,12 +528,8 @@ fn run(args: &Args) -> Result<Vec<f64>, String> {
 }
 
 fn main() {
-    let device = std::env::var_os("SOFTVERBS_RUN").is_some()
-        || cqd::verbs::devices().is_ok_and(|d| !d.is_empty());
-    if !device {
-        println!("SKIPPED: needs softverbs-run (no RDMA device)");
-        return;
-    }
+    // The arguments first, so that a wrong one (or `--usage`) gets the
+    // usage line on any machine.
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
@@ -541,6 +537,12 @@ fn main() {
             std::process::exit(2);
         }
     };
+    let device = std::env::var_os("SOFTVERBS_RUN").is_some()
+        || cqd::verbs::devices().is_ok_and(|d| !d.is_empty());
+    if !device {
+        println!("SKIPPED: needs softverbs-run (no RDMA device)");
+        return;
+    }
     match run(&args) {
         Ok(lat) if !lat.is_empty() => {
             let pct = |p: f64| lat[((lat.len() - 1) as f64 * p) as usize];
