@@ -115,7 +115,7 @@ if [[ ${1:-} == --guest ]]; then
     #    refuses (ibv_modify_qp to RTR: EINVAL): it runs once its usage
     #    line offers -g.
     duo ib_send_lat 18520 '^ *2 ' client ib_send_lat ib_send_lat -d "$dev" -x "$gid" -n 500
-    if "$LAT" --usage 2>&1 | grep -q '\[-g '; then
+    if { "$LAT" --usage 2>&1 || true; } | grep -q -- '\[-g '; then
         duo send_lat 18521 't_typical_us=' client "$LAT" "$LAT" --mode busy --no-pin -g "$gid" -n 500
         duo send_lat_event 18522 't_typical_us=' client "$LAT" "$LAT" --mode event --no-pin -g "$gid" -n 500
     else
