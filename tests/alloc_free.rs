@@ -11,11 +11,10 @@
 #[path = "support/counting.rs"]
 mod counting;
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use counting::{counted_window, Count, Stream, WithCtx, LIST, REQUESTS, WARM_UP};
+use counting::{counted_window, Handlers, Stream, LIST, REQUESTS, WARM_UP};
 use cqd::core::*;
 use cqd::sim::{connect, Access, CqConfig, Device, QpCap, QpInit, RecvWr, SendWr, WrOp};
 
@@ -30,23 +29,12 @@ fn steady_state_posting_and_dispatch_allocate_nothing() {
         .cq(unbound)
         .spawn()
         .unwrap();
-    let done = Arc::new(AtomicU64::new(0));
-    let errors = Arc::new(AtomicU64::new(0));
-    let reg = handle
-        .register(Count {
-            done: Arc::clone(&done),
-            errors: Arc::clone(&errors),
-        })
-        .unwrap();
-    let ctx_reg = handle
-        .register_with_contexts(
-            WithCtx {
-                done: Arc::clone(&done),
-                errors: Arc::clone(&errors),
-            },
-            256,
-        )
-        .unwrap();
+    let Handlers {
+        done,
+        errors,
+        reg,
+        ctx_reg,
+    } = Handlers::register(&handle);
     let pd = dev.alloc_pd();
     let cap = QpCap {
         max_send_wr: 128,

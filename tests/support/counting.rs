@@ -10,7 +10,10 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use cqd_core::{ContextHandler, Failed, Handler, NoWork, Outbox, RecvDone, SendDone, Silent};
+use cqd_core::{
+    ContextHandler, ContextRegistration, CqHandle, Failed, Handler, NoWork, Outbox, RecvDone,
+    Registration, SendDone, Silent,
+};
 
 /// Counts allocations while `COUNTING` is set, whichever thread makes them,
 /// and keeps the stacks of the first few (printed when the test fails).
@@ -133,6 +136,44 @@ impl std::fmt::Display for Stream {
             Stream::Write => "RDMA WRITE",
             Stream::Contexts => "SEND/RECV with contexts",
         })
+    }
+}
+
+/// A plain handler and a context handler on one CQ, counting into the same
+/// two counters (completions, errors).
+pub struct Handlers {
+    pub done: Arc<AtomicU64>,
+    pub errors: Arc<AtomicU64>,
+    pub reg: Registration,
+    pub ctx_reg: ContextRegistration<u64>,
+}
+
+impl Handlers {
+    /// Registers both on `handle` (256 contexts).
+    pub fn register(handle: &CqHandle<NoWork>) -> Self {
+        let done = Arc::new(AtomicU64::new(0));
+        let errors = Arc::new(AtomicU64::new(0));
+        let reg = handle
+            .register(Count {
+                done: Arc::clone(&done),
+                errors: Arc::clone(&errors),
+            })
+            .unwrap();
+        let ctx_reg = handle
+            .register_with_contexts(
+                WithCtx {
+                    done: Arc::clone(&done),
+                    errors: Arc::clone(&errors),
+                },
+                256,
+            )
+            .unwrap();
+        Handlers {
+            done,
+            errors,
+            reg,
+            ctx_reg,
+        }
     }
 }
 

@@ -11,11 +11,10 @@
 #[path = "../../../tests/support/counting.rs"]
 mod counting;
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use counting::{counted_window, Count, Stream, WithCtx, LIST, REQUESTS, WARM_UP};
+use counting::{counted_window, Handlers, Stream, LIST, REQUESTS, WARM_UP};
 use cqd_core::*;
 use cqd_verbs::{Access, ConnectOptions, Context, CqSpec, QpCap, QpInit, RecvWr, SendWr, WrOp};
 
@@ -49,23 +48,12 @@ fn steady_state_posting_and_dispatch_allocate_nothing_on_softverbs() {
     a.connect(&eb, 1, &opts).unwrap();
     b.connect(&ea, 2, &opts).unwrap();
     let mr = pd.reg_mr(8192, Access::ALL_RDMA).unwrap();
-    let done = Arc::new(AtomicU64::new(0));
-    let errors = Arc::new(AtomicU64::new(0));
-    let reg = handle
-        .register(Count {
-            done: Arc::clone(&done),
-            errors: Arc::clone(&errors),
-        })
-        .unwrap();
-    let ctx_reg = handle
-        .register_with_contexts(
-            WithCtx {
-                done: Arc::clone(&done),
-                errors: Arc::clone(&errors),
-            },
-            256,
-        )
-        .unwrap();
+    let Handlers {
+        done,
+        errors,
+        reg,
+        ctx_reg,
+    } = Handlers::register(&handle);
     let mut poller = unbound.bind();
     let mut out = std::collections::VecDeque::new();
     let (src, dst) = ([mr.sge(0, 64)], [mr.sge(4096, 64)]);
