@@ -60,7 +60,8 @@
 //!     cargo bench --features verbs --bench verbs_dispatch
 //! ```
 //!
-//! (`-- --quick`: one short run, a smoke test.) Without softverbs-run (or
+//! (`-- --quick`: one short run, a smoke test; `-- --profile cqd` and the
+//! like: one contender alone, for a profiler.) Without softverbs-run (or
 //! a real device) it prints `SKIPPED: needs softverbs-run` and exits 0.
 //! Figures are recorded in docs/benchmarks.md.
 
@@ -632,6 +633,28 @@ fn pin(cpu: usize) {
     }
 }
 
+/// `--profile CONTENDER [write]` (raw, cqd, map, raw-ctx, cqd-ctx): that
+/// contender alone, quiet, 20 × 500 rounds, for a profiler such as
+/// `perf record`.
+fn profile_job() -> Option<(Contender, Stream)> {
+    let args: Vec<String> = std::env::args().collect();
+    let at = args.iter().position(|a| a == "--profile")?;
+    let who = match args.get(at + 1).map(String::as_str) {
+        Some("raw") => Contender::Raw,
+        Some("cqd") => Contender::Cqd,
+        Some("map") => Contender::Map,
+        Some("raw-ctx") => Contender::RawCtx,
+        Some("cqd-ctx") => Contender::CqdCtx,
+        other => panic!("--profile takes raw, cqd, map, raw-ctx or cqd-ctx, not {other:?}"),
+    };
+    let stream = if args.iter().any(|a| a == "write") {
+        Stream::Write
+    } else {
+        Stream::SendRecv
+    };
+    Some((who, stream))
+}
+
 fn main() {
     run(std::env::args().any(|a| a == "--quick"));
 }
@@ -729,6 +752,24 @@ pub fn run(quick: bool) {
     let mut poll: [[[Vec<f64>; 5]; 3]; 2] = Default::default();
     let mut post: [[[Vec<f64>; 5]; 3]; 2] = Default::default();
     let mut conv = Vec::new();
+    if let Some((who, stream)) = profile_job() {
+        // One contender, quiet, for a profiler: no tables.
+        for _ in 0..20 {
+            let job = Job {
+                who,
+                stream,
+                setting: Setting::Quiet,
+                rounds: 500,
+            };
+            jobs.send(job).unwrap();
+            let ns = consumer.run(job, &barrier);
+            let _ = post_ns.recv().unwrap();
+            println!("{}: {ns:.2} ns per completion", who.name());
+        }
+        drop(jobs);
+        posting.join().unwrap();
+        return;
+    }
     for _ in 0..reps {
         for (t, stream) in STREAMS.into_iter().enumerate() {
             for (s, setting) in SETTINGS.into_iter().enumerate() {
