@@ -46,7 +46,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cqd::core::{
@@ -142,7 +142,7 @@ type Outcome = Result<Vec<u64>, String>;
 
 /// The one handler of a side (see the module documentation).
 struct PingPong {
-    reg: Arc<OnceLock<Registration>>,
+    reg: Registration,
     qp: Arc<Qp>,
     mr: Mr,
     size: u32,
@@ -174,7 +174,7 @@ impl PingPong {
     }
 
     fn reg(&self) -> &Registration {
-        self.reg.get().expect("set before the first completion")
+        &self.reg
     }
 
     fn post_next_send(&mut self) {
@@ -445,26 +445,25 @@ fn run(args: &Args) -> Result<Vec<f64>, String> {
 
     // The handler, its registration, the receives, the poller.
     let (tx, rx) = sync_channel(1);
-    let cell = Arc::new(OnceLock::new());
-    let handler = PingPong {
-        reg: Arc::clone(&cell),
-        qp: Arc::clone(&qp),
-        mr: mr.clone(),
-        size: args.size,
-        inline,
-        iters: args.iters,
-        cq_mod: args.cq_mod,
-        sent: u64::from(client),
-        recvd: 0,
-        last_send_done: false,
-        to_repost: [0; REPOST_BATCH],
-        n_repost: 0,
-        t0: Instant::now(),
-        stamps: Vec::with_capacity(args.iters as usize),
-        done: Some(tx),
-    };
-    let reg = handle.register(handler).map_err(|e| e.to_string())?;
-    let _ = cell.set(reg.clone());
+    let reg = handle
+        .register_with(|reg| PingPong {
+            reg: reg.clone(),
+            qp: Arc::clone(&qp),
+            mr: mr.clone(),
+            size: args.size,
+            inline,
+            iters: args.iters,
+            cq_mod: args.cq_mod,
+            sent: u64::from(client),
+            recvd: 0,
+            last_send_done: false,
+            to_repost: [0; REPOST_BATCH],
+            n_repost: 0,
+            t0: Instant::now(),
+            stamps: Vec::with_capacity(args.iters as usize),
+            done: Some(tx),
+        })
+        .map_err(|e| e.to_string())?;
     for i in 0..RX_DEPTH as usize {
         let sge = [mr.sge((i + 1) * SLOT, args.size)];
         reg.post_recv(&*qp, &mut [RecvWr::new(i as u64, &sge)])

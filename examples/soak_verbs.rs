@@ -50,7 +50,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cqd::core::{
@@ -127,16 +127,16 @@ fn read_line(r: &mut impl BufRead) -> Result<String, String> {
 struct Reposter {
     qp: Arc<Qp>,
     mr: Mr,
-    reg: Arc<OnceLock<Registration>>,
+    reg: Registration,
 }
 
 impl Handler for Reposter {
     fn on_recv(&mut self, d: &RecvDone<'_>, _: &mut Outbox<'_, NoWork>) {
-        if let Some(reg) = self.reg.get() {
-            let sge = [self.mr.sge(0, 4096)];
-            // A QP gone to error refuses or flushes it: either is fine.
-            let _ = reg.post_recv(&*self.qp, &mut [RecvWr::new(u64::from(d.tag()), &sge)]);
-        }
+        let sge = [self.mr.sge(0, 4096)];
+        // A QP gone to error refuses or flushes it: either is fine.
+        let _ = self
+            .reg
+            .post_recv(&*self.qp, &mut [RecvWr::new(u64::from(d.tag()), &sge)]);
     }
     fn on_send(&mut self, _: &SendDone<'_>, _: &mut Outbox<'_, NoWork>) {}
     fn on_error(&mut self, _: &Failed<'_>, _: &mut Outbox<'_, NoWork>) {}
@@ -195,15 +195,13 @@ fn peer(addr: &str) -> Result<(), String> {
             max_inline_data: 0,
         };
         let qp = Arc::new(pd.create_qp(&QpInit::new(&cq, &cq, cap)).map_err(err)?);
-        let cell = Arc::new(OnceLock::new());
         let reg = handle
-            .register(Reposter {
+            .register_with(|reg| Reposter {
                 qp: Arc::clone(&qp),
                 mr: mr.clone(),
-                reg: Arc::clone(&cell),
+                reg: reg.clone(),
             })
             .map_err(err)?;
-        let _ = cell.set(reg.clone());
         psn = psn.wrapping_add(0x1000) & 0xff_ffff;
         let mine = qp.endpoint(&opts, psn).map_err(err)?;
         qp.connect(&theirs, psn, &opts).map_err(err)?;

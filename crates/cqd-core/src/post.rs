@@ -12,7 +12,8 @@
 //!    wr_id that names the handler, the kind and the tag;
 //! 2. counts the requests as posted in the handler's ledger, per kind, or
 //!    refuses the list if the handler was released
-//!    ([`Refused::Released`]);
+//!    ([`Refused::Released`]) or is not installed yet
+//!    ([`Refused::NotInstalled`]);
 //! 3. takes the queue's posting lock (posters of one queue serialise; the
 //!    poller never takes it) and the CQ's credits (refused: the counts of
 //!    step 2 are taken back);
@@ -201,6 +202,14 @@ pub enum Refused {
         "handler {handler} was released (unregistered, nothing outstanding): it posts no more"
     )]
     Released {
+        /// The handler.
+        handler: crate::wr_id::HandlerKey,
+    },
+    /// The handler is still being made: a post from inside the closure of
+    /// [`CqHandle::register_with`](crate::CqHandle::register_with), before
+    /// the handler that would receive its completions is installed.
+    #[error("handler {handler} is not installed yet: post from its callbacks, or once register_with has returned, not from inside its closure")]
+    NotInstalled {
         /// The handler.
         handler: crate::wr_id::HandlerKey,
     },

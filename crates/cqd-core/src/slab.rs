@@ -116,6 +116,10 @@ fn chunk_len(c: usize) -> u32 {
 /// The owner word's bit for "a handler holds the slot" (the low 16 bits
 /// hold its generation).
 const LIVE: u32 = 1 << 16;
+/// In the owner word in place of `LIVE`: allocated to a handler that
+/// `register_with` is still making; posts are refused until it is
+/// installed.
+const PENDING: u32 = 1 << 17;
 
 /// One role's counters of one slot, per kind: a cache line of their own.
 #[repr(align(64))]
@@ -257,7 +261,7 @@ impl SlotLedger {
     /// count is only ever seen together with the owner word that says so.
     fn own(&self, value: u64) -> u64 {
         let owner = self.post_line().owner.load(Ordering::Acquire);
-        if owner & !LIVE == u32::from(self.generation) {
+        if owner & !(LIVE | PENDING) == u32::from(self.generation) {
             value
         } else {
             0
@@ -373,9 +377,24 @@ impl SlotLedger {
         true
     }
 
+    /// True while the slot is allocated to a handler still being made
+    /// (`register_with`'s closure runs): its posts are refused.
+    pub(crate) fn is_pending(&self) -> bool {
+        self.post_line().owner.load(Ordering::Acquire) == PENDING | u32::from(self.generation)
+    }
+
+    /// The end of a pending allocation: the handler is installed (its
+    /// registration command is queued), posts count from now on.
+    pub(crate) fn activate(&self) {
+        self.post_line()
+            .owner
+            .store(LIVE | u32::from(self.generation), Ordering::Release);
+    }
+
     /// Closing protocol step 4 (allocation, under the table's lock): hands
-    /// the slot to this view's handler, counts zeroed.
-    fn open(&self) {
+    /// the slot to this view's handler, counts zeroed; `pending` holds its
+    /// posts back until [`activate`](Self::activate).
+    fn open(&self, pending: bool) {
         let line = self.post_line();
         let i = self.index as usize;
         line.owner
@@ -388,8 +407,9 @@ impl SlotLedger {
         {
             c.store(0, Ordering::Release);
         }
+        let state = if pending { PENDING } else { LIVE };
         line.owner
-            .store(LIVE | u32::from(self.generation), Ordering::Release);
+            .store(state | u32::from(self.generation), Ordering::Release);
     }
 }
 
@@ -485,9 +505,20 @@ impl SlotTable {
     /// Allocates a slot (steps 1–4) and hands its ledger to the new
     /// handler: the slot's counts, zeroed when its last handler was
     /// closed, now count for `key` alone.
+    #[cfg(test)]
     pub(crate) fn alloc_ledger(
         &mut self,
         cq: &str,
+    ) -> Result<(HandlerKey, SlotLedger), RegisterError> {
+        self.alloc_ledger_as(cq, false)
+    }
+
+    /// As [`alloc_ledger`](Self::alloc_ledger); `pending`: the slot's posts
+    /// are refused until [`SlotLedger::activate`].
+    pub(crate) fn alloc_ledger_as(
+        &mut self,
+        cq: &str,
+        pending: bool,
     ) -> Result<(HandlerKey, SlotLedger), RegisterError> {
         let key = self.alloc(cq)?;
         let (chunk, index) = chunk_of(key.slot());
@@ -500,7 +531,7 @@ impl SlotTable {
             index,
             generation: key.generation(),
         };
-        ledger.open();
+        ledger.open(pending);
         Ok((key, ledger))
     }
 

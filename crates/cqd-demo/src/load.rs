@@ -18,7 +18,7 @@
 //! completions for them are ignored.
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cqd_core::{
@@ -192,7 +192,7 @@ pub struct LoadConn<N: Node> {
     name: String,
     server: u32,
     link: N::Link,
-    reg: OnceLock<Registration>,
+    reg: Registration,
     /// Requests `[0, depth)`, reply receives `[depth, 2 depth)` (64 bytes
     /// each), then one data buffer per slot.
     region: N::Region,
@@ -234,17 +234,8 @@ impl<N: Node> LoadConn<N> {
     }
 
     /// The connection's handler registration (for the report).
-    pub fn registration(&self) -> Option<&Registration> {
-        self.reg.get()
-    }
-
-    fn reg(&self) -> Result<&Registration, BackendError> {
-        self.reg.get().ok_or_else(|| {
-            BackendError::new(
-                format!("{}: post", self.name),
-                "the connection's handler is not registered",
-            )
-        })
+    pub fn registration(&self) -> &Registration {
+        &self.reg
     }
 
     fn data_off(&self, slot: u32) -> u64 {
@@ -256,7 +247,7 @@ impl<N: Node> LoadConn<N> {
     /// # Errors
     /// A refused post.
     pub fn post_receives(&self) -> Result<(), BackendError> {
-        let reg = self.reg()?;
+        let reg = &self.reg;
         for i in 0..self.depth {
             let at = u64::from(self.depth + i) * MSG;
             self.link
@@ -400,7 +391,7 @@ impl<N: Node> LoadConn<N> {
                 len: MSG_LEN as u32,
                 signaled: true,
             };
-            self.link.post_send(self.reg()?, &[send])
+            self.link.post_send(&self.reg, &[send])
         });
         if let Err(e) = posted {
             let flight = s.op.take();
@@ -579,10 +570,7 @@ impl<N: Node> Handler for LoadHandler<N> {
             c.kill(&e.to_string());
             return;
         }
-        if let Err(e) = c
-            .reg()
-            .and_then(|reg| c.link.post_recv(reg, i, &c.region, at, MSG_LEN as u32))
-        {
+        if let Err(e) = c.link.post_recv(&c.reg, i, &c.region, at, MSG_LEN as u32) {
             c.kill(&e.to_string());
             return;
         }
@@ -746,46 +734,50 @@ impl<N: Node> Load<N> {
             2 * u64::from(depth) * MSG + u64::from(depth) * u64::from(spec.block_size),
         )?;
         let index = self.conns.len();
-        let conn = Arc::new(LoadConn {
-            name: format!("load/c{index}->srv{server}"),
-            server,
-            link,
-            reg: OnceLock::new(),
-            region,
-            depth,
-            block_size: spec.block_size,
-            slots: (0..depth)
-                .map(|s| {
-                    let mut rng =
-                        spec.seed ^ ((index as u64) << 32 | u64::from(s)) ^ 0x2545_f491_4f6c_dd1d;
-                    if rng == 0 {
-                        rng = 1;
-                    }
-                    next(&mut rng);
-                    Mutex::new(Slot {
-                        op: None,
-                        sent: false,
-                        reply: None,
-                        rng,
-                        next_id: 0,
-                        scratch: vec![0u8; spec.block_size as usize],
-                    })
-                })
-                .collect(),
-            dead: AtomicBool::new(false),
-            shared: Arc::clone(&self.shared),
-            hist: Mutex::new(
-                Histogram::new_with_bounds(1, 3_600_000_000_000, 3)
-                    .map_err(|e| crate::DemoError::Setup(format!("histogram: {e}")))?,
-            ),
-            latency: crate::prom::Latency::new(),
-        });
-        let reg = self.handles[cq]
-            .register(LoadHandler {
-                conn: Arc::clone(&conn),
+        let hist = Histogram::new_with_bounds(1, 3_600_000_000_000, 3)
+            .map_err(|e| crate::DemoError::Setup(format!("histogram: {e}")))?;
+        let name = format!("load/c{index}->srv{server}");
+        let shared = Arc::clone(&self.shared);
+        let mut made = None;
+        self.handles[cq]
+            .register_with(|reg| {
+                let conn = Arc::new(LoadConn {
+                    name: name.clone(),
+                    server,
+                    link,
+                    reg: reg.clone(),
+                    region,
+                    depth,
+                    block_size: spec.block_size,
+                    slots: (0..depth)
+                        .map(|s| {
+                            let mut rng = spec.seed
+                                ^ ((index as u64) << 32 | u64::from(s))
+                                ^ 0x2545_f491_4f6c_dd1d;
+                            if rng == 0 {
+                                rng = 1;
+                            }
+                            next(&mut rng);
+                            Mutex::new(Slot {
+                                op: None,
+                                sent: false,
+                                reply: None,
+                                rng,
+                                next_id: 0,
+                                scratch: vec![0u8; spec.block_size as usize],
+                            })
+                        })
+                        .collect(),
+                    dead: AtomicBool::new(false),
+                    shared,
+                    hist: Mutex::new(hist),
+                    latency: crate::prom::Latency::new(),
+                });
+                made = Some(Arc::clone(&conn));
+                LoadHandler { conn }
             })
-            .map_err(|e| crate::DemoError::Setup(format!("{}: register: {e}", conn.name)))?;
-        let _ = conn.reg.set(reg);
+            .map_err(|e| crate::DemoError::Setup(format!("{name}: register: {e}")))?;
+        let conn = made.ok_or_else(|| crate::DemoError::Setup(format!("{name}: not made")))?;
         self.conns.push(Arc::clone(&conn));
         Ok(conn)
     }

@@ -81,26 +81,24 @@ pub type Names = HashMap<(usize, u32, u16), String>;
 /// A poller's (name, role, mode), for the report.
 pub type Role = (String, &'static str, ModeConfig);
 
-fn name_of(names: &mut Names, poller: usize, cq: &str, reg: Option<&Registration>, name: &str) {
-    if let Some(reg) = reg {
-        let k = reg.key();
-        // What a completion's wr_id names (its slot and generation fields),
-        // for reading --trace-completions' lines.
-        tracing::debug!(
-            cq,
-            handler = name,
-            slot = k.slot(),
-            generation = k.generation(),
-            "handler registered"
-        );
-        names
-            .entry((poller, k.slot(), k.generation()))
-            .and_modify(|n| {
-                n.push('|');
-                n.push_str(name);
-            })
-            .or_insert_with(|| name.to_string());
-    }
+fn name_of(names: &mut Names, poller: usize, cq: &str, reg: &Registration, name: &str) {
+    let k = reg.key();
+    // What a completion's wr_id names (its slot and generation fields),
+    // for reading --trace-completions' lines.
+    tracing::debug!(
+        cq,
+        handler = name,
+        slot = k.slot(),
+        generation = k.generation(),
+        "handler registered"
+    );
+    names
+        .entry((poller, k.slot(), k.generation()))
+        .and_modify(|n| {
+            n.push('|');
+            n.push_str(name);
+        })
+        .or_insert_with(|| name.to_string());
 }
 
 /// The server half: cqd's pollers and pool, or the naive baseline.

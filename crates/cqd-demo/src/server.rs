@@ -29,7 +29,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cqd_core::{
@@ -151,7 +151,7 @@ struct Replies {
 pub struct SrvConn<N: Node> {
     name: String,
     link: N::Link,
-    reg: OnceLock<Registration>,
+    reg: Registration,
     /// Receive buffers `[0, depth)`, then reply buffers.
     msgs: N::Region,
     depth: u32,
@@ -173,8 +173,8 @@ impl<N: Node> SrvConn<N> {
     }
 
     /// The connection's handler registration (for the report).
-    pub fn registration(&self) -> Option<&Registration> {
-        self.reg.get()
+    pub fn registration(&self) -> &Registration {
+        &self.reg
     }
 
     /// The connection's name.
@@ -187,21 +187,12 @@ impl<N: Node> SrvConn<N> {
     /// # Errors
     /// A refused post.
     pub fn post_receives(&self) -> Result<(), BackendError> {
-        let reg = self.reg()?;
+        let reg = &self.reg;
         for slot in 0..self.depth {
             self.link
                 .post_recv(reg, slot, &self.msgs, u64::from(slot) * MSG, MSG_LEN as u32)?;
         }
         Ok(())
-    }
-
-    fn reg(&self) -> Result<&Registration, BackendError> {
-        self.reg.get().ok_or_else(|| {
-            BackendError::new(
-                format!("{}: post", self.name),
-                "the connection's handler is not registered",
-            )
-        })
     }
 
     /// Breaks the connection: its QP to error, so everything outstanding
@@ -271,7 +262,7 @@ impl<N: Node> SrvConn<N> {
                     len: req.len,
                     signaled: true,
                 };
-                let posted = self.reg().and_then(|reg| self.link.post_send(reg, &[op]));
+                let posted = self.link.post_send(&self.reg, &[op]);
                 if let Err(e) = posted {
                     self.reading[usize::from(req.slot)].lock().take();
                     self.break_conn(&e.to_string());
@@ -304,7 +295,7 @@ impl<N: Node> SrvConn<N> {
         };
         let at = u64::from(self.depth + slot) * MSG;
         let result = self.msgs.write(at, &reply.encode()).and_then(|()| {
-            let reg = self.reg()?;
+            let reg = &self.reg;
             let send = Op {
                 tag: slot,
                 verb: Verb::Send,
@@ -404,10 +395,7 @@ impl<N: Node> Handler<ServerWork<N>> for SrvHandler<N> {
             return;
         }
         // The buffer is copied out: give it back to the NIC first.
-        if let Err(e) = c
-            .reg()
-            .and_then(|reg| c.link.post_recv(reg, slot, &c.msgs, at, MSG_LEN as u32))
-        {
+        if let Err(e) = c.link.post_recv(&c.reg, slot, &c.msgs, at, MSG_LEN as u32) {
             c.break_conn(&e.to_string());
         }
         let parsed = if d.byte_len() as usize > MSG_LEN {
@@ -611,31 +599,40 @@ impl<N: Node> Server<N> {
         let depth = self.spec.depth;
         let link = self.node.create_link(&self.cq, self.spec.depths())?;
         let msgs = self.node.reg_region(u64::from(3 * depth) * MSG)?;
-        let conn = Arc::new(SrvConn {
-            name: format!("{}/c{}", self.name, self.conns.len()),
-            link,
-            reg: OnceLock::new(),
-            msgs,
-            depth,
-            device: Arc::clone(&self.device),
-            blocks: self.blocks(),
-            block_size: self.spec.block_size,
-            replies: Mutex::new(Replies {
-                free: (0..2 * depth).rev().collect(),
-                deferred: VecDeque::new(),
-            }),
-            reading: (0..depth).map(|_| Mutex::new(None)).collect(),
-            stats: Arc::clone(&self.stats),
-            closing: Arc::clone(&self.closing),
-            broken: AtomicBool::new(false),
-        });
-        let reg = self
-            .handle
-            .register(SrvHandler {
-                conn: Arc::clone(&conn),
+        let name = format!("{}/c{}", self.name, self.conns.len());
+        let (device, stats, closing) = (
+            Arc::clone(&self.device),
+            Arc::clone(&self.stats),
+            Arc::clone(&self.closing),
+        );
+        let blocks = self.blocks();
+        let block_size = self.spec.block_size;
+        let mut made = None;
+        self.handle
+            .register_with(|reg| {
+                let conn = Arc::new(SrvConn {
+                    name: name.clone(),
+                    link,
+                    reg: reg.clone(),
+                    msgs,
+                    depth,
+                    device,
+                    blocks,
+                    block_size,
+                    replies: Mutex::new(Replies {
+                        free: (0..2 * depth).rev().collect(),
+                        deferred: VecDeque::new(),
+                    }),
+                    reading: (0..depth).map(|_| Mutex::new(None)).collect(),
+                    stats,
+                    closing,
+                    broken: AtomicBool::new(false),
+                });
+                made = Some(Arc::clone(&conn));
+                SrvHandler { conn }
             })
-            .map_err(|e| crate::DemoError::Setup(format!("{}: register: {e}", conn.name)))?;
-        let _ = conn.reg.set(reg);
+            .map_err(|e| crate::DemoError::Setup(format!("{name}: register: {e}")))?;
+        let conn = made.ok_or_else(|| crate::DemoError::Setup(format!("{name}: not made")))?;
         self.conns.push(Arc::clone(&conn));
         Ok(conn)
     }

@@ -54,10 +54,14 @@ impl<W: Send + 'static> CqHandle<W> {
     /// key hashes to (per-handler order). Applied by the poller between
     /// batches (waking it if it sleeps); the key is usable at once.
     ///
+    /// A handler that posts from its own callbacks (a repost, a reply) is
+    /// made with [`register_with`](Self::register_with), which hands it
+    /// its registration.
+    ///
     /// # Errors
     /// [`RegisterError::SlabFull`], [`RegisterError::Closed`].
     pub fn register(&self, handler: impl Handler<W>) -> Result<Registration, RegisterError> {
-        self.register_routed(handler, None)
+        self.register_inner(None, false, |_| handler)
     }
 
     /// As [`register`](Self::register), with an explicit default route.
@@ -69,27 +73,59 @@ impl<W: Send + 'static> CqHandle<W> {
         handler: impl Handler<W>,
         route: Option<Route>,
     ) -> Result<Registration, RegisterError> {
+        self.register_inner(route, false, |_| handler)
+    }
+
+    /// Registers the handler `make` builds from its own registration, so
+    /// that it can post from its callbacks (keep a clone of the
+    /// registration in the handler; workers post through clones as well).
+    ///
+    /// The handler is installed when `make` returns. A post from inside
+    /// `make` is refused ([`Refused::NotInstalled`](crate::Refused::NotInstalled)): no handler
+    /// would be there to receive its completion. If `make` panics, the slot
+    /// is released and the panic goes on.
+    ///
+    /// `handle.register_with(|reg| Echo { reg: reg.clone(), .. })` gives the
+    /// handler its registration to keep; its `on_recv` then reposts and
+    /// replies through `self.reg` (the repository's test
+    /// `tests/post_from_callbacks.rs` is a whole echo server so).
+    ///
+    /// # Errors
+    /// [`RegisterError::SlabFull`], [`RegisterError::Closed`].
+    pub fn register_with<H: Handler<W>>(
+        &self,
+        make: impl FnOnce(&Registration) -> H,
+    ) -> Result<Registration, RegisterError> {
+        self.register_inner(None, true, make)
+    }
+
+    /// One registration: a slot and its ledger, the registration, the
+    /// handler made from it, the command that installs it. `pending`: the
+    /// slot's posts are refused until the command is queued (the handler
+    /// is made by user code that holds the registration meanwhile).
+    fn register_inner<H: Handler<W>>(
+        &self,
+        route: Option<Route>,
+        pending: bool,
+        make: impl FnOnce(&Registration) -> H,
+    ) -> Result<Registration, RegisterError> {
         if self.shared.closed.load(Ordering::Acquire) {
             return Err(RegisterError::Closed {
                 cq: self.shared.name.clone(),
             });
         }
-        let (key, ledger) = self.shared.table().alloc_ledger(&self.shared.name)?;
+        let (key, ledger) = self
+            .shared
+            .table()
+            .alloc_ledger_as(&self.shared.name, pending)?;
         let route = route.unwrap_or(Route::Key(u64::from(key.slot())));
         let m = &self.shared.metrics.0;
         m.handlers_live.fetch_add(1, Ordering::Relaxed);
         m.registrations.fetch_add(1, Ordering::Relaxed);
-        push_command(
-            &self.shared,
-            Command::Register {
-                key,
-                entry: Entry::boxed(key, handler, route, ledger.clone()),
-            },
-        );
         let weak = Arc::downgrade(&self.shared);
-        Ok(Registration {
+        let reg = Registration {
             key,
-            ledger,
+            ledger: ledger.clone(),
             cq: Arc::from(self.shared.name.as_str()),
             cq_ledger: Arc::clone(&self.shared.ledger),
             recheck: Arc::new(move |key| {
@@ -97,7 +133,42 @@ impl<W: Send + 'static> CqHandle<W> {
                     push_command(&shared, Command::Recheck { key });
                 }
             }),
-        })
+        };
+        let handler = if pending {
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| make(&reg))) {
+                Ok(h) => h,
+                Err(panic) => {
+                    // Nothing was posted (the slot is pending): an empty
+                    // handler takes the slot and retires at once, so the
+                    // poller releases it as any other.
+                    push_command(
+                        &self.shared,
+                        Command::Register {
+                            key,
+                            entry: Entry::boxed(key, Vacant, route, ledger),
+                        },
+                    );
+                    let _ = self.unregister(key);
+                    std::panic::resume_unwind(panic);
+                }
+            }
+        } else {
+            make(&reg)
+        };
+        push_command(
+            &self.shared,
+            Command::Register {
+                key,
+                entry: Entry::boxed(key, handler, route, ledger.clone()),
+            },
+        );
+        if pending {
+            // After the command: a completion of a post from now on finds
+            // the handler, or the command still queued (dispatch applies
+            // queued commands before it calls a wr_id stale).
+            ledger.activate();
+        }
+        Ok(reg)
     }
 
     /// Registers a [`ContextHandler`](crate::context::ContextHandler): each
@@ -117,13 +188,45 @@ impl<W: Send + 'static> CqHandle<W> {
         handler: H,
         capacity: u32,
     ) -> Result<super::ContextRegistration<H::Ctx>, RegisterError> {
+        self.register_contexts_inner(capacity, false, |_| handler)
+    }
+
+    /// As [`register_with`](Self::register_with) for a
+    /// [`ContextHandler`](crate::context::ContextHandler): `make` builds
+    /// the handler from its context registration, to post with contexts
+    /// from its callbacks. As
+    /// [`register_with_contexts`](Self::register_with_contexts) for the
+    /// table.
+    ///
+    /// # Errors
+    /// As [`register_with_contexts`](Self::register_with_contexts).
+    pub fn register_contexts_with<H: crate::context::ContextHandler<W>>(
+        &self,
+        capacity: u32,
+        make: impl FnOnce(&super::ContextRegistration<H::Ctx>) -> H,
+    ) -> Result<super::ContextRegistration<H::Ctx>, RegisterError> {
+        self.register_contexts_inner(capacity, true, make)
+    }
+
+    fn register_contexts_inner<H: crate::context::ContextHandler<W>>(
+        &self,
+        capacity: u32,
+        pending: bool,
+        make: impl FnOnce(&super::ContextRegistration<H::Ctx>) -> H,
+    ) -> Result<super::ContextRegistration<H::Ctx>, RegisterError> {
         if capacity == 0 || capacity > crate::wr_id::MAX_TAG + 1 {
             return Err(RegisterError::Contexts { capacity });
         }
         let table = Arc::new(crate::context::Table::new(capacity));
-        let reg = self.register(crate::context::WithContexts {
-            inner: handler,
-            table: Arc::clone(&table),
+        let reg = self.register_inner(None, pending, |reg| {
+            let creg = super::ContextRegistration {
+                reg: reg.clone(),
+                table: Arc::clone(&table),
+            };
+            crate::context::WithContexts {
+                inner: make(&creg),
+                table: Arc::clone(&table),
+            }
         })?;
         Ok(super::ContextRegistration { reg, table })
     }
@@ -393,4 +496,16 @@ impl Registration {
     pub fn ledger(&self) -> &SlotLedger {
         &self.ledger
     }
+}
+
+/// The handler that holds a slot whose real handler was never made
+/// (`register_with`'s closure panicked): it retires at once.
+struct Vacant;
+
+impl<W> Handler<W> for Vacant {
+    fn on_send(&mut self, _: &crate::handler::SendDone<'_>, _: &mut crate::handler::Outbox<'_, W>) {
+    }
+    fn on_recv(&mut self, _: &crate::handler::RecvDone<'_>, _: &mut crate::handler::Outbox<'_, W>) {
+    }
+    fn on_error(&mut self, _: &crate::handler::Failed<'_>, _: &mut crate::handler::Outbox<'_, W>) {}
 }

@@ -71,6 +71,9 @@ where
     let slot = reg.ledger();
     if !slot.add_posted_all(&per_kind) {
         restore(wrs);
+        if slot.is_pending() {
+            return Err(Refused::NotInstalled { handler: key }.into());
+        }
         return Err(Refused::Released { handler: key }.into());
     }
     // 3. The queue's posting lock (posters of this queue serialise; the
