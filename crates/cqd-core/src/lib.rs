@@ -54,6 +54,7 @@ pub mod sync;
 mod sys;
 mod thread;
 pub mod topology;
+pub mod verdict;
 pub mod wr_id;
 
 pub use budget::{cq_depth_for, Admission, BudgetError, BudgetOptions, BudgetSnapshot, CqBudget};
@@ -74,4 +75,5 @@ pub use post::{Invalid, PostRecv, PostSend, Refused, SendRequest, WorkRequest};
 pub use shutdown::{shutdown, shutdown_with, ShutdownOptions, SystemReport};
 pub use sink::{Burst, NoSink, NoWork, Route, Routed, SpaceWait, SpaceWaker, WorkSink};
 pub use source::{ArmKind, AsyncEvent, CompletionSource, QpEvent, SourceError, SrqEvent};
+pub use verdict::{Finding, FindingKind};
 pub use wr_id::{HandlerKey, OpKind, Side, WrId};

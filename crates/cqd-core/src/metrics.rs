@@ -71,6 +71,28 @@ pub struct CqCounters {
     pub(crate) handlers_live: AtomicU64,
     pub(crate) registrations: AtomicU64,
     pub(crate) unregistrations: AtomicU64,
+    /// The QP of the last foreign completion, plus 1 (0: none).
+    pub(crate) last_foreign_qp: AtomicU64,
+    /// The QP of the last stale completion, plus 1 (0: none).
+    pub(crate) last_stale_qp: AtomicU64,
+    /// The handler the last stale completion named ([`key_word`]).
+    pub(crate) last_stale_key: AtomicU64,
+    /// The handler whose callback panicked last ([`key_word`]).
+    pub(crate) last_panic_key: AtomicU64,
+}
+
+/// A handler key as one word for the `last_*` counters (0: none).
+pub(crate) fn key_word(key: crate::wr_id::HandlerKey) -> u64 {
+    (u64::from(key.slot()) << 16 | u64::from(key.generation())) + 1
+}
+
+fn key_of(word: u64) -> Option<String> {
+    let w = word.checked_sub(1)?;
+    crate::wr_id::HandlerKey::new((w >> 16) as u32, w as u16).map(|k| k.to_string())
+}
+
+fn qp_of(word: u64) -> Option<u32> {
+    word.checked_sub(1).map(|q| q as u32)
 }
 
 /// The counters of one CQ, cache-padded.
@@ -122,6 +144,10 @@ impl CqMetrics {
             handlers_live: get(&c.handlers_live),
             registrations: get(&c.registrations),
             unregistrations: get(&c.unregistrations),
+            last_foreign_qp: qp_of(get(&c.last_foreign_qp)),
+            last_stale_qp: qp_of(get(&c.last_stale_qp)),
+            last_stale_handler: key_of(get(&c.last_stale_key)),
+            last_panicked_handler: key_of(get(&c.last_panic_key)),
             budget: None,
         }
     }
@@ -188,6 +214,19 @@ pub struct CqSnapshot {
     pub registrations: u64,
     /// Handlers retired (unregistered and with no work outstanding).
     pub unregistrations: u64,
+    /// The QP number of the last foreign completion (a wr_id cqd did not
+    /// make), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_foreign_qp: Option<u32>,
+    /// The QP number of the last stale completion, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_stale_qp: Option<u32>,
+    /// The handler (`slot#generation`) the last stale completion named.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_stale_handler: Option<String>,
+    /// The handler whose callback panicked last.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_panicked_handler: Option<String>,
     /// The CQ budget's counters, if a budget is attached (reserved
     /// capacity, credits in use and high-water mark, overflows).
     #[serde(default, skip_serializing_if = "Option::is_none")]

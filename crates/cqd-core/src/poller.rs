@@ -460,6 +460,41 @@ pub struct PollerReport {
     pub accounts: crate::ledger::ShutdownReport,
 }
 
+impl PollerReport {
+    /// Everything this stop found wrong ([`crate::verdict`]): errors,
+    /// requests missing, undelivered work, and each CQ's overflows,
+    /// foreign and stale wr_ids, unknown statuses and opcodes, handler
+    /// panics, failed polls — each naming its CQ, QP and handler.
+    pub fn findings(&self) -> Vec<crate::verdict::Finding> {
+        use crate::verdict::{Finding, FindingKind};
+        let name = format!("poller {}", self.poller.name);
+        let mut out: Vec<Finding> = self
+            .errors
+            .iter()
+            .map(|e| Finding::new(FindingKind::Error, format!("{name}: {e}")))
+            .collect();
+        crate::verdict::of_accounts(&self.accounts, &name, &mut out);
+        if self.undelivered > 0 {
+            out.push(Finding::new(
+                FindingKind::Undelivered,
+                format!(
+                    "{name}: {} work items the sink never took",
+                    self.undelivered
+                ),
+            ));
+        }
+        for c in &self.cqs {
+            crate::verdict::of_cq(c, &mut out);
+        }
+        out
+    }
+
+    /// True when the stop found nothing wrong (no [`findings`](Self::findings)).
+    pub fn is_clean(&self) -> bool {
+        self.findings().is_empty()
+    }
+}
+
 struct Group<W, S> {
     idle: IdlePolicy,
     cqs: Vec<CqPoller<W>>,

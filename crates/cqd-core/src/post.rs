@@ -256,13 +256,17 @@ pub trait PostSend {
         let _ = wr;
         Ok(())
     }
-    /// Posts `wrs` in order, unaccounted. On failure returns how many
-    /// requests, from the front, were posted before it (verbs: those
+    /// The backend's own post, which the posting call wraps: posts `wrs`
+    /// in order and **bypasses every account** (no ledger, no queue
+    /// account, no credit). Their completions reach no handler: each is
+    /// counted foreign, and the stop's verdict names it. Post through a
+    /// registration ([`Registration::post_send`](crate::Registration::post_send)) instead. On failure returns how
+    /// many requests, from the front, were posted before it (verbs: those
     /// before `bad_wr`), with the error.
     ///
     /// # Errors
     /// The backend's.
-    fn post_send_raw(&self, wrs: &[Self::Wr<'_>]) -> Result<(), (usize, Self::Error)>;
+    fn post_send_unaccounted(&self, wrs: &[Self::Wr<'_>]) -> Result<(), (usize, Self::Error)>;
 }
 
 /// A queue that receives are posted to: a QP's receive queue or a shared
@@ -276,12 +280,15 @@ pub trait PostRecv {
 
     /// The receive queue's account (an SRQ's, for a QP that draws on one).
     fn recv_account(&self) -> &QueueAccount;
-    /// Posts `wrs` in order, unaccounted. On failure returns how many
-    /// requests, from the front, were posted before it, with the error.
+    /// The backend's own post, which the posting call wraps: bypasses
+    /// every account, as [`PostSend::post_send_unaccounted`] does. Post
+    /// through a registration ([`Registration::post_recv`](crate::Registration::post_recv)) instead. On
+    /// failure returns how many requests, from the front, were posted
+    /// before it, with the error.
     ///
     /// # Errors
     /// The backend's.
-    fn post_recv_raw(&self, wrs: &[Self::Wr<'_>]) -> Result<(), (usize, Self::Error)>;
+    fn post_recv_unaccounted(&self, wrs: &[Self::Wr<'_>]) -> Result<(), (usize, Self::Error)>;
 }
 
 #[cfg(test)]

@@ -47,18 +47,30 @@ pub struct SystemReport {
 }
 
 impl SystemReport {
-    /// True when nothing was lost: every request was accounted for
+    /// True when the shutdown found nothing wrong (no
+    /// [`findings`](Self::findings)): every request was accounted for
     /// (completed or flushed), every work item was handed to a worker, no
     /// CQ overflowed (an overflow loses completions even when a later one
-    /// retires what they covered), and nothing failed while stopping.
+    /// retires what they covered), every completion reached the handler
+    /// that posted it (no foreign or stale wr_id, no handler panic), and
+    /// nothing failed while stopping.
     pub fn is_clean(&self) -> bool {
-        self.errors.is_empty()
-            && self.pollers.iter().all(|p| {
-                p.accounts.is_balanced()
-                    && p.undelivered == 0
-                    && p.errors.is_empty()
-                    && p.cqs.iter().all(|c| c.overflows == 0)
-            })
+        self.findings().is_empty()
+    }
+
+    /// Everything the shutdown found wrong: its own errors, then each
+    /// poller's [`findings`](PollerReport::findings).
+    pub fn findings(&self) -> Vec<crate::verdict::Finding> {
+        use crate::verdict::{Finding, FindingKind};
+        let mut out: Vec<Finding> = self
+            .errors
+            .iter()
+            .map(|e| Finding::new(FindingKind::Error, e.clone()))
+            .collect();
+        for p in &self.pollers {
+            out.extend(p.findings());
+        }
+        out
     }
 }
 
@@ -143,7 +155,8 @@ pub fn shutdown_with(
     }
     // 4. The report.
     if !report.is_clean() {
-        tracing::error!(errors = ?report.errors, "shutdown left something unaccounted for");
+        let findings: Vec<String> = report.findings().iter().map(ToString::to_string).collect();
+        tracing::error!(?findings, "shutdown found something wrong");
     }
     report
 }

@@ -188,7 +188,7 @@ impl PostSend for Loopback {
         &self.send
     }
 
-    fn post_send_raw(&self, wrs: &[LoopWr]) -> Result<(), (usize, LoopbackError)> {
+    fn post_send_unaccounted(&self, wrs: &[LoopWr]) -> Result<(), (usize, LoopbackError)> {
         self.push(wrs)
     }
 }
@@ -201,7 +201,7 @@ impl PostRecv for Loopback {
         &self.recv
     }
 
-    fn post_recv_raw(&self, wrs: &[LoopWr]) -> Result<(), (usize, LoopbackError)> {
+    fn post_recv_unaccounted(&self, wrs: &[LoopWr]) -> Result<(), (usize, LoopbackError)> {
         self.push(wrs)
     }
 }

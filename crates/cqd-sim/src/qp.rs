@@ -306,7 +306,7 @@ impl Qp {
     /// [`PostError::WrongState`], [`PostError::TooManySge`],
     /// [`PostError::QueueFull`], [`PostError::Destroyed`],
     /// [`PostError::DeviceGone`]; nothing was posted then.
-    pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), PostError> {
+    pub fn post_send_unaccounted(&self, wrs: &[SendWr<'_>]) -> Result<(), PostError> {
         self.present()?;
         let core = &self.fabric.core;
         let mut st = core.state.lock();
@@ -390,7 +390,7 @@ impl Qp {
     /// [`PostError::TooManySge`], [`PostError::QueueFull`],
     /// [`PostError::Destroyed`], [`PostError::DeviceGone`]; nothing was
     /// posted then.
-    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
+    pub fn post_recv_unaccounted(&self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
         self.present()?;
         let mut st = self.fabric.core.state.lock();
         let qpn = self.qpn;
@@ -485,8 +485,8 @@ impl PostSend for Qp {
         }
     }
 
-    fn post_send_raw(&self, wrs: &[SendWr<'_>]) -> Result<(), (usize, PostError)> {
-        self.post_send(wrs).map_err(|e| (0, e))
+    fn post_send_unaccounted(&self, wrs: &[SendWr<'_>]) -> Result<(), (usize, PostError)> {
+        Qp::post_send_unaccounted(self, wrs).map_err(|e| (0, e))
     }
 }
 
@@ -498,8 +498,8 @@ impl PostRecv for Qp {
         &self.recv_account
     }
 
-    fn post_recv_raw(&self, wrs: &[RecvWr<'_>]) -> Result<(), (usize, PostError)> {
-        self.post_recv(wrs).map_err(|e| (0, e))
+    fn post_recv_unaccounted(&self, wrs: &[RecvWr<'_>]) -> Result<(), (usize, PostError)> {
+        Qp::post_recv_unaccounted(self, wrs).map_err(|e| (0, e))
     }
 }
 
@@ -512,9 +512,9 @@ impl Drop for Qp {
         // have none (their silent tail stays outstanding).
         self.force_error();
         if self.qp_type == QpType::Rc {
-            let marker = self
-                .send_account
-                .post_drain_marker(|wr_id| self.post_send(&[SendWr::new(wr_id, WrOp::Send, &[])]));
+            let marker = self.send_account.post_drain_marker(|wr_id| {
+                Qp::post_send_unaccounted(self, &[SendWr::new(wr_id, WrOp::Send, &[])])
+            });
             if let DrainMarker::NoCredit | DrainMarker::Failed(_) = marker {
                 tracing::warn!(qpn = self.qpn, ?marker,
                     "no drain marker: the unsignaled requests at the end of the send queue stay outstanding");

@@ -56,7 +56,7 @@ impl Srq {
     /// # Errors
     /// [`PostError::TooManySge`], [`PostError::QueueFull`],
     /// [`PostError::Destroyed`]; nothing was posted then.
-    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
+    pub fn post_recv_unaccounted(&self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
         let mut st = self.fabric.core.state.lock();
         let id = self.id;
         let Some(s) = st.srqs.get_mut(&id) else {
@@ -103,8 +103,8 @@ impl PostRecv for Srq {
         &self.account
     }
 
-    fn post_recv_raw(&self, wrs: &[RecvWr<'_>]) -> Result<(), (usize, PostError)> {
-        self.post_recv(wrs).map_err(|e| (0, e))
+    fn post_recv_unaccounted(&self, wrs: &[RecvWr<'_>]) -> Result<(), (usize, PostError)> {
+        Srq::post_recv_unaccounted(self, wrs).map_err(|e| (0, e))
     }
 }
 

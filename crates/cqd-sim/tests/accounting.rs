@@ -317,8 +317,10 @@ impl PostSend for Partial<'_> {
         self.qp.send_account()
     }
 
-    fn post_send_raw(&self, wrs: &[SendWr<'_>]) -> Result<(), (usize, PostError)> {
-        self.qp.post_send(&wrs[..self.k]).map_err(|e| (0, e))?;
+    fn post_send_unaccounted(&self, wrs: &[SendWr<'_>]) -> Result<(), (usize, PostError)> {
+        self.qp
+            .post_send_unaccounted(&wrs[..self.k])
+            .map_err(|e| (0, e))?;
         Err((
             self.k,
             PostError::TooManySge {
@@ -736,8 +738,8 @@ impl PostSend for Watching<'_> {
         self.qp.send_account()
     }
 
-    fn post_send_raw(&self, wrs: &[SendWr<'_>]) -> Result<(), (usize, PostError)> {
-        self.qp.post_send(wrs).map_err(|e| (0, e))?;
+    fn post_send_unaccounted(&self, wrs: &[SendWr<'_>]) -> Result<(), (usize, PostError)> {
+        self.qp.post_send_unaccounted(wrs).map_err(|e| (0, e))?;
         assert_eq!(self.cq.producer().len(), 1, "completed inside the call");
         assert_eq!(self.reg.ledger().posted(OpKind::Write), 2);
         Ok(())

@@ -252,7 +252,9 @@ fn posting_errors_change_nothing() {
     let remote = r.mr_b.remote(0);
     let w = |id, s| SendWr::new(id, WrOp::Write(remote), s);
     // Too many SGEs (second WR of the list): nothing of the list is posted.
-    let e = r.a.post_send(&[w(1, &s1), w(2, &s2)]).unwrap_err();
+    let e =
+        r.a.post_send_unaccounted(&[w(1, &s1), w(2, &s2)])
+            .unwrap_err();
     assert_eq!(
         e,
         PostError::TooManySge {
@@ -264,7 +266,7 @@ fn posting_errors_change_nothing() {
     );
     // Beyond the depth.
     let e =
-        r.a.post_send(&[w(1, &s1), w(2, &s1), w(3, &s1)])
+        r.a.post_send_unaccounted(&[w(1, &s1), w(2, &s1), w(3, &s1)])
             .unwrap_err();
     assert!(
         matches!(
@@ -288,7 +290,7 @@ fn posting_errors_change_nothing() {
         max_recv_sge: 1,
     };
     let c = r.pd.create_qp(&QpInit::new(&r.cq, &r.cq, small)).unwrap();
-    let e = c.post_send(&[w(1, &s1)]).unwrap_err();
+    let e = c.post_send_unaccounted(&[w(1, &s1)]).unwrap_err();
     assert!(matches!(
         e,
         PostError::WrongState {
@@ -297,7 +299,7 @@ fn posting_errors_change_nothing() {
         }
     ));
     assert!(matches!(
-        c.post_recv(&[cqd_sim::RecvWr::new(1, &s1)]),
+        c.post_recv_unaccounted(&[cqd_sim::RecvWr::new(1, &s1)]),
         Err(PostError::WrongState { .. })
     ));
     c.modify(Modify::Init {
@@ -305,23 +307,24 @@ fn posting_errors_change_nothing() {
     })
     .unwrap();
     assert!(matches!(
-        c.post_send(&[w(1, &s1)]),
+        c.post_send_unaccounted(&[w(1, &s1)]),
         Err(PostError::WrongState {
             state: QpState::Init,
             ..
         })
     ));
-    c.post_recv(&[cqd_sim::RecvWr::new(1, &s1)]).unwrap();
+    c.post_recv_unaccounted(&[cqd_sim::RecvWr::new(1, &s1)])
+        .unwrap();
     // The queue is intact: two signaled writes fit, a third does not until polled.
-    r.a.post_send(&[w(1, &s1), w(2, &s1)]).unwrap();
+    r.a.post_send_unaccounted(&[w(1, &s1), w(2, &s1)]).unwrap();
     assert!(matches!(
-        r.a.post_send(&[w(3, &s1)]),
+        r.a.post_send_unaccounted(&[w(3, &s1)]),
         Err(PostError::QueueFull { outstanding: 2, .. })
     ));
     assert_eq!(r.cq.producer().len(), 2);
     let mut out = std::collections::VecDeque::new();
     r.poller().poll_once(&mut out).unwrap();
-    r.a.post_send(&[w(3, &s1)]).unwrap();
+    r.a.post_send_unaccounted(&[w(3, &s1)]).unwrap();
     drop(c);
 }
 
@@ -441,7 +444,7 @@ fn a_vanished_device_fails_its_polls_posts_and_peers() {
     assert_eq!(g.state().unwrap(), QpState::Err);
     let sge = [mr.sge(0, 8)];
     assert!(matches!(
-        g.post_recv(&[cqd_sim::RecvWr::new(1, &sge)]),
+        g.post_recv_unaccounted(&[cqd_sim::RecvWr::new(1, &sge)]),
         Err(PostError::DeviceGone { .. })
     ));
     assert!(matches!(

@@ -304,20 +304,20 @@ fn wr_id_untouched_and_the_solicited_flag_drives_a_solicited_arm() {
     cqd_sim::connect(&a, &b).unwrap();
     let sge = [mr.sge(0, 8)];
     let raw = 0x1234_5678_9abc_def0;
-    b.post_recv(&[
+    b.post_recv_unaccounted(&[
         cqd_sim::RecvWr::new(raw, &sge),
         cqd_sim::RecvWr::new(raw + 1, &sge),
     ])
     .unwrap();
     src.arm(ArmKind::Solicited).unwrap();
-    a.post_send(&[SendWr::new(7, WrOp::Send, &sge).unsignaled()])
+    a.post_send_unaccounted(&[SendWr::new(7, WrOp::Send, &sge).unsignaled()])
         .unwrap();
     assert_eq!(
         src.take_events().unwrap(),
         0,
         "an unsolicited receive does not fire a solicited arm"
     );
-    a.post_send(&[SendWr::new(8, WrOp::SendWithImm(1), &sge)
+    a.post_send_unaccounted(&[SendWr::new(8, WrOp::SendWithImm(1), &sge)
         .unsignaled()
         .solicited()])
         .unwrap();
@@ -385,10 +385,10 @@ fn two_devices_on_one_fabric_connect_and_objects_stay_on_their_device() {
         cpd.reg_mr(64, cqd_sim::Access::ALL).unwrap(),
         spd.reg_mr(64, cqd_sim::Access::ALL).unwrap(),
     );
-    s.post_recv(&[cqd_sim::RecvWr::new(1, &[smr.sge(0, 64)])])
+    s.post_recv_unaccounted(&[cqd_sim::RecvWr::new(1, &[smr.sge(0, 64)])])
         .unwrap();
     cmr.write(0, b"ping").unwrap();
-    c.post_send(&[SendWr::new(2, WrOp::Send, &[cmr.sge(0, 4)])])
+    c.post_send_unaccounted(&[SendWr::new(2, WrOp::Send, &[cmr.sge(0, 4)])])
         .unwrap();
     let mut buf = [cqd_core::Completion::default(); 2];
     assert_eq!(
@@ -397,7 +397,7 @@ fn two_devices_on_one_fabric_connect_and_objects_stay_on_their_device() {
     );
     assert_eq!((buf[0].wr_id, buf[0].byte_len), (1, 4));
     // A region of the other domain is not usable locally.
-    c.post_send(&[SendWr::new(3, WrOp::Send, &[smr.sge(0, 4)])])
+    c.post_send_unaccounted(&[SendWr::new(3, WrOp::Send, &[smr.sge(0, 4)])])
         .unwrap();
     assert_eq!(
         c.state().unwrap(),

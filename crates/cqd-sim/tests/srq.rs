@@ -52,7 +52,7 @@ fn many_qps_share_one_srq_and_completions_name_the_qp() {
     for (i, (_, client)) in pairs.iter().enumerate() {
         msg.write(0, &(i as u64).to_ne_bytes()).unwrap();
         client
-            .post_send(&[SendWr::new(i as u64, WrOp::Send, &sge).unsignaled()])
+            .post_send_unaccounted(&[SendWr::new(i as u64, WrOp::Send, &sge).unsignaled()])
             .unwrap();
     }
     let mut out = VecDeque::new();
@@ -75,7 +75,7 @@ fn many_qps_share_one_srq_and_completions_name_the_qp() {
     // The others still receive.
     pairs[1]
         .1
-        .post_send(&[SendWr::new(9, WrOp::Send, &sge)])
+        .post_send_unaccounted(&[SendWr::new(9, WrOp::Send, &sge)])
         .unwrap();
     while poller.poll_once(&mut out).unwrap() > 0 {}
     let evs = log.take();
@@ -132,9 +132,9 @@ fn srq_slots_are_freed_when_their_completions_are_polled() {
     let mr = pd.reg_mr(64, Access::LOCAL_WRITE).unwrap();
     let sge = [mr.sge(0, 8)];
     let r = |t| RecvWr::new(reg.wr_id(OpKind::Recv, t).unwrap(), &sge);
-    srq.post_recv(&[r(0), r(1)]).unwrap();
+    srq.post_recv_unaccounted(&[r(0), r(1)]).unwrap();
     assert!(matches!(
-        srq.post_recv(&[r(2)]),
+        srq.post_recv_unaccounted(&[r(2)]),
         Err(PostError::QueueFull {
             queue: "srq",
             depth: 2,
@@ -143,7 +143,7 @@ fn srq_slots_are_freed_when_their_completions_are_polled() {
         })
     ));
     client
-        .post_send(&[SendWr::new(
+        .post_send_unaccounted(&[SendWr::new(
             reg.wr_id(OpKind::Send, 0).unwrap(),
             WrOp::Send,
             &sge,
@@ -151,13 +151,13 @@ fn srq_slots_are_freed_when_their_completions_are_polled() {
         .unwrap();
     assert!(
         matches!(
-            srq.post_recv(&[r(2)]),
+            srq.post_recv_unaccounted(&[r(2)]),
             Err(PostError::QueueFull { outstanding: 2, .. })
         ),
         "consumed but not polled"
     );
     let mut out = VecDeque::new();
     while poller.poll_once(&mut out).unwrap() > 0 {}
-    srq.post_recv(&[r(2)]).unwrap();
+    srq.post_recv_unaccounted(&[r(2)]).unwrap();
     assert_eq!(srq.available(), 2);
 }

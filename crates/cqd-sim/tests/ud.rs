@@ -53,7 +53,7 @@ impl Ud {
 }
 
 fn send(qp: &Qp, wr_id: u64, op: WrOp, sg: &[cqd_sim::Sge], dest: UdDest<'_>) {
-    qp.post_send(&[SendWr::new(wr_id, op, sg).to(dest)])
+    qp.post_send_unaccounted(&[SendWr::new(wr_id, op, sg).to(dest)])
         .unwrap();
 }
 
@@ -69,7 +69,7 @@ fn a_datagram_lands_after_the_grh_with_the_sender_named() {
         })
         .unwrap();
     u.mr.write(0, b"datagram payload").unwrap();
-    rx.post_recv(&[
+    rx.post_recv_unaccounted(&[
         RecvWr::new(1, &[u.mr.sge(1024, 256)]),
         RecvWr::new(2, &[u.mr.sge(2048, 256)]),
     ])
@@ -133,10 +133,10 @@ fn undeliverable_datagrams_vanish_and_their_sends_succeed() {
         (&here, 0xdead, QKEY),
         (&here, rx.qpn(), QKEY),
     ];
-    rx.post_recv(&[RecvWr::new(1, &[u.mr.sge(1024, 64)])])
+    rx.post_recv_unaccounted(&[RecvWr::new(1, &[u.mr.sge(1024, 64)])])
         .unwrap();
     not_ready
-        .post_recv(&[RecvWr::new(2, &[u.mr.sge(2048, 64)])])
+        .post_recv_unaccounted(&[RecvWr::new(2, &[u.mr.sge(2048, 64)])])
         .unwrap();
     for (i, (ah, qpn, qkey)) in dests.iter().enumerate() {
         send(
@@ -174,7 +174,7 @@ fn undeliverable_datagrams_vanish_and_their_sends_succeed() {
     );
     assert_eq!(u.dev.fabric().stats().dropped, 5);
     // A Q_Key with the high-order bit set means the sender's own.
-    rx.post_recv(&[RecvWr::new(3, &[u.mr.sge(1024, 64)])])
+    rx.post_recv_unaccounted(&[RecvWr::new(3, &[u.mr.sge(1024, 64)])])
         .unwrap();
     send(
         &tx,
@@ -201,7 +201,7 @@ fn a_receive_too_short_for_grh_and_payload_fails_alone() {
     let (tx, rx) = (u.qp(), u.qp());
     let ah = u.pd.create_ah(AhAttr::to_lid(&u.dev)).unwrap();
     // 40 + 16 bytes needed, 48 given.
-    rx.post_recv(&[RecvWr::new(1, &[u.mr.sge(1024, 48)])])
+    rx.post_recv_unaccounted(&[RecvWr::new(1, &[u.mr.sge(1024, 48)])])
         .unwrap();
     let sg = [u.mr.sge(0, 16)];
     send(
@@ -248,14 +248,14 @@ fn the_transport_decides_what_may_be_posted() {
     };
     let write = SendWr::new(1, WrOp::Write(u.mr.remote(0)), &sg);
     assert!(matches!(
-        refused(ud.post_send(&[write.to(dest)])),
+        refused(ud.post_send_unaccounted(&[write.to(dest)])),
         Invalid::Transport {
             transport: "UD",
             ..
         }
     ));
     assert!(matches!(
-        refused(ud.post_send(&[SendWr::new(1, WrOp::Send, &sg)])),
+        refused(ud.post_send_unaccounted(&[SendWr::new(1, WrOp::Send, &sg)])),
         Invalid::Transport {
             transport: "UD",
             ..
@@ -267,7 +267,7 @@ fn the_transport_decides_what_may_be_posted() {
         ..dest
     });
     assert!(matches!(
-        ud.post_send(&[foreign]),
+        ud.post_send_unaccounted(&[foreign]),
         Err(PostError::ForeignAh { index: 0, .. })
     ));
     // An RC QP takes no address handle, and a UD QP no RC transition.
@@ -295,7 +295,7 @@ fn the_transport_decides_what_may_be_posted() {
     )
     .unwrap();
     assert!(matches!(
-        refused(rc.post_send(&[SendWr::new(1, WrOp::Send, &sg).to(dest)])),
+        refused(rc.post_send_unaccounted(&[SendWr::new(1, WrOp::Send, &sg).to(dest)])),
         Invalid::Transport {
             transport: "RC",
             ..
@@ -324,7 +324,7 @@ fn a_ud_qp_may_draw_its_receives_from_an_srq() {
         .unwrap();
     rx.ready_ud(QKEY).unwrap();
     let tx = u.qp();
-    srq.post_recv(&[RecvWr::new(5, &[u.mr.sge(4096, 128)])])
+    srq.post_recv_unaccounted(&[RecvWr::new(5, &[u.mr.sge(4096, 128)])])
         .unwrap();
     let ah = u.pd.create_ah(AhAttr::to_gid(&u.dev)).unwrap();
     let sg = [u.mr.sge(0, 24)];

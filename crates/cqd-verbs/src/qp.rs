@@ -894,7 +894,7 @@ impl PostSend for Qp {
         }
     }
 
-    fn post_send_raw(&self, wrs: &[SendWr<'_>]) -> Result<(), (usize, PostError)> {
+    fn post_send_unaccounted(&self, wrs: &[SendWr<'_>]) -> Result<(), (usize, PostError)> {
         let q = &self.inner;
         let name = || self.queue_name("send");
         // The whole list is checked before the device sees any of it: a
@@ -976,7 +976,7 @@ impl PostRecv for Qp {
         &self.inner.recv_account
     }
 
-    fn post_recv_raw(&self, wrs: &[RecvWr<'_>]) -> Result<(), (usize, PostError)> {
+    fn post_recv_unaccounted(&self, wrs: &[RecvWr<'_>]) -> Result<(), (usize, PostError)> {
         let q = &self.inner;
         if let Some(srq) = &q.srq {
             return Err((

@@ -174,7 +174,7 @@ impl PostRecv for Srq {
         &self.inner.account
     }
 
-    fn post_recv_raw(&self, wrs: &[RecvWr<'_>]) -> Result<(), (usize, PostError)> {
+    fn post_recv_unaccounted(&self, wrs: &[RecvWr<'_>]) -> Result<(), (usize, PostError)> {
         let s = &self.inner;
         post_recv_list(
             sys::RecvTarget::Srq(s.srq),

@@ -13,7 +13,7 @@ use crate::completion::{Completion, Status};
 use crate::handler::{Failed, Outbox, RecvDone, SendDone};
 use crate::ledger::AccountCache;
 use crate::ledger::WrLedger;
-use crate::metrics::bump;
+use crate::metrics::{bump, key_word};
 use crate::sink::Routed;
 use crate::slab::{Entry, Slab};
 use crate::sync::Ordering;
@@ -269,6 +269,9 @@ fn trace_completion(name: &str, wc: &Completion) {
 #[inline(never)]
 fn foreign<W>(shared: &CqShared<W>, wc: &Completion) {
     bump(&shared.metrics.0.foreign_wr_ids, 1);
+    let m = &shared.metrics.0;
+    m.last_foreign_qp
+        .store(u64::from(wc.qp_num) + 1, Ordering::Relaxed);
     let why = WrId::decode(wc.wr_id).err();
     tracing::warn!(cq = %shared.name, wr_id = format_args!("{:#x}", wc.wr_id),
         status = %wc.status, qp = wc.qp_num, why = ?why, "completion not dispatched: foreign wr_id");
@@ -307,6 +310,10 @@ fn miss<W: 'static>(
         }
     }
     bump(&shared.metrics.0.stale_wr_ids, 1);
+    let m = &shared.metrics.0;
+    m.last_stale_qp
+        .store(u64::from(wc.qp_num) + 1, Ordering::Relaxed);
+    m.last_stale_key.store(key_word(id.key), Ordering::Relaxed);
     tracing::warn!(cq = %shared.name, wr_id = format_args!("{:#x}", wc.wr_id), key = %id.key,
         kind = %id.kind, status = %wc.status, "stale wr_id: no live handler has this generation");
 }
@@ -363,6 +370,13 @@ fn not_success<W: 'static>(
 fn handler_panicked<W>(shared: &CqShared<W>, wc: &Completion) {
     bump(&shared.metrics.0.handler_panics, 1);
     let id = WrId::decode(wc.wr_id).ok();
+    if let Some(id) = id {
+        shared
+            .metrics
+            .0
+            .last_panic_key
+            .store(key_word(id.key), Ordering::Relaxed);
+    }
     tracing::error!(cq = %shared.name, wr_id = format_args!("{:#x}", wc.wr_id), id = ?id,
         status = %wc.status, "handler panicked; completion counted as delivered");
 }
@@ -371,6 +385,13 @@ fn handler_panicked<W>(shared: &CqShared<W>, wc: &Completion) {
 #[inline(never)]
 fn silent_panicked<W>(shared: &CqShared<W>, wr_id: u64) {
     bump(&shared.metrics.0.handler_panics, 1);
+    if let Ok(id) = WrId::decode(wr_id) {
+        shared
+            .metrics
+            .0
+            .last_panic_key
+            .store(key_word(id.key), Ordering::Relaxed);
+    }
     tracing::error!(cq = %shared.name, wr_id = format_args!("{:#x}", wr_id),
         "handler panicked in on_silent; the request counts as completed");
 }

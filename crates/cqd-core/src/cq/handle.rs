@@ -394,7 +394,7 @@ impl Registration {
             crate::post::SendRequest::kind,
             crate::post::SendRequest::signaled,
             |w| qp.check_send(w),
-            |w| qp.post_send_raw(w),
+            |w| qp.post_send_unaccounted(w),
         )
     }
 
@@ -415,7 +415,7 @@ impl Registration {
             |_| OpKind::Recv,
             |_| true,
             |_| Ok(()),
-            |w| queue.post_recv_raw(w),
+            |w| queue.post_recv_unaccounted(w),
         )
     }
 

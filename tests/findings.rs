@@ -1,0 +1,178 @@
+//! The stop's verdict names the field's mistakes (`cqd_core::verdict`): a
+//! post that bypassed the accounts, a completion for a handler that is gone,
+//! a handler that panicked. Each leaves the report unclean with a finding
+//! that names the CQ, the QP and the handler; a run without them is clean.
+
+use std::time::Duration;
+
+use cqd::core::*;
+use cqd::sim::{connect, Access, CqConfig, Device, Mr, Qp, QpCap, QpInit, RecvWr, SendWr, WrOp};
+
+struct Quiet {
+    panic_on_recv: bool,
+}
+
+impl Handler for Quiet {
+    fn on_send(&mut self, _: &SendDone<'_>, _: &mut Outbox<'_, NoWork>) {}
+    fn on_recv(&mut self, _: &RecvDone<'_>, _: &mut Outbox<'_, NoWork>) {
+        if self.panic_on_recv {
+            panic!("a handler bug");
+        }
+    }
+    fn on_error(&mut self, _: &Failed<'_>, _: &mut Outbox<'_, NoWork>) {}
+}
+
+struct Rig {
+    _dev: Device,
+    poller: PollerThread,
+    handle: CqHandle<NoWork>,
+    a: Qp,
+    b: Qp,
+    mr: Mr,
+}
+
+fn rig(name: &str) -> Rig {
+    let dev = Device::open(name);
+    let (cq, unbound, handle) = dev
+        .create_dispatched_cq(name, 256, CqConfig::default(), CqOptions::default())
+        .unwrap();
+    let poller = PollerBuilder::new(format!("{name}-poller"), NoSink)
+        .drain_timeout(Duration::from_millis(200))
+        .cq(unbound)
+        .spawn()
+        .unwrap();
+    let pd = dev.alloc_pd();
+    let a = pd
+        .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
+        .unwrap();
+    let b = pd
+        .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
+        .unwrap();
+    connect(&a, &b).unwrap();
+    let mr = pd.reg_mr(4096, Access::ALL).unwrap();
+    Rig {
+        _dev: dev,
+        poller,
+        handle,
+        a,
+        b,
+        mr,
+    }
+}
+
+/// One SEND from `a` to a receive on `b`, both through `reg`.
+fn exchange(r: &Rig, reg: &Registration) {
+    let (src, dst) = ([r.mr.sge(0, 64)], [r.mr.sge(1024, 64)]);
+    reg.post_recv(&r.b, &mut [RecvWr::new(1, &dst)]).unwrap();
+    reg.post_send(&r.a, &mut [SendWr::new(2, WrOp::Send, &src)])
+        .unwrap();
+}
+
+fn stop(r: Rig) -> PollerReport {
+    std::thread::sleep(Duration::from_millis(50));
+    r.poller.stop().unwrap()
+}
+
+#[test]
+fn a_run_without_mistakes_is_clean() {
+    let r = rig("clean");
+    let reg = r
+        .handle
+        .register(Quiet {
+            panic_on_recv: false,
+        })
+        .unwrap();
+    exchange(&r, &reg);
+    let report = stop(r);
+    assert_eq!(report.findings(), [], "{:?}", report.findings());
+    assert!(report.is_clean());
+}
+
+#[test]
+fn an_unaccounted_post_is_named_with_its_cq_and_qp() {
+    let r = rig("raw");
+    let reg = r
+        .handle
+        .register(Quiet {
+            panic_on_recv: false,
+        })
+        .unwrap();
+    exchange(&r, &reg);
+    // The backend's own post: no handler, no account. Before the verdict
+    // named it, this run was clean.
+    let (src, dst) = ([r.mr.sge(0, 64)], [r.mr.sge(1024, 64)]);
+    r.b.post_recv_unaccounted(&[RecvWr::new(7, &dst)]).unwrap();
+    r.a.post_send_unaccounted(&[SendWr::new(8, WrOp::Send, &src)])
+        .unwrap();
+    let (qa, qb) = (r.a.qpn(), r.b.qpn());
+    let report = stop(r);
+    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    assert!(!report.is_clean());
+    let f = report.findings();
+    assert_eq!(f.len(), 1, "{f:?}");
+    assert_eq!(f[0].kind, FindingKind::ForeignWrId);
+    let text = f[0].to_string();
+    assert!(text.contains("CQ raw: 2 completions"), "{text}");
+    assert!(
+        text.contains(&format!("QP {qa}")) || text.contains(&format!("QP {qb}")),
+        "{text}"
+    );
+    assert!(text.contains("post_send_unaccounted"), "{text}");
+}
+
+#[test]
+fn a_completion_for_a_handler_that_is_gone_is_named() {
+    let r = rig("stale");
+    let reg = r
+        .handle
+        .register(Quiet {
+            panic_on_recv: false,
+        })
+        .unwrap();
+    exchange(&r, &reg);
+    // A wr_id for the handler's slot one generation on: decodes, names no
+    // live handler.
+    let key = reg.key();
+    let gone = HandlerKey::new(key.slot(), key.generation().wrapping_add(1)).unwrap();
+    let wr_id = gone.wr_id(OpKind::Recv, 3).unwrap();
+    let dst = [r.mr.sge(1024, 64)];
+    r.b.post_recv_unaccounted(&[RecvWr::new(wr_id, &dst)])
+        .unwrap();
+    r.b.modify(cqd::sim::Modify::Err).unwrap();
+    let qb = r.b.qpn();
+    let report = stop(r);
+    let f = report.findings();
+    assert!(
+        f.iter().any(|f| f.kind == FindingKind::StaleWrId
+            && f.detail.contains(&format!("handler {gone} from QP {qb}"))),
+        "{f:?}"
+    );
+    assert!(!report.is_clean());
+}
+
+#[test]
+fn a_handler_that_panicked_is_named() {
+    let r = rig("panic");
+    let reg = r
+        .handle
+        .register(Quiet {
+            panic_on_recv: true,
+        })
+        .unwrap();
+    exchange(&r, &reg);
+    let report = stop(r);
+    // The completion still counted as delivered: the accounts balance, and
+    // the verdict is not clean all the same.
+    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    let f = report.findings();
+    assert_eq!(f.len(), 1, "{f:?}");
+    assert_eq!(f[0].kind, FindingKind::HandlerPanic);
+    assert!(
+        f[0].detail.contains(&format!(
+            "CQ panic: 1 handler callbacks panicked, the last in handler {}",
+            reg.key()
+        )),
+        "{}",
+        f[0]
+    );
+}
