@@ -176,3 +176,96 @@ fn a_handler_that_panicked_is_named() {
         f[0]
     );
 }
+
+#[test]
+fn a_handler_that_forgets_to_repost_is_named_with_its_queue() {
+    let r = rig("dry");
+    // Quiet never reposts: the server's two receives are consumed, its
+    // queue is left empty, and the client's third SEND waits on RNR.
+    let reg = r
+        .handle
+        .register(Quiet {
+            panic_on_recv: false,
+        })
+        .unwrap();
+    let (src, dst) = ([r.mr.sge(0, 64)], [r.mr.sge(1024, 64)]);
+    reg.post_recv(&r.b, &mut [RecvWr::new(1, &dst), RecvWr::new(2, &dst)])
+        .unwrap();
+    for t in 0..2 {
+        reg.post_send(&r.a, &mut [SendWr::new(t, WrOp::Send, &src)])
+            .unwrap();
+    }
+    assert!(wait(|| r.handle.snapshot().recv_queues_dry == 1));
+    // Still dry a grace period later: the snapshot names the queue.
+    std::thread::sleep(cqd::core::cq::DRY_GRACE + Duration::from_millis(100));
+    let qb = r.b.qpn();
+    assert_eq!(r.handle.snapshot().left_dry, [qb]);
+    let report = stop(r);
+    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    let f = report.findings();
+    assert_eq!(f.len(), 1, "{f:?}");
+    assert_eq!(f[0].kind, FindingKind::RecvQueueDry);
+    assert!(
+        f[0].detail.contains(&format!("QP {qb} left dry"))
+            && f[0].detail.contains(&format!("handler {}", reg.key())),
+        "{}",
+        f[0]
+    );
+}
+
+#[test]
+fn pre_posted_receives_are_idle_for_the_watchdog_and_a_reposting_server_is_clean() {
+    let dev = Device::open("idle");
+    let (cq, unbound, handle) = dev
+        .create_dispatched_cq("idle", 256, CqConfig::default(), CqOptions::default())
+        .unwrap();
+    let poller = PollerBuilder::new("idle-poller", NoSink)
+        .watchdog(Duration::from_millis(1))
+        .wake_timeout(Duration::from_millis(5))
+        .cq(unbound)
+        .spawn()
+        .unwrap();
+    let pd = dev.alloc_pd();
+    let a = pd
+        .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
+        .unwrap();
+    let b = pd
+        .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
+        .unwrap();
+    connect(&a, &b).unwrap();
+    let mr = pd.reg_mr(4096, Access::ALL).unwrap();
+    let reg = handle
+        .register(Quiet {
+            panic_on_recv: false,
+        })
+        .unwrap();
+    let dst = [mr.sge(1024, 64)];
+    reg.post_recv(&b, &mut [RecvWr::new(1, &dst), RecvWr::new(2, &dst)])
+        .unwrap();
+    // Many watchdog periods with the receives waiting for a SEND.
+    std::thread::sleep(Duration::from_millis(100));
+    let ledger = handle.ledger().unwrap();
+    assert!(ledger.snapshot(std::time::Instant::now()).scans > 3);
+    assert_eq!(
+        ledger.snapshot(std::time::Instant::now()).stuck,
+        0,
+        "a receive posted ahead is idle, not stuck"
+    );
+    // The shutdown's flush: the receives come back flushed, nothing stuck.
+    b.modify(cqd::sim::Modify::Err).unwrap();
+    assert!(wait(|| reg.ledger().outstanding() == 0));
+    let report = poller.stop().unwrap();
+    assert!(report.accounts.stuck.is_empty(), "{}", report.accounts);
+    assert!(report.is_clean(), "{:?}", report.findings());
+}
+
+fn wait(mut cond: impl FnMut() -> bool) -> bool {
+    let end = std::time::Instant::now() + Duration::from_secs(5);
+    while std::time::Instant::now() < end {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    cond()
+}

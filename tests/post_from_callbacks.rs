@@ -182,6 +182,7 @@ fn echo_posted_from_the_callbacks(mode: PollMode) {
     }));
     let report = poller.stop().unwrap();
     assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    assert!(report.is_clean(), "{:?}", report.findings());
     // Every request of both handlers: posted == completed.
     for l in [echo.ledger(), creg.ledger()] {
         let (sends, recvs) = (ROUNDS, ROUNDS + DEPTH);

@@ -79,6 +79,11 @@ pub struct CqCounters {
     pub(crate) last_stale_key: AtomicU64,
     /// The handler whose callback panicked last ([`key_word`]).
     pub(crate) last_panic_key: AtomicU64,
+    pub(crate) recv_queues_dry: AtomicU64,
+    /// The QP of the last receive queue found dry, plus 1 (0: none).
+    pub(crate) last_dry_qp: AtomicU64,
+    /// The handler of the last receive consumed from it ([`key_word`]).
+    pub(crate) last_dry_key: AtomicU64,
 }
 
 /// A handler key as one word for the `last_*` counters (0: none).
@@ -148,6 +153,10 @@ impl CqMetrics {
             last_stale_qp: qp_of(get(&c.last_stale_qp)),
             last_stale_handler: key_of(get(&c.last_stale_key)),
             last_panicked_handler: key_of(get(&c.last_panic_key)),
+            recv_queues_dry: get(&c.recv_queues_dry),
+            last_dry_qp: qp_of(get(&c.last_dry_qp)),
+            last_dry_handler: key_of(get(&c.last_dry_key)),
+            left_dry: Vec::new(),
             budget: None,
         }
     }
@@ -227,6 +236,22 @@ pub struct CqSnapshot {
     /// The handler whose callback panicked last.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_panicked_handler: Option<String>,
+    /// Times a receive queue was found dry after a batch consumed from it
+    /// ([`CqOptions::recv_low_water`](crate::CqOptions::recv_low_water)):
+    /// a handler that does not repost, or a peer that outruns it.
+    #[serde(default)]
+    pub recv_queues_dry: u64,
+    /// The QP of the last receive queue found dry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_dry_qp: Option<u32>,
+    /// The handler of the last receive consumed from it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_dry_handler: Option<String>,
+    /// The receive queues (QP numbers) dry now and for at least
+    /// [`DRY_GRACE`](crate::cq::DRY_GRACE): a handler that stopped
+    /// reposting. The stop's findings name them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub left_dry: Vec<u32>,
     /// The CQ budget's counters, if a budget is attached (reserved
     /// capacity, credits in use and high-water mark, overflows).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -655,7 +655,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         if let Some(threshold) = self.watchdog {
             for cq in &self.cqs {
                 if let Some(l) = cq.shared().ledger.get() {
-                    l.scan(now, threshold);
+                    l.watch(now, threshold);
                 }
             }
         }

@@ -35,6 +35,9 @@ pub enum FindingKind {
     UnknownOpcode,
     /// Handler callbacks that panicked (caught; the completion was counted).
     HandlerPanic,
+    /// A receive queue ran dry after its handler's batch: a peer's SEND
+    /// meets RNR (a handler that does not repost).
+    RecvQueueDry,
     /// Polls that failed (the device went away).
     PollError,
     /// A CQ ended in the error state.
@@ -129,6 +132,21 @@ pub(crate) fn of_cq(c: &CqSnapshot, out: &mut Vec<Finding>) {
             format!(
                 "CQ {cq}: {} handler callbacks panicked{who}",
                 c.handler_panics
+            ),
+        ));
+    }
+    if !c.left_dry.is_empty() {
+        let qps: Vec<String> = c.left_dry.iter().map(u32::to_string).collect();
+        let who = c.last_dry_handler.as_ref().map_or(String::new(), |h| {
+            format!(" (the last consumed receive was handler {h}'s)")
+        });
+        out.push(Finding::new(
+            FindingKind::RecvQueueDry,
+            format!(
+                "CQ {cq}: receive queue of QP {} left dry{who} for more than {:?}, {} times dry in all: its peer's next SEND meets RNR — repost receives from on_recv",
+                qps.join(", "),
+                crate::cq::DRY_GRACE,
+                c.recv_queues_dry
             ),
         ));
     }

@@ -154,6 +154,11 @@ pub struct QueueAccount {
     /// Locked by the poller only.
     prev: PlainMutex<Option<Arc<QueueAccount>>>,
     has_prev: PlainAtomicBool,
+    /// The poller found the queue dry after its last batch (a receive
+    /// queue at or below its CQ's low-water mark); the poller's only.
+    dry: PlainAtomicBool,
+    /// When it went dry (nanoseconds since the ring's base, `stamp`).
+    dry_at: std::sync::atomic::AtomicU64,
     /// The outstanding requests (`account::ring`): its atomics and locks
     /// come from the synchronisation shim, so that loom checks the post,
     /// the close and the drain.
@@ -190,6 +195,8 @@ impl QueueAccount {
             home: cell,
             closed: AtomicBool::new(false),
             has_prev: PlainAtomicBool::new(prev.is_some()),
+            dry: PlainAtomicBool::new(false),
+            dry_at: std::sync::atomic::AtomicU64::new(0),
             prev: PlainMutex::new(prev),
             ring: Ring::new(),
         }
@@ -319,6 +326,36 @@ impl QueueAccount {
         if let (Some(b), true) = (&self.credits, credits > 0) {
             b.give_back(credits);
         }
+    }
+
+    /// Requests waiting on the queue, about (see `Ring::ahead`): no lock.
+    pub(crate) fn ahead(&self) -> u64 {
+        self.ring.ahead()
+    }
+
+    /// Records whether the queue is dry now; true if it just became so
+    /// (and then when, for [`dry_since`](Self::dry_since)).
+    pub(crate) fn went_dry(&self, dry: bool) -> bool {
+        let was = self.dry.swap(dry, std::sync::atomic::Ordering::Relaxed);
+        let went = dry && !was;
+        if went {
+            self.dry_at
+                .store(stamp(Instant::now()), std::sync::atomic::Ordering::Relaxed);
+        }
+        went
+    }
+
+    /// How long the queue has been dry, if it is (the poller's last check
+    /// after a batch consumed from it).
+    pub(crate) fn dry_since(&self, now: Instant) -> Option<std::time::Duration> {
+        if !self.dry.load(std::sync::atomic::Ordering::Relaxed) {
+            return None;
+        }
+        let at = self.dry_at.load(std::sync::atomic::Ordering::Relaxed);
+        let now = stamp(now);
+        Some(std::time::Duration::from_nanos(
+            now.saturating_sub(at) >> ring::AT_SHIFT,
+        ))
     }
 
     pub(crate) fn is_closed(&self) -> bool {

@@ -83,7 +83,7 @@ const SIGNALED: u64 = 1 << 3;
 const REPORTED: u64 = 1 << 4;
 /// The post time, in nanoseconds since [`base`], above the flags (2^59 ns:
 /// 18 years).
-const AT_SHIFT: u32 = 5;
+pub(crate) const AT_SHIFT: u32 = 5;
 
 /// The instant post times count from: set at the first use, well before
 /// it (a post's time is taken before its first stamp, and may be), so that
@@ -292,6 +292,15 @@ impl Ring {
             push_free(self, alloc_segment());
             p.reserved += 1;
         }
+    }
+
+    /// Entries between the poller's last published `head` and the
+    /// posters' `tail`, read without a lock: the requests waiting on the
+    /// queue, or more (entries retired out of order or tombstoned above
+    /// `head` count until `head` passes them).
+    pub(crate) fn ahead(&self) -> u64 {
+        let tail = self.pos.tail.load(Ordering::Acquire);
+        tail.saturating_sub(self.head.load(Ordering::Acquire))
     }
 
     /// The posting lock (steps 1–4).

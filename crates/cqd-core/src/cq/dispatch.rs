@@ -127,6 +127,28 @@ pub(super) fn dispatch_batch<W: 'static>(
             handler_panicked(shared, &wcs[next - 1]);
         }
     }
+    if accounts.received_any() {
+        dry_check(shared, accounts, options);
+    }
+}
+
+/// After the batch's handlers (and their reposts): the receive queues the
+/// batch left dry, counted and named (see `AccountCache::check_dry`).
+#[inline(never)]
+fn dry_check<W>(shared: &CqShared<W>, accounts: &mut AccountCache, options: &CqOptions) {
+    accounts.check_dry(options.recv_low_water);
+    for &(qp, wr_id) in &accounts.dry {
+        let m = &shared.metrics.0;
+        bump(&m.recv_queues_dry, 1);
+        m.last_dry_qp.store(u64::from(qp) + 1, Ordering::Relaxed);
+        let key = WrId::decode(wr_id).ok().map(|id| id.key);
+        if let Some(k) = key {
+            m.last_dry_key.store(key_word(k), Ordering::Relaxed);
+        }
+        tracing::warn!(cq = %shared.name, qp, handler = %key.map_or_else(|| "?".to_string(), |k| k.to_string()),
+            low_water = options.recv_low_water,
+            "receive queue ran dry: its peer's next SEND finds no receive (RNR); repost receives from on_recv");
+    }
 }
 
 /// Routes one completion. Cannot fail part-way: once the wr_id names a live

@@ -17,6 +17,11 @@ use crate::slab::{Entry, RegisterError, SlotLedger};
 use crate::sync::Ordering;
 use crate::wr_id::{HandlerKey, OpKind, WrIdError};
 
+/// How long a receive queue stays dry before the snapshot names it
+/// ([`CqSnapshot::left_dry`]): longer than the last exchange of a finite
+/// run takes to reach its stop, shorter than a load that hangs on RNR.
+pub const DRY_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// The cloneable, `Sync` right to register handlers on a CQ and read its
 /// metrics.
 pub struct CqHandle<W> {
@@ -254,6 +259,9 @@ impl<W: Send + 'static> CqHandle<W> {
             .metrics
             .snapshot(&self.shared.name, self.shared.capacity);
         snap.budget = self.budget_snapshot();
+        if let Some(l) = self.shared.ledger.get() {
+            snap.left_dry = l.dry_receive_queues(std::time::Instant::now(), DRY_GRACE);
+        }
         snap
     }
 

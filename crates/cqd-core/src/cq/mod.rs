@@ -130,6 +130,13 @@ pub struct CqOptions {
     /// this budget, before moving to the next CQ. Every CQ is still visited
     /// every round; a busy CQ is no longer served one batch per sweep.
     pub round_budget: usize,
+    /// A receive queue holding this many posted receives or fewer after a
+    /// batch consumed from it (and its handlers reposted) is dry: counted
+    /// (`CqSnapshot::recv_queues_dry`) and warned about; one still dry
+    /// [`DRY_GRACE`] later is named in the snapshot (`left_dry`) and in the
+    /// stop's findings. Default 0: a queue with nothing posted, whose
+    /// peer's next SEND meets RNR.
+    pub recv_low_water: u32,
 }
 
 /// The default [`CqOptions::round_budget`].
@@ -143,6 +150,7 @@ impl Default for CqOptions {
             trace_completions: false,
             measure_handlers: false,
             round_budget: DEFAULT_ROUND_BUDGET,
+            recv_low_water: 0,
         }
     }
 }
@@ -711,7 +719,7 @@ pub(crate) use bell::GroupBell;
 
 pub use contexts::{ContextRegistration, PostRefused};
 use dispatch::{apply_commands, dispatch_batch};
-pub use handle::{CqHandle, Registration};
+pub use handle::{CqHandle, Registration, DRY_GRACE};
 
 #[cfg(test)]
 mod tests {

@@ -53,6 +53,13 @@ pub(crate) struct AccountCache {
     /// Scratch: each completion's queue key ([`DONE`] once retired or for
     /// a wr_id that is not cqd's).
     keys: Vec<u64>,
+    /// Scratch: the receive queues a batch consumed receives from (their
+    /// QP, the last consumed wr_id), checked for running dry once the
+    /// batch's handlers have reposted ([`check_dry`](Self::check_dry)).
+    received: Vec<(u32, u64, Arc<QueueAccount>)>,
+    /// The receive queues [`check_dry`](Self::check_dry) found newly dry:
+    /// QP and the last wr_id consumed from it.
+    pub(crate) dry: Vec<(u32, u64)>,
 }
 
 /// A completion of the batch that is already accounted (or not cqd's).
@@ -74,6 +81,7 @@ impl AccountCache {
     /// for the dispatcher.
     pub(crate) fn account_batch(&mut self, ledger: &WrLedger, wcs: &[Completion]) {
         self.silent.clear();
+        self.received.clear();
         let epoch = ledger.epoch();
         if epoch != self.epoch {
             self.map.clear();
@@ -110,12 +118,19 @@ impl AccountCache {
             // completion.
             let mine = self.keys[i..].iter_mut().zip(&wcs[i..]);
             if account.has_prev() {
+                let mut consumed = None;
                 for (k, wc) in mine {
                     if *k == key {
                         *k = DONE;
                         let ok = wc.status.is_success();
                         credits += account.retire_chained(wc.wr_id, ok, &mut self.silent);
+                        if ok {
+                            consumed = Some(wc.wr_id);
+                        }
                     }
+                }
+                if let (Some(wr_id), Side::Recv) = (consumed, side) {
+                    self.received.push((qp, wr_id, Arc::clone(account)));
                 }
                 let mut ring = account.retiring();
                 if account.is_closed() && !account.has_prev() && ring.drained() {
@@ -124,12 +139,19 @@ impl AccountCache {
                 continue;
             }
             let mut ring = account.retiring();
+            let mut consumed = None;
             for (k, wc) in mine {
                 if *k == key {
                     *k = DONE;
                     let ok = wc.status.is_success();
                     credits += ring.retire(wc.wr_id, ok, &mut self.silent).0;
+                    if ok {
+                        consumed = Some(wc.wr_id);
+                    }
                 }
+            }
+            if let (Some(wr_id), Side::Recv) = (consumed, side) {
+                self.received.push((qp, wr_id, Arc::clone(account)));
             }
             // Drained and closed, seen under the retiring lock that `close`
             // sets the flag under (with the posting lock, so no post is in
@@ -146,6 +168,29 @@ impl AccountCache {
         for (qp, side, account) in self.closed.drain(..) {
             ledger.detach(qp, side, &account);
         }
+    }
+}
+
+impl AccountCache {
+    /// After a batch's handlers ran (and reposted what they repost): each
+    /// receive queue the batch consumed from that now holds `low_water`
+    /// receives or fewer, and did not at the last check, goes into
+    /// `self.dry`. A queue the peer empties while its handler reposts is
+    /// never dry here; a handler that forgot to repost leaves it dry. Only
+    /// successful receives count: a flush empties a queue on purpose.
+    pub(crate) fn check_dry(&mut self, low_water: u32) {
+        self.dry.clear();
+        for (qp, wr_id, account) in self.received.drain(..) {
+            if account.went_dry(account.ahead() <= u64::from(low_water)) {
+                self.dry.push((qp, wr_id));
+            }
+        }
+    }
+
+    /// True when the last batch consumed receives (a dry check is due).
+    #[inline]
+    pub(crate) fn received_any(&self) -> bool {
+        !self.received.is_empty()
     }
 }
 

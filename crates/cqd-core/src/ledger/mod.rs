@@ -322,13 +322,51 @@ impl WrLedger {
         out
     }
 
-    /// Every request outstanding for at least `threshold`. Those not reported
-    /// before are traced at warning level and counted as stuck.
+    /// The receive queues (QP numbers; an SRQ's number) that a batch left
+    /// dry and that have stayed dry for at least `grace` (see
+    /// [`CqOptions::recv_low_water`](crate::CqOptions::recv_low_water)).
+    pub fn dry_receive_queues(&self, now: Instant, grace: Duration) -> Vec<u32> {
+        let mut out: Vec<u32> = self
+            .accounts()
+            .into_iter()
+            .filter(|(_, _, a)| a.queue() != Queue::Send)
+            .filter(|(_, _, a)| a.dry_since(now).is_some_and(|d| d >= grace))
+            .map(|(qp, _, a)| {
+                if a.queue() == Queue::Srq {
+                    a.number()
+                } else {
+                    qp
+                }
+            })
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    /// Every request outstanding for at least `threshold`, receives
+    /// included (the stop's report: what never came back). Those not
+    /// reported before are traced at warning level and counted as stuck.
     pub fn scan(&self, now: Instant, threshold: Duration) -> Vec<StuckWr> {
+        self.scan_queues(now, threshold, true)
+    }
+
+    /// The watchdog's scan: as [`scan`](Self::scan), on send queues only.
+    /// A receive posted ahead waits for its peer's SEND by design, however
+    /// long: it is idle, not stuck (a receive queue's trouble is running
+    /// dry, which the poller reports: `CqSnapshot::recv_queues_dry`).
+    pub fn watch(&self, now: Instant, threshold: Duration) -> Vec<StuckWr> {
+        self.scan_queues(now, threshold, false)
+    }
+
+    fn scan_queues(&self, now: Instant, threshold: Duration, receives: bool) -> Vec<StuckWr> {
         self.inner.scans.fetch_add(1, Ordering::Relaxed);
         let mut out = Vec::new();
         let mut newly = 0;
         for (qp_num, side, account) in self.accounts() {
+            if !receives && account.queue() != Queue::Send {
+                continue;
+            }
             let in_order = account.queue() == Queue::Send;
             let mut ring = account.retiring();
             let mut report = Vec::new();
@@ -414,7 +452,7 @@ impl Watchdog {
             .spawn(move || {
                 while !s.load(Ordering::Acquire) {
                     std::thread::park_timeout(period);
-                    ledger.scan(Instant::now(), threshold);
+                    ledger.watch(Instant::now(), threshold);
                 }
             })?;
         Ok(Watchdog {
