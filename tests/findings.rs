@@ -86,6 +86,43 @@ fn a_run_without_mistakes_is_clean() {
     let report = stop(r);
     assert_eq!(report.findings(), [], "{:?}", report.findings());
     assert!(report.is_clean());
+    // Printed as the demo prints it.
+    let text = report.to_string();
+    for line in [
+        "poller cqd-poller-clean-poller: 2 completions",
+        "  cq clean capacity 256, 2 completions, 0 flushes, 0 other errors, 0 stale, 0 foreign, overflows 0",
+        "  accounts: all 2 requests completed, 0 of them flushed",
+        "verdict: clean",
+    ] {
+        assert!(text.contains(line), "{line:?} not in:\n{text}");
+    }
+}
+
+#[test]
+fn the_system_report_prints_every_poller_and_one_verdict() {
+    let r = rig("sys");
+    let reg = r
+        .handle
+        .register(Quiet {
+            panic_on_recv: false,
+        })
+        .unwrap();
+    exchange(&r, &reg);
+    let dst = [r.mr.sge(1024, 64)];
+    r.b.post_recv_unaccounted(&[RecvWr::new(7, &dst)]).unwrap();
+    r.b.modify(cqd::sim::Modify::Err).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let system = shutdown(|| {}, [r.poller], []);
+    assert!(!system.is_clean());
+    let text = system.to_string();
+    assert!(text.contains("poller cqd-poller-sys-poller:"), "{text}");
+    assert!(
+        text.contains(
+            "verdict: 1 findings\n  - CQ sys: 1 completions with a wr_id cqd did not make"
+        ),
+        "{text}"
+    );
+    assert_eq!(text.matches("verdict:").count(), 1, "{text}");
 }
 
 #[test]

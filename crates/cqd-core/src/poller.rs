@@ -495,6 +495,53 @@ impl PollerReport {
     }
 }
 
+impl PollerReport {
+    /// The report's lines without the verdict (the system report prints
+    /// one verdict for all).
+    pub(crate) fn fmt_body(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let p = &self.poller;
+        let completions: u64 = self.cqs.iter().map(|c| c.completions).sum();
+        let polls: u64 = self.cqs.iter().map(|c| c.polls).sum();
+        let empty: u64 = self.cqs.iter().map(|c| c.empty_polls).sum();
+        let events: u64 = self.cqs.iter().map(|c| c.events).sum();
+        writeln!(
+            f,
+            "poller {}: {completions} completions, {polls} polls ({empty} empty), {events} events, {} sleeps, {} spills, cpu {:.3} s",
+            p.name,
+            p.sleeps,
+            p.spills,
+            p.cpu_ns as f64 / 1e9
+        )?;
+        for c in &self.cqs {
+            crate::verdict::cq_line(f, c)?;
+        }
+        let accounts = self.accounts.to_string();
+        let mut lines = accounts.lines();
+        if let Some(first) = lines.next() {
+            writeln!(f, "  accounts: {first}")?;
+        }
+        for l in lines {
+            writeln!(f, "  {l}")?;
+        }
+        if self.undelivered > 0 {
+            writeln!(f, "  undelivered: {}", self.undelivered)?;
+        }
+        for e in &self.errors {
+            writeln!(f, "  error: {e}")?;
+        }
+        Ok(())
+    }
+}
+
+/// The form the demo prints: the poller's counters, one line per CQ, the
+/// accounts, then the verdict (`clean`, or each finding).
+impl std::fmt::Display for PollerReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.fmt_body(f)?;
+        crate::verdict::verdict_lines(f, &self.findings())
+    }
+}
+
 struct Group<W, S> {
     idle: IdlePolicy,
     cqs: Vec<CqPoller<W>>,

@@ -74,6 +74,40 @@ impl SystemReport {
     }
 }
 
+/// The form the demo prints: each poller (its CQs and accounts), each
+/// pool, the shutdown's errors, then one verdict (`clean`, or each
+/// finding).
+impl std::fmt::Display for SystemReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for p in &self.pollers {
+            p.fmt_body(f)?;
+        }
+        for pool in &self.pools {
+            let items: Vec<String> = pool.workers.iter().map(|w| w.items.to_string()).collect();
+            let sum = |g: fn(&crate::pool::WorkerSnapshot) -> u64| -> u64 {
+                pool.workers.iter().map(g).sum()
+            };
+            writeln!(
+                f,
+                "pool {}: {} items over {} workers ({}) in {} batches, {} parks, {} wake-ups, deepest ring {}, {} panics",
+                pool.name,
+                pool.items(),
+                pool.workers.len(),
+                items.join(" + "),
+                sum(|w| w.batches),
+                sum(|w| w.parks),
+                sum(|w| w.wakeups),
+                pool.workers.iter().map(|w| w.depth_high_water).max().unwrap_or(0),
+                pool.panics()
+            )?;
+        }
+        for e in &self.errors {
+            writeln!(f, "error: {e}")?;
+        }
+        crate::verdict::verdict_lines(f, &self.findings())
+    }
+}
+
 /// Settings of [`shutdown_with`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]

@@ -190,3 +190,34 @@ pub(crate) fn of_accounts(a: &ShutdownReport, whose: &str, out: &mut Vec<Finding
         ));
     }
 }
+
+/// The lines a report prints for one CQ (its `Display` form): capacity,
+/// completions and their anomalies, credits.
+pub(crate) fn cq_line(f: &mut fmt::Formatter<'_>, c: &CqSnapshot) -> fmt::Result {
+    writeln!(
+        f,
+        "  cq {} capacity {}, {} completions, {} flushes, {} other errors, {} stale, {} foreign, overflows {}, receive queues dry {}, credits high water {}",
+        c.name,
+        c.capacity,
+        c.completions,
+        c.flushes,
+        c.errors().saturating_sub(c.flushes),
+        c.stale_wr_ids,
+        c.foreign_wr_ids,
+        c.overflows,
+        c.recv_queues_dry,
+        c.budget.as_ref().map_or(0, |b| b.credits_high_water)
+    )
+}
+
+/// The verdict line(s) of a report: clean, or each finding.
+pub(crate) fn verdict_lines(f: &mut fmt::Formatter<'_>, findings: &[Finding]) -> fmt::Result {
+    if findings.is_empty() {
+        return writeln!(f, "verdict: clean");
+    }
+    writeln!(f, "verdict: {} findings", findings.len())?;
+    for x in findings {
+        writeln!(f, "  - {x}")?;
+    }
+    Ok(())
+}
