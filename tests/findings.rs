@@ -12,6 +12,17 @@ struct Quiet {
     panic_on_recv: bool,
 }
 
+/// A handler that blocks in every receive.
+struct Blocking;
+
+impl Handler for Blocking {
+    fn on_send(&mut self, _: &SendDone<'_>, _: &mut Outbox<'_, NoWork>) {}
+    fn on_recv(&mut self, _: &RecvDone<'_>, _: &mut Outbox<'_, NoWork>) {
+        std::thread::sleep(Duration::from_millis(3));
+    }
+    fn on_error(&mut self, _: &Failed<'_>, _: &mut Outbox<'_, NoWork>) {}
+}
+
 impl Handler for Quiet {
     fn on_send(&mut self, _: &SendDone<'_>, _: &mut Outbox<'_, NoWork>) {}
     fn on_recv(&mut self, _: &RecvDone<'_>, _: &mut Outbox<'_, NoWork>) {
@@ -305,4 +316,48 @@ fn wait(mut cond: impl FnMut() -> bool) -> bool {
         std::thread::sleep(Duration::from_millis(2));
     }
     cond()
+}
+
+#[test]
+fn a_handler_that_blocks_is_named() {
+    let r = rig("slow");
+    let fast = r
+        .handle
+        .register(Quiet {
+            panic_on_recv: false,
+        })
+        .unwrap();
+    let slow = r.handle.register(Blocking).unwrap();
+    let (src, dst) = ([r.mr.sge(0, 64)], [r.mr.sge(1024, 64)]);
+    // One message at a time, so that the slow batch of one call is
+    // followed by the next call of the same handler.
+    for t in 0..8 {
+        let who = if t == 0 { &fast } else { &slow };
+        who.post_recv(&r.b, &mut [RecvWr::new(t, &dst)]).unwrap();
+        fast.post_send(&r.a, &mut [SendWr::new(t, WrOp::Send, &src)])
+            .unwrap();
+        let done = t + 1;
+        assert!(wait(|| fast.ledger().completed(OpKind::Send) == done));
+        assert!(wait(|| slow.ledger().outstanding() == 0));
+    }
+    assert!(wait(|| r.handle.snapshot().slow_handler_calls >= 3));
+    let report = stop(r);
+    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    let f: Vec<_> = report
+        .findings()
+        .into_iter()
+        .filter(|f| f.kind == FindingKind::SlowHandler)
+        .collect();
+    assert_eq!(f.len(), 1, "{:?}", report.findings());
+    assert!(
+        f[0].detail
+            .contains(&format!("the last in handler {}", slow.key())),
+        "{}",
+        f[0]
+    );
+    let cq = &report.cqs[0];
+    assert!(
+        cq.slow_batches >= 1 && cq.max_slow_ns >= 3_000_000,
+        "{cq:?}"
+    );
 }

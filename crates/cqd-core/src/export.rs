@@ -171,6 +171,7 @@ static CQ_FIELDS: [Field<CqSnapshot>; 24] = [
     count("cqd_cq_recovered_missed_events_total", CQ, "Quiet CQs the safety net found holding completions: a notification was lost and recovered.", |s| s.recovered_missed_events),
     count("cqd_cq_stale_wr_ids_total", CQ, "Completions whose wr_id named a handler generation no longer live (never dispatched).", |s| s.stale_wr_ids),
     count("cqd_cq_foreign_wr_ids_total", CQ, "Completions whose wr_id cqd did not make (never dispatched).", |s| s.foreign_wr_ids),
+    count("cqd_cq_slow_handler_calls_total", CQ, "Handler calls that held the poller past CqOptions::slow_batch (found by timing the completions after a slow batch).", |s| s.slow_handler_calls),
     count("cqd_cq_recv_queues_dry_total", CQ, "Times a receive queue was left with no more than the low-water mark of receives after its handler's batch (a peer's next SEND meets RNR).", |s| s.recv_queues_dry),
     count("cqd_cq_unknown_status_total", CQ, "Completions with a status this version does not know.", |s| s.unknown_status),
     count("cqd_cq_unknown_opcode_total", CQ, "Successful completions with an opcode this version does not know.", |s| s.unknown_opcode),

@@ -84,6 +84,14 @@ pub struct CqCounters {
     pub(crate) last_dry_qp: AtomicU64,
     /// The handler of the last receive consumed from it ([`key_word`]).
     pub(crate) last_dry_key: AtomicU64,
+    pub(crate) slow_batches: AtomicU64,
+    pub(crate) slow_handler_calls: AtomicU64,
+    pub(crate) probed_calls: AtomicU64,
+    /// The handler of the last slow call ([`key_word`]), its time, and the
+    /// longest slow call.
+    pub(crate) last_slow_key: AtomicU64,
+    pub(crate) last_slow_ns: AtomicU64,
+    pub(crate) max_slow_ns: AtomicU64,
 }
 
 /// A handler key as one word for the `last_*` counters (0: none).
@@ -157,6 +165,12 @@ impl CqMetrics {
             last_dry_qp: qp_of(get(&c.last_dry_qp)),
             last_dry_handler: key_of(get(&c.last_dry_key)),
             left_dry: Vec::new(),
+            slow_batches: get(&c.slow_batches),
+            slow_handler_calls: get(&c.slow_handler_calls),
+            probed_calls: get(&c.probed_calls),
+            last_slow_handler: key_of(get(&c.last_slow_key)),
+            last_slow_ns: get(&c.last_slow_ns),
+            max_slow_ns: get(&c.max_slow_ns),
             budget: None,
         }
     }
@@ -252,6 +266,26 @@ pub struct CqSnapshot {
     /// reposting. The stop's findings name them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub left_dry: Vec<u32>,
+    /// Batches whose handler calls took longer than
+    /// [`CqOptions::slow_batch`](crate::CqOptions::slow_batch).
+    #[serde(default)]
+    pub slow_batches: u64,
+    /// Handler calls over that threshold, found by timing the completions
+    /// after a slow batch one by one.
+    #[serde(default)]
+    pub slow_handler_calls: u64,
+    /// Handler calls timed one by one (after slow batches).
+    #[serde(default)]
+    pub probed_calls: u64,
+    /// The handler of the last slow call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_slow_handler: Option<String>,
+    /// Its time (nanoseconds).
+    #[serde(default)]
+    pub last_slow_ns: u64,
+    /// The longest slow call seen (nanoseconds).
+    #[serde(default)]
+    pub max_slow_ns: u64,
     /// The CQ budget's counters, if a budget is attached (reserved
     /// capacity, credits in use and high-water mark, overflows).
     #[serde(default, skip_serializing_if = "Option::is_none")]

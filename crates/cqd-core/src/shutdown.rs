@@ -70,6 +70,16 @@ impl SystemReport {
         for p in &self.pollers {
             out.extend(p.findings());
         }
+        for pool in self.pools.iter().filter(|p| p.panics() > 0) {
+            out.push(Finding::new(
+                FindingKind::WorkerPanic,
+                format!(
+                    "pool {}: {} work items panicked in their worker (caught; the item's work was lost)",
+                    pool.name,
+                    pool.panics()
+                ),
+            ));
+        }
         out
     }
 }

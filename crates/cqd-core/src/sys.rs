@@ -110,6 +110,20 @@ impl AsFd for Epoll {
     }
 }
 
+/// Times the calling thread gave up its CPU of its own accord (slept,
+/// waited on a lock or I/O): `getrusage(RUSAGE_THREAD)`'s `ru_nvcsw`, 0 if
+/// the kernel refuses. A preempted thread's switches are involuntary and
+/// not counted.
+pub(crate) fn voluntary_switches() -> u64 {
+    // SAFETY: an all-zero `rusage` is a valid value of this plain C struct.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `u` is a valid, writable `rusage` for the call's duration.
+    if unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) } != 0 {
+        return 0;
+    }
+    u.ru_nvcsw.max(0) as u64
+}
+
 /// CPU time consumed by the calling thread.
 pub(crate) fn thread_cpu_time() -> Duration {
     let ts = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);

@@ -38,6 +38,10 @@ pub enum FindingKind {
     /// A receive queue ran dry after its handler's batch: a peer's SEND
     /// meets RNR (a handler that does not repost).
     RecvQueueDry,
+    /// A worker panicked on an item (caught; the item's work was lost).
+    WorkerPanic,
+    /// A handler call held the poller longer than the slow threshold.
+    SlowHandler,
     /// Polls that failed (the device went away).
     PollError,
     /// A CQ ended in the error state.
@@ -147,6 +151,25 @@ pub(crate) fn of_cq(c: &CqSnapshot, out: &mut Vec<Finding>) {
                 qps.join(", "),
                 crate::cq::DRY_GRACE,
                 c.recv_queues_dry
+            ),
+        ));
+    }
+    // A handler that blocks does so on most of its calls; a lock met now
+    // and then on a loaded machine, or a preemption, does not: the
+    // finding needs 3 slow calls and 1 in 20 of the calls timed.
+    if c.slow_handler_calls >= 3 && c.slow_handler_calls * 20 >= c.probed_calls {
+        let who = c
+            .last_slow_handler
+            .as_ref()
+            .map_or(String::new(), |h| format!(", the last in handler {h}"));
+        out.push(Finding::new(
+            FindingKind::SlowHandler,
+            format!(
+                "CQ {cq}: {} of {} handler calls timed blocked the poller past the slow threshold{who} (up to {:.3} ms; {} slow batches): a handler that blocks holds up every CQ of its poller — hand blocking work to a pool",
+                c.slow_handler_calls,
+                c.probed_calls,
+                c.max_slow_ns as f64 / 1e6,
+                c.slow_batches
             ),
         ));
     }

@@ -405,7 +405,15 @@ pub fn accounts_verdict(accounts: &[AccountRow], system: &SystemReport) -> Verdi
         if timed_out {
             why.push("a poller's drain timed out".into());
         }
-        why.extend(system.errors.iter().cloned());
+        // Everything the shutdown found wrong (its errors included), but
+        // the handler panics already named above.
+        why.extend(
+            system
+                .findings()
+                .into_iter()
+                .filter(|f| f.kind != cqd_core::FindingKind::HandlerPanic)
+                .map(|f| f.to_string()),
+        );
         if accounts.is_empty() {
             why.push("no accounts were reported".into());
         }

@@ -273,7 +273,16 @@ fn a_single_slot_on_a_slow_host_still_reads_back_every_block() {
     })
     .unwrap();
     assert_eq!(r.load.verify_matched, 256, "{}", r.text());
-    assert!(r.passed(), "{}", r.text());
+    assert!(r.verdicts.data.passed, "{}", r.text());
+    // A copy that sleeps a millisecond in the load's handler is a handler
+    // that blocks its poller: the accounts verdict may name it, and then
+    // for nothing else.
+    let a = &r.verdicts.accounts;
+    assert!(
+        a.passed || a.detail.starts_with("CQ load0: ") && a.detail.contains("blocked the poller"),
+        "{}",
+        r.text()
+    );
 }
 
 #[test]

@@ -93,6 +93,7 @@ pub(super) fn dispatch_batch<W: 'static>(
     options: &CqOptions,
     wcs: &[Completion],
     out: &mut VecDeque<Routed<W>>,
+    probe: &mut u32,
 ) {
     // Every polled entry has left the CQ, whatever its dispatch finds
     // (stale included): retire what it covers in its queue's account and
@@ -120,7 +121,12 @@ pub(super) fn dispatch_batch<W: 'static>(
         let result = catch_unwind(AssertUnwindSafe(|| {
             while let Some(wc) = wcs.get(next) {
                 next += 1;
-                dispatch(shared, slab, options, wc, out);
+                if *probe == 0 {
+                    dispatch(shared, slab, options, wc, out);
+                } else {
+                    *probe -= 1;
+                    timed(shared, slab, options, wc, out);
+                }
             }
         }));
         if result.is_err() {
@@ -130,6 +136,46 @@ pub(super) fn dispatch_batch<W: 'static>(
     if accounts.received_any() {
         dry_check(shared, accounts, options);
     }
+}
+
+/// Out of line: one completion dispatched under a clock, after a slow
+/// batch ([`CqOptions::slow_batch`]); a call over the threshold during
+/// which the thread blocked names its handler.
+#[cold]
+#[inline(never)]
+fn timed<W: 'static>(
+    shared: &CqShared<W>,
+    slab: &mut Slab<W>,
+    options: &CqOptions,
+    wc: &Completion,
+    out: &mut VecDeque<Routed<W>>,
+) {
+    bump(&shared.metrics.0.probed_calls, 1);
+    let switches = crate::sys::voluntary_switches();
+    let start = std::time::Instant::now();
+    dispatch(shared, slab, options, wc, out);
+    let took = start.elapsed();
+    let Some(threshold) = options.slow_batch else {
+        return;
+    };
+    // Slow and off its CPU of its own accord: it blocked (a sleep, a lock,
+    // I/O). A call that was only preempted, or that computed for long,
+    // did not.
+    if took <= threshold || crate::sys::voluntary_switches() == switches {
+        return;
+    }
+    let m = &shared.metrics.0;
+    bump(&m.slow_handler_calls, 1);
+    let key = WrId::decode(wc.wr_id).ok().map(|id| id.key);
+    if let Some(k) = key {
+        m.last_slow_key.store(key_word(k), Ordering::Relaxed);
+    }
+    let ns = took.as_nanos() as u64;
+    m.last_slow_ns.store(ns, Ordering::Relaxed);
+    m.max_slow_ns.fetch_max(ns, Ordering::Relaxed);
+    tracing::warn!(cq = %shared.name, handler = %key.map_or_else(|| "?".to_string(), |k| k.to_string()),
+        qp = wc.qp_num, ?took, ?threshold,
+        "slow handler: one callback held the poller; hand blocking work to a pool");
 }
 
 /// After the batch's handlers (and their reposts): the receive queues the

@@ -137,7 +137,18 @@ pub struct CqOptions {
     /// stop's findings. Default 0: a queue with nothing posted, whose
     /// peer's next SEND meets RNR.
     pub recv_low_water: u32,
+    /// A batch whose handler calls take longer than this is slow (default
+    /// 1 ms; `None`: not measured). Each batch is timed (two clock reads);
+    /// after a slow one the next completions are timed one by one, and a
+    /// handler call over the threshold during which the thread blocked (it
+    /// gave up its CPU: a sleep, a lock, I/O — not a preemption) is
+    /// counted, warned about and named in the stop's findings: a handler
+    /// that blocks holds up every CQ of its poller.
+    pub slow_batch: Option<std::time::Duration>,
 }
+
+/// Completions timed one by one after a slow batch.
+pub(crate) const SLOW_PROBE: u32 = 64;
 
 /// The default [`CqOptions::round_budget`].
 pub const DEFAULT_ROUND_BUDGET: usize = 256;
@@ -151,6 +162,7 @@ impl Default for CqOptions {
             measure_handlers: false,
             round_budget: DEFAULT_ROUND_BUDGET,
             recv_low_water: 0,
+            slow_batch: Some(std::time::Duration::from_millis(1)),
         }
     }
 }
@@ -261,6 +273,7 @@ pub fn split<W: Send + 'static>(
         shared: Arc::clone(&shared),
         slab: Slab::default(),
         account_cache: AccountCache::default(),
+        probe: 0,
         buf: vec![Completion::default(); batch],
         options,
         finished: false,
@@ -292,6 +305,9 @@ struct Core<W> {
     in_error: bool,
     /// The doorbell installed for this CQ (the poller's), for its fd.
     doorbell: Option<Arc<GroupBell>>,
+    /// Completions still to be timed one by one after a slow batch, to
+    /// name the slow handler ([`CqOptions::slow_batch`]).
+    probe: u32,
 }
 
 impl<W> Core<W> {
@@ -449,7 +465,8 @@ impl<W: Send + 'static> CqPoller<W> {
         }
         bump(&m.completions, n as u64);
         bump(&m.batch_hist[batch_bucket(n)], 1);
-        let start = self.core.options.measure_handlers.then(Instant::now);
+        let o = &self.core.options;
+        let start = (o.measure_handlers || o.slow_batch.is_some()).then(Instant::now);
         dispatch_batch(
             &self.core.shared,
             &mut self.core.slab,
@@ -457,14 +474,35 @@ impl<W: Send + 'static> CqPoller<W> {
             &self.core.options,
             &self.core.buf[..n],
             out,
+            &mut self.core.probe,
         );
         if let Some(start) = start {
-            bump(
-                &self.core.shared.metrics.0.handler_ns,
-                start.elapsed().as_nanos() as u64,
-            );
+            let took = start.elapsed();
+            if self.core.options.measure_handlers {
+                bump(
+                    &self.core.shared.metrics.0.handler_ns,
+                    took.as_nanos() as u64,
+                );
+            }
+            if self.core.options.slow_batch.is_some_and(|t| took > t) {
+                self.slow_batch(took);
+            }
         }
         Ok(n)
+    }
+
+    /// Out of line: a batch whose handlers took longer than
+    /// [`CqOptions::slow_batch`]; the next completions are timed one by
+    /// one to find the handler.
+    #[cold]
+    #[inline(never)]
+    fn slow_batch(&mut self, took: std::time::Duration) {
+        bump(&self.core.shared.metrics.0.slow_batches, 1);
+        if self.core.probe == 0 {
+            tracing::debug!(cq = %self.core.shared.name, ?took,
+                "slow batch: timing the next completions one by one to find the handler");
+        }
+        self.core.probe = SLOW_PROBE;
     }
 
     /// Requests a notification of the CQ's arm kind (see [`CqOptions::arm`]).
