@@ -271,7 +271,10 @@ if ! grep -q '^OK$' "$l" || grep -q 'skipped' "$l" \
     || [[ $(grep -c ' \.\.\. ok$' "$l") -ne 10 ]]; then cat "$l"; exit 1; fi
 echo "ok   rdma-core rdmacm tests: $(grep -c ' \.\.\. ok$' "$l") passed"
 
-# Our integration tests, through the real libibverbs, under the launcher.
+# Our integration tests, through the real libibverbs, under the launcher:
+# the release build, each binary's tests in one process on one fabric.
+# (The test command at the end of .ci/run runs their debug build, each test
+# in a process and on a fabric of its own.)
 timeout 300 "$RUN" cargo test -p softverbs --release
 # rdma-core's own test suite (python3-pyverbs) on the device, vendor and
 # rdma_cm modules left out: per-module counts; any failure or error, or fewer
@@ -290,7 +293,8 @@ timeout 600 "$RUN" /usr/bin/python3 crates/softverbs/tests/rdma_core_suite.py \
     --dev softverbs0 --work "$LOGS/rdma-core-suite" --min-pass "$suite_min"
 restore_hugepages
 # cqd on real verbs (crates/cqd-verbs): its tests need the device, so they
-# run here, under the launcher (outside it they print SKIPPED).
+# run under the launcher; here the release build, as for softverbs above
+# (the test command runs the debug build).
 timeout 600 "$RUN" cargo test -p cqd-verbs --release
 # The real-path dispatch benchmark, smoke run on the device.
 CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$RUN" timeout 600 \
@@ -365,8 +369,10 @@ else
     echo "FAIL demo_one_process"; cat "$l"; demo_fail=$((demo_fail + 1))
 fi
 if [[ $demo_fail -ne 0 ]]; then exit 1; fi
-# Its tests on the device: both forms as processes, a device that does not
-# exist, a server that is not there, each peer killed mid-run.
+# Its tests on the device: both forms as processes, each peer killed
+# mid-run, rdma_cm; and, without a device, one that does not exist and a
+# server that is not there. Only here: the test command does not build the
+# `verbs` feature.
 timeout 600 "$RUN" cargo test -p cqd-demo --release --features verbs
 
 echo "softverbs CI done in $(( $(date +%s) - start )) s"

@@ -1,6 +1,7 @@
 //! The binary, as a user runs it: good runs pass both verdicts, bad input
 //! gets a clear message and a non-zero exit, failures are reported as
-//! failures and never hang.
+//! failures and never hang. With the `verbs` feature, also the verbs
+//! failures that need no device (tests/verbs.rs has those that do).
 #![allow(missing_docs)]
 
 use std::path::PathBuf;
@@ -391,4 +392,61 @@ fn one_request_in_flight_still_reads_back_every_block() {
         assert_eq!(out.status.code(), Some(0), "{}", text(&out.stdout));
         assert_eq!(json(&path)["load"]["verify_matched"], 256);
     }
+}
+
+#[cfg(feature = "verbs")]
+#[test]
+fn a_device_that_does_not_exist_is_named() {
+    // Runs everywhere: outside the launcher libibverbs lists no device,
+    // under it none has this name; either way the same message.
+    let out = run_for(
+        &["--backend", "verbs", "--device", "nosuch9", "--quick"],
+        Duration::from_secs(30),
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("no RDMA device nosuch9"), "{err}");
+    assert!(!text(&out.stdout).contains("verdict"));
+    let out = run_for(
+        &["serve", "--device", "nosuch9", "--listen", "127.0.0.1:0"],
+        Duration::from_secs(30),
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("no RDMA device nosuch9"), "{err}");
+    // The load reaches its servers first, then opens the device: the
+    // device is what it reports (and the server is left waiting).
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let out = run_for(
+        &["load", "--device", "nosuch9", "--server", &addr],
+        Duration::from_secs(30),
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("no RDMA device nosuch9"), "{err}");
+}
+
+#[cfg(feature = "verbs")]
+#[test]
+fn a_server_that_is_not_there_fails_fast() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let addr = format!("127.0.0.1:{port}");
+    let started = std::time::Instant::now();
+    let out = run_for(&["load", "--server", &addr], Duration::from_secs(30));
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!("cannot reach server {addr}")),
+        "{err}"
+    );
+    assert!(err.contains("cqd-demo serve"), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
 }

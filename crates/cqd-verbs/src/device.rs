@@ -636,3 +636,24 @@ pub struct PortInfo {
     /// Entries of the GID table.
     pub gid_table_len: u32,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs anywhere: without a device libibverbs lists none, under
+    /// softverbs-run none has this name.
+    #[test]
+    fn a_missing_device_is_an_error_with_its_errno_never_a_panic() {
+        let err = Context::open("no-such-rdma-device").unwrap_err();
+        match &err {
+            VerbsError::NoDevice { wanted, errno, .. } => {
+                assert_eq!(wanted, "no-such-rdma-device");
+                assert_ne!(*errno, 0);
+            }
+            other => panic!("expected NoDevice, got {other:?}"),
+        }
+        assert!(err.to_string().contains("no-such-rdma-device"), "{err}");
+        assert!(err.errno().is_some());
+    }
+}

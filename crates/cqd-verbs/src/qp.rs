@@ -1041,3 +1041,28 @@ impl Drop for Qp {
         cq.bury(inner);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoint_serde_round_trip() {
+        let e = Endpoint {
+            lid: 7,
+            gid: [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8],
+            qpn: 0x12_3456,
+            psn: 0xab_cdef,
+            mtu: Mtu::M4096,
+        };
+        let text = serde_json::to_string(&e).unwrap();
+        assert_eq!(serde_json::from_str::<Endpoint>(&text).unwrap(), e);
+        assert!(e.has_gid());
+        assert_eq!(Mtu::M4096.bytes(), 4096);
+        for m in [Mtu::M256, Mtu::M512, Mtu::M1024, Mtu::M2048, Mtu::M4096] {
+            assert_eq!(Mtu::from_raw(m.to_raw()), m);
+            assert_eq!(Mtu::from_bytes(m.bytes()), Some(m));
+        }
+        assert!(serde_json::from_str::<Endpoint>("{\"lid\":1}").is_err());
+    }
+}

@@ -22,6 +22,13 @@ fn launcher_or_skip(test: &str) -> bool {
     if std::env::var_os("SOFTVERBS_RUN").is_some() {
         return true;
     }
+    // nextest runs this test under the launcher or leaves it out
+    // (.config/nextest.toml): run here, it would pass without testing.
+    assert!(
+        std::env::var_os("NEXTEST").is_none(),
+        "{test} needs softverbs-run (root), but nextest ran it outside the launcher: \
+         .config/nextest.toml must count it in the softverbs set"
+    );
     eprintln!("SKIPPED: {test} (needs softverbs-run, root)");
     false
 }

@@ -12,6 +12,13 @@ fn launcher_or_skip(test: &str) -> bool {
     if std::env::var_os("SOFTVERBS_RUN").is_some() {
         return true;
     }
+    // nextest runs this test under the launcher or leaves it out
+    // (.config/nextest.toml): run here, it would pass without testing.
+    assert!(
+        std::env::var_os("NEXTEST").is_none(),
+        "{test} needs softverbs-run (root), but nextest ran it outside the launcher: \
+         .config/nextest.toml must count it in the softverbs set"
+    );
     let line = format!("SKIPPED: {test} (needs softverbs-run, root)\n");
     // SAFETY: writes a live buffer to fd 2.
     unsafe { libc_write(2, line.as_ptr(), line.len()) };

@@ -17,9 +17,13 @@
 //! $CARGO_TARGET_DIR/release/softverbs-run cargo test -p cqd-verbs --release --test two_backends
 //! ```
 //!
-//! Outside it, each verbs test prints `SKIPPED: <name> (needs
-//! softverbs-run, root)` to fd 2 and passes; the sim half always runs.
-//! `CQD_SUITE_TIMES=1` prints each test's run time to fd 2.
+//! The test command (scripts/test.sh) does that by itself as root: nextest
+//! runs each verbs cell under the launcher (.config/nextest.toml), or,
+//! where the launcher cannot run, leaves the verbs cells out and counts
+//! them skipped. Under `cargo test` outside the launcher, each verbs test
+//! prints `SKIPPED: <name> (needs softverbs-run, root)` to fd 2 and passes;
+//! the sim half always runs. `CQD_SUITE_TIMES=1` prints each test's run
+//! time to fd 2.
 //!
 //! The rxe third runs where `CQD_RXE` names an rxe device, which
 //! scripts/rxe-vm.sh sets up in a VM (docs/verbs.md, "Running on
@@ -30,7 +34,8 @@
 //! scripts/rxe-vm.sh target/release/deps/two_backends-HASH ::rxe:: --test-threads=1
 //! ```
 //!
-//! Elsewhere each rxe test prints `SKIPPED: <name> (needs rxe, ...)`.
+//! Elsewhere each rxe test prints `SKIPPED: <name> (needs rxe, ...)`; nextest
+//! leaves the rxe cells out and counts them skipped.
 //! Under TCG the rxe third runs every scenario at full size (about 80 s
 //! for the 78 tests), with every wait's limit multiplied by
 //! `support::slow()`; the device-death scenarios say why they cannot run

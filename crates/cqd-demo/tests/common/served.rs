@@ -13,6 +13,13 @@ pub fn launcher_or_skip(test: &str) -> bool {
     if std::env::var_os("SOFTVERBS_RUN").is_some() {
         return true;
     }
+    // nextest runs this test under the launcher or leaves it out
+    // (.config/nextest.toml): run here, it would pass without testing.
+    assert!(
+        std::env::var_os("NEXTEST").is_none(),
+        "{test} needs softverbs-run (root), but nextest ran it outside the launcher: \
+         .config/nextest.toml must count it in the softverbs set"
+    );
     // Straight to the stderr handle: the harness captures eprintln! of
     // passing tests, not writes to the handle.
     use std::io::Write as _;
