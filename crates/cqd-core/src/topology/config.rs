@@ -141,7 +141,9 @@ pub enum ModeConfig {
     },
     /// Busy for a window after the last completion, then Event.
     Hybrid {
-        /// How long to keep polling after the last completion, in µs.
+        /// How long to keep polling after the last completion, in µs
+        /// (default 50).
+        #[serde(default = "default_spin_window_us")]
         spin_window_us: u64,
         /// Safety-net wake-up when sleeping, in milliseconds.
         #[serde(default = "default_timeout_ms")]
@@ -149,12 +151,15 @@ pub enum ModeConfig {
     },
     /// Hybrid whose window follows the measured inter-arrival time.
     Adaptive {
-        /// Smallest spin window, in µs.
+        /// Smallest spin window, in µs (default 2).
+        #[serde(default = "default_min_window_us")]
         min_window_us: u64,
-        /// Largest spin window, in µs.
+        /// Largest spin window, in µs (default 200).
+        #[serde(default = "default_max_window_us")]
         max_window_us: u64,
         /// Most of one CPU the spinning may waste (in windows that ended
-        /// without a completion), in percent (1 to 100).
+        /// without a completion), in percent (1 to 100; default 50).
+        #[serde(default = "default_cpu_budget_percent")]
         cpu_budget_percent: u8,
         /// Safety-net wake-up when sleeping, in milliseconds.
         #[serde(default = "default_timeout_ms")]
@@ -166,14 +171,30 @@ fn default_timeout_ms() -> u64 {
     100
 }
 
+fn default_spin_window_us() -> u64 {
+    50
+}
+
+fn default_min_window_us() -> u64 {
+    2
+}
+
+fn default_max_window_us() -> u64 {
+    200
+}
+
+fn default_cpu_budget_percent() -> u8 {
+    50
+}
+
 impl Default for ModeConfig {
     /// Adaptive, the recommended mode, with the poller's own defaults:
     /// 2–200 µs window, 50% CPU, 100 ms.
     fn default() -> Self {
         ModeConfig::Adaptive {
-            min_window_us: 2,
-            max_window_us: 200,
-            cpu_budget_percent: 50,
+            min_window_us: default_min_window_us(),
+            max_window_us: default_max_window_us(),
+            cpu_budget_percent: default_cpu_budget_percent(),
             timeout_ms: default_timeout_ms(),
         }
     }
@@ -233,6 +254,32 @@ mod tests {
             ModeConfig::default().timeout(),
             Some(crate::poller::DEFAULT_WAKE_TIMEOUT)
         );
+    }
+
+    /// Every mode given by its kind alone takes the documented defaults
+    /// (`mode = { kind = "adaptive" }` was refused: missing field).
+    #[test]
+    fn every_mode_parses_from_its_kind_alone_with_the_documented_defaults() {
+        #[derive(Deserialize)]
+        struct P {
+            mode: ModeConfig,
+        }
+        let m = |kind: &str| {
+            toml::from_str::<P>(&format!("mode = {{ kind = \"{kind}\" }}"))
+                .unwrap_or_else(|e| panic!("{kind}: {e}"))
+                .mode
+        };
+        assert_eq!(m("busy"), ModeConfig::Busy);
+        assert_eq!(m("event"), ModeConfig::Event { timeout_ms: 100 });
+        assert_eq!(
+            m("hybrid"),
+            ModeConfig::Hybrid {
+                spin_window_us: 50,
+                timeout_ms: 100
+            }
+        );
+        assert_eq!(m("adaptive"), ModeConfig::default());
+        assert_eq!(m("hybrid").poll_mode(), PollMode::all()[2]);
     }
 
     #[test]
