@@ -333,6 +333,12 @@ impl QueueAccount {
         self.ring.ahead()
     }
 
+    /// True while the poller last found the queue dry.
+    #[inline]
+    pub(crate) fn is_dry(&self) -> bool {
+        self.dry.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Records whether the queue is dry now; true if it just became so
     /// (and then when, for [`dry_since`](Self::dry_since)).
     pub(crate) fn went_dry(&self, dry: bool) -> bool {
@@ -510,6 +516,13 @@ impl Retiring<'_> {
     /// True when nothing is outstanding (R6 first).
     pub(crate) fn drained(&mut self) -> bool {
         self.r.drained()
+    }
+
+    /// Requests waiting, at most, as this lock saw the posters' tail (see
+    /// `Retirer::left`).
+    #[inline]
+    pub(crate) fn left(&self) -> u64 {
+        self.r.left()
     }
 
     /// Gives `credits` back to the CQ's budget.

@@ -692,6 +692,14 @@ impl Retirer<'_> {
         credits
     }
 
+    /// Entries from `head` to `tail` as this lock saw `tail`: the requests
+    /// waiting when it was taken, less those retired since (an upper
+    /// bound: out-of-order retirements and tombstones above `head` count).
+    #[inline]
+    pub(crate) fn left(&self) -> u64 {
+        self.tail.saturating_sub(self.c.head)
+    }
+
     /// True when no entry from `head` is live.
     pub(crate) fn drained(&mut self) -> bool {
         self.at_head().is_none()

@@ -101,7 +101,15 @@ pub(super) fn dispatch_batch<W: 'static>(
     // accounts skips (a ledger whose epoch is still 0 never had a queue:
     // opening one moves it before the queue can post).
     if let Some(ledger) = shared.ledger.get().filter(|l| l.epoch() != 0) {
-        account_hooks(shared, slab, accounts, ledger, wcs, out);
+        account_hooks(
+            shared,
+            slab,
+            accounts,
+            ledger,
+            wcs,
+            out,
+            options.recv_low_water,
+        );
     }
     // With more handlers than the cache holds, the batch's lines are
     // asked for before they are needed, so that the misses of cold
@@ -278,8 +286,9 @@ fn account_hooks<W: 'static>(
     ledger: &WrLedger,
     wcs: &[Completion],
     out: &mut VecDeque<Routed<W>>,
+    low_water: u32,
 ) {
-    accounts.account_batch(ledger, wcs);
+    accounts.account_batch(ledger, wcs, low_water);
     if accounts.silent.is_empty() {
         return;
     }

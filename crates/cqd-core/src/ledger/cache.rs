@@ -79,7 +79,7 @@ impl AccountCache {
     /// batch: every account of a ledger takes its credits from the ledger's
     /// budget), and leaves the silently completed wr_ids in `self.silent`
     /// for the dispatcher.
-    pub(crate) fn account_batch(&mut self, ledger: &WrLedger, wcs: &[Completion]) {
+    pub(crate) fn account_batch(&mut self, ledger: &WrLedger, wcs: &[Completion], low_water: u32) {
         self.silent.clear();
         self.received.clear();
         let epoch = ledger.epoch();
@@ -150,8 +150,15 @@ impl AccountCache {
                     }
                 }
             }
+            // A receive queue with more left than the low-water mark as
+            // this lock saw it cannot be dry after the handlers (reposts
+            // only add): only the others are checked again after them.
             if let (Some(wr_id), Side::Recv) = (consumed, side) {
-                self.received.push((qp, wr_id, Arc::clone(account)));
+                if ring.left() <= u64::from(low_water) {
+                    self.received.push((qp, wr_id, Arc::clone(account)));
+                } else if account.is_dry() {
+                    account.went_dry(false);
+                }
             }
             // Drained and closed, seen under the retiring lock that `close`
             // sets the flag under (with the posting lock, so no post is in
@@ -274,13 +281,13 @@ mod tests {
         let mut cache = AccountCache::default();
         let mut wc = Completion::success(0, crate::completion::Opcode::Send, 7);
         wc.wr_id = 1;
-        cache.account_batch(&ledger, &[wc]);
+        cache.account_batch(&ledger, &[wc], 0);
         assert_eq!(sq.outstanding(), 1, "wr_id 1 is foreign: not retired");
         let key = crate::wr_id::HandlerKey::new(0, 0).unwrap();
         let id = key.wr_id(crate::wr_id::OpKind::Send, 1).unwrap();
         push(&sq, &[(id, true)]);
         wc.wr_id = id;
-        cache.account_batch(&ledger, &[wc]);
+        cache.account_batch(&ledger, &[wc], 0);
         assert_eq!(cache.silent, [1], "the foreign entry before it, silently");
         assert!(ledger.lookup(7, Side::Send).is_none(), "detached");
     }
@@ -330,7 +337,7 @@ mod tests {
         let mut cache = AccountCache::default();
         let done = Completion::success(id(1), crate::completion::Opcode::RdmaWrite, 3);
         let flush = Completion::error(marker, crate::completion::Status::WrFlush, 3);
-        cache.account_batch(&ledger, &[done, flush]);
+        cache.account_batch(&ledger, &[done, flush], 0);
         assert_eq!(cache.silent, [id(2), id(3)]);
         assert_eq!((sq.outstanding(), b.credits_in_use()), (0, 0));
     }
@@ -371,11 +378,11 @@ mod tests {
         let wc = |tag| Completion::success(id(tag), crate::completion::Opcode::Send, 7);
         let mut cache = AccountCache::default();
         // The old queue's completions come first and retire the old entries.
-        cache.account_batch(&ledger, &[wc(1), wc(3)]);
+        cache.account_batch(&ledger, &[wc(1), wc(3)], 0);
         assert!(cache.silent.contains(&id(2)));
         assert_eq!((old.outstanding(), new.outstanding()), (1, 1));
         // The new queue's first completion ends the old one: 4 ran silently.
-        cache.account_batch(&ledger, &[wc(3)]);
+        cache.account_batch(&ledger, &[wc(3)], 0);
         assert_eq!(cache.silent, [id(4)]);
         assert_eq!((old.outstanding(), new.outstanding()), (0, 0));
         assert_eq!(b.credits_in_use(), 0, "every credit came back");
@@ -457,13 +464,13 @@ mod loom_close {
                 poster.close();
             });
             let mut cache = AccountCache::default();
-            cache.account_batch(&ledger, &[Completion::success(id(1), Opcode::Send, 7)]);
+            cache.account_batch(&ledger, &[Completion::success(id(1), Opcode::Send, 7)], 0);
             t.join().unwrap();
             assert!(
                 ledger.lookup(7, Side::Send).is_some(),
                 "detached with two requests outstanding"
             );
-            cache.account_batch(&ledger, &[Completion::success(id(3), Opcode::Send, 7)]);
+            cache.account_batch(&ledger, &[Completion::success(id(3), Opcode::Send, 7)], 0);
             assert_eq!(cache.silent, [id(2)], "the unsignaled send, silently");
             assert_eq!(sq.outstanding(), 0);
             assert!(
@@ -528,7 +535,7 @@ mod loom_post {
             wcs.push(Completion::success(wr_id, Opcode::Send, 7));
         }
         let mut cache = AccountCache::default();
-        cache.account_batch(ledger, &wcs);
+        cache.account_batch(ledger, &wcs, 0);
         cache.silent.clone()
     }
 
@@ -615,7 +622,7 @@ mod loom_post {
                 loom::thread::yield_now();
             };
             let mut cache = AccountCache::default();
-            cache.account_batch(&ledger, &wcs);
+            cache.account_batch(&ledger, &wcs, 0);
             poster.join().unwrap();
             assert_eq!(b.credits_in_use(), 1, "an entry was decided twice");
             assert_eq!(sq.outstanding(), 0, "nothing is left");
