@@ -363,3 +363,26 @@ fn a_handler_that_blocks_is_named() {
         "{cq:?}"
     );
 }
+
+#[test]
+fn a_queue_refilled_from_another_thread_is_not_left_dry() {
+    let r = rig("refill");
+    let reg = r
+        .handle
+        .register(Quiet {
+            panic_on_recv: false,
+        })
+        .unwrap();
+    exchange(&r, &reg);
+    assert!(wait(|| r.handle.snapshot().recv_queues_dry == 1));
+    // A worker (here: this thread) posts the receive again after the
+    // handler ran: the queue is no longer dry, though no batch consumed
+    // from it since.
+    let dst = [r.mr.sge(1024, 64)];
+    reg.post_recv(&r.b, &mut [RecvWr::new(3, &dst)]).unwrap();
+    std::thread::sleep(cqd::core::cq::DRY_GRACE + Duration::from_millis(100));
+    assert_eq!(r.handle.snapshot().left_dry, Vec::<u32>::new());
+    r.b.modify(cqd::sim::Modify::Err).unwrap();
+    let report = stop(r);
+    assert!(report.is_clean(), "{:?}", report.findings());
+}

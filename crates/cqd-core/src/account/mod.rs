@@ -159,6 +159,8 @@ pub struct QueueAccount {
     dry: PlainAtomicBool,
     /// When it went dry (nanoseconds since the ring's base, `stamp`).
     dry_at: std::sync::atomic::AtomicU64,
+    /// The posters' tail when it went dry: a receive posted since moves it.
+    dry_tail: std::sync::atomic::AtomicU64,
     /// The outstanding requests (`account::ring`): its atomics and locks
     /// come from the synchronisation shim, so that loom checks the post,
     /// the close and the drain.
@@ -197,6 +199,7 @@ impl QueueAccount {
             has_prev: PlainAtomicBool::new(prev.is_some()),
             dry: PlainAtomicBool::new(false),
             dry_at: std::sync::atomic::AtomicU64::new(0),
+            dry_tail: std::sync::atomic::AtomicU64::new(0),
             prev: PlainMutex::new(prev),
             ring: Ring::new(),
         }
@@ -345,6 +348,8 @@ impl QueueAccount {
         let was = self.dry.swap(dry, std::sync::atomic::Ordering::Relaxed);
         let went = dry && !was;
         if went {
+            self.dry_tail
+                .store(self.ring.tail(), std::sync::atomic::Ordering::Relaxed);
             self.dry_at
                 .store(stamp(Instant::now()), std::sync::atomic::Ordering::Relaxed);
         }
@@ -354,7 +359,11 @@ impl QueueAccount {
     /// How long the queue has been dry, if it is (the poller's last check
     /// after a batch consumed from it).
     pub(crate) fn dry_since(&self, now: Instant) -> Option<std::time::Duration> {
-        if !self.dry.load(std::sync::atomic::Ordering::Relaxed) {
+        // Still dry now: a receive posted since (by a worker, say) ends
+        // it, although no batch has consumed from the queue since; a flush
+        // posts nothing and does not.
+        let since = self.dry_tail.load(std::sync::atomic::Ordering::Relaxed);
+        if !self.dry.load(std::sync::atomic::Ordering::Relaxed) || self.ring.tail() > since {
             return None;
         }
         let at = self.dry_at.load(std::sync::atomic::Ordering::Relaxed);

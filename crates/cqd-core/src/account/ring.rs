@@ -294,6 +294,11 @@ impl Ring {
         }
     }
 
+    /// The posters' `tail`: requests ever published on the queue.
+    pub(crate) fn tail(&self) -> u64 {
+        self.pos.tail.load(Ordering::Acquire)
+    }
+
     /// Entries between the poller's last published `head` and the
     /// posters' `tail`, read without a lock: the requests waiting on the
     /// queue, or more (entries retired out of order or tombstoned above
