@@ -79,7 +79,28 @@ impl SvCq {
     /// The next completion: the stash first (it holds what was in the
     /// rings before a clean), then the rings of the CQ, oldest first (a CQ
     /// grown by `ibv_resize_cq` has several, provider::notify).
+    ///
+    /// The common case — nothing stashed, never resized — is the ring's own
+    /// pop, inlined into the extended CQ's `take`; the rest is
+    /// [`SvCq::pop_slow`], out of line. (When the whole of this was one
+    /// function, the compiler stopped inlining it into `poll_cq`: every
+    /// completion paid a call and two copies of the CQE through the stack,
+    /// 18–20 ns per completion in benches/verbs_dispatch.rs's hand-written
+    /// loop instead of 10–11, docs/benchmarks-softverbs.md.)
+    #[inline(always)]
     pub fn pop(&self) -> Option<Cqe> {
+        if !self.stashed.load(Ordering::Acquire)
+            && self.port.hdr().moved_to.load(Ordering::Acquire) == 0
+        {
+            return self.port.ring().pop();
+        }
+        self.pop_slow()
+    }
+
+    /// [`SvCq::pop`] when something is stashed or the CQ was resized.
+    #[cold]
+    #[inline(never)]
+    fn pop_slow(&self) -> Option<Cqe> {
         if self.stashed.load(Ordering::Acquire) {
             let mut st = self.stash.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(e) = st.pop_front() {
@@ -352,12 +373,35 @@ pub unsafe extern "C" fn poll_cq(cq: *mut ibv::ibv_cq, n: c_int, wc: *mut ibv::i
         return -DEAD_ERRNO;
     }
     s.progress_waiting();
+    let n = n.max(0);
     let mut got = 0;
-    while got < n.max(0) {
-        let Some(e) = s.pop() else { break };
-        // SAFETY: `wc` has room for n entries (caller contract), got < n.
-        unsafe { fill_wc(wc.add(got as usize), &e) };
-        got += 1;
+    // The common case in a loop of its own, which the compiler keeps
+    // tight (each CQE read from its slot straight into `wc`, no call, no
+    // copy through the stack; see SvCq::pop): one ring — the CQ was never
+    // resized, and a resize is not concurrent with a poll (verbs
+    // contract) — and nothing stashed, which a RESET's clean on another
+    // thread may change, so that is checked per completion.
+    let mut slow = s.port.hdr().moved_to.load(Ordering::Acquire) != 0;
+    if !slow {
+        let ring = s.port.ring();
+        while got < n {
+            if s.stashed.load(Ordering::Acquire) {
+                slow = true;
+                break;
+            }
+            let Some(e) = ring.pop() else { break };
+            // SAFETY: `wc` has room for n entries (caller contract), got < n.
+            unsafe { fill_wc(wc.add(got as usize), &e) };
+            got += 1;
+        }
+    }
+    if slow {
+        while got < n {
+            let Some(e) = s.pop() else { break };
+            // SAFETY: as above.
+            unsafe { fill_wc(wc.add(got as usize), &e) };
+            got += 1;
+        }
     }
     if got == 0 {
         s.empty_poll();
