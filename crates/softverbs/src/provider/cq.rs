@@ -189,10 +189,11 @@ pub unsafe extern "C" fn create_cq(
     comp_vector: c_int,
 ) -> *mut ibv::ibv_cq {
     // SAFETY: caller contract.
-    unsafe { make_cq(ctx, cqe, channel, comp_vector) }.cast()
+    unsafe { make_cq(ctx, cqe, channel, comp_vector, false) }.cast()
 }
 
-/// Build a CQ (both creation paths). EINVAL for a size outside
+/// Build a CQ (both creation paths); `stamp`: its completions carry
+/// timestamps ([`CqHeader::stamp`]). EINVAL for a size outside
 /// 1..=`MAX_CQE` or a `comp_vector` outside 0..`num_comp_vectors`.
 ///
 /// # Safety
@@ -202,6 +203,7 @@ pub unsafe fn make_cq(
     cqe: c_int,
     channel: *mut ibv::ibv_comp_channel,
     comp_vector: c_int,
+    stamp: bool,
 ) -> *mut SvCq {
     // SAFETY: caller contract.
     let c = unsafe { inner(ctx) };
@@ -224,7 +226,7 @@ pub unsafe fn make_cq(
         return std::ptr::null_mut();
     };
     let cap = Ring::<Cqe>::capacity_for(cqe as usize);
-    let (id, port) = match new_ring(c, cap, chan_fd, 0) {
+    let (id, port) = match new_ring(c, cap, chan_fd, 0, stamp) {
         Ok(x) => x,
         Err(e) => {
             set_errno(e);
@@ -260,7 +262,13 @@ pub unsafe fn make_cq(
 /// A fresh CQ segment `cq-<id>` with a ring of `cap` entries, its header
 /// filled (the `ibv_cq *` may be 0 and set later by the creator); the id
 /// and the owner's port, or an errno.
-fn new_ring(c: &ContextInner, cap: usize, chan_fd: i32, cq_ptr: u64) -> Result<(u32, CqPort), i32> {
+fn new_ring(
+    c: &ContextInner,
+    cap: usize,
+    chan_fd: i32,
+    cq_ptr: u64,
+    stamp: bool,
+) -> Result<(u32, CqPort), i32> {
     let ids = Ids::get().map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
     let (id, seg) = crate::shm::segment::create_fresh(
         "cq-",
@@ -279,6 +287,7 @@ fn new_ring(c: &ContextInner, cap: usize, chan_fd: i32, cq_ptr: u64) -> Result<(
         (*hdr).chan_fd = chan_fd;
         (*hdr).cq_ptr = cq_ptr;
         (*hdr).async_fd.store(c.async_r, Ordering::Relaxed);
+        (*hdr).stamp.store(u32::from(stamp), Ordering::Relaxed);
         (*hdr).magic = MAGIC;
     }
     let port = CqPort::attach(seg).ok_or(libc::EIO)?;
@@ -315,7 +324,8 @@ pub unsafe extern "C" fn resize_cq(cq: *mut ibv::ibv_cq, cqe: c_int) -> c_int {
     let h = newest.hdr();
     // SAFETY: the context outlives its CQs.
     let c = unsafe { &*s.ctx };
-    let (id, port) = match new_ring(c, want, h.chan_fd, h.cq_ptr) {
+    let stamp = h.stamp.load(Ordering::Relaxed) != 0;
+    let (id, port) = match new_ring(c, want, h.chan_fd, h.cq_ptr, stamp) {
         Ok(x) => x,
         Err(e) => return e,
     };
