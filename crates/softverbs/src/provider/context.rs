@@ -292,8 +292,14 @@ pub unsafe extern "C" fn async_event(_ctx: *mut ibv::ibv_context, ev: *mut ibv::
 pub mod limits {
     /// Work requests per queue.
     pub const MAX_QP_WR: u32 = 16384;
-    /// Completions per CQ.
-    pub const MAX_CQE: u32 = 65536;
+    /// Completions per CQ: 4Mi - 1, as mlx5's (libfabric's ofi_rxm asks
+    /// for 262,144, four times the 65,536 this was).
+    /// A CQ's ring is a power of two of slots (shm::ring), so one of this
+    /// size has 4Mi slots of 64 bytes: 256 MiB of shared memory, mapped
+    /// and written (each slot's sequence) when it is created. Memory is
+    /// per CQ, sized by what the CQ asks for; nothing is sized by this
+    /// limit. `cq->cqe` never reports more than it (provider::cq).
+    pub const MAX_CQE: u32 = (1 << 22) - 1;
     /// Inline data per send.
     pub const MAX_INLINE: u32 = 4096;
     /// Largest message (2 GiB, as IB).

@@ -252,7 +252,7 @@ pub unsafe fn make_cq(
     let raw = Box::into_raw(cq);
     // SAFETY: `raw` is the live box; the header is ours to finish.
     unsafe {
-        (*raw).cq.cqe = cap as c_int;
+        (*raw).cq.cqe = reported(cap);
         (*raw).cq.handle = id;
         (*hdr).cq_ptr = std::ptr::addr_of_mut!((*raw).cq) as u64;
     }
@@ -317,7 +317,7 @@ pub unsafe extern "C" fn resize_cq(cq: *mut ibv::ibv_cq, cqe: c_int) -> c_int {
     let cap = newest.ring().capacity();
     if cqe as usize <= cap {
         // SAFETY: `cq` is live (caller contract).
-        unsafe { (*cq).cqe = cap as c_int };
+        unsafe { (*cq).cqe = reported(cap) };
         return 0;
     }
     let want = Ring::<Cqe>::capacity_for(cqe as usize);
@@ -337,8 +337,17 @@ pub unsafe extern "C" fn resize_cq(cq: *mut ibv::ibv_cq, cqe: c_int) -> c_int {
         return libc::EIO;
     }
     // SAFETY: as above.
-    unsafe { (*cq).cqe = want as c_int };
+    unsafe { (*cq).cqe = reported(want) };
     0
+}
+
+/// What `cq->cqe` says of a ring of `cap` slots: all of them, but never
+/// more than `max_cqe` (a CQ of `MAX_CQE` = 4Mi - 1 entries has 4Mi
+/// slots), so that the size a CQ reports can always be asked for again
+/// (`ibv_resize_cq(cq, cq->cqe)`, a new CQ of that size). It is still at
+/// least what was asked for.
+fn reported(cap: usize) -> c_int {
+    cap.min(limits::MAX_CQE as usize) as c_int
 }
 
 /// The SvCq of an `ibv_cq` of this provider.
