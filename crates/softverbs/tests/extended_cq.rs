@@ -289,9 +289,41 @@ fn extended_cq_stamps_completions_with_the_device_clock() {
         "what the device cannot report is cleared"
     );
     assert!(values.raw_clock.tv_nsec as u64 >= ts);
+    // A resized CQ keeps stamping (its new ring's header says so too).
+    assert_eq!(unsafe { ibv_resize_cq(cq, 64) }, 0);
+    let t2 = monotonic_ns();
+    assert_eq!(post_send(a, &buf, 0, 8, 2, send(WR_WRITE, SIGNALED)), 0);
+    let t3 = monotonic_ns();
+    assert_eq!(unsafe { ibv_start_poll(cqx, &mut pa) }, 0);
+    let ts2 = unsafe { ((*cqx).read_completion_ts.expect("read_completion_ts"))(cqx) };
+    unsafe { ibv_end_poll(cqx) };
+    assert!(
+        t2 <= ts2 && ts2 <= t3,
+        "after the resize: {t2} <= {ts2} <= {t3}"
+    );
+    // A CQ that did not ask for timestamps is not stamped: nobody reads
+    // the clock for its completions (the verbs leave the reading
+    // undefined there; softverbs answers 0).
+    let mut plain_attr: ibv_cq_init_attr_ex = unsafe { std::mem::zeroed() };
+    plain_attr.cqe = 8;
+    let plainx = create_cq_ex(dev.ctx, &mut plain_attr);
+    assert!(!plainx.is_null());
+    let plain = unsafe { ibv_cq_ex_to_cq(plainx) };
+    let c = dev.qp(plain, plain, null_mut());
+    let d = dev.qp(plain, plain, null_mut());
+    connect(c, qpn(d));
+    connect(d, qpn(c));
+    assert_eq!(post_send(c, &buf, 0, 8, 3, send(WR_WRITE, SIGNALED)), 0);
+    assert_eq!(unsafe { ibv_start_poll(plainx, &mut pa) }, 0);
+    let unstamped = unsafe { ((*plainx).read_completion_ts.expect("read_completion_ts"))(plainx) };
+    unsafe { ibv_end_poll(plainx) };
+    assert_eq!(unstamped, 0, "a CQ without the flags is not stamped");
     unsafe {
         assert_eq!(ibv_destroy_qp(a), 0);
         assert_eq!(ibv_destroy_qp(b), 0);
+        assert_eq!(ibv_destroy_qp(c), 0);
+        assert_eq!(ibv_destroy_qp(d), 0);
         assert_eq!(ibv_destroy_cq(cq), 0);
+        assert_eq!(ibv_destroy_cq(plain), 0);
     }
 }

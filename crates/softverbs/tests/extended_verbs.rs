@@ -765,6 +765,90 @@ fn resize_cq_grows_keeps_order_and_arm() {
     }
 }
 
+/// The shared-memory segment of CQ `cq` (its `handle` is the segment id)
+/// and its length in bytes.
+fn cq_segment_len(cq: *mut ibv_cq) -> u64 {
+    let dir = std::env::var_os("SOFTVERBS_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from("/dev/shm/softverbs"));
+    let path = dir.join(format!("cq-{}", unsafe { (*cq).handle }));
+    std::fs::metadata(&path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .len()
+}
+
+/// `max_cqe` is mlx5's, 4Mi - 1 (libfabric's ofi_rxm asks for 262,144).
+/// Every path agrees on it: `ibv_create_cq`, `ibv_create_cq_ex` and
+/// `ibv_resize_cq` take sizes up to it and refuse one more; `cq->cqe`
+/// never reports more than `max_cqe`, so it can be asked for again. A
+/// CQ's memory is sized by the CQ (64-byte slots, a power of two of
+/// them): a small one costs what it did.
+#[test]
+fn cq_sizes_up_to_max_cqe() {
+    needs_launcher!("cq_sizes_up_to_max_cqe");
+    let dev = Dev::open();
+    let mut a: ibv_device_attr = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { ibv_query_device(dev.ctx, &mut a) }, 0);
+    let max = a.max_cqe;
+    assert_eq!(max, (1 << 22) - 1, "max_cqe");
+    let create = |n: i32| unsafe { ibv_create_cq(dev.ctx, n, null_mut(), null_mut(), 0) };
+    let resize = |cq: *mut ibv_cq, n: i32| unsafe { ibv_resize_cq(cq, n) };
+    // Header (64) + ring header (192) + 64 bytes per slot.
+    let seg = |slots: u64| 256 + 64 * slots;
+
+    let small = dev.cq(16, null_mut());
+    assert_eq!(unsafe { (*small).cqe }, 16);
+    assert_eq!(cq_segment_len(small), seg(16), "a small CQ's memory");
+    assert!(create(max + 1).is_null());
+    assert_eq!(errno(), libc::EINVAL, "create_cq above max_cqe");
+    assert_eq!(resize(small, max + 1), libc::EINVAL, "resize above max_cqe");
+    let mut attr: ibv_cq_init_attr_ex = unsafe { std::mem::zeroed() };
+    attr.cqe = max as u32 + 1;
+    assert!(create_cq_ex(dev.ctx, &mut attr).is_null());
+    assert_eq!(errno(), libc::EINVAL, "create_cq_ex above max_cqe");
+
+    // ofi_rxm's size, exactly a power of two.
+    let rxm = create(262_144);
+    assert!(!rxm.is_null(), "create_cq(262144): errno {}", errno());
+    assert_eq!(unsafe { (*rxm).cqe }, 262_144);
+    assert_eq!(cq_segment_len(rxm), seg(262_144));
+    assert_eq!(unsafe { ibv_destroy_cq(rxm) }, 0);
+
+    // The largest: 4Mi slots, reported as max_cqe, which resize accepts.
+    let big = create(max);
+    assert!(!big.is_null(), "create_cq(max_cqe): errno {}", errno());
+    assert_eq!(unsafe { (*big).cqe }, max);
+    assert_eq!(cq_segment_len(big), seg(1 << 22));
+    assert_eq!(resize(big, unsafe { (*big).cqe }), 0);
+    assert_eq!(unsafe { (*big).cqe }, max);
+    assert_eq!(unsafe { ibv_destroy_cq(big) }, 0);
+    attr.cqe = max as u32;
+    let big_ex = create_cq_ex(dev.ctx, &mut attr);
+    assert!(
+        !big_ex.is_null(),
+        "create_cq_ex(max_cqe): errno {}",
+        errno()
+    );
+    assert_eq!(unsafe { (*big_ex).cqe }, max);
+    assert_eq!(unsafe { ibv_destroy_cq(ibv_cq_ex_to_cq(big_ex)) }, 0);
+
+    // A small CQ grown to the largest size, completions still flowing.
+    assert_eq!(resize(small, max), 0);
+    assert_eq!(unsafe { (*small).cqe }, max);
+    let a_qp = dev.qp(small, small, null_mut());
+    let b_qp = dev.qp(small, small, null_mut());
+    connect(a_qp, qpn(b_qp));
+    connect(b_qp, qpn(a_qp));
+    let buf = Buf::new(&dev, 64, 1);
+    assert_eq!(post_send(a_qp, &buf, 0, 8, 7, send(WR_WRITE, SIGNALED)), 0);
+    assert_eq!(poll(small, 1)[0].wr_id, 7);
+    unsafe {
+        assert_eq!(ibv_destroy_qp(a_qp), 0);
+        assert_eq!(ibv_destroy_qp(b_qp), 0);
+        assert_eq!(ibv_destroy_cq(small), 0);
+    }
+}
+
 /// `struct ibv_gid_entry` (verbs.h; rdma-sys 0.3 has no binding).
 #[repr(C)]
 #[derive(Default)]

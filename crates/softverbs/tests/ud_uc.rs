@@ -395,3 +395,36 @@ fn uc_drops_what_the_responder_cannot_take() {
     assert_eq!((r.wr_id, r.status, r.byte_len), (1, WC_SUCCESS, 48));
     poll(p.cq_a, 1);
 }
+
+/// `max_ah` is what a context may hold: that many address handles are
+/// created, one more is ENOMEM, a destroyed one makes room again, and
+/// another context counts its own.
+#[test]
+fn address_handles_up_to_max_ah() {
+    needs_launcher!("address_handles_up_to_max_ah");
+    let dev = Dev::open();
+    let mut a: ibv_device_attr = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { ibv_query_device(dev.ctx, &mut a) }, 0);
+    assert_eq!(a.max_ah, 65536, "max_ah");
+    let mut ahs: Vec<*mut ibv_ah> = (0..a.max_ah).map(|_| create_ah(&dev, 0, None)).collect();
+    let mut attr: ibv_ah_attr = unsafe { std::mem::zeroed() };
+    attr.dlid = 1;
+    attr.port_num = 1;
+    unsafe { *libc::__errno_location() = 0 };
+    assert!(
+        unsafe { ibv_create_ah(dev.pd, &mut attr) }.is_null(),
+        "one more than max_ah"
+    );
+    assert_eq!(
+        std::io::Error::last_os_error().raw_os_error(),
+        Some(libc::ENOMEM)
+    );
+    let other = Dev::open();
+    let theirs = create_ah(&other, 0, None);
+    assert_eq!(unsafe { ibv_destroy_ah(theirs) }, 0);
+    assert_eq!(unsafe { ibv_destroy_ah(ahs.pop().unwrap()) }, 0);
+    ahs.push(create_ah(&dev, 0, None));
+    for ah in ahs {
+        assert_eq!(unsafe { ibv_destroy_ah(ah) }, 0);
+    }
+}

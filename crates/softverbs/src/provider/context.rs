@@ -46,6 +46,8 @@ pub struct ContextInner {
     next_pd: AtomicU32,
     /// Bytes of device memory allocated (model::mr::dm).
     pub dm_used: Mutex<u64>,
+    /// Live address handles (provider::ah), at most [`limits::MAX_AH`].
+    pub ahs: AtomicU32,
 }
 
 #[derive(Debug)]
@@ -157,6 +159,7 @@ fn make_inner() -> std::io::Result<ContextInner> {
         }),
         next_pd: AtomicU32::new(1),
         dm_used: Mutex::new(0),
+        ahs: AtomicU32::new(0),
     })
 }
 
@@ -292,8 +295,19 @@ pub unsafe extern "C" fn async_event(_ctx: *mut ibv::ibv_context, ev: *mut ibv::
 pub mod limits {
     /// Work requests per queue.
     pub const MAX_QP_WR: u32 = 16384;
-    /// Completions per CQ.
-    pub const MAX_CQE: u32 = 65536;
+    /// Completions per CQ: 4Mi - 1, as mlx5's (libfabric's ofi_rxm asks
+    /// for 262,144, four times the 65,536 this was).
+    /// A CQ's ring is a power of two of slots (shm::ring), so one of this
+    /// size has 4Mi slots of 64 bytes: 256 MiB of shared memory, mapped
+    /// and written (each slot's sequence) when it is created. Memory is
+    /// per CQ, sized by what the CQ asks for; nothing is sized by this
+    /// limit. `cq->cqe` never reports more than it (provider::cq).
+    pub const MAX_CQE: u32 = (1 << 22) - 1;
+    /// Address handles per context (`max_ah`): counted by `create_ah` and
+    /// `destroy_ah` (provider::ah), beyond it ENOMEM. An address handle is
+    /// a small heap object of its process; the count bounds what one
+    /// context can hold, as `max_mr` bounds its MR table.
+    pub const MAX_AH: u32 = 65536;
     /// Inline data per send.
     pub const MAX_INLINE: u32 = 4096;
     /// Largest message (2 GiB, as IB).
@@ -350,6 +364,7 @@ pub unsafe extern "C" fn query_device_ex(
     a.max_cqe = limits::MAX_CQE as i32;
     a.max_mr = (MR_SLOTS - 1) as i32;
     a.max_pd = 65536;
+    a.max_ah = limits::MAX_AH as i32;
     a.max_qp_rd_atom = limits::MAX_RD_ATOM.into();
     a.max_res_rd_atom = i32::from(limits::MAX_RD_ATOM) * 65536;
     a.max_qp_init_rd_atom = limits::MAX_RD_ATOM.into();

@@ -79,7 +79,28 @@ impl SvCq {
     /// The next completion: the stash first (it holds what was in the
     /// rings before a clean), then the rings of the CQ, oldest first (a CQ
     /// grown by `ibv_resize_cq` has several, provider::notify).
+    ///
+    /// The common case — nothing stashed, never resized — is the ring's own
+    /// pop, inlined into the extended CQ's `take`; the rest is
+    /// [`SvCq::pop_slow`], out of line. (When the whole of this was one
+    /// function, the compiler stopped inlining it into `poll_cq`: every
+    /// completion paid a call and two copies of the CQE through the stack,
+    /// 18–20 ns per completion in benches/verbs_dispatch.rs's hand-written
+    /// loop instead of 10–11, docs/benchmarks-softverbs.md.)
+    #[inline(always)]
     pub fn pop(&self) -> Option<Cqe> {
+        if !self.stashed.load(Ordering::Acquire)
+            && self.port.hdr().moved_to.load(Ordering::Acquire) == 0
+        {
+            return self.port.ring().pop();
+        }
+        self.pop_slow()
+    }
+
+    /// [`SvCq::pop`] when something is stashed or the CQ was resized.
+    #[cold]
+    #[inline(never)]
+    fn pop_slow(&self) -> Option<Cqe> {
         if self.stashed.load(Ordering::Acquire) {
             let mut st = self.stash.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(e) = st.pop_front() {
@@ -168,10 +189,11 @@ pub unsafe extern "C" fn create_cq(
     comp_vector: c_int,
 ) -> *mut ibv::ibv_cq {
     // SAFETY: caller contract.
-    unsafe { make_cq(ctx, cqe, channel, comp_vector) }.cast()
+    unsafe { make_cq(ctx, cqe, channel, comp_vector, false) }.cast()
 }
 
-/// Build a CQ (both creation paths). EINVAL for a size outside
+/// Build a CQ (both creation paths); `stamp`: its completions carry
+/// timestamps ([`CqHeader::stamp`]). EINVAL for a size outside
 /// 1..=`MAX_CQE` or a `comp_vector` outside 0..`num_comp_vectors`.
 ///
 /// # Safety
@@ -181,6 +203,7 @@ pub unsafe fn make_cq(
     cqe: c_int,
     channel: *mut ibv::ibv_comp_channel,
     comp_vector: c_int,
+    stamp: bool,
 ) -> *mut SvCq {
     // SAFETY: caller contract.
     let c = unsafe { inner(ctx) };
@@ -203,7 +226,7 @@ pub unsafe fn make_cq(
         return std::ptr::null_mut();
     };
     let cap = Ring::<Cqe>::capacity_for(cqe as usize);
-    let (id, port) = match new_ring(c, cap, chan_fd, 0) {
+    let (id, port) = match new_ring(c, cap, chan_fd, 0, stamp) {
         Ok(x) => x,
         Err(e) => {
             set_errno(e);
@@ -229,7 +252,7 @@ pub unsafe fn make_cq(
     let raw = Box::into_raw(cq);
     // SAFETY: `raw` is the live box; the header is ours to finish.
     unsafe {
-        (*raw).cq.cqe = cap as c_int;
+        (*raw).cq.cqe = reported(cap);
         (*raw).cq.handle = id;
         (*hdr).cq_ptr = std::ptr::addr_of_mut!((*raw).cq) as u64;
     }
@@ -239,7 +262,13 @@ pub unsafe fn make_cq(
 /// A fresh CQ segment `cq-<id>` with a ring of `cap` entries, its header
 /// filled (the `ibv_cq *` may be 0 and set later by the creator); the id
 /// and the owner's port, or an errno.
-fn new_ring(c: &ContextInner, cap: usize, chan_fd: i32, cq_ptr: u64) -> Result<(u32, CqPort), i32> {
+fn new_ring(
+    c: &ContextInner,
+    cap: usize,
+    chan_fd: i32,
+    cq_ptr: u64,
+    stamp: bool,
+) -> Result<(u32, CqPort), i32> {
     let ids = Ids::get().map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
     let (id, seg) = crate::shm::segment::create_fresh(
         "cq-",
@@ -258,6 +287,7 @@ fn new_ring(c: &ContextInner, cap: usize, chan_fd: i32, cq_ptr: u64) -> Result<(
         (*hdr).chan_fd = chan_fd;
         (*hdr).cq_ptr = cq_ptr;
         (*hdr).async_fd.store(c.async_r, Ordering::Relaxed);
+        (*hdr).stamp.store(u32::from(stamp), Ordering::Relaxed);
         (*hdr).magic = MAGIC;
     }
     let port = CqPort::attach(seg).ok_or(libc::EIO)?;
@@ -287,14 +317,15 @@ pub unsafe extern "C" fn resize_cq(cq: *mut ibv::ibv_cq, cqe: c_int) -> c_int {
     let cap = newest.ring().capacity();
     if cqe as usize <= cap {
         // SAFETY: `cq` is live (caller contract).
-        unsafe { (*cq).cqe = cap as c_int };
+        unsafe { (*cq).cqe = reported(cap) };
         return 0;
     }
     let want = Ring::<Cqe>::capacity_for(cqe as usize);
     let h = newest.hdr();
     // SAFETY: the context outlives its CQs.
     let c = unsafe { &*s.ctx };
-    let (id, port) = match new_ring(c, want, h.chan_fd, h.cq_ptr) {
+    let stamp = h.stamp.load(Ordering::Relaxed) != 0;
+    let (id, port) = match new_ring(c, want, h.chan_fd, h.cq_ptr, stamp) {
         Ok(x) => x,
         Err(e) => return e,
     };
@@ -306,8 +337,17 @@ pub unsafe extern "C" fn resize_cq(cq: *mut ibv::ibv_cq, cqe: c_int) -> c_int {
         return libc::EIO;
     }
     // SAFETY: as above.
-    unsafe { (*cq).cqe = want as c_int };
+    unsafe { (*cq).cqe = reported(want) };
     0
+}
+
+/// What `cq->cqe` says of a ring of `cap` slots: all of them, but never
+/// more than `max_cqe` (a CQ of `MAX_CQE` = 4Mi - 1 entries has 4Mi
+/// slots), so that the size a CQ reports can always be asked for again
+/// (`ibv_resize_cq(cq, cq->cqe)`, a new CQ of that size). It is still at
+/// least what was asked for.
+fn reported(cap: usize) -> c_int {
+    cap.min(limits::MAX_CQE as usize) as c_int
 }
 
 /// The SvCq of an `ibv_cq` of this provider.
@@ -352,12 +392,35 @@ pub unsafe extern "C" fn poll_cq(cq: *mut ibv::ibv_cq, n: c_int, wc: *mut ibv::i
         return -DEAD_ERRNO;
     }
     s.progress_waiting();
+    let n = n.max(0);
     let mut got = 0;
-    while got < n.max(0) {
-        let Some(e) = s.pop() else { break };
-        // SAFETY: `wc` has room for n entries (caller contract), got < n.
-        unsafe { fill_wc(wc.add(got as usize), &e) };
-        got += 1;
+    // The common case in a loop of its own, which the compiler keeps
+    // tight (each CQE read from its slot straight into `wc`, no call, no
+    // copy through the stack; see SvCq::pop): one ring — the CQ was never
+    // resized, and a resize is not concurrent with a poll (verbs
+    // contract) — and nothing stashed, which a RESET's clean on another
+    // thread may change, so that is checked per completion.
+    let mut slow = s.port.hdr().moved_to.load(Ordering::Acquire) != 0;
+    if !slow {
+        let ring = s.port.ring();
+        while got < n {
+            if s.stashed.load(Ordering::Acquire) {
+                slow = true;
+                break;
+            }
+            let Some(e) = ring.pop() else { break };
+            // SAFETY: `wc` has room for n entries (caller contract), got < n.
+            unsafe { fill_wc(wc.add(got as usize), &e) };
+            got += 1;
+        }
+    }
+    if slow {
+        while got < n {
+            let Some(e) = s.pop() else { break };
+            // SAFETY: as above.
+            unsafe { fill_wc(wc.add(got as usize), &e) };
+            got += 1;
+        }
     }
     if got == 0 {
         s.empty_poll();

@@ -41,7 +41,13 @@ use crate::sys::ibv;
 /// `IBV_WC_EX_WITH_COMPLETION_TIMESTAMP` and `_WALLCLOCK`
 /// (provider::clock). CVLAN and flow tags belong to Ethernet ports and
 /// flow steering, TM info to tag matching: none exists here.
-pub const SUPPORTED_WC_FLAGS: u64 = 0x7f | (1 << 7) | (1 << 11);
+pub const SUPPORTED_WC_FLAGS: u64 =
+    0x7f | WITH_COMPLETION_TIMESTAMP | WITH_COMPLETION_TIMESTAMP_WALLCLOCK;
+/// `IBV_WC_EX_WITH_COMPLETION_TIMESTAMP`: the CQ's completions are
+/// stamped (shm::layout::CqHeader::stamp).
+const WITH_COMPLETION_TIMESTAMP: u64 = 1 << 7;
+/// `IBV_WC_EX_WITH_COMPLETION_TIMESTAMP_WALLCLOCK`: stamped too.
+const WITH_COMPLETION_TIMESTAMP_WALLCLOCK: u64 = 1 << 11;
 /// `IBV_CQ_INIT_ATTR_MASK_FLAGS`.
 const MASK_FLAGS: u32 = 1;
 /// `IBV_CQ_INIT_ATTR_MASK_PD`.
@@ -282,8 +288,9 @@ pub unsafe extern "C" fn create_cq_ex(
         set_errno(libc::EINVAL);
         return std::ptr::null_mut();
     };
+    let stamp = a.wc_flags & (WITH_COMPLETION_TIMESTAMP | WITH_COMPLETION_TIMESTAMP_WALLCLOCK) != 0;
     // SAFETY: caller contract.
-    let raw = unsafe { make_cq(ctx, cqe, a.channel, vector) };
+    let raw = unsafe { make_cq(ctx, cqe, a.channel, vector, stamp) };
     if raw.is_null() {
         return std::ptr::null_mut();
     }
