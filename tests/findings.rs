@@ -43,15 +43,22 @@ struct Rig {
 }
 
 fn rig(name: &str) -> Rig {
+    rig_with(name, |b| b)
+}
+
+/// A rig whose poller `more` configures further.
+fn rig_with(
+    name: &str,
+    more: impl FnOnce(PollerBuilder<NoWork, NoSink>) -> PollerBuilder<NoWork, NoSink>,
+) -> Rig {
     let dev = Device::open(name);
     let (cq, unbound, handle) = dev
         .create_dispatched_cq(name, 256, CqConfig::default(), CqOptions::default())
         .unwrap();
-    let poller = PollerBuilder::new(format!("{name}-poller"), NoSink)
+    let builder = PollerBuilder::new(format!("{name}-poller"), NoSink)
         .drain_timeout(Duration::from_millis(200))
-        .cq(unbound)
-        .spawn()
-        .unwrap();
+        .cq(unbound);
+    let poller = more(builder).spawn().unwrap();
     let pd = dev.alloc_pd();
     let a = pd
         .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
@@ -263,36 +270,22 @@ fn a_handler_that_forgets_to_repost_is_named_with_its_queue() {
 
 #[test]
 fn pre_posted_receives_are_idle_for_the_watchdog_and_a_reposting_server_is_clean() {
-    let dev = Device::open("idle");
-    let (cq, unbound, handle) = dev
-        .create_dispatched_cq("idle", 256, CqConfig::default(), CqOptions::default())
-        .unwrap();
-    let poller = PollerBuilder::new("idle-poller", NoSink)
-        .watchdog(Duration::from_millis(1))
-        .wake_timeout(Duration::from_millis(5))
-        .cq(unbound)
-        .spawn()
-        .unwrap();
-    let pd = dev.alloc_pd();
-    let a = pd
-        .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
-        .unwrap();
-    let b = pd
-        .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
-        .unwrap();
-    connect(&a, &b).unwrap();
-    let mr = pd.reg_mr(4096, Access::ALL).unwrap();
-    let reg = handle
+    let r = rig_with("idle", |b| {
+        b.watchdog(Duration::from_millis(1))
+            .wake_timeout(Duration::from_millis(5))
+    });
+    let reg = r
+        .handle
         .register(Quiet {
             panic_on_recv: false,
         })
         .unwrap();
-    let dst = [mr.sge(1024, 64)];
-    reg.post_recv(&b, &mut [RecvWr::new(1, &dst), RecvWr::new(2, &dst)])
+    let dst = [r.mr.sge(1024, 64)];
+    reg.post_recv(&r.b, &mut [RecvWr::new(1, &dst), RecvWr::new(2, &dst)])
         .unwrap();
     // Many watchdog periods with the receives waiting for a SEND.
     std::thread::sleep(Duration::from_millis(100));
-    let ledger = handle.ledger().unwrap();
+    let ledger = r.handle.ledger().unwrap().clone();
     assert!(ledger.snapshot(std::time::Instant::now()).scans > 3);
     assert_eq!(
         ledger.snapshot(std::time::Instant::now()).stuck,
@@ -300,9 +293,9 @@ fn pre_posted_receives_are_idle_for_the_watchdog_and_a_reposting_server_is_clean
         "a receive posted ahead is idle, not stuck"
     );
     // The shutdown's flush: the receives come back flushed, nothing stuck.
-    b.modify(cqd::sim::Modify::Err).unwrap();
+    r.b.modify(cqd::sim::Modify::Err).unwrap();
     assert!(wait(|| reg.ledger().outstanding() == 0));
-    let report = poller.stop().unwrap();
+    let report = stop(r);
     assert!(report.accounts.stuck.is_empty(), "{}", report.accounts);
     assert!(report.is_clean(), "{:?}", report.findings());
 }
