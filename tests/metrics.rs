@@ -352,10 +352,11 @@ fn overflow_stale_wr_ids_and_stuck_requests_move_the_alert_metrics() {
         == 1));
     sim.push(Completion::success(stale, Opcode::Send, 1), false)
         .unwrap();
-    // A request that never completes: the watchdog reports it.
+    // A send that never completes: the watchdog reports it (a receive
+    // posted ahead would be idle, not stuck).
     let ledger = sim.ledger().clone();
-    let _queue = ledger.open_queue(9, Queue::Recv);
-    ledger.posted(9, Side::Recv, &[0xabc], Instant::now());
+    let _queue = ledger.open_queue(9, Queue::Send);
+    ledger.posted(9, Side::Send, &[0xabc], Instant::now());
     assert!(wait_until(Duration::from_secs(10), || {
         handle.snapshot().stale_wr_ids == 1 && ledger.snapshot(Instant::now()).stuck == 1
     }));

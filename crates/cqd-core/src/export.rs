@@ -160,7 +160,7 @@ fn secs(ns: u64) -> f64 {
 }
 
 #[rustfmt::skip]
-static CQ_FIELDS: [Field<CqSnapshot>; 24] = [
+static CQ_FIELDS: [Field<CqSnapshot>; 26] = [
     count("cqd_cq_completions_total", CQ, "Completions polled from the CQ (every one: dispatched to a handler, or counted as an anomaly).", |s| s.completions),
     count("cqd_cq_polls_total", CQ, "Calls to poll the CQ.", |s| s.polls),
     count("cqd_cq_empty_polls_total", CQ, "Polls that found the CQ empty.", |s| s.empty_polls),

@@ -12,7 +12,7 @@
 //! and queues nothing if any check fails. Applications post through
 //! `cqd_core::Registration::post_send` / `post_recv` (the [`PostSend`] and
 //! [`PostRecv`] implementations below), which keep every account and take
-//! the CQ's credits; [`Qp::post_send`] and [`Qp::post_recv`] are the raw
+//! the CQ's credits; [`Qp::post_send_unaccounted`] and [`Qp::post_recv_unaccounted`] are the raw
 //! posts under them.
 
 use std::sync::atomic::Ordering;

@@ -82,7 +82,7 @@ impl SvCq {
     ///
     /// The common case — nothing stashed, never resized — is the ring's own
     /// pop, inlined into the extended CQ's `take`; the rest is
-    /// [`SvCq::pop_slow`], out of line. (When the whole of this was one
+    /// `SvCq::pop_slow`, out of line. (When the whole of this was one
     /// function, the compiler stopped inlining it into `poll_cq`: every
     /// completion paid a call and two copies of the CQE through the stack,
     /// 18–20 ns per completion in benches/verbs_dispatch.rs's hand-written
