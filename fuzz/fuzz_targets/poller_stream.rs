@@ -19,12 +19,12 @@ use std::sync::{Arc, Mutex};
 use arbitrary::Arbitrary;
 use cqd_core::budget::BudgetOptions;
 use cqd_core::ledger::WrLedger;
+use cqd_core::post::Refused;
+use cqd_core::wr_id::WrIdError;
 use cqd_core::{
     split, Completion, CqBudget, CqOptions, CqPoller, Failed, Handler, HandlerKey, NoWork, OpKind,
     Opcode, Outbox, RecvDone, Registration, SendDone, Side, Status,
 };
-use cqd_core::post::Refused;
-use cqd_core::wr_id::WrIdError;
 use cqd_sim::{sim_cq_with_ledger, Faults, LoopWr, Loopback, LoopbackError, SimCq};
 use libfuzzer_sys::fuzz_target;
 

@@ -406,7 +406,7 @@ fuzz_target!(|calls: Vec<Call>| {
                     solicited,
                     ud: None,
                 };
-                if x.post_send(&[wr]).is_ok() {
+                if x.post_send_unaccounted(&[wr]).is_ok() {
                     let p = Posted {
                         cq: Some(w.qps[q].send_cq),
                         qp: Some(q),
@@ -421,7 +421,7 @@ fuzz_target!(|calls: Vec<Call>| {
                 let id = w.next;
                 w.next += 1;
                 let Some((q, x)) = w.qp(qp) else { continue };
-                if x.post_recv(&[RecvWr {
+                if x.post_recv_unaccounted(&[RecvWr {
                     wr_id: id,
                     sg_list: &sg,
                 }])
@@ -442,7 +442,7 @@ fuzz_target!(|calls: Vec<Call>| {
                 w.next += 1;
                 if let Some(srq) = &w.srq {
                     if srq
-                        .post_recv(&[RecvWr {
+                        .post_recv_unaccounted(&[RecvWr {
                             wr_id: id,
                             sg_list: &sg,
                         }])
