@@ -93,23 +93,7 @@ impl std::fmt::Display for SystemReport {
             p.fmt_body(f)?;
         }
         for pool in &self.pools {
-            let items: Vec<String> = pool.workers.iter().map(|w| w.items.to_string()).collect();
-            let sum = |g: fn(&crate::pool::WorkerSnapshot) -> u64| -> u64 {
-                pool.workers.iter().map(g).sum()
-            };
-            writeln!(
-                f,
-                "pool {}: {} items over {} workers ({}) in {} batches, {} parks, {} wake-ups, deepest ring {}, {} panics",
-                pool.name,
-                pool.items(),
-                pool.workers.len(),
-                items.join(" + "),
-                sum(|w| w.batches),
-                sum(|w| w.parks),
-                sum(|w| w.wakeups),
-                pool.workers.iter().map(|w| w.depth_high_water).max().unwrap_or(0),
-                pool.panics()
-            )?;
+            writeln!(f, "{pool}")?;
         }
         for e in &self.errors {
             writeln!(f, "error: {e}")?;

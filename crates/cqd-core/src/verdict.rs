@@ -17,8 +17,10 @@ pub enum FindingKind {
     /// An error met while stopping (acknowledging or destroying a CQ,
     /// joining a pool).
     Error,
-    /// Requests posted and never completed (or a stop that timed out).
+    /// Requests posted and never completed.
     Unbalanced,
+    /// The stop's drain timed out with requests outstanding.
+    DrainTimedOut,
     /// Work items the sink never took.
     Undelivered,
     /// The device overflowed a CQ.
@@ -205,9 +207,9 @@ pub(crate) fn of_accounts(a: &ShutdownReport, whose: &str, out: &mut Vec<Finding
     }
     if a.timed_out {
         out.push(Finding::new(
-            FindingKind::Unbalanced,
+            FindingKind::DrainTimedOut,
             format!(
-                "{whose}: the stop timed out after {:?} with requests outstanding",
+                "{whose}: the drain timed out after {:?} with requests outstanding",
                 a.waited
             ),
         ));

@@ -221,3 +221,25 @@ impl PoolSnapshot {
         self.sinks.iter().map(|s| s.accepted).sum()
     }
 }
+
+/// One line: items over the workers, batches, parks, wake-ups, the
+/// deepest ring and panics (the form reports print).
+impl std::fmt::Display for PoolSnapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let items: Vec<String> = self.workers.iter().map(|w| w.items.to_string()).collect();
+        let sum = |g: fn(&WorkerSnapshot) -> u64| -> u64 { self.workers.iter().map(g).sum() };
+        write!(
+            f,
+            "pool {}: {} items over {} workers ({}) in {} batches, {} parks, {} wake-ups, deepest ring {}, {} panics",
+            self.name,
+            self.items(),
+            self.workers.len(),
+            items.join(" + "),
+            sum(|w| w.batches),
+            sum(|w| w.parks),
+            sum(|w| w.wakeups),
+            self.workers.iter().map(|w| w.depth_high_water).max().unwrap_or(0),
+            self.panics()
+        )
+    }
+}

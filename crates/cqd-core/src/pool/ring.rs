@@ -151,6 +151,7 @@ pub(crate) fn ring<T>(capacity: usize) -> (Producer<T>, Consumer<T>) {
 
 /// How far ahead of a publication the producer prefetches free slots for
 /// writing ([`Producer::publish`]).
+#[cfg(all(target_arch = "x86_64", not(loom), not(miri)))]
 const PREFETCH_BYTES: usize = 512;
 
 /// The writing end. `Send`, not `Sync`, not `Clone`.
