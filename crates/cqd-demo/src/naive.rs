@@ -4,8 +4,11 @@
 //! comparison (`--naive-server`). It is a baseline, not a way to run:
 //!
 //! - **two threads poll one CQ under a mutex**, each taking the lock for
-//!   every poll (the polling right, cqd's `UnboundCq`, lives in the mutex;
-//!   the thread holding the lock binds it, polls once and unbinds it);
+//!   every poll. cqd's API has no way to do this (a bound `CqPoller` is not
+//!   `Send`, and there is no way back to an unbound one), so the baseline
+//!   asserts it with an `unsafe impl Send` on a wrapper ([`Relay`]): the
+//!   one place in the workspace that breaks the single-poller rule, on
+//!   purpose and in plain sight;
 //! - **no batching**: the CQ is polled one completion at a time
 //!   (`CqOptions::batch = 1`);
 //! - **a channel send per completion**: each work item goes to its worker
@@ -40,19 +43,36 @@ use crate::DemoError;
 /// Threads polling each CQ.
 pub const POLL_THREADS: usize = 2;
 
-/// The CQ's polling right, taken by whichever thread holds the lock.
-type Shared<N> = Arc<Mutex<Option<UnboundCq<ServerWork<N>>>>>;
+/// The CQ's polling right, used by whichever thread holds the lock.
+type Shared<N> = Arc<Mutex<Relay<ServerWork<N>>>>;
 
-/// Runs `f` on the CQ bound to this thread, under the lock.
-fn with_cq<N: Node, T>(
-    cq: &Shared<N>,
-    f: impl FnOnce(&mut CqPoller<ServerWork<N>>) -> T,
-) -> Option<T> {
-    let mut slot = cq.lock();
-    let mut p = slot.take()?.bind();
-    let out = f(&mut p);
-    *slot = Some(p.unbind());
-    Some(out)
+/// A bound poller that the naive baseline moves between its polling
+/// threads (behind [`Shared`]'s mutex).
+pub struct Relay<W>(CqPoller<W>);
+
+// SAFETY: `CqPoller` is not `Send` by policy, not for memory safety: it is
+// how cqd makes "one poller thread per CQ" a fact of the types. Its state is
+// `Send` (the same state moves between threads as an `UnboundCq`, which is
+// `Send`; the assertion below checks that), and every use of a `Relay` is
+// under `Shared`'s mutex, so no two threads touch it at once. What the rule
+// protects (a CQ's completions seen in order by one thread, no poll racing
+// an arm) is what this baseline gives up on purpose, as naive servers do.
+unsafe impl<W: Send> Send for Relay<W> {}
+
+const _: () = {
+    const fn unbound_is_send<T: Send>() {}
+    unbound_is_send::<UnboundCq<()>>();
+};
+
+impl<W> std::fmt::Debug for Relay<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Relay").field(&self.0).finish()
+    }
+}
+
+/// Runs `f` on the CQ, under the lock.
+fn with_cq<N: Node, T>(cq: &Shared<N>, f: impl FnOnce(&mut CqPoller<ServerWork<N>>) -> T) -> T {
+    f(&mut cq.lock().0)
 }
 
 /// The servers of a run on naive completion loops.
@@ -112,10 +132,9 @@ impl<N: Node> NaiveSide<N> {
             let unbound = server
                 .take_cq()
                 .ok_or_else(|| DemoError::Setup(format!("{name}: CQ already taken")))?;
-            let cq: Shared<N> = Arc::new(Mutex::new(Some(unbound)));
+            let cq: Shared<N> = Arc::new(Mutex::new(Relay(unbound.bind())));
             for t in 0..POLL_THREADS {
                 let fd = with_cq(&cq, |p| p.event_fd().try_clone_to_owned())
-                    .ok_or_else(|| DemoError::Setup(format!("{name}: CQ gone")))?
                     .map_err(|e| DemoError::Setup(format!("{name}: dup the CQ's fd: {e}")))?;
                 let (cq, senders, stop) = (Arc::clone(&cq), senders.clone(), Arc::clone(&stop));
                 pollers.push(
@@ -168,7 +187,7 @@ impl<N: Node> NaiveSide<N> {
         }
         self.servers.iter().for_each(Server::flush);
         let deadline = Instant::now() + self.drain_timeout;
-        let outstanding = |c: &Shared<N>| with_cq(c, |p| p.outstanding()).unwrap_or(0);
+        let outstanding = |c: &Shared<N>| with_cq(c, |p| p.outstanding());
         while Instant::now() < deadline && self.cqs.iter().any(|c| outstanding(c) > 0) {
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -188,11 +207,7 @@ impl<N: Node> NaiveSide<N> {
             }
         }
         for (s, cq) in self.servers.iter().zip(self.cqs) {
-            let Some(mut p) = Arc::try_unwrap(cq)
-                .ok()
-                .and_then(|m| m.into_inner())
-                .map(UnboundCq::bind)
-            else {
+            let Some(Relay(mut p)) = Arc::try_unwrap(cq).ok().map(Mutex::into_inner) else {
                 system.errors.push(format!("{}: CQ still shared", s.name()));
                 continue;
             };
@@ -248,9 +263,7 @@ fn poll_loop<N: Node>(
     };
     loop {
         // One completion per lock.
-        let n = with_cq(cq, |p| p.poll_once(&mut out))
-            .ok_or("CQ gone")?
-            .map_err(e)?;
+        let n = with_cq(cq, |p| p.poll_once(&mut out)).map_err(e)?;
         send(&mut out);
         if n > 0 {
             continue;
@@ -260,18 +273,14 @@ fn poll_loop<N: Node>(
         }
         // Empty: arm, poll again (a completion may have come before the
         // arm), then sleep on the descriptor.
-        let n = with_cq(cq, |p| p.arm().and_then(|()| p.poll_once(&mut out)))
-            .ok_or("CQ gone")?
-            .map_err(e)?;
+        let n = with_cq(cq, |p| p.arm().and_then(|()| p.poll_once(&mut out))).map_err(e)?;
         send(&mut out);
         if n > 0 {
             continue;
         }
         let mut fds = [rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN)];
         rustix::event::poll(&mut fds, Some(&safety)).map_err(|e| e.to_string())?;
-        with_cq(cq, |p| p.take_events().and_then(|_| p.ack_all()))
-            .ok_or("CQ gone")?
-            .map_err(e)?;
+        with_cq(cq, |p| p.take_events().and_then(|_| p.ack_all())).map_err(e)?;
     }
 }
 

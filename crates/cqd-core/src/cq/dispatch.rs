@@ -174,16 +174,23 @@ fn timed<W: 'static>(
     }
     let m = &shared.metrics.0;
     bump(&m.slow_handler_calls, 1);
-    let key = WrId::decode(wc.wr_id).ok().map(|id| id.key);
-    if let Some(k) = key {
-        m.last_slow_key.store(key_word(k), Ordering::Relaxed);
-    }
+    let key = note_key(&m.last_slow_key, wc.wr_id);
     let ns = took.as_nanos() as u64;
     m.last_slow_ns.store(ns, Ordering::Relaxed);
     m.max_slow_ns.fetch_max(ns, Ordering::Relaxed);
     tracing::warn!(cq = %shared.name, handler = %key.map_or_else(|| "?".to_string(), |k| k.to_string()),
         qp = wc.qp_num, ?took, ?threshold,
         "slow handler: one callback held the poller; hand blocking work to a pool");
+}
+
+/// Records the handler `wr_id` names in one of the CQ's `last_*` words
+/// (the findings name it); returns it.
+fn note_key(cell: &crate::sync::AtomicU64, wr_id: u64) -> Option<HandlerKey> {
+    let key = WrId::decode(wr_id).ok().map(|id| id.key);
+    if let Some(k) = key {
+        cell.store(key_word(k), Ordering::Relaxed);
+    }
+    key
 }
 
 /// After the batch's handlers (and their reposts): the receive queues the
@@ -195,10 +202,7 @@ fn dry_check<W>(shared: &CqShared<W>, accounts: &mut AccountCache, options: &CqO
         let m = &shared.metrics.0;
         bump(&m.recv_queues_dry, 1);
         m.last_dry_qp.store(u64::from(qp) + 1, Ordering::Relaxed);
-        let key = WrId::decode(wr_id).ok().map(|id| id.key);
-        if let Some(k) = key {
-            m.last_dry_key.store(key_word(k), Ordering::Relaxed);
-        }
+        let key = note_key(&m.last_dry_key, wr_id);
         tracing::warn!(cq = %shared.name, qp, handler = %key.map_or_else(|| "?".to_string(), |k| k.to_string()),
             low_water = options.recv_low_water,
             "receive queue ran dry: its peer's next SEND finds no receive (RNR); repost receives from on_recv");
@@ -447,13 +451,7 @@ fn not_success<W: 'static>(
 fn handler_panicked<W>(shared: &CqShared<W>, wc: &Completion) {
     bump(&shared.metrics.0.handler_panics, 1);
     let id = WrId::decode(wc.wr_id).ok();
-    if let Some(id) = id {
-        shared
-            .metrics
-            .0
-            .last_panic_key
-            .store(key_word(id.key), Ordering::Relaxed);
-    }
+    note_key(&shared.metrics.0.last_panic_key, wc.wr_id);
     tracing::error!(cq = %shared.name, wr_id = format_args!("{:#x}", wc.wr_id), id = ?id,
         status = %wc.status, "handler panicked; completion counted as delivered");
 }
@@ -462,13 +460,7 @@ fn handler_panicked<W>(shared: &CqShared<W>, wc: &Completion) {
 #[inline(never)]
 fn silent_panicked<W>(shared: &CqShared<W>, wr_id: u64) {
     bump(&shared.metrics.0.handler_panics, 1);
-    if let Ok(id) = WrId::decode(wr_id) {
-        shared
-            .metrics
-            .0
-            .last_panic_key
-            .store(key_word(id.key), Ordering::Relaxed);
-    }
+    note_key(&shared.metrics.0.last_panic_key, wr_id);
     tracing::error!(cq = %shared.name, wr_id = format_args!("{:#x}", wr_id),
         "handler panicked in on_silent; the request counts as completed");
 }

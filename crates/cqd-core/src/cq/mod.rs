@@ -71,6 +71,22 @@
 //! }
 //! ```
 //!
+//! nor be given back unbound, so that a lock could relay the polling right
+//! from thread to thread (there is no way back from bound to unbound):
+//!
+//! ```compile_fail,E0599
+//! # use std::sync::{Arc, Mutex};
+//! # use cqd_core::cq::{CqPoller, UnboundCq};
+//! # use cqd_core::sink::NoWork;
+//! fn relay(slot: Arc<Mutex<Option<UnboundCq<NoWork>>>>) {
+//!     let mut guard = slot.lock().unwrap();
+//!     let mut p: CqPoller<NoWork> = guard.take().unwrap().bind();
+//!     let mut out = std::collections::VecDeque::new();
+//!     let _ = p.poll_once(&mut out);
+//!     *guard = Some(p.unbind()); // the next thread to lock polls next
+//! }
+//! ```
+//!
 //! nor be cloned:
 //!
 //! ```compile_fail,E0599
@@ -419,18 +435,6 @@ impl<W> std::fmt::Debug for CqPoller<W> {
 }
 
 impl<W: Send + 'static> CqPoller<W> {
-    /// Gives the polling right back unbound, so that it can move to another
-    /// thread (which [`bind`](UnboundCq::bind)s it there). The CQ stays as
-    /// it is: armed or not, events acknowledged or not, commands applied
-    /// or pending. Still one thread at a time polls: the right is moved,
-    /// never shared.
-    pub fn unbind(self) -> UnboundCq<W> {
-        UnboundCq {
-            core: self.core,
-            _not_sync: PhantomData,
-        }
-    }
-
     /// The CQ's name.
     pub fn name(&self) -> &str {
         &self.core.shared.name
@@ -871,40 +875,6 @@ mod tests {
                 panic!("a handler that panics in on_async");
             }
         }
-    }
-
-    #[test]
-    fn an_unbound_poller_moves_to_another_thread_and_goes_on() {
-        let options = CqOptions {
-            batch: 1,
-            ..CqOptions::default()
-        };
-        let (unbound, handle) = split::<NoWork>(queue(3), options).unwrap();
-        let mut p = unbound.bind();
-        let mut out = VecDeque::new();
-        let first = p.poll_once(&mut out).unwrap();
-        assert!(first >= 1);
-        let moved: UnboundCq<NoWork> = p.unbind();
-        assert_send::<UnboundCq<NoWork>>();
-        let rest = std::thread::spawn(move || {
-            let mut p = moved.bind();
-            let mut out = VecDeque::new();
-            let mut n = 0;
-            loop {
-                match p.poll_once(&mut out).unwrap() {
-                    0 => return n,
-                    k => n += k,
-                }
-            }
-        })
-        .join()
-        .unwrap();
-        assert_eq!(
-            first + rest,
-            3,
-            "every completion polled once, on either thread"
-        );
-        assert_eq!(handle.snapshot().completions, 3);
     }
 
     #[test]
