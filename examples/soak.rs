@@ -303,22 +303,23 @@ fn run(args: &Args) -> Result<(), String> {
         config = config.poller(
             PollerConfig::new(format!("p{i}"))
                 .cq(format!("cq{i}"))
+                .pool("work")
                 .mode(*m),
         );
     }
     let mut topology = config.validate().map_err(|e| e.to_string())?;
     let work = Arc::new(WorkCount::default());
-    let (pool, sinks) = topology
+    let (pool, mut feeds) = topology
         .take_pool("work")
         .ok_or("no pool")?
-        .spawn(CQS, |_| Worker(Arc::clone(&work)))
+        .spawn_feeds(|_| Worker(Arc::clone(&work)))
         .map_err(|e| e.to_string())?;
 
     let total = Arc::new(AtomicU64::new(0));
     let undelivered = Arc::new(AtomicU64::new(0));
     let mut pollers = Vec::new();
     let mut lanes = Vec::new();
-    for (i, (plan, sink)) in topology.take_pollers().into_iter().zip(sinks).enumerate() {
+    for (i, plan) in topology.take_pollers().into_iter().enumerate() {
         let name = plan.cqs()[0].clone();
         let faults = Faults {
             spurious: 0.05,
@@ -341,7 +342,8 @@ fn run(args: &Args) -> Result<(), String> {
         let (cq, handle) = split(source, plan.cq_options()).map_err(|e| e.to_string())?;
         let u = Arc::clone(&undelivered);
         let thread = plan
-            .poller_builder(sink)
+            .poller_builder_fed(&mut feeds)
+            .map_err(|e| e.to_string())?
             .on_undelivered(move |v: Vec<Job>| {
                 u.fetch_add(v.len() as u64, Relaxed);
             })

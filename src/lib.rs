@@ -91,11 +91,12 @@
 //!
 //! // Threads: plain data, checked once (a TOML file in a real server).
 //! let mut topology = TopologyConfig::new()
-//!     .poller(PollerConfig::new("net").cq("cq0").mode(ModeConfig::Event { timeout_ms: 100 }))
+//!     .poller(PollerConfig::new("net").cq("cq0").pool("io").mode(ModeConfig::Event { timeout_ms: 100 }))
 //!     .pool(PoolConfig::new("io", 2))
 //!     .validate()?;
 //! let bytes = Arc::new(AtomicU64::new(0));
-//! let (pool, mut sinks) = topology.take_pool("io").unwrap().spawn(1, |_worker| {
+//! // One feed per poller that names the pool ("net"): counted by the topology.
+//! let (pool, mut feeds) = topology.take_pool("io").unwrap().spawn_feeds(|_worker| {
 //!     let bytes = Arc::clone(&bytes);
 //!     move |job: Job| {
 //!         assert_eq!(job.conn, 1);
@@ -108,7 +109,8 @@
 //! let dev = Device::open("sim0");
 //! let (cq, unbound, handle) =
 //!     dev.create_dispatched_cq::<Job>("cq0", 1024, CqConfig::default(), net.cq_options())?;
-//! let poller = net.poller_builder(sinks.remove(0)).cq(unbound).spawn()?;
+//! // Named "net" in its reports; a CQ the topology gives another poller is refused.
+//! let poller = net.poller_builder_fed(&mut feeds)?.cq(unbound).spawn()?;
 //! let conn = handle.register_routed(Conn(1), Some(Route::Key(1)))?;
 //!
 //! // Two connected queue pairs on that CQ (each reserves its depths on it).

@@ -354,7 +354,8 @@ impl PollerMetrics {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub struct PollerSnapshot {
-    /// The thread's name.
+    /// The poller's name (its builder's, or its topology entry's; the
+    /// thread is `cqd-poller-<name>`).
     pub name: String,
     /// Iterations of the poll loop.
     pub loops: u64,

@@ -93,6 +93,8 @@ pub struct PollerBuilder<W, S> {
     spill_mark: usize,
     give_back: Option<GiveBack<W>>,
     busy_naps: bool,
+    /// The topology's assignment, when the builder comes from a plan.
+    assigned: Option<crate::topology::plan::Assignment>,
 }
 
 impl<W, S> std::fmt::Debug for PollerBuilder<W, S> {
@@ -123,7 +125,15 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
             spill_mark: DEFAULT_SPILL_HIGH_WATER_MARK,
             give_back: None,
             busy_naps: true,
+            assigned: None,
         }
+    }
+
+    /// Holds the builder to a topology's assignment (set by
+    /// [`PollerPlan::poller_builder`](crate::topology::PollerPlan::poller_builder)).
+    pub(crate) fn assigned(mut self, a: crate::topology::plan::Assignment) -> Self {
+        self.assigned = Some(a);
+        self
     }
 
     /// The poll mode.
@@ -189,8 +199,13 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
 
     /// Runs `f` first thing on the new thread (CPU pinning, priority); an
     /// error aborts the spawn and is returned by [`spawn`](Self::spawn).
+    /// Hooks add up: each runs after those set before it (a plan's builder
+    /// places and prioritises its thread first, then runs yours).
     pub fn on_start(mut self, f: impl FnOnce() -> Result<(), String> + Send + 'static) -> Self {
-        self.setup = Some(Box::new(f));
+        self.setup = Some(match self.setup.take() {
+            None => Box::new(f),
+            Some(first) => Box::new(move || first().and_then(|()| f())),
+        });
         self
     }
 
@@ -199,10 +214,16 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
     /// # Errors
     /// [`PollerError::NoCq`] for an empty group, [`PollerError::Spawn`] if
     /// the OS refuses a thread, [`PollerError::Setup`] if the `on_start`
-    /// hook fails.
+    /// hook fails; for a builder from a topology's plan,
+    /// [`PollerError::NotAssigned`] / [`PollerError::NotAttached`] when its
+    /// CQs are not the ones the topology gives it. A refused spawn drops
+    /// its CQs (which finishes them).
     pub fn spawn(self) -> Result<PollerThread, PollerError> {
         if self.cqs.is_empty() {
             return Err(PollerError::NoCq { poller: self.name });
+        }
+        if let Some(a) = &self.assigned {
+            a.check(&self.name, self.cqs.iter().map(UnboundCq::name))?;
         }
         if self.wake_timeout < MIN_WAKE_TIMEOUT {
             return Err(PollerError::WakeTimeout {
@@ -225,10 +246,12 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
         let readiness = Readiness::new(&sources, Arc::clone(&doorbell)).map_err(os("epoll"))?;
         drop(sources);
         let name = self.name.clone();
+        let group_name = self.name.clone();
         let cqs = self.cqs;
         let group_doorbell = Arc::clone(&doorbell);
         let (group_metrics, group_stop) = (Arc::clone(&metrics), Arc::clone(&stop));
         let group = move |cqs: Vec<CqPoller<W>>| Group {
+            name: group_name,
             idle: {
                 let idle = IdlePolicy::new(self.mode, Instant::now());
                 if self.busy_naps {
@@ -302,6 +325,26 @@ pub enum PollerError {
     NoCq {
         /// The poller.
         poller: String,
+    },
+    /// A CQ was attached to a poller that its topology does not give it to.
+    #[error("CQ {cq:?} attached to poller {poller:?}, but the topology gives it to {}",
+        .owner.as_ref().map_or_else(|| "no poller".to_string(), |o| format!("poller {o:?}")))]
+    NotAssigned {
+        /// The poller it was attached to.
+        poller: String,
+        /// The CQ.
+        cq: String,
+        /// The poller the topology gives the CQ to, if any.
+        owner: Option<String>,
+    },
+    /// A CQ the topology gives a poller was not attached to it (its
+    /// completions would never be polled).
+    #[error("poller {poller:?}: the topology gives it CQ {cq:?}, which was not attached")]
+    NotAttached {
+        /// The poller.
+        poller: String,
+        /// The CQ left out.
+        cq: String,
     },
     /// The wake timeout is below what the poller can honour.
     #[error("poller {poller}: wake timeout {given:?} is below the minimum {min:?}")]
@@ -543,6 +586,8 @@ impl std::fmt::Display for PollerReport {
 }
 
 struct Group<W, S> {
+    /// The poller's name, as given to its builder (its reports' name).
+    name: String,
     idle: IdlePolicy,
     cqs: Vec<CqPoller<W>>,
     sink: S,
@@ -623,10 +668,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
     }
 
     fn metrics_name(&self) -> String {
-        std::thread::current()
-            .name()
-            .unwrap_or("cqd-poller")
-            .to_string()
+        self.name.clone()
     }
 
     /// One batch from every CQ, then the hand-off — unless the spill is

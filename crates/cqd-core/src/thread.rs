@@ -126,7 +126,7 @@ pub enum SpawnError {
         thread: String,
     },
     /// A pool was spawned with no producer, so nothing could ever reach it.
-    #[error("pool {pool}: spawn needs at least one producer (one per poller feeding it)")]
+    #[error("pool {pool}: nothing feeds it: name it as the `pool` of the pollers that hand it work (spawn_feeds), or give spawn a producer count")]
     NoProducers {
         /// The pool name.
         pool: String,
@@ -341,7 +341,7 @@ pub struct ThreadHandle<T> {
 }
 
 impl<T> ThreadHandle<T> {
-    /// The thread's name, e.g. `cqd-poller-0`.
+    /// The thread's name, e.g. `cqd-poller-rx`.
     pub fn name(&self) -> &str {
         &self.name
     }

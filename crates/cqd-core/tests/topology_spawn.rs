@@ -65,9 +65,9 @@ fn poller_thread_is_named_pinned_and_prioritised() {
             )
         })
         .unwrap();
-    assert_eq!(handle.name(), "cqd-poller-1");
+    assert_eq!(handle.name(), "cqd-poller-tx");
     let (name, cpus, applied) = handle.join().unwrap();
-    assert_eq!(name.as_deref(), Some("cqd-poller-1"));
+    assert_eq!(name.as_deref(), Some("cqd-poller-tx"));
     assert_eq!(cpus, BTreeSet::from([cpu]));
     assert_eq!(applied, i32::from(nice));
 }
@@ -140,7 +140,7 @@ fn a_failed_pin_is_an_error_naming_thread_and_cpu() {
         .unwrap();
     let e = topology.take_poller("a").unwrap().spawn(|| ()).unwrap_err();
     assert!(
-        matches!(&e, SpawnError::Pin { thread, cpu: 1000 } if thread == "cqd-poller-0"),
+        matches!(&e, SpawnError::Pin { thread, cpu: 1000 } if thread == "cqd-poller-a"),
         "{e}"
     );
     let e = topology
@@ -220,7 +220,7 @@ fn without_privilege_a_priority_is_an_error_or_a_warning_never_ignored() {
     });
     let e = poller.unwrap_err();
     assert!(
-        matches!(&e, SpawnError::Priority { thread, errno, .. } if thread == "cqd-poller-0" && *errno != 0),
+        matches!(&e, SpawnError::Priority { thread, errno, .. } if thread == "cqd-poller-rt" && *errno != 0),
         "{e}"
     );
     assert!(e.to_string().contains("CAP_SYS_NICE"), "{e}");

@@ -36,11 +36,17 @@ fn example_file_round_trips_and_matches_the_builder() {
     let built = TopologyConfig::new()
         .on_priority_error(OnPriorityError::Error)
         .on_shared_cpu(OnSharedCpu::Error)
-        .poller(busy("rx", "rx0", 1).batch(32).priority(Priority::Fifo(10)))
+        .poller(
+            busy("rx", "rx0", 1)
+                .batch(32)
+                .priority(Priority::Fifo(10))
+                .pool("io"),
+        )
         .poller(
             PollerConfig::new("tx")
                 .cq("tx0")
                 .cq("tx1")
+                .pool("io")
                 .batch(64)
                 .placement(Placement::fenced([2, 3]))
                 .priority(Priority::Nice(-5))
@@ -80,13 +86,15 @@ fn example_file_round_trips_and_matches_the_builder() {
     assert_eq!(
         names,
         [
-            ("rx".into(), "cqd-poller-0".into()),
-            ("tx".into(), "cqd-poller-1".into()),
-            ("ctl".into(), "cqd-poller-2".into())
+            ("rx".into(), "cqd-poller-rx".into()),
+            ("tx".into(), "cqd-poller-tx".into()),
+            ("ctl".into(), "cqd-poller-ctl".into())
         ]
     );
     let io = topology.take_pool("io").unwrap();
     assert_eq!((io.threads(), io.capacity()), (4, 1024));
+    assert_eq!(io.feeders(), ["rx", "tx"], "the pollers that name it");
+    assert!(topology.take_pool("bg").unwrap().feeders().is_empty());
     assert!(topology.take_pool("io").is_none(), "a plan is taken once");
 }
 
@@ -736,4 +744,73 @@ fn a_pool_has_cpus_of_its_own_only_when_nothing_else_may_run_there() {
     assert!(!own(TopologyConfig::new()
         .pool(pool(Placement::Fixed(1), 1))
         .pool(PoolConfig::new("bg", 1).placement(Placement::Fixed(1)))));
+}
+
+#[test]
+fn a_poller_naming_a_pool_that_does_not_exist_is_rejected() {
+    let e = TopologyConfig::new()
+        .poller(poller("net", "cq0").pool("oi"))
+        .pool(PoolConfig::new("io", 1))
+        .validate_for(&cpus(4))
+        .unwrap_err();
+    assert!(
+        matches!(&e, TopologyError::UnknownPool { field, poller, pool }
+            if field == "poller[0].pool" && poller == "net" && pool == "oi"),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn a_pools_feeds_go_to_the_pollers_that_name_it_once_each() {
+    let mut topology = TopologyConfig::new()
+        .poller(poller("a", "a0").pool("io"))
+        .poller(poller("b", "b0").pool("io"))
+        .poller(poller("c", "c0").pool("bg"))
+        .poller(poller("d", "d0"))
+        .pool(PoolConfig::new("io", 1))
+        .pool(PoolConfig::new("bg", 1))
+        .validate_for(&cpus(4))
+        .unwrap();
+    let (pool, mut feeds) = topology
+        .take_pool("io")
+        .unwrap()
+        .spawn_feeds(|_| |_: u32| {})
+        .unwrap();
+    assert_eq!(feeds.pool(), "io");
+    let a = topology.take_poller("a").unwrap();
+    let c = topology.take_poller("c").unwrap();
+    let d = topology.take_poller("d").unwrap();
+    let sink_a = feeds.take(&a).unwrap();
+    let again = feeds.take(&a).unwrap_err().to_string();
+    assert!(again.contains("already"), "{again}");
+    let other = feeds.take(&c).unwrap_err().to_string();
+    assert!(
+        other.contains("\"bg\"") && other.contains("\"io\""),
+        "{other}"
+    );
+    let none = feeds.take(&d).unwrap_err().to_string();
+    assert!(none.contains("names no pool"), "{none}");
+    // Two producers, derived: b's feed is still there, untaken.
+    assert!(format!("{feeds:?}").contains("\"b\""), "{feeds:?}");
+    drop((sink_a, feeds));
+    pool.join().unwrap();
+
+    let lonely = topology
+        .take_pool("bg")
+        .unwrap()
+        .spawn_feeds(|_| |_: u32| {})
+        .map(|_| ());
+    assert!(lonely.is_ok(), "c feeds bg");
+    let mut t = TopologyConfig::new()
+        .poller(poller("x", "x0"))
+        .pool(PoolConfig::new("idle", 1))
+        .validate_for(&cpus(4))
+        .unwrap();
+    let e = t
+        .take_pool("idle")
+        .unwrap()
+        .spawn_feeds(|_| |_: u32| {})
+        .map(|_| ())
+        .unwrap_err();
+    assert!(e.to_string().contains("nothing feeds it"), "{e}");
 }

@@ -14,7 +14,7 @@ use std::io::IsTerminal;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cqd_core::pool::{Pool, PoolSink};
+use cqd_core::pool::Pool;
 use cqd_core::topology::{ModeConfig, PoolPlan};
 use cqd_core::{NoSink, NoWork, PollerThread, Registration, ShutdownOptions, SystemReport};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -185,17 +185,19 @@ impl<N: Node> ServerSide<N> {
             let options = cq_options(cfg, &plans[pi]);
             servers.push(Server::new(open(&name)?, &name, spec, options)?);
         }
-        let (pool, sinks) = pool
-            .spawn(plans.len(), |_| |w: ServerWork<N>| w.run())
+        // One feed per server poller: the topology names the pool of each.
+        let (pool, mut feeds) = pool
+            .spawn_feeds(|_| |w: ServerWork<N>| w.run())
             .map_err(|e| DemoError::Setup(format!("pool {}: {e}", topo::POOL)))?;
         let mut pollers = Vec::new();
         let mut roles = Vec::new();
-        for (a, sink) in plans.into_iter().zip(sinks) {
+        for a in plans {
             let name = a.plan.name().to_string();
             let mode = a.plan.mode();
             let mut b = a
                 .plan
-                .poller_builder::<ServerWork<N>, PoolSink<ServerWork<N>>>(sink)
+                .poller_builder_fed(&mut feeds)
+                .map_err(|e| DemoError::Topology(e.to_string()))?
                 .drain_timeout(cfg.drain_timeout);
             for s in &a.cqs {
                 if let Some(cq) = servers.get_mut(*s as usize).and_then(Server::take_cq) {

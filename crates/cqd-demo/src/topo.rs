@@ -235,6 +235,32 @@ pub fn resolve_side(
             p.mode = mode_config(mode);
         }
     }
+    // The server pollers hand their work to the servers' pool: a file may
+    // say so (`pool = "io"`); a file naming another pool is refused, and
+    // the load's pollers hand work to no pool.
+    for &i in &server_pollers {
+        let p = &mut config.pollers[i];
+        match p.pool.as_deref() {
+            None => p.pool = Some(POOL.to_string()),
+            Some(POOL) => {}
+            Some(other) => {
+                return bad(format!(
+                    "poller[{i}] {:?} serves server CQs and names pool {other:?}; the servers' \
+                     workers are the pool {POOL:?}",
+                    p.name
+                ))
+            }
+        }
+    }
+    for &i in &load_pollers {
+        if let Some(other) = &config.pollers[i].pool {
+            return bad(format!(
+                "poller[{i}] {:?} serves load CQs, whose handlers hand no work to a pool; \
+                 remove its pool = {other:?}",
+                config.pollers[i].name
+            ));
+        }
+    }
     match config.pools.iter_mut().find(|p| p.name == POOL) {
         Some(pool) => {
             if let Some(w) = workers {

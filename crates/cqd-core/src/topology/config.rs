@@ -24,8 +24,8 @@ pub struct TopologyConfig {
     /// `"error"`.
     #[serde(default)]
     pub on_shared_cpu: OnSharedCpu,
-    /// Poller threads, one `[[poller]]` table each; thread `i` is named
-    /// `cqd-poller-<i>`.
+    /// Poller threads, one `[[poller]]` table each; each thread is named
+    /// `cqd-poller-<name>`.
     #[serde(default, rename = "poller")]
     pub pollers: Vec<PollerConfig>,
     /// Worker pools, one `[[pool]]` table each; worker `i` of pool `io` is
@@ -80,6 +80,12 @@ pub struct PollerConfig {
     /// Scheduling priority applied at spawn; absent keeps the inherited one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<Priority>,
+    /// The worker pool this poller hands work to, by name. The pool's
+    /// [`spawn_feeds`](super::PoolPlan::spawn_feeds) makes one feed per
+    /// poller that names it, so the producer count is the topology's, never
+    /// a number written by hand. Absent: the poller's sink is your own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<String>,
 }
 
 /// One worker pool.

@@ -117,6 +117,27 @@ pub enum TopologyError {
         /// The name.
         name: String,
     },
+    /// A poller names a pool the topology does not have.
+    #[error(
+        "{field}: poller {poller:?} hands work to pool {pool:?}, and there is no pool of that name"
+    )]
+    UnknownPool {
+        /// The field, e.g. `poller[0].pool`.
+        field: String,
+        /// The poller's name.
+        poller: String,
+        /// The pool it names.
+        pool: String,
+    },
+    /// A pool's feeds were asked for a poller that does not feed it, or
+    /// twice for one poller ([`Feeds::take`](super::Feeds::take)).
+    #[error("poller {poller:?} {why}")]
+    NotAFeeder {
+        /// The poller's name.
+        poller: String,
+        /// What is wrong, naming the pool(s).
+        why: String,
+    },
     /// A poller owns no CQ.
     #[error("{field}: a poller needs at least one CQ")]
     NoCq {

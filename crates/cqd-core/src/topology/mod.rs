@@ -28,20 +28,20 @@
 //! assert_eq!(from_code, from_file);
 //! let mut topology = from_file.validate()?;
 //! let poller = topology.take_poller("net").unwrap();
-//! assert_eq!(poller.thread_name(), "cqd-poller-0");
+//! assert_eq!(poller.thread_name(), "cqd-poller-net");
 //! # Ok::<(), cqd_core::topology::TopologyError>(())
 //! ```
 
 mod config;
 mod error;
-mod plan;
+pub(crate) mod plan;
 mod validate;
 
 use std::path::Path;
 
 pub use config::{ModeConfig, OnSharedCpu, PollerConfig, PoolConfig, TopologyConfig};
 pub use error::{TopologyError, Warning};
-pub use plan::{PollerPlan, PoolPlan, Topology};
+pub use plan::{Feeds, PollerPlan, PoolPlan, Topology};
 pub use validate::{LONG_SPIN, MAX_CAPACITY};
 // Types the config is written in but that belong to the layers below (pools
 // route, threads are placed and prioritised), named here too so that a
@@ -147,7 +147,14 @@ impl PollerConfig {
             busy_naps: true,
             placement: Placement::Unpinned,
             priority: None,
+            pool: None,
         }
+    }
+
+    /// Sets `pool`: the worker pool this poller hands work to.
+    pub fn pool(mut self, name: impl Into<String>) -> Self {
+        self.pool = Some(name.into());
+        self
     }
 
     /// Adds a CQ this poller owns (`cqs`).

@@ -1,7 +1,10 @@
 //! The validated topology: the only values that can spawn threads.
 
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
 use super::config::{ModeConfig, PollerConfig, PoolConfig};
-use super::error::Warning;
+use super::error::{TopologyError, Warning};
 use crate::pool::{Pool, PoolSink, PoolSpec, Routing, Work, WorkerIdle};
 use crate::thread::{self, OnPriorityError, Placement, SpawnError, ThreadHandle, ThreadSpec};
 
@@ -73,22 +76,66 @@ impl Topology {
 /// One validated poller thread, ready to spawn.
 #[derive(Debug)]
 pub struct PollerPlan {
-    index: usize,
     config: PollerConfig,
     on_priority_error: OnPriorityError,
+    /// Every CQ of the topology and the poller it is given to.
+    owners: Arc<BTreeMap<String, String>>,
+}
+
+/// What a topology assigns one poller: its CQs, checked at its spawn
+/// against the CQs attached to it.
+#[derive(Debug, Clone)]
+pub(crate) struct Assignment {
+    pub(crate) cqs: Vec<String>,
+    /// Every CQ of the topology and its poller, to name the right one.
+    pub(crate) owners: Arc<BTreeMap<String, String>>,
+}
+
+impl Assignment {
+    /// The first disagreement between the CQs attached to `poller` and
+    /// what the topology assigns it.
+    pub(crate) fn check<'a>(
+        &self,
+        poller: &str,
+        attached: impl Iterator<Item = &'a str> + Clone,
+    ) -> Result<(), crate::poller::PollerError> {
+        for cq in attached.clone() {
+            if !self.cqs.iter().any(|c| c == cq) {
+                return Err(crate::poller::PollerError::NotAssigned {
+                    poller: poller.to_string(),
+                    cq: cq.to_string(),
+                    owner: self.owners.get(cq).cloned(),
+                });
+            }
+        }
+        for cq in &self.cqs {
+            if !attached.clone().any(|a| a == cq) {
+                return Err(crate::poller::PollerError::NotAttached {
+                    poller: poller.to_string(),
+                    cq: cq.clone(),
+                });
+            }
+        }
+        Ok(())
+    }
 }
 
 impl PollerPlan {
     pub(crate) fn new(
-        index: usize,
         config: PollerConfig,
         on_priority_error: OnPriorityError,
+        owners: Arc<BTreeMap<String, String>>,
     ) -> Self {
         Self {
-            index,
             config,
             on_priority_error,
+            owners,
         }
+    }
+
+    /// The pool this poller hands work to, if the topology names one.
+    pub fn pool(&self) -> Option<&str> {
+        self.config.pool.as_deref()
     }
 
     /// The poller's name in the config.
@@ -126,17 +173,21 @@ impl PollerPlan {
         &self.config.placement
     }
 
-    /// The thread name, `cqd-poller-<index>`.
+    /// The thread name, `cqd-poller-<name>`.
     pub fn thread_name(&self) -> String {
-        format!("cqd-poller-{}", self.index)
+        format!("cqd-poller-{}", self.config.name)
     }
 
     /// A [`PollerBuilder`](crate::poller::PollerBuilder) set up as planned:
-    /// named after the plan's index (so its thread is `cqd-poller-<index>`),
-    /// in the planned mode and wake-up timeout, and placing and
-    /// prioritising its thread first thing (`on_start`; a failure aborts
-    /// the spawn with the [`SpawnError`] text). Add the CQs named by
-    /// [`cqs`](Self::cqs) and spawn it.
+    /// named as in the topology (its reports and metrics carry that name,
+    /// its thread is `cqd-poller-<name>`), in the planned mode and wake-up
+    /// timeout, and placing and prioritising its thread first thing
+    /// (`on_start`; a failure aborts the spawn with the [`SpawnError`]
+    /// text). Add the CQs named by [`cqs`](Self::cqs) and spawn it: the
+    /// spawn refuses a CQ the topology gives another poller, and a CQ of
+    /// this one left out, naming both
+    /// ([`PollerError::NotAssigned`](crate::poller::PollerError::NotAssigned),
+    /// [`NotAttached`](crate::poller::PollerError::NotAttached)).
     pub fn poller_builder<W, S>(self, sink: S) -> crate::poller::PollerBuilder<W, S>
     where
         W: Send + 'static,
@@ -149,7 +200,12 @@ impl PollerPlan {
             on_priority_error: self.on_priority_error,
         };
         let mode = self.config.mode;
-        let builder = crate::poller::PollerBuilder::new(self.index.to_string(), sink)
+        let assignment = Assignment {
+            cqs: self.config.cqs,
+            owners: self.owners,
+        };
+        let builder = crate::poller::PollerBuilder::new(self.config.name, sink)
+            .assigned(assignment)
             .mode(mode.poll_mode())
             .busy_naps(self.config.busy_naps)
             .on_start(move || spec.apply().map_err(|e| e.to_string()));
@@ -157,6 +213,21 @@ impl PollerPlan {
             Some(timeout) => builder.wake_timeout(timeout),
             None => builder,
         }
+    }
+
+    /// [`poller_builder`](Self::poller_builder) with this poller's feed of
+    /// its pool (see [`PoolPlan::spawn_feeds`]).
+    ///
+    /// # Errors
+    ///
+    /// [`TopologyError::NotAFeeder`] when the topology does not have this
+    /// poller feed `feeds`' pool, or its feed was taken already.
+    pub fn poller_builder_fed<W: Send + 'static>(
+        self,
+        feeds: &mut Feeds<W>,
+    ) -> Result<crate::poller::PollerBuilder<W, PoolSink<W>>, TopologyError> {
+        let sink = feeds.take(&self)?;
+        Ok(self.poller_builder(sink))
     }
 
     /// Starts a thread for a poll loop of your own: named, placed,
@@ -187,15 +258,28 @@ pub struct PoolPlan {
     config: PoolConfig,
     on_priority_error: OnPriorityError,
     own_cpus: bool,
+    /// The pollers that name this pool as theirs, in config order.
+    feeders: Vec<String>,
 }
 
 impl PoolPlan {
-    pub(crate) fn new(config: PoolConfig, on_priority_error: OnPriorityError) -> Self {
+    pub(crate) fn new(
+        config: PoolConfig,
+        on_priority_error: OnPriorityError,
+        feeders: Vec<String>,
+    ) -> Self {
         Self {
             config,
             on_priority_error,
             own_cpus: false,
+            feeders,
         }
+    }
+
+    /// The pollers that name this pool as their `pool`, in config order:
+    /// [`spawn_feeds`](Self::spawn_feeds) makes one feed for each.
+    pub fn feeders(&self) -> &[String] {
+        &self.feeders
     }
 
     /// Marks the pool's CPUs as its own (no poller or other pool of the
@@ -308,5 +392,116 @@ impl PoolPlan {
             spin_before_park: self.own_cpus,
         };
         crate::pool::spawn(spec, producers, make)
+    }
+
+    /// Starts the workers for the pollers that feed the pool (those whose
+    /// topology entry names it as their `pool`): one feed per poller, so
+    /// the producer count is the topology's. Each poller's plan takes its
+    /// own feed ([`PollerPlan::poller_builder_fed`]); use
+    /// [`spawn`](Self::spawn) only for producers of your own that are not
+    /// the topology's pollers.
+    ///
+    /// ```
+    /// use cqd_core::topology::{PollerConfig, PoolConfig, TopologyConfig};
+    ///
+    /// let mut topology = TopologyConfig::new()
+    ///     .poller(PollerConfig::new("net").cq("cq0").pool("io"))
+    ///     .pool(PoolConfig::new("io", 2))
+    ///     .validate()?;
+    /// let (pool, mut feeds) = topology.take_pool("io").unwrap().spawn_feeds(|_worker| |_: u64| {})?;
+    /// let net = topology.take_poller("net").unwrap();
+    /// let builder = net.poller_builder_fed(&mut feeds)?; // add the CQ "cq0", spawn
+    /// # drop((builder, feeds));
+    /// # pool.join()?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`spawn`](Self::spawn); [`SpawnError::NoProducers`] when no
+    /// poller names the pool.
+    pub fn spawn_feeds<W, H, M>(mut self, make: M) -> Result<(Pool, Feeds<W>), SpawnError>
+    where
+        W: Send + 'static,
+        H: Work<W>,
+        M: FnMut(usize) -> H,
+    {
+        let feeders = std::mem::take(&mut self.feeders);
+        let pool = self.config.name.clone();
+        let (spawned, sinks) = self.spawn(feeders.len(), make)?;
+        Ok((
+            spawned,
+            Feeds {
+                pool,
+                sinks: feeders
+                    .into_iter()
+                    .zip(sinks.into_iter().map(Some))
+                    .collect(),
+            },
+        ))
+    }
+}
+
+/// The feeds of a pool spawned for its pollers
+/// ([`PoolPlan::spawn_feeds`]): one [`PoolSink`] per poller that names the
+/// pool, each taken once, by that poller's plan. A feed never taken is
+/// dropped with this value (as a stopped poller's is).
+pub struct Feeds<W> {
+    pool: String,
+    sinks: Vec<(String, Option<PoolSink<W>>)>,
+}
+
+impl<W> std::fmt::Debug for Feeds<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let left: Vec<&str> = self
+            .sinks
+            .iter()
+            .filter(|(_, s)| s.is_some())
+            .map(|(n, _)| n.as_str())
+            .collect();
+        f.debug_struct("Feeds")
+            .field("pool", &self.pool)
+            .field("not_taken", &left)
+            .finish()
+    }
+}
+
+impl<W: Send + 'static> Feeds<W> {
+    /// The pool's name.
+    pub fn pool(&self) -> &str {
+        &self.pool
+    }
+
+    /// The feed of the poller `plan` plans.
+    ///
+    /// # Errors
+    ///
+    /// [`TopologyError::NotAFeeder`] when the topology does not have that
+    /// poller feed this pool, or its feed was taken already.
+    pub fn take(&mut self, plan: &PollerPlan) -> Result<PoolSink<W>, TopologyError> {
+        let refuse = |why: String| TopologyError::NotAFeeder {
+            poller: plan.name().to_string(),
+            why,
+        };
+        match plan.pool() {
+            None => {
+                return Err(refuse(format!(
+                    "names no pool in the topology, so it has no feed of pool {:?}",
+                    self.pool
+                )))
+            }
+            Some(p) if p != self.pool => {
+                return Err(refuse(format!(
+                    "hands work to pool {p:?}, not to pool {:?}",
+                    self.pool
+                )))
+            }
+            Some(_) => {}
+        }
+        self.sinks
+            .iter_mut()
+            .find(|(n, _)| n == plan.name())
+            .and_then(|(_, s)| s.take())
+            .ok_or_else(|| refuse(format!("took its feed of pool {:?} already", self.pool)))
     }
 }

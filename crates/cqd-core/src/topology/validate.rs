@@ -113,24 +113,54 @@ impl TopologyConfig {
         for (i, p) in self.pools.iter().enumerate() {
             check_pool(&format!("pool[{i}]"), p, allowed, &mut names, &mut warnings)?;
         }
+        for (i, p) in self.pollers.iter().enumerate() {
+            if let Some(pool) = &p.pool {
+                if !self.pools.iter().any(|q| &q.name == pool) {
+                    return Err(TopologyError::UnknownPool {
+                        field: format!("poller[{i}].pool"),
+                        poller: p.name.clone(),
+                        pool: pool.clone(),
+                    });
+                }
+            }
+        }
         self.check_shared_cpus(allowed, &mut warnings)?;
         self.check_spinning_pools(allowed, &mut warnings)?;
 
         for w in &warnings {
             tracing::warn!(target: "cqd::topology", "{w}");
         }
+        // Which poller the topology gives each CQ, for the check at a
+        // poller's spawn (a CQ attached elsewhere is refused, naming both).
+        let owners: std::sync::Arc<BTreeMap<String, String>> = std::sync::Arc::new(
+            self.pollers
+                .iter()
+                .flat_map(|p| p.cqs.iter().map(|cq| (cq.clone(), p.name.clone())))
+                .collect(),
+        );
         let pollers = self
             .pollers
             .iter()
-            .enumerate()
-            .map(|(i, p)| PollerPlan::new(i, p.clone(), self.on_priority_error))
+            .map(|p| {
+                PollerPlan::new(
+                    p.clone(),
+                    self.on_priority_error,
+                    std::sync::Arc::clone(&owners),
+                )
+            })
             .collect();
         let pools = self
             .pools
             .iter()
             .enumerate()
             .map(|(i, p)| {
-                PoolPlan::new(p.clone(), self.on_priority_error)
+                let feeders = self
+                    .pollers
+                    .iter()
+                    .filter(|q| q.pool.as_deref() == Some(p.name.as_str()))
+                    .map(|q| q.name.clone())
+                    .collect();
+                PoolPlan::new(p.clone(), self.on_priority_error, feeders)
                     .with_own_cpus(self.pool_has_own_cpus(i, allowed))
             })
             .collect();
