@@ -70,9 +70,9 @@ pub use ledger::{
     drain, KindAccount, Queue, QueueAccount, ShutdownReport, StuckWr, Watchdog, WrLedger,
 };
 pub use mode::{Adaptive, PollMode};
-pub use poller::{PollerBuilder, PollerMonitor, PollerReport, PollerThread};
+pub use poller::{CustomStop, PollerBuilder, PollerMonitor, PollerReport, PollerThread};
 pub use post::{Invalid, PostRecv, PostSend, Refused, SendRequest, WorkRequest};
-pub use shutdown::{shutdown, shutdown_with, ShutdownOptions, SystemReport};
+pub use shutdown::{shutdown, shutdown_with, ShutdownOptions, Stopper, SystemReport};
 pub use sink::{Burst, NoSink, NoWork, Route, Routed, SpaceWait, SpaceWaker, WorkSink};
 pub use source::{ArmKind, AsyncEvent, CompletionSource, QpEvent, SourceError, SrqEvent};
 pub use verdict::{Finding, FindingKind};

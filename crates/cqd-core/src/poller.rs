@@ -55,6 +55,7 @@
 mod ready;
 mod spill;
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -63,7 +64,7 @@ use crate::cq::{CqPoller, UnboundCq};
 use crate::metrics::{bump, CqSnapshot, PollerMetrics, PollerSnapshot};
 pub use crate::mode::MIN_WAKE_TIMEOUT;
 use crate::mode::{sleep_once, Idle, IdlePolicy, PollMode};
-use crate::sink::WorkSink;
+use crate::sink::{Routed, WorkSink};
 use crate::sync::{AtomicBool, Ordering};
 use crate::sys::thread_cpu_time;
 use crate::thread::{start, StartError, ThreadHandle};
@@ -817,6 +818,102 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             undelivered: self.spill.items.len() as u64,
             errors: Vec::new(),
             accounts: Default::default(),
+        }
+    }
+}
+
+/// How a CQ driven by a loop of your own stops ([`CqPoller::stop`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CustomStop {
+    /// How long to wait for outstanding requests (completions and flushes).
+    pub drain_timeout: Duration,
+    /// How long to keep offering the drained work to the sink.
+    pub stop_timeout: Duration,
+}
+
+impl Default for CustomStop {
+    fn default() -> Self {
+        CustomStop {
+            drain_timeout: Duration::from_secs(5),
+            stop_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl<W: Send + 'static> CqPoller<W> {
+    /// Stops a CQ driven by a loop of your own the way a poller thread stops
+    /// its CQs, and reports it as one: applies pending registrations, polls
+    /// until no handler has a request outstanding (flushes included) or
+    /// `how.drain_timeout` passes, takes the accounts, offers `pending`
+    /// (your loop's work not yet handed on) and all work the drain emits to
+    /// `sink` until it is taken or `how.stop_timeout` passes, acknowledges
+    /// every event and destroys the CQ.
+    ///
+    /// The report's poller is named after the CQ; work the sink never took
+    /// is counted in [`PollerReport::undelivered`] (a finding) and dropped.
+    /// Hand the report to [`shutdown`](crate::shutdown) through
+    /// [`Stopper::custom`](crate::shutdown::Stopper::custom), so that the
+    /// system report covers this CQ too.
+    pub fn stop<S: WorkSink<W>>(
+        mut self,
+        sink: &mut S,
+        mut pending: VecDeque<Routed<W>>,
+        how: CustomStop,
+    ) -> PollerReport {
+        self.apply_commands();
+        let started = Instant::now();
+        let mut timed_out = false;
+        let mut errors = Vec::new();
+        loop {
+            let n = match self.poll_once(&mut pending) {
+                Ok(n) => n,
+                Err(e) => {
+                    errors.push(format!("{}: poll: {e}", self.name()));
+                    break;
+                }
+            };
+            sink.offer(&mut pending);
+            if n > 0 {
+                continue;
+            }
+            if self.outstanding() == 0 {
+                break;
+            }
+            if started.elapsed() >= how.drain_timeout {
+                timed_out = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        let mut accounts = self.accounts();
+        accounts.waited = started.elapsed();
+        accounts.timed_out = timed_out;
+        if !accounts.is_balanced() {
+            tracing::error!(cq = %self.name(), report = %accounts, "stop: requests unaccounted for");
+        }
+        let deadline = Instant::now() + how.stop_timeout;
+        while !pending.is_empty() && Instant::now() < deadline {
+            sink.offer(&mut pending);
+            if !pending.is_empty() {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+        let undelivered = pending.len() as u64;
+        if undelivered > 0 {
+            tracing::error!(cq = %self.name(), undelivered, "stop: work the sink never took, dropped");
+        }
+        drop(pending);
+        let name = self.name().to_string();
+        let handle = self.handle();
+        if let Err(e) = self.finish() {
+            errors.push(format!("{name}: {e}"));
+        }
+        PollerReport {
+            poller: PollerMetrics::default().snapshot(&name),
+            cqs: vec![handle.snapshot()],
+            undelivered,
+            errors,
+            accounts,
         }
     }
 }

@@ -3,7 +3,10 @@
 //! 1. The application stops posting and runs `flush`: typically it moves
 //!    every QP to the error state, so that each outstanding request comes
 //!    back as a flush completion instead of being waited for.
-//! 2. Every poller stops ([`PollerThread::stop`]). Each one polls until no
+//! 2. Every poller stops ([`PollerThread::stop`], or for a CQ driven by a
+//!    loop of your own, the [`Stopper::custom`] you give, which typically
+//!    ends the loop and returns its [`CqPoller::stop`](crate::cq::CqPoller::stop)).
+//!    Each one polls until no
 //!    handler has a request outstanding, or until its drain timeout passes.
 //!    It then hands its spilled work to the workers (what they never take
 //!    by its stop timeout goes back to the application through
@@ -31,6 +34,54 @@ use serde::{Deserialize, Serialize};
 
 use crate::poller::{PollerReport, PollerThread};
 use crate::pool::{Pool, PoolSnapshot};
+
+/// One thing [`shutdown`]'s step 2 stops, each leaving a [`PollerReport`]:
+/// a poller thread (`From<PollerThread>`, so a list of poller threads is
+/// passed as it is), or a CQ driven by a loop of your own
+/// ([`custom`](Self::custom)).
+pub struct Stopper {
+    name: String,
+    stop: Box<dyn FnOnce() -> Result<PollerReport, String>>,
+}
+
+impl std::fmt::Debug for Stopper {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stopper").field("name", &self.name).finish()
+    }
+}
+
+impl Stopper {
+    /// A CQ (or group) driven by a loop of your own, named `name` in the
+    /// report's errors: `stop` ends the loop (after `shutdown`'s flush) and
+    /// returns its report, typically the loop thread's
+    /// [`CqPoller::stop`](crate::cq::CqPoller::stop); an `Err` (the loop
+    /// panicked, say) is one of the system report's errors.
+    pub fn custom(
+        name: impl Into<String>,
+        stop: impl FnOnce() -> Result<PollerReport, String> + 'static,
+    ) -> Self {
+        let name = name.into();
+        let named = name.clone();
+        Stopper {
+            name,
+            stop: Box::new(move || stop().map_err(|e| format!("{named}: {e}"))),
+        }
+    }
+
+    /// The name the report's errors give it.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl From<PollerThread> for Stopper {
+    fn from(poller: PollerThread) -> Self {
+        Stopper {
+            name: poller.name().to_string(),
+            stop: Box::new(move || poller.stop().map_err(|e| e.to_string())),
+        }
+    }
+}
 
 /// Everything a stopped system leaves behind: one snapshot of every poller,
 /// CQ and pool.
@@ -131,7 +182,7 @@ impl ShutdownOptions {
 /// default [`ShutdownOptions`].
 pub fn shutdown(
     flush: impl FnOnce(),
-    pollers: impl IntoIterator<Item = PollerThread>,
+    pollers: impl IntoIterator<Item = impl Into<Stopper>>,
     pools: impl IntoIterator<Item = Pool>,
 ) -> SystemReport {
     shutdown_with(ShutdownOptions::default(), flush, pollers, pools)
@@ -141,7 +192,7 @@ pub fn shutdown(
 pub fn shutdown_with(
     options: ShutdownOptions,
     flush: impl FnOnce(),
-    pollers: impl IntoIterator<Item = PollerThread>,
+    pollers: impl IntoIterator<Item = impl Into<Stopper>>,
     pools: impl IntoIterator<Item = Pool>,
 ) -> SystemReport {
     // 1. Stop posting, flush.
@@ -149,8 +200,9 @@ pub fn shutdown_with(
     let mut report = SystemReport::default();
     // 2. Pollers first: drain, account, hand over, ack, destroy.
     for poller in pollers {
-        let name = poller.name().to_string();
-        match poller.stop() {
+        let Stopper { name, stop } = poller.into();
+        let name = name.as_str();
+        match stop() {
             Ok(r) => {
                 if r.undelivered > 0 {
                     report.errors.push(format!(
@@ -164,7 +216,7 @@ pub fn shutdown_with(
                 }
                 report.pollers.push(r);
             }
-            Err(e) => report.errors.push(e.to_string()),
+            Err(e) => report.errors.push(e),
         }
     }
     // 3. Then the workers: they finish what was handed to them, and join,

@@ -747,6 +747,8 @@ impl<W: Send + 'static> CqPoller<W> {
     }
 
     /// Destroys the CQ after acknowledging every event. Consumes the poller.
+    /// It neither drains nor reports: a loop of your own stops with
+    /// [`stop`](Self::stop), whose report `shutdown` takes.
     ///
     /// # Errors
     /// When acknowledging or destroying fails.
