@@ -309,7 +309,7 @@ fn run(o: &Options) -> Result<(), String> {
     // One buffer, the source of every send and the target of every receive,
     // filled as the real tool fills it. A region needs at least one byte.
     let mr = pd
-        .reg_mr((o.size as usize).max(1), Access::LOCAL_WRITE)
+        .reg_mr(u64::from(o.size).max(1), Access::LOCAL_WRITE)
         .map_err(|e| format!("Couldn't register MR: {e}"))?;
     mr.fill(0, mr.len(), wire::INITIAL_FILL);
 

@@ -425,7 +425,7 @@ fn run(args: &Args) -> Result<Vec<f64>, String> {
             .map_err(|e| e.to_string())?,
     );
     let mr = pd
-        .reg_mr(SLOT * (RX_DEPTH as usize + 1), Access::LOCAL_WRITE)
+        .reg_mr(SLOT as u64 * (u64::from(RX_DEPTH) + 1), Access::LOCAL_WRITE)
         .map_err(|e| e.to_string())?;
     mr.fill(0, args.size as usize, 0x5a);
 

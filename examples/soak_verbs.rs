@@ -68,7 +68,7 @@ const WINDOW: u64 = 32;
 /// Receives the peer keeps posted per QP.
 const PEER_RX: u32 = 256;
 /// The peer's region (receives land in its first 4 KiB).
-const REGION: usize = 1 << 20;
+const REGION: u64 = 1 << 20;
 /// Posts through one handler before it is unregistered and replaced.
 const ROTATE: u32 = 5_000;
 /// One WRITE or READ in this many carries a bad rkey.
@@ -598,7 +598,7 @@ fn initiator(seconds: u64, kill_every: u64) -> Result<(), String> {
                 continue;
             }
             let r = rng.next();
-            let off = (r >> 8) % (REGION as u64 - 8192) + 4096;
+            let off = (r >> 8) % (REGION - 8192) + 4096;
             let mut remote = lane.remote.offset(off & !7);
             let bad = (r >> 40) % BAD_RKEY_ONE_IN == 0 && r % 3 != 0;
             if bad {

@@ -107,7 +107,7 @@ fn a_run_without_mistakes_is_clean() {
     // Printed as the demo prints it.
     let text = report.to_string();
     for line in [
-        "poller cqd-poller-clean-poller: 2 completions",
+        "poller clean-poller: 2 completions",
         "  cq clean capacity 256, 2 completions, 0 flushes, 0 other errors, 0 stale, 0 foreign, overflows 0",
         "  accounts: all 2 requests completed, 0 of them flushed",
         "verdict: clean",
@@ -133,10 +133,10 @@ fn the_system_report_prints_every_poller_and_one_verdict() {
     let system = shutdown(|| {}, [r.poller], []);
     assert!(!system.is_clean());
     let text = system.to_string();
-    assert!(text.contains("poller cqd-poller-sys-poller:"), "{text}");
+    assert!(text.contains("poller sys-poller:"), "{text}");
     assert!(
         text.contains(
-            "verdict: 1 findings\n  - CQ sys: 1 completions with a wr_id cqd did not make"
+            "verdict: 1 finding\n  - CQ sys: 1 completions with a wr_id cqd did not make"
         ),
         "{text}"
     );

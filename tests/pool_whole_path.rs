@@ -95,8 +95,8 @@ struct Outcome {
 fn whole_path(mode: ModeConfig, per_cq: usize, slow_every: usize, capacity: usize) -> Outcome {
     let total = 2 * per_cq;
     let mut topology = TopologyConfig::new()
-        .poller(PollerConfig::new("a").cq("cq-a").mode(mode))
-        .poller(PollerConfig::new("b").cq("cq-b").mode(mode))
+        .poller(PollerConfig::new("a").cq("cq-a").pool("io").mode(mode))
+        .poller(PollerConfig::new("b").cq("cq-b").pool("io").mode(mode))
         .pool(PoolConfig::new("io", 3).capacity(capacity))
         .validate()
         .unwrap();
@@ -104,10 +104,10 @@ fn whole_path(mode: ModeConfig, per_cq: usize, slow_every: usize, capacity: usiz
     let seen: Arc<Vec<AtomicU8>> = Arc::new((0..total).map(|_| AtomicU8::new(0)).collect());
     let handled = Arc::new(AtomicU64::new(0));
     let out_of_order = Arc::new(AtomicU64::new(0));
-    let (pool, sinks) = topology
+    let (pool, mut feeds) = topology
         .take_pool("io")
         .unwrap()
-        .spawn(2, |_| Worker {
+        .spawn_feeds(|_| Worker {
             seen: seen.clone(),
             handled: handled.clone(),
             out_of_order: out_of_order.clone(),
@@ -119,7 +119,7 @@ fn whole_path(mode: ModeConfig, per_cq: usize, slow_every: usize, capacity: usiz
     let dispatched = Arc::new(AtomicU64::new(0));
     let mut pollers = Vec::new();
     let mut feeders = Vec::new();
-    for (i, (plan, sink)) in topology.take_pollers().into_iter().zip(sinks).enumerate() {
+    for (i, plan) in topology.take_pollers().into_iter().enumerate() {
         let (sim, source) = sim_cq(plan.cqs()[0].clone(), 4096, Faults::default()).unwrap();
         let (cq, handle) = split(source, plan.cq_options()).unwrap();
         let regs: Vec<_> = (0..CONNS)
@@ -136,8 +136,14 @@ fn whole_path(mode: ModeConfig, per_cq: usize, slow_every: usize, capacity: usiz
                     .unwrap()
             })
             .collect();
-        let thread = plan.poller_builder(sink).cq(cq).spawn().unwrap();
-        assert_eq!(thread.name(), i.to_string());
+        let name = plan.name().to_string();
+        let thread = plan
+            .poller_builder_fed(&mut feeds)
+            .unwrap()
+            .cq(cq)
+            .spawn()
+            .unwrap();
+        assert_eq!(thread.name(), name, "the topology's name");
         pollers.push(thread);
         feeders.push(std::thread::spawn(move || {
             for tag in 0..per_cq {

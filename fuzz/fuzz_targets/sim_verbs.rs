@@ -284,7 +284,7 @@ fuzz_target!(|calls: Vec<Call>| {
             }
             Call::RegMr { len, access } => {
                 if w.mrs.len() < 8 {
-                    if let Ok(mr) = w.pd.reg_mr(usize::from(len), Access(u32::from(access))) {
+                    if let Ok(mr) = w.pd.reg_mr(u64::from(len), Access(u32::from(access))) {
                         w.mrs.push(Some(mr));
                     }
                 }

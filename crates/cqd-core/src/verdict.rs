@@ -240,7 +240,8 @@ pub(crate) fn verdict_lines(f: &mut fmt::Formatter<'_>, findings: &[Finding]) ->
     if findings.is_empty() {
         return writeln!(f, "verdict: clean");
     }
-    writeln!(f, "verdict: {} findings", findings.len())?;
+    let n = findings.len();
+    writeln!(f, "verdict: {n} finding{}", if n == 1 { "" } else { "s" })?;
     for x in findings {
         writeln!(f, "  - {x}")?;
     }

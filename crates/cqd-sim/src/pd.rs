@@ -88,20 +88,23 @@ impl Pd {
         &self.device
     }
 
-    /// Registers a zeroed buffer of `len` bytes.
+    /// Registers a zeroed buffer of `len` bytes (`u64`, as every length and
+    /// offset into a region is).
     ///
     /// # Errors
     /// [`VerbsError::LimitExceeded`] above `max_mr_size`.
-    pub fn reg_mr(&self, len: usize, access: Access) -> Result<Mr, VerbsError> {
+    pub fn reg_mr(&self, len: u64, access: Access) -> Result<Mr, VerbsError> {
         self.device.check_present()?;
         let max = self.device.inner.attr.max_mr_size.min(1 << ADDR_SHIFT);
-        if len as u64 > max {
-            return Err(VerbsError::LimitExceeded {
-                what: "max_mr_size",
-                requested: len as u64,
-                max,
-            });
+        let too_big = || VerbsError::LimitExceeded {
+            what: "max_mr_size",
+            requested: len,
+            max,
+        };
+        if len > max {
+            return Err(too_big());
         }
+        let len = usize::try_from(len).map_err(|_| too_big())?;
         let fabric = self.device.fabric.clone();
         let buf = Arc::new(Mutex::new(pinned(len)));
         let mut st = fabric.core.state.lock();

@@ -89,7 +89,7 @@ fn remote_access_errors_bad_rkey_out_of_bounds_missing_permission() {
         ),
         (
             "out of bounds",
-            Box::new(|r, _| WrOp::Write(r.mr_b.remote(common::MR_LEN as u64 - 4))),
+            Box::new(|r, _| WrOp::Write(r.mr_b.remote(common::MR_LEN - 4))),
         ),
         (
             "read-only region written",
@@ -154,7 +154,7 @@ fn local_protection_errors_bad_lkey_out_of_bounds_no_local_write() {
             length: 8,
             lkey: r.mr_a.rkey(),
         },
-        r.mr_a.sge(common::MR_LEN as u64 - 4, 8),
+        r.mr_a.sge(common::MR_LEN - 4, 8),
     ];
     for (i, sge) in bad.into_iter().enumerate() {
         for q in [&r.a, &r.b] {

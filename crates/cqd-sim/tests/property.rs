@@ -195,7 +195,7 @@ fn world(seed: u64, credits: bool) -> World {
         let table = Arc::new(Mutex::new(Table::default()));
         let checker = Checker(Arc::clone(&table));
         let reg = handles[i].register(checker).unwrap();
-        let mr = pd.reg_mr(BUF as usize * 2, Access::ALL).unwrap();
+        let mr = pd.reg_mr(BUF * 2, Access::ALL).unwrap();
         End { qp, reg, table, mr }
     };
     let pairs: Vec<_> = (0..PAIRS)

@@ -81,8 +81,13 @@ impl Pd {
     /// [`VerbsError::Invalid`] for `len == 0`; `ibv_reg_mr` failed (EINVAL
     /// for remote write or atomic access without local write, as verbs
     /// requires).
-    pub fn reg_mr(&self, len: usize, access: Access) -> Result<Mr, VerbsError> {
+    pub fn reg_mr(&self, len: u64, access: Access) -> Result<Mr, VerbsError> {
         self.inner.ctx.check()?;
+        let len = usize::try_from(len).map_err(|_| {
+            VerbsError::Invalid(format!(
+                "a region of {len} bytes does not fit this address space"
+            ))
+        })?;
         if len == 0 {
             return Err(VerbsError::Invalid(
                 "a memory region needs at least one byte".into(),

@@ -229,7 +229,6 @@ impl Node for SimNode {
 
     fn reg_region(&self, len: u64) -> Result<SimRegion, BackendError> {
         let what = || format!("register {len} bytes on {}", self.name);
-        let len = usize::try_from(len).map_err(|e| BackendError::new(what(), e))?;
         self.pd
             .reg_mr(len, Access::ALL)
             .map(SimRegion)

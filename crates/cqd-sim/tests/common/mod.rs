@@ -103,7 +103,7 @@ pub struct Rig {
     pub mr_b: Mr,
 }
 
-pub const MR_LEN: usize = 4096;
+pub const MR_LEN: u64 = 4096;
 
 impl Rig {
     pub fn new() -> Rig {

@@ -396,7 +396,9 @@ impl Backend for Sim {
     }
 
     fn reg_mr(dev: &Self::Dev, len: usize) -> Self::Mr {
-        dev.pd.reg_mr(len, cqd_sim::Access::ALL).expect("reg_mr")
+        dev.pd
+            .reg_mr(len as u64, cqd_sim::Access::ALL)
+            .expect("reg_mr")
     }
 
     fn sge(mr: &Self::Mr, offset: usize, len: u32) -> cqd_sim::Sge {
@@ -860,7 +862,7 @@ impl<F: Flavour> Backend for VerbsOn<F> {
     fn reg_mr(dev: &Self::Dev, len: usize) -> Self::Mr {
         dev.pd
             .reg_mr(
-                len,
+                len as u64,
                 cqd_verbs::Access(
                     cqd_verbs::Access::ALL_RDMA.0 | cqd_verbs::Access::REMOTE_ATOMIC.0,
                 ),
