@@ -851,7 +851,7 @@ impl<W: Send + 'static> CqPoller<W> {
     ///
     /// The report's poller is named after the CQ; work the sink never took
     /// is counted in [`PollerReport::undelivered`] (a finding) and dropped.
-    /// Hand the report to [`shutdown`](crate::shutdown) through
+    /// Hand the report to [`shutdown`](crate::shutdown()) through
     /// [`Stopper::custom`](crate::shutdown::Stopper::custom), so that the
     /// system report covers this CQ too.
     pub fn stop<S: WorkSink<W>>(
