@@ -47,7 +47,7 @@ pub const POLL_THREADS: usize = 2;
 type Shared<N> = Arc<Mutex<Relay<ServerWork<N>>>>;
 
 /// A bound poller that the naive baseline moves between its polling
-/// threads (behind [`Shared`]'s mutex).
+/// threads, behind a mutex.
 pub struct Relay<W>(CqPoller<W>);
 
 // SAFETY: `CqPoller` is not `Send` by policy, not for memory safety: it is
