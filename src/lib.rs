@@ -145,10 +145,15 @@
 //!
 //! The repository's `examples/readme.rs` is the shortest program (a handler
 //! and a poller), and `crates/cqd-demo` a whole block-storage server.
+// Inlined, so that `cargo doc -p cqd --no-deps` renders the whole public
+// API under the facade's own paths (`cqd::core::…`), with working links.
+#[doc(inline)]
 pub use cqd_core as core;
 #[cfg(feature = "sim")]
+#[doc(inline)]
 pub use cqd_sim as sim;
 #[cfg(feature = "verbs")]
+#[doc(inline)]
 pub use cqd_verbs as verbs;
 
 /// Real RDMA is behind the `verbs` feature, so that the default build needs
