@@ -55,7 +55,7 @@
 mod ready;
 mod spill;
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -95,7 +95,7 @@ pub struct PollerBuilder<W, S> {
     give_back: Option<GiveBack<W>>,
     busy_naps: bool,
     /// The topology's assignment, when the builder comes from a plan.
-    assigned: Option<crate::topology::plan::Assignment>,
+    assigned: Option<Assignment>,
 }
 
 impl<W, S> std::fmt::Debug for PollerBuilder<W, S> {
@@ -132,7 +132,7 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
 
     /// Holds the builder to a topology's assignment (set by
     /// [`PollerPlan::poller_builder`](crate::topology::PollerPlan::poller_builder)).
-    pub(crate) fn assigned(mut self, a: crate::topology::plan::Assignment) -> Self {
+    pub(crate) fn assigned(mut self, a: Assignment) -> Self {
         self.assigned = Some(a);
         self
     }
@@ -314,6 +314,44 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
             metrics,
             join: Some(join),
         })
+    }
+}
+
+/// What a topology assigns one poller (`topology::PollerPlan` makes it):
+/// its CQs, checked at its spawn against the CQs attached to it.
+#[derive(Debug, Clone)]
+pub(crate) struct Assignment {
+    pub(crate) cqs: Vec<String>,
+    /// Every CQ of the topology and its poller, to name the right one.
+    pub(crate) owners: Arc<BTreeMap<String, String>>,
+}
+
+impl Assignment {
+    /// The first disagreement between the CQs attached to `poller` and
+    /// what the topology assigns it.
+    pub(crate) fn check<'a>(
+        &self,
+        poller: &str,
+        attached: impl Iterator<Item = &'a str> + Clone,
+    ) -> Result<(), PollerError> {
+        for cq in attached.clone() {
+            if !self.cqs.iter().any(|c| c == cq) {
+                return Err(PollerError::NotAssigned {
+                    poller: poller.to_string(),
+                    cq: cq.to_string(),
+                    owner: self.owners.get(cq).cloned(),
+                });
+            }
+        }
+        for cq in &self.cqs {
+            if !attached.clone().any(|a| a == cq) {
+                return Err(PollerError::NotAttached {
+                    poller: poller.to_string(),
+                    cq: cq.clone(),
+                });
+            }
+        }
+        Ok(())
     }
 }
 

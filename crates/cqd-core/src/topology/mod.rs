@@ -34,7 +34,7 @@
 
 mod config;
 mod error;
-pub(crate) mod plan;
+mod plan;
 mod validate;
 
 use std::path::Path;

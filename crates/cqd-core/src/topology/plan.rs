@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use super::config::{ModeConfig, PollerConfig, PoolConfig};
 use super::error::{TopologyError, Warning};
+use crate::poller::Assignment;
 use crate::pool::{Pool, PoolSink, PoolSpec, Routing, Work, WorkerIdle};
 use crate::thread::{self, OnPriorityError, Placement, SpawnError, ThreadHandle, ThreadSpec};
 
@@ -80,44 +81,6 @@ pub struct PollerPlan {
     on_priority_error: OnPriorityError,
     /// Every CQ of the topology and the poller it is given to.
     owners: Arc<BTreeMap<String, String>>,
-}
-
-/// What a topology assigns one poller: its CQs, checked at its spawn
-/// against the CQs attached to it.
-#[derive(Debug, Clone)]
-pub(crate) struct Assignment {
-    pub(crate) cqs: Vec<String>,
-    /// Every CQ of the topology and its poller, to name the right one.
-    pub(crate) owners: Arc<BTreeMap<String, String>>,
-}
-
-impl Assignment {
-    /// The first disagreement between the CQs attached to `poller` and
-    /// what the topology assigns it.
-    pub(crate) fn check<'a>(
-        &self,
-        poller: &str,
-        attached: impl Iterator<Item = &'a str> + Clone,
-    ) -> Result<(), crate::poller::PollerError> {
-        for cq in attached.clone() {
-            if !self.cqs.iter().any(|c| c == cq) {
-                return Err(crate::poller::PollerError::NotAssigned {
-                    poller: poller.to_string(),
-                    cq: cq.to_string(),
-                    owner: self.owners.get(cq).cloned(),
-                });
-            }
-        }
-        for cq in &self.cqs {
-            if !attached.clone().any(|a| a == cq) {
-                return Err(crate::poller::PollerError::NotAttached {
-                    poller: poller.to_string(),
-                    cq: cq.clone(),
-                });
-            }
-        }
-        Ok(())
-    }
 }
 
 impl PollerPlan {
