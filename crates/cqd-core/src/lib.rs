@@ -34,6 +34,8 @@ pub mod budget;
 pub mod completion;
 pub mod context;
 pub mod cq;
+#[cfg(feature = "tokio")]
+pub mod driver;
 pub mod event;
 #[cfg(feature = "metrics")]
 pub mod export;

@@ -41,7 +41,7 @@ use crate::pool::{Pool, PoolSnapshot};
 /// ([`custom`](Self::custom)).
 pub struct Stopper {
     name: String,
-    stop: Box<dyn FnOnce() -> Result<PollerReport, String>>,
+    stop: Box<dyn FnOnce() -> Result<PollerReport, String> + Send>,
 }
 
 impl std::fmt::Debug for Stopper {
@@ -58,7 +58,7 @@ impl Stopper {
     /// panicked, say) is one of the system report's errors.
     pub fn custom(
         name: impl Into<String>,
-        stop: impl FnOnce() -> Result<PollerReport, String> + 'static,
+        stop: impl FnOnce() -> Result<PollerReport, String> + Send + 'static,
     ) -> Self {
         let name = name.into();
         let named = name.clone();

@@ -1,0 +1,613 @@
+//! A CQ group driven by a task on a tokio runtime instead of a poller thread
+//! (feature `tokio`).
+//!
+//! [`TokioDriver`] takes the same CQs, sinks and handlers as a poller
+//! thread and runs the same sleep protocol as the Event mode (`mode`, "The
+//! sleep protocol") as a task: its CQs' notification descriptors, and the
+//! group's doorbell, are registered with the runtime (`AsyncFd`), and the
+//! task
+//!
+//! 1. **drains** every CQ to empty, handing the work its handlers emit to
+//!    the sink (yielding to the runtime every round budget, never sleeping
+//!    before the CQs are empty);
+//! 2. **arms** each CQ whose arm is not already in force;
+//! 3. **re-polls** each CQ it armed: a completion that landed between the
+//!    last empty poll and the arm raised no notification; anything found
+//!    means no sleep, back to 1;
+//! 4. **waits** for a CQ's descriptor, the doorbell (a registration, a
+//!    stop) or the wake timeout;
+//! 5. **collects** the notifications of each ready CQ (reading until the
+//!    descriptor would block, which is when the runtime may forget its
+//!    readiness), acknowledges them in batches, and goes back to 1. On the
+//!    wake timeout (the safety net) it first takes what is already
+//!    notified, then polls the quiet CQs: completions found there with no
+//!    notification on the way had theirs lost, and are counted as
+//!    recovered missed events.
+//!
+//! A CQ in error (an overflow) is never armed again and is polled at each
+//! wake timeout, as a poller thread does. The task keeps the CQs' metrics
+//! and accounts exactly as a poller thread does; at a stop it drains,
+//! accounts, hands over its work, acknowledges every event and destroys its
+//! CQs, and its report is a [`PollerReport`] that
+//! [`shutdown`](crate::shutdown()) takes beside the poller threads'
+//! ([`DriverHandle`] converts into a [`Stopper`]).
+//!
+//! The driver's future owns the bound CQs, which never leave the thread
+//! that binds them, so it is not `Send`: run it with
+//! [`spawn_local`](TokioDriver::spawn_local) inside a `tokio::task::LocalSet`
+//! (on a current-thread runtime, or on one thread of a multi-thread
+//! runtime). Handlers and pools work under it as under a poller thread.
+//! No `unsafe` is needed to use it.
+//!
+//! ```rust,ignore
+//! let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+//! let local = tokio::task::LocalSet::new();
+//! let driver = local.block_on(&runtime, async {
+//!     TokioDriver::new("net", NoSink).cq(unbound).spawn_local()
+//! })?;
+//! // … the server runs on the runtime; its stop, in a task:
+//! let report = local.block_on(&runtime, async {
+//!     flush();                                 // every QP to the error state
+//!     driver.stop().await                      // drains, accounts, finishes its CQs
+//! });
+//! // or with the whole system, from a thread other than the driver's:
+//! // shutdown(flush, [Stopper::from(driver), poller_thread.into()], pools)
+//! ```
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+
+use crate::cq::{CqPoller, GroupBell, UnboundCq};
+use crate::metrics::{bump, PollerMetrics};
+use crate::poller::{
+    CustomStop, PollerError, PollerReport, DEFAULT_ACK_BATCH, DEFAULT_SPILL_HIGH_WATER_MARK,
+    DEFAULT_WAKE_TIMEOUT, MIN_WAKE_TIMEOUT,
+};
+use crate::shutdown::Stopper;
+use crate::sink::{Routed, WorkSink};
+use crate::source::SourceError;
+
+/// Builds a CQ group driven by a tokio task.
+pub struct TokioDriver<W, S> {
+    name: String,
+    cqs: Vec<UnboundCq<W>>,
+    sink: S,
+    wake_timeout: Duration,
+    ack_batch: u32,
+    how: CustomStop,
+}
+
+impl<W, S> std::fmt::Debug for TokioDriver<W, S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokioDriver")
+            .field("name", &self.name)
+            .field("cqs", &self.cqs.len())
+            .finish()
+    }
+}
+
+impl<W: Send + 'static, S: WorkSink<W> + 'static> TokioDriver<W, S> {
+    /// A driver named `name` (its report's name) handing work to `sink`.
+    pub fn new(name: impl Into<String>, sink: S) -> Self {
+        TokioDriver {
+            name: name.into(),
+            cqs: Vec::new(),
+            sink,
+            wake_timeout: DEFAULT_WAKE_TIMEOUT,
+            ack_batch: DEFAULT_ACK_BATCH,
+            how: CustomStop::default(),
+        }
+    }
+
+    /// Adds a CQ to the group (the task binds it).
+    pub fn cq(mut self, cq: UnboundCq<W>) -> Self {
+        self.cqs.push(cq);
+        self
+    }
+
+    /// The safety net's timeout (default 100 ms; at least
+    /// [`MIN_WAKE_TIMEOUT`]).
+    pub fn wake_timeout(mut self, t: Duration) -> Self {
+        self.wake_timeout = t;
+        self
+    }
+
+    /// How long a stop waits for outstanding requests (default 5 s).
+    pub fn drain_timeout(mut self, t: Duration) -> Self {
+        self.how.drain_timeout = t;
+        self
+    }
+
+    /// Starts the driver as a task of the current `LocalSet`
+    /// (`tokio::task::spawn_local`): call it from inside one. The CQs are
+    /// bound and their descriptors registered before it returns.
+    ///
+    /// # Errors
+    /// [`PollerError::NoCq`] for an empty group,
+    /// [`PollerError::WakeTimeout`] below the minimum, [`PollerError::Os`]
+    /// when a descriptor cannot be duplicated or registered with the
+    /// runtime (no runtime, or one without IO enabled).
+    ///
+    /// # Panics
+    /// Outside a `LocalSet` (as `tokio::task::spawn_local` does).
+    pub fn spawn_local(self) -> Result<DriverHandle, PollerError> {
+        let name = self.name.clone();
+        if self.cqs.is_empty() {
+            return Err(PollerError::NoCq { poller: name });
+        }
+        if self.wake_timeout < MIN_WAKE_TIMEOUT {
+            return Err(PollerError::WakeTimeout {
+                poller: name,
+                given: self.wake_timeout,
+                min: MIN_WAKE_TIMEOUT,
+            });
+        }
+        let os = |op: &'static str| {
+            let poller = name.clone();
+            move |source| PollerError::Os { poller, op, source }
+        };
+        let bell = Arc::new(GroupBell::new().map_err(os("eventfd"))?);
+        let register = |fd: std::os::fd::BorrowedFd<'_>| -> std::io::Result<AsyncFd<OwnedFd>> {
+            let fd = fd.try_clone_to_owned()?;
+            // SAFETY: `register_with_interest` needs a descriptor that stays
+            // open and names the same open file for as long as the
+            // `AsyncFd` lives. `fd` is an `OwnedFd` the `AsyncFd` takes: it
+            // is closed only when the `AsyncFd` drops it, its number never
+            // changes, and nothing here replaces it (no `get_mut`, no
+            // `into_inner` before the drop). It is a duplicate of the CQ's
+            // (or the doorbell's) descriptor, so it names the same file
+            // even while the CQ keeps its own; the `AsyncFd`s are dropped
+            // before their CQs are destroyed (`Group::finish`).
+            unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }
+                .map_err(std::io::Error::from)
+        };
+        let bell_fd = register(bell.as_fd()).map_err(os("register the doorbell"))?;
+        let mut cqs = Vec::with_capacity(self.cqs.len());
+        for (i, cq) in self.cqs.into_iter().enumerate() {
+            let mut poller = cq.bind();
+            poller.install_doorbell(Arc::clone(&bell), i);
+            let fd = register(poller.event_fd()).map_err(os("register a CQ's descriptor"))?;
+            cqs.push(DrivenCq {
+                poller,
+                fd,
+                armed: false,
+            });
+        }
+        let shared = Arc::new(Shared {
+            stop: AtomicBool::new(false),
+            bell,
+            report: Mutex::new(None),
+            done: Condvar::new(),
+            done_async: tokio::sync::Notify::new(),
+        });
+        let group = Group {
+            name: name.clone(),
+            cqs,
+            bell_fd,
+            sink: self.sink,
+            out: VecDeque::new(),
+            metrics: PollerMetrics::default(),
+            shared: Arc::clone(&shared),
+            wake_timeout: self.wake_timeout,
+            ack_batch: self.ack_batch,
+            how: self.how,
+            noted: Vec::new(),
+        };
+        tokio::task::spawn_local(group.run());
+        Ok(DriverHandle {
+            name,
+            shared,
+            wait: self.how.drain_timeout + self.how.stop_timeout + Duration::from_secs(5),
+        })
+    }
+}
+
+/// What the driver task and its handle share.
+struct Shared {
+    stop: AtomicBool,
+    bell: Arc<GroupBell>,
+    report: Mutex<Option<PollerReport>>,
+    done: Condvar,
+    done_async: tokio::sync::Notify,
+}
+
+impl Shared {
+    fn deliver(&self, report: PollerReport) {
+        *self.report.lock().unwrap_or_else(|p| p.into_inner()) = Some(report);
+        self.done.notify_all();
+        self.done_async.notify_one();
+    }
+
+    fn take(&self) -> Option<PollerReport> {
+        self.report.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+/// The running driver: `Send` and `Sync`, to stop it from anywhere.
+pub struct DriverHandle {
+    name: String,
+    shared: Arc<Shared>,
+    /// How long a blocking stop waits for the task's report.
+    wait: Duration,
+}
+
+impl std::fmt::Debug for DriverHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DriverHandle")
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+impl DriverHandle {
+    /// The driver's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Asks the task to stop; it drains, accounts and finishes its CQs.
+    pub fn request_stop(&self) {
+        self.shared.stop.store(true, Ordering::Release);
+        self.shared.bell.ring();
+    }
+
+    /// Stops the driver and awaits its report, from a task (of any
+    /// runtime; the driver's `LocalSet` must go on running).
+    pub async fn stop(self) -> PollerReport {
+        self.request_stop();
+        loop {
+            let notified = self.shared.done_async.notified();
+            if let Some(r) = self.shared.take() {
+                return r;
+            }
+            notified.await;
+        }
+    }
+
+    /// The driver as one of `shutdown`'s stops (the same as `Stopper::from`).
+    pub fn stopper(self) -> Stopper {
+        Stopper::from(self)
+    }
+
+    /// Stops the driver and blocks until its report, from a thread that is
+    /// not the driver's: the driver's thread must go on running its
+    /// `LocalSet` meanwhile.
+    fn stop_blocking(self) -> Result<PollerReport, String> {
+        self.request_stop();
+        let deadline = Instant::now() + self.wait;
+        let mut slot = self.shared.report.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(r) = slot.take() {
+                return Ok(r);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(format!(
+                    "driver {}: no report within {:?} of the stop: is its runtime still running \
+                     it (a blocking stop on the runtime's own thread waits for itself; stop it \
+                     from another thread, or with DriverHandle::stop().await)",
+                    self.name, self.wait
+                ));
+            }
+            slot = self
+                .shared
+                .done
+                .wait_timeout(slot, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
+impl From<DriverHandle> for Stopper {
+    fn from(d: DriverHandle) -> Self {
+        let name = d.name.clone();
+        Stopper::custom(name, move || d.stop_blocking())
+    }
+}
+
+/// One CQ of the group.
+struct DrivenCq<W> {
+    poller: CqPoller<W>,
+    fd: AsyncFd<OwnedFd>,
+    /// The CQ's one-shot arm is in force (not seen firing).
+    armed: bool,
+}
+
+/// Why a wait ended.
+enum Woke {
+    /// These CQs' descriptors are readable.
+    Cqs(Vec<usize>),
+    /// The doorbell (a registration or a stop).
+    Bell,
+    /// The wake timeout.
+    Timeout,
+}
+
+struct Group<W, S> {
+    name: String,
+    cqs: Vec<DrivenCq<W>>,
+    bell_fd: AsyncFd<OwnedFd>,
+    sink: S,
+    out: VecDeque<Routed<W>>,
+    metrics: PollerMetrics,
+    shared: Arc<Shared>,
+    wake_timeout: Duration,
+    ack_batch: u32,
+    how: CustomStop,
+    noted: Vec<usize>,
+}
+
+impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
+    async fn run(mut self) {
+        let report = match self.serve().await {
+            Ok(()) => self.finish().await,
+            Err(e) => {
+                let mut r = self.finish().await;
+                r.errors.push(format!("driver {}: {e}", self.name));
+                r
+            }
+        };
+        self.shared.deliver(report);
+    }
+
+    /// The protocol of the module documentation, until a stop.
+    async fn serve(&mut self) -> Result<(), SourceError> {
+        loop {
+            bump(&self.metrics.0.loops, 1);
+            if self.shared.stop.load(Ordering::Acquire) {
+                return Ok(());
+            }
+            // 1. Drain every CQ; asynchronous events.
+            self.drain_all().await?;
+            for cq in &mut self.cqs {
+                cq.poller.check_async();
+            }
+            if !self.out.is_empty() {
+                // The sink is full: it drains as its workers work; above
+                // the spill's mark the CQs keep their completions
+                // (admission makes that safe) until it does.
+                bump(&self.metrics.0.space_waits, 1);
+                tokio::time::sleep(Duration::from_micros(50)).await;
+                self.offer();
+                continue;
+            }
+            // 2 and 3. Arm what is not armed, re-poll what was armed.
+            let mut refound = 0;
+            for i in 0..self.cqs.len() {
+                let cq = &mut self.cqs[i];
+                if cq.armed || cq.poller.is_in_error() {
+                    continue;
+                }
+                match cq.poller.arm() {
+                    Ok(()) => cq.armed = true,
+                    Err(SourceError::CqInError) => continue,
+                    Err(e) => return Err(e),
+                }
+                refound += self.drain(i).await?;
+            }
+            if refound > 0 {
+                continue;
+            }
+            // 4. Wait.
+            bump(&self.metrics.0.sleeps, 1);
+            match self.wait().await {
+                Woke::Cqs(ready) => {
+                    for i in ready {
+                        self.collect(i).await?;
+                    }
+                }
+                Woke::Bell => {
+                    bump(&self.metrics.0.control_wakeups, 1);
+                    self.ring_taken().await;
+                }
+                Woke::Timeout => {
+                    bump(&self.metrics.0.timeouts, 1);
+                    self.safety_net().await?;
+                }
+            }
+        }
+    }
+
+    /// Waits for a CQ's descriptor, the doorbell or the wake timeout.
+    async fn wait(&mut self) -> Woke {
+        let sleep = tokio::time::sleep(self.wake_timeout);
+        let mut sleep = std::pin::pin!(sleep);
+        std::future::poll_fn(|cx| {
+            let mut ready = Vec::new();
+            for (i, cq) in self.cqs.iter().enumerate() {
+                if let Poll::Ready(r) = cq.fd.poll_read_ready(cx) {
+                    // An error is the descriptor's: collecting meets it.
+                    drop(r);
+                    ready.push(i);
+                }
+            }
+            if !ready.is_empty() {
+                return Poll::Ready(Woke::Cqs(ready));
+            }
+            if self.bell_fd.poll_read_ready(cx).is_ready() {
+                return Poll::Ready(Woke::Bell);
+            }
+            if sleep.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(Woke::Timeout);
+            }
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// The doorbell rang: drain it (clearing the runtime's readiness only
+    /// once it would block) and apply the noted CQs' commands.
+    async fn ring_taken(&mut self) {
+        if let Ok(mut guard) = self.bell_fd.readable().await {
+            let bell = &self.shared.bell;
+            let noted = &mut self.noted;
+            loop {
+                let r = guard.try_io(|_| {
+                    if bell.drain(noted) {
+                        Ok(())
+                    } else {
+                        Err(std::io::ErrorKind::WouldBlock.into())
+                    }
+                });
+                if r.is_err() {
+                    break;
+                }
+            }
+        }
+        for i in std::mem::take(&mut self.noted) {
+            if let Some(cq) = self.cqs.get_mut(i) {
+                cq.poller.apply_commands();
+            }
+        }
+    }
+
+    /// Step 5 for CQ `i`: takes its notifications until its descriptor
+    /// would block, acknowledges in batches.
+    async fn collect(&mut self, i: usize) -> Result<(), SourceError> {
+        let cq = &mut self.cqs[i];
+        if let Ok(mut guard) = cq.fd.readable().await {
+            loop {
+                let poller = &mut cq.poller;
+                let taken = guard.try_io(|_| match poller.take_events() {
+                    Ok(0) => Err(std::io::ErrorKind::WouldBlock.into()),
+                    Ok(n) => Ok(Ok(n)),
+                    Err(e) => Ok(Err(e)),
+                });
+                match taken {
+                    Ok(Ok(Ok(_))) => cq.armed = false,
+                    Ok(Ok(Err(e))) => return Err(e),
+                    Ok(Err(_)) | Err(_) => break,
+                }
+            }
+        }
+        if cq.poller.unacked_events() >= self.ack_batch {
+            cq.poller.ack_all()?;
+        }
+        Ok(())
+    }
+
+    /// The safety net: what is already notified first, then the quiet CQs
+    /// (and those in error). Completions on an armed quiet CQ with no
+    /// notification after the poll that found them had theirs lost.
+    async fn safety_net(&mut self) -> Result<(), SourceError> {
+        for i in 0..self.cqs.len() {
+            let cq = &mut self.cqs[i];
+            if cq.poller.take_events()? > 0 {
+                cq.armed = false;
+                continue;
+            }
+            let found = self.drain(i).await?;
+            let cq = &mut self.cqs[i];
+            if found > 0 && !cq.poller.is_in_error() && cq.poller.take_events()? == 0 {
+                bump(&cq.poller.shared().metrics.0.recovered_missed_events, 1);
+                tracing::warn!(
+                    cq = cq.poller.name(),
+                    found,
+                    "safety net found completions: a notification was missed and recovered"
+                );
+                cq.armed = false;
+            }
+        }
+        Ok(())
+    }
+
+    async fn drain_all(&mut self) -> Result<u64, SourceError> {
+        let mut total = 0;
+        for i in 0..self.cqs.len() {
+            total += self.drain(i).await?;
+        }
+        Ok(total)
+    }
+
+    /// Polls CQ `i` until it is empty, handing work to the sink after each
+    /// batch; yields to the runtime every round budget.
+    async fn drain(&mut self, i: usize) -> Result<u64, SourceError> {
+        const ROUND: u64 = crate::cq::DEFAULT_ROUND_BUDGET as u64;
+        let (mut total, mut round) = (0, 0);
+        loop {
+            if self.out.len() > DEFAULT_SPILL_HIGH_WATER_MARK {
+                return Ok(total); // back-pressure: the CQ holds the rest
+            }
+            let n = self.cqs[i].poller.poll_once(&mut self.out)? as u64;
+            self.offer();
+            if n == 0 {
+                return Ok(total);
+            }
+            total += n;
+            round += n;
+            if round >= ROUND {
+                round = 0;
+                tokio::task::yield_now().await;
+            }
+        }
+    }
+
+    /// Hands what the handlers emitted to the sink.
+    fn offer(&mut self) {
+        if !self.out.is_empty() {
+            let before = self.out.len();
+            self.sink.offer(&mut self.out);
+            bump(&self.metrics.0.handed_off, (before - self.out.len()) as u64);
+        }
+    }
+
+    /// The stop: drain until nothing is outstanding (yielding, never
+    /// blocking the runtime), then each CQ's own stop, one report.
+    async fn finish(&mut self) -> PollerReport {
+        let started = Instant::now();
+        let mut errors = Vec::new();
+        for cq in &mut self.cqs {
+            cq.poller.apply_commands();
+        }
+        loop {
+            match self.drain_all().await {
+                Ok(0) => {}
+                Ok(_) => continue,
+                Err(e) => {
+                    errors.push(format!("driver {}: poll: {e}", self.name));
+                    break;
+                }
+            }
+            let outstanding: u64 = self.cqs.iter().map(|c| c.poller.outstanding()).sum();
+            if outstanding == 0 || started.elapsed() >= self.how.drain_timeout {
+                break;
+            }
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+        let left = self.how.drain_timeout.saturating_sub(started.elapsed());
+        let how = CustomStop {
+            drain_timeout: left,
+            stop_timeout: self.how.stop_timeout,
+        };
+        let mut report = PollerReport {
+            poller: self.metrics.snapshot(&self.name),
+            cqs: Vec::new(),
+            undelivered: 0,
+            errors,
+            accounts: Default::default(),
+        };
+        let mut pending = std::mem::take(&mut self.out);
+        for cq in std::mem::take(&mut self.cqs) {
+            let DrivenCq { poller, fd, .. } = cq;
+            drop(fd);
+            let r = poller.stop(&mut self.sink, std::mem::take(&mut pending), how);
+            report.cqs.extend(r.cqs);
+            report.undelivered += r.undelivered;
+            report.errors.extend(r.errors);
+            report.accounts.accounts.extend(r.accounts.accounts);
+            report.accounts.stuck.extend(r.accounts.stuck);
+            report.accounts.timed_out |= r.accounts.timed_out;
+        }
+        report.accounts.waited = started.elapsed();
+        report
+    }
+}

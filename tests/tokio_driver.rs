@@ -1,0 +1,301 @@
+//! A CQ group driven by a tokio task (`cqd::core::driver::TokioDriver`) on
+//! the simulated NIC: every completion reaches its handler exactly once,
+//! work reaches a pool, a handler registered while the task sleeps gets its
+//! completions, a CQ that drops notifications is recovered by the safety
+//! net, and both ways to stop (`DriverHandle::stop().await`, and `shutdown`
+//! from another thread beside a poller thread) account for everything.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cqd::core::driver::{DriverHandle, TokioDriver};
+use cqd::core::topology::{PollerConfig, PoolConfig, TopologyConfig};
+use cqd::core::*;
+use cqd::sim::{connect, Access, CqConfig, Device, Mr, Qp, QpCap, QpInit, RecvWr, SendWr, WrOp};
+
+/// Counts its completions; pushes one work item per receive.
+struct Count {
+    seen: Arc<AtomicU64>,
+    errors: Arc<AtomicU64>,
+}
+
+impl Handler<u64> for Count {
+    fn on_send(&mut self, _: &SendDone<'_>, _: &mut Outbox<'_, u64>) {
+        self.seen.fetch_add(1, Relaxed);
+    }
+    fn on_recv(&mut self, d: &RecvDone<'_>, out: &mut Outbox<'_, u64>) {
+        self.seen.fetch_add(1, Relaxed);
+        out.push_to(Route::Key(u64::from(d.tag())), u64::from(d.byte_len()));
+    }
+    fn on_error(&mut self, f: &Failed<'_>, _: &mut Outbox<'_, u64>) {
+        if !f.is_flush() {
+            self.errors.fetch_add(1, Relaxed);
+        }
+    }
+}
+
+/// Counts its completions, emits no work.
+struct Plain {
+    seen: Arc<AtomicU64>,
+}
+
+impl Handler for Plain {
+    fn on_send(&mut self, _: &SendDone<'_>, _: &mut Outbox<'_, NoWork>) {
+        self.seen.fetch_add(1, Relaxed);
+    }
+    fn on_recv(&mut self, _: &RecvDone<'_>, _: &mut Outbox<'_, NoWork>) {
+        self.seen.fetch_add(1, Relaxed);
+    }
+    fn on_error(&mut self, _: &Failed<'_>, _: &mut Outbox<'_, NoWork>) {}
+}
+
+struct Rig<W> {
+    _dev: Device,
+    a: Qp,
+    b: Qp,
+    mr: Mr,
+    handle: CqHandle<W>,
+}
+
+fn rig<W: Send + 'static>(name: &str, cq_config: CqConfig) -> (Rig<W>, UnboundCq<W>) {
+    let dev = Device::open(name);
+    let (cq, unbound, handle) = dev
+        .create_dispatched_cq(name, 256, cq_config, CqOptions::default())
+        .unwrap();
+    let pd = dev.alloc_pd();
+    let cap = QpCap {
+        max_send_wr: 32,
+        max_recv_wr: 32,
+        ..QpCap::default()
+    };
+    let a = pd.create_qp(&QpInit::new(&cq, &cq, cap)).unwrap();
+    let b = pd.create_qp(&QpInit::new(&cq, &cq, cap)).unwrap();
+    connect(&a, &b).unwrap();
+    let mr = pd.reg_mr(64 * 1024, Access::ALL).unwrap();
+    (
+        Rig {
+            _dev: dev,
+            a,
+            b,
+            mr,
+            handle,
+        },
+        unbound,
+    )
+}
+
+/// `rounds` of 16 receives and 16 sends through `reg`, each round awaited
+/// (the driver runs meanwhile on the same thread).
+async fn exchange<W>(r: &Rig<W>, reg: &Registration, seen: &AtomicU64, rounds: u64) {
+    let start = seen.load(Relaxed);
+    for round in 0..rounds {
+        let bufs: Vec<_> = (0..16).map(|i| [r.mr.sge(i * 1024, 1024)]).collect();
+        let mut recvs: Vec<_> = (0..16).map(|i| RecvWr::new(i as u64, &bufs[i])).collect();
+        reg.post_recv(&r.b, &mut recvs).unwrap();
+        let data = [r.mr.sge(32 * 1024, 64)];
+        let mut sends: Vec<_> = (0..16).map(|t| SendWr::new(t, WrOp::Send, &data)).collect();
+        reg.post_send(&r.a, &mut sends).unwrap();
+        let want = start + (round + 1) * 32;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while seen.load(Relaxed) < want {
+            assert!(
+                Instant::now() < deadline,
+                "{} of {want} completions",
+                seen.load(Relaxed)
+            );
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn every_completion_reaches_its_handler_and_the_pool_under_the_driver() {
+    let mut topology = TopologyConfig::new()
+        .poller(PollerConfig::new("net").cq("td0").pool("io"))
+        .pool(PoolConfig::new("io", 2))
+        .validate()
+        .unwrap();
+    let items = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&items);
+    let (pool, mut feeds) = topology
+        .take_pool("io")
+        .unwrap()
+        .spawn_feeds(move |_| {
+            let counted = Arc::clone(&counted);
+            move |_: u64| {
+                counted.fetch_add(1, Relaxed);
+            }
+        })
+        .unwrap();
+    let plan = topology.take_poller("net").unwrap();
+    let sink = feeds.take(&plan).unwrap();
+    let (r, unbound) = rig::<u64>("td0", CqConfig::default());
+    let (seen, errors) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let rt = runtime();
+    let local = tokio::task::LocalSet::new();
+    let report = local.block_on(&rt, async {
+        let driver = TokioDriver::new("net", sink)
+            .cq(unbound)
+            .spawn_local()
+            .unwrap();
+        let reg = r
+            .handle
+            .register(Count {
+                seen: Arc::clone(&seen),
+                errors: Arc::clone(&errors),
+            })
+            .unwrap();
+        exchange(&r, &reg, &seen, 100).await;
+        // A handler registered while the task sleeps: the doorbell wakes it.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let late = r
+            .handle
+            .register(Count {
+                seen: Arc::clone(&seen),
+                errors: Arc::clone(&errors),
+            })
+            .unwrap();
+        exchange(&r, &late, &seen, 3).await;
+        r.a.force_error();
+        r.b.force_error();
+        driver.stop().await
+    });
+    let pool = pool.join().unwrap();
+    assert_eq!(seen.load(Relaxed), 103 * 32);
+    assert_eq!(errors.load(Relaxed), 0);
+    assert!(report.is_clean(), "{report}");
+    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    assert_eq!(report.poller.name, "net");
+    assert_eq!(report.cqs[0].completions, 103 * 32);
+    assert_eq!(report.poller.handed_off, 103 * 16);
+    assert_eq!(items.load(Relaxed), 103 * 16);
+    assert_eq!(pool.items(), 103 * 16);
+    assert!(report.cqs[0].events > 0, "it slept on notifications");
+    assert_eq!(
+        report.cqs[0].events, report.cqs[0].acks,
+        "every event acknowledged"
+    );
+}
+
+#[test]
+fn shutdown_takes_the_driver_beside_a_poller_thread() {
+    let (r, unbound) = rig::<NoWork>("td1", CqConfig::default());
+    let (r2, unbound2) = rig::<NoWork>("td2", CqConfig::default());
+    let seen = Arc::new(AtomicU64::new(0));
+    let thread = PollerBuilder::new("thread", NoSink)
+        .cq(unbound2)
+        .spawn()
+        .unwrap();
+    let rt = runtime();
+    let local = tokio::task::LocalSet::new();
+    let system = local.block_on(&rt, async {
+        let driver: DriverHandle = TokioDriver::new("task", NoSink)
+            .cq(unbound)
+            .spawn_local()
+            .unwrap();
+        let reg = r
+            .handle
+            .register(Plain {
+                seen: Arc::clone(&seen),
+            })
+            .unwrap();
+        let reg2 = r2
+            .handle
+            .register(Plain {
+                seen: Arc::clone(&seen),
+            })
+            .unwrap();
+        exchange(&r, &reg, &seen, 10).await;
+        exchange(&r2, &reg2, &seen, 10).await;
+        // Receives left posted on both: the stop's flush returns them.
+        let bufs: Vec<_> = (0..4).map(|i| [r.mr.sge(i * 1024, 1024)]).collect();
+        let mut recvs: Vec<_> = (0..4).map(|i| RecvWr::new(i as u64, &bufs[i])).collect();
+        reg.post_recv(&r.b, &mut recvs).unwrap();
+        let mut recvs: Vec<_> = (0..4).map(|i| RecvWr::new(i as u64, &bufs[i])).collect();
+        reg2.post_recv(&r2.b, &mut recvs).unwrap();
+        let (qps, qps2) = ((r.a, r.b), (r2.a, r2.b));
+        // The driver's thread runs its task meanwhile: shutdown blocks
+        // another thread.
+        tokio::task::spawn_blocking(move || {
+            shutdown(
+                || {
+                    for q in [&qps.0, &qps.1, &qps2.0, &qps2.1] {
+                        q.force_error();
+                    }
+                },
+                [Stopper::from(driver), Stopper::from(thread)],
+                [],
+            )
+        })
+        .await
+        .unwrap()
+    });
+    assert!(system.is_clean(), "{system}");
+    let names: Vec<&str> = system
+        .pollers
+        .iter()
+        .map(|p| p.poller.name.as_str())
+        .collect();
+    assert_eq!(names, ["task", "thread"]);
+    for p in &system.pollers {
+        assert!(p.accounts.is_balanced(), "{}", p.accounts);
+        assert_eq!(p.cqs[0].flushes, 4, "{}", p.poller.name);
+    }
+    assert_eq!(seen.load(Relaxed), 2 * 10 * 32);
+}
+
+#[test]
+fn the_safety_net_recovers_what_lost_notifications_would_strand() {
+    let faults = cqd::sim::Faults {
+        drop: 0.3,
+        spurious: 0.1,
+        seed: 11,
+        ..Default::default()
+    };
+    let (r, unbound) = rig::<NoWork>(
+        "td3",
+        CqConfig {
+            faults,
+            ..CqConfig::default()
+        },
+    );
+    let seen = Arc::new(AtomicU64::new(0));
+    let rt = runtime();
+    let local = tokio::task::LocalSet::new();
+    let report = local.block_on(&rt, async {
+        let driver = TokioDriver::new("lossy", NoSink)
+            .cq(unbound)
+            .wake_timeout(Duration::from_millis(2))
+            .spawn_local()
+            .unwrap();
+        let reg = r
+            .handle
+            .register(Plain {
+                seen: Arc::clone(&seen),
+            })
+            .unwrap();
+        // Gaps longer than the arm-to-notification path, so that the task
+        // sleeps between rounds and lost notifications matter.
+        for _ in 0..40 {
+            exchange(&r, &reg, &seen, 1).await;
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        driver.stop().await
+    });
+    assert_eq!(seen.load(Relaxed), 40 * 32);
+    assert!(report.is_clean(), "{report}");
+    assert!(report.poller.timeouts > 0);
+    assert!(
+        report.cqs[0].recovered_missed_events > 0,
+        "30 % of notifications dropped: the safety net must have found some: {:?}",
+        report.cqs[0]
+    );
+}
