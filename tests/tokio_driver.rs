@@ -144,6 +144,7 @@ fn every_completion_reaches_its_handler_and_the_pool_under_the_driver() {
     let report = local.block_on(&rt, async {
         let driver = TokioDriver::new("net", sink)
             .cq(unbound)
+            .wake_timeout(Duration::from_secs(1))
             .spawn_local()
             .unwrap();
         let reg = r
@@ -154,8 +155,10 @@ fn every_completion_reaches_its_handler_and_the_pool_under_the_driver() {
             })
             .unwrap();
         exchange(&r, &reg, &seen, 100).await;
-        // A handler registered while the task sleeps: the doorbell wakes it.
+        // A handler registered while the task sleeps: the doorbell wakes it
+        // and it applies the registration at once (the wake timeout is 1 s).
         tokio::time::sleep(Duration::from_millis(20)).await;
+        let before = r.handle.snapshot().registrations;
         let late = r
             .handle
             .register(Count {
@@ -163,6 +166,14 @@ fn every_completion_reaches_its_handler_and_the_pool_under_the_driver() {
                 errors: Arc::clone(&errors),
             })
             .unwrap();
+        let deadline = Instant::now() + Duration::from_millis(500);
+        while r.handle.snapshot().registrations == before {
+            assert!(
+                Instant::now() < deadline,
+                "the doorbell did not wake the driver"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
         exchange(&r, &late, &seen, 3).await;
         r.a.force_error();
         r.b.force_error();
@@ -179,6 +190,11 @@ fn every_completion_reaches_its_handler_and_the_pool_under_the_driver() {
     assert_eq!(items.load(Relaxed), 103 * 16);
     assert_eq!(pool.items(), 103 * 16);
     assert!(report.cqs[0].events > 0, "it slept on notifications");
+    // Woken by notifications, not by the safety net: a broken wake-up path
+    // would leave every round to the 1 s timeout.
+    assert_eq!(report.cqs[0].recovered_missed_events, 0);
+    assert!(report.poller.timeouts <= 2, "{:?}", report.poller);
+    assert!(report.poller.control_wakeups >= 1, "{:?}", report.poller);
     assert_eq!(
         report.cqs[0].events, report.cqs[0].acks,
         "every event acknowledged"
@@ -298,4 +314,68 @@ fn the_safety_net_recovers_what_lost_notifications_would_strand() {
         "30 % of notifications dropped: the safety net must have found some: {:?}",
         report.cqs[0]
     );
+}
+
+#[test]
+fn a_stop_under_back_pressure_hands_everything_over_and_collects_every_flush() {
+    // One slow worker behind a ring of 2: the driver's spill passes its mark.
+    let mut topology = TopologyConfig::new()
+        .poller(PollerConfig::new("bp").cq("td4").pool("slow"))
+        .pool(PoolConfig::new("slow", 1).capacity(2))
+        .validate()
+        .unwrap();
+    let items = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&items);
+    let (pool, mut feeds) = topology
+        .take_pool("slow")
+        .unwrap()
+        .spawn_feeds(move |_| {
+            let counted = Arc::clone(&counted);
+            move |_: u64| {
+                std::thread::sleep(Duration::from_micros(300));
+                counted.fetch_add(1, Relaxed);
+            }
+        })
+        .unwrap();
+    let sink = feeds.take(&topology.take_poller("bp").unwrap()).unwrap();
+    let (r, unbound) = rig::<u64>("td4", CqConfig::default());
+    let (seen, errors) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let rt = runtime();
+    let local = tokio::task::LocalSet::new();
+    let report = local.block_on(&rt, async {
+        let driver = TokioDriver::new("bp", sink)
+            .cq(unbound)
+            .drain_timeout(Duration::from_secs(3))
+            .spawn_local()
+            .unwrap();
+        let reg = r
+            .handle
+            .register(Count {
+                seen: Arc::clone(&seen),
+                errors: Arc::clone(&errors),
+            })
+            .unwrap();
+        exchange(&r, &reg, &seen, 20).await;
+        // Receives left posted: only the stop's drain collects their flushes.
+        let bufs: Vec<_> = (0..16).map(|i| [r.mr.sge(i * 1024, 1024)]).collect();
+        let mut recvs: Vec<_> = (0..16).map(|i| RecvWr::new(i as u64, &bufs[i])).collect();
+        reg.post_recv(&r.b, &mut recvs).unwrap();
+        r.a.force_error();
+        r.b.force_error();
+        driver.stop().await
+    });
+    drop(feeds);
+    let pool = pool.join().unwrap();
+    assert!(report.is_clean(), "{report}");
+    assert!(!report.accounts.timed_out, "{}", report.accounts);
+    // The drain went past the spill's mark: it did not sit out its 3 s.
+    assert!(
+        report.accounts.waited < Duration::from_secs(2),
+        "{}",
+        report.accounts
+    );
+    assert_eq!(report.cqs[0].flushes, 16);
+    assert_eq!(report.undelivered, 0);
+    assert_eq!(items.load(Relaxed), 20 * 16, "every item handed over");
+    assert_eq!(pool.items(), 20 * 16);
 }

@@ -90,20 +90,22 @@ pub struct Contender {
 /// goes": same throughput, a shorter tail than with the topology's two).
 pub const WORKERS: &str = "1";
 
-/// The load generator's poller thread: `cqd-poller-<i>`, `i` the index of
-/// the demo layout's poller of `load0` (`examples/demo-topology.toml`).
+/// The load generator's poller thread: `cqd-poller-<name>`, `name` that of
+/// the demo layout's poller of `load0` (`examples/demo-topology.toml`), as
+/// Linux shows it: the first 15 bytes.
 fn load_thread() -> &'static str {
     static NAME: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     NAME.get_or_init(|| {
-        let i = cqd_demo::topo::load(None)
+        let name = cqd_demo::topo::load(None)
             .ok()
             .and_then(|t| {
                 t.pollers
-                    .iter()
-                    .position(|p| p.cqs.iter().any(|c| c == "load0"))
+                    .into_iter()
+                    .find(|p| p.cqs.iter().any(|c| c == "load0"))
+                    .map(|p| p.name)
             })
-            .unwrap_or(1);
-        format!("cqd-poller-{i}")
+            .unwrap_or_else(|| "load".into());
+        format!("cqd-poller-{name}").chars().take(15).collect()
     })
 }
 

@@ -132,12 +132,16 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> TokioDriver<W, S> {
     ///
     /// # Errors
     /// [`PollerError::NoCq`] for an empty group,
-    /// [`PollerError::WakeTimeout`] below the minimum, [`PollerError::Os`]
-    /// when a descriptor cannot be duplicated or registered with the
-    /// runtime (no runtime, or one without IO enabled).
+    /// [`PollerError::WakeTimeout`] below the minimum,
+    /// [`PollerError::SharedChannel`] for a CQ on a completion channel
+    /// shared with other CQs (give such CQs a poller thread, which reads
+    /// the channel once for all of them), [`PollerError::Os`] when a
+    /// descriptor cannot be duplicated or registered.
     ///
     /// # Panics
-    /// Outside a `LocalSet` (as `tokio::task::spawn_local` does).
+    /// Outside a `LocalSet` (as `tokio::task::spawn_local` does), outside a
+    /// runtime, or on a runtime without IO or time enabled
+    /// (`Builder::enable_all`), as tokio's `AsyncFd` and timers do.
     pub fn spawn_local(self) -> Result<DriverHandle, PollerError> {
         let name = self.name.clone();
         if self.cqs.is_empty() {
@@ -170,7 +174,14 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> TokioDriver<W, S> {
                 .map_err(std::io::Error::from)
         };
         let bell_fd = register(bell.as_fd()).map_err(os("register the doorbell"))?;
-        let mut cqs = Vec::with_capacity(self.cqs.len());
+        if let Some(cq) = self.cqs.iter().find(|c| c.source().notifier().is_some()) {
+            return Err(PollerError::SharedChannel {
+                poller: name,
+                cq: cq.name().to_string(),
+            });
+        }
+        let n_cqs = self.cqs.len();
+        let mut cqs = Vec::with_capacity(n_cqs);
         for (i, cq) in self.cqs.into_iter().enumerate() {
             let mut poller = cq.bind();
             poller.install_doorbell(Arc::clone(&bell), i);
@@ -182,6 +193,7 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> TokioDriver<W, S> {
             });
         }
         let shared = Arc::new(Shared {
+            thread: std::thread::current().id(),
             stop: AtomicBool::new(false),
             bell,
             report: Mutex::new(None),
@@ -202,16 +214,20 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> TokioDriver<W, S> {
             noted: Vec::new(),
         };
         tokio::task::spawn_local(group.run());
+        // The stop drains once for the group, then hands over per CQ.
+        let per_cq = self.how.stop_timeout * (n_cqs as u32 + 1);
         Ok(DriverHandle {
             name,
             shared,
-            wait: self.how.drain_timeout + self.how.stop_timeout + Duration::from_secs(5),
+            wait: self.how.drain_timeout + per_cq + Duration::from_secs(5),
         })
     }
 }
 
 /// What the driver task and its handle share.
 struct Shared {
+    /// The thread whose `LocalSet` runs the task.
+    thread: std::thread::ThreadId,
     stop: AtomicBool,
     bell: Arc<GroupBell>,
     report: Mutex<Option<PollerReport>>,
@@ -232,6 +248,9 @@ impl Shared {
 }
 
 /// The running driver: `Send` and `Sync`, to stop it from anywhere.
+/// Dropping it asks the driver to stop (its report is then nobody's: stop
+/// it with [`stop`](Self::stop) or through `shutdown` to read it).
+#[must_use = "a dropped DriverHandle stops its driver without reading the report"]
 pub struct DriverHandle {
     name: String,
     shared: Arc<Shared>,
@@ -282,6 +301,14 @@ impl DriverHandle {
     /// `LocalSet` meanwhile.
     fn stop_blocking(self) -> Result<PollerReport, String> {
         self.request_stop();
+        if std::thread::current().id() == self.shared.thread {
+            return Err(format!(
+                "driver {}: a blocking stop on the driver's own thread would wait for itself; \
+                 call shutdown from another thread (spawn_blocking) or use \
+                 DriverHandle::stop().await",
+                self.name
+            ));
+        }
         let deadline = Instant::now() + self.wait;
         let mut slot = self.shared.report.lock().unwrap_or_else(|p| p.into_inner());
         loop {
@@ -307,6 +334,12 @@ impl DriverHandle {
     }
 }
 
+impl Drop for DriverHandle {
+    fn drop(&mut self) {
+        self.request_stop();
+    }
+}
+
 impl From<DriverHandle> for Stopper {
     fn from(d: DriverHandle) -> Self {
         let name = d.name.clone();
@@ -314,10 +347,40 @@ impl From<DriverHandle> for Stopper {
     }
 }
 
+/// Delivers a report naming the failure if the driver's task ends (is
+/// dropped, or panics) before it delivered its own.
+struct Delivery {
+    shared: Arc<Shared>,
+    name: String,
+    delivered: bool,
+}
+
+impl Drop for Delivery {
+    fn drop(&mut self) {
+        if self.delivered {
+            return;
+        }
+        let mut r = PollerReport {
+            poller: PollerMetrics::default().snapshot(&self.name),
+            cqs: Vec::new(),
+            undelivered: 0,
+            errors: Vec::new(),
+            accounts: Default::default(),
+        };
+        r.errors.push(format!(
+            "driver {}: its task ended without a stop (it panicked, or its LocalSet or runtime \
+             was dropped): its CQs were finished without a drain or accounts",
+            self.name
+        ));
+        self.shared.deliver(r);
+    }
+}
+
 /// One CQ of the group.
 struct DrivenCq<W> {
-    poller: CqPoller<W>,
+    /// First, so that it is dropped (deregistered) before the CQ.
     fd: AsyncFd<OwnedFd>,
+    poller: CqPoller<W>,
     /// The CQ's one-shot arm is in force (not seen firing).
     armed: bool,
 }
@@ -330,6 +393,8 @@ enum Woke {
     Bell,
     /// The wake timeout.
     Timeout,
+    /// A descriptor's readiness failed.
+    Failed(std::io::Error),
 }
 
 struct Group<W, S> {
@@ -348,15 +413,36 @@ struct Group<W, S> {
 
 impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
     async fn run(mut self) {
-        let report = match self.serve().await {
-            Ok(()) => self.finish().await,
-            Err(e) => {
-                let mut r = self.finish().await;
-                r.errors.push(format!("driver {}: {e}", self.name));
-                r
-            }
+        // Delivers an error report if the task ends without one (a panic in
+        // a sink, the LocalSet dropped): a stop never waits for ever.
+        let mut guard = Delivery {
+            shared: Arc::clone(&self.shared),
+            name: self.name.clone(),
+            delivered: false,
         };
+        let mut failures = 0u32;
+        let mut errors = Vec::new();
+        loop {
+            match self.serve().await {
+                Ok(()) => break,
+                Err(e) => {
+                    // As a poller thread: traced, counted, backed off; the
+                    // loop goes on (a device coming back is served again).
+                    failures += 1;
+                    tracing::error!(driver = %self.name, error = %e, failures,
+                        "driver: a source failed; backing off");
+                    if errors.len() < 8 {
+                        errors.push(format!("driver {}: {e}", self.name));
+                    }
+                    let back_off = self.wake_timeout * failures.min(10);
+                    tokio::time::sleep(back_off).await;
+                }
+            }
+        }
+        let mut report = self.finish().await;
+        report.errors.extend(errors);
         self.shared.deliver(report);
+        guard.delivered = true;
     }
 
     /// The protocol of the module documentation, until a stop.
@@ -413,6 +499,12 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                     bump(&self.metrics.0.timeouts, 1);
                     self.safety_net().await?;
                 }
+                Woke::Failed(source) => {
+                    return Err(SourceError::Os {
+                        op: "wait for a descriptor",
+                        source,
+                    })
+                }
             }
         }
     }
@@ -424,17 +516,19 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         std::future::poll_fn(|cx| {
             let mut ready = Vec::new();
             for (i, cq) in self.cqs.iter().enumerate() {
-                if let Poll::Ready(r) = cq.fd.poll_read_ready(cx) {
-                    // An error is the descriptor's: collecting meets it.
-                    drop(r);
-                    ready.push(i);
+                match cq.fd.poll_read_ready(cx) {
+                    Poll::Ready(Ok(_)) => ready.push(i),
+                    Poll::Ready(Err(e)) => return Poll::Ready(Woke::Failed(e)),
+                    Poll::Pending => {}
                 }
             }
             if !ready.is_empty() {
                 return Poll::Ready(Woke::Cqs(ready));
             }
-            if self.bell_fd.poll_read_ready(cx).is_ready() {
-                return Poll::Ready(Woke::Bell);
+            match self.bell_fd.poll_read_ready(cx) {
+                Poll::Ready(Ok(_)) => return Poll::Ready(Woke::Bell),
+                Poll::Ready(Err(e)) => return Poll::Ready(Woke::Failed(e)),
+                Poll::Pending => {}
             }
             if sleep.as_mut().poll(cx).is_ready() {
                 return Poll::Ready(Woke::Timeout);
@@ -528,13 +622,19 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         Ok(total)
     }
 
+    /// True once a stop began: the stop drains past the spill's mark
+    /// (posting has stopped; every completion must reach its handler).
+    fn stopping(&self) -> bool {
+        self.shared.stop.load(Ordering::Acquire)
+    }
+
     /// Polls CQ `i` until it is empty, handing work to the sink after each
     /// batch; yields to the runtime every round budget.
     async fn drain(&mut self, i: usize) -> Result<u64, SourceError> {
         const ROUND: u64 = crate::cq::DEFAULT_ROUND_BUDGET as u64;
         let (mut total, mut round) = (0, 0);
         loop {
-            if self.out.len() > DEFAULT_SPILL_HIGH_WATER_MARK {
+            if self.out.len() > DEFAULT_SPILL_HIGH_WATER_MARK && !self.stopping() {
                 return Ok(total); // back-pressure: the CQ holds the rest
             }
             let n = self.cqs[i].poller.poll_once(&mut self.out)? as u64;
@@ -560,8 +660,10 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         }
     }
 
-    /// The stop: drain until nothing is outstanding (yielding, never
-    /// blocking the runtime), then each CQ's own stop, one report.
+    /// The stop: drain until nothing is outstanding (yielding to the
+    /// runtime), then each CQ's own stop, one report. That last step may
+    /// block the thread while the sink refuses work, up to the stop
+    /// timeout per CQ.
     async fn finish(&mut self) -> PollerReport {
         let started = Instant::now();
         let mut errors = Vec::new();
@@ -569,19 +671,21 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             cq.poller.apply_commands();
         }
         loop {
-            match self.drain_all().await {
-                Ok(0) => {}
-                Ok(_) => continue,
+            let found = match self.drain_all().await {
+                Ok(n) => n,
                 Err(e) => {
                     errors.push(format!("driver {}: poll: {e}", self.name));
                     break;
                 }
-            }
+            };
+            self.offer();
             let outstanding: u64 = self.cqs.iter().map(|c| c.poller.outstanding()).sum();
             if outstanding == 0 || started.elapsed() >= self.how.drain_timeout {
                 break;
             }
-            tokio::time::sleep(Duration::from_micros(200)).await;
+            if found == 0 || !self.out.is_empty() {
+                tokio::time::sleep(Duration::from_micros(200)).await;
+            }
         }
         let left = self.how.drain_timeout.saturating_sub(started.elapsed());
         let how = CustomStop {

@@ -366,8 +366,9 @@ pub enum PollerError {
         poller: String,
     },
     /// A CQ was attached to a poller that its topology does not give it to.
-    #[error("CQ {cq:?} attached to poller {poller:?}, but the topology gives it to {}",
-        .owner.as_ref().map_or_else(|| "no poller".to_string(), |o| format!("poller {o:?}")))]
+    #[error("CQ {cq:?} attached to poller {poller:?}, but {}",
+        .owner.as_ref().map_or_else(|| "the topology has no CQ of that name".to_string(),
+            |o| format!("the topology gives it to poller {o:?}")))]
     NotAssigned {
         /// The poller it was attached to.
         poller: String,
@@ -375,6 +376,16 @@ pub enum PollerError {
         cq: String,
         /// The poller the topology gives the CQ to, if any.
         owner: Option<String>,
+    },
+    /// A CQ on a completion channel shared with other CQs was given to the
+    /// tokio driver, which waits on each CQ's own descriptor (a poller
+    /// thread reads a shared channel once for all its CQs).
+    #[error("driver {poller}: CQ {cq:?} notifies through a completion channel shared with other CQs; give it a poller thread")]
+    SharedChannel {
+        /// The driver.
+        poller: String,
+        /// The CQ.
+        cq: String,
     },
     /// A CQ the topology gives a poller was not attached to it (its
     /// completions would never be polled).

@@ -127,7 +127,7 @@ fn a_cq_the_topology_gives_another_poller_is_refused_naming_both() {
         .spawn()
         .unwrap_err();
     assert!(
-        e.to_string().contains("\"stray\"") && e.to_string().contains("no poller"),
+        e.to_string().contains("\"stray\"") && e.to_string().contains("has no CQ of that name"),
         "{e}"
     );
 }

@@ -429,6 +429,21 @@ impl<W> std::fmt::Debug for Feeds<W> {
     }
 }
 
+impl<W> Drop for Feeds<W> {
+    fn drop(&mut self) {
+        let left: Vec<&str> = self
+            .sinks
+            .iter()
+            .filter(|(_, s)| s.is_some())
+            .map(|(n, _)| n.as_str())
+            .collect();
+        if !left.is_empty() {
+            tracing::warn!(pool = %self.pool, pollers = ?left,
+                "feeds never taken: these pollers of the topology never fed the pool");
+        }
+    }
+}
+
 impl<W: Send + 'static> Feeds<W> {
     /// The pool's name.
     pub fn pool(&self) -> &str {
