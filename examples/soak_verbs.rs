@@ -43,8 +43,10 @@
 //! after warm-up (the first fifth of the 5-second samples) grew by less
 //! than 8 MiB. Exit status 1 otherwise.
 //!
-//! Outside the launcher it prints `SKIPPED: soak_verbs (needs
-//! softverbs-run, root)` and exits 0.
+//! On the kernel's rxe (in the VM of scripts/rxe-vm.sh, which sets
+//! `CQD_RXE` and `RXE_GID_INDEX`) it runs as under the launcher, on the
+//! first device with that GID index. Elsewhere it prints `SKIPPED:
+//! soak_verbs (needs softverbs-run, root, or rxe: CQD_RXE)` and exits 0.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};

@@ -9,28 +9,34 @@
 #   loss1        loss 1% for the whole run       RC retransmits: every
 #   loss5        loss 5%                          verdict PASSED, both
 #   reorder      delay 2ms reorder 25% 50%        sides exit 0
-#   delay        delay 20ms 5ms
+#   delay        delay 20ms 5ms (the load --op-timeout 10s)
 #   outage       loss 100% for 3 s from 0.5 s into the load, the QPs'
 #                defaults (retry_cnt 7, which rxe takes as retrying for
 #                ever): the load's --op-timeout (2 s) fails its connections
-#   outage-rc6   (TCP exchange) loss 100% for 4 s, both sides --retry-cnt 6
+#   outage-rc6   (TCP exchange) loss 100% for 3 s, both sides --retry-cnt 6
 #                and the load --op-timeout 8s: the requests in flight
 #                complete with RETRY_EXC_ERR (ACK timeout 14: 7 × 67 ms)
-#   outage-rc1   (rdma_cm) the same for 8 s with --retry-cnt 1 and
+#   outage-rc1   (rdma_cm) the same for 7 s with --retry-cnt 1 and
 #                --op-timeout 12s: the CM gives rxe's QPs an ACK timeout
 #                of about 2 s, so 2 tries last about 4 s
 #   restored, restored-rc6, restored-rc1   the link back: a new session
 #                passes
+#   ifdown       (TCP exchange) `ip link set dev NIC down` for 2 s instead:
+#                rxe fails the requests it cannot send at once
+#                (IBV_WC_LOC_QP_OP_ERR), whatever the retry count
+#   restored-if  the link up again: a new session passes
 #
 # After an outage the load must exit 1 (not hang), report its failed
 # requests and a FAILED data verdict (its blocks were not read back), no
 # read may mismatch, and both sides' accounts must balance. The TCP
-# exchange runs every scenario, rdma_cm (--cm rdmacm) loss5 (with
-# --op-timeout 30s: its ACK timeout is about 2 s) and the outages. Per scenario it prints the fault, the deltas of rxe0's nonzero
-# hw_counters on both VMs and the verdict lines, and it fails if a
-# promise breaks: lost or wrong data, an account that does not balance, a
-# run that hangs (every demo runs under `timeout`, each VM under
-# RXE_VM_TIMEOUT) or an exit status other than the scenario's.
+# exchange runs every scenario but outage-rc1; rdma_cm (--cm rdmacm)
+# loss5 (with --op-timeout 30s: its ACK timeout is about 2 s), outage,
+# restored, outage-rc1, restored-rc1. Per scenario it prints the fault,
+# the deltas of rxe0's nonzero hw_counters on both VMs and the verdict
+# lines, and it fails if a promise breaks: lost or wrong data, an account
+# that does not balance, a run that hangs (every demo runs under
+# `timeout`, each VM under RXE_VM_TIMEOUT) or an exit status other than
+# the scenario's.
 #
 #   sudo bash scripts/rxe-faults.sh            # DEMO=... to skip the build
 #   CMS=tcp FAULTS_TCP="loss5 outage-rc6 restored" sudo bash scripts/rxe-faults.sh
@@ -55,8 +61,9 @@ netem_of() { # scenario: the netem arguments of a steady fault
 outage_of() { # scenario: seconds of loss 100% (0: none)
     case $1 in
         outage) echo 3 ;;
-        outage-rc6) echo 4 ;;
-        outage-rc1) echo 8 ;;
+        outage-rc6) echo 3 ;;
+        ifdown) echo 2 ;;
+        outage-rc1) echo 7 ;;
         *) echo 0 ;;
     esac
 }
@@ -68,10 +75,12 @@ flags_of() { # scenario side: the demo's extra flags (cm: tcp or rdmacm)
         outage-rc1:load) echo "--retry-cnt 1 --op-timeout 12s --duration 12s" ;;
         restored-rc6:load) echo "--retry-cnt 6" ;;
         restored-rc1:load) echo "--retry-cnt 1" ;;
-        outage:load) echo "--duration 6s" ;;
+        outage:load | ifdown:load) echo "--duration 6s" ;;
         # Through rdma_cm rxe's QPs wait about 2 s for an ACK: longer than
-        # the load's default --op-timeout.
-        loss*:load | reorder:load | delay:load) [[ $cm == tcp ]] || echo "--op-timeout 30s" ;;
+        # the load's default --op-timeout. Delay with jitter reorders, and
+        # go-back-N made one request of five runs wait over 2 s.
+        delay:load) [[ $cm == tcp ]] && echo "--op-timeout 10s" || echo "--op-timeout 30s" ;;
+        loss*:load | reorder:load) [[ $cm == tcp ]] || echo "--op-timeout 30s" ;;
         *) echo "" ;;
     esac
 }
@@ -125,9 +134,9 @@ if [[ ${1:-} == --guest-load ]]; then
         log=$L/load.$cm.$s.log rc=0
         # Until this scenario's server listens (each probe is a handshake
         # the server refuses and logs).
-        for _ in $(seq 1 200); do
+        for _ in $(seq 1 600); do
             timeout 2 bash -c "exec 3<>/dev/tcp/10.77.0.1/$PORT_IN_GUEST" 2>/dev/null && break
-            sleep 1
+            sleep 0.3
         done
         tc qdisc del dev "$nic" root 2>/dev/null || true
         counters /tmp/c0
@@ -138,6 +147,7 @@ if [[ ${1:-} == --guest-load ]]; then
             fault="netem $spec on $nic for the whole run"
         elif [[ $down -gt 0 ]]; then
             fault="netem loss 100% on $nic for ${down}s from 0.5 s into the load"
+            [[ $s != ifdown* ]] || fault="ip link set dev $nic down for ${down}s from 0.5 s into the load"
         else
             fault="none (the link restored)"
         fi
@@ -155,10 +165,18 @@ if [[ ${1:-} == --guest-load ]]; then
                 sleep 0.1
             done
             sleep 0.5
-            tc qdisc add dev "$nic" root netem loss 100%
+            if [[ $s == ifdown* ]]; then ip link set dev "$nic" down; else tc qdisc add dev "$nic" root netem loss 100%; fi
             echo "load[$s] link down at $(date +%T.%N | cut -c1-12)"
             sleep "$down"
-            tc qdisc del dev "$nic" root
+            if [[ $s == ifdown* ]]; then
+                ip link set dev "$nic" up
+                for _ in $(seq 1 100); do
+                    grep -q ACTIVE /sys/class/infiniband/rxe0/ports/1/state && break
+                    sleep 0.1
+                done
+            else
+                tc qdisc del dev "$nic" root
+            fi
             echo "load[$s] link up at $(date +%T.%N | cut -c1-12)"
         fi
         wait "$lpid" || rc=$?
@@ -179,6 +197,9 @@ if [[ ${1:-} == --guest-load ]]; then
             if [[ $s == *-rc[0-6] ]]; then
                 grep -aqE 'RetryExceeded|retry counter exceeded' "$log" ||
                     why+=("no request completed with RETRY_EXC_ERR")
+            elif [[ $s == ifdown ]]; then
+                grep -aq 'connection failed: .* completed with' "$log" ||
+                    why+=("no request completed with an error")
             fi
         else
             [[ $rc -eq 0 ]] || why+=("exit status $rc")
@@ -215,7 +236,7 @@ echo "rxe-faults: logs in $RXE_VM_LOGDIR"
 
 bad=0
 for cm in ${CMS:-tcp rdmacm}; do
-    if [[ $cm == tcp ]]; then FAULTS=${FAULTS_TCP:-loss1 loss5 reorder delay outage restored outage-rc6 restored-rc6}
+    if [[ $cm == tcp ]]; then FAULTS=${FAULTS_TCP:-loss1 loss5 reorder delay outage restored outage-rc6 restored-rc6 ifdown restored-if}
     else FAULTS=${FAULTS_CM:-loss5 outage restored outage-rc1 restored-rc1}; fi
     n=$(wc -w <<<"$FAULTS")
     port=$((31000 + $$ % 1000 + ${#cm}))
