@@ -43,8 +43,10 @@
 //! after warm-up (the first fifth of the 5-second samples) grew by less
 //! than 8 MiB. Exit status 1 otherwise.
 //!
-//! Outside the launcher it prints `SKIPPED: soak_verbs (needs
-//! softverbs-run, root)` and exits 0.
+//! On the kernel's rxe (in the VM of scripts/rxe-vm.sh, which sets
+//! `CQD_RXE` and `RXE_GID_INDEX`) it runs as under the launcher, on the
+//! first device with that GID index. Elsewhere it prints `SKIPPED:
+//! soak_verbs (needs softverbs-run, root, or rxe: CQD_RXE)` and exits 0.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
@@ -79,11 +81,15 @@ fn err(e: impl std::fmt::Display) -> String {
 }
 
 /// Short transport timeout so that a dead peer is found in milliseconds:
-/// 4.096 µs × 2^10 × (1 + 1) ≈ 8 ms.
+/// 4.096 µs × 2^10 × (1 + 1) ≈ 8 ms. On the kernel's rxe (RoCE) the GID
+/// index comes from `RXE_GID_INDEX` (scripts/rxe-vm.sh sets it).
 fn connect_options() -> ConnectOptions {
     ConnectOptions {
         timeout: 10,
         retry_cnt: 1,
+        gid_index: std::env::var("RXE_GID_INDEX")
+            .ok()
+            .and_then(|v| v.parse().ok()),
         ..ConnectOptions::default()
     }
 }
@@ -806,8 +812,8 @@ fn main() {
         }
         return;
     }
-    if std::env::var_os("SOFTVERBS_RUN").is_none() {
-        println!("SKIPPED: soak_verbs (needs softverbs-run, root)");
+    if std::env::var_os("SOFTVERBS_RUN").is_none() && std::env::var_os("CQD_RXE").is_none() {
+        println!("SKIPPED: soak_verbs (needs softverbs-run, root, or rxe: CQD_RXE)");
         return;
     }
     let num = |flag: &str, default: u64| -> u64 {

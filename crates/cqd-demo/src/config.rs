@@ -114,6 +114,12 @@ pub struct Args {
     /// GID index for a global route (verbs; RoCE needs one).
     #[arg(long)]
     pub gid_index: Option<u8>,
+    /// Transport retries of every RC queue pair, 0-7 (verbs; through
+    /// rdma_cm the load's sets both sides) [default: 7, cqd-verbs'
+    /// default]. The kernel's rxe retries for ever at 7: give 6 or less to
+    /// see RETRY_EXC_ERR when a peer goes silent.
+    #[arg(long, value_name = "N")]
+    pub retry_cnt: Option<u8>,
     /// serve: the TCP address to listen on for the load's handshake.
     #[arg(long, value_name = "ADDR:PORT")]
     pub listen: Option<String>,
@@ -242,6 +248,9 @@ pub struct Config {
     pub ib_port: Option<u8>,
     /// GID index (verbs).
     pub gid_index: Option<u8>,
+    /// Transport retries of the RC queue pairs (verbs; None: cqd-verbs'
+    /// default).
+    pub retry_cnt: Option<u8>,
     /// serve: where to listen.
     pub listen: String,
     /// How the queue pairs connect (serve/load).
@@ -336,6 +345,7 @@ impl Args {
                 ("--device", self.device.is_some()),
                 ("--ib-port", self.ib_port.is_some()),
                 ("--gid-index", self.gid_index.is_some()),
+                ("--retry-cnt", self.retry_cnt.is_some()),
             ] {
                 if given {
                     return bad(format!("{flag} is for --backend verbs"));
@@ -345,6 +355,11 @@ impl Args {
             return bad(
                 "--fault-rate injects errors in the simulated NIC: it needs --backend sim".into(),
             );
+        }
+        if let Some(n) = self.retry_cnt.filter(|&n| n > 7) {
+            return bad(format!(
+                "--retry-cnt {n}: the transport retry count is 0 to 7"
+            ));
         }
         if command != Command::Serve && (self.listen.is_some() || self.accept_timeout.is_some()) {
             return bad("--listen and --accept-timeout are for `serve`".into());
@@ -480,6 +495,7 @@ impl Args {
             device: self.device.clone(),
             ib_port: self.ib_port,
             gid_index: self.gid_index,
+            retry_cnt: self.retry_cnt,
             listen: self
                 .listen
                 .clone()
@@ -681,6 +697,29 @@ mod tests {
         );
         let e = args(&["--server", "h:1"]).check().unwrap_err();
         assert!(e.to_string().contains("--server is for `load`"), "{e}");
+        let e = args(&["--retry-cnt", "6"]).check().unwrap_err();
+        assert!(
+            e.to_string().contains("--retry-cnt is for --backend verbs"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_retry_count_is_the_transports_three_bits() {
+        if !cfg!(feature = "verbs") {
+            return;
+        }
+        let c = args(&["load", "--server", "a:1"]).check().unwrap();
+        assert_eq!(c.retry_cnt, None);
+        let c = args(&["load", "--server", "a:1", "--retry-cnt", "6"])
+            .check()
+            .unwrap();
+        assert_eq!(c.retry_cnt, Some(6));
+        let c = args(&["serve", "--retry-cnt", "0"]).check().unwrap();
+        assert_eq!(c.retry_cnt, Some(0));
+        let e = args(&["serve", "--retry-cnt", "8"]).check().unwrap_err();
+        assert!(e.to_string().contains("0 to 7"), "{e}");
+        assert_eq!(e.exit_code(), 2);
     }
 
     #[test]

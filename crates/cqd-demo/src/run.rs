@@ -72,6 +72,7 @@ pub fn verbs_options(cfg: &Config) -> crate::backend::verbs::VerbsOptions {
     crate::backend::verbs::VerbsOptions {
         port: cfg.ib_port,
         gid_index: cfg.gid_index,
+        retry_cnt: cfg.retry_cnt,
     }
 }
 

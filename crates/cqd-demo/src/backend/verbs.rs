@@ -30,6 +30,9 @@ pub struct VerbsOptions {
     /// The GID index for a global route (RoCE needs one; InfiniBand in one
     /// subnet does not).
     pub gid_index: Option<u8>,
+    /// Transport retries of every RC QP, 0-7 (`None`: cqd-verbs' default,
+    /// 7, which the kernel's rxe takes as retrying for ever).
+    pub retry_cnt: Option<u8>,
 }
 
 impl VerbsOptions {
@@ -37,6 +40,9 @@ impl VerbsOptions {
         ConnectOptions {
             port: self.port.unwrap_or(1),
             gid_index: self.gid_index,
+            retry_cnt: self
+                .retry_cnt
+                .unwrap_or(ConnectOptions::default().retry_cnt),
             ..ConnectOptions::default()
         }
     }
@@ -297,6 +303,8 @@ impl Link for VerbsLink {
         let cm = cm_manager()?;
         let params = cqd_verbs::cm::CmParams {
             private_data: super::cm::request_data(conn),
+            // The REQ carries it: both sides' QPs retry this often.
+            retry_count: self.connect.retry_cnt,
             ..cqd_verbs::cm::CmParams::default()
         };
         let c = cm
@@ -397,5 +405,23 @@ impl Node for VerbsNode {
             connect: self.connect,
             cm: std::sync::Mutex::new(None),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_retry_count_reaches_every_qp_connect() {
+        let default = VerbsOptions::default().connect_options();
+        assert_eq!(default.retry_cnt, ConnectOptions::default().retry_cnt);
+        let o = VerbsOptions {
+            retry_cnt: Some(3),
+            gid_index: Some(1),
+            ..VerbsOptions::default()
+        };
+        let c = o.connect_options();
+        assert_eq!((c.retry_cnt, c.gid_index, c.port), (3, Some(1), 1));
     }
 }

@@ -1,0 +1,277 @@
+#!/usr/bin/env bash
+# rxe-faults.sh: cqd-demo on Soft-RoCE under network faults (issue 24,
+# part 5). Two VMs of scripts/rxe-vm.sh (rxe0 on each one's virtio NIC,
+# the NICs joined by QEMU's socket backend over 127.0.0.1, one vCPU each):
+# `cqd-demo serve` runs session after session in one, `cqd-demo load` runs
+# once per scenario in the other, with `tc netem` on the load VM's NIC
+# (its egress: the load's requests, the data of its writes, its ACKs):
+#
+#   loss1        loss 1% for the whole run       RC retransmits: every
+#   loss5        loss 5%                          verdict PASSED, both
+#   reorder      delay 2ms reorder 25% 50%        sides exit 0
+#   delay        delay 20ms 5ms (the load --op-timeout 10s)
+#   outage       loss 100% for 3 s from 0.5 s into the load, the QPs'
+#                defaults (retry_cnt 7, which rxe takes as retrying for
+#                ever): the load's --op-timeout (2 s) fails its connections
+#   outage-rc6   (TCP exchange) loss 100% for 3 s, both sides --retry-cnt 6
+#                and the load --op-timeout 8s: the requests in flight
+#                complete with RETRY_EXC_ERR (ACK timeout 14: 7 × 67 ms)
+#   outage-rc1   (rdma_cm) the same for 7 s with --retry-cnt 1 and
+#                --op-timeout 12s: the CM gives rxe's QPs an ACK timeout
+#                of about 2 s, so 2 tries last about 4 s
+#   restored, restored-rc6, restored-rc1   the link back: a new session
+#                passes
+#   ifdown       (TCP exchange) `ip link set dev NIC down` for 2 s instead:
+#                rxe fails the requests it cannot send at once
+#                (IBV_WC_LOC_QP_OP_ERR), whatever the retry count
+#   restored-if  the link up again: a new session passes
+#
+# After an outage the load must exit 1 (not hang), report its failed
+# requests and a FAILED data verdict (its blocks were not read back), no
+# read may mismatch, and both sides' accounts must balance. The TCP
+# exchange runs every scenario but outage-rc1; rdma_cm (--cm rdmacm)
+# loss5 (with --op-timeout 30s: its ACK timeout is about 2 s), outage,
+# restored, outage-rc1, restored-rc1. Per scenario it prints the fault,
+# the deltas of rxe0's nonzero hw_counters on both VMs and the verdict
+# lines, and it fails if a promise breaks: lost or wrong data, an account
+# that does not balance, a run that hangs (every demo runs under
+# `timeout`, each VM under RXE_VM_TIMEOUT) or an exit status other than
+# the scenario's.
+#
+#   sudo bash scripts/rxe-faults.sh            # DEMO=... to skip the build
+#   CMS=tcp FAULTS_TCP="loss5 outage-rc6 restored" sudo bash scripts/rxe-faults.sh
+#
+# Root, no stdin. Where the VM cannot run, scripts/rxe-vm.sh says SKIPPED
+# and so does this, exit 0.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PORT_IN_GUEST=18540
+HW=/sys/class/infiniband/rxe0/ports/1/hw_counters
+
+netem_of() { # scenario: the netem arguments of a steady fault
+    case $1 in
+        loss1) echo "loss 1%" ;;
+        loss5) echo "loss 5%" ;;
+        reorder) echo "delay 2ms reorder 25% 50%" ;;
+        delay) echo "delay 20ms 5ms" ;;
+        *) echo "" ;;
+    esac
+}
+outage_of() { # scenario: seconds of loss 100% (0: none)
+    case $1 in
+        outage) echo 3 ;;
+        outage-rc6) echo 3 ;;
+        ifdown) echo 2 ;;
+        outage-rc1) echo 7 ;;
+        *) echo 0 ;;
+    esac
+}
+flags_of() { # scenario side: the demo's extra flags (cm: tcp or rdmacm)
+    case $1:$2 in
+        *-rc6:serve) echo "--retry-cnt 6" ;;
+        *-rc1:serve) echo "--retry-cnt 1" ;;
+        outage-rc6:load) echo "--retry-cnt 6 --op-timeout 8s --duration 8s" ;;
+        outage-rc1:load) echo "--retry-cnt 1 --op-timeout 12s --duration 12s" ;;
+        restored-rc6:load) echo "--retry-cnt 6" ;;
+        restored-rc1:load) echo "--retry-cnt 1" ;;
+        outage:load | ifdown:load) echo "--duration 6s" ;;
+        # Through rdma_cm rxe's QPs wait about 2 s for an ACK: longer than
+        # the load's default --op-timeout. Delay with jitter reorders, and
+        # go-back-N made one request of five runs wait over 2 s.
+        delay:load) [[ $cm == tcp ]] && echo "--op-timeout 10s" || echo "--op-timeout 30s" ;;
+        loss*:load | reorder:load) [[ $cm == tcp ]] || echo "--op-timeout 30s" ;;
+        *) echo "" ;;
+    esac
+}
+counters() { # file: name value per line
+    local f
+    for f in "$HW"/*; do [[ $f == */lifespan ]] || echo "$(basename "$f") $(cat "$f")"; done >"$1"
+}
+deltas() { # before after: the nonzero deltas, one line
+    awk 'NR == FNR { b[$1] = $2; next } $2 - b[$1] != 0 { printf "%s%s +%d", sep, $1, $2 - b[$1]; sep = "," }
+         END { if (!sep) printf "none" }' "$1" "$2"
+}
+
+# The serve VM: one `cqd-demo serve` per scenario, in order, each under
+# `timeout`; its counters' deltas and verdicts per session.
+if [[ ${1:-} == --guest-serve ]]; then
+    cm=$2 fail=0
+    L=$RXE_VM_LOGDIR
+    for s in $FAULTS; do
+        log=$L/serve.$cm.$s.log rc=0
+        counters /tmp/c0
+        # shellcheck disable=SC2046 # the flags are words
+        RUST_LOG=warn timeout 200 "$DEMO" serve --device rxe0 --gid-index "$RXE_GID_INDEX" --quick \
+            --device-size 4MiB --cm "$cm" --listen "$RXE_VM_ADDR:$PORT_IN_GUEST" --accept-timeout 180s \
+            $(flags_of "$s" serve) >"$log" 2>&1 || rc=$?
+        counters /tmp/c1
+        echo "serve[$s] rc=$rc rxe0: $(deltas /tmp/c0 /tmp/c1)"
+        grep -aE '^verdict|^server |completed with' "$log" | sed "s/^/serve[$s]   /" || true
+        ok=1
+        grep -aq 'verdict accounts: PASSED' "$log" || ok=0
+        [[ $rc -ne 124 && $rc -ne 137 ]] || ok=0
+        if [[ $(outage_of "$s") -eq 0 ]]; then
+            [[ $rc -eq 0 ]] && grep -aq 'verdict session:  PASSED' "$log" || ok=0
+        fi
+        if [[ $ok -eq 1 ]]; then
+            echo "serve[$s] ok"
+        else
+            echo "serve[$s] FAIL (rc=$rc)"; tail -30 "$log" | sed "s/^/serve[$s]   /"; fail=1
+        fi
+    done
+    exit $fail
+fi
+
+# The load VM: per scenario, wait for the server, the counters, the
+# fault, the load under `timeout`, the fault removed, the counters again.
+if [[ ${1:-} == --guest-load ]]; then
+    cm=$2 fail=0
+    L=$RXE_VM_LOGDIR
+    nic=$(ls /sys/class/net | grep -v '^lo$' | head -1)
+    modprobe sch_netem
+    for s in $FAULTS; do
+        log=$L/load.$cm.$s.log rc=0
+        # Until this scenario's server listens (each probe is a handshake
+        # the server refuses and logs).
+        for _ in $(seq 1 600); do
+            timeout 2 bash -c "exec 3<>/dev/tcp/10.77.0.1/$PORT_IN_GUEST" 2>/dev/null && break
+            sleep 0.3
+        done
+        tc qdisc del dev "$nic" root 2>/dev/null || true
+        counters /tmp/c0
+        spec=$(netem_of "$s") down=$(outage_of "$s")
+        if [[ -n $spec ]]; then
+            # shellcheck disable=SC2086 # the netem arguments are words
+            tc qdisc add dev "$nic" root netem $spec
+            fault="netem $spec on $nic for the whole run"
+        elif [[ $down -gt 0 ]]; then
+            fault="netem loss 100% on $nic for ${down}s from 0.5 s into the load"
+            [[ $s != ifdown* ]] || fault="ip link set dev $nic down for ${down}s from 0.5 s into the load"
+        else
+            fault="none (the link restored)"
+        fi
+        flags=$(flags_of "$s" load)
+        echo "load[$s] fault: $fault${flags:+; flags $flags}"
+        t0=$(date +%s.%N)
+        # shellcheck disable=SC2086 # the flags are words
+        RUST_LOG=warn,cqd_demo=info timeout 150 "$DEMO" load --device rxe0 --gid-index "$RXE_GID_INDEX" \
+            --quick $flags --cm "$cm" --server "10.77.0.1:$PORT_IN_GUEST" >"$log" 2>&1 &
+        lpid=$!
+        if [[ $down -gt 0 ]]; then
+            for _ in $(seq 1 600); do
+                grep -aq 'load: run' "$log" && break
+                kill -0 "$lpid" 2>/dev/null || break
+                sleep 0.1
+            done
+            sleep 0.5
+            if [[ $s == ifdown* ]]; then ip link set dev "$nic" down; else tc qdisc add dev "$nic" root netem loss 100%; fi
+            echo "load[$s] link down at $(date +%T.%N | cut -c1-12)"
+            sleep "$down"
+            if [[ $s == ifdown* ]]; then
+                ip link set dev "$nic" up
+                for _ in $(seq 1 100); do
+                    grep -q ACTIVE /sys/class/infiniband/rxe0/ports/1/state && break
+                    sleep 0.1
+                done
+            else
+                tc qdisc del dev "$nic" root
+            fi
+            echo "load[$s] link up at $(date +%T.%N | cut -c1-12)"
+        fi
+        wait "$lpid" || rc=$?
+        t1=$(date +%s.%N)
+        tc qdisc del dev "$nic" root 2>/dev/null || true
+        counters /tmp/c1
+        echo "load[$s] rc=$rc in $(awk "BEGIN { printf \"%.1f\", $t1 - $t0 }") s rxe0: $(deltas /tmp/c0 /tmp/c1)"
+        grep -aE '^(load +[0-9]|verify |verdict|server |note )' "$log" | sed "s/^/load[$s]   /" || true
+        grep -aE 'connection failed: |every connection failed' "$log" | sed -E "s/^[0-9-]+T([0-9:.]{12})[0-9]*Z +[A-Z]+ [a-z_:]+: /load[$s]   \1 /" || true
+        why=()
+        [[ $rc -ne 124 && $rc -ne 137 ]] || why+=("the load hung (timeout)")
+        grep -aq 'verdict accounts: PASSED' "$log" || why+=("load accounts not PASSED")
+        grep -aqE 'verify +[0-9]+ reads matched, 0 mismatched' "$log" || why+=("a read mismatched, or no verify line")
+        if [[ $down -gt 0 ]]; then
+            [[ $rc -eq 1 ]] || why+=("exit status $rc, not 1")
+            grep -aq 'verdict data:     FAILED' "$log" || why+=("the data verdict did not report the lost connections")
+            grep -aqE 'requests? failed \(reported as failed' "$log" || why+=("no failed request reported")
+            if [[ $s == *-rc[0-6] ]]; then
+                grep -aqE 'RetryExceeded|retry counter exceeded' "$log" ||
+                    why+=("no request completed with RETRY_EXC_ERR")
+            elif [[ $s == ifdown ]]; then
+                grep -aq 'connection failed: .* completed with' "$log" ||
+                    why+=("no request completed with an error")
+            fi
+        else
+            [[ $rc -eq 0 ]] || why+=("exit status $rc")
+            grep -aq 'verdict data:     PASSED' "$log" || why+=("data verdict not PASSED")
+        fi
+        if [[ ${#why[@]} -eq 0 ]]; then
+            echo "load[$s] ok"
+        else
+            echo "load[$s] FAIL: $(IFS=';'; echo "${why[*]}")"; tail -30 "$log" | sed "s/^/load[$s]   /"; fail=1
+        fi
+    done
+    exit $fail
+fi
+
+# The host half.
+start=$(date +%s)
+if [[ $(id -u) -ne 0 ]]; then
+    echo "SKIPPED: rxe-faults: not root (the VMs of scripts/rxe-vm.sh boot over the live root as root)"
+    exit 0
+fi
+command -v tc >/dev/null 2>&1 || {
+    echo "rxe-faults: installing iproute2 (tc)" >&2
+    DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq iproute2 </dev/null >/dev/null || true
+}
+command -v tc >/dev/null 2>&1 || { echo "SKIPPED: rxe-faults: no tc (iproute2) for the guests"; exit 0; }
+if [[ -z ${DEMO:-} ]]; then
+    nice -n 15 cargo build --release -p cqd-demo --features verbs
+    DEMO=${CARGO_TARGET_DIR:-$PWD/target}/release/cqd-demo
+fi
+[[ -x $DEMO ]] || { echo "rxe-faults: no cqd-demo at $DEMO"; exit 1; }
+export DEMO RXE_VM_LOGDIR FAULTS
+RXE_VM_LOGDIR=$(mktemp -d /tmp/cqd-rxe-faults.XXXXXX)
+echo "rxe-faults: logs in $RXE_VM_LOGDIR"
+
+bad=0
+for cm in ${CMS:-tcp rdmacm}; do
+    if [[ $cm == tcp ]]; then FAULTS=${FAULTS_TCP:-loss1 loss5 reorder delay outage restored outage-rc6 restored-rc6 ifdown restored-if}
+    else FAULTS=${FAULTS_CM:-loss5 outage restored outage-rc1 restored-rc1}; fi
+    n=$(wc -w <<<"$FAULTS")
+    port=$((31000 + $$ % 1000 + ${#cm}))
+    sl=$RXE_VM_LOGDIR/vm.$cm.serve.log ll=$RXE_VM_LOGDIR/vm.$cm.load.log
+    t0=$(date +%s) src=0 lrc=0
+    # Each VM's output through a pipe: written straight to its file, the
+    # console's lines and rxe-vm.sh's own overwrote each other.
+    RXE_VM_CPUS=1 RXE_VM_MEM=1G RXE_VM_TIMEOUT=$((60 + 45 * n)) RXE_VM_NET=listen:$port:1 \
+        RXE_VM_ENV="DEMO FAULTS" \
+        bash scripts/rxe-vm.sh bash scripts/rxe-faults.sh --guest-serve "$cm" 2>&1 | cat >"$sl" &
+    spid=$!
+    sleep 3 # QEMU's listening socket first
+    RXE_VM_CPUS=1 RXE_VM_MEM=1G RXE_VM_TIMEOUT=$((60 + 45 * n)) RXE_VM_NET=connect:$port:2 \
+        RXE_VM_ENV="DEMO FAULTS" \
+        bash scripts/rxe-vm.sh bash scripts/rxe-faults.sh --guest-load "$cm" 2>&1 | cat >"$ll" || lrc=$?
+    wait "$spid" || src=$?
+    if grep -aq '^SKIPPED: rxe-vm' "$sl" "$ll"; then
+        grep -ah '^SKIPPED: rxe-vm' "$sl" "$ll" | head -1 | sed 's/rxe-vm/rxe-faults/'
+        exit 0
+    fi
+    echo "== --cm $cm: $n scenarios in $(( $(date +%s) - t0 )) s (serve VM rc=$src, load VM rc=$lrc)"
+    for s in $FAULTS; do
+        grep -a "^load\[$s\]" "$ll" | sed 's/^load\[[a-z0-9-]*\] /  load:  /' | sed '1s/^  load:  fault: /fault '"$s"': /' || true
+        grep -a "^serve\[$s\]" "$sl" | sed 's/^serve\[[a-z0-9-]*\] /  serve: /' || true
+        if grep -aq "^load\[$s\] ok" "$ll" && grep -aq "^serve\[$s\] ok" "$sl"; then
+            echo "ok   fault_${cm}_$s"
+        else
+            echo "FAIL fault_${cm}_$s"; bad=$((bad + 1))
+        fi
+    done
+    if [[ $src -ne 0 || $lrc -ne 0 ]]; then
+        echo "FAIL rxe-faults --cm $cm: a VM exited $src / $lrc"
+        echo "--- serve VM"; tail -20 "$sl"; echo "--- load VM"; tail -20 "$ll"
+        bad=$((bad + 1))
+    fi
+done
+echo "rxe-faults: done in $(( $(date +%s) - start )) s, $bad failure(s)"
+[[ $bad -eq 0 ]]
