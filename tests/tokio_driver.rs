@@ -109,6 +109,43 @@ async fn exchange<W>(r: &Rig<W>, reg: &Registration, seen: &AtomicU64, rounds: u
     }
 }
 
+/// A pool fed by one planned poller `poller` (of CQ `cq`), whose workers
+/// take `per_item` per item and count them; the poller's feed.
+fn fed_pool(
+    poller: &str,
+    cq: &str,
+    pool: PoolConfig,
+    per_item: Duration,
+) -> (
+    cqd::core::pool::Pool,
+    cqd::core::pool::PoolSink<u64>,
+    Arc<AtomicU64>,
+) {
+    let name = pool.name.clone();
+    let mut topology = TopologyConfig::new()
+        .poller(PollerConfig::new(poller).cq(cq).pool(name.as_str()))
+        .pool(pool)
+        .validate()
+        .unwrap();
+    let items = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&items);
+    let (pool, mut feeds) = topology
+        .take_pool(&name)
+        .unwrap()
+        .spawn_feeds(move |_| {
+            let counted = Arc::clone(&counted);
+            move |_: u64| {
+                if !per_item.is_zero() {
+                    std::thread::sleep(per_item);
+                }
+                counted.fetch_add(1, Relaxed);
+            }
+        })
+        .unwrap();
+    let sink = feeds.take(&topology.take_poller(poller).unwrap()).unwrap();
+    (pool, sink, items)
+}
+
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -118,25 +155,7 @@ fn runtime() -> tokio::runtime::Runtime {
 
 #[test]
 fn every_completion_reaches_its_handler_and_the_pool_under_the_driver() {
-    let mut topology = TopologyConfig::new()
-        .poller(PollerConfig::new("net").cq("td0").pool("io"))
-        .pool(PoolConfig::new("io", 2))
-        .validate()
-        .unwrap();
-    let items = Arc::new(AtomicU64::new(0));
-    let counted = Arc::clone(&items);
-    let (pool, mut feeds) = topology
-        .take_pool("io")
-        .unwrap()
-        .spawn_feeds(move |_| {
-            let counted = Arc::clone(&counted);
-            move |_: u64| {
-                counted.fetch_add(1, Relaxed);
-            }
-        })
-        .unwrap();
-    let plan = topology.take_poller("net").unwrap();
-    let sink = feeds.take(&plan).unwrap();
+    let (pool, sink, items) = fed_pool("net", "td0", PoolConfig::new("io", 2), Duration::ZERO);
     let (r, unbound) = rig::<u64>("td0", CqConfig::default());
     let (seen, errors) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     let rt = runtime();
@@ -319,25 +338,8 @@ fn the_safety_net_recovers_what_lost_notifications_would_strand() {
 #[test]
 fn a_stop_under_back_pressure_hands_everything_over_and_collects_every_flush() {
     // One slow worker behind a ring of 2: the driver's spill passes its mark.
-    let mut topology = TopologyConfig::new()
-        .poller(PollerConfig::new("bp").cq("td4").pool("slow"))
-        .pool(PoolConfig::new("slow", 1).capacity(2))
-        .validate()
-        .unwrap();
-    let items = Arc::new(AtomicU64::new(0));
-    let counted = Arc::clone(&items);
-    let (pool, mut feeds) = topology
-        .take_pool("slow")
-        .unwrap()
-        .spawn_feeds(move |_| {
-            let counted = Arc::clone(&counted);
-            move |_: u64| {
-                std::thread::sleep(Duration::from_micros(300));
-                counted.fetch_add(1, Relaxed);
-            }
-        })
-        .unwrap();
-    let sink = feeds.take(&topology.take_poller("bp").unwrap()).unwrap();
+    let slow = PoolConfig::new("slow", 1).capacity(2);
+    let (pool, sink, items) = fed_pool("bp", "td4", slow, Duration::from_micros(300));
     let (r, unbound) = rig::<u64>("td4", CqConfig::default());
     let (seen, errors) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     let rt = runtime();
@@ -364,7 +366,6 @@ fn a_stop_under_back_pressure_hands_everything_over_and_collects_every_flush() {
         r.b.force_error();
         driver.stop().await
     });
-    drop(feeds);
     let pool = pool.join().unwrap();
     assert!(report.is_clean(), "{report}");
     assert!(!report.accounts.timed_out, "{}", report.accounts);

@@ -416,27 +416,27 @@ pub struct Feeds<W> {
 
 impl<W> std::fmt::Debug for Feeds<W> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let left: Vec<&str> = self
-            .sinks
+        f.debug_struct("Feeds")
+            .field("pool", &self.pool)
+            .field("not_taken", &self.untaken())
+            .finish()
+    }
+}
+
+impl<W> Feeds<W> {
+    /// The pollers whose feed was not taken.
+    fn untaken(&self) -> Vec<&str> {
+        self.sinks
             .iter()
             .filter(|(_, s)| s.is_some())
             .map(|(n, _)| n.as_str())
-            .collect();
-        f.debug_struct("Feeds")
-            .field("pool", &self.pool)
-            .field("not_taken", &left)
-            .finish()
+            .collect()
     }
 }
 
 impl<W> Drop for Feeds<W> {
     fn drop(&mut self) {
-        let left: Vec<&str> = self
-            .sinks
-            .iter()
-            .filter(|(_, s)| s.is_some())
-            .map(|(n, _)| n.as_str())
-            .collect();
+        let left = self.untaken();
         if !left.is_empty() {
             tracing::warn!(pool = %self.pool, pollers = ?left,
                 "feeds never taken: these pollers of the topology never fed the pool");
