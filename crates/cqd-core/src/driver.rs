@@ -212,6 +212,7 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> TokioDriver<W, S> {
             ack_batch: self.ack_batch,
             how: self.how,
             noted: Vec::new(),
+            ready: Vec::with_capacity(n_cqs),
         };
         tokio::task::spawn_local(group.run());
         // The stop drains once for the group, then hands over per CQ.
@@ -387,8 +388,8 @@ struct DrivenCq<W> {
 
 /// Why a wait ended.
 enum Woke {
-    /// These CQs' descriptors are readable.
-    Cqs(Vec<usize>),
+    /// CQs' descriptors are readable: those in `Group::ready`.
+    Cqs,
     /// The doorbell (a registration or a stop).
     Bell,
     /// The wake timeout.
@@ -409,6 +410,8 @@ struct Group<W, S> {
     ack_batch: u32,
     how: CustomStop,
     noted: Vec<usize>,
+    /// The CQs a wait found readable (reused).
+    ready: Vec<usize>,
 }
 
 impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
@@ -486,10 +489,13 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             // 4. Wait.
             bump(&self.metrics.0.sleeps, 1);
             match self.wait().await {
-                Woke::Cqs(ready) => {
-                    for i in ready {
+                Woke::Cqs => {
+                    // Kept between wake-ups: no allocation per wake-up.
+                    let ready = std::mem::take(&mut self.ready);
+                    for &i in &ready {
                         self.collect(i).await?;
                     }
+                    self.ready = ready;
                 }
                 Woke::Bell => {
                     bump(&self.metrics.0.control_wakeups, 1);
@@ -513,9 +519,11 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
     async fn wait(&mut self) -> Woke {
         let sleep = tokio::time::sleep(self.wake_timeout);
         let mut sleep = std::pin::pin!(sleep);
+        let ready = &mut self.ready;
+        let (cqs, bell_fd) = (&self.cqs, &self.bell_fd);
         std::future::poll_fn(|cx| {
-            let mut ready = Vec::new();
-            for (i, cq) in self.cqs.iter().enumerate() {
+            ready.clear();
+            for (i, cq) in cqs.iter().enumerate() {
                 match cq.fd.poll_read_ready(cx) {
                     Poll::Ready(Ok(_)) => ready.push(i),
                     Poll::Ready(Err(e)) => return Poll::Ready(Woke::Failed(e)),
@@ -523,9 +531,9 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                 }
             }
             if !ready.is_empty() {
-                return Poll::Ready(Woke::Cqs(ready));
+                return Poll::Ready(Woke::Cqs);
             }
-            match self.bell_fd.poll_read_ready(cx) {
+            match bell_fd.poll_read_ready(cx) {
                 Poll::Ready(Ok(_)) => return Poll::Ready(Woke::Bell),
                 Poll::Ready(Err(e)) => return Poll::Ready(Woke::Failed(e)),
                 Poll::Pending => {}
