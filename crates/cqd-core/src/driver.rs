@@ -344,7 +344,8 @@ impl Drop for DriverHandle {
 impl From<DriverHandle> for Stopper {
     fn from(d: DriverHandle) -> Self {
         let name = d.name.clone();
-        Stopper::custom(name, move || d.stop_blocking())
+        // Its errors name the driver already.
+        Stopper::unprefixed(name, move || d.stop_blocking())
     }
 }
 

@@ -68,6 +68,18 @@ impl Stopper {
         }
     }
 
+    /// A stop whose errors already name what failed (a poller thread's, the
+    /// tokio driver's): they go into the report as they are.
+    pub(crate) fn unprefixed(
+        name: String,
+        stop: impl FnOnce() -> Result<PollerReport, String> + Send + 'static,
+    ) -> Self {
+        Stopper {
+            name,
+            stop: Box::new(stop),
+        }
+    }
+
     /// The name the report's errors give it.
     pub fn name(&self) -> &str {
         &self.name
@@ -76,10 +88,9 @@ impl Stopper {
 
 impl From<PollerThread> for Stopper {
     fn from(poller: PollerThread) -> Self {
-        Stopper {
-            name: poller.name().to_string(),
-            stop: Box::new(move || poller.stop().map_err(|e| e.to_string())),
-        }
+        Stopper::unprefixed(poller.name().to_string(), move || {
+            poller.stop().map_err(|e| e.to_string())
+        })
     }
 }
 
