@@ -496,7 +496,7 @@ fn main() -> ExitCode {
     for mistake in which {
         println!("=== {mistake:?}");
         let (per_conn, deadline) = match mistake {
-            Mistake::SlowHandler => (DEPTH + 40, Duration::from_secs(20)),
+            Mistake::SlowHandler => (DEPTH * 6, Duration::from_secs(20)),
             Mistake::NoRepost => (DEPTH * 4, Duration::from_secs(2)),
             _ => (20_000, Duration::from_secs(60)),
         };

@@ -43,7 +43,7 @@ fn custom_loop(unbound: UnboundCq<NoWork>, drain: Duration) -> Stopper {
             drain_timeout: drain,
             ..CustomStop::default()
         };
-        cq.stop(&mut NoSink, out, how)
+        cq.stop(&mut NoSink, &mut out, how)
     });
     Stopper::custom("my-loop", move || {
         stop.store(true, Ordering::Release);

@@ -324,8 +324,9 @@ fn a_handler_that_blocks_is_named() {
     let (src, dst) = ([r.mr.sge(0, 64)], [r.mr.sge(1024, 64)]);
     // One message at a time, so that the slow batch of one call is
     // followed by the next call of the same handler.
-    // (One batch in 8 is timed: enough messages for a timed slow batch and
-    // three slow calls after it.)
+    // (The poller times its rounds, and a slow one has the CQ's next batch
+    // timed; besides, one batch in 8 at random is: enough messages for a
+    // timed slow batch and three slow calls after it.)
     for t in 0..40 {
         let who = if t == 0 { &fast } else { &slow };
         who.post_recv(&r.b, &mut [RecvWr::new(t, &dst)]).unwrap();

@@ -5,6 +5,9 @@
 //! net, and both ways to stop (`DriverHandle::stop().await`, and `shutdown`
 //! from another thread beside a poller thread) account for everything.
 
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -379,4 +382,49 @@ fn a_stop_under_back_pressure_hands_everything_over_and_collects_every_flush() {
     assert_eq!(report.undelivered, 0);
     assert_eq!(items.load(Relaxed), 20 * 16, "every item handed over");
     assert_eq!(pool.items(), 20 * 16);
+}
+
+/// A sink that takes nothing (a pool that never drains).
+struct Refuse;
+
+impl WorkSink<u64> for Refuse {
+    fn offer(&mut self, _: &mut VecDeque<Routed<u64>>) {}
+}
+
+#[test]
+fn a_stop_hands_back_what_the_sink_never_took() {
+    let (r, unbound) = rig::<u64>("td5", CqConfig::default());
+    let (seen, errors) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let back = Rc::new(RefCell::new(Vec::new()));
+    let rt = runtime();
+    let local = tokio::task::LocalSet::new();
+    let report = local.block_on(&rt, async {
+        let into = Rc::clone(&back);
+        let driver = TokioDriver::new("refused", Refuse)
+            .cq(unbound)
+            .stop_timeout(Duration::from_millis(50))
+            .on_undelivered(move |left| into.borrow_mut().extend(left))
+            .spawn_local()
+            .unwrap();
+        let reg = r
+            .handle
+            .register(Count {
+                seen: Arc::clone(&seen),
+                errors: Arc::clone(&errors),
+            })
+            .unwrap();
+        exchange(&r, &reg, &seen, 3).await;
+        driver.stop().await
+    });
+    // Every receive's item, in order (each round's tags 0..16), came back;
+    // none was dropped, and the report says how many.
+    let want: Vec<u64> = (0..3).flat_map(|_| std::iter::repeat_n(64, 16)).collect();
+    assert_eq!(*back.borrow(), want);
+    assert_eq!(report.undelivered, 48);
+    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    assert!(
+        !report.is_clean(),
+        "undelivered work is a finding: {report}"
+    );
+    assert_eq!(errors.load(Relaxed), 0);
 }

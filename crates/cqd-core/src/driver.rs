@@ -57,6 +57,7 @@
 use std::collections::VecDeque;
 use std::future::Future;
 use std::os::fd::{AsFd, OwnedFd};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::task::Poll;
@@ -83,7 +84,11 @@ pub struct TokioDriver<W, S> {
     wake_timeout: Duration,
     ack_batch: u32,
     how: CustomStop,
+    give_back: Option<GiveBack<W>>,
 }
+
+/// What receives the work a stop could not hand over.
+type GiveBack<W> = Box<dyn FnOnce(Vec<W>)>;
 
 impl<W, S> std::fmt::Debug for TokioDriver<W, S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -104,7 +109,20 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> TokioDriver<W, S> {
             wake_timeout: DEFAULT_WAKE_TIMEOUT,
             ack_batch: DEFAULT_ACK_BATCH,
             how: CustomStop::default(),
+            give_back: None,
         }
+    }
+
+    /// Receives, at the stop, the work items the sink never took (in their
+    /// order), so the application can fail those requests explicitly, as
+    /// [`PollerBuilder::on_undelivered`](crate::PollerBuilder::on_undelivered)
+    /// does for a poller thread. Called once, on the driver's task, only if
+    /// something is left. Without it, what is left is dropped after an
+    /// error-level trace; the report counts it either way
+    /// ([`PollerReport::undelivered`]).
+    pub fn on_undelivered(mut self, f: impl FnOnce(Vec<W>) + 'static) -> Self {
+        self.give_back = Some(Box::new(f));
+        self
     }
 
     /// Adds a CQ to the group (the task binds it).
@@ -123,6 +141,14 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> TokioDriver<W, S> {
     /// How long a stop waits for outstanding requests (default 5 s).
     pub fn drain_timeout(mut self, t: Duration) -> Self {
         self.how.drain_timeout = t;
+        self
+    }
+
+    /// How long a stop keeps offering the drained work to the sink before
+    /// it hands what is left to [`on_undelivered`](Self::on_undelivered)
+    /// (default 10 s).
+    pub fn stop_timeout(mut self, t: Duration) -> Self {
+        self.how.stop_timeout = t;
         self
     }
 
@@ -211,6 +237,7 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> TokioDriver<W, S> {
             wake_timeout: self.wake_timeout,
             ack_batch: self.ack_batch,
             how: self.how,
+            give_back: self.give_back,
             noted: Vec::new(),
             ready: Vec::with_capacity(n_cqs),
         };
@@ -410,6 +437,7 @@ struct Group<W, S> {
     wake_timeout: Duration,
     ack_batch: u32,
     how: CustomStop,
+    give_back: Option<GiveBack<W>>,
     noted: Vec<usize>,
     /// The CQs a wait found readable (reused).
     ready: Vec<usize>,
@@ -712,15 +740,32 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         for cq in std::mem::take(&mut self.cqs) {
             let DrivenCq { poller, fd, .. } = cq;
             drop(fd);
-            let r = poller.stop(&mut self.sink, std::mem::take(&mut pending), how);
+            let r = poller.stop(&mut self.sink, &mut pending, how);
             report.cqs.extend(r.cqs);
-            report.undelivered += r.undelivered;
             report.errors.extend(r.errors);
             report.accounts.accounts.extend(r.accounts.accounts);
             report.accounts.stuck.extend(r.accounts.stuck);
             report.accounts.timed_out |= r.accounts.timed_out;
         }
         report.accounts.waited = started.elapsed();
+        // What the sink never took (left in `pending` by every CQ's stop)
+        // goes back.
+        report.undelivered = pending.len() as u64;
+        if !pending.is_empty() {
+            let left: Vec<W> = pending.drain(..).map(|r| r.item).collect();
+            match self.give_back.take() {
+                Some(give_back) => {
+                    if catch_unwind(AssertUnwindSafe(|| give_back(left))).is_err() {
+                        report.errors.push(format!(
+                            "{}: the on_undelivered callback panicked",
+                            self.name
+                        ));
+                    }
+                }
+                None => tracing::error!(driver = %self.name, undelivered = report.undelivered,
+                    "stop: work the sink never took; no on_undelivered callback, dropped"),
+            }
+        }
         report
     }
 }

@@ -276,6 +276,8 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
             sleep_failures: 0,
             sleep_cpu_end: None,
             last_scan: Instant::now(),
+            slow_threshold: None,
+            round_from: None,
         };
         let setup = self.setup;
         // The one start-up handshake: returns once `on_start` ran on the new
@@ -656,6 +658,16 @@ struct Group<W, S> {
     /// (step 5 of the sleep protocol).
     sleep_cpu_end: Option<Duration>,
     last_scan: Instant,
+    /// The smallest slow threshold of the group's CQs
+    /// ([`CqOptions::slow_batch`](crate::CqOptions::slow_batch)).
+    pub(crate) slow_threshold: Option<Duration>,
+    /// The clock the loop read after the last round, if the loop went on
+    /// to the next round with no more than a spin between (not after a
+    /// sleep or a nap): the clock it reads anyway then times each round,
+    /// and a round past the slow threshold has its CQs' next batches
+    /// timed. (A yield in the spin may count towards the round: that costs
+    /// one timed batch, which judges by its own clock.)
+    round_from: Option<Instant>,
 }
 
 impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
@@ -664,6 +676,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         let _span =
             tracing::debug_span!("poller", name = %name, mode = self.idle.mode().name()).entered();
         self.install_space_waker();
+        self.slow_threshold = self.cqs.iter().filter_map(CqPoller::slow_threshold).min();
         loop {
             let m = &self.metrics.0;
             bump(&m.loops, 1);
@@ -681,6 +694,11 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                 continue;
             }
             let now = Instant::now();
+            if let Some(prev) = self.round_from.take() {
+                if found > 0 && self.slow_threshold.is_some_and(|t| now - prev > t) {
+                    self.slow_round(now - prev);
+                }
+            }
             self.check_ready(now);
             if self.watchdog.is_some()
                 && now.saturating_duration_since(self.last_scan) >= self.wake_timeout
@@ -689,6 +707,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             }
             if found > 0 {
                 self.idle.on_work(now, found);
+                self.round_from = Some(now);
                 continue;
             }
             if self.spill.above_mark() {
@@ -700,7 +719,9 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                     let napped = self.idle.idle_spin();
                     let spun = now.elapsed().saturating_sub(napped);
                     bump(&self.metrics.0.spin_ns, spun.as_nanos() as u64);
-                    if !napped.is_zero() {
+                    if napped.is_zero() {
+                        self.round_from = Some(now);
+                    } else {
                         // An idle Busy poller napped (`mode`, "Busy mode when
                         // nothing comes").
                         bump(&self.metrics.0.naps, 1);
@@ -715,6 +736,16 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                 .store(self.idle.window().as_nanos() as u64, Ordering::Relaxed);
         }
         self.shutdown()
+    }
+
+    /// A round that found work took longer than the smallest slow
+    /// threshold: each CQ past its own times its next batch.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn slow_round(&mut self, took: Duration) {
+        for cq in &mut self.cqs {
+            cq.round_took(took);
+        }
     }
 
     fn metrics_name(&self) -> String {
@@ -898,15 +929,18 @@ impl<W: Send + 'static> CqPoller<W> {
     /// `sink` until it is taken or `how.stop_timeout` passes, acknowledges
     /// every event and destroys the CQ.
     ///
-    /// The report's poller is named after the CQ; work the sink never took
-    /// is counted in [`PollerReport::undelivered`] (a finding) and dropped.
-    /// Hand the report to [`shutdown`](crate::shutdown()) through
-    /// [`Stopper::custom`](crate::shutdown::Stopper::custom), so that the
-    /// system report covers this CQ too.
+    /// The report's poller is named after the CQ. Work the sink never took
+    /// stays in `pending`, in its order, for you to fail explicitly (as a
+    /// poller thread gives it to
+    /// [`PollerBuilder::on_undelivered`](crate::PollerBuilder::on_undelivered)),
+    /// and is counted in [`PollerReport::undelivered`] (a finding): nothing
+    /// is dropped here. Hand the report to [`shutdown`](crate::shutdown())
+    /// through [`Stopper::custom`](crate::shutdown::Stopper::custom), so
+    /// that the system report covers this CQ too.
     pub fn stop<S: WorkSink<W>>(
         mut self,
         sink: &mut S,
-        mut pending: VecDeque<Routed<W>>,
+        pending: &mut VecDeque<Routed<W>>,
         how: CustomStop,
     ) -> PollerReport {
         self.apply_commands();
@@ -914,14 +948,14 @@ impl<W: Send + 'static> CqPoller<W> {
         let mut timed_out = false;
         let mut errors = Vec::new();
         loop {
-            let n = match self.poll_once(&mut pending) {
+            let n = match self.poll_once(pending) {
                 Ok(n) => n,
                 Err(e) => {
                     errors.push(format!("{}: poll: {e}", self.name()));
                     break;
                 }
             };
-            sink.offer(&mut pending);
+            sink.offer(pending);
             if n > 0 {
                 continue;
             }
@@ -942,16 +976,16 @@ impl<W: Send + 'static> CqPoller<W> {
         }
         let deadline = Instant::now() + how.stop_timeout;
         while !pending.is_empty() && Instant::now() < deadline {
-            sink.offer(&mut pending);
+            sink.offer(pending);
             if !pending.is_empty() {
                 std::thread::sleep(Duration::from_micros(100));
             }
         }
         let undelivered = pending.len() as u64;
         if undelivered > 0 {
-            tracing::error!(cq = %self.name(), undelivered, "stop: work the sink never took, dropped");
+            tracing::error!(cq = %self.name(), undelivered,
+                "stop: work the sink never took, left to the caller");
         }
-        drop(pending);
         let name = self.name().to_string();
         let handle = self.handle();
         if let Err(e) = self.finish() {

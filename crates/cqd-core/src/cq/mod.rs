@@ -166,7 +166,11 @@ pub struct CqOptions {
 
 /// Completions timed one by one after a slow batch.
 pub(crate) const SLOW_PROBE: u32 = 64;
-/// One batch in this many is timed for the slow check.
+/// One batch in this many, on average, is timed for the slow check: the
+/// next timed batch comes 1 to `2 * SLOW_SAMPLE - 1` batches later, drawn
+/// at random, so that no periodic pattern of batches (one of receives,
+/// then one of the replies' sends, and again) keeps the check on one kind
+/// of batch, as a fixed stride of 8 against a period of 2 did.
 pub(crate) const SLOW_SAMPLE: u32 = 8;
 
 /// The default [`CqOptions::round_budget`].
@@ -293,7 +297,7 @@ pub fn split<W: Send + 'static>(
         slab: Slab::default(),
         account_cache: AccountCache::default(),
         probe: 0,
-        sampled: 0,
+        sampler: Sampler::default(),
         buf: vec![Completion::default(); batch],
         options,
         finished: false,
@@ -328,8 +332,50 @@ struct Core<W> {
     /// Completions still to be timed one by one after a slow batch, to
     /// name the slow handler ([`CqOptions::slow_batch`]).
     probe: u32,
-    /// Batches dispatched, for the slow check's sampling.
-    sampled: u32,
+    /// Which batches the slow check times.
+    sampler: Sampler,
+}
+
+/// Chooses the batches the slow check times: one in [`SLOW_SAMPLE`] on
+/// average, at jittered intervals (see there). Two clock reads per timed
+/// batch then cost a few nanoseconds per batch.
+struct Sampler {
+    /// Batches left before the next timed one.
+    until: u32,
+    /// xorshift32 state (never 0).
+    rng: u32,
+}
+
+impl Default for Sampler {
+    fn default() -> Self {
+        Sampler {
+            until: SLOW_SAMPLE,
+            rng: 0x9e37_79b9,
+        }
+    }
+}
+
+impl Sampler {
+    /// True when the next batch is to be timed.
+    #[inline]
+    fn take(&mut self) -> bool {
+        self.until -= 1;
+        if self.until > 0 {
+            return false;
+        }
+        self.next_interval();
+        true
+    }
+
+    #[cold]
+    fn next_interval(&mut self) {
+        let mut x = self.rng;
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        self.rng = x;
+        self.until = 1 + x % (2 * SLOW_SAMPLE - 1);
+    }
 }
 
 impl<W> Core<W> {
@@ -475,13 +521,12 @@ impl<W: Send + 'static> CqPoller<W> {
         }
         bump(&m.completions, n as u64);
         bump(&m.batch_hist[batch_bucket(n)], 1);
-        // One batch in SLOW_SAMPLE is timed for the slow check (every one
-        // when handler time is measured): two clock reads per batch cost
-        // about a nanosecond per completion on the verbs path.
+        // One batch in SLOW_SAMPLE, at random intervals, is timed for the
+        // slow check (every one when handler time is measured): two clock
+        // reads per batch cost about a nanosecond per completion on the
+        // verbs path.
         let o = &self.core.options;
-        self.core.sampled = self.core.sampled.wrapping_add(1);
-        let sample =
-            o.measure_handlers || (o.slow_batch.is_some() && self.core.sampled % SLOW_SAMPLE == 0);
+        let sample = o.measure_handlers || (o.slow_batch.is_some() && self.core.sampler.take());
         let start = sample.then(Instant::now);
         dispatch_batch(
             &self.core.shared,
@@ -763,6 +808,22 @@ impl<W: Send + 'static> CqPoller<W> {
     pub(crate) fn shared(&self) -> &CqShared<W> {
         &self.core.shared
     }
+
+    /// The CQ's slow threshold ([`CqOptions::slow_batch`]).
+    pub(crate) fn slow_threshold(&self) -> Option<std::time::Duration> {
+        self.core.options.slow_batch
+    }
+
+    /// A poller thread's round that polled this CQ took `took`: past the
+    /// slow threshold, the CQ's next batch is timed whatever the sampler
+    /// drew, so that a handler that blocks on every call is found on the
+    /// next batch rather than by chance.
+    #[cold]
+    pub(crate) fn round_took(&mut self, took: std::time::Duration) {
+        if self.core.options.slow_batch.is_some_and(|t| took > t) {
+            self.core.sampler.until = 1;
+        }
+    }
 }
 
 mod bell;
@@ -785,6 +846,38 @@ mod tests {
 
     fn assert_send<T: Send>() {}
     fn assert_send_sync<T: Send + Sync>() {}
+
+    /// The slow check's sampler times one batch in SLOW_SAMPLE on
+    /// average, and every kind of batch of a periodic pattern (the strided
+    /// sampler it replaced timed one kind only: a stride of 8 batches
+    /// against a period of 2 or 4).
+    #[test]
+    fn sampler_times_every_kind_of_batch_of_a_periodic_pattern() {
+        for period in [2usize, 3, 4, 8, 16] {
+            let mut s = Sampler::default();
+            let mut timed = vec![0u32; period];
+            let rounds = 20_000;
+            for _ in 0..rounds {
+                for t in timed.iter_mut() {
+                    *t += u32::from(s.take());
+                }
+            }
+            let all: u32 = timed.iter().sum();
+            let per = (rounds * period) as f64 / f64::from(all);
+            assert!(
+                (f64::from(SLOW_SAMPLE) * 0.9..=f64::from(SLOW_SAMPLE) * 1.1).contains(&per),
+                "period {period}: one timed batch in {per:.2}"
+            );
+            // Each kind of batch gets its share, within 20 %.
+            let share = f64::from(all) / period as f64;
+            for (kind, &t) in timed.iter().enumerate() {
+                assert!(
+                    (f64::from(t) - share).abs() < share * 0.2,
+                    "period {period}: kind {kind} timed {t} times of {all}"
+                );
+            }
+        }
+    }
 
     /// A source holding `left` completions (foreign wr_ids: dispatch only
     /// counts them) and the asynchronous events in `events`.

@@ -746,7 +746,19 @@ impl<W: Send + 'static, S: WorkSink<W>> SleepGroup for Group<W, S> {
         // The sleep cycle's own cost ends here; what the handlers do next
         // is not the price of sleeping (Adaptive compares the two).
         self.sleep_cpu_end = Some(thread_cpu_time());
-        Ok(self.round())
+        // A wake-up's round is timed for the slow check as the loop's
+        // rounds are (`Group::round_from`): two clock reads beside the
+        // wake-up's system calls.
+        let Some(threshold) = self.slow_threshold else {
+            return Ok(self.round());
+        };
+        let start = Instant::now();
+        let found = self.round();
+        let took = start.elapsed();
+        if found > 0 && took > threshold {
+            self.slow_round(took);
+        }
+        Ok(found)
     }
 }
 
