@@ -344,30 +344,16 @@ fn a_stop_under_back_pressure_hands_everything_over_and_collects_every_flush() {
     let slow = PoolConfig::new("slow", 1).capacity(2);
     let (pool, sink, items) = fed_pool("bp", "td4", slow, Duration::from_micros(300));
     let (r, unbound) = rig::<u64>("td4", CqConfig::default());
-    let (seen, errors) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-    let rt = runtime();
-    let local = tokio::task::LocalSet::new();
-    let report = local.block_on(&rt, async {
-        let driver = TokioDriver::new("bp", sink)
-            .cq(unbound)
-            .drain_timeout(Duration::from_secs(3))
-            .spawn_local()
-            .unwrap();
-        let reg = r
-            .handle
-            .register(Count {
-                seen: Arc::clone(&seen),
-                errors: Arc::clone(&errors),
-            })
-            .unwrap();
-        exchange(&r, &reg, &seen, 20).await;
+    let driver = TokioDriver::new("bp", sink)
+        .cq(unbound)
+        .drain_timeout(Duration::from_secs(3));
+    let (report, errors) = drive_counted(&r, driver, 20, |reg| {
         // Receives left posted: only the stop's drain collects their flushes.
         let bufs: Vec<_> = (0..16).map(|i| [r.mr.sge(i * 1024, 1024)]).collect();
         let mut recvs: Vec<_> = (0..16).map(|i| RecvWr::new(i as u64, &bufs[i])).collect();
         reg.post_recv(&r.b, &mut recvs).unwrap();
         r.a.force_error();
         r.b.force_error();
-        driver.stop().await
     });
     let pool = pool.join().unwrap();
     assert!(report.is_clean(), "{report}");
@@ -379,6 +365,7 @@ fn a_stop_under_back_pressure_hands_everything_over_and_collects_every_flush() {
         report.accounts
     );
     assert_eq!(report.cqs[0].flushes, 16);
+    assert_eq!(errors, 0, "flushes only");
     assert_eq!(report.undelivered, 0);
     assert_eq!(items.load(Relaxed), 20 * 16, "every item handed over");
     assert_eq!(pool.items(), 20 * 16);
@@ -391,21 +378,20 @@ impl WorkSink<u64> for Refuse {
     fn offer(&mut self, _: &mut VecDeque<Routed<u64>>) {}
 }
 
-#[test]
-fn a_stop_hands_back_what_the_sink_never_took() {
-    let (r, unbound) = rig::<u64>("td5", CqConfig::default());
+/// Spawns `driver` on a `LocalSet` of a current-thread runtime, registers
+/// a `Count` handler on `r`, runs `rounds` of [`exchange`], then `before_stop`,
+/// then stops the driver: its report, and the handler's error count.
+fn drive_counted<S: WorkSink<u64> + 'static>(
+    r: &Rig<u64>,
+    driver: TokioDriver<u64, S>,
+    rounds: u64,
+    before_stop: impl FnOnce(&Registration),
+) -> (PollerReport, u64) {
     let (seen, errors) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-    let back = Rc::new(RefCell::new(Vec::new()));
     let rt = runtime();
     let local = tokio::task::LocalSet::new();
     let report = local.block_on(&rt, async {
-        let into = Rc::clone(&back);
-        let driver = TokioDriver::new("refused", Refuse)
-            .cq(unbound)
-            .stop_timeout(Duration::from_millis(50))
-            .on_undelivered(move |left| into.borrow_mut().extend(left))
-            .spawn_local()
-            .unwrap();
+        let driver = driver.spawn_local().unwrap();
         let reg = r
             .handle
             .register(Count {
@@ -413,9 +399,23 @@ fn a_stop_hands_back_what_the_sink_never_took() {
                 errors: Arc::clone(&errors),
             })
             .unwrap();
-        exchange(&r, &reg, &seen, 3).await;
+        exchange(r, &reg, &seen, rounds).await;
+        before_stop(&reg);
         driver.stop().await
     });
+    (report, errors.load(Relaxed))
+}
+
+#[test]
+fn a_stop_hands_back_what_the_sink_never_took() {
+    let (r, unbound) = rig::<u64>("td5", CqConfig::default());
+    let back = Rc::new(RefCell::new(Vec::new()));
+    let into = Rc::clone(&back);
+    let driver = TokioDriver::new("refused", Refuse)
+        .cq(unbound)
+        .stop_timeout(Duration::from_millis(50))
+        .on_undelivered(move |left| into.borrow_mut().extend(left));
+    let (report, errors) = drive_counted(&r, driver, 3, |_| {});
     // Every receive's item, in order (each round's tags 0..16), came back;
     // none was dropped, and the report says how many.
     let want: Vec<u64> = (0..3).flat_map(|_| std::iter::repeat_n(64, 16)).collect();
@@ -426,5 +426,5 @@ fn a_stop_hands_back_what_the_sink_never_took() {
         !report.is_clean(),
         "undelivered work is a finding: {report}"
     );
-    assert_eq!(errors.load(Relaxed), 0);
+    assert_eq!(errors, 0);
 }

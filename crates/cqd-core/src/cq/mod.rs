@@ -154,8 +154,10 @@ pub struct CqOptions {
     /// peer's next SEND meets RNR.
     pub recv_low_water: u32,
     /// A batch whose handler calls take longer than this is slow (default
-    /// 1 ms; `None`: not measured). One batch in 8 is timed (two clock
-    /// reads; every batch with `measure_handlers`);
+    /// 1 ms; `None`: not measured). One batch in 8 on average, at random
+    /// intervals, is timed (two clock reads; every batch with
+    /// `measure_handlers`), and a poller thread's round that took longer
+    /// has the next batch timed;
     /// after a slow one the next completions are timed one by one, and a
     /// handler call over the threshold during which the thread blocked (it
     /// gave up its CPU: a sleep, a lock, I/O — not a preemption) is
