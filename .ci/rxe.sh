@@ -6,7 +6,11 @@
 #      in turn, polling and -e, with -c,
 #   3. examples/send_lat, and
 #   4. the demo in one process, and as serve + load on the VM's loopback,
-# then, in two VMs joined by QEMU's socket network backend over 127.0.0.1,
+#   4c. the verbs probes (examples/verbs_probe of softverbs),
+# then, on the host,
+#   6. the same probes on softverbs, compared value by value with rxe's
+#      (scripts/verbs-diff.py against the documented differences),
+# and, in two VMs joined by QEMU's socket network backend over 127.0.0.1,
 #   5. cqd-demo serve in one and load in the other, over the TCP exchange
 #      and through rdma_cm,
 # and fails if any of them fails. Root, no stdin. Where the VM cannot run,
@@ -157,6 +161,17 @@ if [[ ${1:-} == --guest ]]; then
         fail=$((fail + 1))
     fi
 
+    # 4c. The verbs probes (crates/softverbs/examples/verbs_probe.rs): what
+    #     rxe reports, compared on the host with what softverbs reports.
+    l=$LOGS/verbs_probe.rxe.txt rc=0
+    timeout 240 "$PROBE" --device "$dev" --gid-index "$gid" >"$l" 2>"$LOGS/verbs_probe.rxe.err" || rc=$?
+    if [[ $rc -eq 0 ]]; then
+        passed=$((passed + 1))
+        echo "ok   verbs_probe: $(grep -c ' = ' "$l") values from $dev (compared on the host)"
+    else
+        echo "FAIL verbs_probe (rc=$rc)"; cat "$LOGS/verbs_probe.rxe.err"; fail=$((fail + 1))
+    fi
+
     echo "rxe guest: $passed passed, $fail failed in $(( $(date +%s) - t0 )) s"
     [[ $fail -eq 0 ]]
     exit
@@ -171,20 +186,40 @@ fi
 # two slow vCPUs).
 nice -n 15 cargo build --release --features verbs --example rc_pingpong --example send_lat
 nice -n 15 cargo build --release -p cqd-demo --features verbs
+# The verbs probes, and the softverbs provider and launcher they run under
+# on the host (6. below).
+nice -n 15 cargo build --release -p softverbs --bins --lib --example verbs_probe
 SUITE=$(nice -n 15 cargo test -p cqd-verbs --release --test two_backends --no-run --message-format=json |
     sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
 [[ -x $SUITE ]] || { echo "rxe: no two_backends test binary"; exit 1; }
 REL=${CARGO_TARGET_DIR:-$PWD/target}/release
 export SUITE PP=$REL/examples/rc_pingpong LAT=$REL/examples/send_lat DEMO=$REL/cqd-demo
+export PROBE=$REL/examples/verbs_probe
 export RXE_VM_LOGDIR
 RXE_VM_LOGDIR=$(mktemp -d /tmp/cqd-rxe.XXXXXX)
 echo "rxe: built in $(( $(date +%s) - start )) s; logs in $RXE_VM_LOGDIR"
 set +e
-RXE_VM_TIMEOUT=${RXE_VM_TIMEOUT:-840} RXE_VM_ENV="SUITE PP LAT DEMO" \
+RXE_VM_TIMEOUT=${RXE_VM_TIMEOUT:-840} RXE_VM_ENV="SUITE PP LAT DEMO PROBE" \
     bash scripts/rxe-vm.sh bash .ci/rxe.sh --guest 2>&1 | tee "$RXE_VM_LOGDIR/vm.log"
 rc=${PIPESTATUS[0]}
 set -e
 if grep -q '^SKIPPED: rxe-vm' "$RXE_VM_LOGDIR/vm.log"; then exit 0; fi
+
+# 6. Differential conformance: the same probes on softverbs (here, under
+#    the launcher), every value compared with rxe's; a difference must be
+#    one crates/softverbs/tests/rxe_differences.txt documents, with the
+#    values seen (scripts/verbs-diff.py).
+diff_rc=0
+if [[ -s $RXE_VM_LOGDIR/verbs_probe.rxe.txt ]]; then
+    sv=$RXE_VM_LOGDIR/verbs_probe.softverbs.txt
+    if timeout 240 "$REL/softverbs-run" "$PROBE" >"$sv" 2>"$sv.err"; then
+        python3 scripts/verbs-diff.py "$sv" "$RXE_VM_LOGDIR/verbs_probe.rxe.txt" || diff_rc=$?
+    else
+        echo "FAIL verbs_probe on softverbs"; cat "$sv.err"; diff_rc=1
+    fi
+else
+    echo "FAIL verbs-diff: rxe's probe output is missing"; diff_rc=1
+fi
 
 # 5. Two VMs, each with its own kernel and rxe0 on its own virtio NIC, the
 #    NICs joined by QEMU's socket backend over 127.0.0.1 (nothing else on
@@ -215,5 +250,5 @@ for cm in tcp rdmacm; do
         two=$((two + 1))
     fi
 done
-echo "rxe: done in $(( $(date +%s) - start )) s, status $rc (one VM), $two two-VM run(s) failed"
-[[ $rc -eq 0 && $two -eq 0 ]]
+echo "rxe: done in $(( $(date +%s) - start )) s, status $rc (one VM), verbs-diff $diff_rc, $two two-VM run(s) failed"
+[[ $rc -eq 0 && $diff_rc -eq 0 && $two -eq 0 ]]

@@ -174,10 +174,18 @@ fn responder_access_violation_raises_qp_access_err_and_moves_it_to_err() {
         };
         assert_eq!(post_send(p.a, &src, 0, 64, 5, w), 0);
         let c = poll(p.cq_a, 1)[0];
-        assert_eq!((c.wr_id, c.status), (5, WC_REM_ACCESS), "case {case}");
+        // A region's key, range or access: a remote access error. A QP
+        // not enabled for the operation: an invalid request, as rxe
+        // answers (examples/verbs_probe, write_qp_no_access).
+        let (status, event) = if case == 2 {
+            (WC_REM_INV_REQ, QP_REQ_ERR)
+        } else {
+            (WC_REM_ACCESS, QP_ACCESS_ERR)
+        };
+        assert_eq!((c.wr_id, c.status), (5, status), "case {case}");
         // The responder's owner gets the event, naming its QP; the
         // requester's context gets none.
-        expect_event(p.db.ctx, QP_ACCESS_ERR, p.b as usize);
+        expect_event(p.db.ctx, event, p.b as usize);
         no_event(p.da.ctx, 50);
         no_event(p.db.ctx, 0);
         // The responder is in ERR: its posted receives were flushed, and a
@@ -244,11 +252,12 @@ fn qp_on_srq_gets_last_wqe_reached_when_moved_to_err() {
     to_error(p.b);
     no_event(p.db.ctx, 50);
     poll_none(p.cq_b, Duration::from_millis(20));
-    // RESET re-arms it.
+    // RESET re-arms it (then INIT: RESET -> ERR is not a transition).
     let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
     a.qp_state = ibv_qp_state::IBV_QPS_RESET;
     let m = ibv_qp_attr_mask::IBV_QP_STATE.0 as i32;
     assert_eq!(unsafe { ibv_modify_qp(p.b, &mut a, m) }, 0);
+    to_init(p.b);
     to_error(p.b);
     expect_event(p.db.ctx, QP_LAST_WQE_REACHED, p.b as usize);
     no_event(p.da.ctx, 0);

@@ -157,7 +157,11 @@ fn atomic_needs_remote_atomic_on_the_qp() {
         ),
         0
     );
-    assert_eq!(poll(p.cq_a, 1)[0].status, WC_REM_ACCESS);
+    // A QP not enabled for atomics: an invalid request (as rxe answers).
+    assert_eq!(
+        poll(p.cq_a, 1)[0].status,
+        ibv_wc_status::IBV_WC_REM_INV_REQ_ERR
+    );
     assert_eq!(word(&target, 0), 0);
 }
 
@@ -197,21 +201,24 @@ fn max_rd_atomic_above_the_device_limit_is_einval() {
     let cq = dev.cq(8, null_mut());
     let qp = dev.qp(cq, cq, null_mut());
     let peer = dev.qp(cq, cq, null_mut());
-    connect_full(qp, qpn(peer), 14, 7, ACCESS_ATOMIC);
-    let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
-    a.max_rd_atomic = da.max_qp_init_rd_atom as u8 + 1;
-    let m = ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC.0 as i32;
-    assert_eq!(unsafe { ibv_modify_qp(qp, &mut a, m) }, libc::EINVAL);
-    a.max_rd_atomic = da.max_qp_init_rd_atom as u8;
-    assert_eq!(unsafe { ibv_modify_qp(qp, &mut a, m) }, 0);
+    // Each limit where the kernel's table takes the attribute: the
+    // responder's at INIT -> RTR, the requester's at RTR -> RTS.
+    to_init_with(qp, ACCESS_ATOMIC);
+    let (init, dest) = (da.max_qp_init_rd_atom as u8, da.max_qp_rd_atom as u8);
+    assert_eq!(to_rtr(qp, qpn(peer), dest + 1), libc::EINVAL);
+    assert_eq!(to_rtr(qp, qpn(peer), dest), 0);
+    assert_eq!(to_rts_rc(qp, 14, 7, init + 1), libc::EINVAL);
+    assert_eq!(to_rts_rc(qp, 14, 7, init), 0);
     let mut q: ibv_qp_attr = unsafe { std::mem::zeroed() };
     let mut i: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+    let m = (ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC.0
+        | ibv_qp_attr_mask::IBV_QP_MAX_DEST_RD_ATOMIC.0) as i32;
     assert_eq!(unsafe { ibv_query_qp(qp, &mut q, m, &mut i) }, 0);
-    assert_eq!(q.max_rd_atomic, da.max_qp_init_rd_atom as u8, "as accepted");
-    let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
-    a.max_dest_rd_atomic = da.max_qp_rd_atom as u8 + 1;
-    let m = ibv_qp_attr_mask::IBV_QP_MAX_DEST_RD_ATOMIC.0 as i32;
-    assert_eq!(unsafe { ibv_modify_qp(qp, &mut a, m) }, libc::EINVAL);
+    assert_eq!(
+        (q.max_rd_atomic, q.max_dest_rd_atomic),
+        (init, dest),
+        "as accepted"
+    );
 }
 
 #[test]
@@ -309,7 +316,8 @@ fn atomic_write_stores_eight_bytes_with_remote_write_access() {
     let (cq, a) = requester(&dev, ACCESS_ALL);
     assert_eq!(at(a, &target, 4, 8, 3), 0);
     assert_eq!(poll(cq, 1)[0].status, ibv_wc_status::IBV_WC_REM_INV_REQ_ERR);
-    // A region without remote write, or a QP without it: access error.
+    // A region without remote write: an access error; a QP without it:
+    // an invalid request (as rxe answers).
     let (cq, a) = requester(&dev, ACCESS_ALL);
     assert_eq!(at(a, &ro, 0, 8, 4), 0);
     assert_eq!(poll(cq, 1)[0].status, WC_REM_ACCESS);
@@ -317,7 +325,7 @@ fn atomic_write_stores_eight_bytes_with_remote_write_access() {
     let read_only_qp = ibv_access_flags::IBV_ACCESS_REMOTE_READ.0 as i32;
     let (cq, a) = requester(&dev, read_only_qp);
     assert_eq!(at(a, &target, 32, 8, 5), 0);
-    assert_eq!(poll(cq, 1)[0].status, WC_REM_ACCESS);
+    assert_eq!(poll(cq, 1)[0].status, ibv_wc_status::IBV_WC_REM_INV_REQ_ERR);
     assert_eq!(word(&target, 32), 0);
     // UC has no atomic write.
     let cq = dev.cq(4, null_mut());

@@ -617,3 +617,59 @@ fn waiting_send_resumes_on_the_receive_not_on_a_timer() {
         assert_eq!(unsafe { ibv_destroy_cq(c) }, 0);
     }
 }
+
+#[test]
+fn rnr_retries_run_out_with_rnr_retry_exc_err() {
+    needs_launcher!("rnr_retries_run_out_with_rnr_retry_exc_err");
+    let dev = Dev::open();
+    let cq_a = dev.cq(16, null_mut());
+    let cq_b = dev.cq(16, null_mut());
+    let a = dev.qp(cq_a, cq_a, null_mut());
+    let b = dev.qp(cq_b, cq_b, null_mut());
+    connect(b, qpn(a)); // b's min_rnr_timer: 12, 0.64 ms
+    to_init(a);
+    assert_eq!(to_rtr(a, qpn(b), 1), 0);
+    let mut at: ibv_qp_attr = unsafe { std::mem::zeroed() };
+    at.qp_state = ibv_qp_state::IBV_QPS_RTS;
+    at.timeout = 14;
+    at.retry_cnt = 7;
+    at.rnr_retry = 2; // the first try and 2 retries: 3 × 0.64 ms
+    at.max_rd_atomic = 1;
+    let m = ibv_qp_attr_mask::IBV_QP_STATE.0
+        | ibv_qp_attr_mask::IBV_QP_TIMEOUT.0
+        | ibv_qp_attr_mask::IBV_QP_RETRY_CNT.0
+        | ibv_qp_attr_mask::IBV_QP_RNR_RETRY.0
+        | ibv_qp_attr_mask::IBV_QP_SQ_PSN.0
+        | ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC.0;
+    assert_eq!(unsafe { ibv_modify_qp(a, &mut at, m as i32) }, 0);
+    let buf = Buf::new(&dev, 64, 3);
+    // No receive on b: RNR, retried for the budget, then the error; the
+    // send behind it is flushed; nothing reaches b.
+    let t0 = Instant::now();
+    assert_eq!(post_send(a, &buf, 0, 8, 1, send(WR_SEND, SIGNALED)), 0);
+    assert_eq!(post_send(a, &buf, 0, 8, 2, send(WR_SEND, SIGNALED)), 0);
+    let c = poll(cq_a, 2);
+    let took = t0.elapsed();
+    assert_eq!(
+        (c[0].wr_id, c[0].status, c[1].wr_id, c[1].status),
+        (1, ibv_wc_status::IBV_WC_RNR_RETRY_EXC_ERR, 2, WC_FLUSH)
+    );
+    assert!(
+        took >= Duration::from_micros(3 * 640),
+        "failed after {took:?}, before its RNR budget"
+    );
+    assert_eq!(qp_state(a), ibv_qp_state::IBV_QPS_ERR);
+    assert_eq!(
+        qp_state(b),
+        ibv_qp_state::IBV_QPS_RTS,
+        "an RNR NAK is no error at the responder"
+    );
+    post_recv(b, &buf, 32, 32, 10);
+    poll_none(cq_b, Duration::from_millis(20));
+    for q in [a, b] {
+        assert_eq!(unsafe { ibv_destroy_qp(q) }, 0);
+    }
+    for c in [cq_a, cq_b] {
+        assert_eq!(unsafe { ibv_destroy_cq(c) }, 0);
+    }
+}

@@ -186,7 +186,7 @@ fn ud_message_above_the_mtu_fails_locally_and_the_send_queue_recovers() {
     assert_eq!((r.wr_id, r.status), (4, WC_SUCCESS));
     poll(p.cq_b, 1);
     // Back to RTS: sending works again, exactly MTU bytes fit.
-    to_rts(p.a);
+    resume_from_sqe(p.a);
     assert_eq!(
         post_ud(p.a, &src, 0, mtu as u32, 6, ah, qpn(p.b), QKEY, None),
         0

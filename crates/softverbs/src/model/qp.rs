@@ -171,8 +171,32 @@ pub fn transport_timeout(timeout: u8, retry_cnt: u8) -> Option<std::time::Durati
     Some(std::time::Duration::from_nanos(per_try_ns * tries))
 }
 
+/// The RNR NAK timer a responder's `min_rnr_timer` (0..31) encodes (IBA
+/// table 45): how long a requester waits before it sends again a request
+/// the responder had no receive for. 0 is the longest, 655.36 ms.
+pub fn rnr_timer(code: u8) -> std::time::Duration {
+    // In units of 10 µs, codes 0..31.
+    const TEN_US: [u32; 32] = [
+        65536, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024,
+        1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768, 49152,
+    ];
+    std::time::Duration::from_micros(10 * u64::from(TEN_US[usize::from(code.min(31))]))
+}
+
+/// How long a requester keeps sending a request its responder has no
+/// receive for before it completes it with `IBV_WC_RNR_RETRY_EXC_ERR`:
+/// the first try and `rnr_retry` retries, each after the responder's RNR
+/// timer. `rnr_retry` 7 retries for ever (`None`).
+pub fn rnr_budget(rnr_retry: u8, timer: std::time::Duration) -> Option<std::time::Duration> {
+    (rnr_retry < 7).then(|| timer * (u32::from(rnr_retry) + 1))
+}
+
 /// `IBV_QP_STATE` attribute-mask bit.
 pub const ATTR_STATE: i32 = 1;
+/// `IBV_QP_CUR_STATE`.
+pub const ATTR_CUR_STATE: i32 = 1 << 1;
+/// `IBV_QP_EN_SQD_ASYNC_NOTIFY`.
+pub const ATTR_EN_SQD_ASYNC_NOTIFY: i32 = 1 << 2;
 /// `IBV_QP_ACCESS_FLAGS`.
 pub const ATTR_ACCESS_FLAGS: i32 = 1 << 3;
 /// `IBV_QP_PKEY_INDEX`.
@@ -195,22 +219,28 @@ pub const ATTR_RNR_RETRY: i32 = 1 << 11;
 pub const ATTR_RQ_PSN: i32 = 1 << 12;
 /// `IBV_QP_MAX_QP_RD_ATOMIC`.
 pub const ATTR_MAX_QP_RD_ATOMIC: i32 = 1 << 13;
+/// `IBV_QP_ALT_PATH`.
+pub const ATTR_ALT_PATH: i32 = 1 << 14;
 /// `IBV_QP_MIN_RNR_TIMER`.
 pub const ATTR_MIN_RNR_TIMER: i32 = 1 << 15;
 /// `IBV_QP_SQ_PSN`.
 pub const ATTR_SQ_PSN: i32 = 1 << 16;
 /// `IBV_QP_MAX_DEST_RD_ATOMIC`.
 pub const ATTR_MAX_DEST_RD_ATOMIC: i32 = 1 << 17;
+/// `IBV_QP_PATH_MIG_STATE`.
+pub const ATTR_PATH_MIG_STATE: i32 = 1 << 18;
 /// `IBV_QP_DEST_QPN`.
 pub const ATTR_DEST_QPN: i32 = 1 << 20;
 
-/// Whether an RC QP may move from `from` to `to` (IB spec 11.6 / 10.3.1).
+/// Whether an RC QP may move from `from` to `to` (IB spec 11.6 / 10.3.1:
+/// every state but Reset may go to Error; the kernel's table, which rxe
+/// and every kernel driver apply, refuses RESET -> ERR with EINVAL).
 pub fn transition_ok(from: QpState, to: QpState) -> bool {
     use QpState::*;
     matches!(
         (from, to),
         (_, Reset)
-            | (_, Err)
+            | (Init | Rtr | Rts | Sqd | Sqe | Err, Err)
             | (Reset, Init)
             | (Init, Init)
             | (Init, Rtr)
@@ -223,21 +253,126 @@ pub fn transition_ok(from: QpState, to: QpState) -> bool {
     )
 }
 
-/// Attributes a transition requires (the rest are optional). RC keeps
-/// the lenient rule it always had (only the destination at RTR); UC and
-/// UD require what the kernel's table does (`ib_modify_qp_is_ok`): UD the
-/// P_Key index, port and Q_Key at INIT and the send PSN at RTS; UC the
-/// P_Key index, port and access flags at INIT, the address vector, path
-/// MTU, destination and receive PSN at RTR, the send PSN at RTS.
-pub fn required_attrs(ty: QpType, from: QpState, to: QpState) -> i32 {
+/// Whether `mask` is a valid attribute mask for moving a QP of type `ty`
+/// from `from` to `to` (`to == from` when the mask has no state): it holds
+/// every attribute the transition requires and none that it does not
+/// allow, as the kernel's table (`ib_modify_qp_is_ok`, which every kernel
+/// driver and rxe apply) has it, and `IBV_QP_CUR_STATE` only from RTR, RTS,
+/// SQD or SQE. A mask a real device refuses is refused here too (EINVAL),
+/// so a program that works here works there. As the kernel's uverbs layer
+/// does before it checks, the fields an XRC QP ignores are taken out
+/// first (an initiator's responder attributes, a target's requester ones:
+/// perftest sets them on both).
+pub fn attrs_ok(ty: QpType, from: QpState, to: QpState, mask: i32) -> bool {
+    let mask = match ty {
+        QpType::XrcSend => mask & !(ATTR_MAX_DEST_RD_ATOMIC | ATTR_MIN_RNR_TIMER),
+        QpType::XrcRecv => mask & !(ATTR_MAX_QP_RD_ATOMIC | ATTR_RETRY_CNT | ATTR_RNR_RETRY),
+        _ => mask,
+    };
+    if mask & ATTR_CUR_STATE != 0
+        && !matches!(
+            from,
+            QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe
+        )
+    {
+        return false;
+    }
+    let (req, opt) = transition_attrs(ty, from, to);
+    mask & req == req && mask & !(req | opt | ATTR_STATE) == 0
+}
+
+/// The attributes a transition requires and those it allows besides
+/// (`attrs_ok`).
+fn transition_attrs(ty: QpType, from: QpState, to: QpState) -> (i32, i32) {
     use QpState::*;
-    match (ty, from, to) {
-        (QpType::Rc | QpType::XrcSend | QpType::XrcRecv, Init, Rtr) => ATTR_DEST_QPN,
-        (QpType::Ud, Reset, Init) => ATTR_PKEY_INDEX | ATTR_PORT | ATTR_QKEY,
-        (QpType::Uc, Reset, Init) => ATTR_PKEY_INDEX | ATTR_PORT | ATTR_ACCESS_FLAGS,
-        (QpType::Uc, Init, Rtr) => ATTR_AV | ATTR_PATH_MTU | ATTR_DEST_QPN | ATTR_RQ_PSN,
-        (QpType::Uc | QpType::Ud, Rtr, Rts) => ATTR_SQ_PSN,
-        _ => 0,
+    use QpType::*;
+    const ALT: i32 = ATTR_ALT_PATH;
+    const MIG: i32 = ATTR_PATH_MIG_STATE;
+    const CUR: i32 = ATTR_CUR_STATE;
+    // INIT's attributes: UD's Q_Key where the others have access flags.
+    let init = match ty {
+        Ud => ATTR_PKEY_INDEX | ATTR_PORT | ATTR_QKEY,
+        _ => ATTR_PKEY_INDEX | ATTR_PORT | ATTR_ACCESS_FLAGS,
+    };
+    // What RTS -> RTS (and SQD -> RTS) may change.
+    let rts_opt = match ty {
+        Ud => CUR | ATTR_QKEY,
+        Uc | XrcSend => CUR | ALT | ATTR_ACCESS_FLAGS | MIG,
+        Rc | XrcRecv => CUR | ALT | ATTR_ACCESS_FLAGS | ATTR_MIN_RNR_TIMER | MIG,
+    };
+    match (from, to) {
+        (Reset, Init) => (init, 0),
+        (Init, Init) => (0, init),
+        (Init, Rtr) => {
+            let path = ATTR_AV | ATTR_PATH_MTU | ATTR_DEST_QPN | ATTR_RQ_PSN;
+            match ty {
+                Ud => (0, ATTR_PKEY_INDEX | ATTR_QKEY),
+                Uc | XrcSend => (path, ALT | ATTR_ACCESS_FLAGS | ATTR_PKEY_INDEX),
+                Rc | XrcRecv => (
+                    path | ATTR_MAX_DEST_RD_ATOMIC | ATTR_MIN_RNR_TIMER,
+                    ALT | ATTR_ACCESS_FLAGS | ATTR_PKEY_INDEX,
+                ),
+            }
+        }
+        (Rtr, Rts) => {
+            let req = match ty {
+                Ud | Uc => ATTR_SQ_PSN,
+                Rc | XrcSend => {
+                    ATTR_TIMEOUT
+                        | ATTR_RETRY_CNT
+                        | ATTR_RNR_RETRY
+                        | ATTR_SQ_PSN
+                        | ATTR_MAX_QP_RD_ATOMIC
+                }
+                XrcRecv => ATTR_TIMEOUT | ATTR_SQ_PSN,
+            };
+            (req, rts_opt)
+        }
+        (Rts | Sqd, Rts) => (0, rts_opt),
+        (Rts, Sqd) => (0, ATTR_EN_SQD_ASYNC_NOTIFY),
+        (Sqd, Sqd) => {
+            let common = ALT | ATTR_ACCESS_FLAGS | ATTR_PKEY_INDEX | MIG;
+            let opt = match ty {
+                Ud => ATTR_PKEY_INDEX | ATTR_QKEY,
+                Uc => ATTR_AV | common,
+                Rc => {
+                    ATTR_PORT
+                        | ATTR_AV
+                        | ATTR_TIMEOUT
+                        | ATTR_RETRY_CNT
+                        | ATTR_RNR_RETRY
+                        | ATTR_MAX_QP_RD_ATOMIC
+                        | ATTR_MAX_DEST_RD_ATOMIC
+                        | ATTR_MIN_RNR_TIMER
+                        | common
+                }
+                XrcSend => {
+                    ATTR_PORT
+                        | ATTR_AV
+                        | ATTR_TIMEOUT
+                        | ATTR_RETRY_CNT
+                        | ATTR_RNR_RETRY
+                        | ATTR_MAX_QP_RD_ATOMIC
+                        | common
+                }
+                XrcRecv => {
+                    ATTR_PORT
+                        | ATTR_AV
+                        | ATTR_TIMEOUT
+                        | ATTR_MAX_DEST_RD_ATOMIC
+                        | ATTR_MIN_RNR_TIMER
+                        | common
+                }
+            };
+            (0, opt)
+        }
+        (Sqe, Rts) => match ty {
+            Ud => (0, CUR | ATTR_QKEY),
+            Uc => (0, CUR | ATTR_ACCESS_FLAGS),
+            _ => (0, 0),
+        },
+        // To RESET or ERR, and RESET -> RESET: the state alone.
+        _ => (0, 0),
     }
 }
 
@@ -255,13 +390,61 @@ mod tests {
         assert!(transition_ok(Err, Reset));
         assert!(!transition_ok(Reset, Rts));
         assert!(!transition_ok(Err, Rts));
-        assert_eq!(required_attrs(QpType::Rc, Init, Rtr), ATTR_DEST_QPN);
-        assert_eq!(
-            required_attrs(QpType::Ud, Reset, Init),
-            ATTR_PKEY_INDEX | ATTR_PORT | ATTR_QKEY
-        );
-        assert_eq!(required_attrs(QpType::Ud, Init, Rtr), 0);
-        assert_eq!(required_attrs(QpType::Ud, Rtr, Rts), ATTR_SQ_PSN);
+        // The kernel's table (measured on rxe by examples/verbs_probe).
+        assert!(!transition_ok(Reset, Err));
+        assert!(transition_ok(Reset, Reset));
+        assert!(transition_ok(Init, Err) && transition_ok(Err, Err));
+        assert!(!transition_ok(Rtr, Rtr) && !transition_ok(Rtr, Init));
+        let rc_rtr = ATTR_STATE
+            | ATTR_AV
+            | ATTR_PATH_MTU
+            | ATTR_DEST_QPN
+            | ATTR_RQ_PSN
+            | ATTR_MAX_DEST_RD_ATOMIC
+            | ATTR_MIN_RNR_TIMER;
+        assert!(attrs_ok(QpType::Rc, Init, Rtr, rc_rtr));
+        assert!(!attrs_ok(
+            QpType::Rc,
+            Init,
+            Rtr,
+            rc_rtr & !ATTR_MIN_RNR_TIMER
+        ));
+        let rc_rts = ATTR_STATE
+            | ATTR_TIMEOUT
+            | ATTR_RETRY_CNT
+            | ATTR_RNR_RETRY
+            | ATTR_SQ_PSN
+            | ATTR_MAX_QP_RD_ATOMIC;
+        assert!(attrs_ok(QpType::Rc, Rtr, Rts, rc_rts));
+        // RTS -> RTS may not set what RTR -> RTS required (measured on rxe).
+        assert!(!attrs_ok(QpType::Rc, Rts, Rts, rc_rts));
+        assert!(attrs_ok(
+            QpType::Rc,
+            Rts,
+            Rts,
+            ATTR_STATE | ATTR_MIN_RNR_TIMER
+        ));
+        let ud_init = ATTR_STATE | ATTR_PKEY_INDEX | ATTR_PORT | ATTR_QKEY;
+        assert!(attrs_ok(QpType::Ud, Reset, Init, ud_init));
+        assert!(!attrs_ok(QpType::Ud, Reset, Init, ud_init & !ATTR_QKEY));
+        assert!(attrs_ok(QpType::Ud, Init, Rtr, ATTR_STATE));
+        assert!(!attrs_ok(QpType::Ud, Rtr, Rts, ATTR_STATE));
+        assert!(attrs_ok(QpType::Ud, Rtr, Rts, ATTR_STATE | ATTR_SQ_PSN));
+        // CUR_STATE only from RTR, RTS, SQD, SQE.
+        assert!(!attrs_ok(
+            QpType::Rc,
+            Init,
+            Init,
+            ATTR_STATE | ATTR_CUR_STATE
+        ));
+        assert!(attrs_ok(QpType::Rc, Rts, Rts, ATTR_STATE | ATTR_CUR_STATE));
+        assert!(attrs_ok(QpType::Rc, Rts, Err, ATTR_STATE));
+        // XRC: the fields a side ignores are taken out first, as uverbs
+        // does (perftest's -c XRC sets RC's whole RTR and RTS masks).
+        assert!(attrs_ok(QpType::XrcSend, Init, Rtr, rc_rtr));
+        assert!(attrs_ok(QpType::XrcRecv, Rtr, Rts, rc_rts));
+        assert!(!attrs_ok(QpType::XrcSend, Init, Rtr, rc_rtr & !ATTR_RQ_PSN));
+        assert!(!attrs_ok(QpType::Rc, Rts, Err, ATTR_STATE | ATTR_TIMEOUT));
         assert!(transition_ok(Sqe, Rts));
         for v in 0..7 {
             assert_eq!(QpState::from_u32(v).map(|s| s as u32), Some(v));
@@ -287,6 +470,22 @@ mod tests {
         assert_eq!(QpType::from_u32(4), Some(QpType::Ud));
         assert_eq!(QpType::from_u32(8), None, "raw packet");
         assert_eq!(QpType::Ud.send_error_state(), QpState::Sqe);
+    }
+
+    #[test]
+    fn rnr_budget_is_the_responders_timer_times_tries() {
+        use std::time::Duration;
+        assert_eq!(rnr_timer(0), Duration::from_micros(655_360));
+        assert_eq!(rnr_timer(1), Duration::from_micros(10));
+        assert_eq!(rnr_timer(12), Duration::from_micros(640));
+        assert_eq!(rnr_timer(31), Duration::from_micros(491_520));
+        assert_eq!(rnr_timer(99), rnr_timer(31));
+        assert_eq!(rnr_budget(7, rnr_timer(12)), None, "7: for ever");
+        assert_eq!(rnr_budget(0, rnr_timer(1)), Some(Duration::from_micros(10)));
+        assert_eq!(
+            rnr_budget(6, rnr_timer(12)),
+            Some(Duration::from_micros(640 * 7))
+        );
     }
 
     #[test]

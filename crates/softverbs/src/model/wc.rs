@@ -26,6 +26,9 @@ pub enum WcStatus {
     RemOpErr = 11,
     /// `IBV_WC_RETRY_EXC_ERR`: the responder never answered.
     RetryExcErr = 12,
+    /// `IBV_WC_RNR_RETRY_EXC_ERR`: the responder had no receive for the
+    /// request through every RNR retry the QP allows.
+    RnrRetryExcErr = 13,
 }
 
 /// `enum ibv_wc_opcode` values.

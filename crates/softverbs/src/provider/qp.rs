@@ -531,14 +531,10 @@ pub unsafe extern "C" fn modify_qp(
     } else {
         cur
     };
-    if mask & m::ATTR_STATE != 0 {
-        if !m::transition_ok(cur, next) {
-            return libc::EINVAL;
-        }
-        let need = m::required_attrs(q.qp_type, cur, next);
-        if mask & need != need {
-            return libc::EINVAL;
-        }
+    // As the kernel's table: a mask without a state is a move from the
+    // current state to itself, which must be a transition too.
+    if !m::transition_ok(cur, next) || !m::attrs_ok(q.qp_type, cur, next, mask) {
+        return libc::EINVAL;
     }
     // The device's limits on outstanding READ/atomic requests
     // (`max_qp_init_rd_atom`, `max_qp_rd_atom`): larger is EINVAL, as the
@@ -577,6 +573,12 @@ pub unsafe extern "C" fn modify_qp(
             unsafe { std::ptr::copy_nonoverlapping(&a.ah_attr, &mut st.ah_attr, 1) };
         }
         ss.transport_timeout = m::transport_timeout(st.timeout, st.retry_cnt);
+        ss.rnr_retry = st.rnr_retry;
+    }
+    if mask & m::ATTR_MIN_RNR_TIMER != 0 {
+        q.hdr()
+            .min_rnr_timer
+            .store(u32::from(a.min_rnr_timer), Ordering::Release);
     }
     if mask & m::ATTR_ACCESS_FLAGS != 0 {
         q.hdr().access.store(a.qp_access_flags, Ordering::Release);

@@ -31,7 +31,7 @@ use super::remote::Remote;
 use super::set_bad;
 use super::xfer::{read_from, write_to, Span};
 use crate::model::device::DEAD_ERRNO;
-use crate::model::qp::{QpState, QpType};
+use crate::model::qp::{self as m, QpState, QpType};
 use crate::model::ud::{self, AhInfo};
 use crate::model::wc::{
     access, opcode, send_completes, send_flags, send_wc_opcode, wr, WcStatus, WC_GRH, WC_WITH_IMM,
@@ -73,6 +73,9 @@ pub struct Wr {
     /// Since when the responder has not answered this WR at all (the
     /// transport timeout runs from there).
     silent_since: Option<Instant>,
+    /// Since when the responder has answered this WR with RNR only (the
+    /// RNR retry budget runs from there).
+    rnr_since: Option<Instant>,
 }
 
 /// Where a UD send goes (`wr.ud` and the address handle's attributes,
@@ -102,6 +105,8 @@ pub struct SendSide {
     /// The QP's transport timeout (from `timeout` and `retry_cnt`; `None`:
     /// infinite), kept by `modify_qp`.
     pub transport_timeout: Option<Duration>,
+    /// The QP's `rnr_retry` (7: for ever), kept by `modify_qp`.
+    pub rnr_retry: u8,
     /// UD: the destinations sent to so far, by QPN.
     ud_peers: HashMap<u32, Remote>,
     /// XRC_SEND: the responder with each SRQ sent to so far, by SRQ number.
@@ -117,6 +122,7 @@ impl SendSide {
             remote: None,
             pending: Pending::new(),
             transport_timeout: None,
+            rnr_retry: 7,
             ud_peers: HashMap::new(),
             xrc: HashMap::new(),
             waiting: false,
@@ -650,12 +656,12 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
             Outcome::Done(WcStatus::Success, len as u32)
         }
         wr::RDMA_WRITE | wr::RDMA_WRITE_WITH_IMM => {
-            let target = if rh.access.load(Ordering::Acquire) & access::REMOTE_WRITE != 0 {
-                remote_ok(r, r.pd(), w, len, access::REMOTE_WRITE)
-            } else {
-                None
-            };
-            let Some(target) = target else {
+            // A QP not enabled for the operation does not support it: an
+            // Invalid Request NAK (as rxe answers), not an access error.
+            if rh.access.load(Ordering::Acquire) & access::REMOTE_WRITE == 0 {
+                return responder_failed(r, WcStatus::RemInvReqErr);
+            }
+            let Some(target) = remote_ok(r, r.pd(), w, len, access::REMOTE_WRITE) else {
                 return responder_failed(r, WcStatus::RemAccessErr);
             };
             let wqe = if w.opcode == wr::RDMA_WRITE_WITH_IMM {
@@ -704,12 +710,12 @@ fn execute_connected(q: &SvQp, ss: &mut SendSide, w: &Wr, local: &[Span], len: u
             Outcome::Done(WcStatus::Success, len as u32)
         }
         wr::RDMA_READ => {
-            let source = if rh.access.load(Ordering::Acquire) & access::REMOTE_READ != 0 {
-                remote_ok(r, r.pd(), w, len, access::REMOTE_READ)
-            } else {
-                None
-            };
-            let Some(source) = source else {
+            // A QP not enabled for the operation does not support it: an
+            // Invalid Request NAK (as rxe answers), not an access error.
+            if rh.access.load(Ordering::Acquire) & access::REMOTE_READ == 0 {
+                return responder_failed(r, WcStatus::RemInvReqErr);
+            }
+            let Some(source) = remote_ok(r, r.pd(), w, len, access::REMOTE_READ) else {
                 return responder_failed(r, WcStatus::RemAccessErr);
             };
             let src = [Span {
@@ -751,12 +757,12 @@ fn atomic_write(r: &Remote, w: &Wr, local: &[Span], len: u64) -> Outcome {
         return Outcome::Done(WcStatus::LocProtErr, 0);
     }
     let rh = r.hdr();
-    let target = if rh.access.load(Ordering::Acquire) & access::REMOTE_WRITE != 0 {
-        remote_ok(r, r.pd(), w, len, access::REMOTE_WRITE)
-    } else {
-        None
-    };
-    let Some(target) = target else {
+    // A QP not enabled for the operation does not support it: an
+    // Invalid Request NAK (as rxe answers), not an access error.
+    if rh.access.load(Ordering::Acquire) & access::REMOTE_WRITE == 0 {
+        return responder_failed(r, WcStatus::RemInvReqErr);
+    }
+    let Some(target) = remote_ok(r, r.pd(), w, len, access::REMOTE_WRITE) else {
         return responder_failed(r, WcStatus::RemAccessErr);
     };
     if !aligned(w.remote_addr) || !aligned(target) {
@@ -785,19 +791,19 @@ fn atomic(r: &Remote, w: &Wr, local: &[Span], local_len: u64) -> Outcome {
         return Outcome::Done(WcStatus::LocLenErr, 0);
     }
     let rh = r.hdr();
-    let target = if rh.access.load(Ordering::Acquire) & access::REMOTE_ATOMIC != 0 {
-        check(
-            mr_lookup(r.mrs(), w.rkey),
-            r.pd(),
-            rh.qpn,
-            w.remote_addr,
-            u64::from(ATOMIC_LEN),
-            access::REMOTE_ATOMIC,
-        )
-    } else {
-        None
-    };
-    let Some(target) = target else {
+    // A QP not enabled for the operation does not support it: an
+    // Invalid Request NAK (as rxe answers), not an access error.
+    if rh.access.load(Ordering::Acquire) & access::REMOTE_ATOMIC == 0 {
+        return responder_failed(r, WcStatus::RemInvReqErr);
+    }
+    let Some(target) = check(
+        mr_lookup(r.mrs(), w.rkey),
+        r.pd(),
+        rh.qpn,
+        w.remote_addr,
+        u64::from(ATOMIC_LEN),
+        access::REMOTE_ATOMIC,
+    ) else {
         return responder_failed(r, WcStatus::RemAccessErr);
     };
     if !aligned(w.remote_addr) || !aligned(target) {
@@ -886,12 +892,32 @@ fn silent_too_long(ss: &SendSide, w: &mut Wr) -> bool {
     ss.transport_timeout.is_some_and(|d| t0.elapsed() >= d)
 }
 
+/// How long the QP keeps retrying a request its responder has no receive
+/// for (`None`: for ever): `rnr_retry` tries after the first, each after
+/// the responder's RNR timer (model::qp::rnr_budget).
+fn rnr_budget(ss: &SendSide) -> Option<Duration> {
+    let code = ss
+        .remote
+        .as_ref()
+        .map_or(0, |r| r.hdr().min_rnr_timer.load(Ordering::Acquire));
+    m::rnr_budget(ss.rnr_retry, m::rnr_timer(code.min(31) as u8))
+}
+
+/// Whether the responder has had no receive for `w` for the QP's RNR
+/// budget (the RNR wait starts now if it is new).
+fn rnr_too_long(ss: &SendSide, w: &mut Wr) -> bool {
+    let t0 = *w.rnr_since.get_or_insert_with(Instant::now);
+    rnr_budget(ss).is_some_and(|d| t0.elapsed() >= d)
+}
+
 /// When the WR at the head of the queue runs out of retries, if its
-/// responder is silent and the QP's timeout is finite (the progress
-/// thread's wake-up time).
+/// responder is silent (or has no receive for it) and the QP's budget is
+/// finite (the progress thread's wake-up time).
 pub fn silence_deadline(ss: &SendSide) -> Option<Instant> {
-    let since = ss.pending.front()?.silent_since?;
-    Some(since + ss.transport_timeout?)
+    let w = ss.pending.front()?;
+    let silent = w.silent_since.zip(ss.transport_timeout).map(|(t, d)| t + d);
+    let rnr = w.rnr_since.zip(rnr_budget(ss)).map(|(t, d)| t + d);
+    silent.into_iter().chain(rnr).min()
 }
 
 /// Retry waiting WRs in order until one has to wait again. On a dead
@@ -920,11 +946,20 @@ pub fn progress(q: &SvQp, ss: &mut SendSide) {
                 // WRs behind this one, in order.
                 complete(q, ss, &w, WcStatus::RetryExcErr, 0)
             }
+            Outcome::WaitRnr if rnr_too_long(ss, &mut w) => {
+                // RNR retries exhausted: as above.
+                complete(q, ss, &w, WcStatus::RnrRetryExcErr, 0)
+            }
             o => {
                 if !matches!(o, Outcome::NoAnswer) {
                     // The responder answered (RNR, not ready): the
                     // transport timer restarts.
                     w.silent_since = None;
+                }
+                if !matches!(o, Outcome::WaitRnr) {
+                    // It had a receive, or did not answer: a later RNR
+                    // starts a new RNR wait.
+                    w.rnr_since = None;
                 }
                 ss.pending.push_front(w);
                 break;
@@ -1038,6 +1073,7 @@ pub unsafe extern "C" fn post_send(
             owned: None,
             since: None,
             silent_since: None,
+            rnr_since: None,
         };
         if x.opcode == wr::BIND_MW {
             // SAFETY: the bind_mw arm, which this opcode says the caller
@@ -1072,8 +1108,10 @@ pub unsafe extern "C" fn post_send(
             match execute(q, &mut ss, &w) {
                 Outcome::Done(s, len) => complete(q, &mut ss, &w, s, len),
                 o => {
-                    if matches!(o, Outcome::NoAnswer) {
-                        w.silent_since = Some(Instant::now());
+                    match o {
+                        Outcome::NoAnswer => w.silent_since = Some(Instant::now()),
+                        Outcome::WaitRnr => w.rnr_since = Some(Instant::now()),
+                        _ => {}
                     }
                     ss.pending.push_back(own(w));
                     ss.set_waiting(q, true);

@@ -331,6 +331,10 @@ pub struct QpHeader {
     pub qkey: AtomicU32,
     /// XRC target: the id of its XRC domain (provider::xrc).
     pub xrcd: u32,
+    /// `min_rnr_timer` (`IBV_QP_MIN_RNR_TIMER`, 0..31): the RNR timer a
+    /// requester waits between tries when this responder has no receive
+    /// (model::qp::rnr_timer). 0, the longest, until set.
+    pub min_rnr_timer: AtomicU32,
 }
 
 /// An SRQ's header, followed by its receive ring.
@@ -430,6 +434,8 @@ mod tests {
         assert_eq!(offset_of!(QpHeader, gone), 48);
         assert_eq!(offset_of!(QpHeader, qp_type), 52);
         assert_eq!(offset_of!(QpHeader, qkey), 72);
+        assert_eq!(offset_of!(QpHeader, xrcd), 76);
+        assert_eq!(offset_of!(QpHeader, min_rnr_timer), 80);
         assert_eq!(offset_of!(QpHeader, qp_ptr), 56);
         assert_eq!(offset_of!(QpHeader, doorbell), 64);
         assert_eq!(size_of::<QpHeader>(), 128);

@@ -196,6 +196,13 @@ pub fn connect_with(qp: *mut ibv_qp, remote: u32, timeout: u8, retry_cnt: u8) {
 
 /// [`connect_with`] with the given remote `access` flags of the QP.
 pub fn connect_full(qp: *mut ibv_qp, remote: u32, timeout: u8, retry_cnt: u8, access: i32) {
+    to_init_with(qp, access);
+    assert_eq!(to_rtr(qp, remote, 1), 0, "RTR");
+    assert_eq!(to_rts_rc(qp, timeout, retry_cnt, 1), 0, "RTS");
+}
+
+/// RESET -> INIT on port 1 with the QP's remote `access` flags.
+pub fn to_init_with(qp: *mut ibv_qp, access: i32) {
     unsafe {
         let mut a: ibv_qp_attr = std::mem::zeroed();
         a.qp_state = ibv_qp_state::IBV_QPS_INIT;
@@ -206,35 +213,60 @@ pub fn connect_full(qp: *mut ibv_qp, remote: u32, timeout: u8, retry_cnt: u8, ac
             | ibv_qp_attr_mask::IBV_QP_PORT.0
             | ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS.0;
         assert_eq!(ibv_modify_qp(qp, &mut a, m as i32), 0, "INIT");
+    }
+}
+
+/// An RC (or XRC) QP's INIT -> RTR toward `remote` (LID 1), with the
+/// attributes the kernel's table requires of its type; `ibv_modify_qp`'s
+/// answer.
+pub fn to_rtr(qp: *mut ibv_qp, remote: u32, max_dest_rd_atomic: u8) -> i32 {
+    unsafe {
+        // An XRC initiator has no responder side: no RDMA read depth, no
+        // RNR timer.
+        let responder = (*qp).qp_type != ibv_qp_type::IBV_QPT_XRC_SEND;
         let mut a: ibv_qp_attr = std::mem::zeroed();
         a.qp_state = ibv_qp_state::IBV_QPS_RTR;
         a.path_mtu = ibv_mtu::IBV_MTU_4096;
         a.dest_qp_num = remote;
-        a.max_dest_rd_atomic = 1;
+        a.max_dest_rd_atomic = max_dest_rd_atomic;
         a.min_rnr_timer = 12;
         a.ah_attr.dlid = 1;
         a.ah_attr.port_num = 1;
-        let m = ibv_qp_attr_mask::IBV_QP_STATE.0
+        let mut m = ibv_qp_attr_mask::IBV_QP_STATE.0
             | ibv_qp_attr_mask::IBV_QP_AV.0
             | ibv_qp_attr_mask::IBV_QP_PATH_MTU.0
             | ibv_qp_attr_mask::IBV_QP_DEST_QPN.0
-            | ibv_qp_attr_mask::IBV_QP_RQ_PSN.0
-            | ibv_qp_attr_mask::IBV_QP_MAX_DEST_RD_ATOMIC.0
-            | ibv_qp_attr_mask::IBV_QP_MIN_RNR_TIMER.0;
-        assert_eq!(ibv_modify_qp(qp, &mut a, m as i32), 0, "RTR");
+            | ibv_qp_attr_mask::IBV_QP_RQ_PSN.0;
+        if responder {
+            m |= ibv_qp_attr_mask::IBV_QP_MAX_DEST_RD_ATOMIC.0
+                | ibv_qp_attr_mask::IBV_QP_MIN_RNR_TIMER.0;
+        }
+        ibv_modify_qp(qp, &mut a, m as i32)
+    }
+}
+
+/// An RC (or XRC) QP's RTR -> RTS with the given local ACK `timeout`,
+/// `retry_cnt` and `max_rd_atomic` (RNR retry 7), as far as its type
+/// takes them; `ibv_modify_qp`'s answer.
+pub fn to_rts_rc(qp: *mut ibv_qp, timeout: u8, retry_cnt: u8, max_rd_atomic: u8) -> i32 {
+    unsafe {
+        // An XRC target sends no requests: no retries, no read depth.
+        let requester = (*qp).qp_type != ibv_qp_type::IBV_QPT_XRC_RECV;
         let mut a: ibv_qp_attr = std::mem::zeroed();
         a.qp_state = ibv_qp_state::IBV_QPS_RTS;
         a.timeout = timeout;
         a.retry_cnt = retry_cnt;
         a.rnr_retry = 7;
-        a.max_rd_atomic = 1;
-        let m = ibv_qp_attr_mask::IBV_QP_STATE.0
+        a.max_rd_atomic = max_rd_atomic;
+        let mut m = ibv_qp_attr_mask::IBV_QP_STATE.0
             | ibv_qp_attr_mask::IBV_QP_TIMEOUT.0
-            | ibv_qp_attr_mask::IBV_QP_RETRY_CNT.0
-            | ibv_qp_attr_mask::IBV_QP_RNR_RETRY.0
-            | ibv_qp_attr_mask::IBV_QP_SQ_PSN.0
-            | ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC.0;
-        assert_eq!(ibv_modify_qp(qp, &mut a, m as i32), 0, "RTS");
+            | ibv_qp_attr_mask::IBV_QP_SQ_PSN.0;
+        if requester {
+            m |= ibv_qp_attr_mask::IBV_QP_RETRY_CNT.0
+                | ibv_qp_attr_mask::IBV_QP_RNR_RETRY.0
+                | ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC.0;
+        }
+        ibv_modify_qp(qp, &mut a, m as i32)
     }
 }
 
@@ -261,7 +293,18 @@ pub fn ud_up(qp: *mut ibv_qp, qkey: u32) {
     }
 }
 
-/// RTR -> RTS (or SQE -> RTS) with a send PSN.
+/// SQE -> RTS: the state alone (the kernel's table takes no send PSN
+/// there).
+pub fn resume_from_sqe(qp: *mut ibv_qp) {
+    unsafe {
+        let mut a: ibv_qp_attr = std::mem::zeroed();
+        a.qp_state = ibv_qp_state::IBV_QPS_RTS;
+        let m = ibv_qp_attr_mask::IBV_QP_STATE.0;
+        assert_eq!(ibv_modify_qp(qp, &mut a, m as i32), 0, "SQE -> RTS");
+    }
+}
+
+/// RTR -> RTS with a send PSN (UD, UC).
 pub fn to_rts(qp: *mut ibv_qp) {
     unsafe {
         let mut a: ibv_qp_attr = std::mem::zeroed();
@@ -359,6 +402,11 @@ pub fn post_ud(
     };
     let mut bad = null_mut();
     unsafe { ibv_post_send(qp, &mut wr, &mut bad) }
+}
+
+/// RESET -> INIT on port 1 with every access flag.
+pub fn to_init(qp: *mut ibv_qp) {
+    to_init_with(qp, ACCESS_ALL);
 }
 
 pub fn to_error(qp: *mut ibv_qp) {
