@@ -15,8 +15,8 @@
 //!   (negative, above the QP's cap, above MAX_SGE);
 //! - the cross-process ring (`shm::ring`) under any sequence of pushes and
 //!   pops, against a queue model;
-//! - the QP state machine (`transition_ok`, `required_attrs`) for any
-//!   pair of raw states and types.
+//! - the QP state machine (`transition_ok`, `attrs_ok`) for any pair of
+//!   raw states, any type and any attribute mask.
 //!
 //! Each result is checked against an oracle written here from the verbs
 //! rules, not from the code: no panic, a refused request is refused for a
@@ -25,7 +25,7 @@
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
-use softverbs::model::qp::{required_attrs, transition_ok, QpState, QpType};
+use softverbs::model::qp::{attrs_ok, transition_ok, QpState, QpType, ATTR_STATE};
 use softverbs::model::wc::{access, send_flags, wr};
 use softverbs::provider::qp::{recv_wqe, Caps};
 use softverbs::provider::send::{inline_ok, local_check, shape_ok};
@@ -66,6 +66,7 @@ struct Input {
     ring_cap: u8,
     ring_ops: Vec<Option<u64>>,
     states: (u32, u32),
+    mask: i32,
 }
 
 /// The QP whose sends are checked (regions name no QP: any may use them).
@@ -268,11 +269,33 @@ fn ring_and_states(input: &Input) {
         QpState::from_u32(input.states.1),
     ) {
         let ok = transition_ok(from, to);
-        for ty in [QpType::Rc, QpType::Uc, QpType::Ud] {
-            let _ = required_attrs(ty, from, to);
+        for ty in [
+            QpType::Rc,
+            QpType::Uc,
+            QpType::Ud,
+            QpType::XrcSend,
+            QpType::XrcRecv,
+        ] {
+            // Never a panic; the state alone always fits a move to RESET
+            // or ERR, and nothing the rules do not list is ever allowed.
+            let _ = attrs_ok(ty, from, to, input.mask);
+            if to == QpState::Reset || to == QpState::Err {
+                assert!(
+                    attrs_ok(ty, from, to, ATTR_STATE),
+                    "{ty:?} {from:?} -> {to:?}"
+                );
+            }
+            assert!(
+                !attrs_ok(ty, from, to, ATTR_STATE | (1 << 30)),
+                "an unknown attribute"
+            );
         }
-        if to == QpState::Reset || to == QpState::Err {
-            assert!(ok, "{from:?} -> {to:?} must always be allowed");
+        // IBA 10.3.1: any state may go to RESET, any but RESET to ERR.
+        if to == QpState::Reset || (to == QpState::Err && from != QpState::Reset) {
+            assert!(ok, "{from:?} -> {to:?} must be allowed");
+        }
+        if from == QpState::Reset && to == QpState::Err {
+            assert!(!ok, "RESET -> ERR is not a transition");
         }
     }
 }
