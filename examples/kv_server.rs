@@ -393,8 +393,10 @@ fn run(mistake: Mistake, per_conn: u64, deadline: Duration) -> Result<Outcome, B
         let sqp = Arc::new(pd.create_qp(&QpInit::new(&scq, &scq, cap(2 * DEPTH as u32)))?);
         let cqp = Arc::new(pd.create_qp(&QpInit::new(&ccq, &ccq, cap(DEPTH as u32)))?);
         connect(&sqp, &cqp)?;
-        let smr = Arc::new(pd.reg_mr(3 * DEPTH * MSG, Access::ALL)?);
-        let cmr = Arc::new(pd.reg_mr(2 * DEPTH * MSG, Access::ALL)?);
+        // SEND and RECV only: no peer reads or writes these (least
+        // privilege; docs/verbs.md, "Access: what a peer can reach").
+        let smr = Arc::new(pd.reg_mr(3 * DEPTH * MSG, Access::LOCAL_WRITE)?);
+        let cmr = Arc::new(pd.reg_mr(2 * DEPTH * MSG, Access::LOCAL_WRITE)?);
         let srv = s_handle.register_contexts_with(3 * DEPTH as u32, |reg| {
             let free = ArrayQueue::new(2 * DEPTH as usize);
             (0..2 * DEPTH).for_each(|b| free.push(b).unwrap_or(()));

@@ -120,7 +120,10 @@ pub struct Args {
     /// see RETRY_EXC_ERR when a peer goes silent.
     #[arg(long, value_name = "N")]
     pub retry_cnt: Option<u8>,
-    /// serve: the TCP address to listen on for the load's handshake.
+    /// serve: the TCP address to listen on for the load's handshake
+    /// [default: 127.0.0.1:18520 — loopback; give the address of the
+    /// interface loads come from, e.g. 0.0.0.0:18520, to serve other
+    /// machines].
     #[arg(long, value_name = "ADDR:PORT")]
     pub listen: Option<String>,
     /// serve/load: how the queue pairs connect: `tcp` (endpoints in the
@@ -499,7 +502,7 @@ impl Args {
             listen: self
                 .listen
                 .clone()
-                .unwrap_or_else(|| format!("0.0.0.0:{DEFAULT_PORT}")),
+                .unwrap_or_else(|| format!("127.0.0.1:{DEFAULT_PORT}")),
             server_addrs: self.server_addrs.clone(),
             cm: self.cm.unwrap_or_default(),
             accept_timeout: self.accept_timeout,
@@ -753,7 +756,9 @@ mod tests {
             .unwrap_err();
         assert!(e.to_string().contains("the server's"), "{e}");
         let s = args(&["serve"]).check().unwrap();
-        assert_eq!(s.listen, format!("0.0.0.0:{DEFAULT_PORT}"));
+        // Loopback unless told: a stranger on the network cannot even
+        // start a handshake.
+        assert_eq!(s.listen, format!("127.0.0.1:{DEFAULT_PORT}"));
         let e = args(&["serve", "--duration", "1s"]).check().unwrap_err();
         assert!(e.to_string().contains("the load's"), "{e}");
     }

@@ -28,7 +28,7 @@ use cqd_core::{
 use hdrhistogram::Histogram;
 use parking_lot::Mutex;
 
-use crate::backend::{BackendError, Depths, Link, Node, Op, Region, Verb};
+use crate::backend::{BackendError, Depths, Exposure, Link, Node, Op, Region, Verb};
 use crate::verify::{ReadOutcome, Verifier};
 use crate::wire::{BlockOp, Reply, ReplyStatus, Request, MSG_LEN};
 
@@ -729,9 +729,13 @@ impl<N: Node> Load<N> {
                 send: depth,
                 recv: depth,
             },
+            // The server writes read blocks into the load's buffers and
+            // reads written ones from them.
+            Exposure::Peer,
         )?;
         let region = self.node.reg_region(
             2 * u64::from(depth) * MSG + u64::from(depth) * u64::from(spec.block_size),
+            Exposure::Peer,
         )?;
         let index = self.conns.len();
         let hist = Histogram::new_with_bounds(1, 3_600_000_000_000, 3)

@@ -2,15 +2,15 @@
 //! them, then each process runs its own half (`run::ServerSide` or
 //! `run::LoadSide`) and reports its own side.
 //!
-//! # The protocol (version 1)
+//! # The protocol (version 2)
 //!
 //! One TCP connection per (load, server) pair carries newline-delimited
 //! JSON messages ([`Msg`]), each at most [`MAX_LINE`] bytes:
 //!
 //! 1. load → server `hello` {protocol "cqd-demo", version, block size,
 //!    queue depth, connections}. The server answers `welcome` {its block
-//!    count, block size, the deepest queue and most connections it takes,
-//!    its device region's remote address} or `refused` {reason} (another
+//!    count, block size, the deepest queue and most connections it takes}
+//!    or `refused` {reason} (another
 //!    version, another block size, a deeper queue or more connections
 //!    than it was started for). The load uses the smallest block count of
 //!    its servers (blocks are striped: global block g is block g / S of
@@ -47,7 +47,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::backend::cm::CmListener;
-use crate::backend::{Link, Node, Remote};
+use crate::backend::{Link, Node};
 use crate::config::{check_blocks, CmKind, Config};
 use crate::load::LoadConn;
 use crate::report::{self, PeerVerdict, Report, ServeReport, Verdict};
@@ -58,7 +58,7 @@ use crate::DemoError;
 /// The protocol's name, first field of `hello`.
 pub const PROTOCOL: &str = "cqd-demo";
 /// The protocol's version.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// The longest message line, in bytes.
 pub const MAX_LINE: usize = 64 * 1024;
 /// How long a handshake step may wait for the peer.
@@ -102,9 +102,10 @@ pub enum Msg<E> {
         max_qd: u32,
         /// The most connections it takes.
         max_connections: u32,
-        /// Its device region (the server moves the data; named for
-        /// clients that would address the device directly).
-        device: Remote,
+        // No address or key of the server's memory: the server moves every
+        // block itself, and its regions and QPs take no remote access
+        // (version 1 named its device region, which any client could then
+        // write).
     },
     /// server → load: the handshake is refused.
     Refused {
@@ -429,7 +430,6 @@ fn session<N: Node>(
         .ok_or_else(|| DemoError::Setup("no server".into()))?;
     let spec = server.spec();
     let blocks = server.blocks();
-    let device = server.device_remote();
     let hello = match wire.recv::<<N::Link as Link>::Endpoint>() {
         Ok(m) => m,
         Err(e) => {
@@ -500,7 +500,6 @@ fn session<N: Node>(
         blocks,
         max_qd: spec.depth,
         max_connections: spec.connections,
-        device,
     })?;
     if let Some(cm) = cm {
         // Each connection's request names its number; the load opens them

@@ -38,7 +38,7 @@ use cqd_core::{
 };
 use parking_lot::Mutex;
 
-use crate::backend::{BackendError, Depths, Link, Node, Op, Region, Verb};
+use crate::backend::{BackendError, Depths, Exposure, Link, Node, Op, Region, Verb};
 use crate::wire::{BlockOp, Reply, ReplyStatus, Request, MSG_LEN};
 
 const MSG: u64 = MSG_LEN as u64;
@@ -550,7 +550,8 @@ impl<N: Node> Server<N> {
             ))
         })?;
         let (cq, unbound, handle) = node.create_cq(cq_name, depth, options)?;
-        let device = Arc::new(node.reg_region(spec.device_bytes)?);
+        // The server moves every block itself: no peer reaches its device.
+        let device = Arc::new(node.reg_region(spec.device_bytes, Exposure::Local)?);
         Ok(Server {
             name: node.name().to_string(),
             node,
@@ -575,11 +576,6 @@ impl<N: Node> Server<N> {
         self.unbound.take()
     }
 
-    /// The device region's address for a peer.
-    pub fn device_remote(&self) -> crate::backend::Remote {
-        self.device.remote(0)
-    }
-
     /// The server's geometry.
     pub fn spec(&self) -> ServerSpec {
         self.spec
@@ -597,8 +593,14 @@ impl<N: Node> Server<N> {
     /// The device refused, or the handler could not be registered.
     pub fn accept(&mut self) -> Result<Arc<SrvConn<N>>, crate::DemoError> {
         let depth = self.spec.depth;
-        let link = self.node.create_link(&self.cq, self.spec.depths())?;
-        let msgs = self.node.reg_region(u64::from(3 * depth) * MSG)?;
+        // Its QP and message buffers are the server's alone: the load only
+        // SENDs to it, and the server reads and writes the load's buffers.
+        let link = self
+            .node
+            .create_link(&self.cq, self.spec.depths(), Exposure::Local)?;
+        let msgs = self
+            .node
+            .reg_region(u64::from(3 * depth) * MSG, Exposure::Local)?;
         let name = format!("{}/c{}", self.name, self.conns.len());
         let (device, stats, closing) = (
             Arc::clone(&self.device),

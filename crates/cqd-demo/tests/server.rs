@@ -13,7 +13,7 @@ use cqd_core::{
     SendDone,
 };
 use cqd_demo::backend::sim::{SimFabric, SimLink, SimRegion};
-use cqd_demo::backend::{Depths, Link, Node, Op, Region, Verb};
+use cqd_demo::backend::{Depths, Exposure, Link, Node, Op, Region, Verb};
 use cqd_demo::server::{Server, ServerSpec, ServerWork};
 use cqd_demo::wire::{BlockOp, Reply, ReplyStatus, Request, WireError, MSG_LEN};
 use parking_lot::Mutex;
@@ -127,7 +127,11 @@ fn the_server_answers_good_and_bad_requests_and_never_panics() {
     let (cq, unbound, handle) = node
         .create_cq::<NoWork>("client", 64, CqOptions::default())
         .unwrap();
-    let region = Arc::new(node.reg_region(DATA_AT + u64::from(BS)).unwrap());
+    // The client's side, as the load's: the server reaches its buffers.
+    let region = Arc::new(
+        node.reg_region(DATA_AT + u64::from(BS), Exposure::Peer)
+            .unwrap(),
+    );
     let link = Arc::new(
         node.create_link(
             &cq,
@@ -135,6 +139,7 @@ fn the_server_answers_good_and_bad_requests_and_never_panics() {
                 send: 16,
                 recv: RECVS,
             },
+            Exposure::Peer,
         )
         .unwrap(),
     );

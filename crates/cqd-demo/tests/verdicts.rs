@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use clap::Parser;
 use cqd_core::{CqHandle, CqOptions, Registration, UnboundCq};
 use cqd_demo::backend::sim::{SimEndpoint, SimFabric, SimLink, SimNode, SimRegion};
-use cqd_demo::backend::{BackendError, Depths, Link, Node, Op, Region, Verb};
+use cqd_demo::backend::{BackendError, Depths, Exposure, Link, Node, Op, Region, Verb};
 use cqd_demo::config::Args;
 use cqd_demo::run::run_on;
 use cqd_sim::Modify;
@@ -150,15 +150,20 @@ impl Node for Faulty {
     ) -> Result<(cqd_sim::Cq, UnboundCq<W>, CqHandle<W>), BackendError> {
         self.inner.create_cq(name, depth, options)
     }
-    fn reg_region(&self, len: u64) -> Result<FRegion, BackendError> {
+    fn reg_region(&self, len: u64, exposure: Exposure) -> Result<FRegion, BackendError> {
         Ok(FRegion {
-            inner: self.inner.reg_region(len)?,
+            inner: self.inner.reg_region(len, exposure)?,
             slow: matches!(self.fault, Fault::SlowWrites),
         })
     }
-    fn create_link(&self, cq: &cqd_sim::Cq, depths: Depths) -> Result<FaultyLink, BackendError> {
+    fn create_link(
+        &self,
+        cq: &cqd_sim::Cq,
+        depths: Depths,
+        exposure: Exposure,
+    ) -> Result<FaultyLink, BackendError> {
         Ok(FaultyLink {
-            inner: self.inner.create_link(cq, depths)?,
+            inner: self.inner.create_link(cq, depths, exposure)?,
             fault: self.fault,
             writes: AtomicU64::new(0),
         })

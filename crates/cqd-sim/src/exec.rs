@@ -104,7 +104,7 @@ impl FabricState {
                 let need = Access::REMOTE_WRITE;
                 let Some((buf, off)) = self.check_remote(peer_pd, peer_access, remote, len, need)
                 else {
-                    return self.remote_access(peer);
+                    return self.remote_access(peer, peer_access, need);
                 };
                 let recv = match imm {
                     Some(_) => match self.take_recv(peer) {
@@ -133,7 +133,7 @@ impl FabricState {
                 let need = Access::REMOTE_READ;
                 let Some((buf, off)) = self.check_remote(peer_pd, peer_access, remote, len, need)
                 else {
-                    return self.remote_access(peer);
+                    return self.remote_access(peer, peer_access, need);
                 };
                 self.scatter_from(&buf, off, len as usize, &wr.sges);
                 Outcome::Ok {
@@ -150,7 +150,7 @@ impl FabricState {
                 let need = Access::REMOTE_ATOMIC;
                 let Some((buf, off)) = self.check_remote(peer_pd, peer_access, remote, 8, need)
                 else {
-                    return self.remote_access(peer);
+                    return self.remote_access(peer, peer_access, need);
                 };
                 let (old, opcode) = {
                     let mut b = buf.lock();
@@ -189,9 +189,18 @@ impl FabricState {
         }
     }
 
-    fn remote_access(&mut self, peer: u32) -> Outcome {
+    /// The responder refused a one-sided request: a QP not enabled for the
+    /// operation (its access flags lack `need`) does not support it, an
+    /// invalid request (as the kernel's rxe answers); otherwise the key,
+    /// range or region's access failed, a remote access error. Either way
+    /// the responder goes to error.
+    fn remote_access(&mut self, peer: u32, qp_access: Access, need: Access) -> Outcome {
         self.enter_error(peer);
-        Outcome::Fail(Status::RemoteAccess)
+        if qp_access.contains(need) {
+            Outcome::Fail(Status::RemoteAccess)
+        } else {
+            Outcome::Fail(Status::RemoteInvalidRequest)
+        }
     }
 
     /// The receive consumed on `peer` fails with `theirs`; the requester's

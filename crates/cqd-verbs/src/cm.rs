@@ -125,6 +125,11 @@ pub struct CmParams {
     pub rnr_retry_count: u8,
     /// How long address/route resolution and each answer may take.
     pub timeout: Duration,
+    /// The QP's remote access flags, in place of what rdma_cm chooses at
+    /// INIT (remote write, and remote read when it accepts reads):
+    /// `Some(Access::LOCAL_WRITE)` for a side that no peer may read or
+    /// write. `None` (the default): rdma_cm's.
+    pub qp_access: Option<crate::Access>,
 }
 
 impl Default for CmParams {
@@ -136,6 +141,7 @@ impl Default for CmParams {
             retry_count: 7,
             rnr_retry_count: 7,
             timeout: Duration::from_secs(10),
+            qp_access: None,
         }
     }
 }
@@ -533,7 +539,7 @@ impl ConnRequest {
             (rdma_sys::ibv_qp_state::IBV_QPS_RTR, "ibv_modify_qp(RTR)"),
             (rdma_sys::ibv_qp_state::IBV_QPS_RTS, "ibv_modify_qp(RTS)"),
         ] {
-            conn.transition(state, what)?;
+            conn.transition(state, what, p.qp_access)?;
         }
         sys_cm::id::accept(id, &conn.param(p)).map_err(call("rdma_accept"))?;
         let e = conn.slot.next(p.timeout, "ESTABLISHED")?;
@@ -611,10 +617,19 @@ impl Connection {
         }
     }
 
-    fn transition(&self, state: u32, what: &'static str) -> Result<(), CmError> {
+    fn transition(
+        &self,
+        state: u32,
+        what: &'static str,
+        access: Option<crate::Access>,
+    ) -> Result<(), CmError> {
         let id = self.id.ok_or(CmError::Timeout("an id"))?;
-        let (mut a, mask) =
+        let (mut a, mut mask) =
             sys_cm::id::init_qp_attr(id, state).map_err(call("rdma_init_qp_attr"))?;
+        if let (Some(access), rdma_sys::ibv_qp_state::IBV_QPS_INIT) = (access, state) {
+            a.qp_access_flags = access.0;
+            mask |= rdma_sys::ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS.0;
+        }
         self.qp.modify(&mut a, mask, what)?;
         Ok(())
     }
@@ -664,7 +679,7 @@ impl Connection {
             (rdma_sys::ibv_qp_state::IBV_QPS_RTR, "ibv_modify_qp(RTR)"),
             (rdma_sys::ibv_qp_state::IBV_QPS_RTS, "ibv_modify_qp(RTS)"),
         ] {
-            if let Err(err) = self.transition(state, what) {
+            if let Err(err) = self.transition(state, what, p.qp_access) {
                 let _ = sys_cm::id::reject(id, &[]);
                 return Err(err);
             }

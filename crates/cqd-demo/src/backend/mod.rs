@@ -70,6 +70,23 @@ pub struct Op<'a, R> {
     pub signaled: bool,
 }
 
+/// Who may reach a region or a link's queue pair besides its node: the
+/// least a role needs (issue "least privilege").
+///
+/// - The server moves every block itself (RDMA WRITE into the load's
+///   buffer, RDMA READ from it), so its device region, its message buffers
+///   and its QPs are [`Local`](Exposure::Local): no peer can read or write
+///   them, and no key to them leaves the process.
+/// - The load's buffers are what the server reaches, so they and the
+///   load's QPs are [`Peer`](Exposure::Peer): remote read and write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exposure {
+    /// Local access only (the node's own requests and receives).
+    Local,
+    /// A connected peer may also RDMA READ and WRITE it.
+    Peer,
+}
+
 /// Queue depths of a link.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Depths {
@@ -219,14 +236,22 @@ pub trait Node: Send + Sync + Debug + 'static {
         depth: u32,
         options: CqOptions,
     ) -> Result<(Self::Cq, UnboundCq<W>, CqHandle<W>), BackendError>;
-    /// A zeroed region of `len` bytes, local write and remote read/write.
+    /// A zeroed region of `len` bytes, local write, and remote read and
+    /// write when `exposure` is [`Exposure::Peer`].
     ///
     /// # Errors
     /// The device refused (too large).
-    fn reg_region(&self, len: u64) -> Result<Self::Region, BackendError>;
-    /// An RC QP whose send and receive completions both go to `cq`.
+    fn reg_region(&self, len: u64, exposure: Exposure) -> Result<Self::Region, BackendError>;
+    /// An RC QP whose send and receive completions both go to `cq`; its
+    /// peer may RDMA READ and WRITE through it only when `exposure` is
+    /// [`Exposure::Peer`].
     ///
     /// # Errors
     /// The device refused (admission on the CQ, depths).
-    fn create_link(&self, cq: &Self::Cq, depths: Depths) -> Result<Self::Link, BackendError>;
+    fn create_link(
+        &self,
+        cq: &Self::Cq,
+        depths: Depths,
+        exposure: Exposure,
+    ) -> Result<Self::Link, BackendError>;
 }

@@ -7,7 +7,7 @@ use cqd_sim::{
     RecvWr, SendWr, Sge, WrOp,
 };
 
-use super::{BackendError, Depths, Link, Node, Op, Region, Remote, Verb};
+use super::{BackendError, Depths, Exposure, Link, Node, Op, Region, Remote, Verb};
 
 /// The simulated fabric all nodes of a run share.
 #[derive(Debug, Clone)]
@@ -62,7 +62,7 @@ pub struct SimRegion(Mr);
 
 /// A simulated RC QP.
 #[derive(Debug)]
-pub struct SimLink(Qp);
+pub struct SimLink(Qp, Exposure);
 
 impl SimLink {
     /// The simulated QP (its state machine, for tests and fault
@@ -141,7 +141,10 @@ impl Link for SimLink {
 
     fn connect(&self, peer: &SimEndpoint) -> Result<(), BackendError> {
         let what = || format!("connect QP {} to QP {}", self.0.qpn(), peer.qpn);
-        let access = Access::REMOTE_WRITE | Access::REMOTE_READ;
+        let access = match self.1 {
+            Exposure::Local => Access::default(),
+            Exposure::Peer => Access::REMOTE_WRITE | Access::REMOTE_READ,
+        };
         for m in [
             Modify::Init { access },
             Modify::Rtr {
@@ -227,15 +230,24 @@ impl Node for SimNode {
             .map_err(|e| BackendError::new(format!("create CQ {name} of {depth} entries"), e))
     }
 
-    fn reg_region(&self, len: u64) -> Result<SimRegion, BackendError> {
+    fn reg_region(&self, len: u64, exposure: Exposure) -> Result<SimRegion, BackendError> {
         let what = || format!("register {len} bytes on {}", self.name);
+        let access = match exposure {
+            Exposure::Local => Access::LOCAL_WRITE,
+            Exposure::Peer => Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+        };
         self.pd
-            .reg_mr(len, Access::ALL)
+            .reg_mr(len, access)
             .map(SimRegion)
             .map_err(|e| BackendError::new(what(), e))
     }
 
-    fn create_link(&self, cq: &Cq, depths: Depths) -> Result<SimLink, BackendError> {
+    fn create_link(
+        &self,
+        cq: &Cq,
+        depths: Depths,
+        exposure: Exposure,
+    ) -> Result<SimLink, BackendError> {
         let cap = QpCap {
             max_send_wr: depths.send,
             max_recv_wr: depths.recv,
@@ -244,7 +256,7 @@ impl Node for SimNode {
         };
         self.pd
             .create_qp(&QpInit::new(cq, cq, cap))
-            .map(SimLink)
+            .map(|qp| SimLink(qp, exposure))
             .map_err(|e| BackendError::new(format!("create a QP on {}", self.name), e))
     }
 }

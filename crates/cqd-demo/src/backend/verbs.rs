@@ -19,7 +19,7 @@ use cqd_verbs::{
     RemoteAddr, SendWr, Sge, WrOp,
 };
 
-use super::{BackendError, Depths, Link, Node, Op, Region, Remote, Verb};
+use super::{BackendError, Depths, Exposure, Link, Node, Op, Region, Remote, Verb};
 
 /// How links of this process connect: the port and, for RoCE or routed
 /// InfiniBand, the GID index.
@@ -216,6 +216,15 @@ fn remote_of(r: Remote) -> RemoteAddr {
     }
 }
 
+/// The access flags of a region or QP of `exposure`: local write always
+/// (receives, READ responses), remote read and write only for a peer.
+fn access_of(exposure: Exposure) -> Access {
+    match exposure {
+        Exposure::Local => Access::LOCAL_WRITE,
+        Exposure::Peer => Access::ALL_RDMA,
+    }
+}
+
 /// A first packet sequence number: 24 bits, different per QP and run.
 fn new_psn(qpn: u32) -> u32 {
     static N: AtomicU32 = AtomicU32::new(0);
@@ -305,6 +314,8 @@ impl Link for VerbsLink {
             private_data: super::cm::request_data(conn),
             // The REQ carries it: both sides' QPs retry this often.
             retry_count: self.connect.retry_cnt,
+            // This link's exposure, not rdma_cm's remote write and read.
+            qp_access: Some(self.connect.access),
             ..cqd_verbs::cm::CmParams::default()
         };
         let c = cm
@@ -327,7 +338,12 @@ impl Link for VerbsLink {
         let c = req
             .accept(
                 std::sync::Arc::clone(&self.qp),
-                &cqd_verbs::cm::CmParams::default(),
+                &cqd_verbs::cm::CmParams {
+                    // This link's exposure, not rdma_cm's remote write and
+                    // read.
+                    qp_access: Some(self.connect.access),
+                    ..cqd_verbs::cm::CmParams::default()
+                },
             )
             .map_err(|e| {
                 BackendError::new(format!("accept on QP {} through rdma_cm", self.qp.qpn()), e)
@@ -378,15 +394,20 @@ impl Node for VerbsNode {
             })
     }
 
-    fn reg_region(&self, len: u64) -> Result<VerbsRegion, BackendError> {
+    fn reg_region(&self, len: u64, exposure: Exposure) -> Result<VerbsRegion, BackendError> {
         let what = || format!("register {len} bytes on {}", self.name);
         self.pd
-            .reg_mr(len, Access::ALL_RDMA)
+            .reg_mr(len, access_of(exposure))
             .map(VerbsRegion)
             .map_err(|e| BackendError::new(what(), e))
     }
 
-    fn create_link(&self, cq: &Cq, depths: Depths) -> Result<VerbsLink, BackendError> {
+    fn create_link(
+        &self,
+        cq: &Cq,
+        depths: Depths,
+        exposure: Exposure,
+    ) -> Result<VerbsLink, BackendError> {
         let cap = QpCap {
             max_send_wr: depths.send,
             max_recv_wr: depths.recv,
@@ -402,7 +423,10 @@ impl Node for VerbsNode {
         Ok(VerbsLink {
             qp: std::sync::Arc::new(qp),
             psn,
-            connect: self.connect,
+            connect: ConnectOptions {
+                access: access_of(exposure),
+                ..self.connect
+            },
             cm: std::sync::Mutex::new(None),
         })
     }
