@@ -113,9 +113,24 @@ unsafe impl Sync for EventChannel {}
 
 impl EventChannel {
     pub fn new() -> Result<EventChannel, i32> {
+        // librdmacm initialises itself in the first call that needs it
+        // (`ucma_init`, here): it publishes its device count, then probes
+        // AF_IB support by setting a process-wide flag to 1, binding, and
+        // setting the flag to the answer. A thread that passes the
+        // published count in that window and binds sees the flag at 1 and
+        // takes the AF_IB bind path, whose address query a device without
+        // it answers with ENOSYS (seen as `rdma_bind_addr` failing with
+        // errno 38 on softverbs, once in a few runs of tests/cm.rs). Every
+        // bind follows its channel's creation, so channels are made one at
+        // a time: none before the first one's initialisation has finished.
+        static CREATE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let guard = CREATE.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: no arguments; returns null with errno on failure.
         let c = unsafe { r::rdma_create_event_channel() };
-        let c = NonNull::new(c).ok_or_else(last_errno)?;
+        // errno read before the unlock, which may make a system call.
+        let c = NonNull::new(c).ok_or_else(last_errno);
+        drop(guard);
+        let c = c?;
         // SAFETY: `c` is a live channel; its fd field is its descriptor.
         let fd = unsafe { (*c.as_ptr()).fd };
         // SAFETY: plain fcntl on the channel's descriptor.
