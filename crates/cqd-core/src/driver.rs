@@ -57,7 +57,6 @@
 use std::collections::VecDeque;
 use std::future::Future;
 use std::os::fd::{AsFd, OwnedFd};
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::task::Poll;
@@ -69,8 +68,8 @@ use tokio::io::Interest;
 use crate::cq::{CqPoller, GroupBell, UnboundCq};
 use crate::metrics::{bump, PollerMetrics};
 use crate::poller::{
-    CustomStop, PollerError, PollerReport, DEFAULT_ACK_BATCH, DEFAULT_SPILL_HIGH_WATER_MARK,
-    DEFAULT_WAKE_TIMEOUT, MIN_WAKE_TIMEOUT,
+    hand_back, CustomStop, PollerError, PollerReport, DEFAULT_ACK_BATCH,
+    DEFAULT_SPILL_HIGH_WATER_MARK, DEFAULT_WAKE_TIMEOUT, MIN_WAKE_TIMEOUT,
 };
 use crate::shutdown::Stopper;
 use crate::sink::{Routed, WorkSink};
@@ -751,20 +750,12 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         // What the sink never took (left in `pending` by every CQ's stop)
         // goes back.
         report.undelivered = pending.len() as u64;
-        if !pending.is_empty() {
-            let left: Vec<W> = pending.drain(..).map(|r| r.item).collect();
-            match self.give_back.take() {
-                Some(give_back) => {
-                    if catch_unwind(AssertUnwindSafe(|| give_back(left))).is_err() {
-                        report.errors.push(format!(
-                            "{}: the on_undelivered callback panicked",
-                            self.name
-                        ));
-                    }
-                }
-                None => tracing::error!(driver = %self.name, undelivered = report.undelivered,
-                    "stop: work the sink never took; no on_undelivered callback, dropped"),
-            }
+        let left: Vec<W> = pending.drain(..).map(|r| r.item).collect();
+        if !hand_back(&self.name, left, self.give_back.take()) {
+            report.errors.push(format!(
+                "{}: the on_undelivered callback panicked",
+                self.name
+            ));
         }
         report
     }

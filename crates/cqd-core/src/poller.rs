@@ -55,6 +55,8 @@
 mod ready;
 mod spill;
 
+pub(crate) use spill::hand_back;
+
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -311,24 +311,37 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         self.spill.counted = 0;
         self.metrics.0.spill_len.store(0, Ordering::Relaxed);
         let n = left.len() as u64;
-        if n == 0 {
-            return 0;
-        }
-        match self.spill.give_back.take() {
-            Some(give_back) => {
-                tracing::error!(
-                    undelivered = n,
-                    "stop timed out handing work to the workers; handing it back"
-                );
-                if catch_unwind(AssertUnwindSafe(|| give_back(left))).is_err() {
-                    tracing::error!("the on_undelivered callback panicked");
-                }
-            }
-            None => tracing::error!(
-                undelivered = n,
-                "stop timed out handing work to the workers; no on_undelivered callback, dropped"
-            ),
-        }
+        hand_back(&self.name, left, self.spill.give_back.take());
         n
     }
+}
+
+/// The end of every stop's hand-over (a poller thread's, the tokio
+/// driver's): gives `left`, the work the sink never took, in order, to the
+/// application's `on_undelivered` callback, or drops it after an
+/// error-level trace when there is none. False when the callback panicked
+/// (caught and traced).
+pub(crate) fn hand_back<W>(who: &str, left: Vec<W>, callback: Option<impl FnOnce(Vec<W>)>) -> bool {
+    let n = left.len();
+    if n == 0 {
+        return true;
+    }
+    let Some(callback) = callback else {
+        tracing::error!(
+            poller = who,
+            undelivered = n,
+            "stop: work the sink never took; no on_undelivered callback, dropped"
+        );
+        return true;
+    };
+    tracing::error!(
+        poller = who,
+        undelivered = n,
+        "stop: work the sink never took; handing it back"
+    );
+    let given = catch_unwind(AssertUnwindSafe(|| callback(left))).is_ok();
+    if !given {
+        tracing::error!(poller = who, "the on_undelivered callback panicked");
+    }
+    given
 }
