@@ -55,6 +55,7 @@
 mod ready;
 mod spill;
 
+#[cfg(feature = "tokio")]
 pub(crate) use spill::hand_back;
 
 use std::collections::{BTreeMap, VecDeque};
@@ -662,7 +663,7 @@ struct Group<W, S> {
     last_scan: Instant,
     /// The smallest slow threshold of the group's CQs
     /// ([`CqOptions::slow_batch`](crate::CqOptions::slow_batch)).
-    pub(crate) slow_threshold: Option<Duration>,
+    slow_threshold: Option<Duration>,
     /// The clock the loop read after the last round, if the loop went on
     /// to the next round with no more than a spin between (not after a
     /// sleep or a nap): the clock it reads anyway then times each round,
@@ -744,7 +745,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
     /// threshold: each CQ past its own times its next batch.
     #[cold]
     #[inline(never)]
-    pub(crate) fn slow_round(&mut self, took: Duration) {
+    fn slow_round(&mut self, took: Duration) {
         for cq in &mut self.cqs {
             cq.round_took(took);
         }
