@@ -23,7 +23,7 @@
 //! out twice, so a buffer held in a context stays alive until the device is
 //! done with it.
 //!
-//! Storage is a table of `capacity` slots made once, at registration
+//! Storage is a table of `capacity` slots (and a few more, step 4) made once, at registration
 //! ([`CqHandle::register_with_contexts`](crate::CqHandle::register_with_contexts)):
 //! no allocation per request. The slot's index is the request's tag. A
 //! table with no free slot refuses the post ([`Refused::Contexts`](crate::post::Refused::Contexts)), as
@@ -32,8 +32,8 @@
 //! has no tag-based posting call. Plain tags
 //! ([`Handler`]) cost what they always did: no table.
 //!
-//! **The slot protocol** (the SAFETY comments and the loom model
-//! `context::loom_table` cite these numbers):
+//! **The slot protocol** (C1–C5 in docs/posting.md; the SAFETY comments
+//! and the loom models `context::loom_table` cite these numbers):
 //!
 //! 1. **Take a slot.** A poster pops a free index from the table's free
 //!    stack (a Treiber stack of indices, its top tagged with a counter
@@ -42,15 +42,24 @@
 //!    and then marks the slot full (Release) — before the post, so that a
 //!    completion arriving inside the post finds it.
 //! 3. **Empty.** Whoever finds the slot full first takes the value: it
-//!    swaps the mark to empty (AcqRel) and, if it was full, reads the value
-//!    and pushes the index back (Release). The poller does so for the
-//!    completion (or silent retirement) naming the slot; a poster does so
-//!    for the requests of its list that were not posted. The swap decides
-//!    once, so a foreign completion naming a slot races a poster's take
-//!    harmlessly, and one naming an empty slot finds nothing (counted).
-//! 4. **The end.** The handler is dropped on its poller thread after the
-//!    poller's last poll; every slot still full is emptied as in 3 and
-//!    handed to `on_abandoned`.
+//!    swaps the mark to empty (AcqRel) and, if it was full, reads the value.
+//!    The poller does so for the completion (or silent retirement) naming
+//!    the slot; a poster does so for the requests of its list that were not
+//!    posted. The swap decides once, so a foreign completion naming a slot
+//!    races a poster's take harmlessly, and one naming an empty slot finds
+//!    nothing (counted).
+//! 4. **Return.** A poster pushes the slot it emptied back on the free
+//!    stack at once (Release). The poller links the slots it empties into
+//!    a chain of its own (plain stores: it owns them) and pushes the whole
+//!    chain with one compare-and-swap (Release) when it holds `batch` of
+//!    them, so the stack's top, which the posters pop, moves between the
+//!    CPUs once per `batch` completions rather than once per completion.
+//!    The table has `batch - 1` slots beyond the capacity asked for, so
+//!    the slots a chain holds never make a post fail that the capacity
+//!    admits.
+//! 5. **The end.** The handler is dropped on its poller thread after the
+//!    poller's last poll; its chain is pushed, and every slot still full is
+//!    emptied as in 3 and handed to `on_abandoned`.
 
 use std::cell::UnsafeCell;
 use std::fmt;
@@ -102,9 +111,33 @@ struct Slot<C> {
     value: UnsafeCell<MaybeUninit<C>>,
 }
 
+/// Most slots the poller returns in one chain (step 4).
+const RETURN_BATCH: u32 = 16;
+
+/// The slots the poller has emptied and not yet pushed (step 4): a chain
+/// linked through the slots' `next`, owned by the poller's handler.
+#[derive(Debug)]
+pub(crate) struct Returns {
+    head: u32,
+    tail: u32,
+    len: u32,
+}
+
+impl Default for Returns {
+    fn default() -> Self {
+        Returns {
+            head: NONE,
+            tail: NONE,
+            len: 0,
+        }
+    }
+}
+
 /// The table of one handler's contexts (see the module documentation).
 pub(crate) struct Table<C> {
     slots: Box<[Slot<C>]>,
+    /// Slots the poller returns in one chain (step 4).
+    batch: u32,
     /// The free stack's top: index in the low 32 bits, a counter above
     /// (step 1).
     top: AtomicU64,
@@ -113,7 +146,7 @@ pub(crate) struct Table<C> {
 }
 
 // SAFETY: a slot's value is reached only by the thread that owns the slot
-// under the protocol (steps 1–4): a poster between its pop and the full
+// under the protocol (steps 1–5): a poster between its pop and the full
 // mark, or the one that swapped the mark from full; values are `Send`.
 unsafe impl<C: Send> Sync for Table<C> {}
 // SAFETY: as above.
@@ -128,22 +161,37 @@ impl<C> fmt::Debug for Table<C> {
 }
 
 impl<C> Table<C> {
+    /// A table with room for `capacity` outstanding requests (at most
+    /// `MAX_TAG + 1`): the poller returns slots in chains of up to 16, an
+    /// eighth of the capacity (step 4).
     pub(crate) fn new(capacity: u32) -> Self {
-        let slots: Box<[Slot<C>]> = (0..capacity)
+        let batch = (capacity / 8).clamp(1, RETURN_BATCH);
+        Self::with_batch(capacity, batch)
+    }
+
+    /// As [`new`](Self::new), returning slots in chains of `batch`.
+    pub(crate) fn with_batch(capacity: u32, batch: u32) -> Self {
+        let room = crate::wr_id::MAX_TAG + 1 - capacity.min(crate::wr_id::MAX_TAG + 1);
+        let batch = batch.clamp(1, room + 1);
+        let len = capacity + (batch - 1);
+        let slots: Box<[Slot<C>]> = (0..len)
             .map(|i| Slot {
                 full: AtomicBool::new(false),
-                next: AtomicU32::new(if i + 1 < capacity { i + 1 } else { NONE }),
+                next: AtomicU32::new(if i + 1 < len { i + 1 } else { NONE }),
                 value: UnsafeCell::new(MaybeUninit::uninit()),
             })
             .collect();
-        let top = if capacity == 0 { NONE } else { 0 };
+        let top = if len == 0 { NONE } else { 0 };
         Table {
             slots,
+            batch,
             top: AtomicU64::new(u64::from(top)),
             empty_hits: AtomicU64::new(0),
         }
     }
 
+    /// Slots in the table: the most requests outstanding at once (the
+    /// capacity asked for, and the `batch - 1` of step 4).
     pub(crate) fn capacity(&self) -> u32 {
         self.slots.len() as u32
     }
@@ -177,25 +225,63 @@ impl<C> Table<C> {
 
     /// Step 3: the value of slot `index`, if it is full (and this call
     /// emptied it).
-    pub(crate) fn take(&self, index: u32) -> Option<C> {
+    #[inline]
+    fn empty(&self, index: u32) -> Option<C> {
         let slot = self.slots.get(index as usize)?;
         if !slot.full.swap(false, Ordering::AcqRel) {
             return None;
         }
         // SAFETY: the swap from full made this thread the slot's owner
         // (step 3); the poster's write happened before its Release mark.
-        let value = unsafe { (*slot.value.get()).assume_init_read() };
-        self.push(index);
+        Some(unsafe { (*slot.value.get()).assume_init_read() })
+    }
+
+    /// Steps 3–4 by a poster: the value of slot `index`, if it is full, its
+    /// slot pushed back at once.
+    pub(crate) fn take(&self, index: u32) -> Option<C> {
+        let value = self.empty(index)?;
+        self.push_chain(index, index);
         Some(value)
     }
 
-    /// Step 3's return of an emptied slot to the free stack.
-    fn push(&self, index: u32) {
-        let slot = &self.slots[index as usize];
+    /// Steps 3–4 by the poller: the value of slot `index`, if it is full,
+    /// its slot added to the poller's chain `returns` (pushed when it holds
+    /// `batch`).
+    #[inline]
+    pub(crate) fn take_returning(&self, index: u32, returns: &mut Returns) -> Option<C> {
+        let value = self.empty(index)?;
+        // Step 4: the slot is the poller's (its swap emptied it), so its
+        // link is a plain store; the push publishes it.
+        self.slots[index as usize]
+            .next
+            .store(returns.head, Ordering::Relaxed);
+        if returns.len == 0 {
+            returns.tail = index;
+        }
+        returns.head = index;
+        returns.len += 1;
+        if returns.len >= self.batch {
+            self.give_back(returns);
+        }
+        Some(value)
+    }
+
+    /// Step 4: pushes the poller's chain, if it holds any slot.
+    pub(crate) fn give_back(&self, returns: &mut Returns) {
+        if returns.len != 0 {
+            self.push_chain(returns.head, returns.tail);
+            *returns = Returns::default();
+        }
+    }
+
+    /// Step 4's push of a chain of emptied slots, linked `head` to `tail`
+    /// through their `next`, onto the free stack.
+    fn push_chain(&self, head: u32, tail: u32) {
+        let last = &self.slots[tail as usize];
         let mut top = self.top.load(Ordering::Relaxed);
         loop {
-            slot.next.store(top as u32, Ordering::Relaxed);
-            let new = ((top >> 32).wrapping_add(1) << 32) | u64::from(index);
+            last.next.store(top as u32, Ordering::Relaxed);
+            let new = ((top >> 32).wrapping_add(1) << 32) | u64::from(head);
             match self
                 .top
                 .compare_exchange_weak(top, new, Ordering::Release, Ordering::Relaxed)
@@ -206,7 +292,7 @@ impl<C> Table<C> {
         }
     }
 
-    /// Step 4: every value still in the table.
+    /// Step 5: every value still in the table.
     fn drain(&self, mut each: impl FnMut(C)) {
         for i in 0..self.capacity() {
             if let Some(v) = self.take(i) {
@@ -235,6 +321,23 @@ impl<C> Drop for Table<C> {
 pub(crate) struct WithContexts<H: ContextHandler<W>, W> {
     pub(crate) inner: H,
     pub(crate) table: Arc<Table<H::Ctx>>,
+    /// The slots emptied and not yet pushed back (step 4).
+    pub(crate) returns: Returns,
+}
+
+impl<H: ContextHandler<W>, W> WithContexts<H, W> {
+    pub(crate) fn new(inner: H, table: Arc<Table<H::Ctx>>) -> Self {
+        WithContexts {
+            inner,
+            table,
+            returns: Returns::default(),
+        }
+    }
+
+    #[inline]
+    fn take(&mut self, index: u32) -> Option<H::Ctx> {
+        self.table.take_returning(index, &mut self.returns)
+    }
 }
 
 impl<H: ContextHandler<W>, W> WithContexts<H, W> {
@@ -251,26 +354,26 @@ impl<H: ContextHandler<W>, W> WithContexts<H, W> {
 impl<H: ContextHandler<W>, W: 'static> Handler<W> for WithContexts<H, W> {
     #[inline]
     fn on_send(&mut self, done: &SendDone<'_>, out: &mut Outbox<'_, W>) {
-        match self.table.take(done.tag()) {
+        match self.take(done.tag()) {
             Some(ctx) => self.inner.on_send(done, ctx, out),
             None => self.empty(done.key(), done.tag()),
         }
     }
     #[inline]
     fn on_recv(&mut self, done: &RecvDone<'_>, out: &mut Outbox<'_, W>) {
-        match self.table.take(done.tag()) {
+        match self.take(done.tag()) {
             Some(ctx) => self.inner.on_recv(done, ctx, out),
             None => self.empty(done.key(), done.tag()),
         }
     }
     fn on_error(&mut self, failed: &Failed<'_>, out: &mut Outbox<'_, W>) {
-        match self.table.take(failed.tag()) {
+        match self.take(failed.tag()) {
             Some(ctx) => self.inner.on_error(failed, ctx, out),
             None => self.empty(failed.key(), failed.tag()),
         }
     }
     fn on_silent(&mut self, silent: &Silent, out: &mut Outbox<'_, W>) {
-        match self.table.take(silent.tag()) {
+        match self.take(silent.tag()) {
             Some(ctx) => self.inner.on_silent(silent, ctx, out),
             None => self.empty(silent.key(), silent.tag()),
         }
@@ -282,7 +385,8 @@ impl<H: ContextHandler<W>, W: 'static> Handler<W> for WithContexts<H, W> {
 
 impl<H: ContextHandler<W>, W> Drop for WithContexts<H, W> {
     fn drop(&mut self) {
-        // Step 4.
+        // Step 5.
+        self.table.give_back(&mut self.returns);
         let inner = &mut self.inner;
         self.table.drain(|ctx| inner.on_abandoned(ctx));
     }
@@ -308,6 +412,55 @@ mod tests {
         left.sort();
         assert_eq!(left, ["b", "c"]);
         let _ = b;
+    }
+
+    #[test]
+    fn the_poller_returns_slots_in_chains() {
+        // Room for 2, chains of 3: 4 slots.
+        let t: Table<u32> = Table::with_batch(2, 3);
+        assert_eq!(t.capacity(), 4);
+        let all: Vec<u32> = (0..4).map(|v| t.put(v).unwrap()).collect();
+        assert_eq!(t.put(9), Err(9), "full");
+        let mut r = Returns::default();
+        assert_eq!(t.take_returning(all[0], &mut r), Some(0));
+        assert_eq!(t.take_returning(all[1], &mut r), Some(1));
+        assert_eq!(t.take_returning(all[1], &mut r), None, "not twice");
+        assert_eq!(t.put(9), Err(9), "two slots in the poller's chain");
+        assert_eq!(t.take_returning(all[2], &mut r), Some(2));
+        assert_eq!(r.len, 0, "the third pushed the chain");
+        let again: Vec<u32> = (10..13).map(|v| t.put(v).unwrap()).collect();
+        let mut sorted = again.clone();
+        sorted.sort();
+        assert_eq!(sorted, all[..3], "each returned slot once");
+        assert_eq!(t.put(9), Err(9));
+        // A chain of one, pushed by hand (the handler's drop does so).
+        assert_eq!(t.take_returning(all[3], &mut r), Some(3));
+        t.give_back(&mut r);
+        assert_eq!(t.put(13), Ok(all[3]));
+        // A poster's take pushes at once.
+        assert_eq!(t.take(again[0]), Some(10));
+        assert_eq!(t.put(14), Ok(again[0]));
+    }
+
+    #[test]
+    fn a_chain_never_strands_the_capacity_asked_for() {
+        // Whatever the poller holds in its chain, `capacity` requests can
+        // be outstanding.
+        for capacity in [1, 2, 7, 8, 16, 100, 300] {
+            let t: Table<u32> = Table::new(capacity);
+            let mut r = Returns::default();
+            let mut out = std::collections::VecDeque::new();
+            for round in 0..1000u32 {
+                while out.len() < capacity as usize {
+                    out.push_back(t.put(round).expect("room for the capacity"));
+                }
+                let n = 1 + round as usize % out.len();
+                for _ in 0..n {
+                    let i = out.pop_front().unwrap();
+                    assert!(t.take_returning(i, &mut r).is_some());
+                }
+            }
+        }
     }
 
     #[test]
@@ -338,11 +491,13 @@ mod loom_table {
             let got = Arc::new(AtomicU32::new(0));
             let (t2, got2) = (Arc::clone(&t), Arc::clone(&got));
             let poller = loom::thread::spawn(move || {
+                let mut returns = Returns::default();
                 let v = if swap {
-                    t2.take(index)
+                    t2.take_returning(index, &mut returns)
                 } else {
                     t2.take_twice_mutation(index)
                 };
+                t2.give_back(&mut returns);
                 if v.is_some() {
                     got2.fetch_add(1, Ordering::AcqRel);
                 }
@@ -374,7 +529,68 @@ mod loom_table {
         race(false);
     }
 
+    /// Step 4: the poller pushes a chain of two slots while a poster pops
+    /// the one slot left on the stack (or, later, the chain's head). Every
+    /// slot comes back exactly once, whatever the interleaving. The
+    /// mutation pushes the chain with a load and a store in place of the
+    /// compare-and-swap: a pop between the two is undone, and the popped
+    /// slot is both the poster's and on the stack — loom finds it.
+    fn chain(cas: bool) {
+        loom::model(move || {
+            let t = Arc::new(Table::<u32>::with_batch(2, 2));
+            let a = t.put(1).unwrap();
+            let b = t.put(2).unwrap();
+            let t2 = Arc::clone(&t);
+            let poller = loom::thread::spawn(move || {
+                let mut returns = Returns::default();
+                if cas {
+                    assert_eq!(t2.take_returning(a, &mut returns), Some(1));
+                    assert_eq!(t2.take_returning(b, &mut returns), Some(2));
+                    assert_eq!(returns.len, 0, "the chain was pushed");
+                } else {
+                    assert_eq!(t2.empty(a), Some(1));
+                    assert_eq!(t2.empty(b), Some(2));
+                    t2.slots[b as usize].next.store(a, Ordering::Relaxed);
+                    t2.push_chain_mutation(b, a);
+                }
+            });
+            let popped = t.put(3).unwrap();
+            poller.join().unwrap();
+            assert_eq!(t.take(popped), Some(3));
+            let mut free = Vec::new();
+            while let Ok(i) = t.put(0) {
+                free.push(i);
+                if free.len() > 3 {
+                    break;
+                }
+            }
+            free.sort();
+            assert_eq!(free, [0, 1, 2], "a slot lost or given twice");
+        });
+    }
+
+    #[test]
+    fn a_chain_comes_back_whole() {
+        chain(true);
+    }
+
+    #[test]
+    #[should_panic(expected = "a slot lost or given twice")]
+    fn a_chain_pushed_without_the_cas_gives_a_slot_twice() {
+        chain(false);
+    }
+
     impl<C> Table<C> {
+        /// The chain's mutation: the push as a load and a store.
+        fn push_chain_mutation(&self, head: u32, tail: u32) {
+            let top = self.top.load(Ordering::Acquire);
+            self.slots[tail as usize]
+                .next
+                .store(top as u32, Ordering::Relaxed);
+            let new = ((top >> 32).wrapping_add(1) << 32) | u64::from(head);
+            self.top.store(new, Ordering::Release);
+        }
+
         /// The mutation: test, then clear, in two steps.
         fn take_twice_mutation(&self, index: u32) -> Option<C> {
             let slot = self.slots.get(index as usize)?;
@@ -384,7 +600,7 @@ mod loom_table {
             slot.full.store(false, Ordering::Release);
             // SAFETY: (the mutation) as in `take`, if it were the only one.
             let value = unsafe { (*slot.value.get()).assume_init_read() };
-            self.push(index);
+            self.push_chain(index, index);
             Some(value)
         }
     }

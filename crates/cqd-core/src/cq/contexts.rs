@@ -83,7 +83,8 @@ impl<C: Send + 'static> ContextRegistration<C> {
     }
 
     /// Slots in the context table: the most requests this handler can have
-    /// outstanding.
+    /// outstanding (the capacity registered, and up to 15 that the poller
+    /// returns in groups).
     pub fn capacity(&self) -> u32 {
         self.table.capacity()
     }

@@ -178,12 +178,16 @@ impl<W: Send + 'static> CqHandle<W> {
 
     /// Registers a [`ContextHandler`](crate::context::ContextHandler): each
     /// request it posts carries a context, handed back to exactly one of
-    /// its callbacks (`crate::context`). Its table of `capacity` contexts
-    /// (at most [`MAX_TAG`](crate::wr_id::MAX_TAG) + 1) is made here, once:
-    /// that many requests, at most, are outstanding at a time; a post
-    /// beyond them is refused ([`Refused::Contexts`](crate::Refused::Contexts)).
-    /// A capacity of the handler's queues' depths never refuses one that
-    /// the queues would take.
+    /// its callbacks (`crate::context`). Its table, with room for
+    /// `capacity` outstanding requests (at most
+    /// [`MAX_TAG`](crate::wr_id::MAX_TAG) + 1), is made here, once; a post
+    /// that finds no free slot is refused
+    /// ([`Refused::Contexts`](crate::Refused::Contexts)). The table holds
+    /// up to 15 slots more than `capacity` (an eighth of it, at most),
+    /// which the poller returns in groups
+    /// ([`ContextRegistration::capacity`](super::ContextRegistration::capacity)
+    /// says how many in all). A capacity of the handler's queues' depths
+    /// never refuses a post that the queues would take.
     ///
     /// # Errors
     /// As [`register`](Self::register); [`RegisterError::Contexts`] for a
@@ -228,10 +232,7 @@ impl<W: Send + 'static> CqHandle<W> {
                 reg: reg.clone(),
                 table: Arc::clone(&table),
             };
-            crate::context::WithContexts {
-                inner: make(&creg),
-                table: Arc::clone(&table),
-            }
+            crate::context::WithContexts::new(make(&creg), Arc::clone(&table))
         })?;
         Ok(super::ContextRegistration { reg, table })
     }
