@@ -39,6 +39,7 @@ pub mod driver;
 pub mod event;
 #[cfg(feature = "metrics")]
 pub mod export;
+pub mod future;
 pub mod handler;
 pub mod ledger;
 pub mod metrics;
