@@ -1,9 +1,9 @@
 //! Zero heap allocations per request and per completion in steady state, on
 //! the simulated NIC: 100,000 requests of each stream (SEND/RECV, signaled
-//! RDMA WRITEs, and SEND/RECV carrying a request context each) go through
-//! the posting call and a Busy poller
-//! thread while a counting global allocator counts every allocation of the
-//! process. After a warm-up (the queue accounts' segments, the poller's
+//! RDMA WRITEs, SEND/RECV carrying a request context each, and SEND/RECV
+//! as completion futures awaited on a tokio runtime) go through the
+//! posting call and a Busy poller thread while a counting global allocator
+//! counts every allocation of the process. After a warm-up (the queue accounts' segments, the poller's
 //! scratch buffers, the CQ's first batch), the count must not move.
 //!
 //! The softverbs twin is `crates/cqd-verbs/tests/alloc_free.rs`.
@@ -100,6 +100,48 @@ fn steady_state_posting_and_dispatch_allocate_nothing() {
             wait(posted, 0);
         });
     }
+    // Completion futures: a current-thread runtime (made before the
+    // window) awaits each request's future; 4 receives and 4 sends a round,
+    // one posting call each.
+    let ops = handle.register_futures::<u64>(256).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let mut futures_posted = 0u64;
+    let mut future_round = |n: &mut u64| {
+        let base = *n;
+        rt.block_on(async {
+            let recvs: [_; LIST / 2] = std::array::from_fn(|i| {
+                ops.post_recv(&b, RecvWr::new(0, &dst), base + i as u64)
+                    .unwrap()
+            });
+            let sends: [_; LIST / 2] = std::array::from_fn(|i| {
+                ops.post_send(&a, SendWr::new(0, WrOp::Send, &src), base + i as u64)
+                    .unwrap()
+            });
+            for (i, op) in sends.into_iter().enumerate() {
+                let (out, held) = op.await;
+                assert!(out.is_ok(), "{out:?}");
+                assert_eq!(held, base + i as u64);
+            }
+            for (i, op) in recvs.into_iter().enumerate() {
+                let (out, held) = op.await;
+                assert_eq!(out.map(|d| d.byte_len()), Ok(64));
+                assert_eq!(held, base + i as u64);
+            }
+        });
+        *n += LIST as u64;
+    };
+    while futures_posted < WARM_UP {
+        future_round(&mut futures_posted);
+    }
+    let start = futures_posted;
+    counted_window(Stream::Futures, "the simulator", || {
+        while futures_posted - start < REQUESTS {
+            future_round(&mut futures_posted);
+        }
+    });
+    assert_eq!(ops.ledger().outstanding(), 0);
     assert_eq!(errors.load(Ordering::Acquire), 0);
     drop((a, b));
     let report = poller.stop().unwrap();

@@ -127,6 +127,8 @@ pub enum Stream {
     Write,
     /// SEND/RECV through a context registration.
     Contexts,
+    /// SEND/RECV as completion futures, awaited on a tokio runtime.
+    Futures,
 }
 
 impl std::fmt::Display for Stream {
@@ -135,6 +137,7 @@ impl std::fmt::Display for Stream {
             Stream::SendRecv => "SEND/RECV",
             Stream::Write => "RDMA WRITE",
             Stream::Contexts => "SEND/RECV with contexts",
+            Stream::Futures => "SEND/RECV as completion futures",
         })
     }
 }

@@ -2,7 +2,8 @@
 //! softverbs (run under softverbs-run; skipped loudly otherwise): the twin of
 //! the simulator's `tests/alloc_free.rs` at the workspace root, with the
 //! same streams — SEND/RECV, signaled RDMA WRITEs, SEND/RECV with a context
-//! per request — 100,000 requests each through the posting call and the
+//! per request, SEND/RECV as completion futures (polled with a no-op waker
+//! once the poller has retired them) — 100,000 requests each through the posting call and the
 //! CQ's poller (`CqPoller::poll_once`, on the posting thread), counted by a
 //! global allocator after a warm-up. The softverbs provider runs in this
 //! process, so its allocations count too.
@@ -11,6 +12,7 @@
 #[path = "../../../tests/support/counting.rs"]
 mod counting;
 
+use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -61,10 +63,14 @@ fn steady_state_posting_and_dispatch_allocate_nothing_on_softverbs() {
         reg,
         ctx_reg,
     } = Handlers::register(&handle);
+    let ops = handle.register_futures::<u64>(256).unwrap();
     let mut poller = unbound.bind();
     let mut out = std::collections::VecDeque::new();
+    let mut out_f = std::collections::VecDeque::new();
     let (src, dst) = ([mr.sge(0, 64)], [mr.sge(4096, 64)]);
     let mut posted = 0u64;
+    // Requests posted as futures (their handler counts into no counter).
+    let mut as_futures = 0u64;
     let mut drain = |posted: u64, poller: &mut CqPoller<NoWork>| {
         let deadline = Instant::now() + Duration::from_secs(30);
         while done.load(Ordering::Acquire) < posted {
@@ -90,6 +96,34 @@ fn steady_state_posting_and_dispatch_allocate_nothing_on_softverbs() {
                 let mut wrs = [SendWr::new(u64::from(tag), WrOp::Write(remote), &src); LIST];
                 reg.post_send(&a, &mut wrs).unwrap();
             }
+            Stream::Futures => {
+                let n = *posted;
+                let recvs: [_; LIST / 2] = std::array::from_fn(|i| {
+                    ops.post_recv(&b, RecvWr::new(0, &dst), n + i as u64)
+                        .unwrap()
+                });
+                let sends: [_; LIST / 2] = std::array::from_fn(|i| {
+                    ops.post_send(&a, SendWr::new(0, WrOp::Send, &src), n + i as u64)
+                        .unwrap()
+                });
+                let deadline = Instant::now() + Duration::from_secs(30);
+                while ops.ledger().outstanding() > 0 {
+                    assert!(Instant::now() < deadline, "completions stopped coming");
+                    poller.poll_once(&mut out_f).unwrap();
+                }
+                let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+                for (i, mut op) in recvs.into_iter().chain(sends).enumerate() {
+                    match std::pin::Pin::new(&mut op).poll(&mut cx) {
+                        std::task::Poll::Ready((Ok(_), held)) => {
+                            assert_eq!(held, n + (i % (LIST / 2)) as u64);
+                        }
+                        other => panic!("not done: {other:?}"),
+                    }
+                }
+                *posted += LIST as u64;
+                as_futures += LIST as u64;
+                return;
+            }
             Stream::SendRecv => {
                 let mut rs = [RecvWr::new(u64::from(tag), &dst); LIST / 2];
                 reg.post_recv(&b, &mut rs).unwrap();
@@ -100,7 +134,12 @@ fn steady_state_posting_and_dispatch_allocate_nothing_on_softverbs() {
         *posted += LIST as u64;
         drain(*posted, poller);
     };
-    for stream in [Stream::SendRecv, Stream::Write, Stream::Contexts] {
+    for stream in [
+        Stream::SendRecv,
+        Stream::Write,
+        Stream::Contexts,
+        Stream::Futures,
+    ] {
         let start = posted;
         while posted - start < WARM_UP {
             let tag = (posted % 1000) as u32;
@@ -115,7 +154,8 @@ fn steady_state_posting_and_dispatch_allocate_nothing_on_softverbs() {
         });
     }
     assert_eq!(errors.load(Ordering::Acquire), 0);
-    assert_eq!(done.load(Ordering::Acquire), posted);
+    assert_eq!(done.load(Ordering::Acquire) + as_futures, posted);
     assert_eq!(reg.ledger().outstanding(), 0);
+    assert_eq!(ops.ledger().outstanding(), 0);
     assert_eq!(cq.budget_snapshot().credits_in_use, 0);
 }
