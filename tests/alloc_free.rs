@@ -108,7 +108,7 @@ fn steady_state_posting_and_dispatch_allocate_nothing() {
         .build()
         .unwrap();
     let mut futures_posted = 0u64;
-    let mut future_round = |n: &mut u64| {
+    let future_round = |n: &mut u64| {
         let base = *n;
         rt.block_on(async {
             let recvs: [_; LIST / 2] = std::array::from_fn(|i| {
