@@ -296,6 +296,12 @@ restore_hugepages
 # run under the launcher; here the release build, as for softverbs above
 # (the test command runs the debug build).
 timeout 600 "$RUN" cargo test -p cqd-verbs --release
+# The async example on the device: echo client and server as tokio tasks
+# on completion futures, driven by the tokio driver, then by a poller
+# thread (it checks every echo, the accounts and the verdict itself).
+cargo build --release --features verbs --example tokio_echo
+timeout 120 "$RUN" "$REL/examples/tokio_echo" --verbs
+timeout 120 "$RUN" "$REL/examples/tokio_echo" --verbs --poller --conns 8
 # The real-path dispatch benchmark, smoke run on the device.
 CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$RUN" timeout 600 \
     cargo bench --features verbs --bench verbs_dispatch -- --quick
