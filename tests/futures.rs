@@ -510,3 +510,127 @@ fn driven_by_the_tokio_driver() {
     assert_eq!(ops.ledger().completed(OpKind::Recv), 201);
     assert_eq!(ops.ledger().flushed(OpKind::Recv), 1);
 }
+
+/// Polls `f` once with a waker that does nothing.
+fn poll_once<F: std::future::Future + Unpin>(f: &mut F) -> std::task::Poll<F::Output> {
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    std::pin::Pin::new(f).poll(&mut cx)
+}
+
+/// Polls `f` until it is ready (another thread makes it so).
+fn ready<F: std::future::Future + Unpin>(f: &mut F) -> F::Output {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        if let std::task::Poll::Ready(out) = poll_once(f) {
+            return out;
+        }
+        assert!(std::time::Instant::now() < deadline, "never ready");
+        std::thread::yield_now();
+    }
+}
+
+/// Awaits `op` by polling (the poller thread resolves it).
+fn resolve<B>(op: &mut cqd::core::future::Op<B>) -> cqd::core::future::OpOutput<B> {
+    ready(op)
+}
+
+#[test]
+fn waits_for_room_are_served_in_order_and_never_overtaken() {
+    let r = rig(PollMode::Event, 64, 1);
+    let dst = [r.mr.sge(0, 8)];
+    let mut first = r
+        .ops
+        .post_recv(&r.b, RecvWr::new(0, &dst), r.held(0))
+        .unwrap();
+    // Three waits, queued in this order.
+    let (mut w1, mut w2, mut w3) = (r.ops.reserve(), r.ops.reserve(), r.ops.reserve());
+    assert!(poll_once(&mut w1).is_pending());
+    assert!(poll_once(&mut w2).is_pending());
+    assert!(poll_once(&mut w3).is_pending());
+    // A post that would overtake them is refused, its value back.
+    let e = r
+        .ops
+        .post_recv(&r.b, RecvWr::new(0, &dst), r.held(9))
+        .unwrap_err();
+    assert_eq!(e.hold.id, 9);
+    drop(e);
+    // The only slot comes free (the receive is flushed): it goes to the
+    // first wait, not the others.
+    r.b.modify(Modify::Err).unwrap();
+    assert!(resolve(&mut first).0.unwrap_err().is_flush());
+    // (The slot is freed by whichever side finishes last: here, or on the
+    // poller's thread a moment later.)
+    let room = ready(&mut w1);
+    assert!(
+        poll_once(&mut w3).is_pending(),
+        "the third does not overtake"
+    );
+    assert!(
+        poll_once(&mut w2).is_pending(),
+        "the second does not overtake"
+    );
+    // The second wait is dropped while queued: it leaves the queue.
+    drop(w2);
+    // The first posts (on the QP in the error state: flushed at once).
+    let mut op = room
+        .post_recv(&r.b, RecvWr::new(0, &dst), r.held(1))
+        .unwrap();
+    assert!(poll_once(&mut w3).is_pending(), "the slot is the first's");
+    let (out, held) = resolve(&mut op);
+    assert!(out.unwrap_err().is_flush());
+    assert_eq!(held.id, 1);
+    drop(held);
+    let room = ready(&mut w3);
+    // Dropped unposted: the slot is free again for anyone.
+    drop(room);
+    drop(w3);
+    let mut op = r
+        .ops
+        .post_recv(&r.b, RecvWr::new(0, &dst), r.held(2))
+        .expect("a slot was free");
+    assert!(resolve(&mut op).0.unwrap_err().is_flush());
+    assert_eq!(r.drops(), 4, "every value, once");
+    let report = r.poller.unwrap().stop().unwrap();
+    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+}
+
+#[test]
+fn send_and_recv_wait_for_room_instead_of_failing() {
+    // 4 slots, 64 tasks each sending and receiving 50 messages through
+    // them: every one gets its turn, nothing is refused.
+    const TASKS: u64 = 64;
+    const EACH: u64 = 50;
+    let r = Arc::new(rig(PollMode::Event, 64, 4));
+    let rt = runtime();
+    let local = tokio::task::LocalSet::new();
+    let total = local.block_on(&rt, async {
+        let mut tasks = Vec::new();
+        for t in 0..TASKS {
+            let r = Arc::clone(&r);
+            tasks.push(tokio::task::spawn_local(async move {
+                let src = [r.mr.sge(8 * t, 8)];
+                let dst = [r.mr.sge(4096 + 8 * t, 8)];
+                for i in 0..EACH {
+                    let wr = SendWr::new(0, WrOp::Write(r.mr.remote(8192 + 8 * t)), &src);
+                    let (o, h) = r.ops.send(&r.a, wr, r.held(t * EACH + i)).await.unwrap();
+                    o.unwrap();
+                    assert_eq!(h.id, t * EACH + i);
+                    let wr = SendWr::new(0, WrOp::Read(r.mr.remote(8192 + 8 * t)), &dst);
+                    let (o, _) = r.ops.send(&r.a, wr, r.held(0)).await.unwrap();
+                    assert_eq!(o.unwrap().byte_len(), 8);
+                }
+                EACH
+            }));
+        }
+        let mut n = 0;
+        for t in tasks {
+            n += t.await.unwrap();
+        }
+        n
+    });
+    assert_eq!(total, TASKS * EACH);
+    assert_eq!(r.drops(), 2 * TASKS * EACH);
+    let mut r = Arc::into_inner(r).unwrap();
+    let report = r.poller.take().unwrap().stop().unwrap();
+    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+}

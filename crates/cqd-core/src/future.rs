@@ -20,6 +20,10 @@
 //!   per operation.
 //! - **Driven by either.** The futures are woken by whatever drives the
 //!   CQ: a poller thread or a [`TokioDriver`](crate::driver::TokioDriver).
+//! - **Bounded, in order.** At most `capacity` requests are outstanding
+//!   or unresolved; [`Ops::send`] and [`Ops::recv`] wait for room, in the
+//!   order they began to wait, where [`Ops::post_send`] and
+//!   [`Ops::post_recv`] are refused.
 //! - **Accounted.** A request outstanding when its handler is dropped (the
 //!   poller stopped without a flush) resolves with
 //!   [`OpError::Abandoned`] and its held value; the stop's report counts
@@ -53,7 +57,20 @@
 //! 6. **Free.** Exactly one side frees a slot: the one that sets the last
 //!    of `GONE` and `WOKEN`, or the completing side when `GONE` came
 //!    first. It owns the slot then: it clears the waker cell and the word
-//!    and pushes the index (Release).
+//!    and pushes the index (SeqCst).
+//! 7. **Waiting for room.** The stack's word carries a `WAIT` bit beside
+//!    its top. With every slot taken, [`Ops::reserve`] (and [`Ops::send`]
+//!    / [`Ops::recv`], which use it) takes the queue's lock and, in one
+//!    compare-and-swap on the word, either pops a slot that came free or
+//!    sets `WAIT`; then it queues. A push reads `WAIT` in the
+//!    compare-and-swap that pushes: if set, the pusher takes the lock and
+//!    hands free slots to the oldest waits that have none, waking them,
+//!    and clears `WAIT` once none is left unserved. Both sides meet on one
+//!    word, so either the push sees `WAIT` or the wait sees the pushed
+//!    slot: no wait sleeps beside a free slot. The lock is taken only
+//!    while a reservation waits. A post while `WAIT` is set does not
+//!    overtake the waits (it is refused, or waits in turn); a dropped wait
+//!    leaves the queue and hands on a slot it was given.
 
 use std::cell::UnsafeCell;
 use std::fmt;
@@ -210,6 +227,14 @@ const REGISTERING: u8 = 1;
 const WAKING: u8 = 2;
 /// A free list's end.
 const NONE: u32 = u32::MAX;
+/// The stack's word: the top index in the low 32 bits, this bit when
+/// reservations wait for a slot (step 7), a counter against ABA above.
+const WAIT: u64 = 1 << 32;
+
+/// The stack word's counter, moved on (the index and `WAIT` bits cleared).
+fn bump(top: u64) -> u64 {
+    ((top >> 33).wrapping_add(1)) << 33
+}
 
 struct Slot<B> {
     state: AtomicU32,
@@ -224,6 +249,22 @@ struct Slot<B> {
 pub(crate) struct States<B> {
     slots: Box<[Slot<B>]>,
     top: AtomicU64,
+    /// The queue itself, locked only while a reservation waits (step 7).
+    queue: crate::sync::Mutex<WaitQueue>,
+}
+
+/// Reservations waiting for a slot, in arrival order (step 7).
+#[derive(Default)]
+struct WaitQueue {
+    entries: std::collections::VecDeque<Waiter>,
+    next_id: u64,
+}
+
+struct Waiter {
+    id: u64,
+    waker: Option<Waker>,
+    /// The slot handed to it, once one is.
+    given: Option<u32>,
 }
 
 // SAFETY: a slot's `out` is written only by the completing side before
@@ -248,6 +289,7 @@ impl<B> States<B> {
         States {
             slots,
             top: AtomicU64::new(if capacity == 0 { u64::from(NONE) } else { 0 }),
+            queue: crate::sync::Mutex::new(WaitQueue::default()),
         }
     }
 
@@ -255,16 +297,29 @@ impl<B> States<B> {
         self.slots.len() as u32
     }
 
-    /// Step 1: a free slot, if any.
+    /// Step 1: a free slot, if any (whether or not reservations wait).
+    #[cfg(test)]
     fn reserve(&self) -> Option<u32> {
+        self.pop(false)
+    }
+
+    /// Step 1 without overtaking: none while reservations are queued
+    /// (step 7).
+    fn try_reserve(&self) -> Option<u32> {
+        self.pop(true)
+    }
+
+    /// Pops a free slot; none if the stack is empty, or if `polite` and
+    /// the stack's word says reservations wait (step 7).
+    fn pop(&self, polite: bool) -> Option<u32> {
         let mut top = self.top.load(Ordering::Acquire);
         loop {
             let index = top as u32;
-            if index == NONE {
+            if index == NONE || (polite && top & WAIT != 0) {
                 return None;
             }
             let next = self.slots[index as usize].next.load(Ordering::Relaxed);
-            let new = ((top >> 32).wrapping_add(1) << 32) | u64::from(next);
+            let new = bump(top) | (top & WAIT) | u64::from(next);
             match self
                 .top
                 .compare_exchange_weak(top, new, Ordering::AcqRel, Ordering::Acquire)
@@ -285,17 +340,156 @@ impl<B> States<B> {
         drop(unsafe { (*slot.waker.get()).take() });
         slot.cell.store(0, Ordering::Relaxed);
         slot.state.store(0, Ordering::Relaxed);
+        self.give_up(index);
+    }
+
+    /// A slot back on the stack; if the stack's word says reservations
+    /// wait, they are handed what is free (step 7).
+    fn give_up(&self, index: u32) {
+        if self.push(index) {
+            self.hand_on();
+        }
+    }
+
+    /// Pushes a free slot; true if reservations wait (the word's `WAIT`,
+    /// read by the same compare-and-swap that pushed).
+    fn push(&self, index: u32) -> bool {
+        let slot = &self.slots[index as usize];
         let mut top = self.top.load(Ordering::Relaxed);
         loop {
             slot.next.store(top as u32, Ordering::Relaxed);
-            let new = ((top >> 32).wrapping_add(1) << 32) | u64::from(index);
+            let new = bump(top) | (top & WAIT) | u64::from(index);
             match self
                 .top
                 .compare_exchange_weak(top, new, Ordering::Release, Ordering::Relaxed)
             {
+                Ok(_) => return top & WAIT != 0,
+                Err(now) => top = now,
+            }
+        }
+    }
+
+    /// Step 7, under the queue's lock: `WAIT` set in the stack's word if
+    /// the stack is empty (true), or else a slot popped from it (false
+    /// and the slot).
+    fn wait_or_pop(&self) -> (bool, Option<u32>) {
+        let mut top = self.top.load(Ordering::Acquire);
+        loop {
+            let index = top as u32;
+            let (new, got) = if index == NONE {
+                (bump(top) | WAIT | u64::from(NONE), None)
+            } else {
+                let next = self.slots[index as usize].next.load(Ordering::Relaxed);
+                (bump(top) | (top & WAIT) | u64::from(next), Some(index))
+            };
+            match self
+                .top
+                .compare_exchange_weak(top, new, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return (got.is_none(), got),
+                Err(now) => top = now,
+            }
+        }
+    }
+
+    /// Step 7, under the queue's lock: clears `WAIT` (no reservation is
+    /// left without a slot).
+    fn clear_wait(&self) {
+        let mut top = self.top.load(Ordering::Acquire);
+        while top & WAIT != 0 {
+            match self.top.compare_exchange_weak(
+                top,
+                bump(top) | (top & (u64::from(u32::MAX))),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
                 Ok(_) => return,
                 Err(now) => top = now,
             }
+        }
+    }
+
+    /// Step 7: free slots to the queued reservations, oldest first; `WAIT`
+    /// cleared once none is left without one.
+    #[cold]
+    fn hand_on(&self) {
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let mut unserved = false;
+        for w in q.entries.iter_mut().filter(|w| w.given.is_none()) {
+            let (_, got) = self.wait_or_pop();
+            let Some(index) = got else {
+                unserved = true;
+                break;
+            };
+            w.given = Some(index);
+            if let Some(waker) = w.waker.take() {
+                waker.wake();
+            }
+        }
+        if !unserved {
+            self.clear_wait();
+        }
+    }
+
+    /// Step 7, a reservation's poll: a slot, or a place in the queue.
+    fn poll_reserve(&self, queued: &mut Option<u64>, cx: &mut Context<'_>) -> Poll<u32> {
+        if queued.is_none() {
+            if let Some(index) = self.try_reserve() {
+                return Poll::Ready(index);
+            }
+        }
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(id) = *queued {
+            let Some(at) = q.entries.iter().position(|w| w.id == id) else {
+                unreachable!("a queued reservation leaves the queue only by its own poll or drop")
+            };
+            if let Some(index) = q.entries[at].given {
+                q.entries.remove(at);
+                *queued = None;
+                return Poll::Ready(index);
+            }
+            match &mut q.entries[at].waker {
+                Some(w) if w.will_wake(cx.waker()) => {}
+                w => *w = Some(cx.waker().clone()),
+            }
+            return Poll::Pending;
+        }
+        // Behind others still unserved: wait in turn (WAIT is set).
+        if q.entries.iter().all(|w| w.given.is_some()) {
+            // Nobody unserved: take a free slot, or set WAIT in the same
+            // compare-and-swap that finds none — a later push then sees it.
+            let (_, got) = self.wait_or_pop();
+            if let Some(index) = got {
+                return Poll::Ready(index);
+            }
+        }
+        let id = q.next_id;
+        q.next_id += 1;
+        q.entries.push_back(Waiter {
+            id,
+            waker: Some(cx.waker().clone()),
+            given: None,
+        });
+        *queued = Some(id);
+        Poll::Pending
+    }
+
+    /// Step 7, a queued reservation dropped: leaves the queue, and a slot
+    /// it was handed goes to the next.
+    fn cancel_reserve(&self, id: u64) {
+        let given = {
+            let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(at) = q.entries.iter().position(|w| w.id == id) else {
+                return;
+            };
+            let w = q.entries.remove(at);
+            if q.entries.iter().all(|w| w.given.is_some()) {
+                self.clear_wait();
+            }
+            w.and_then(|w| w.given)
+        };
+        if let Some(index) = given {
+            self.give_up(index);
         }
     }
 
@@ -543,19 +737,81 @@ impl<B: Send + 'static> Ops<B> {
     ///
     /// # Errors
     /// The posting call's errors, and [`Refused::Contexts`] when
-    /// `capacity` futures are outstanding or unresolved; `hold` comes back
-    /// in the error.
+    /// `capacity` futures are outstanding or unresolved (or others wait
+    /// for room: [`send`](Self::send) waits in turn); `hold` comes back in
+    /// the error.
     pub fn post_send<Q: PostSend + ?Sized>(
         &self,
         qp: &Q,
         wr: Q::Wr<'_>,
         hold: B,
     ) -> Result<Op<B>, OpRefused<Q::Error, B>> {
-        let Some(index) = self.states.reserve() else {
+        let Some(index) = self.states.try_reserve() else {
             return Err(self.full(hold));
         };
+        self.send_at(index, qp, wr, hold)
+    }
+
+    /// Waits for room (a state slot, in the order the waits began), then
+    /// posts as [`post_send`](Self::post_send) and awaits the outcome.
+    ///
+    /// # Errors
+    /// The posting call's errors, with `hold` back; the outcome's own
+    /// error is in the `Ok` output.
+    pub async fn send<Q: PostSend + ?Sized>(
+        &self,
+        qp: &Q,
+        wr: Q::Wr<'_>,
+        hold: B,
+    ) -> Result<OpOutput<B>, OpRefused<Q::Error, B>> {
+        let room = self.reserve().await;
+        Ok(room.post_send(qp, wr, hold)?.await)
+    }
+
+    /// As [`send`](Self::send), on a receive queue.
+    ///
+    /// # Errors
+    /// As [`send`](Self::send).
+    pub async fn recv<Q: PostRecv + ?Sized>(
+        &self,
+        queue: &Q,
+        wr: Q::Wr<'_>,
+        hold: B,
+    ) -> Result<OpOutput<B>, OpRefused<Q::Error, B>> {
+        let room = self.reserve().await;
+        Ok(room.post_recv(queue, wr, hold)?.await)
+    }
+
+    /// A future of room for one request: a state slot, taken in the order
+    /// the waits began (step 7). Post through the [`Reserved`] it resolves
+    /// with; dropped, it gives the slot to the next.
+    pub fn reserve(&self) -> Reserve<'_, B> {
+        Reserve {
+            ops: self,
+            queued: None,
+        }
+    }
+
+    fn send_at<Q: PostSend + ?Sized>(
+        &self,
+        index: u32,
+        qp: &Q,
+        wr: Q::Wr<'_>,
+        hold: B,
+    ) -> Result<Op<B>, OpRefused<Q::Error, B>> {
         let ticket = Ticket { index, hold };
         self.settle(index, self.reg.post_send(qp, &mut [wr], [ticket]))
+    }
+
+    fn recv_at<Q: PostRecv + ?Sized>(
+        &self,
+        index: u32,
+        queue: &Q,
+        wr: Q::Wr<'_>,
+        hold: B,
+    ) -> Result<Op<B>, OpRefused<Q::Error, B>> {
+        let ticket = Ticket { index, hold };
+        self.settle(index, self.reg.post_recv(queue, &mut [wr], [ticket]))
     }
 
     /// As [`post_send`](Self::post_send), on a receive queue (a QP's or an
@@ -569,11 +825,10 @@ impl<B: Send + 'static> Ops<B> {
         wr: Q::Wr<'_>,
         hold: B,
     ) -> Result<Op<B>, OpRefused<Q::Error, B>> {
-        let Some(index) = self.states.reserve() else {
+        let Some(index) = self.states.try_reserve() else {
             return Err(self.full(hold));
         };
-        let ticket = Ticket { index, hold };
-        self.settle(index, self.reg.post_recv(queue, &mut [wr], [ticket]))
+        self.recv_at(index, queue, wr, hold)
     }
 
     /// Step 1 found no free slot.
@@ -621,6 +876,101 @@ impl<B: Send + 'static> Ops<B> {
                     }),
                 }
             }
+        }
+    }
+}
+
+/// Room for one request, on its way ([`Ops::reserve`]): resolves with a
+/// [`Reserved`] slot once one is free and every wait begun before it has
+/// been served.
+#[must_use = "a reservation does nothing unless awaited"]
+pub struct Reserve<'a, B> {
+    ops: &'a Ops<B>,
+    /// Its place in the queue, once it has one.
+    queued: Option<u64>,
+}
+
+impl<B> fmt::Debug for Reserve<'_, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Reserve")
+            .field("queued", &self.queued)
+            .finish()
+    }
+}
+
+impl<B> Unpin for Reserve<'_, B> {}
+
+impl<'a, B> Future for Reserve<'a, B> {
+    type Output = Reserved<'a, B>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let ops = self.ops;
+        ops.states
+            .poll_reserve(&mut self.queued, cx)
+            .map(|index| Reserved {
+                ops,
+                index: Some(index),
+            })
+    }
+}
+
+impl<B> Drop for Reserve<'_, B> {
+    fn drop(&mut self) {
+        if let Some(id) = self.queued {
+            self.ops.states.cancel_reserve(id);
+        }
+    }
+}
+
+/// A state slot reserved for one request: post through it; dropped
+/// unposted, the slot goes to the next wait.
+pub struct Reserved<'a, B> {
+    ops: &'a Ops<B>,
+    index: Option<u32>,
+}
+
+impl<B> fmt::Debug for Reserved<'_, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Reserved")
+            .field("slot", &self.index)
+            .finish()
+    }
+}
+
+impl<B: Send + 'static> Reserved<'_, B> {
+    /// As [`Ops::post_send`], in the reserved slot.
+    ///
+    /// # Errors
+    /// The posting call's errors, `hold` back; the slot goes to the next.
+    pub fn post_send<Q: PostSend + ?Sized>(
+        mut self,
+        qp: &Q,
+        wr: Q::Wr<'_>,
+        hold: B,
+    ) -> Result<Op<B>, OpRefused<Q::Error, B>> {
+        let index = self.index.take().expect("a reservation posts once");
+        self.ops.send_at(index, qp, wr, hold)
+    }
+
+    /// As [`Ops::post_recv`], in the reserved slot.
+    ///
+    /// # Errors
+    /// As [`post_send`](Self::post_send).
+    pub fn post_recv<Q: PostRecv + ?Sized>(
+        mut self,
+        queue: &Q,
+        wr: Q::Wr<'_>,
+        hold: B,
+    ) -> Result<Op<B>, OpRefused<Q::Error, B>> {
+        let index = self.index.take().expect("a reservation posts once");
+        self.ops.recv_at(index, queue, wr, hold)
+    }
+}
+
+impl<B> Drop for Reserved<'_, B> {
+    fn drop(&mut self) {
+        if let Some(index) = self.index.take() {
+            self.ops.states.give_up(index);
         }
     }
 }
@@ -799,7 +1149,8 @@ mod tests {
 /// dropped unresolved races the completion; the held value is dropped
 /// once, and the slot freed once. Its mutation (the completion sets `DONE`
 /// with a load and a store) loses the future's `GONE`, leaks the value,
-/// and loom finds it.
+/// and loom finds it. `a_wait_for_room_races_a_free`: step 7, with its
+/// mutation.
 #[cfg(all(test, loom))]
 mod loom_op {
     use super::*;
@@ -933,6 +1284,55 @@ mod loom_op {
             assert_eq!(states.reserve(), Some(index), "freed once");
             assert_eq!(states.reserve(), None);
         });
+    }
+
+    /// Step 7: a wait for room queues while the only slot is freed.
+    /// Whatever the interleaving, the wait gets the slot: at once, or on
+    /// its next poll after a wake-up. The mutation (a free that pushes
+    /// and never looks for waits) leaves the wait asleep beside a free
+    /// slot, and loom finds it.
+    fn room_race(look: bool) {
+        loom::model(move || {
+            let states = Arc::new(States::<u32>::new(1));
+            let index = states.reserve().unwrap();
+            let s2 = Arc::clone(&states);
+            let freer = loom::thread::spawn(move || {
+                if look {
+                    s2.give_up(index);
+                } else {
+                    let _ = s2.push(index);
+                }
+            });
+            let count = std::sync::Arc::new(CountWake(AtomicUsize::new(0)));
+            let waker = Waker::from(std::sync::Arc::clone(&count));
+            let mut cx = Context::from_waker(&waker);
+            let mut queued = None;
+            let first = states.poll_reserve(&mut queued, &mut cx);
+            freer.join().unwrap();
+            let got = match first {
+                Poll::Ready(i) => i,
+                Poll::Pending => match states.poll_reserve(&mut queued, &mut cx) {
+                    Poll::Ready(i) => {
+                        assert!(count.0.load(Ordering::SeqCst) > 0, "given but not woken");
+                        i
+                    }
+                    Poll::Pending => panic!("asleep beside a free slot"),
+                },
+            };
+            assert_eq!(got, index);
+            assert_eq!(states.top.load(Ordering::SeqCst) & WAIT, 0, "WAIT left set");
+        });
+    }
+
+    #[test]
+    fn a_wait_for_room_races_a_free() {
+        room_race(true);
+    }
+
+    #[test]
+    #[should_panic(expected = "asleep beside a free slot")]
+    fn a_free_that_never_looks_for_waits_strands_one() {
+        room_race(false);
     }
 
     #[test]
