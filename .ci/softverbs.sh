@@ -302,6 +302,9 @@ timeout 600 "$RUN" cargo test -p cqd-verbs --release
 cargo build --release --features verbs --example tokio_echo
 timeout 120 "$RUN" "$REL/examples/tokio_echo" --verbs
 timeout 120 "$RUN" "$REL/examples/tokio_echo" --verbs --poller --conns 8
+# The completion futures' benchmark, smoke run on the device.
+CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$RUN" timeout 300 \
+    cargo bench --features verbs --bench futures -- --quick --verbs
 # The real-path dispatch benchmark, smoke run on the device.
 CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$RUN" timeout 600 \
     cargo bench --features verbs --bench verbs_dispatch -- --quick
