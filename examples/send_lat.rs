@@ -17,7 +17,8 @@
 //!   over one CQ that takes both its send and its receive completions, or
 //!   with `--loop step` a loop of its own on `CqPoller`'s step API (poll;
 //!   when empty, spin, or arm, poll again and block on the CQ's
-//!   descriptor). The thread is pinned (core_affinity) to `--cpu`, by
+//!   descriptor), or with `--loop tokio` (event mode) cqd's tokio driver
+//!   on a current-thread runtime of its own thread. The thread is pinned (core_affinity) to `--cpu`, by
 //!   default to the first CPU the process may use (run the two sides under
 //!   `taskset -c 0` and `taskset -c 1`); `--no-pin` leaves it to the
 //!   scheduler;
@@ -74,6 +75,8 @@ struct Args {
     cpu: Option<usize>,
     pin: bool,
     step: bool,
+    /// `--loop tokio`: the CQ driven by cqd's tokio driver.
+    tokio: bool,
     /// The GID index to address the peer by (RoCE needs one: rxe's is 1).
     gid_index: Option<u8>,
     host: Option<String>,
@@ -89,6 +92,7 @@ fn parse_args() -> Result<Args, String> {
         cpu: None,
         pin: true,
         step: false,
+        tokio: false,
         gid_index: None,
         host: None,
     };
@@ -120,19 +124,23 @@ fn parse_args() -> Result<Args, String> {
                 a.gid_index = Some(num("--gid-index", value("--gid-index")?)?.min(255) as u8)
             }
             "--loop" => {
-                a.step = match value("--loop")?.as_str() {
-                    "thread" => false,
-                    "step" => true,
-                    other => return Err(format!("--loop thread|step, not {other}")),
+                (a.step, a.tokio) = match value("--loop")?.as_str() {
+                    "thread" => (false, false),
+                    "step" => (true, false),
+                    "tokio" => (false, true),
+                    other => return Err(format!("--loop thread|step|tokio, not {other}")),
                 }
             }
             host if !host.starts_with('-') && a.host.is_none() => a.host = Some(host.into()),
             other => {
                 return Err(format!(
-                    "unknown argument {other} (send_lat [--mode busy|event] [-p PORT] [-n ITERS] [-s SIZE] [--cq-mod N] [--cpu N | --no-pin] [--loop thread|step] [-g GID_INDEX] [HOST])"
+                    "unknown argument {other} (send_lat [--mode busy|event] [-p PORT] [-n ITERS] [-s SIZE] [--cq-mod N] [--cpu N | --no-pin] [--loop thread|step|tokio] [-g GID_INDEX] [HOST])"
                 ))
             }
         }
+    }
+    if a.tokio && a.mode != PollMode::Event {
+        return Err("--loop tokio runs the Event protocol: add --mode event".into());
     }
     Ok(a)
 }
@@ -247,11 +255,74 @@ fn pin(cpu: Option<usize>) -> Result<(), String> {
     }
 }
 
-/// The side's poller: cqd's poller thread, or a loop of its own over the
-/// step API (`--loop step`).
+/// The side's poller: cqd's poller thread, a loop of its own over the
+/// step API (`--loop step`), or cqd's tokio driver (`--loop tokio`).
 enum Poller {
     Thread(cqd::core::PollerThread),
     Step(StepLoop),
+    Tokio(TokioLoop),
+}
+
+/// A thread running a current-thread tokio runtime on which cqd's tokio
+/// driver drives the CQ (the Event protocol as a task), until told to stop.
+struct TokioLoop {
+    stop: tokio::sync::oneshot::Sender<()>,
+    join: std::thread::JoinHandle<Result<cqd::core::PollerReport, String>>,
+}
+
+impl TokioLoop {
+    /// Stops the driver after the QP was flushed; its report.
+    fn stop(self) -> Result<cqd::core::PollerReport, String> {
+        let _ = self.stop.send(());
+        self.join
+            .join()
+            .map_err(|_| "the tokio thread panicked".to_string())?
+    }
+}
+
+fn tokio_loop(unbound: UnboundCq<NoWork>, cpu: Option<usize>) -> Result<TokioLoop, String> {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (ready_tx, ready_rx) = sync_channel(1);
+    let join = std::thread::Builder::new()
+        .name("send_lat-tokio".into())
+        .spawn(move || -> Result<cqd::core::PollerReport, String> {
+            let pinned = pin(cpu);
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string());
+            let (rt, pinned) = match (rt, pinned) {
+                (Ok(rt), Ok(())) => (rt, Ok(())),
+                (Err(e), _) | (_, Err(e)) => {
+                    let _ = ready_tx.send(Err(e.clone()));
+                    return Err(e);
+                }
+            };
+            let local = tokio::task::LocalSet::new();
+            local.block_on(&rt, async move {
+                let driver = cqd::core::driver::TokioDriver::new("send_lat", NoSink)
+                    .cq(unbound)
+                    .spawn_local()
+                    .map_err(|e| e.to_string());
+                let driver = match driver {
+                    Ok(d) => {
+                        let _ = ready_tx.send(pinned);
+                        d
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e.clone()));
+                        return Err(e);
+                    }
+                };
+                let _ = stopped.await;
+                Ok(driver.stop().await)
+            })
+        })
+        .map_err(|e| e.to_string())?;
+    ready_rx
+        .recv()
+        .map_err(|_| "the tokio thread died".to_string())??;
+    Ok(TokioLoop { stop, join })
 }
 
 /// A poll loop written on `CqPoller`'s step API: poll; when empty, spin
@@ -476,6 +547,8 @@ fn run(args: &Args) -> Result<Vec<f64>, String> {
     };
     let poller = if args.step {
         Poller::Step(step_loop(unbound, args.mode, cpu)?)
+    } else if args.tokio {
+        Poller::Tokio(tokio_loop(unbound, cpu)?)
     } else {
         Poller::Thread(
             PollerBuilder::new("send_lat", NoSink)
@@ -515,6 +588,14 @@ fn run(args: &Args) -> Result<Vec<f64>, String> {
                 .ok_or(format!("unbalanced accounts: {}", report.accounts))
         }
         Poller::Step(s) => s.stop(),
+        Poller::Tokio(t) => {
+            let report = t.stop()?;
+            report
+                .accounts
+                .is_balanced()
+                .then_some(())
+                .ok_or(format!("unbalanced accounts: {}", report.accounts))
+        }
     };
     let stamps = outcome?;
     balanced?;

@@ -14,7 +14,8 @@
 # t_typical (median one-way latency = half the round trip, 2-byte
 # messages). cqd runs its poller thread (PollerBuilder, send_lat's default
 # --loop thread); the row "cqd event, step" is send_lat's own loop on
-# CqPoller's step API (--loop step). The table gives the median over the runs with min–max,
+# CqPoller's step API (--loop step), "cqd event, tokio" the CQ driven by
+# cqd's tokio driver on a current-thread runtime (--loop tokio). The table gives the median over the runs with min–max,
 # the ratios of the medians, and the same ratios taken run by run.
 #
 # Needs root (softverbs-run makes a private mount namespace) and perftest.
@@ -75,7 +76,7 @@ pair() {
   esac
 }
 
-names=("ib_send_lat" "cqd busy" "ib_send_lat -e" "cqd event" "cqd event, step")
+names=("ib_send_lat" "cqd busy" "ib_send_lat -e" "cqd event" "cqd event, step" "cqd event, tokio")
 declare -A got
 for ((r = 1; r <= runs; r++)); do
   got["ib_send_lat"]+=" $(pair perftest ib_send_lat -n "$iters")"
@@ -83,6 +84,7 @@ for ((r = 1; r <= runs; r++)); do
   got["ib_send_lat -e"]+=" $(pair perftest-e ib_send_lat -e -n "$iters")"
   got["cqd event"]+=" $(pair cqd "$send_lat" --mode event "${nopin[@]}" -n "$iters")"
   got["cqd event, step"]+=" $(pair cqd "$send_lat" --mode event --loop step "${nopin[@]}" -n "$iters")"
+  got["cqd event, tokio"]+=" $(pair cqd "$send_lat" --mode event --loop tokio "${nopin[@]}" -n "$iters")"
   echo "run $r/$runs:$(for n in "${names[@]}"; do printf ' %s=%s' "${n// /_}" "${got[$n]##* }"; done)" >&2
 done
 
@@ -116,7 +118,8 @@ paired() {
   read -r m lo hi <<<"$(stats "${r[@]}")"
   printf '%.2f (%.2f–%.2f)' "$m" "$lo" "$hi"
 }
-echo "run by run: cqd busy / ib_send_lat $(paired "cqd busy" ib_send_lat); cqd event / ib_send_lat -e $(paired "cqd event" "ib_send_lat -e"); step loop $(paired "cqd event, step" "ib_send_lat -e")"
+echo "run by run: cqd busy / ib_send_lat $(paired "cqd busy" ib_send_lat); cqd event / ib_send_lat -e $(paired "cqd event" "ib_send_lat -e"); step loop $(paired "cqd event, step" "ib_send_lat -e"); tokio driver / cqd event $(paired "cqd event, tokio" "cqd event")"
 verdict() { awk -v a="$1" -v b="$2" 'BEGIN { r = a / b; printf "%.2f (goal <= 1.15): %s", r, (r <= 1.15 ? "met" : "not met") }'; }
 echo "cqd busy / ib_send_lat     = $(verdict "${med[cqd busy]}" "${med[ib_send_lat]}")"
 echo "cqd event / ib_send_lat -e = $(verdict "${med[cqd event]}" "${med[ib_send_lat -e]}")"
+echo "tokio driver / cqd event   = $(awk -v a="${med[cqd event, tokio]}" -v b="${med[cqd event]}" 'BEGIN { r = a / b; printf "%.2f (goal <= 1.2): %s", r, (r <= 1.2 ? "met" : "not met") }')"
