@@ -3,7 +3,8 @@
 //! future resolves once, with its outcome and the value its request held;
 //! a future dropped early never releases that value before the device is
 //! done with it; errors, flushes and abandonment resolve with their cause;
-//! 10,000 outstanding at once; a multi-thread runtime.
+//! 10,000 outstanding at once; a multi-thread runtime; waits for room in
+//! order; lists; a runtime shut down with futures outstanding.
 
 mod common;
 
@@ -634,3 +635,117 @@ fn send_and_recv_wait_for_room_instead_of_failing() {
     let report = r.poller.take().unwrap().stop().unwrap();
     assert!(report.accounts.is_balanced(), "{}", report.accounts);
 }
+
+#[test]
+fn a_runtime_shut_down_with_futures_outstanding_loses_nothing() {
+    const N: u64 = 16;
+    let r = Arc::new(rig(PollMode::Event, 64, 64));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .build()
+        .unwrap();
+    for i in 0..N {
+        let r = Arc::clone(&r);
+        rt.spawn(async move {
+            let dst = [r.mr.sge(8 * i, 8)];
+            // No SEND ever comes: this waits until the runtime goes.
+            let _ = r.ops.recv(&r.b, RecvWr::new(0, &dst), r.held(i)).await;
+            unreachable!("nothing completes these receives before the flush");
+        });
+    }
+    assert!(
+        common::wait_until(Duration::from_secs(5), || r
+            .ops
+            .ledger()
+            .posted(OpKind::Recv)
+            == N),
+        "the tasks posted"
+    );
+    // The runtime goes: every task, and so every future, is dropped.
+    rt.shutdown_timeout(Duration::from_secs(5));
+    assert_eq!(
+        r.drops(),
+        0,
+        "the receives are on the device: their buffers stay"
+    );
+    // The flush retires them: each value is dropped once, by the poller.
+    r.b.modify(Modify::Err).unwrap();
+    assert!(
+        common::wait_until(Duration::from_secs(5), || r.drops() == N),
+        "dropped {} of {N}",
+        r.drops()
+    );
+    let mut r = Arc::into_inner(r).unwrap();
+    let report = r.poller.take().unwrap().stop().unwrap();
+    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    assert_eq!(r.ops.ledger().flushed(OpKind::Recv), N);
+    assert_eq!(r.drops(), N, "once each");
+}
+
+fn lists_post_in_one_call_with_a_future_each(mode: PollMode) {
+    let r = rig(mode, 64, 6);
+    let rt = runtime();
+    let dst: Vec<_> = (0..4).map(|i| [r.mr.sge(1024 + 64 * i, 64)]).collect();
+    let src = [r.mr.sge(0, 16)];
+    let recvs = r
+        .ops
+        .post_recv_list(
+            &r.b,
+            std::array::from_fn::<_, 4, _>(|i| RecvWr::new(0, &dst[i])),
+            std::array::from_fn(|i| r.held(i as u64)),
+        )
+        .unwrap();
+    // Six slots, four taken: a list of four is refused whole, every value
+    // back, nothing posted.
+    let e = r
+        .ops
+        .post_send_list(
+            &r.a,
+            std::array::from_fn::<_, 4, _>(|_| SendWr::new(0, WrOp::Send, &src)),
+            std::array::from_fn(|i| r.held(10 + i as u64)),
+        )
+        .unwrap_err();
+    assert!(e.posted.iter().all(Option::is_none));
+    let back: Vec<u64> = e.back.iter().map(|b| b.as_ref().unwrap().id).collect();
+    assert_eq!(back, [10, 11, 12, 13]);
+    drop(e);
+    assert_eq!(r.ops.ledger().posted(OpKind::Send), 0);
+    // Two fit.
+    let sends = r
+        .ops
+        .post_send_list(
+            &r.a,
+            std::array::from_fn::<_, 2, _>(|_| SendWr::new(0, WrOp::Send, &src)),
+            std::array::from_fn(|i| r.held(20 + i as u64)),
+        )
+        .unwrap();
+    let [r0, r1, r2, r3] = recvs;
+    let outs = rt.block_on(async {
+        let mut v = Vec::new();
+        for op in sends.into_iter().chain([r0, r1]) {
+            let (o, h) = op.await;
+            v.push((o.map(|d| d.kind()).ok(), h.id));
+        }
+        v
+    });
+    assert_eq!(
+        outs,
+        [
+            (Some(OpKind::Send), 20),
+            (Some(OpKind::Send), 21),
+            (Some(OpKind::Recv), 0),
+            (Some(OpKind::Recv), 1),
+        ],
+        "the two sends, and the two receives they filled"
+    );
+    r.b.modify(Modify::Err).unwrap();
+    for op in [r2, r3] {
+        let (o, h) = rt.block_on(op);
+        assert!(o.unwrap_err().is_flush());
+        assert!(h.id == 2 || h.id == 3);
+    }
+    assert_eq!(r.drops(), 10, "every value once");
+    let report = r.poller.unwrap().stop().unwrap();
+    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+}
+all_modes!(lists_post_in_one_call_with_a_future_each);

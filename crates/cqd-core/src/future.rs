@@ -218,6 +218,42 @@ impl<E: std::error::Error + 'static, B> std::error::Error for OpRefused<E, B> {
     }
 }
 
+/// A list post refused, in part or whole: why, the futures of the requests
+/// that were posted, and the values of those that were not.
+pub struct OpListRefused<E, B, const N: usize> {
+    /// Why.
+    pub error: E,
+    /// `Some` for each request posted (verbs: before `bad_wr`): its future.
+    pub posted: [Option<Op<B>>; N],
+    /// `Some` for each request not posted: the value it would have held.
+    pub back: [Option<B>; N],
+}
+
+impl<E: fmt::Debug, B, const N: usize> fmt::Debug for OpListRefused<E, B, N> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let posted: Vec<bool> = self.posted.iter().map(Option::is_some).collect();
+        f.debug_struct("OpListRefused")
+            .field("error", &self.error)
+            .field("posted", &posted)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<E: fmt::Display, B, const N: usize> fmt::Display for OpListRefused<E, B, N> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.back.iter().filter(|b| b.is_some()).count();
+        write!(f, "{} ({n} of {N} requests not posted)", self.error)
+    }
+}
+
+impl<E: std::error::Error + 'static, B, const N: usize> std::error::Error
+    for OpListRefused<E, B, N>
+{
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
+}
+
 /// The state word's bits (steps 3, 5).
 const DONE: u32 = 1;
 const WOKEN: u32 = 2;
@@ -752,6 +788,106 @@ impl<B: Send + 'static> Ops<B> {
         self.send_at(index, qp, wr, hold)
     }
 
+    /// Posts a list of requests on `qp`'s send queue in one posting call
+    /// (one doorbell), request `i` holding `holds[i]`: a future per
+    /// request. All or nothing on the table: with fewer than `N` slots
+    /// free (or waits queued), none is posted.
+    ///
+    /// # Errors
+    /// [`OpListRefused`]: the posting call's error, the futures of the
+    /// requests it did post (verbs' `bad_wr`: those before it) and the
+    /// values of the others.
+    pub fn post_send_list<Q: PostSend + ?Sized, const N: usize>(
+        &self,
+        qp: &Q,
+        mut wrs: [Q::Wr<'_>; N],
+        holds: [B; N],
+    ) -> Result<[Op<B>; N], OpListRefused<Q::Error, B, N>> {
+        let (indices, tickets) = self.reserve_list(holds)?;
+        let result = self.reg.post_send(qp, &mut wrs, tickets);
+        self.settle_list(indices, result)
+    }
+
+    /// As [`post_send_list`](Self::post_send_list), on a receive queue.
+    ///
+    /// # Errors
+    /// As [`post_send_list`](Self::post_send_list).
+    pub fn post_recv_list<Q: PostRecv + ?Sized, const N: usize>(
+        &self,
+        queue: &Q,
+        mut wrs: [Q::Wr<'_>; N],
+        holds: [B; N],
+    ) -> Result<[Op<B>; N], OpListRefused<Q::Error, B, N>> {
+        let (indices, tickets) = self.reserve_list(holds)?;
+        let result = self.reg.post_recv(queue, &mut wrs, tickets);
+        self.settle_list(indices, result)
+    }
+
+    /// Step 1 for a list: `N` slots, or none.
+    #[allow(clippy::type_complexity)]
+    fn reserve_list<E: From<Refused>, const N: usize>(
+        &self,
+        holds: [B; N],
+    ) -> Result<([u32; N], [Ticket<B>; N]), OpListRefused<E, B, N>> {
+        let mut indices = [NONE; N];
+        for i in 0..N {
+            match self.states.try_reserve() {
+                Some(index) => indices[i] = index,
+                None => {
+                    for &index in &indices[..i] {
+                        self.states.give_up(index);
+                    }
+                    let refused: OpRefused<E, ()> = self.full(());
+                    return Err(OpListRefused {
+                        error: refused.error,
+                        posted: [const { None }; N],
+                        back: holds.map(Some),
+                    });
+                }
+            }
+        }
+        let mut holds = holds.into_iter();
+        let tickets = indices.map(|index| Ticket {
+            index,
+            hold: holds.next().expect("N values for N slots"),
+        });
+        Ok((indices, tickets))
+    }
+
+    /// Step 2's end for a list.
+    fn settle_list<E, const N: usize>(
+        &self,
+        indices: [u32; N],
+        result: Result<(), crate::cq::PostRefused<E, Ticket<B>, N>>,
+    ) -> Result<[Op<B>; N], OpListRefused<E, B, N>> {
+        let op = |index| Op {
+            states: Arc::clone(&self.states),
+            index,
+            resolved: false,
+        };
+        match result {
+            Ok(()) => Ok(indices.map(op)),
+            Err(refused) => {
+                let mut posted: [Option<Op<B>>; N] = [const { None }; N];
+                let mut back: [Option<B>; N] = [const { None }; N];
+                for (i, t) in refused.back.into_iter().enumerate() {
+                    match t {
+                        Some(t) => {
+                            self.states.give_up(indices[i]);
+                            back[i] = Some(t.hold);
+                        }
+                        None => posted[i] = Some(op(indices[i])),
+                    }
+                }
+                Err(OpListRefused {
+                    error: refused.error,
+                    posted,
+                    back,
+                })
+            }
+        }
+    }
+
     /// Waits for room (a state slot, in the order the waits began), then
     /// posts as [`post_send`](Self::post_send) and awaits the outcome.
     ///
@@ -833,7 +969,7 @@ impl<B: Send + 'static> Ops<B> {
 
     /// Step 1 found no free slot.
     #[cold]
-    fn full<E: From<Refused>>(&self, hold: B) -> OpRefused<E, B> {
+    fn full<E: From<Refused>, H>(&self, hold: H) -> OpRefused<E, H> {
         OpRefused {
             error: Refused::Contexts {
                 handler: self.reg.key(),
