@@ -121,6 +121,15 @@ fn exactly_once(mode: PollMode) {
         record.delivered(),
         mode.name()
     );
+    if sleeps(mode) {
+        // Idle now: a sleeping mode arms and sleeps (Hybrid after its
+        // spin). Stopped at once, a fast machine can stop it inside the
+        // spin, with every completion delivered before the first arm.
+        assert!(
+            wait_until(Duration::from_secs(5), || thread.snapshot().sleeps > 0),
+            "an idle sleeping mode sleeps"
+        );
+    }
     let report = thread.stop().unwrap();
     for (tag, want) in expected.iter().enumerate() {
         assert_eq!(
