@@ -126,6 +126,12 @@ pub struct Args {
     /// machines].
     #[arg(long, value_name = "ADDR:PORT")]
     pub listen: Option<String>,
+    /// serve/load: a file holding a shared secret (16 to 4,096 bytes): the
+    /// server admits only loads that prove they know it, and a load joins
+    /// only servers that prove it back (docs/demo.md, "Trust and
+    /// exposure") [default: none — any load that reaches the port joins].
+    #[arg(long, value_name = "FILE")]
+    pub secret_file: Option<PathBuf>,
     /// serve/load: how the queue pairs connect: `tcp` (endpoints in the
     /// TCP session) or `rdmacm` (through rdma_cm, on the server's
     /// `--listen` address) [default: tcp].
@@ -258,6 +264,9 @@ pub struct Config {
     pub listen: String,
     /// How the queue pairs connect (serve/load).
     pub cm: CmKind,
+    /// The handshake's shared secret (serve/load; `--secret-file`).
+    #[serde(skip)]
+    pub secret: Option<crate::auth::Secret>,
     /// load: the servers' addresses.
     pub server_addrs: Vec<String>,
     /// serve: how long to wait for a load session.
@@ -367,6 +376,13 @@ impl Args {
         if command != Command::Serve && (self.listen.is_some() || self.accept_timeout.is_some()) {
             return bad("--listen and --accept-timeout are for `serve`".into());
         }
+        if self.secret_file.is_some() && !matches!(command, Command::Serve | Command::Load) {
+            return bad("--secret-file is for `serve` and `load`".into());
+        }
+        let secret = match &self.secret_file {
+            Some(path) => Some(crate::auth::Secret::from_file(path)?),
+            None => None,
+        };
         if self.cm.is_some() && !matches!(command, Command::Serve | Command::Load) {
             return bad("--cm is for `serve` and `load`".into());
         }
@@ -505,6 +521,7 @@ impl Args {
                 .unwrap_or_else(|| format!("127.0.0.1:{DEFAULT_PORT}")),
             server_addrs: self.server_addrs.clone(),
             cm: self.cm.unwrap_or_default(),
+            secret,
             accept_timeout: self.accept_timeout,
             servers,
             connections: self.connections,

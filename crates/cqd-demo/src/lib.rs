@@ -15,6 +15,7 @@
 //! cqd-verbs (`backend::verbs`), in one process or as separate `serve` and
 //! `load` processes joined over TCP ([`net`]).
 
+pub mod auth;
 pub mod backend;
 pub mod config;
 pub mod load;

@@ -2,17 +2,24 @@
 //! them, then each process runs its own half (`run::ServerSide` or
 //! `run::LoadSide`) and reports its own side.
 //!
-//! # The protocol (version 2)
+//! # The protocol (version 3)
 //!
 //! One TCP connection per (load, server) pair carries newline-delimited
 //! JSON messages ([`Msg`]), each at most [`MAX_LINE`] bytes:
 //!
 //! 1. load → server `hello` {protocol "cqd-demo", version, block size,
-//!    queue depth, connections}. The server answers `welcome` {its block
-//!    count, block size, the deepest queue and most connections it takes}
-//!    or `refused` {reason} (another
+//!    queue depth, connections, a fresh nonce}. A server started with
+//!    `--secret-file` answers `challenge` {its own nonce}, and the load
+//!    `answer` {the keyed hash of both nonces} ([`crate::auth`]); a wrong
+//!    or missing answer is refused with the reason. The server answers
+//!    `welcome` {its block count, block size, the deepest queue and most
+//!    connections it takes; with a secret, its proof of the secret, which
+//!    a load with `--secret-file` requires} or `refused` {reason} (another
 //!    version, another block size, a deeper queue or more connections
-//!    than it was started for). The load uses the smallest block count of
+//!    than it was started for, a wrong answer). The load answers the
+//!    welcome with `join`, or with `refused` {reason} (a server that did
+//!    not prove the secret, a geometry it cannot verify); until it joins,
+//!    the server makes nothing and the session has not begun. The load uses the smallest block count of
 //!    its servers (blocks are striped: global block g is block g / S of
 //!    server g % S).
 //! 2. Per connection: load → `connect` {conn, its QP's endpoint}; the
@@ -46,6 +53,7 @@ use std::time::{Duration, Instant};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use crate::auth::{self, Secret};
 use crate::backend::cm::CmListener;
 use crate::backend::{Link, Node};
 use crate::config::{check_blocks, CmKind, Config};
@@ -58,7 +66,7 @@ use crate::DemoError;
 /// The protocol's name, first field of `hello`.
 pub const PROTOCOL: &str = "cqd-demo";
 /// The protocol's version.
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 /// The longest message line, in bytes.
 pub const MAX_LINE: usize = 64 * 1024;
 /// How long a handshake step may wait for the peer.
@@ -89,6 +97,19 @@ pub enum Msg<E> {
         /// of `connect`/`accepted` messages. Absent: false.
         #[serde(default)]
         rdmacm: bool,
+        /// The load's nonce, 64 hex digits ([`crate::auth`]).
+        #[serde(default)]
+        nonce: String,
+    },
+    /// server → load: prove you know the secret (`--secret-file`).
+    Challenge {
+        /// The server's nonce, 64 hex digits.
+        nonce: String,
+    },
+    /// load → server: the keyed hash of both nonces.
+    Answer {
+        /// 64 hex digits.
+        mac: String,
     },
     /// server → load: the geometry.
     Welcome {
@@ -102,6 +123,9 @@ pub enum Msg<E> {
         max_qd: u32,
         /// The most connections it takes.
         max_connections: u32,
+        /// With a secret: the server's proof that it knows it.
+        #[serde(default)]
+        proof: Option<String>,
         // No address or key of the server's memory: the server moves every
         // block itself, and its regions and QPs take no remote access
         // (version 1 named its device region, which any client could then
@@ -112,6 +136,8 @@ pub enum Msg<E> {
         /// Why, in words.
         reason: String,
     },
+    /// load → server: the welcome suits it; the connections follow.
+    Join,
     /// load → server: one connection's endpoint.
     Connect {
         /// The connection's number in this session.
@@ -143,6 +169,9 @@ impl<E> Msg<E> {
             Msg::Hello { .. } => "hello",
             Msg::Welcome { .. } => "welcome",
             Msg::Refused { .. } => "refused",
+            Msg::Challenge { .. } => "challenge",
+            Msg::Answer { .. } => "answer",
+            Msg::Join => "join",
             Msg::Connect { .. } => "connect",
             Msg::Accepted { .. } => "accepted",
             Msg::Done => "done",
@@ -230,19 +259,102 @@ impl Wire {
                 format!("{}: closed the connection mid-message", self.peer)
             }));
         }
-        serde_json::from_slice(&line).map_err(|e| {
-            net(format!(
-                "{}: not a cqd-demo message ({e}): {:?}",
-                self.peer,
-                String::from_utf8_lossy(&line[..line.len().min(120)])
-            ))
-        })
+        parse_message(&line).map_err(|e| net(format!("{}: {e}", self.peer)))
     }
 
     /// A second handle on the socket (for a reader thread).
     fn split(self) -> (TcpStream, BufReader<TcpStream>) {
         (self.writer, self.reader)
     }
+}
+
+/// One line read from the socket as a message (the fuzz target
+/// `handshake` feeds it anything).
+///
+/// # Errors
+/// Not JSON, or not a message of this protocol (the reason quotes the
+/// line's first 120 bytes).
+pub fn parse_message<E: DeserializeOwned>(line: &[u8]) -> Result<Msg<E>, String> {
+    serde_json::from_slice(line).map_err(|e| {
+        format!(
+            "not a cqd-demo message ({e}): {:?}",
+            String::from_utf8_lossy(&line[..line.len().min(120)])
+        )
+    })
+}
+
+/// What a server takes (its side of [`judge_hello`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Its block size, bytes.
+    pub block_size: u32,
+    /// The deepest queue per connection.
+    pub depth: u32,
+    /// The most connections.
+    pub connections: u32,
+    /// Its queue pairs connect through rdma_cm.
+    pub rdmacm: bool,
+}
+
+/// The server's judgement of the first message of a handshake: the
+/// connections asked for and the load's nonce, or the reason for the
+/// refusal (pure: the fuzz target `handshake` runs it on anything).
+///
+/// # Errors
+/// Anything but a `hello` that fits `limits` with a well-formed nonce.
+pub fn judge_hello<E>(
+    hello: Msg<E>,
+    limits: &Limits,
+) -> Result<(u32, [u8; auth::NONCE_LEN]), String> {
+    let Msg::Hello {
+        protocol,
+        version,
+        block_size,
+        qd,
+        connections,
+        rdmacm,
+        nonce,
+    } = hello
+    else {
+        return Err(format!("expected hello, got {}", hello.name()));
+    };
+    if rdmacm != limits.rdmacm {
+        let how = |b: bool| if b { "rdmacm" } else { "tcp" };
+        return Err(format!(
+            "the load connects with --cm {}, this server was started with --cm {}",
+            how(rdmacm),
+            how(limits.rdmacm)
+        ));
+    }
+    if protocol != PROTOCOL || version != VERSION {
+        return Err(format!(
+            "protocol {:?} version {version}; this server speaks {PROTOCOL:?} version {VERSION}",
+            protocol.chars().take(64).collect::<String>()
+        ));
+    }
+    if block_size != limits.block_size {
+        return Err(format!(
+            "block size {block_size}: this server's blocks are {} bytes (give both sides the \
+             same --block-size)",
+            limits.block_size
+        ));
+    }
+    if qd == 0 || qd > limits.depth {
+        return Err(format!(
+            "queue depth {qd}: this server takes 1 to {} (start it with --qd {qd}, or lower the \
+             load's --qd)",
+            limits.depth
+        ));
+    }
+    if connections == 0 || connections > limits.connections {
+        return Err(format!(
+            "{connections} connections: this server takes 1 to {} (start it with --connections \
+             {connections})",
+            limits.connections
+        ));
+    }
+    let nonce = auth::parse_nonce(&nonce).map_err(|e| format!("hello: {e}"))?;
+    Ok((connections, nonce))
 }
 
 // ---------------------------------------------------------------- serve
@@ -311,7 +423,7 @@ pub fn serve_on<N: Node>(
             }
         };
         let mut wire = Wire::new(stream, format!("load {addr}"))?;
-        match session::<N>(&mut side, &mut wire, cm.as_ref()) {
+        match session::<N>(&mut side, &mut wire, cm.as_ref(), cfg.secret.as_ref()) {
             Ok(SessionStart::Refused(why)) => {
                 tracing::warn!(peer = %addr, "handshake refused: {why}");
                 eprintln!("cqd-demo serve: refused load {addr}: {why}");
@@ -423,6 +535,7 @@ fn session<N: Node>(
     side: &mut ServerSide<N>,
     wire: &mut Wire,
     cm: Option<&CmListener>,
+    secret: Option<&Secret>,
 ) -> Result<SessionStart, DemoError> {
     wire.set_timeout(Some(HANDSHAKE_TIMEOUT));
     let server = side
@@ -440,58 +553,52 @@ fn session<N: Node>(
             return Ok(SessionStart::Refused(e.to_string()));
         }
     };
-    let agreed: Result<u32, String> = match hello {
-        Msg::Hello {
-            protocol,
-            version,
-            block_size,
-            qd,
-            connections,
-            rdmacm,
-        } => {
-            if rdmacm != cm.is_some() {
-                let how = |b: bool| if b { "rdmacm" } else { "tcp" };
-                Err(format!(
-                    "the load connects with --cm {}, this server was started with --cm {}",
-                    how(rdmacm),
-                    how(cm.is_some())
-                ))
-            } else if protocol != PROTOCOL || version != VERSION {
-                Err(format!(
-                    "protocol {protocol:?} version {version}; this server speaks {PROTOCOL:?} \
-                     version {VERSION}"
-                ))
-            } else if block_size != spec.block_size {
-                Err(format!(
-                    "block size {block_size}: this server's blocks are {} bytes (give both \
-                     sides the same --block-size)",
-                    spec.block_size
-                ))
-            } else if qd == 0 || qd > spec.depth {
-                Err(format!(
-                    "queue depth {qd}: this server takes 1 to {} (start it with --qd {qd}, or \
-                     lower the load's --qd)",
-                    spec.depth
-                ))
-            } else if connections == 0 || connections > spec.connections {
-                Err(format!(
-                    "{connections} connections: this server takes 1 to {} (start it with \
-                     --connections {connections})",
-                    spec.connections
-                ))
-            } else {
-                Ok(connections)
-            }
-        }
-        other => Err(format!("expected hello, got {}", other.name())),
+    let limits = Limits {
+        block_size: spec.block_size,
+        depth: spec.depth,
+        connections: spec.connections,
+        rdmacm: cm.is_some(),
     };
-    let connections = match agreed {
-        Ok(n) => n,
-        Err(reason) => {
-            let _ = wire.send(&Msg::<()>::Refused {
-                reason: reason.clone(),
-            });
-            return Ok(SessionStart::Refused(reason));
+    let refuse = |wire: &mut Wire, reason: String| {
+        let _ = wire.send(&Msg::<()>::Refused {
+            reason: reason.clone(),
+        });
+        Ok(SessionStart::Refused(reason))
+    };
+    let (connections, load_nonce) = match judge_hello(hello, &limits) {
+        Ok(a) => a,
+        Err(reason) => return refuse(wire, reason),
+    };
+    let proof = match secret {
+        None => None,
+        Some(secret) => {
+            let mine = auth::nonce()?;
+            wire.send(&Msg::<()>::Challenge {
+                nonce: auth::nonce_hex(&mine),
+            })?;
+            match wire.recv::<<N::Link as Link>::Endpoint>() {
+                Ok(Msg::Answer { mac }) if secret.check_answer(&mine, &load_nonce, &mac) => {}
+                Ok(Msg::Answer { .. }) => {
+                    return refuse(
+                        wire,
+                        "wrong answer to the challenge: the load's --secret-file differs from \
+                         this server's"
+                            .into(),
+                    )
+                }
+                Ok(other) => {
+                    return refuse(
+                        wire,
+                        format!(
+                            "this server requires a shared secret (--secret-file): expected \
+                             answer, got {}",
+                            other.name()
+                        ),
+                    )
+                }
+                Err(e) => return refuse(wire, format!("no answer to the challenge: {e}")),
+            }
+            Some(secret.proof(&load_nonce, &mine))
         }
     };
     wire.send(&Msg::<()>::Welcome {
@@ -500,7 +607,21 @@ fn session<N: Node>(
         blocks,
         max_qd: spec.depth,
         max_connections: spec.connections,
+        proof,
     })?;
+    // The load's word on the welcome: until it joins, nothing is made and
+    // the session has not begun (a load that refuses this server, or
+    // leaves, does not use up the process's one session).
+    match wire.recv::<<N::Link as Link>::Endpoint>() {
+        Ok(Msg::Join) => {}
+        Ok(Msg::Refused { reason }) => {
+            return Ok(SessionStart::Refused(format!(
+                "the load refused this server: {reason}"
+            )))
+        }
+        Ok(other) => return refuse(wire, format!("expected join, got {}", other.name())),
+        Err(e) => return Ok(SessionStart::Refused(format!("the load left: {e}"))),
+    }
     if let Some(cm) = cm {
         // Each connection's request names its number; the load opens them
         // in order, one at a time.
@@ -589,6 +710,7 @@ fn hello<E: DeserializeOwned + Serialize>(
     connections: u32,
 ) -> Result<Agreed, DemoError> {
     wire.set_timeout(Some(HANDSHAKE_TIMEOUT));
+    let mine = auth::nonce()?;
     wire.send(&Msg::<E>::Hello {
         protocol: PROTOCOL.into(),
         version: VERSION,
@@ -596,32 +718,79 @@ fn hello<E: DeserializeOwned + Serialize>(
         qd: cfg.qd,
         connections,
         rdmacm: cfg.cm == CmKind::Rdmacm,
+        nonce: auth::nonce_hex(&mine),
     })?;
-    match wire.recv::<E>()? {
+    let mut theirs = None;
+    let mut reply = wire.recv::<E>()?;
+    if let Msg::Challenge { nonce } = &reply {
+        let Some(secret) = &cfg.secret else {
+            return Err(net(format!(
+                "{} requires a shared secret: give this load the server's --secret-file",
+                wire.peer()
+            )));
+        };
+        let s = auth::parse_nonce(nonce)
+            .map_err(|e| net(format!("{}: challenge: {e}", wire.peer())))?;
+        wire.send(&Msg::<E>::Answer {
+            mac: secret.answer(&s, &mine),
+        })?;
+        theirs = Some(s);
+        reply = wire.recv::<E>()?;
+    }
+    match reply {
         Msg::Welcome {
             version,
             block_size,
             blocks,
+            proof,
             ..
         } => {
+            // A load with a secret joins only a server that proves it
+            // knows it (and so challenged this load).
+            let refuse = |wire: &mut Wire, reason: String| {
+                let _ = wire.send(&Msg::<E>::Refused {
+                    reason: reason.clone(),
+                });
+                Err(net(format!("{}: {reason}", wire.peer())))
+            };
+            if let Some(secret) = &cfg.secret {
+                let proved = match (theirs, proof) {
+                    (Some(s), Some(p)) => secret.check_proof(&mine, &s, &p),
+                    _ => false,
+                };
+                if !proved {
+                    return refuse(
+                        wire,
+                        "the server did not prove it knows the shared secret (--secret-file): \
+                         not joining it"
+                            .into(),
+                    );
+                }
+            }
             // Nothing read from a socket is trusted: the device the server
             // announces must fit what this load can verify.
             let bytes = blocks.checked_mul(u64::from(block_size));
             if bytes.is_none_or(|b| b > crate::config::MAX_DEVICE) {
-                return Err(net(format!(
-                    "{}: welcome announces {blocks} blocks of {block_size} bytes; at most {} bytes per server",
-                    wire.peer(),
-                    crate::config::MAX_DEVICE
-                )));
+                return refuse(
+                    wire,
+                    format!(
+                        "welcome announces {blocks} blocks of {block_size} bytes; at most {} \
+                         bytes per server",
+                        crate::config::MAX_DEVICE
+                    ),
+                );
             }
             if version != VERSION || block_size != cfg.block_size || blocks == 0 {
-                return Err(net(format!(
-                    "{}: welcome with version {version}, block size {block_size}, {blocks} \
-                     blocks; this load speaks version {VERSION} with {}-byte blocks",
-                    wire.peer(),
-                    cfg.block_size
-                )));
+                return refuse(
+                    wire,
+                    format!(
+                        "welcome with version {version}, block size {block_size}, {blocks} \
+                         blocks; this load speaks version {VERSION} with {}-byte blocks",
+                        cfg.block_size
+                    ),
+                );
             }
+            wire.send(&Msg::<E>::Join)?;
             Ok(Agreed { blocks })
         }
         Msg::Refused { reason } => Err(net(format!("{} refused the load: {reason}", wire.peer()))),

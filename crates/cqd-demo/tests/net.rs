@@ -13,6 +13,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use cqd_demo::auth::Secret;
 use cqd_demo::backend::sim::{SimFabric, SimNode};
 use cqd_demo::config::{Args, Command, Config};
 use cqd_demo::net::{load_on, serve_on};
@@ -306,4 +307,130 @@ fn a_second_load_is_turned_away_at_once_while_a_session_runs() {
     let r = first.join().unwrap().unwrap();
     assert!(r.passed(), "{}", r.text());
     assert!(srv.join().unwrap().unwrap().passed());
+}
+
+/// `cfg` with the secret in `file` (as `--secret-file` gives it: these
+/// configurations are checked as `run` and then made serve or load).
+fn with_secret(mut cfg: Config, file: &str) -> Config {
+    cfg.secret = Some(Secret::from_file(std::path::Path::new(file)).unwrap());
+    cfg
+}
+
+/// A secret file in a fresh temporary directory (kept for the test's life).
+fn secret_file(dir: &std::path::Path, name: &str, secret: &str) -> String {
+    let p = dir.join(name);
+    std::fs::write(&p, format!("{secret}\n")).unwrap();
+    p.to_string_lossy().into_owned()
+}
+
+fn temp_dir(tag: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("cqd-demo-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn with_a_shared_secret_a_stranger_cannot_join_and_the_server_stays_up() {
+    let dir = temp_dir("secret");
+    let right = secret_file(&dir, "right", "a shared secret of some length");
+    let wrong = secret_file(&dir, "wrong", "another secret, just as long");
+    let fabric = SimFabric::new(0.0, 4);
+    let (addr, srv) = server(
+        &fabric,
+        "srv0",
+        with_secret(serve_cfg(&["--device-size", "2MiB"]), &right),
+    );
+    let one = std::slice::from_ref(&addr);
+    // No secret: refused before any queue pair, with the way in.
+    let e = load(&fabric, &load_cfg(one, &["--ops", "100"])).unwrap_err();
+    assert!(e.to_string().contains("requires a shared secret"), "{e}");
+    // The wrong secret: the server refuses the answer, with the reason.
+    let e = load(
+        &fabric,
+        &with_secret(load_cfg(one, &["--ops", "100"]), &wrong),
+    )
+    .unwrap_err();
+    let msg = e.to_string();
+    assert!(msg.contains("refused the load"), "{msg}");
+    assert!(msg.contains("wrong answer to the challenge"), "{msg}");
+    // A raw client that skips the answer: refused too.
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let hello = format!(
+        "{{\"msg\":\"hello\",\"protocol\":\"cqd-demo\",\"version\":{},\"block_size\":4096,\"qd\":16,\"connections\":4,\"nonce\":\"{}\"}}\n{{\"msg\":\"done\"}}\n",
+        cqd_demo::net::VERSION,
+        "ab".repeat(32)
+    );
+    s.write_all(hello.as_bytes()).unwrap();
+    let mut answer = String::new();
+    let _ = s.read_to_string(&mut answer);
+    assert!(answer.contains("challenge"), "{answer:?}");
+    assert!(answer.contains("expected answer, got done"), "{answer:?}");
+    // A hello whose nonce is not 64 hex digits: refused.
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let hello = hello.replace(&"ab".repeat(32), "not-a-nonce");
+    s.write_all(hello.as_bytes()).unwrap();
+    let mut answer = String::new();
+    let _ = s.read_to_string(&mut answer);
+    assert!(
+        answer.contains("a nonce must be 64 hex digits"),
+        "{answer:?}"
+    );
+    // The right secret: served, both sides pass.
+    let r = load(
+        &fabric,
+        &with_secret(load_cfg(one, &["--ops", "500"]), &right),
+    )
+    .unwrap();
+    assert!(r.passed(), "{}", r.text());
+    let s = srv.join().unwrap().unwrap();
+    assert!(s.passed(), "{}", s.text());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_load_with_a_secret_does_not_join_a_server_without_one() {
+    let dir = temp_dir("nosecret");
+    let right = secret_file(&dir, "right", "a shared secret of some length");
+    let fabric = SimFabric::new(0.0, 4);
+    let (addr, srv) = server(&fabric, "srv0", serve_cfg(&["--device-size", "2MiB"]));
+    let one = std::slice::from_ref(&addr);
+    let e = load(
+        &fabric,
+        &with_secret(load_cfg(one, &["--ops", "100"]), &right),
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("did not prove it knows the shared secret"),
+        "{e}"
+    );
+    // The server, whose session never started, serves the next load.
+    let r = load(&fabric, &load_cfg(one, &["--ops", "300"])).unwrap();
+    assert!(r.passed(), "{}", r.text());
+    assert!(srv.join().unwrap().unwrap().passed());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_secret_file_is_checked_before_anything_starts() {
+    let dir = temp_dir("badsecret");
+    let short = secret_file(&dir, "short", "short");
+    let e = Secret::from_file(std::path::Path::new(&short)).unwrap_err();
+    assert!(e.to_string().contains("give 16 to 4096"), "{e}");
+    let e = Secret::from_file(std::path::Path::new("/nonexistent/secret")).unwrap_err();
+    assert!(e.to_string().contains("/nonexistent/secret"), "{e}");
+    // Only serve and load take one (checked with the other options).
+    let fine = secret_file(&dir, "fine", "sixteen bytes ok");
+    let e = Args::try_parse_from(["cqd-demo", "--secret-file", &fine])
+        .unwrap()
+        .check()
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("--secret-file is for `serve` and `load`"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,0 +1,230 @@
+//! The handshake's shared secret (`--secret-file`): a stranger who reaches
+//! `serve`'s port cannot join, and a load does not trust a server that
+//! cannot prove it knows the secret either.
+//!
+//! The exchange (docs/demo.md, "Trust and exposure"), inside the TCP
+//! handshake of [`crate::net`]:
+//!
+//! 1. the load's `hello` carries a fresh nonce `L` (32 random bytes, hex);
+//! 2. a server with a secret answers `challenge` with its own nonce `S`;
+//! 3. the load answers `answer` with `HMAC-SHA-256(secret, "cqd-demo load" ‖
+//!    S ‖ L)`; the server compares it in constant time and refuses a wrong
+//!    or missing one, with the reason;
+//! 4. the server's `welcome` carries `HMAC-SHA-256(secret, "cqd-demo
+//!    server" ‖ L ‖ S)`, which the load checks before it connects a queue
+//!    pair.
+//!
+//! Fresh nonces on both sides make an answer or a proof useless in another
+//! session (a replayed `answer` meets a new `S`); the labels keep a load's
+//! answer from passing as a server's proof. The secret itself never
+//! crosses the wire. It is read from a file (not the command line, which
+//! other users can see), 16 to 4,096 bytes, a trailing newline ignored.
+
+use std::fmt;
+use std::io::Read;
+use std::path::Path;
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+use crate::DemoError;
+
+/// Bytes of a nonce.
+pub const NONCE_LEN: usize = 32;
+/// Hex digits of a nonce or a MAC on the wire.
+pub const HEX_LEN: usize = 64;
+/// The shortest secret taken.
+pub const MIN_SECRET: usize = 16;
+/// The longest secret taken.
+pub const MAX_SECRET: usize = 4096;
+
+const LOAD: &[u8] = b"cqd-demo load";
+const SERVER: &[u8] = b"cqd-demo server";
+
+/// A shared secret. Its bytes are never printed.
+#[derive(Clone)]
+pub struct Secret(Vec<u8>);
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Secret({} bytes)", self.0.len())
+    }
+}
+
+impl Secret {
+    /// The secret in `path` (a trailing newline dropped).
+    ///
+    /// # Errors
+    /// The file cannot be read, or holds fewer than [`MIN_SECRET`] or more
+    /// than [`MAX_SECRET`] bytes.
+    pub fn from_file(path: &Path) -> Result<Secret, DemoError> {
+        let mut bytes = Vec::new();
+        std::fs::File::open(path)
+            .and_then(|f| f.take(MAX_SECRET as u64 + 2).read_to_end(&mut bytes))
+            .map_err(|e| DemoError::Config(format!("--secret-file {}: {e}", path.display())))?;
+        Secret::from_bytes(bytes)
+            .map_err(|e| DemoError::Config(format!("--secret-file {}: {e}", path.display())))
+    }
+
+    /// A secret from its bytes (a trailing newline dropped).
+    ///
+    /// # Errors
+    /// Fewer than [`MIN_SECRET`] or more than [`MAX_SECRET`] bytes.
+    pub fn from_bytes(mut bytes: Vec<u8>) -> Result<Secret, String> {
+        if bytes.last() == Some(&b'\n') {
+            bytes.pop();
+            if bytes.last() == Some(&b'\r') {
+                bytes.pop();
+            }
+        }
+        if bytes.len() < MIN_SECRET || bytes.len() > MAX_SECRET {
+            return Err(format!(
+                "a secret of {} bytes: give {MIN_SECRET} to {MAX_SECRET} (e.g. `head -c 32 /dev/urandom | base64 > FILE`)",
+                bytes.len()
+            ));
+        }
+        Ok(Secret(bytes))
+    }
+
+    fn mac(&self, label: &[u8], first: &[u8; NONCE_LEN], second: &[u8; NONCE_LEN]) -> Hmac<Sha256> {
+        let mut m =
+            <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC takes a key of any length");
+        m.update(label);
+        m.update(first);
+        m.update(second);
+        m
+    }
+
+    /// Step 3: the load's answer to the server's nonce `s`, for its own
+    /// nonce `l`.
+    pub fn answer(&self, s: &[u8; NONCE_LEN], l: &[u8; NONCE_LEN]) -> String {
+        hex(&self.mac(LOAD, s, l).finalize().into_bytes())
+    }
+
+    /// Step 3, the server's check of an answer (constant time). False for
+    /// anything that is not 64 hex digits.
+    pub fn check_answer(&self, s: &[u8; NONCE_LEN], l: &[u8; NONCE_LEN], answer: &str) -> bool {
+        unhex(answer).is_some_and(|mac| self.mac(LOAD, s, l).verify_slice(&mac).is_ok())
+    }
+
+    /// Step 4: the server's proof for the load's nonce `l` and its own `s`.
+    pub fn proof(&self, l: &[u8; NONCE_LEN], s: &[u8; NONCE_LEN]) -> String {
+        hex(&self.mac(SERVER, l, s).finalize().into_bytes())
+    }
+
+    /// Step 4, the load's check of a proof (constant time).
+    pub fn check_proof(&self, l: &[u8; NONCE_LEN], s: &[u8; NONCE_LEN], proof: &str) -> bool {
+        unhex(proof).is_some_and(|mac| self.mac(SERVER, l, s).verify_slice(&mac).is_ok())
+    }
+}
+
+/// A fresh nonce from the kernel's random source.
+///
+/// # Errors
+/// `/dev/urandom` cannot be read.
+pub fn nonce() -> Result<[u8; NONCE_LEN], DemoError> {
+    let mut n = [0u8; NONCE_LEN];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut n))
+        .map_err(|e| DemoError::Setup(format!("/dev/urandom: {e}")))?;
+    Ok(n)
+}
+
+/// A nonce as the wire carries it.
+pub fn nonce_hex(n: &[u8; NONCE_LEN]) -> String {
+    hex(n)
+}
+
+/// A nonce read from the wire: exactly 64 hex digits, or why not.
+///
+/// # Errors
+/// Anything else (in words, for the refusal).
+pub fn parse_nonce(s: &str) -> Result<[u8; NONCE_LEN], String> {
+    unhex(s).ok_or_else(|| {
+        format!(
+            "a nonce must be {HEX_LEN} hex digits, not {} characters",
+            s.len()
+        )
+    })
+}
+
+fn hex(bytes: &[u8]) -> String {
+    const D: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(2 * bytes.len());
+    for b in bytes {
+        s.push(D[usize::from(b >> 4)] as char);
+        s.push(D[usize::from(b & 15)] as char);
+    }
+    s
+}
+
+fn unhex(s: &str) -> Option<[u8; NONCE_LEN]> {
+    let b = s.as_bytes();
+    if b.len() != HEX_LEN {
+        return None;
+    }
+    let digit = |c: u8| match c {
+        b'0'..=b'9' => Some(c - b'0'),
+        b'a'..=b'f' => Some(c - b'a' + 10),
+        b'A'..=b'F' => Some(c - b'A' + 10),
+        _ => None,
+    };
+    let mut out = [0u8; NONCE_LEN];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = digit(b[2 * i])? << 4 | digit(b[2 * i + 1])?;
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn secret(s: &str) -> Secret {
+        Secret::from_bytes(s.as_bytes().to_vec()).unwrap()
+    }
+
+    #[test]
+    fn the_right_secret_answers_and_proves_and_no_other_does() {
+        let (a, b) = (
+            secret("correct horse battery"),
+            secret("correct horse battery!"),
+        );
+        let (s, l) = (nonce().unwrap(), nonce().unwrap());
+        assert_ne!(s, l);
+        let ans = a.answer(&s, &l);
+        assert_eq!(ans.len(), HEX_LEN);
+        assert!(a.check_answer(&s, &l, &ans));
+        assert!(
+            a.check_answer(&s, &l, &ans.to_uppercase()),
+            "hex in either case"
+        );
+        assert!(!b.check_answer(&s, &l, &ans), "another secret");
+        assert!(!a.check_answer(&l, &s, &ans), "nonces swapped");
+        let other = nonce().unwrap();
+        assert!(
+            !a.check_answer(&other, &l, &ans),
+            "a replay meets a new nonce"
+        );
+        let proof = a.proof(&l, &s);
+        assert!(a.check_proof(&l, &s, &proof));
+        assert!(!a.check_proof(&l, &s, &ans), "an answer is no proof");
+        assert!(!a.check_answer(&s, &l, &proof), "a proof is no answer");
+        for bad in ["", "zz", &ans[..63], &format!("{ans}0"), &"g".repeat(64)] {
+            assert!(!a.check_answer(&s, &l, bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn secrets_and_nonces_are_bounded() {
+        assert!(Secret::from_bytes(b"short\n".to_vec()).is_err());
+        assert!(Secret::from_bytes(vec![b'x'; MAX_SECRET + 1]).is_err());
+        assert!(Secret::from_bytes(vec![b'x'; MAX_SECRET]).is_ok());
+        let s = Secret::from_bytes(b"sixteen bytes!!!\r\n".to_vec()).unwrap();
+        assert_eq!(format!("{s:?}"), "Secret(16 bytes)", "never printed");
+        let n = nonce().unwrap();
+        assert_eq!(parse_nonce(&nonce_hex(&n)), Ok(n));
+        assert!(parse_nonce("abc").is_err());
+        assert!(parse_nonce(&"é".repeat(32)).is_err());
+    }
+}
