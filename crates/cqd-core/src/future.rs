@@ -405,10 +405,10 @@ impl<B> States<B> {
         }
     }
 
-    /// Step 7, under the queue's lock: `WAIT` set in the stack's word if
-    /// the stack is empty (true), or else a slot popped from it (false
-    /// and the slot).
-    fn wait_or_pop(&self) -> (bool, Option<u32>) {
+    /// Step 7, under the queue's lock: a slot popped from the stack, or,
+    /// the stack empty, `WAIT` set in its word by the same
+    /// compare-and-swap that found it empty (a later push sees it).
+    fn wait_or_pop(&self) -> Option<u32> {
         let mut top = self.top.load(Ordering::Acquire);
         loop {
             let index = top as u32;
@@ -422,7 +422,7 @@ impl<B> States<B> {
                 .top
                 .compare_exchange_weak(top, new, Ordering::AcqRel, Ordering::Acquire)
             {
-                Ok(_) => return (got.is_none(), got),
+                Ok(_) => return got,
                 Err(now) => top = now,
             }
         }
@@ -452,8 +452,7 @@ impl<B> States<B> {
         let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
         let mut unserved = false;
         for w in q.entries.iter_mut().filter(|w| w.given.is_none()) {
-            let (_, got) = self.wait_or_pop();
-            let Some(index) = got else {
+            let Some(index) = self.wait_or_pop() else {
                 unserved = true;
                 break;
             };
@@ -494,8 +493,7 @@ impl<B> States<B> {
         if q.entries.iter().all(|w| w.given.is_some()) {
             // Nobody unserved: take a free slot, or set WAIT in the same
             // compare-and-swap that finds none — a later push then sees it.
-            let (_, got) = self.wait_or_pop();
-            if let Some(index) = got {
+            if let Some(index) = self.wait_or_pop() {
                 return Poll::Ready(index);
             }
         }
