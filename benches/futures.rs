@@ -23,6 +23,7 @@
 //! ```text
 //! cargo bench --bench futures                      # the simulated NIC
 //! cargo bench --bench futures -- --quick           # smoke run
+//! cargo bench --bench futures -- --profile futures # one contender alone, for perf
 //! softverbs-run target/release/deps/futures-* --bench --verbs   # built with --features verbs
 //! ```
 //!
@@ -358,6 +359,24 @@ fn main() {
     run_handler(&r, n / 10);
     run_async(&r, Who::Futures, n / 10, 1);
     run_async(&r, Who::Map, n / 10, 1);
+    // `--profile futures|map|handler`: that contender alone, one task,
+    // for a profiler.
+    if let Some(at) = args.iter().position(|a| a == "--profile") {
+        let who = match args.get(at + 1).map(String::as_str) {
+            Some("futures") => Who::Futures,
+            Some("map") => Who::Map,
+            Some("handler") => Who::Handler,
+            other => panic!("--profile takes futures, map or handler, not {other:?}"),
+        };
+        for _ in 0..10 {
+            let ns = match who {
+                Who::Handler => run_handler(&r, n),
+                _ => run_async(&r, who, n, 1),
+            };
+            println!("{}: {ns:.1} ns per operation", who.name());
+        }
+        return;
+    }
     let settings = [("one task", 1usize), ("8 tasks", 8usize)];
     let whos = [Who::Handler, Who::Futures, Who::Map];
     let mut res: HashMap<(usize, usize), Vec<f64>> = HashMap::new();
