@@ -18,6 +18,8 @@
 //!   tokio driver) and the awaiting task share one state word and a waker
 //!   cell per request, in a table made at registration; nothing allocates
 //!   per operation.
+//! - **Lists.** [`Ops::post_send_list`] and [`Ops::post_recv_list`] post
+//!   `N` requests in one posting call, a future each.
 //! - **Driven by either.** The futures are woken by whatever drives the
 //!   CQ: a poller thread or a [`TokioDriver`](crate::driver::TokioDriver).
 //! - **Bounded, in order.** At most `capacity` requests are outstanding
@@ -57,7 +59,7 @@
 //! 6. **Free.** Exactly one side frees a slot: the one that sets the last
 //!    of `GONE` and `WOKEN`, or the completing side when `GONE` came
 //!    first. It owns the slot then: it clears the waker cell and the word
-//!    and pushes the index (SeqCst).
+//!    and pushes the index (Release).
 //! 7. **Waiting for room.** The stack's word carries a `WAIT` bit beside
 //!    its top. With every slot taken, [`Ops::reserve`] (and [`Ops::send`]
 //!    / [`Ops::recv`], which use it) takes the queue's lock and, in one
