@@ -52,6 +52,13 @@ impl Rig {
     fn drops(&self) -> u64 {
         self.drops.load(SeqCst)
     }
+    /// Stops the poller; its accounts must balance. The rig stays to be
+    /// looked at.
+    fn stop_balanced(mut self) -> Self {
+        let report = self.poller.take().expect("running").stop().unwrap();
+        assert!(report.accounts.is_balanced(), "{}", report.accounts);
+        self
+    }
 }
 
 fn rig(mode: PollMode, depth: u32, capacity: u32) -> Rig {
@@ -131,8 +138,7 @@ fn a_send_and_its_receive_resolve_with_what_they_held(mode: PollMode) {
     assert_eq!(&buf, b"hello, futures");
     assert_eq!(r.drops(), 0, "both values came back, none dropped");
     drop((h1, h2));
-    let report = r.poller.unwrap().stop().unwrap();
-    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    r.stop_balanced();
 }
 all_modes!(a_send_and_its_receive_resolve_with_what_they_held);
 
@@ -185,8 +191,7 @@ fn rdma_write_read_and_atomics_resolve(mode: PollMode) {
     r.mr.read(4096, &mut v).unwrap();
     assert_eq!(u64::from_ne_bytes(v), 42);
     assert_eq!(r.drops(), 3, "each value came back and was dropped here");
-    let report = r.poller.unwrap().stop().unwrap();
-    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    r.stop_balanced();
 }
 all_modes!(rdma_write_read_and_atomics_resolve);
 
@@ -212,10 +217,8 @@ fn dropped_before_its_completion_the_value_waits_for_the_device(mode: PollMode) 
         r.drops()
     );
     assert_eq!(r.ops.ledger().flushed(OpKind::Recv), 1);
-    let drops = Arc::clone(&r.drops);
-    let report = r.poller.unwrap().stop().unwrap();
-    assert!(report.accounts.is_balanced(), "{}", report.accounts);
-    assert_eq!(drops.load(SeqCst), 1, "once");
+    let r = r.stop_balanced();
+    assert_eq!(r.drops(), 1, "once");
 }
 all_modes!(dropped_before_its_completion_the_value_waits_for_the_device);
 
@@ -261,8 +264,7 @@ fn dropped_after_its_completion_before_a_poll(mode: PollMode) {
     assert!(outs.iter().all(|(o, _)| o.as_ref().unwrap_err().is_flush()));
     drop(outs);
     assert_eq!(r.drops(), 66);
-    let report = r.poller.unwrap().stop().unwrap();
-    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    r.stop_balanced();
 }
 all_modes!(dropped_after_its_completion_before_a_poll);
 
@@ -290,8 +292,7 @@ fn errors_and_flushes_resolve_with_their_status(mode: PollMode) {
     let (out, held) = rt.block_on(recv);
     assert_eq!(held.id, 1);
     assert!(out.unwrap_err().is_flush());
-    let report = r.poller.unwrap().stop().unwrap();
-    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    r.stop_balanced();
 }
 all_modes!(errors_and_flushes_resolve_with_their_status);
 
@@ -332,8 +333,7 @@ fn a_full_table_refuses_and_hands_the_value_back(mode: PollMode) {
     let rt = runtime();
     assert!(rt.block_on(one).0.unwrap_err().is_flush());
     assert!(rt.block_on(two).0.unwrap_err().is_flush());
-    let report = r.poller.unwrap().stop().unwrap();
-    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    r.stop_balanced();
 }
 all_modes!(a_full_table_refuses_and_hands_the_value_back);
 
@@ -396,8 +396,7 @@ fn ten_thousand_outstanding_each_resolves_once() {
         "each value to its own request"
     );
     assert_eq!(r.drops(), N + N / 2, "every value, once");
-    let report = r.poller.unwrap().stop().unwrap();
-    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    r.stop_balanced();
 }
 
 #[test]
@@ -442,9 +441,7 @@ fn tasks_of_a_multi_thread_runtime_post_and_await_at_once() {
     });
     assert_eq!(total, TASKS * EACH);
     assert_eq!(r.drops(), 2 * TASKS * EACH);
-    let mut r = Arc::into_inner(r).unwrap();
-    let report = r.poller.take().unwrap().stop().unwrap();
-    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    Arc::into_inner(r).unwrap().stop_balanced();
 }
 
 #[test]
@@ -591,8 +588,8 @@ fn waits_for_room_are_served_in_order_and_never_overtaken() {
         .expect("a slot was free");
     assert!(resolve(&mut op).0.unwrap_err().is_flush());
     assert_eq!(r.drops(), 4, "every value, once");
-    let report = r.poller.unwrap().stop().unwrap();
-    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    drop(w1);
+    r.stop_balanced();
 }
 
 #[test]
@@ -631,9 +628,7 @@ fn send_and_recv_wait_for_room_instead_of_failing() {
     });
     assert_eq!(total, TASKS * EACH);
     assert_eq!(r.drops(), 2 * TASKS * EACH);
-    let mut r = Arc::into_inner(r).unwrap();
-    let report = r.poller.take().unwrap().stop().unwrap();
-    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    Arc::into_inner(r).unwrap().stop_balanced();
 }
 
 #[test]
@@ -675,9 +670,7 @@ fn a_runtime_shut_down_with_futures_outstanding_loses_nothing() {
         "dropped {} of {N}",
         r.drops()
     );
-    let mut r = Arc::into_inner(r).unwrap();
-    let report = r.poller.take().unwrap().stop().unwrap();
-    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    let r = Arc::into_inner(r).unwrap().stop_balanced();
     assert_eq!(r.ops.ledger().flushed(OpKind::Recv), N);
     assert_eq!(r.drops(), N, "once each");
 }
@@ -745,7 +738,6 @@ fn lists_post_in_one_call_with_a_future_each(mode: PollMode) {
         assert!(h.id == 2 || h.id == 3);
     }
     assert_eq!(r.drops(), 10, "every value once");
-    let report = r.poller.unwrap().stop().unwrap();
-    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    r.stop_balanced();
 }
 all_modes!(lists_post_in_one_call_with_a_future_each);
