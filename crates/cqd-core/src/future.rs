@@ -65,14 +65,24 @@
 //!    / [`Ops::recv`], which use it) takes the queue's lock and, in one
 //!    compare-and-swap on the word, either pops a slot that came free or
 //!    sets `WAIT`; then it queues. A push reads `WAIT` in the
-//!    compare-and-swap that pushes: if set, the pusher takes the lock and
-//!    hands free slots to the oldest waits that have none, waking them,
-//!    and clears `WAIT` once none is left unserved. Both sides meet on one
-//!    word, so either the push sees `WAIT` or the wait sees the pushed
-//!    slot: no wait sleeps beside a free slot. The lock is taken only
-//!    while a reservation waits. A post while `WAIT` is set does not
-//!    overtake the waits (it is refused, or waits in turn); a dropped wait
-//!    leaves the queue and hands on a slot it was given.
+//!    compare-and-swap that pushes (AcqRel): if set, the pusher *tries*
+//!    the lock — it never waits for it, so the poller that frees a slot
+//!    never blocks — and hands free slots to the oldest waits that have
+//!    none, waking them, and clears `WAIT` once none is left unserved.
+//!    Both sides meet on one word, so either the push sees `WAIT` or the
+//!    wait sees the pushed slot: no wait sleeps beside a free slot.
+//! 8. **A hand-on owed.** Outside the lock, `WAIT` beside a non-empty
+//!    stack means slots are owed to waits. Every holder of the lock,
+//!    having released it, reads the word with a read-modify-write
+//!    (AcqRel) and, while a hand-on is owed, tries the lock again and
+//!    serves. A pusher whose try found the lock held leaves the hand-on
+//!    to that holder: either the holder's read-modify-write comes after
+//!    the push in the word's order (it sees the owed slot), or before it
+//!    (then the release happens before the pusher's try, which found a
+//!    later holder, who looks in turn). The lock is taken only while a
+//!    reservation waits. A post while `WAIT` is set does not overtake the
+//!    waits (it is refused, or waits in turn); a dropped wait leaves the
+//!    queue and hands on a slot it was given.
 
 use std::cell::UnsafeCell;
 use std::fmt;
@@ -305,6 +315,33 @@ struct Waiter {
     given: Option<u32>,
 }
 
+/// The queue's lock, held by a reservation's poll or drop; released, it
+/// looks for a hand-on owed (step 8).
+struct Queue<'a, B> {
+    states: &'a States<B>,
+    guard: Option<crate::sync::MutexGuard<'a, WaitQueue>>,
+}
+
+impl<B> std::ops::Deref for Queue<'_, B> {
+    type Target = WaitQueue;
+    fn deref(&self) -> &WaitQueue {
+        self.guard.as_ref().expect("held until dropped")
+    }
+}
+
+impl<B> std::ops::DerefMut for Queue<'_, B> {
+    fn deref_mut(&mut self) -> &mut WaitQueue {
+        self.guard.as_mut().expect("held until dropped")
+    }
+}
+
+impl<B> Drop for Queue<'_, B> {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        self.states.settle();
+    }
+}
+
 // SAFETY: a slot's `out` is written only by the completing side before
 // `DONE` and read only by the side that saw `DONE` (steps 3, 5), its
 // `waker` only under the cell's bits (step 4), and a free slot only by
@@ -382,10 +419,11 @@ impl<B> States<B> {
     }
 
     /// A slot back on the stack; if the stack's word says reservations
-    /// wait, they are handed what is free (step 7).
+    /// wait, they are handed what is free (steps 7, 8) — without waiting
+    /// for the queue's lock.
     fn give_up(&self, index: u32) {
         if self.push(index) {
-            self.hand_on();
+            self.settle();
         }
     }
 
@@ -397,9 +435,11 @@ impl<B> States<B> {
         loop {
             slot.next.store(top as u32, Ordering::Relaxed);
             let new = bump(top) | (top & WAIT) | u64::from(index);
+            // AcqRel: the acquiring half orders this push after a lock
+            // holder's release when the holder's look came first (step 8).
             match self
                 .top
-                .compare_exchange_weak(top, new, Ordering::Release, Ordering::Relaxed)
+                .compare_exchange_weak(top, new, Ordering::AcqRel, Ordering::Relaxed)
             {
                 Ok(_) => return top & WAIT != 0,
                 Err(now) => top = now,
@@ -447,11 +487,11 @@ impl<B> States<B> {
         }
     }
 
-    /// Step 7: free slots to the queued reservations, oldest first; `WAIT`
-    /// cleared once none is left without one.
+    /// Step 7, under the queue's lock: free slots to the queued
+    /// reservations, oldest first; `WAIT` cleared once none is left
+    /// without one.
     #[cold]
-    fn hand_on(&self) {
-        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+    fn serve(&self, q: &mut WaitQueue) {
         let mut unserved = false;
         for w in q.entries.iter_mut().filter(|w| w.given.is_none()) {
             let Some(index) = self.wait_or_pop() else {
@@ -468,6 +508,38 @@ impl<B> States<B> {
         }
     }
 
+    /// Step 8: true if slots are owed to waits (`WAIT` beside a free
+    /// slot), read with a read-modify-write so that it is ordered against
+    /// every push.
+    fn owed(&self) -> bool {
+        let top = self.top.fetch_add(0, Ordering::AcqRel);
+        top & WAIT != 0 && top as u32 != NONE
+    }
+
+    /// Step 8: while a hand-on is owed, serve it if the lock is free;
+    /// if it is held, its holder looks after releasing it. Never waits.
+    #[cold]
+    fn settle(&self) {
+        while self.owed() {
+            let mut q = match self.queue.try_lock() {
+                Ok(q) => q,
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => return,
+            };
+            self.serve(&mut q);
+        }
+    }
+
+    /// Step 7, a reservation's side: the queue's lock (a waiting task may
+    /// wait for it; the poller never takes it this way). Its release looks
+    /// for a hand-on owed (step 8).
+    fn lock_queue(&self) -> Queue<'_, B> {
+        Queue {
+            states: self,
+            guard: Some(self.queue.lock().unwrap_or_else(|p| p.into_inner())),
+        }
+    }
+
     /// Step 7, a reservation's poll: a slot, or a place in the queue.
     fn poll_reserve(&self, queued: &mut Option<u64>, cx: &mut Context<'_>) -> Poll<u32> {
         if queued.is_none() {
@@ -475,7 +547,7 @@ impl<B> States<B> {
                 return Poll::Ready(index);
             }
         }
-        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let mut q = self.lock_queue();
         if let Some(id) = *queued {
             let Some(at) = q.entries.iter().position(|w| w.id == id) else {
                 unreachable!("a queued reservation leaves the queue only by its own poll or drop")
@@ -514,7 +586,7 @@ impl<B> States<B> {
     /// it was handed goes to the next.
     fn cancel_reserve(&self, id: u64) {
         let given = {
-            let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+            let mut q = self.lock_queue();
             let Some(at) = q.entries.iter().position(|w| w.id == id) else {
                 return;
             };
@@ -1266,6 +1338,31 @@ mod tests {
         assert_eq!(free_slots(&states), 2);
     }
 
+    /// Step 8 on one thread: a slot freed while the queue's lock is held
+    /// (the poller freeing while a task polls its wait) does not wait for
+    /// the lock — with a waiting lock this test would deadlock — and the
+    /// holder's release serves the wait and wakes it.
+    #[test]
+    fn a_free_never_waits_for_the_queue_lock() {
+        let (states, drops, count, waker) = rig();
+        let mut cx = Context::from_waker(&waker);
+        let (a, b) = (states.reserve().unwrap(), states.reserve().unwrap());
+        let mut queued = None;
+        assert!(states.poll_reserve(&mut queued, &mut cx).is_pending());
+        let held = states.lock_queue();
+        states.complete(a, (silent(), Held(Arc::clone(&drops))));
+        states.abandon_future(a);
+        assert_eq!(count.0.load(Ordering::SeqCst), 0, "not served while held");
+        drop(held);
+        assert_eq!(count.0.load(Ordering::SeqCst), 1, "served at the release");
+        assert_eq!(states.poll_reserve(&mut queued, &mut cx), Poll::Ready(a));
+        assert_eq!(states.top.load(Ordering::SeqCst) & WAIT, 0, "WAIT cleared");
+        states.free(a);
+        states.free(b);
+        assert_eq!(free_slots(&states), 2);
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
+    }
+
     #[test]
     fn outputs_left_in_a_dropped_table_are_dropped() {
         let (states, drops, _, _) = rig();
@@ -1286,7 +1383,7 @@ mod tests {
 /// once, and the slot freed once. Its mutation (the completion sets `DONE`
 /// with a load and a store) loses the future's `GONE`, leaks the value,
 /// and loom finds it. `a_wait_for_room_races_a_free`: step 7, with its
-/// mutation.
+/// mutation; `a_free_races_a_held_queue`: step 8, with its mutation.
 #[cfg(all(test, loom))]
 mod loom_op {
     use super::*;
@@ -1458,6 +1555,68 @@ mod loom_op {
             assert_eq!(got, index);
             assert_eq!(states.top.load(Ordering::SeqCst) & WAIT, 0, "WAIT left set");
         });
+    }
+
+    /// Step 8: the only slot is freed (on the poller's side, which only
+    /// tries the queue's lock) while another reservation's drop holds the
+    /// lock. Whatever the interleaving, the first wait gets the slot and
+    /// is woken: by the freer, or by the holder looking after its
+    /// release. The mutation (a holder that releases without looking)
+    /// strands the wait when the freer's try found the lock held, and
+    /// loom finds it.
+    fn held_race(look: bool) {
+        loom::model(move || {
+            let states = Arc::new(States::<u32>::new(1));
+            let index = states.reserve().unwrap();
+            let count = std::sync::Arc::new(CountWake(AtomicUsize::new(0)));
+            let waker = Waker::from(std::sync::Arc::clone(&count));
+            let mut cx = Context::from_waker(&waker);
+            let (mut first, mut second) = (None, None);
+            assert!(states.poll_reserve(&mut first, &mut cx).is_pending());
+            assert!(states.poll_reserve(&mut second, &mut cx).is_pending());
+            let second = second.unwrap();
+            let s2 = Arc::clone(&states);
+            let freer = loom::thread::spawn(move || s2.give_up(index));
+            // The second reservation's drop, as `cancel_reserve` does it,
+            // with a schedule point while it holds the lock (loom switches
+            // threads only at such points; a real holder can be preempted
+            // anywhere). The mutation releases with a plain guard.
+            let mut held = look.then(|| states.lock_queue());
+            let mut plain = (!look).then(|| states.queue.lock().unwrap());
+            let q: &mut WaitQueue = match (&mut held, &mut plain) {
+                (Some(q), _) => q,
+                (None, Some(q)) => q,
+                _ => unreachable!(),
+            };
+            let _ = states.top.load(Ordering::Relaxed);
+            let at = q.entries.iter().position(|w| w.id == second).unwrap();
+            q.entries.remove(at);
+            if q.entries.iter().all(|w| w.given.is_some()) {
+                states.clear_wait();
+            }
+            drop(held);
+            drop(plain);
+            freer.join().unwrap();
+            match states.poll_reserve(&mut first, &mut cx) {
+                Poll::Ready(got) => {
+                    assert_eq!(got, index);
+                    assert!(count.0.load(Ordering::SeqCst) > 0, "given but not woken");
+                }
+                Poll::Pending => panic!("asleep beside a free slot"),
+            }
+            assert_eq!(states.top.load(Ordering::SeqCst) & WAIT, 0, "WAIT left set");
+        });
+    }
+
+    #[test]
+    fn a_free_races_a_held_queue() {
+        held_race(true);
+    }
+
+    #[test]
+    #[should_panic(expected = "asleep beside a free slot")]
+    fn a_holder_that_never_looks_strands_a_wait() {
+        held_race(false);
     }
 
     #[test]
