@@ -6,6 +6,7 @@
 #      in turn, polling and -e, with -c,
 #   3. examples/send_lat, and
 #   4. the demo in one process, and as serve + load on the VM's loopback,
+#   4b'. the hostile client against a serve process (crates/cqd-demo/tests/hostile.rs),
 #   4c. the verbs probes (examples/verbs_probe of softverbs),
 # then, on the host,
 #   6. the same probes on softverbs, compared value by value with rxe's
@@ -129,9 +130,11 @@ if [[ ${1:-} == --guest ]]; then
     # 4. The demo in one process on rxe0 (its --quick run: 2 s of load).
     l=$LOGS/demo_one_process.log rc=0
     timeout 180 "$DEMO" --backend verbs --device "$dev" --gid-index "$gid" --quick >"$l" 2>&1 || rc=$?
-    if [[ $rc -eq 0 ]] && grep -q 'verdict data:     PASSED' "$l" && grep -q 'verdict accounts: PASSED' "$l"; then
+    # rxe has type-2 windows: the load exposes each buffer through one.
+    if [[ $rc -eq 0 ]] && grep -q 'verdict data:     PASSED' "$l" && grep -q 'verdict accounts: PASSED' "$l" \
+        && grep -q '^exposure  each request.s buffer through a memory window' "$l"; then
         passed=$((passed + 1))
-        echo "ok   demo_one_process:"; grep -E '^(load +[0-9]|verdict)' "$l" | sed 's/^/       /'
+        echo "ok   demo_one_process:"; grep -E '^(load +[0-9]|exposure|verdict)' "$l" | sed 's/^/       /'
     else
         echo "FAIL demo_one_process (rc=$rc)"; tail -40 "$l"; fail=$((fail + 1))
     fi
@@ -159,6 +162,20 @@ if [[ ${1:-} == --guest ]]; then
         echo "FAIL demo_serve_load (serve rc=$src, load rc=$lrc)"
         echo "--- serve"; tail -30 "$sl"; echo "--- load"; tail -30 "$ll"
         fail=$((fail + 1))
+    fi
+
+    # 4b'. The hostile client (crates/cqd-demo/tests/hostile.rs) against a
+    #      serve process on rxe0: a wrong secret, RDMA to the server with
+    #      guessed keys, a replayed request, a completed request's window,
+    #      another connection's window; each ends in the device's error,
+    #      the server names the connection and stays up.
+    l=$LOGS/hostile.log rc=0
+    timeout 300 "$HOSTILE" --nocapture >"$l" 2>&1 || rc=$?
+    if [[ $rc -eq 0 ]] && grep -q '^test result: ok. 1 passed' "$l"; then
+        passed=$((passed + 1))
+        echo "ok   hostile_client:"; grep -E 'broke|verdict' "$l" | sed 's/^/       /'
+    else
+        echo "FAIL hostile_client (rc=$rc)"; tail -60 "$l"; fail=$((fail + 1))
     fi
 
     # 4c. The verbs probes (crates/softverbs/examples/verbs_probe.rs): what
@@ -192,14 +209,19 @@ nice -n 15 cargo build --release -p softverbs --bins --lib --example verbs_probe
 SUITE=$(nice -n 15 cargo test -p cqd-verbs --release --test two_backends --no-run --message-format=json |
     sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
 [[ -x $SUITE ]] || { echo "rxe: no two_backends test binary"; exit 1; }
+# The hostile client test; it runs the serve process its build made
+# (CARGO_BIN_EXE_cqd-demo: the release binary built above).
+HOSTILE=$(nice -n 15 cargo test -p cqd-demo --release --features verbs --test hostile --no-run --message-format=json |
+    sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
+[[ -x $HOSTILE ]] || { echo "rxe: no hostile test binary"; exit 1; }
 REL=${CARGO_TARGET_DIR:-$PWD/target}/release
-export SUITE PP=$REL/examples/rc_pingpong LAT=$REL/examples/send_lat DEMO=$REL/cqd-demo
+export SUITE HOSTILE PP=$REL/examples/rc_pingpong LAT=$REL/examples/send_lat DEMO=$REL/cqd-demo
 export PROBE=$REL/examples/verbs_probe
 export RXE_VM_LOGDIR
 RXE_VM_LOGDIR=$(mktemp -d /tmp/cqd-rxe.XXXXXX)
 echo "rxe: built in $(( $(date +%s) - start )) s; logs in $RXE_VM_LOGDIR"
 set +e
-RXE_VM_TIMEOUT=${RXE_VM_TIMEOUT:-840} RXE_VM_ENV="SUITE PP LAT DEMO PROBE" \
+RXE_VM_TIMEOUT=${RXE_VM_TIMEOUT:-840} RXE_VM_ENV="SUITE HOSTILE PP LAT DEMO PROBE" \
     bash scripts/rxe-vm.sh bash .ci/rxe.sh --guest 2>&1 | tee "$RXE_VM_LOGDIR/vm.log"
 rc=${PIPESTATUS[0]}
 set -e

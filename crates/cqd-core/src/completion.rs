@@ -342,6 +342,17 @@ impl Completion {
             None
         }
     }
+
+    /// The rkey a peer's SEND with invalidate invalidated on this side
+    /// (`WITH_INV`; host order, as `ibv_wc.invalidated_rkey` is).
+    #[inline]
+    pub const fn invalidated_rkey(&self) -> Option<u32> {
+        if self.wc_flags.contains(WcFlags::WITH_INV) {
+            Some(self.imm_data)
+        } else {
+            None
+        }
+    }
 }
 
 impl Default for Completion {

@@ -84,11 +84,14 @@ pub enum OpKind {
     Atomic = 4,
     /// A request cqd posts for itself (drain markers and the like).
     Internal = 5,
+    /// A memory window bound or invalidated by the owner (send queue;
+    /// `IBV_WR_BIND_MW`, `IBV_WR_LOCAL_INV`).
+    Window = 6,
 }
 
 impl OpKind {
     /// Number of kinds (for per-kind tables).
-    pub const COUNT: usize = 6;
+    pub const COUNT: usize = 7;
     /// Every kind, in the order of their codes.
     pub const ALL: [OpKind; OpKind::COUNT] = [
         OpKind::Send,
@@ -97,6 +100,7 @@ impl OpKind {
         OpKind::Read,
         OpKind::Atomic,
         OpKind::Internal,
+        OpKind::Window,
     ];
 
     /// The queue the request was posted on, which decides the callback.
@@ -124,6 +128,7 @@ impl OpKind {
             3 => Some(OpKind::Read),
             4 => Some(OpKind::Atomic),
             5 => Some(OpKind::Internal),
+            6 => Some(OpKind::Window),
             _ => None,
         }
     }
@@ -137,6 +142,7 @@ impl OpKind {
             OpKind::Read => "read",
             OpKind::Atomic => "atomic",
             OpKind::Internal => "internal",
+            OpKind::Window => "window",
         }
     }
 }
@@ -367,6 +373,7 @@ mod tests {
             OpKind::Read,
             OpKind::Atomic,
             OpKind::Internal,
+            OpKind::Window,
         ] {
             assert_eq!(k.side(), Side::Send);
         }

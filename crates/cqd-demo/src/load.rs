@@ -28,7 +28,7 @@ use cqd_core::{
 use hdrhistogram::Histogram;
 use parking_lot::Mutex;
 
-use crate::backend::{BackendError, Depths, Exposure, Link, Node, Op, Region, Verb};
+use crate::backend::{BackendError, Depths, Exposure, Grant, Link, Node, Op, Region, Verb};
 use crate::verify::{ReadOutcome, Verifier};
 use crate::wire::{BlockOp, Reply, ReplyStatus, Request, MSG_LEN};
 
@@ -95,6 +95,9 @@ pub struct LoadCounts {
     pub verify_unknown: u64,
     /// Read-backs that failed.
     pub verify_failed: u64,
+    /// The server reached each request's buffer through a memory window
+    /// bound for that request alone (else through the region's key).
+    pub windows: bool,
 }
 
 /// State shared by every connection of the load generator.
@@ -119,6 +122,8 @@ pub struct LoadShared {
     verify_mismatched: AtomicU64,
     verify_unknown: AtomicU64,
     verify_failed: AtomicU64,
+    /// Requests expose their buffers through per-request memory windows.
+    windows: bool,
 }
 
 impl LoadShared {
@@ -151,6 +156,7 @@ impl LoadShared {
             verify_mismatched: l(&self.verify_mismatched),
             verify_unknown: l(&self.verify_unknown),
             verify_failed: l(&self.verify_failed),
+            windows: self.windows,
         }
     }
 
@@ -208,6 +214,16 @@ pub struct LoadConn<N: Node> {
 thread_local! {
     /// A load poller's buffer for the data of a finished read.
     static READ_BACK: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// A load QP's send queue: a request's SEND, and with windows its bind and
+/// invalidate too.
+fn send_depth(depth: u32, windows: bool) -> u32 {
+    if windows {
+        depth.saturating_mul(3)
+    } else {
+        depth
+    }
 }
 
 fn next(rng: &mut u64) -> u64 {
@@ -360,13 +376,19 @@ impl<N: Node> LoadConn<N> {
         };
         s.next_id += 1;
         let id = (u64::from(slot) << 48) | s.next_id;
+        let windows = self.shared.windows;
+        let remote = if windows {
+            self.link.window_remote(slot, &self.region, data_off)
+        } else {
+            Some(self.region.remote(data_off))
+        };
         let req = Request {
             op,
             slot: slot as u16,
             id,
             block: local,
             len: self.block_size,
-            remote: self.region.remote(data_off),
+            remote: remote.unwrap_or_default(),
         };
         let req_off = u64::from(slot) * MSG;
         let flight = InFlight {
@@ -382,7 +404,15 @@ impl<N: Node> LoadConn<N> {
         s.sent = false;
         s.reply = None;
         sh.inflight.fetch_add(1, Ordering::AcqRel);
-        let posted = self.region.write(req_off, &req.encode()).and_then(|()| {
+        let posted = match remote {
+            Some(_) => self.region.write(req_off, &req.encode()),
+            // Failed like a refused post: the request is counted failed.
+            None => Err(BackendError::new(
+                format!("slot {slot}"),
+                "no memory window for it",
+            )),
+        }
+        .and_then(|()| {
             let send = Op {
                 tag: slot,
                 verb: Verb::Send,
@@ -391,7 +421,25 @@ impl<N: Node> LoadConn<N> {
                 len: MSG_LEN as u32,
                 signaled: true,
             };
-            self.link.post_send(&self.reg, &[send])
+            if !windows {
+                return self.link.post_send(&self.reg, &[send]);
+            }
+            // The window over this request's buffer alone, with what the
+            // server must do there, bound before the SEND that names it
+            // (a QP runs its requests in order).
+            let grant = match op {
+                BlockOp::Read => Grant::Write,
+                BlockOp::Write => Grant::Read,
+            };
+            let bind = Op {
+                tag: slot,
+                verb: Verb::Bind { slot, grant },
+                region: &self.region,
+                offset: data_off,
+                len: self.block_size,
+                signaled: true,
+            };
+            self.link.post_send(&self.reg, &[bind, send])
         });
         if let Err(e) = posted {
             let flight = s.op.take();
@@ -536,6 +584,22 @@ impl<N: Node> LoadConn<N> {
         if let (true, Some(status)) = (s.sent, s.reply) {
             s.op = None;
             drop(s);
+            if self.shared.windows {
+                // The server is done with the buffer: its window closes
+                // before the slot's next bind (posted after this, on the
+                // same queue).
+                let invalidate = Op {
+                    tag: slot,
+                    verb: Verb::Invalidate { slot },
+                    region: &self.region,
+                    offset: 0,
+                    len: 0,
+                    signaled: true,
+                };
+                if let Err(e) = self.link.post_send(&self.reg, &[invalidate]) {
+                    self.kill(&e.to_string());
+                }
+            }
             self.finish(slot, f, status);
         }
         true
@@ -634,15 +698,19 @@ impl<N: Node> Load<N> {
         conns_per_cq: u32,
         spec: LoadSpec,
     ) -> Result<Load<N>, crate::DemoError> {
-        if spec.depth > node.max_qp_wr() {
+        // With windows, each request takes three send-queue entries: the
+        // bind, the request's SEND and, at its reply, the invalidate.
+        let windows = node.has_windows();
+        let send_depth = send_depth(spec.depth, windows);
+        if send_depth > node.max_qp_wr() {
             return Err(crate::DemoError::Config(format!(
-                "queue depth {} is deeper than the device's queues ({}): lower --qd",
+                "queue depth {} needs send queues of {send_depth}, deeper than the device's ({}): lower --qd",
                 spec.depth,
                 node.max_qp_wr()
             )));
         }
         let all: Vec<u32> = (0..conns_per_cq)
-            .flat_map(|_| [spec.depth, spec.depth])
+            .flat_map(|_| [send_depth, spec.depth])
             .collect();
         let depth = cqd_core::cq_depth_for(&all, 2, node.max_cqe()).map_err(|needed| {
             crate::DemoError::Config(format!(
@@ -686,6 +754,7 @@ impl<N: Node> Load<N> {
             verify_mismatched: AtomicU64::new(0),
             verify_unknown: AtomicU64::new(0),
             verify_failed: AtomicU64::new(0),
+            windows,
         });
         Ok(Load {
             node,
@@ -723,19 +792,29 @@ impl<N: Node> Load<N> {
             .cqs
             .get(cq)
             .ok_or_else(|| crate::DemoError::Setup(format!("no load CQ {cq}")))?;
+        // The server writes read blocks into the load's buffers and reads
+        // written ones from them: through a window per request where the
+        // device has them, else with the region's key.
+        let windows = self.shared.windows;
+        let exposure = if windows {
+            Exposure::Windows
+        } else {
+            Exposure::Peer
+        };
         let link = self.node.create_link(
             cq_ref,
             Depths {
-                send: depth,
+                send: send_depth(depth, windows),
                 recv: depth,
             },
-            // The server writes read blocks into the load's buffers and
-            // reads written ones from them.
-            Exposure::Peer,
+            exposure,
         )?;
+        if windows {
+            link.open_windows(depth)?;
+        }
         let region = self.node.reg_region(
             2 * u64::from(depth) * MSG + u64::from(depth) * u64::from(spec.block_size),
-            Exposure::Peer,
+            exposure,
         )?;
         let index = self.conns.len();
         let hist = Histogram::new_with_bounds(1, 3_600_000_000_000, 3)

@@ -703,6 +703,22 @@ struct Agreed {
     blocks: u64,
 }
 
+/// The load's half of the handshake (hello; with a secret, the
+/// challenge's answer and the server's proof; welcome; join) on `wire`,
+/// for a client of its own (the hostile-client tests): the server's block
+/// count. Then send one `connect` per connection.
+///
+/// # Errors
+/// The server refused, or did not prove the secret, or answered out of
+/// turn.
+pub fn join<E: DeserializeOwned + Serialize>(
+    wire: &mut Wire,
+    cfg: &Config,
+    connections: u32,
+) -> Result<u64, DemoError> {
+    hello::<E>(wire, cfg, connections).map(|a| a.blocks)
+}
+
 /// The load's half of the handshake with server `s`.
 fn hello<E: DeserializeOwned + Serialize>(
     wire: &mut Wire,

@@ -415,6 +415,9 @@ fn server_line(s: &mut String, i: usize, sv: &ServerCounts) {
         "server {i}  {} reads, {} writes, {} MiB moved, {} malformed, {} refused, {} deferred replies, {} errors, {} flushed",
         sv.reads, sv.writes, sv.bytes >> 20, sv.malformed, sv.rejected, sv.deferred, sv.errors, sv.flushed
     );
+    for b in &sv.broken_connections {
+        let _ = writeln!(s, "server {i}  broke {b}");
+    }
 }
 
 /// The pollers table, the CQ lines and the pool lines.
@@ -611,6 +614,15 @@ impl Report {
             s,
             "load      {:.2} s: {} ops ({} reads, {} writes), {:.0} ops/s, {:.1} MiB/s; {} failed",
             self.elapsed_s, l.completed, l.reads, l.writes, self.ops_per_s, self.mib_per_s, l.failed
+        );
+        let _ = writeln!(
+            s,
+            "exposure  {}",
+            if l.windows {
+                "each request's buffer through a memory window bound for it alone (type 2, invalidated at its reply)"
+            } else {
+                "the load's region by its key, for the whole run (no type-2 memory windows here)"
+            }
         );
         let t = &self.latency;
         let _ = writeln!(

@@ -43,6 +43,9 @@ use crate::wire::{BlockOp, Reply, ReplyStatus, Request, MSG_LEN};
 
 const MSG: u64 = MSG_LEN as u64;
 
+/// How many broken connections a server's counters name.
+pub const BROKEN_NAMED: usize = 64;
+
 /// Counters of one server.
 #[derive(Debug, Default)]
 pub struct ServerStats {
@@ -55,6 +58,8 @@ pub struct ServerStats {
     errors: AtomicU64,
     flushed: AtomicU64,
     broken: AtomicU64,
+    /// Which connections broke, and why (the first [`BROKEN_NAMED`]).
+    broken_why: parking_lot::Mutex<Vec<String>>,
     dropped: AtomicU64,
     /// Jobs handed to workers and not finished (deferred ones included).
     jobs: AtomicI64,
@@ -81,6 +86,10 @@ pub struct ServerCounts {
     pub flushed: u64,
     /// Connections broken by an error.
     pub broken: u64,
+    /// Each broken connection with what broke it ("srv0/c2: RDMA READ
+    /// completed with RemoteAccess"), the first [`BROKEN_NAMED`]: a client
+    /// that misbehaved is named here.
+    pub broken_connections: Vec<String>,
     /// Jobs dropped because their connection broke or the server closed.
     pub dropped: u64,
 }
@@ -99,6 +108,7 @@ impl ServerStats {
             errors: l(&self.errors),
             flushed: l(&self.flushed),
             broken: l(&self.broken),
+            broken_connections: self.broken_why.lock().clone(),
             dropped: l(&self.dropped),
         }
     }
@@ -207,6 +217,10 @@ impl<N: Node> SrvConn<N> {
             self.stats.jobs.fetch_sub(dropped as i64, Ordering::AcqRel);
             if !self.closing.load(Ordering::Acquire) {
                 tracing::warn!(conn = %self.name, "connection broken: {why}");
+                let mut named = self.stats.broken_why.lock();
+                if named.len() < BROKEN_NAMED {
+                    named.push(format!("{}: {why}", self.name));
+                }
             }
             self.link.to_error();
         }

@@ -98,6 +98,7 @@ impl LoopWr {
             OpKind::Read => Opcode::RdmaRead,
             OpKind::Atomic => Opcode::FetchAdd,
             OpKind::Send | OpKind::Internal => Opcode::Send,
+            OpKind::Window => Opcode::BindMw,
         };
         let mut c = Completion::success(self.wr_id, opcode, qp_num);
         c.byte_len = self.byte_len;

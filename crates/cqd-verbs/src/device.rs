@@ -87,6 +87,9 @@ pub struct DeviceAttr {
     pub phys_port_cnt: u8,
     /// Completion vectors (`num_comp_vectors`).
     pub num_comp_vectors: u32,
+    /// Type-2 memory windows (`IBV_DEVICE_MEM_WINDOW_TYPE_2B` in
+    /// `device_cap_flags`): [`Qp::alloc_window`](crate::Qp::alloc_window).
+    pub type2_windows: bool,
 }
 
 /// A device event that concerns no CQ: a port changed, or the device failed.
@@ -501,6 +504,9 @@ impl Context {
             max_srq_wr: raw.max_srq_wr.max(0) as u32,
             phys_port_cnt: raw.phys_port_cnt,
             num_comp_vectors: comp_vectors.max(0) as u32,
+            type2_windows: raw.device_cap_flags
+                & rdma_sys::ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2B.0
+                != 0,
         };
         // SAFETY: `ctx` is open.
         let afd = unsafe { sys::async_fd(ctx) };

@@ -34,6 +34,7 @@ pub mod qp;
 pub mod srq;
 mod sys;
 mod sys_cm;
+pub mod window;
 pub mod wr;
 
 pub use ah::{Ah, AhOptions, UdDest};
@@ -44,6 +45,7 @@ pub use pd::{Access, Mr, Pd, RemoteAddr, Sge};
 pub use qp::{ConnectOptions, Endpoint, Mtu, Qp, QpCap, QpInit, QpType, RecvWr, SendWr, WrOp};
 pub use srq::{Srq, SrqInit};
 pub use sys::{CqFlavor, DeviceName};
+pub use window::Window;
 
 /// The raw libibverbs types, for adoption and for verbs cqd does not wrap.
 pub mod raw {

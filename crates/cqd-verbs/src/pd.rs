@@ -147,6 +147,9 @@ impl Access {
     pub const REMOTE_READ: Access = Access(sys::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0);
     /// `IBV_ACCESS_REMOTE_ATOMIC`
     pub const REMOTE_ATOMIC: Access = Access(sys::ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0);
+    /// A region memory windows may be bound to (`IBV_ACCESS_MW_BIND`); it
+    /// grants no peer anything by itself.
+    pub const MW_BIND: Access = Access(sys::ibv_access_flags::IBV_ACCESS_MW_BIND.0);
     /// Local write, remote read and write.
     pub const ALL_RDMA: Access =
         Access(Self::LOCAL_WRITE.0 | Self::REMOTE_WRITE.0 | Self::REMOTE_READ.0);

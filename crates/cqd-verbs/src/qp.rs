@@ -29,7 +29,7 @@ use crate::error::{PostError, VerbsError};
 use crate::pd::{Access, MrInner, Pd, PdInner, Sge};
 use crate::srq::{Srq, SrqInner};
 use crate::sys;
-use crate::wr::{raw_send_wr, transport_check};
+use crate::wr::{raw_send_wr, transport_check, WindowUse};
 pub use crate::wr::{RecvWr, SendWr, WrOp};
 
 /// A path MTU (`enum ibv_mtu`).
@@ -465,6 +465,8 @@ pub(crate) struct QpInner {
     send_account: Arc<QueueAccount>,
     recv_account: Arc<QueueAccount>,
     pins: Pins,
+    /// Its memory windows, deallocated before it is destroyed.
+    windows: crate::window::Windows,
     _admissions: Vec<Admission>,
 }
 
@@ -490,6 +492,9 @@ impl QpInner {
 impl Drop for QpInner {
     fn drop(&mut self) {
         self.pd.ctx.remove_route(self.qp.as_ptr() as usize);
+        // Windows first: a type-2 window still bound to a destroyed QP is
+        // a device error (rxe waits, then frees the QP under the window).
+        self.windows.dealloc_all();
         // SAFETY: the QP is live; after this the device touches none of the
         // memory its requests named (the pins go with `self`).
         if let Err(e) = unsafe { sys::destroy_qp(self.qp) } {
@@ -681,6 +686,7 @@ impl Pd {
                 send_account,
                 recv_account,
                 pins: Pins::default(),
+                windows: crate::window::Windows::default(),
                 _admissions: admissions,
             }),
         })
@@ -691,6 +697,42 @@ impl Qp {
     /// The QP number.
     pub fn qpn(&self) -> u32 {
         self.inner.qpn
+    }
+
+    /// A type-2 memory window of this QP (`ibv_alloc_mw`), unbound: bind
+    /// it per request with [`SendWr::bind`] and close it with
+    /// [`SendWr::invalidate`], both posted on this QP (see
+    /// [`crate::window`]). Allocate windows once (one per request slot,
+    /// say) and rebind them: each lives until it is dropped or the QP is.
+    ///
+    /// # Errors
+    /// [`VerbsError::Invalid`] on a UD QP; `ibv_alloc_mw` failed (a device
+    /// without type-2 windows answers EOPNOTSUPP).
+    pub fn alloc_window(&self) -> Result<crate::Window, VerbsError> {
+        let q = &self.inner;
+        q.pd.ctx.check()?;
+        if q.qp_type != QpType::Rc {
+            return Err(VerbsError::Invalid(format!(
+                "QP {}: memory windows are bound on RC QPs only",
+                q.qpn
+            )));
+        }
+        // SAFETY: the PD is live (the QP holds it).
+        let mw = unsafe { sys::alloc_mw_type2(q.pd.pd) }.map_err(|e| {
+            VerbsError::verb(
+                "ibv_alloc_mw",
+                format!("{}: a type-2 window for QP {}", q.pd.ctx.name, q.qpn),
+                e,
+            )
+        })?;
+        let inner = Arc::new(crate::window::WindowInner::new(
+            mw,
+            q.qp.as_ptr() as usize,
+            q.qpn,
+            q.pd.ctx.name.clone(),
+        ));
+        q.windows.add(&inner);
+        Ok(crate::Window { inner })
     }
 
     /// The depths the device granted.
@@ -905,6 +947,7 @@ impl PostSend for Qp {
             } = sc;
             for (i, w) in wrs.iter().enumerate() {
                 self.check_raw(i, w).map_err(|e| (0, e))?;
+                self.check_window(i, w, &wrs[..i]).map_err(|e| (0, e))?;
                 sges.extend(w.sg_list.iter().map(Sge::raw));
             }
             let mut at = 0usize;
@@ -927,12 +970,35 @@ impl PostSend for Qp {
                     q.pins.pin_ah(&d.ah.inner);
                 }
             }
+            for w in wrs {
+                if let Some(WindowUse {
+                    over: Some((over, _)),
+                    ..
+                }) = &w.window
+                {
+                    q.pins.pin(std::slice::from_ref(over));
+                }
+            }
             // SAFETY: the QP is live; the list is linked with a null tail; its
             // SGEs name regions, and its UD requests address handles, pinned
             // above until the QP is destroyed (inline data is copied by the
-            // call).
-            unsafe { sys::post_send(q.qp, raw) }
-                .map_err(|(i, e)| (i, device_error(&q.pd, "ibv_post_send", name(), i, e)))
+            // call); its binds name live windows of this QP (checked) over
+            // regions pinned above.
+            let result = unsafe { sys::post_send(q.qp, raw) };
+            let posted = match &result {
+                Ok(()) => wrs.len(),
+                Err((i, _)) => *i,
+            };
+            // The windows' states follow the requests posted, in order
+            // (still under the queue's posting lock).
+            for w in &wrs[..posted] {
+                match (w.op, &w.window) {
+                    (WrOp::Bind(remote), Some(u)) => u.window.inner.posted_bind(remote.rkey),
+                    (WrOp::Invalidate(_), Some(u)) => u.window.inner.posted_invalidate(),
+                    _ => {}
+                }
+            }
+            result.map_err(|(i, e)| (i, device_error(&q.pd, "ibv_post_send", name(), i, e)))
         })
     }
 }
@@ -963,6 +1029,114 @@ impl Qp {
                     "the address handle belongs to another protection domain".into(),
                 ));
             }
+        }
+        Ok(())
+    }
+}
+
+impl Qp {
+    /// The window rules of `cqd_verbs::window` for request `index`, with
+    /// the requests before it in the same list (`earlier`) taken as posted.
+    fn check_window(
+        &self,
+        index: usize,
+        w: &SendWr<'_>,
+        earlier: &[SendWr<'_>],
+    ) -> Result<(), PostError> {
+        let q = &self.inner;
+        let invalid = |why: String| PostError::Invalid {
+            queue: self.queue_name("send"),
+            index,
+            why,
+        };
+        let u = match (w.op, &w.window) {
+            (WrOp::Bind(_) | WrOp::Invalidate(_), Some(u)) => u,
+            (WrOp::Bind(_) | WrOp::Invalidate(_), None) => {
+                return Err(invalid(format!(
+                    "{} is made with SendWr::bind or SendWr::invalidate",
+                    w.op.name()
+                )))
+            }
+            _ => return Ok(()),
+        };
+        let win = &u.window.inner;
+        if win.qp != q.qp.as_ptr() as usize {
+            return Err(invalid(format!(
+                "the window belongs to QP {}, not this one",
+                win.qpn
+            )));
+        }
+        if win.raw().is_none() {
+            return Err(invalid("the window was deallocated".into()));
+        }
+        // The window's state after the earlier requests of this list.
+        let (mut bound, mut key) = (win.is_bound(), win.key());
+        for e in earlier {
+            match (e.op, &e.window) {
+                (WrOp::Bind(r), Some(eu)) if Arc::ptr_eq(&eu.window.inner, win) => {
+                    (bound, key) = (true, r.rkey);
+                }
+                (WrOp::Invalidate(_), Some(eu)) if Arc::ptr_eq(&eu.window.inner, win) => {
+                    bound = false;
+                }
+                _ => {}
+            }
+        }
+        match (w.op, u.over) {
+            (WrOp::Bind(remote), Some((over, access))) => {
+                if bound {
+                    return Err(invalid(format!(
+                        "the window (key {key:#x}) is bound: invalidate it first"
+                    )));
+                }
+                if remote.rkey != crate::window::next_key(key) {
+                    return Err(invalid(format!(
+                        "a stale bind: made for key {:#x}, the window is at {key:#x}",
+                        remote.rkey
+                    )));
+                }
+                if !over.mr.same_pd(&q.pd) {
+                    return Err(invalid(
+                        "the window's region belongs to another protection domain".into(),
+                    ));
+                }
+                let mr_access = over.mr.access().0;
+                if mr_access & Access::MW_BIND.0 == 0 {
+                    return Err(invalid(format!(
+                        "region rkey {:#x} was not registered with Access::MW_BIND",
+                        over.mr.rkey()
+                    )));
+                }
+                let grant = access.0;
+                if grant == 0 || grant & !crate::window::GRANTABLE != 0 {
+                    return Err(invalid(format!(
+                        "a window grants remote read, write or atomic access, not {grant:#x}"
+                    )));
+                }
+                let needs_local = Access::REMOTE_WRITE.0 | Access::REMOTE_ATOMIC.0;
+                if grant & needs_local != 0 && mr_access & Access::LOCAL_WRITE.0 == 0 {
+                    return Err(invalid(
+                        "remote write or atomic through a window needs the region's local write"
+                            .into(),
+                    ));
+                }
+                if over.is_empty() {
+                    return Err(invalid("a window over no bytes".into()));
+                }
+            }
+            (WrOp::Invalidate(k), None) => {
+                if !bound {
+                    return Err(invalid(format!(
+                        "the window (key {key:#x}) is not bound: nothing to invalidate"
+                    )));
+                }
+                if k != key {
+                    return Err(invalid(format!(
+                        "a stale invalidate: made for key {k:#x}, the window is at {key:#x}"
+                    )));
+                }
+            }
+            _ => return Err(invalid(format!("{} without its window", w.op.name()))),
         }
         Ok(())
     }

@@ -20,10 +20,10 @@ use std::ptr::{null_mut, NonNull};
 
 pub(crate) use rdma_sys::{
     ibv_access_flags, ibv_ah, ibv_ah_attr, ibv_async_event, ibv_comp_channel, ibv_context, ibv_cq,
-    ibv_cq_init_attr_ex, ibv_device_attr, ibv_gid, ibv_mr, ibv_pd, ibv_port_attr, ibv_qp,
-    ibv_qp_attr, ibv_qp_attr_mask, ibv_qp_init_attr, ibv_qp_state, ibv_qp_type, ibv_recv_wr,
-    ibv_send_flags, ibv_send_wr, ibv_sge, ibv_srq, ibv_srq_init_attr, ibv_wc, ibv_wr_opcode,
-    verbs_context,
+    ibv_cq_init_attr_ex, ibv_device_attr, ibv_gid, ibv_mr, ibv_mw, ibv_mw_type, ibv_pd,
+    ibv_port_attr, ibv_qp, ibv_qp_attr, ibv_qp_attr_mask, ibv_qp_init_attr, ibv_qp_state,
+    ibv_qp_type, ibv_recv_wr, ibv_send_flags, ibv_send_wr, ibv_sge, ibv_srq, ibv_srq_init_attr,
+    ibv_wc, ibv_wr_opcode, verbs_context,
 };
 
 /// The last OS error (libibverbs sets `errno`); `fallback` when `errno` is
@@ -229,6 +229,26 @@ pub(crate) unsafe fn reg_mr(
     // SAFETY: the caller's contract.
     let mr = unsafe { rdma_sys::ibv_reg_mr(pd.as_ptr(), addr.cast(), len, access as i32) };
     NonNull::new(mr).ok_or_else(|| last_error(libc::EINVAL))
+}
+
+/// A type-2 memory window of `pd` (`ibv_alloc_mw`).
+///
+/// # Safety
+/// `pd` is live.
+pub(crate) unsafe fn alloc_mw_type2(pd: NonNull<ibv_pd>) -> io::Result<NonNull<ibv_mw>> {
+    // SAFETY: the caller's contract; the inline verb calls the provider's
+    // op or sets EOPNOTSUPP.
+    match unsafe { rdma_sys::ibv_alloc_mw(pd.as_ptr(), ibv_mw_type::IBV_MW_TYPE_2) } {
+        Some(mw) => NonNull::new(mw).ok_or_else(|| last_error(libc::EOPNOTSUPP)),
+        None => Err(last_error(libc::EOPNOTSUPP)),
+    }
+}
+
+/// # Safety
+/// `mw` is live and is not used again.
+pub(crate) unsafe fn dealloc_mw(mw: NonNull<ibv_mw>) -> io::Result<()> {
+    // SAFETY: the caller's contract.
+    from_ret(unsafe { rdma_sys::ibv_dealloc_mw(mw.as_ptr()) })
 }
 
 /// # Safety

@@ -6,9 +6,10 @@ use cqd_core::post::{Invalid, SendRequest, WorkRequest};
 use cqd_core::wr_id::OpKind;
 
 use crate::ah::UdDest;
-use crate::pd::{RemoteAddr, Sge};
+use crate::pd::{Access, RemoteAddr, Sge};
 use crate::qp::QpType;
 use crate::sys;
+use crate::window::{next_key, Window};
 
 /// A send-side operation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,6 +43,12 @@ pub enum WrOp {
         /// Added, modulo 2^64.
         add: u64,
     },
+    /// Binds a memory window (`IBV_WR_BIND_MW`; made by [`SendWr::bind`]):
+    /// the peer names this address and key.
+    Bind(RemoteAddr),
+    /// Invalidates the memory window with this key (`IBV_WR_LOCAL_INV`;
+    /// made by [`SendWr::invalidate`]).
+    Invalidate(u32),
 }
 
 impl WrOp {
@@ -51,6 +58,8 @@ impl WrOp {
             WrOp::Write(_) | WrOp::WriteWithImm(..) => "RDMA WRITE",
             WrOp::Read(_) => "RDMA READ",
             WrOp::CompareSwap { .. } | WrOp::FetchAdd { .. } => "an atomic",
+            WrOp::Bind(_) => "a window bind",
+            WrOp::Invalidate(_) => "a window invalidate",
         }
     }
 }
@@ -76,6 +85,17 @@ pub struct SendWr<'a> {
     pub inline: bool,
     /// The destination of a SEND on a UD QP (`wr.ud`); `None` on RC.
     pub ud: Option<UdDest<'a>>,
+    /// The window a bind or invalidate acts on, and a bind's buffer and
+    /// access ([`SendWr::bind`], [`SendWr::invalidate`]).
+    pub(crate) window: Option<WindowUse<'a>>,
+}
+
+/// The window of a bind or invalidate request.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WindowUse<'a> {
+    pub(crate) window: &'a Window,
+    /// A bind's buffer and the access it grants (`None`: an invalidate).
+    pub(crate) over: Option<(Sge<'a>, Access)>,
 }
 
 impl<'a> SendWr<'a> {
@@ -89,7 +109,38 @@ impl<'a> SendWr<'a> {
             solicited: false,
             inline: false,
             ud: None,
+            window: None,
         }
+    }
+
+    /// A bind of `window` over the buffer `over` with `access` (remote
+    /// read, write or atomic: what the one request needs), signaled, with
+    /// tag `tag`; and what the peer names to reach the buffer: its address
+    /// and the window's next key. Post it before the request that sends
+    /// the key (verbs executes a QP's requests in order), on the window's
+    /// own QP; the posting call refuses a window that is bound already (see
+    /// `cqd_verbs::window`).
+    pub fn bind(tag: u64, window: &'a Window, over: Sge<'a>, access: Access) -> (Self, RemoteAddr) {
+        let remote = RemoteAddr {
+            addr: over.addr(),
+            rkey: next_key(window.rkey()),
+        };
+        let mut wr = SendWr::new(tag, WrOp::Bind(remote), &[]);
+        wr.window = Some(WindowUse {
+            window,
+            over: Some((over, access)),
+        });
+        (wr, remote)
+    }
+
+    /// An invalidate of `window`'s current key, signaled, with tag `tag`:
+    /// after it executes no peer reaches the buffer through that key.
+    /// Post it on the window's own QP once the request the window served
+    /// is done; the posting call refuses a window that is not bound.
+    pub fn invalidate(tag: u64, window: &'a Window) -> Self {
+        let mut wr = SendWr::new(tag, WrOp::Invalidate(window.rkey()), &[]);
+        wr.window = Some(WindowUse { window, over: None });
+        wr
     }
 
     /// A datagram to `dest` (a SEND or SEND with immediate on a UD QP).
@@ -143,6 +194,7 @@ impl SendRequest for SendWr<'_> {
             WrOp::Write(_) | WrOp::WriteWithImm(..) => OpKind::Write,
             WrOp::Read(_) => OpKind::Read,
             WrOp::CompareSwap { .. } | WrOp::FetchAdd { .. } => OpKind::Atomic,
+            WrOp::Bind(_) | WrOp::Invalidate(_) => OpKind::Window,
         }
     }
     fn signaled(&self) -> bool {
@@ -188,6 +240,9 @@ pub(crate) fn transport_check(qp_type: QpType, wr: &SendWr<'_>) -> Result<(), In
             transport: qp_type.name(),
         })
     };
+    if qp_type == QpType::Ud && matches!(wr.op, WrOp::Bind(_) | WrOp::Invalidate(_)) {
+        return wrong(wr.op.name());
+    }
     match (qp_type, wr.ud.is_some(), send) {
         (QpType::Ud, true, true) | (QpType::Rc, false, _) => Ok(()),
         (QpType::Ud, false, true) => wrong("a SEND without destination (address handle)"),
@@ -232,6 +287,36 @@ pub(crate) fn raw_send_wr(w: &SendWr<'_>, sg: *mut sys::ibv_sge) -> sys::ibv_sen
                 rkey: remote.rkey,
             };
             (o::IBV_WR_ATOMIC_FETCH_AND_ADD, None, None)
+        }
+        WrOp::Invalidate(key) => {
+            r.imm_data_invalidated_rkey_union.invalidated_rkey = key;
+            (o::IBV_WR_LOCAL_INV, None, None)
+        }
+        WrOp::Bind(remote) => {
+            // The posting call checked that a bind carries its window (live)
+            // and buffer; a bind reads no scatter list.
+            if let Some(WindowUse {
+                window,
+                over: Some((over, access)),
+            }) = w.window
+            {
+                r.bind_mw_tso_union.bind_mw = rdma_sys::bind_mw_t {
+                    mw: window
+                        .inner
+                        .raw()
+                        .map_or(std::ptr::null_mut(), |m| m.as_ptr()),
+                    rkey: remote.rkey,
+                    bind_info: rdma_sys::ibv_mw_bind_info {
+                        mr: over.mr.as_raw(),
+                        addr: over.addr(),
+                        length: u64::from(over.len()),
+                        mw_access_flags: access.0,
+                    },
+                };
+            }
+            r.sg_list = std::ptr::null_mut();
+            r.num_sge = 0;
+            (o::IBV_WR_BIND_MW, None, None)
         }
     };
     r.opcode = opcode;

@@ -46,6 +46,8 @@
 
 #[path = "two_backends/backend.rs"]
 mod backend;
+#[path = "two_backends/windows.rs"]
+mod memory_windows;
 #[path = "two_backends/support.rs"]
 mod support;
 #[path = "two_backends/ud_atomic.rs"]
@@ -1794,6 +1796,37 @@ macro_rules! matrix {
     };
 }
 
+/// A scenario of the verbs devices alone (the simulator lacks what it
+/// tests): cells for softverbs and rxe.
+macro_rules! verbs_matrix {
+    ($scenario:ident: $($mode:ident),+) => {
+        mod $scenario {
+            mod verbs {
+                $(
+                    #[test]
+                    fn $mode() {
+                        let name = concat!(stringify!($scenario), "::verbs::", stringify!($mode));
+                        crate::run::<crate::backend::Verbs>(name, || {
+                            crate::memory_windows::$scenario::<crate::backend::Soft>(stringify!($mode))
+                        });
+                    }
+                )+
+            }
+            mod rxe {
+                $(
+                    #[test]
+                    fn $mode() {
+                        let name = concat!(stringify!($scenario), "::rxe::", stringify!($mode));
+                        crate::run::<crate::backend::Rxe>(name, || {
+                            crate::memory_windows::$scenario::<crate::backend::RxeDevice>(stringify!($mode))
+                        });
+                    }
+                )+
+            }
+        }
+    };
+}
+
 matrix!(exactly_once: busy, event, hybrid, adaptive);
 matrix!(send_recv_one_cq: busy, event, hybrid, adaptive);
 matrix!(srq_shared: busy, event, hybrid, adaptive);
@@ -1812,6 +1845,10 @@ matrix!(qp_dropped_unflushed: busy, event, hybrid, adaptive);
 matrix!(qp_dropped_with_silent_tail: busy, event, hybrid, adaptive);
 
 matrix!(overflow: busy, event, hybrid, adaptive);
+
+// Memory windows: bound per request, refused after the invalidate and
+// through another QP; the QP's drop deallocates them first.
+verbs_matrix!(windows: busy, event);
 
 // UD receives routed by handler with each sender's src_qp and GRH;
 // atomics from several QPs exact; RC, UD and atomics mixed on one CQ.

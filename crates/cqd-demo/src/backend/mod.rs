@@ -41,6 +41,14 @@ pub struct Remote {
     pub rkey: u32,
 }
 
+/// The error of a window operation on a backend without windows.
+pub(crate) fn no_windows() -> BackendError {
+    BackendError::new(
+        "memory windows",
+        "this backend or device has no type-2 memory windows",
+    )
+}
+
 /// A send-side operation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verb {
@@ -50,6 +58,28 @@ pub enum Verb {
     Write(Remote),
     /// RDMA READ the peer's buffer into the local bytes.
     Read(Remote),
+    /// Bind the link's memory window `slot` over the op's bytes, granting
+    /// the peer `grant` ([`Link::open_windows`]).
+    Bind {
+        /// The window (a request slot).
+        slot: u32,
+        /// What the peer may do there.
+        grant: Grant,
+    },
+    /// Invalidate the link's memory window `slot`.
+    Invalidate {
+        /// The window (a request slot).
+        slot: u32,
+    },
+}
+
+/// What a memory window lets the peer do to the buffer it is bound over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Grant {
+    /// RDMA READ it (the buffer of a write request).
+    Read,
+    /// RDMA WRITE it (the buffer of a read request).
+    Write,
 }
 
 /// One send-side work request: `verb` on `len` bytes at `offset` of
@@ -77,14 +107,23 @@ pub struct Op<'a, R> {
 ///   buffer, RDMA READ from it), so its device region, its message buffers
 ///   and its QPs are [`Local`](Exposure::Local): no peer can read or write
 ///   them, and no key to them leaves the process.
-/// - The load's buffers are what the server reaches, so they and the
-///   load's QPs are [`Peer`](Exposure::Peer): remote read and write.
+/// - The load's buffers are what the server reaches: on a device with
+///   type-2 memory windows they are [`Windows`](Exposure::Windows) (the
+///   server reaches one buffer per request, through a window bound for
+///   that request alone), elsewhere [`Peer`](Exposure::Peer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Exposure {
     /// Local access only (the node's own requests and receives).
     Local,
-    /// A connected peer may also RDMA READ and WRITE it.
+    /// A connected peer may also RDMA READ and WRITE it, with the
+    /// region's own key, for as long as it is registered.
     Peer,
+    /// A connected peer reaches it only through memory windows bound per
+    /// request: the region has local write and window binding and no
+    /// remote access of its own; the QP takes the remote read and write
+    /// windows may grant. (The simulator has no windows: there it is
+    /// [`Peer`](Exposure::Peer).)
+    Windows,
 }
 
 /// Queue depths of a link.
@@ -189,6 +228,25 @@ pub trait Link: Send + Sync + Debug + 'static {
     /// back flushed.
     fn to_error(&self);
 
+    /// Allocates `count` memory windows on this link, one per request
+    /// slot, for [`Verb::Bind`] and [`Verb::Invalidate`].
+    ///
+    /// # Errors
+    /// The backend or the device has no type-2 windows
+    /// ([`Node::has_windows`] says so first), or refused.
+    fn open_windows(&self, count: u32) -> Result<(), BackendError> {
+        let _ = count;
+        Err(no_windows())
+    }
+
+    /// What the next bind of window `slot` over `offset` of `region` will
+    /// give the peer (its address and the window's next key); `None`
+    /// without windows.
+    fn window_remote(&self, slot: u32, region: &Self::Region, offset: u64) -> Option<Remote> {
+        let _ = (slot, region, offset);
+        None
+    }
+
     /// Connect through rdma_cm to the listener at `dst` as the session's
     /// connection `conn` (`--cm rdmacm`); only the verbs backend has it.
     ///
@@ -222,6 +280,11 @@ pub trait Node: Send + Sync + Debug + 'static {
     fn name(&self) -> &str;
     /// The largest CQ the device makes.
     fn max_cqe(&self) -> u32;
+    /// True when links can bind type-2 memory windows
+    /// ([`Link::open_windows`]).
+    fn has_windows(&self) -> bool {
+        false
+    }
     /// The deepest queue the device makes.
     fn max_qp_wr(&self) -> u32;
     /// A CQ of `depth` entries with its poller's two halves (budget and

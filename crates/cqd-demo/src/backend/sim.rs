@@ -111,6 +111,8 @@ fn sim_wr<'a>(op: &Op<'_, SimRegion>, sge: &'a [Sge; 1]) -> SendWr<'a> {
         Verb::Send => WrOp::Send,
         Verb::Write(r) => WrOp::Write(remote_of(r)),
         Verb::Read(r) => WrOp::Read(remote_of(r)),
+        // Refused by `post_send` before it gets here.
+        Verb::Bind { .. } | Verb::Invalidate { .. } => WrOp::Send,
     };
     let wr = SendWr::new(u64::from(op.tag), verb, sge);
     if op.signaled {
@@ -143,7 +145,7 @@ impl Link for SimLink {
         let what = || format!("connect QP {} to QP {}", self.0.qpn(), peer.qpn);
         let access = match self.1 {
             Exposure::Local => Access::default(),
-            Exposure::Peer => Access::REMOTE_WRITE | Access::REMOTE_READ,
+            Exposure::Peer | Exposure::Windows => Access::REMOTE_WRITE | Access::REMOTE_READ,
         };
         for m in [
             Modify::Init { access },
@@ -175,6 +177,14 @@ impl Link for SimLink {
     }
 
     fn post_send(&self, reg: &Registration, ops: &[Op<'_, SimRegion>]) -> Result<(), BackendError> {
+        if ops
+            .iter()
+            .any(|op| matches!(op.verb, Verb::Bind { .. } | Verb::Invalidate { .. }))
+        {
+            // `has_windows` is false and `open_windows` refuses: the load
+            // never asks.
+            return Err(super::no_windows());
+        }
         let sge = |op: &Op<'_, SimRegion>| [op.region.0.sge(op.offset, op.len)];
         // The demo posts one or two requests at a time: those lists live
         // on the stack, not in two allocations per post.
@@ -234,7 +244,9 @@ impl Node for SimNode {
         let what = || format!("register {len} bytes on {}", self.name);
         let access = match exposure {
             Exposure::Local => Access::LOCAL_WRITE,
-            Exposure::Peer => Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+            Exposure::Peer | Exposure::Windows => {
+                Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ
+            }
         };
         self.pd
             .reg_mr(len, access)

@@ -19,7 +19,7 @@ use cqd_verbs::{
     RemoteAddr, SendWr, Sge, WrOp,
 };
 
-use super::{BackendError, Depths, Exposure, Link, Node, Op, Region, Remote, Verb};
+use super::{BackendError, Depths, Exposure, Grant, Link, Node, Op, Region, Remote, Verb};
 
 /// How links of this process connect: the port and, for RoCE or routed
 /// InfiniBand, the GID index.
@@ -122,6 +122,8 @@ pub struct VerbsLink {
     connect: ConnectOptions,
     /// The rdma_cm connection (`--cm rdmacm`); dropped with the link.
     cm: std::sync::Mutex<Option<cqd_verbs::cm::Connection>>,
+    /// Memory windows, one per request slot ([`Link::open_windows`]).
+    windows: std::sync::OnceLock<Vec<cqd_verbs::Window>>,
 }
 
 /// The process's rdma_cm connection manager (one event channel and CM
@@ -194,19 +196,36 @@ fn verbs_sge<'a>(op: &Op<'a, VerbsRegion>) -> Result<[Sge<'a>; 1], BackendError>
     Ok([op.region.sge(op.offset, op.len)?])
 }
 
-/// The verbs work request of `op`, gathering `sge`.
-fn verbs_wr<'a>(op: &Op<'_, VerbsRegion>, sge: &'a [Sge<'a>; 1]) -> SendWr<'a> {
-    let verb = match op.verb {
-        Verb::Send => WrOp::Send,
-        Verb::Write(r) => WrOp::Write(remote_of(r)),
-        Verb::Read(r) => WrOp::Read(remote_of(r)),
+/// The verbs work request of `op`, gathering `sge` (a bind: over it);
+/// `windows` are the link's.
+fn verbs_wr<'a>(
+    op: &Op<'_, VerbsRegion>,
+    sge: &'a [Sge<'a>; 1],
+    windows: &'a [cqd_verbs::Window],
+) -> Result<SendWr<'a>, BackendError> {
+    let tag = u64::from(op.tag);
+    let window = |slot: u32| {
+        windows.get(slot as usize).ok_or_else(|| {
+            BackendError::new(
+                format!("window {slot}"),
+                format!("the link has {} windows", windows.len()),
+            )
+        })
     };
-    let wr = SendWr::new(u64::from(op.tag), verb, sge);
-    if op.signaled {
-        wr
-    } else {
-        wr.unsignaled()
-    }
+    let wr = match op.verb {
+        Verb::Send => SendWr::new(tag, WrOp::Send, sge),
+        Verb::Write(r) => SendWr::new(tag, WrOp::Write(remote_of(r)), sge),
+        Verb::Read(r) => SendWr::new(tag, WrOp::Read(remote_of(r)), sge),
+        Verb::Bind { slot, grant } => {
+            let access = match grant {
+                Grant::Read => Access::REMOTE_READ,
+                Grant::Write => Access::REMOTE_WRITE,
+            };
+            SendWr::bind(tag, window(slot)?, sge[0], access).0
+        }
+        Verb::Invalidate { slot } => SendWr::invalidate(tag, window(slot)?),
+    };
+    Ok(if op.signaled { wr } else { wr.unsignaled() })
 }
 
 fn remote_of(r: Remote) -> RemoteAddr {
@@ -216,12 +235,25 @@ fn remote_of(r: Remote) -> RemoteAddr {
     }
 }
 
-/// The access flags of a region or QP of `exposure`: local write always
-/// (receives, READ responses), remote read and write only for a peer.
-fn access_of(exposure: Exposure) -> Access {
+/// The access flags of a region of `exposure`: local write always
+/// (receives, READ responses), remote read and write only for a peer that
+/// names the region's key, window binding (and nothing remote) for one
+/// reached through windows.
+fn region_access(exposure: Exposure) -> Access {
     match exposure {
         Exposure::Local => Access::LOCAL_WRITE,
         Exposure::Peer => Access::ALL_RDMA,
+        Exposure::Windows => Access::LOCAL_WRITE | Access::MW_BIND,
+    }
+}
+
+/// The access flags of a QP of `exposure`: none remote for a local one,
+/// remote read and write otherwise (through windows, the window decides
+/// what is reachable).
+fn qp_access(exposure: Exposure) -> Access {
+    match exposure {
+        Exposure::Local => Access::LOCAL_WRITE,
+        Exposure::Peer | Exposure::Windows => Access::ALL_RDMA,
     }
 }
 
@@ -283,29 +315,59 @@ impl Link for VerbsLink {
     ) -> Result<(), BackendError> {
         // The demo posts one or two requests at a time: those lists live
         // on the stack, not in two allocations per post.
+        let w: &[cqd_verbs::Window] = self.windows.get().map_or(&[], Vec::as_slice);
         let posted = match ops {
             [a] => {
                 let s = [verbs_sge(a)?];
-                reg.post_send(&*self.qp, &mut [verbs_wr(a, &s[0])])
+                reg.post_send(&*self.qp, &mut [verbs_wr(a, &s[0], w)?])
             }
             [a, b] => {
                 let s = [verbs_sge(a)?, verbs_sge(b)?];
-                reg.post_send(&*self.qp, &mut [verbs_wr(a, &s[0]), verbs_wr(b, &s[1])])
+                reg.post_send(
+                    &*self.qp,
+                    &mut [verbs_wr(a, &s[0], w)?, verbs_wr(b, &s[1], w)?],
+                )
             }
             _ => {
                 let sges = ops
                     .iter()
                     .map(verbs_sge)
                     .collect::<Result<Vec<[Sge<'_>; 1]>, BackendError>>()?;
-                let mut wrs: Vec<SendWr<'_>> = ops
+                let mut wrs = ops
                     .iter()
                     .zip(&sges)
-                    .map(|(op, s)| verbs_wr(op, s))
-                    .collect();
+                    .map(|(op, s)| verbs_wr(op, s, w))
+                    .collect::<Result<Vec<SendWr<'_>>, BackendError>>()?;
                 reg.post_send(&*self.qp, &mut wrs)
             }
         };
         posted.map_err(|e| BackendError::new(format!("post on QP {}", self.qp.qpn()), e))
+    }
+
+    fn open_windows(&self, count: u32) -> Result<(), BackendError> {
+        let made = (0..count)
+            .map(|_| self.qp.alloc_window())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| {
+                BackendError::new(
+                    format!("allocate {count} memory windows on QP {}", self.qp.qpn()),
+                    e,
+                )
+            })?;
+        self.windows.set(made).map_err(|_| {
+            BackendError::new(
+                format!("memory windows on QP {}", self.qp.qpn()),
+                "opened already",
+            )
+        })
+    }
+
+    fn window_remote(&self, slot: u32, region: &VerbsRegion, offset: u64) -> Option<Remote> {
+        let w = self.windows.get()?.get(slot as usize)?;
+        Some(Remote {
+            addr: region.remote(offset).addr,
+            rkey: w.next_rkey(),
+        })
     }
 
     fn cm_connect(&self, dst: std::net::SocketAddr, conn: u32) -> Result<(), BackendError> {
@@ -374,6 +436,10 @@ impl Node for VerbsNode {
         self.ctx.attr().max_cqe
     }
 
+    fn has_windows(&self) -> bool {
+        self.ctx.attr().type2_windows
+    }
+
     fn max_qp_wr(&self) -> u32 {
         self.ctx.attr().max_qp_wr
     }
@@ -397,7 +463,7 @@ impl Node for VerbsNode {
     fn reg_region(&self, len: u64, exposure: Exposure) -> Result<VerbsRegion, BackendError> {
         let what = || format!("register {len} bytes on {}", self.name);
         self.pd
-            .reg_mr(len, access_of(exposure))
+            .reg_mr(len, region_access(exposure))
             .map(VerbsRegion)
             .map_err(|e| BackendError::new(what(), e))
     }
@@ -424,10 +490,11 @@ impl Node for VerbsNode {
             qp: std::sync::Arc::new(qp),
             psn,
             connect: ConnectOptions {
-                access: access_of(exposure),
+                access: qp_access(exposure),
                 ..self.connect
             },
             cm: std::sync::Mutex::new(None),
+            windows: std::sync::OnceLock::new(),
         })
     }
 }

@@ -550,6 +550,11 @@ pub trait Flavour: Send + Sync + 'static {
     const RECV_IN_ERR_FLUSHED: bool;
     /// See [`Backend::SHORT_RECV`].
     const SHORT_RECV: (cqd_core::Status, cqd_core::Status);
+    /// A memory window's range is enforced: a peer's access past the
+    /// window but inside its region is a remote access error. softverbs:
+    /// yes. rxe on kernel 6.1: no (its responder looks the window up, then
+    /// checks the access against the whole region's range).
+    const WINDOW_RANGE_CHECKED: bool;
     /// The local GID index every endpoint and address handle uses (`None`:
     /// none, routed by LID).
     fn gid_index() -> Option<u8>;
@@ -582,6 +587,7 @@ impl Flavour for Soft {
     const GRH_ALWAYS: bool = false;
     const RECV_IN_ERR_FLUSHED: bool = true;
     const SHORT_RECV: (cqd_core::Status, cqd_core::Status) = Sim::SHORT_RECV;
+    const WINDOW_RANGE_CHECKED: bool = true;
 
     fn gid_index() -> Option<u8> {
         None
@@ -661,6 +667,7 @@ impl Flavour for RxeDevice {
         cqd_core::Status::LocalQpOperation,
         cqd_core::Status::RemoteOperation,
     );
+    const WINDOW_RANGE_CHECKED: bool = false;
 
     fn gid_index() -> Option<u8> {
         let i = std::env::var("RXE_GID_INDEX").ok();

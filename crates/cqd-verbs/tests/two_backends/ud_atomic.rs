@@ -557,7 +557,7 @@ pub fn mixed_kinds<B: Backend>(mode_name: &str) {
             OpKind::Read => (Opcode::RdmaRead, B::qpn(&a)),
             OpKind::Atomic if e.tag >= 400 => (Opcode::CompareSwap, B::qpn(&a)),
             OpKind::Atomic => (Opcode::FetchAdd, B::qpn(&a)),
-            OpKind::Internal => panic!("{e:?}"),
+            OpKind::Internal | OpKind::Window => panic!("{e:?}"),
         };
         assert_eq!((e.opcode, e.qp), (want, qp), "{e:?}");
     }
