@@ -945,9 +945,15 @@ impl PostSend for Qp {
             let Scratch {
                 sges, send: raw, ..
             } = sc;
+            // Window requests are rare: their checks, pins and state
+            // updates run only for a list that has one.
+            let mut windows = false;
             for (i, w) in wrs.iter().enumerate() {
                 self.check_raw(i, w).map_err(|e| (0, e))?;
-                self.check_window(i, w, &wrs[..i]).map_err(|e| (0, e))?;
+                if w.window.is_some() || matches!(w.op, WrOp::Bind(_) | WrOp::Invalidate(_)) {
+                    windows = true;
+                    self.check_window(i, w, &wrs[..i]).map_err(|e| (0, e))?;
+                }
                 sges.extend(w.sg_list.iter().map(Sge::raw));
             }
             let mut at = 0usize;
@@ -970,13 +976,15 @@ impl PostSend for Qp {
                     q.pins.pin_ah(&d.ah.inner);
                 }
             }
-            for w in wrs {
-                if let Some(WindowUse {
-                    over: Some((over, _)),
-                    ..
-                }) = &w.window
-                {
-                    q.pins.pin(std::slice::from_ref(over));
+            if windows {
+                for w in wrs {
+                    if let Some(WindowUse {
+                        over: Some((over, _)),
+                        ..
+                    }) = &w.window
+                    {
+                        q.pins.pin(std::slice::from_ref(over));
+                    }
                 }
             }
             // SAFETY: the QP is live; the list is linked with a null tail; its
@@ -985,17 +993,19 @@ impl PostSend for Qp {
             // call); its binds name live windows of this QP (checked) over
             // regions pinned above.
             let result = unsafe { sys::post_send(q.qp, raw) };
-            let posted = match &result {
-                Ok(()) => wrs.len(),
-                Err((i, _)) => *i,
-            };
-            // The windows' states follow the requests posted, in order
-            // (still under the queue's posting lock).
-            for w in &wrs[..posted] {
-                match (w.op, &w.window) {
-                    (WrOp::Bind(remote), Some(u)) => u.window.inner.posted_bind(remote.rkey),
-                    (WrOp::Invalidate(_), Some(u)) => u.window.inner.posted_invalidate(),
-                    _ => {}
+            if windows {
+                // The windows' states follow the requests posted, in order
+                // (still under the queue's posting lock).
+                let posted = match &result {
+                    Ok(()) => wrs.len(),
+                    Err((i, _)) => *i,
+                };
+                for w in &wrs[..posted] {
+                    match (w.op, &w.window) {
+                        (WrOp::Bind(remote), Some(u)) => u.window.inner.posted_bind(remote.rkey),
+                        (WrOp::Invalidate(_), Some(u)) => u.window.inner.posted_invalidate(),
+                        _ => {}
+                    }
                 }
             }
             result.map_err(|(i, e)| (i, device_error(&q.pd, "ibv_post_send", name(), i, e)))
