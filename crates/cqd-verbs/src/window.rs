@@ -3,7 +3,7 @@
 //!
 //! A region's rkey, once sent, reaches the whole region for as long as it
 //! is registered. A [`Window`] narrows that: it belongs to one RC queue
-//! pair ([`Qp::alloc_window`]); a bind work request
+//! pair ([`Qp::alloc_window`](crate::Qp::alloc_window)); a bind work request
 //! ([`SendWr::bind`](crate::SendWr::bind)) opens it over one buffer with
 //! the remote access one request needs and gives the key to send to the
 //! peer; an invalidate ([`SendWr::invalidate`](crate::SendWr::invalidate))
