@@ -200,8 +200,12 @@ pub struct LoadConn<N: Node> {
     link: N::Link,
     reg: Registration,
     /// Requests `[0, depth)`, reply receives `[depth, 2 depth)` (64 bytes
-    /// each), then one data buffer per slot.
+    /// each): local access only (SENDs and receives need no more).
     region: N::Region,
+    /// One data buffer per slot, each a region of its own: the narrowest
+    /// a key can name (with windows, rxe's window then reaches exactly
+    /// its buffer too: it checks ranges against the region).
+    data: Vec<N::Region>,
     depth: u32,
     block_size: u32,
     slots: Vec<Mutex<Slot>>,
@@ -254,8 +258,14 @@ impl<N: Node> LoadConn<N> {
         &self.reg
     }
 
-    fn data_off(&self, slot: u32) -> u64 {
-        2 * u64::from(self.depth) * MSG + u64::from(slot) * u64::from(self.block_size)
+    /// Slot `slot`'s data buffer.
+    fn data(&self, slot: u32) -> Result<&N::Region, BackendError> {
+        self.data.get(slot as usize).ok_or_else(|| {
+            BackendError::new(
+                format!("slot {slot}'s data buffer"),
+                format!("the connection has {} slots", self.data.len()),
+            )
+        })
     }
 
     /// Posts every reply receive (after `connect`).
@@ -341,12 +351,19 @@ impl<N: Node> LoadConn<N> {
             Phase::Drain => return false,
         };
         let global = local * u64::from(spec.servers) + u64::from(self.server);
-        let data_off = self.data_off(slot);
+        let data = match self.data(slot) {
+            Ok(d) => d,
+            Err(e) => {
+                drop(s);
+                self.kill(&e.to_string());
+                return false;
+            }
+        };
         let (version, sum) = match op {
             BlockOp::Write => {
                 let mut scratch = std::mem::take(&mut s.scratch);
                 let vs = v.prepare_write(global, &mut scratch);
-                let wrote = self.region.write(data_off, &scratch);
+                let wrote = data.write(0, &scratch);
                 s.scratch = scratch;
                 if let Err(e) = wrote {
                     v.finish_write(global, vs.0, vs.1, false);
@@ -364,7 +381,7 @@ impl<N: Node> LoadConn<N> {
                 let mut scratch = std::mem::take(&mut s.scratch);
                 scratch.resize(self.block_size as usize, 0);
                 v.poison(global, &mut scratch);
-                let wrote = self.region.write(data_off, &scratch);
+                let wrote = data.write(0, &scratch);
                 s.scratch = scratch;
                 if let Err(e) = wrote {
                     drop(s);
@@ -378,9 +395,9 @@ impl<N: Node> LoadConn<N> {
         let id = (u64::from(slot) << 48) | s.next_id;
         let windows = self.shared.windows;
         let remote = if windows {
-            self.link.window_remote(slot, &self.region, data_off)
+            self.link.window_remote(slot, data, 0)
         } else {
-            Some(self.region.remote(data_off))
+            Some(data.remote(0))
         };
         let req = Request {
             op,
@@ -434,8 +451,8 @@ impl<N: Node> LoadConn<N> {
             let bind = Op {
                 tag: slot,
                 verb: Verb::Bind { slot, grant },
-                region: &self.region,
-                offset: data_off,
+                region: data,
+                offset: 0,
                 len: self.block_size,
                 signaled: true,
             };
@@ -490,7 +507,7 @@ impl<N: Node> LoadConn<N> {
                 let outcome = READ_BACK.with(|cell| {
                     let mut data = cell.take();
                     data.resize(self.block_size as usize, 0);
-                    let outcome = match self.region.read(self.data_off(slot), &mut data) {
+                    let outcome = match self.data(slot).and_then(|d| d.read(0, &mut data)) {
                         Ok(()) => sh.verifier.finish_read(f.global, Some(&data)),
                         Err(e) => {
                             tracing::error!(conn = %self.name, "read back the data buffer: {e}");
@@ -812,10 +829,12 @@ impl<N: Node> Load<N> {
         if windows {
             link.open_windows(depth)?;
         }
-        let region = self.node.reg_region(
-            2 * u64::from(depth) * MSG + u64::from(depth) * u64::from(spec.block_size),
-            exposure,
-        )?;
+        let region = self
+            .node
+            .reg_region(2 * u64::from(depth) * MSG, Exposure::Local)?;
+        let data = (0..depth)
+            .map(|_| self.node.reg_region(u64::from(spec.block_size), exposure))
+            .collect::<Result<Vec<_>, _>>()?;
         let index = self.conns.len();
         let hist = Histogram::new_with_bounds(1, 3_600_000_000_000, 3)
             .map_err(|e| crate::DemoError::Setup(format!("histogram: {e}")))?;
@@ -830,6 +849,7 @@ impl<N: Node> Load<N> {
                     link,
                     reg: reg.clone(),
                     region,
+                    data,
                     depth,
                     block_size: spec.block_size,
                     slots: (0..depth)

@@ -43,6 +43,11 @@ fn one_process_on_the_device_passes_both_verdicts() {
     assert!(stdout.contains("verdict data:     PASSED"), "{stdout}");
     assert!(stdout.contains("verdict accounts: PASSED"), "{stdout}");
     assert!(stdout.contains("1024 matched"), "{stdout}");
+    // softverbs has type-2 windows: each request's buffer went through one.
+    assert!(
+        stdout.contains("exposure  each request's buffer through a memory window"),
+        "{stdout}"
+    );
 }
 
 #[test]
