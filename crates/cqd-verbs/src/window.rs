@@ -19,7 +19,7 @@
 //! - a window is bound only when it is not bound, and invalidated only
 //!   when it is (the posting call tracks the state, in posting order);
 //! - it is bound and invalidated only on its own QP, over a region of the
-//!   QP's protection domain registered with [`Access::MW_BIND`], granting
+//!   QP's protection domain registered with [`Access::MW_BIND`](crate::Access::MW_BIND), granting
 //!   only remote access (remote write or atomic also needs the region's
 //!   local write);
 //! - each bind takes the next key (the low 8 bits move on), so a key sent
@@ -43,7 +43,6 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, Ordering};
 use std::sync::{Arc, Weak};
 
-use crate::pd::Access;
 use crate::sys;
 
 /// A window's shared state: its device object (null once deallocated),
@@ -200,8 +199,9 @@ pub(crate) fn next_key(key: u32) -> u32 {
 }
 
 /// What a bind may grant: remote access only, at least one kind.
-pub(crate) const GRANTABLE: u32 =
-    Access::REMOTE_READ.0 | Access::REMOTE_WRITE.0 | Access::REMOTE_ATOMIC.0;
+pub(crate) const GRANTABLE: u32 = sys::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0
+    | sys::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
+    | sys::ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0;
 
 #[cfg(test)]
 mod tests {
