@@ -212,6 +212,7 @@ SUITE=$(nice -n 15 cargo test -p cqd-verbs --release --test two_backends --no-ru
 # The hostile client test; it runs the serve process its build made
 # (CARGO_BIN_EXE_cqd-demo: the release binary built above).
 HOSTILE=$(nice -n 15 cargo test -p cqd-demo --release --features verbs --test hostile --no-run --message-format=json |
+    grep '"kind":\["test"\],[^}]*"name":"hostile"' |
     sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
 [[ -x $HOSTILE ]] || { echo "rxe: no hostile test binary"; exit 1; }
 REL=${CARGO_TARGET_DIR:-$PWD/target}/release
