@@ -31,6 +31,20 @@ pub enum CmKind {
     Rdmacm,
 }
 
+/// How the load exposes its data buffers to the servers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ExposureKind {
+    /// A type-2 memory window per request over that request's buffer
+    /// alone, invalidated at its reply (where the device has them; else as
+    /// `keys`).
+    #[default]
+    Windows,
+    /// Each slot's data buffer, a region of its own, by its key for the
+    /// whole run.
+    Keys,
+}
+
 /// What the process is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -137,6 +151,12 @@ pub struct Args {
     /// `--listen` address) [default: tcp].
     #[arg(long, value_enum, value_name = "HOW")]
     pub cm: Option<CmKind>,
+    /// load: how the servers reach the load's data buffers: `windows` (a
+    /// memory window per request, where the device has type-2 windows) or
+    /// `keys` (each buffer's region key for the whole run) [default:
+    /// windows]. See docs/demo.md, "Trust and exposure".
+    #[arg(long, value_enum, value_name = "HOW")]
+    pub exposure: Option<ExposureKind>,
     /// load: a server's TCP address (repeat for several; blocks are
     /// striped over them).
     #[arg(long = "server", value_name = "HOST:PORT")]
@@ -264,6 +284,8 @@ pub struct Config {
     pub listen: String,
     /// How the queue pairs connect (serve/load).
     pub cm: CmKind,
+    /// How the load exposes its data buffers.
+    pub exposure: ExposureKind,
     /// The handshake's shared secret (serve/load; `--secret-file`).
     #[serde(skip)]
     pub secret: Option<crate::auth::Secret>,
@@ -521,6 +543,7 @@ impl Args {
                 .unwrap_or_else(|| format!("127.0.0.1:{DEFAULT_PORT}")),
             server_addrs: self.server_addrs.clone(),
             cm: self.cm.unwrap_or_default(),
+            exposure: self.exposure.unwrap_or_default(),
             secret,
             accept_timeout: self.accept_timeout,
             servers,
@@ -722,6 +745,14 @@ mod tests {
             e.to_string().contains("--retry-cnt is for --backend verbs"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn exposure_is_windows_unless_keys_are_asked_for() {
+        assert_eq!(args(&[]).check().unwrap().exposure, ExposureKind::Windows);
+        let c = args(&["--exposure", "keys"]).check().unwrap();
+        assert_eq!(c.exposure, ExposureKind::Keys);
+        assert!(Args::try_parse_from(["cqd-demo", "--exposure", "open"]).is_err());
     }
 
     #[test]

@@ -63,6 +63,9 @@ pub struct LoadSpec {
     pub op_limit: u64,
     /// Seed of the block choice and the data patterns.
     pub seed: u64,
+    /// Expose each request's buffer through a memory window of its own
+    /// where the device has type-2 windows (`--exposure windows`).
+    pub windows: bool,
 }
 
 /// Counters of the load generator (a snapshot).
@@ -717,7 +720,7 @@ impl<N: Node> Load<N> {
     ) -> Result<Load<N>, crate::DemoError> {
         // With windows, each request takes three send-queue entries: the
         // bind, the request's SEND and, at its reply, the invalidate.
-        let windows = node.has_windows();
+        let windows = spec.windows && node.has_windows();
         let send_depth = send_depth(spec.depth, windows);
         if send_depth > node.max_qp_wr() {
             return Err(crate::DemoError::Config(format!(

@@ -621,7 +621,7 @@ impl Report {
             if l.windows {
                 "each request's buffer through a memory window bound for it alone (type 2, invalidated at its reply)"
             } else {
-                "each slot's data buffer, a region of its own, by its key for the whole run (no type-2 memory windows here)"
+                "each slot's data buffer, a region of its own, by its key for the whole run (--exposure keys, or no type-2 memory windows here)"
             }
         );
         let t = &self.latency;

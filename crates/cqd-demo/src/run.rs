@@ -342,6 +342,7 @@ impl<N: Node> LoadSide<N> {
                 Stop::After(_) => 0,
             },
             seed: cfg.seed,
+            windows: cfg.exposure == crate::config::ExposureKind::Windows,
         };
         let conns_per_cq = cfg.connections.div_ceil(load_cqs.max(1));
         let mut load = Load::new(open("load")?, &specs, conns_per_cq, spec)?;
