@@ -99,7 +99,8 @@ pub struct LoadCounts {
     /// Read-backs that failed.
     pub verify_failed: u64,
     /// The server reached each request's buffer through a memory window
-    /// bound for that request alone (else through the region's key).
+    /// bound for that request alone (else through the key of the buffer's
+    /// own region).
     pub windows: bool,
 }
 
