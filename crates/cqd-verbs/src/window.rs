@@ -23,7 +23,9 @@
 //!   only remote access (remote write or atomic also needs the region's
 //!   local write);
 //! - each bind takes the next key (the low 8 bits move on), so a key sent
-//!   for one request is refused for every later one.
+//!   for one request is refused for the next 255 binds of the window (the
+//!   key byte is 8 bits: the 256th bind names it again, over whatever
+//!   buffer that request binds).
 //!
 //! The owner closes its windows itself; cqd-verbs has no SEND with
 //! invalidate, by which a peer would close them: the owner's state would
