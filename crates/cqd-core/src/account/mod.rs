@@ -57,6 +57,7 @@
 //!    completion retires the silent ones as any later completion would;
 //!    the dispatcher gives it to no handler.
 
+mod clock;
 mod ring;
 
 use std::fmt;
@@ -69,7 +70,7 @@ use parking_lot::Mutex as PlainMutex;
 use crate::budget::CqBudget;
 use crate::sync::{AtomicBool, Ordering};
 use crate::wr_id::{HandlerKey, OpKind, Side, WrId};
-pub(crate) use ring::stamp;
+pub(crate) use ring::{stamp, stamp_now};
 use ring::{NewEntry, Poster, Retirer, Ring};
 
 /// Where an account belongs: its CQ's ledger (`crate::ledger`), which
@@ -367,10 +368,7 @@ impl QueueAccount {
             return None;
         }
         let at = self.dry_at.load(std::sync::atomic::Ordering::Relaxed);
-        let now = stamp(now);
-        Some(std::time::Duration::from_nanos(
-            now.saturating_sub(at) >> ring::AT_SHIFT,
-        ))
+        Some(now.saturating_duration_since(clock::instant(at >> ring::AT_SHIFT)))
     }
 
     pub(crate) fn is_closed(&self) -> bool {

@@ -54,8 +54,7 @@
 //! it only after popping it.
 
 use std::ptr;
-use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crossbeam_utils::CachePadded;
 
@@ -81,32 +80,19 @@ const CREDIT: u64 = 1 << 2;
 const SIGNALED: u64 = 1 << 3;
 /// The watchdog has reported it stuck.
 const REPORTED: u64 = 1 << 4;
-/// The post time, in nanoseconds since [`base`], above the flags (2^59 ns:
-/// 18 years).
-pub(crate) const AT_SHIFT: u32 = 5;
-
-/// The instant post times count from: set at the first use, well before
-/// it (a post's time is taken before its first stamp, and may be), so that
-/// every time a caller can pass is after it.
-fn base() -> Instant {
-    static BASE: OnceLock<Instant> = OnceLock::new();
-    *BASE.get_or_init(|| {
-        let now = Instant::now();
-        [1 << 20, 3600, 1]
-            .into_iter()
-            .find_map(|s| now.checked_sub(Duration::from_secs(s)))
-            .unwrap_or(now)
-    })
-}
+/// The post time ([`clock`](super::clock)'s reading), above the flags.
+pub(crate) const AT_SHIFT: u32 = 64 - super::clock::BITS;
 
 /// A post time, as an entry's word holds it.
 #[inline]
 pub(crate) fn stamp(at: Instant) -> u64 {
-    let ns = at.saturating_duration_since(base()).as_nanos();
-    u64::try_from(ns)
-        .unwrap_or(u64::MAX >> AT_SHIFT)
-        .min(u64::MAX >> AT_SHIFT)
-        << AT_SHIFT
+    super::clock::of(at) << AT_SHIFT
+}
+
+/// Now, as the posting call stamps its entries (see [`clock`](super::clock)).
+#[inline]
+pub(crate) fn stamp_now() -> u64 {
+    super::clock::now() << AT_SHIFT
 }
 
 /// One outstanding request, as read from the ring.
@@ -118,7 +104,7 @@ pub(crate) struct Seen {
 
 impl Seen {
     pub(crate) fn at(self) -> Instant {
-        base() + Duration::from_nanos(self.word >> AT_SHIFT)
+        super::clock::instant(self.word >> AT_SHIFT)
     }
     pub(crate) fn credit(self) -> bool {
         self.word & CREDIT != 0
@@ -867,14 +853,23 @@ mod tests {
     }
 
     #[test]
-    fn post_times_round_trip_to_the_nanosecond_scale() {
+    fn post_times_round_trip() {
         let t = Instant::now();
         let seen = Seen {
             wr_id: 0,
             word: NewEntry::new(0, stamp(t), false, true).word,
         };
-        let back = seen.at();
-        assert!(back <= t && t.duration_since(back) < Duration::from_micros(1));
+        assert_eq!(seen.at(), t);
         assert!(seen.signaled() && !seen.credit() && !seen.reported());
+        // The posting call's stamp, beside the instants read around it.
+        let before = Instant::now();
+        let seen = Seen {
+            wr_id: 0,
+            word: NewEntry::new(0, stamp_now(), false, true).word,
+        };
+        let after = Instant::now();
+        let slack = std::time::Duration::from_micros(20);
+        let at = seen.at();
+        assert!(at + slack >= before && at <= after + slack, "{at:?}");
     }
 }

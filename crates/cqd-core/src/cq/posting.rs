@@ -1,8 +1,6 @@
 //! The posting call's body: steps 1–6 of [`crate::post`] for one list, on a
 //! handler's [`Registration`].
 
-use std::time::Instant;
-
 use crate::account::QueueAccount;
 use crate::cq::Registration;
 use crate::post::{Invalid, Refused, WorkRequest};
@@ -93,7 +91,7 @@ where
     // 4. Record them in the queue's account and publish them (R1–R2 of
     // `account::ring`), before the backend's post: a completion that
     // arrives inside it finds them.
-    let now = crate::account::stamp(Instant::now());
+    let now = crate::account::stamp_now();
     for wr in wrs.iter() {
         posting.write_stamped(wr.wr_id(), now, signaled(wr));
     }
