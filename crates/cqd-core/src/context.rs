@@ -62,6 +62,8 @@
 //!    emptied as in 3 and handed to `on_abandoned`.
 
 use std::cell::UnsafeCell;
+
+use crossbeam_utils::CachePadded;
 use std::fmt;
 use std::mem::MaybeUninit;
 
@@ -140,7 +142,9 @@ pub(crate) struct Table<C> {
     batch: u32,
     /// The free stack's top: index in the low 32 bits, a counter above
     /// (step 1).
-    top: AtomicU64,
+    /// On a line of its own: its neighbours in the heap may be the
+    /// poller's (the posters pop here every request).
+    top: CachePadded<AtomicU64>,
     /// Completions that named an empty slot (step 3).
     pub(crate) empty_hits: AtomicU64,
 }
@@ -185,7 +189,7 @@ impl<C> Table<C> {
         Table {
             slots,
             batch,
-            top: AtomicU64::new(u64::from(top)),
+            top: CachePadded::new(AtomicU64::new(u64::from(top))),
             empty_hits: AtomicU64::new(0),
         }
     }
@@ -211,7 +215,14 @@ impl<C> Table<C> {
                 .top
                 .compare_exchange_weak(top, new, Ordering::AcqRel, Ordering::Acquire)
             {
-                Ok(_) => break index,
+                Ok(_) => {
+                    // The next pop's slot, likely linked by the poller's
+                    // CPU (step 4): ask for its line now.
+                    if let Some(s) = self.slots.get(next as usize) {
+                        crate::sys::prefetch_write(s);
+                    }
+                    break index;
+                }
                 Err(now) => top = now,
             }
         };

@@ -85,6 +85,8 @@
 //!    queue and hands on a slot it was given.
 
 use std::cell::UnsafeCell;
+
+use crossbeam_utils::CachePadded;
 use std::fmt;
 use std::future::Future;
 use std::mem::MaybeUninit;
@@ -296,7 +298,9 @@ struct Slot<B> {
 /// The state slots of one registration's futures.
 pub(crate) struct States<B> {
     slots: Box<[Slot<B>]>,
-    top: AtomicU64,
+    /// On a line of its own: its neighbours in the heap may be the
+    /// poller's (the posters pop here every request).
+    top: CachePadded<AtomicU64>,
     /// The queue itself, locked only while a reservation waits (step 7).
     queue: crate::sync::Mutex<WaitQueue>,
 }
@@ -363,7 +367,11 @@ impl<B> States<B> {
             .collect();
         States {
             slots,
-            top: AtomicU64::new(if capacity == 0 { u64::from(NONE) } else { 0 }),
+            top: CachePadded::new(AtomicU64::new(if capacity == 0 {
+                u64::from(NONE)
+            } else {
+                0
+            })),
             queue: crate::sync::Mutex::new(WaitQueue::default()),
         }
     }
