@@ -62,15 +62,14 @@
 //!    emptied as in 3 and handed to `on_abandoned`.
 
 use std::cell::UnsafeCell;
-
-use crossbeam_utils::CachePadded;
 use std::fmt;
 use std::mem::MaybeUninit;
+use std::sync::Arc;
+
+use crossbeam_utils::CachePadded;
 
 use crate::handler::{Failed, Handler, Outbox, RecvDone, SendDone, Silent};
 use crate::sink::NoWork;
-use std::sync::Arc;
-
 use crate::sync::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use crate::wr_id::HandlerKey;
 

@@ -85,13 +85,13 @@
 //!    queue and hands on a slot it was given.
 
 use std::cell::UnsafeCell;
-
-use crossbeam_utils::CachePadded;
 use std::fmt;
 use std::future::Future;
 use std::mem::MaybeUninit;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
+
+use crossbeam_utils::CachePadded;
 
 use crate::completion::{Completion, Opcode, Status, WcFlags};
 use crate::context::ContextHandler;
