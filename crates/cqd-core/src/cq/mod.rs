@@ -297,7 +297,7 @@ pub fn split<W: Send + 'static>(
         source: Box::new(source),
         shared: Arc::clone(&shared),
         slab: Slab::default(),
-        account_cache: AccountCache::default(),
+        account_cache: AccountCache::new(batch),
         probe: 0,
         sampler: Sampler::default(),
         buf: vec![Completion::default(); batch],
