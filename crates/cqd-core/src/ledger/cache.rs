@@ -75,9 +75,13 @@ impl fmt::Debug for AccountCache {
 
 impl AccountCache {
     /// A cache for a poller whose batches hold at most `batch`
-    /// completions: its per-batch scratch is sized for the largest batch
+    /// completions: the scratch a batch bounds (a key per completion, at
+    /// most a receive queue per completion) is sized for the largest batch
     /// now, so that no batch in steady state grows it (a batch larger than
-    /// every one before would otherwise allocate mid-run).
+    /// every one before would otherwise allocate mid-run). `silent` starts
+    /// at the same size but is not bounded by the batch: one signaled send
+    /// retires every unsignaled send before it, so it grows (once per new
+    /// high-water mark) where a stream's unsignaled runs outgrow a batch.
     pub(crate) fn new(batch: usize) -> Self {
         AccountCache {
             silent: Vec::with_capacity(batch),
