@@ -1,6 +1,6 @@
 //! Zero heap allocations per request and per completion in steady state, on
 //! the simulated NIC: 100,000 requests of each stream (SEND/RECV, signaled
-//! RDMA WRITEs, SEND/RECV carrying a request context each, and SEND/RECV
+//! RDMA WRITEs, WRITEs of which 7 in 8 are unsignaled, SEND/RECV carrying a request context each, and SEND/RECV
 //! as completion futures awaited on a tokio runtime) go through the
 //! posting call and a Busy poller thread while a counting global allocator
 //! counts every allocation of the process. After a warm-up (the queue accounts' segments, the poller's
@@ -71,8 +71,13 @@ fn steady_state_posting_and_dispatch_allocate_nothing() {
                 .post_send(&a, &mut ss, std::array::from_fn(|i| n + i as u64))
                 .unwrap();
             *posted += LIST as u64;
-        } else if stream == Stream::Write {
+        } else if stream == Stream::Write || stream == Stream::Unsignaled {
             let mut wrs = [SendWr::new(u64::from(tag), WrOp::Write(remote), &src); LIST];
+            if stream == Stream::Unsignaled {
+                for w in &mut wrs[..LIST - 1] {
+                    *w = w.unsignaled();
+                }
+            }
             reg.post_send(&a, &mut wrs).unwrap();
             *posted += LIST as u64;
         } else {
@@ -84,7 +89,12 @@ fn steady_state_posting_and_dispatch_allocate_nothing() {
         }
         wait(*posted, 64);
     };
-    for stream in [Stream::SendRecv, Stream::Write, Stream::Contexts] {
+    for stream in [
+        Stream::SendRecv,
+        Stream::Write,
+        Stream::Unsignaled,
+        Stream::Contexts,
+    ] {
         let start = posted;
         while posted - start < WARM_UP {
             let tag = (posted % 1000) as u32;

@@ -89,6 +89,9 @@ impl Handler for Count {
     fn on_error(&mut self, _: &Failed<'_>, _: &mut Outbox<'_, NoWork>) {
         self.errors.fetch_add(1, Ordering::Release);
     }
+    fn on_silent(&mut self, _: &Silent, _: &mut Outbox<'_, NoWork>) {
+        self.done.fetch_add(1, Ordering::Release);
+    }
 }
 
 /// The same with a context per request: a boxed value moved in at the
@@ -125,6 +128,9 @@ pub const WARM_UP: u64 = 10_000;
 pub enum Stream {
     SendRecv,
     Write,
+    /// RDMA WRITEs in lists of 8 of which only the last is signaled: its
+    /// completion retires the 7 before it (`on_silent`).
+    Unsignaled,
     /// SEND/RECV through a context registration.
     Contexts,
     /// SEND/RECV as completion futures, awaited on a tokio runtime.
@@ -136,6 +142,7 @@ impl std::fmt::Display for Stream {
         f.write_str(match self {
             Stream::SendRecv => "SEND/RECV",
             Stream::Write => "RDMA WRITE",
+            Stream::Unsignaled => "RDMA WRITE, 7 of 8 unsignaled",
             Stream::Contexts => "SEND/RECV with contexts",
             Stream::Futures => "SEND/RECV as completion futures",
         })

@@ -1,7 +1,8 @@
 //! Zero heap allocations per request and per completion in steady state, on
 //! softverbs (run under softverbs-run; skipped loudly otherwise): the twin of
 //! the simulator's `tests/alloc_free.rs` at the workspace root, with the
-//! same streams — SEND/RECV, signaled RDMA WRITEs, SEND/RECV with a context
+//! same streams — SEND/RECV, signaled RDMA WRITEs, WRITEs of which 7 in 8
+//! are unsignaled, SEND/RECV with a context
 //! per request, SEND/RECV as completion futures (polled with a no-op waker
 //! once the poller has retired them) — 100,000 requests each through the posting call and the
 //! CQ's poller (`CqPoller::poll_once`, on the posting thread), counted by a
@@ -91,9 +92,14 @@ fn steady_state_posting_and_dispatch_allocate_nothing_on_softverbs() {
                     .post_send(&a, &mut ss, std::array::from_fn(|i| n + i as u64))
                     .unwrap();
             }
-            Stream::Write => {
+            Stream::Write | Stream::Unsignaled => {
                 let remote = mr.remote(4096);
                 let mut wrs = [SendWr::new(u64::from(tag), WrOp::Write(remote), &src); LIST];
+                if stream == Stream::Unsignaled {
+                    for w in &mut wrs[..LIST - 1] {
+                        *w = w.unsignaled();
+                    }
+                }
                 reg.post_send(&a, &mut wrs).unwrap();
             }
             Stream::Futures => {
@@ -137,6 +143,7 @@ fn steady_state_posting_and_dispatch_allocate_nothing_on_softverbs() {
     for stream in [
         Stream::SendRecv,
         Stream::Write,
+        Stream::Unsignaled,
         Stream::Contexts,
         Stream::Futures,
     ] {

@@ -162,6 +162,9 @@ pub struct QueueAccount {
     dry_at: std::sync::atomic::AtomicU64,
     /// The posters' tail when it went dry: a receive posted since moves it.
     dry_tail: std::sync::atomic::AtomicU64,
+    /// The depth [`reserve`](Self::reserve) prepared the account for (0
+    /// before it): the most requests the queue holds at once.
+    depth: std::sync::atomic::AtomicU32,
     /// The outstanding requests (`account::ring`): its atomics and locks
     /// come from the synchronisation shim, so that loom checks the post,
     /// the close and the drain.
@@ -201,6 +204,7 @@ impl QueueAccount {
             dry: PlainAtomicBool::new(false),
             dry_at: std::sync::atomic::AtomicU64::new(0),
             dry_tail: std::sync::atomic::AtomicU64::new(0),
+            depth: std::sync::atomic::AtomicU32::new(0),
             prev: PlainMutex::new(prev),
             ring: Ring::new(),
         }
@@ -301,6 +305,15 @@ impl QueueAccount {
     /// more.
     pub fn reserve(&self, depth: u32) {
         self.ring.reserve(u64::from(depth) + 64);
+        self.depth
+            .fetch_max(depth, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The depth [`reserve`](Self::reserve) prepared the account for, 0
+    /// if it was never called: a poller sizes its scratch for the
+    /// unsignaled requests one completion of this queue can retire.
+    pub(crate) fn depth(&self) -> u32 {
+        self.depth.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The posting lock, for one post (steps R1–R4 of `account::ring`).

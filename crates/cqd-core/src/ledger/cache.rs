@@ -48,6 +48,10 @@ pub(crate) struct AccountCache {
     map: KeyMap<Option<Arc<QueueAccount>>>,
     /// Scratch: silently completed wr_ids of the current batch.
     pub(crate) silent: Vec<u64>,
+    /// The sum of the reserved depths of the send queues in `map`: `silent`
+    /// is kept at least this large (one batch retires at most every
+    /// outstanding request of the queues it names).
+    silent_bound: usize,
     /// Scratch: closed accounts the batch drained, to detach.
     closed: Vec<(u32, Side, Arc<QueueAccount>)>,
     /// Scratch: each completion's queue key ([`DONE`] once retired or for
@@ -78,10 +82,12 @@ impl AccountCache {
     /// completions: the scratch a batch bounds (a key per completion, at
     /// most a receive queue per completion) is sized for the largest batch
     /// now, so that no batch in steady state grows it (a batch larger than
-    /// every one before would otherwise allocate mid-run). `silent` starts
-    /// at the same size but is not bounded by the batch: one signaled send
-    /// retires every unsignaled send before it, so it grows (once per new
-    /// high-water mark) where a stream's unsignaled runs outgrow a batch.
+    /// every one before would otherwise allocate mid-run). `silent` is not
+    /// bounded by the batch (one signaled send retires every unsignaled
+    /// send before it): it is sized again each time the cache takes in a
+    /// send queue, for the sum of its queues' reserved depths
+    /// ([`QueueAccount::reserve`]), when the queue's first completion
+    /// arrives, not in the middle of a run.
     pub(crate) fn new(batch: usize) -> Self {
         AccountCache {
             silent: Vec::with_capacity(batch),
@@ -103,6 +109,7 @@ impl AccountCache {
         let epoch = ledger.epoch();
         if epoch != self.epoch {
             self.map.clear();
+            self.silent_bound = 0;
             self.epoch = epoch;
         }
         // Each completion's queue, decoded once.
@@ -122,10 +129,18 @@ impl AccountCache {
                 wcs[i].qp_num,
                 if key & 1 == 1 { Side::Recv } else { Side::Send },
             );
-            let account = self
-                .map
-                .entry(key)
-                .or_insert_with(|| ledger.lookup(qp, side));
+            let account = match self.map.entry(key) {
+                std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    let found = ledger.lookup(qp, side);
+                    if let (Some(a), Side::Send) = (&found, side) {
+                        self.silent_bound += a.depth() as usize;
+                        let more = self.silent_bound.saturating_sub(self.silent.len());
+                        self.silent.reserve(more);
+                    }
+                    v.insert(found)
+                }
+            };
             let Some(account) = account else {
                 continue;
             };
@@ -325,6 +340,36 @@ mod tests {
         cache.check_dry(u32::MAX);
         assert_eq!((sq.outstanding(), rq.outstanding()), (0, 0));
         assert_eq!(scratch(&cache), before, "the scratch grew");
+    }
+
+    /// One signaled send retires every unsignaled send before it, a run
+    /// that may be far longer than a batch: the silent scratch is sized for
+    /// the send queue's reserved depth when the queue's first completion
+    /// arrives, so that a later long run grows nothing.
+    #[test]
+    fn a_long_unsignaled_run_does_not_grow_the_scratch() {
+        let depth = 200;
+        let ledger = WrLedger::new();
+        let sq = ledger.open_queue(1, Queue::Send);
+        sq.reserve(depth);
+        let key = crate::wr_id::HandlerKey::new(0, 0).unwrap();
+        let id = |t: u32| key.wr_id(OpKind::Send, t).unwrap();
+        let send = |t: u32| Completion::success(id(t), crate::completion::Opcode::Send, 1);
+        let mut cache = AccountCache::new(8);
+        push(&sq, &[(id(0), true)]);
+        cache.account_batch(&ledger, &[send(0)], u32::MAX);
+        let sized = (cache.silent.as_ptr(), cache.silent.capacity());
+        assert!(sized.1 >= depth as usize, "sized for {}", sized.1);
+        let run: Vec<(u64, bool)> = (1..depth).map(|t| (id(t), t == depth - 1)).collect();
+        push(&sq, &run);
+        cache.account_batch(&ledger, &[send(depth - 1)], u32::MAX);
+        assert_eq!(cache.silent.len(), depth as usize - 2);
+        assert_eq!(sq.outstanding(), 0);
+        assert_eq!(
+            (cache.silent.as_ptr(), cache.silent.capacity()),
+            sized,
+            "the silent scratch grew"
+        );
     }
 
     #[test]
