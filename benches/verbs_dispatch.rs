@@ -763,8 +763,11 @@ pub fn run(quick: bool) {
             };
             jobs.send(job).unwrap();
             let ns = consumer.run(job, &barrier);
-            let _ = post_ns.recv().unwrap();
-            println!("{}: {ns:.2} ns per completion", who.name());
+            let posting = post_ns.recv().unwrap();
+            println!(
+                "{}: {ns:.2} ns per completion, {posting:.1} ns per request posted",
+                who.name()
+            );
         }
         drop(jobs);
         posting.join().unwrap();
