@@ -29,7 +29,7 @@ use crate::error::{PostError, VerbsError};
 use crate::pd::{Access, MrInner, Pd, PdInner, Sge};
 use crate::srq::{Srq, SrqInner};
 use crate::sys;
-use crate::wr::{raw_send_wr, transport_check, WindowUse};
+use crate::wr::{raw_send_wr, transport_check, write_send_wr, WindowUse};
 pub use crate::wr::{RecvWr, SendWr, WrOp};
 
 /// A path MTU (`enum ibv_mtu`).
@@ -272,20 +272,30 @@ pub(crate) struct Pins {
 }
 
 impl Pins {
+    /// Pins the regions of `sges` (inline: a post with the region pinned
+    /// last costs a load and a compare per SGE).
+    #[inline]
     pub(crate) fn pin(&self, sges: &[Sge<'_>]) {
         use std::sync::atomic::Ordering;
         for s in sges {
             let key = Arc::as_ptr(&s.mr.inner) as usize;
             // A region once pinned stays pinned while the queue lives.
-            if self.last.load(Ordering::Relaxed) == key {
-                continue;
+            if self.last.load(Ordering::Relaxed) != key {
+                self.pin_new(s, key);
             }
-            self.regions
-                .lock()
-                .entry(key)
-                .or_insert_with(|| Arc::clone(&s.mr.inner));
-            self.last.store(key, Ordering::Relaxed);
         }
+    }
+
+    /// Out of line: a region other than the one pinned last.
+    #[cold]
+    #[inline(never)]
+    fn pin_new(&self, s: &Sge<'_>, key: usize) {
+        use std::sync::atomic::Ordering;
+        self.regions
+            .lock()
+            .entry(key)
+            .or_insert_with(|| Arc::clone(&s.mr.inner));
+        self.last.store(key, Ordering::Relaxed);
     }
 
     pub(crate) fn pin_ah(&self, ah: &Arc<AhInner>) {
@@ -333,7 +343,24 @@ fn with_scratch<T>(f: impl FnOnce(&mut Scratch) -> T) -> T {
 
 /// Checks the SGEs of request `index` against the queue's limits and the
 /// queue's domain.
+#[inline]
 pub(crate) fn check_sges(
+    queue: &dyn Fn() -> String,
+    index: usize,
+    sges: &[Sge<'_>],
+    max: u32,
+    pd: &Arc<PdInner>,
+) -> Result<(), PostError> {
+    if sges.len() <= max as usize && sges.iter().all(|s| s.mr.same_pd(pd)) {
+        return Ok(());
+    }
+    sges_refused(queue, index, sges, max, pd)
+}
+
+/// Out of line: why [`check_sges`] refused.
+#[cold]
+#[inline(never)]
+fn sges_refused(
     queue: &dyn Fn() -> String,
     index: usize,
     sges: &[Sge<'_>],
@@ -392,11 +419,9 @@ pub(crate) fn post_recv_list(
                 num_sge: w.sg_list.len() as i32,
             });
             at += w.sg_list.len();
-        }
-        link(raw, |w, next| w.next = next);
-        for w in wrs {
             pins.pin(w.sg_list);
         }
+        link(raw, |w, next| w.next = next);
         let verb = match target {
             sys::RecvTarget::Qp(_) => "ibv_post_recv",
             sys::RecvTarget::Srq(_) => "ibv_post_srq_recv",
@@ -957,6 +982,7 @@ impl PostSend for Qp {
                 sges.extend(w.sg_list.iter().map(Sge::raw));
             }
             let mut at = 0usize;
+            raw.reserve(wrs.len());
             for w in wrs {
                 let sg = if w.sg_list.is_empty() {
                     std::ptr::null_mut()
@@ -965,10 +991,12 @@ impl PostSend for Qp {
                     unsafe { sges.as_mut_ptr().add(at) }
                 };
                 at += w.sg_list.len();
-                raw.push(raw_send_wr(w, sg));
-            }
-            link(raw, |w, next| w.next = next);
-            for w in wrs {
+                // Built in place (see `write_send_wr`).
+                // SAFETY: plain C data; all-zero is a valid value.
+                raw.push(unsafe { std::mem::zeroed() });
+                if let Some(r) = raw.last_mut() {
+                    write_send_wr(r, w, sg);
+                }
                 if !w.inline {
                     q.pins.pin(w.sg_list);
                 }
@@ -976,6 +1004,7 @@ impl PostSend for Qp {
                     q.pins.pin_ah(&d.ah.inner);
                 }
             }
+            link(raw, |w, next| w.next = next);
             if windows {
                 for w in wrs {
                     if let Some(WindowUse {
@@ -1016,6 +1045,7 @@ impl PostSend for Qp {
 impl Qp {
     /// What the raw post checks of request `index` before the device sees
     /// the list: SGEs, inline length, transport, the AH's domain.
+    #[inline]
     fn check_raw(&self, index: usize, w: &SendWr<'_>) -> Result<(), PostError> {
         let q = &self.inner;
         let name = || self.queue_name("send");

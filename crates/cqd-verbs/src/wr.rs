@@ -253,10 +253,21 @@ pub(crate) fn transport_check(qp_type: QpType, wr: &SendWr<'_>) -> Result<(), In
 
 /// The `ibv_send_wr` of `w` (unlinked), its scatter list at `sg`.
 pub(crate) fn raw_send_wr(w: &SendWr<'_>, sg: *mut sys::ibv_sge) -> sys::ibv_send_wr {
-    use sys::ibv_send_flags as f;
-    use sys::ibv_wr_opcode as o;
     // SAFETY: plain C data; all-zero is a valid value.
     let mut r: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+    write_send_wr(&mut r, w, sg);
+    r
+}
+
+/// Fills `r`, all zero, with the `ibv_send_wr` of `w` (unlinked), its
+/// scatter list at `sg`: the posting call builds each request in place in
+/// its list (a 128-byte request returned by value was built on the stack
+/// and copied, and the copy's wide loads waited on the narrow stores that
+/// had just built it).
+#[inline(always)]
+pub(crate) fn write_send_wr(r: &mut sys::ibv_send_wr, w: &SendWr<'_>, sg: *mut sys::ibv_sge) {
+    use sys::ibv_send_flags as f;
+    use sys::ibv_wr_opcode as o;
     r.wr_id = w.wr_id;
     r.sg_list = sg;
     r.num_sge = w.sg_list.len() as i32;
@@ -347,5 +358,4 @@ pub(crate) fn raw_send_wr(w: &SendWr<'_>, sg: *mut sys::ibv_sge) -> sys::ibv_sen
         flags |= f::IBV_SEND_INLINE.0;
     }
     r.send_flags = flags;
-    r
 }
