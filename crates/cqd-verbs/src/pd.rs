@@ -210,13 +210,24 @@ impl fmt::Debug for Mr {
     }
 }
 
+/// Out of line: the panic of a range outside a region (the constructors of
+/// SGEs and remote addresses stay inline on the posting path).
+#[cold]
+#[inline(never)]
+#[track_caller]
+fn outside(offset: usize, len: usize, size: usize) -> ! {
+    panic!("{len} bytes at offset {offset} are outside the {size}-byte memory region")
+}
+
 impl Mr {
     /// The buffer's address.
+    #[inline]
     pub fn addr(&self) -> u64 {
         self.inner.buf.as_ptr() as u64
     }
 
     /// The buffer's length.
+    #[inline]
     pub fn len(&self) -> usize {
         self.inner.layout.size()
     }
@@ -227,11 +238,13 @@ impl Mr {
     }
 
     /// The local key.
+    #[inline]
     pub fn lkey(&self) -> u32 {
         self.inner.lkey
     }
 
     /// The remote key.
+    #[inline]
     pub fn rkey(&self) -> u32 {
         self.inner.rkey
     }
@@ -241,12 +254,12 @@ impl Mr {
         self.inner.access
     }
 
+    #[inline]
+    #[track_caller]
     fn check(&self, offset: usize, len: usize) {
-        assert!(
-            offset.checked_add(len).is_some_and(|end| end <= self.len()),
-            "{len} bytes at offset {offset} are outside the {}-byte memory region",
-            self.len()
-        );
+        if offset.checked_add(len).is_none_or(|end| end > self.len()) {
+            outside(offset, len, self.len());
+        }
     }
 
     /// A scatter/gather entry for `len` bytes at `offset`.
@@ -254,6 +267,8 @@ impl Mr {
     /// # Panics
     /// When the range is outside the region (a programming error, like a
     /// slice index).
+    #[inline]
+    #[track_caller]
     pub fn sge(&self, offset: usize, len: u32) -> Sge<'_> {
         self.check(offset, len as usize);
         Sge {
@@ -267,6 +282,8 @@ impl Mr {
     ///
     /// # Panics
     /// When `offset` is outside the region.
+    #[inline]
+    #[track_caller]
     pub fn remote(&self, offset: usize) -> RemoteAddr {
         self.check(offset, 0);
         RemoteAddr {

@@ -949,6 +949,7 @@ impl PostSend for Qp {
         &self.inner.send_account
     }
 
+    #[inline]
     fn check_send(&self, wr: &SendWr<'_>) -> Result<(), Invalid> {
         let qp_type = self.inner.qp_type;
         transport_check(qp_type, wr)?;

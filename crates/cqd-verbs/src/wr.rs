@@ -232,6 +232,7 @@ impl WorkRequest for RecvWr<'_> {
 
 /// The operation against the transport: UD sends SEND (with immediate) to
 /// a destination, RC everything but datagrams.
+#[inline]
 pub(crate) fn transport_check(qp_type: QpType, wr: &SendWr<'_>) -> Result<(), Invalid> {
     let send = matches!(wr.op, WrOp::Send | WrOp::SendWithImm(_));
     let wrong = |op| {

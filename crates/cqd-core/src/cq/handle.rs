@@ -437,6 +437,7 @@ impl Registration {
         self.cq_ledger.get().is_some_and(|l| l.same_as(ledger))
     }
 
+    #[inline]
     pub(crate) fn attach(&self, account: &QueueAccount) -> Result<(), Refused> {
         let Some(ledger) = self.cq_ledger.get() else {
             return Err(Refused::Unattached {
