@@ -1,7 +1,8 @@
 //! Zero heap allocations per request and per completion in steady state, on
 //! the simulated NIC: 100,000 requests of each stream (SEND/RECV, signaled
-//! RDMA WRITEs, WRITEs of which 7 in 8 are unsignaled, SEND/RECV carrying a request context each, and SEND/RECV
-//! as completion futures awaited on a tokio runtime) go through the
+//! RDMA WRITEs, WRITEs of which 7 in 8 are unsignaled, SEND/RECV carrying a
+//! request context each, and SEND/RECV as completion futures awaited on a
+//! tokio runtime) go through the
 //! posting call and a Busy poller thread while a counting global allocator
 //! counts every allocation of the process. After a warm-up (the queue accounts' segments, the poller's
 //! scratch buffers, the CQ's first batch), the count must not move.

@@ -262,9 +262,7 @@ pub(crate) fn raw_send_wr(w: &SendWr<'_>, sg: *mut sys::ibv_sge) -> sys::ibv_sen
 
 /// Fills `r`, all zero, with the `ibv_send_wr` of `w` (unlinked), its
 /// scatter list at `sg`: the posting call builds each request in place in
-/// its list (a 128-byte request returned by value was built on the stack
-/// and copied, and the copy's wide loads waited on the narrow stores that
-/// had just built it).
+/// its list rather than on the stack and then copied (128 bytes).
 #[inline(always)]
 pub(crate) fn write_send_wr(r: &mut sys::ibv_send_wr, w: &SendWr<'_>, sg: *mut sys::ibv_sge) {
     use sys::ibv_send_flags as f;
