@@ -23,9 +23,12 @@ fn sin(a: &str) -> libc::sockaddr_in {
     s
 }
 
-/// A port of our own per test (tests run in parallel).
+/// A port of our own per test (tests run in parallel), in 20000–26399:
+/// below 32768, where the CM picks the ephemeral ports of ids bound to port
+/// 0 (a fixed port up there once met another id's ephemeral one and the
+/// bind failed), and below cqd-verbs' `tests/cm.rs` ports.
 fn port(n: u16) -> u16 {
-    20000 + (std::process::id() % 2000) as u16 * 8 + n
+    20000 + (std::process::id() % 800) as u16 * 8 + n
 }
 
 struct Ch(*mut rdma_event_channel);
