@@ -48,10 +48,15 @@ pub(crate) struct AccountCache {
     map: KeyMap<Option<Arc<QueueAccount>>>,
     /// Scratch: silently completed wr_ids of the current batch.
     pub(crate) silent: Vec<u64>,
-    /// The sum of the reserved depths of the send queues in `map`: `silent`
-    /// is kept at least this large (one batch retires at most every
-    /// outstanding request of the queues it names).
-    silent_bound: usize,
+    /// The largest batch the poller polls (0: not known, for tests).
+    batch: usize,
+    /// The sum and the largest of the reserved depths of the send queues
+    /// in `map`. One batch retires at most every outstanding request of the
+    /// send queues it names, and names at most `batch` of them: `silent` is
+    /// kept at least `min(sum, batch × deepest)` large, so that a CQ with
+    /// many queues does not hold a scratch the size of all of them.
+    send_depths: usize,
+    deepest: usize,
     /// Scratch: closed accounts the batch drained, to detach.
     closed: Vec<(u32, Side, Arc<QueueAccount>)>,
     /// Scratch: each completion's queue key ([`DONE`] once retired or for
@@ -85,11 +90,12 @@ impl AccountCache {
     /// every one before would otherwise allocate mid-run). `silent` is not
     /// bounded by the batch (one signaled send retires every unsignaled
     /// send before it): it is sized again each time the cache takes in a
-    /// send queue, for the sum of its queues' reserved depths
-    /// ([`QueueAccount::reserve`]), when the queue's first completion
-    /// arrives, not in the middle of a run.
+    /// send queue, from its queues' reserved depths
+    /// ([`QueueAccount::reserve`]; see `send_depths`), when the queue's
+    /// first completion arrives, not in the middle of a run.
     pub(crate) fn new(batch: usize) -> Self {
         AccountCache {
+            batch,
             silent: Vec::with_capacity(batch),
             keys: Vec::with_capacity(batch),
             received: Vec::with_capacity(batch),
@@ -109,7 +115,7 @@ impl AccountCache {
         let epoch = ledger.epoch();
         if epoch != self.epoch {
             self.map.clear();
-            self.silent_bound = 0;
+            (self.send_depths, self.deepest) = (0, 0);
             self.epoch = epoch;
         }
         // Each completion's queue, decoded once.
@@ -134,9 +140,11 @@ impl AccountCache {
                 std::collections::hash_map::Entry::Vacant(v) => {
                     let found = ledger.lookup(qp, side);
                     if let (Some(a), Side::Send) = (&found, side) {
-                        self.silent_bound += a.depth() as usize;
-                        let more = self.silent_bound.saturating_sub(self.silent.len());
-                        self.silent.reserve(more);
+                        let depth = a.depth() as usize;
+                        self.send_depths += depth;
+                        self.deepest = self.deepest.max(depth);
+                        let bound = self.send_depths.min(self.batch * self.deepest);
+                        self.silent.reserve(bound.saturating_sub(self.silent.len()));
                     }
                     v.insert(found)
                 }
@@ -369,6 +377,37 @@ mod tests {
             (cache.silent.as_ptr(), cache.silent.capacity()),
             sized,
             "the silent scratch grew"
+        );
+    }
+
+    /// Many send queues on one CQ: the silent scratch holds what one batch
+    /// can retire (a batch names at most `batch` queues), not the sum of
+    /// every queue's depth.
+    #[test]
+    fn many_queues_reserve_what_one_batch_can_retire() {
+        let (depth, queues, batch) = (100u32, 20u32, 4usize);
+        let ledger = WrLedger::new();
+        let key = crate::wr_id::HandlerKey::new(0, 0).unwrap();
+        let id = |t: u32| key.wr_id(OpKind::Send, t).unwrap();
+        let sqs: Vec<_> = (0..queues)
+            .map(|qp| {
+                let sq = ledger.open_queue(qp, Queue::Send);
+                sq.reserve(depth);
+                push(&sq, &[(id(qp), true)]);
+                sq
+            })
+            .collect();
+        let mut cache = AccountCache::new(batch);
+        for (qp, sq) in (0..queues).zip(&sqs) {
+            let wc = Completion::success(id(qp), crate::completion::Opcode::Send, qp);
+            cache.account_batch(&ledger, &[wc], u32::MAX);
+            assert_eq!(sq.outstanding(), 0);
+        }
+        let cap = cache.silent.capacity();
+        assert!(cap >= batch * depth as usize, "{cap}");
+        assert!(
+            cap < (queues * depth) as usize,
+            "{cap}: the sum of every depth"
         );
     }
 
