@@ -223,6 +223,54 @@ fn xrc_requests_reach_the_srq_they_name_in_a_shared_domain() {
         assert!(!again.is_null(), "errno {}", errno());
         assert_eq!(close(again), 0);
     }
+    // A holder in another process holds the domain while it lives, and
+    // lets go of it when it exits without closing (as the kernel's file
+    // release does): a dead holder never keeps a domain alive, also not
+    // for a later file that reuses the inode.
+    let mut pipe = [0; 2];
+    assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
+    let (held_r, held_w) = (pipe[0], pipe[1]);
+    assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
+    let (exit_r, exit_w) = (pipe[0], pipe[1]);
+    // SAFETY: the child only opens the domain, writes a byte, reads one
+    // and leaves with _exit, through the inherited context.
+    let child = unsafe { libc::fork() };
+    assert!(child >= 0, "fork: errno {}", errno());
+    if child == 0 {
+        unsafe { libc::close(exit_w) };
+        let x = open_xrcd(&target, file.as_raw_fd());
+        let mut b = [u8::from(!x.is_null())];
+        unsafe {
+            libc::write(held_w, b.as_ptr().cast(), 1);
+            libc::read(exit_r, b.as_mut_ptr().cast(), 1);
+            libc::_exit(0);
+        }
+    }
+    let mut b = [0u8];
+    assert_eq!(unsafe { libc::read(held_r, b.as_mut_ptr().cast(), 1) }, 1);
+    assert_eq!(b[0], 1, "the child could not open the domain");
+    assert!(open_xrcd_with(&target, file.as_raw_fd(), excl).is_null());
+    assert_eq!(errno(), libc::EEXIST);
+    unsafe { libc::close(exit_w) };
+    let mut status = 0;
+    assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+    let after = open_xrcd_with(&target, file.as_raw_fd(), excl);
+    assert!(
+        !after.is_null(),
+        "a dead holder kept the domain: errno {}",
+        errno()
+    );
+    // Without O_CREAT the held domain is joined.
+    let joined = open_xrcd_with(&target, file.as_raw_fd(), 0);
+    assert!(!joined.is_null(), "errno {}", errno());
+    unsafe {
+        let close = (*vctx(target.ctx)).close_xrcd.expect("close_xrcd slot");
+        assert_eq!(close(joined), 0);
+        assert_eq!(close(after), 0);
+        libc::close(held_r);
+        libc::close(held_w);
+        libc::close(exit_r);
+    }
     drop(file);
     drop(file2);
     let _ = std::fs::remove_file(&path);

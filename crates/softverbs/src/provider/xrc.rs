@@ -5,20 +5,19 @@
 //!
 //! An XRC domain is an id: private (`fd` -1) or the same for every
 //! context, in any process, that opens it with the same file (its device
-//! and inode name it; a registry entry in the fabric counts its holders). An XRC SRQ belongs to a domain and has its own CQ;
+//! and inode name it; a locked registry entry in the fabric marks it held). An XRC SRQ belongs to a domain and has its own CQ;
 //! an XRC_RECV QP belongs to a domain and has no queues: an XRC_SEND
 //! requester names the SRQ (`remote_srqn`) each request goes to, which
 //! must belong to the target QP's domain.
 
 use std::ffi::c_int;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::os::fd::{AsRawFd, OwnedFd};
 
 use super::context::inner;
 use super::qp::fail;
 use super::srq::{make_srq, SvSrq};
 use crate::shm::segment::IdKind;
-use crate::shm::{Ids, Segment};
+use crate::shm::Ids;
 use crate::sys::ibv;
 
 /// `struct verbs_xrcd` with the domain's id.
@@ -32,47 +31,93 @@ pub struct SvXrcd {
     pub handle: u32,
     /// The domain's id (SRQ and QP headers carry it).
     pub id: u32,
-    /// A file-named domain's entry in the fabric's registry.
-    entry: Option<Arc<Segment>>,
+    /// A file-named domain's entry in the fabric's registry: the
+    /// descriptor whose shared lock holds the domain (closed with it).
+    entry: Option<OwnedFd>,
 }
 
-/// The registry entry of the file-named domain `id`: segment
-/// `xrcd-<id>`, whose first word counts the contexts holding the domain,
-/// in any process. It exists while one does (the last close removes it),
-/// which is what `O_CREAT`/`O_EXCL` and their absence ask about; a
-/// process that dies holding the domain leaves its count in (the entry
-/// then lasts until the fabric directory is cleared: the domain id never
-/// changes for a file, so traffic is not affected).
+/// The registry entry of the file-named domain `id`: the file
+/// `xrcd-<id>` in the fabric's directory. Every context holding the domain,
+/// in any process, holds a shared open-file-description lock on it through
+/// a descriptor of its own; the domain exists while one such lock is held,
+/// which is what `O_CREAT`/`O_EXCL` and their absence ask about. The kernel
+/// releases a lock when its last descriptor closes, also when a process
+/// dies or exits without closing the domain, so a holder that is gone
+/// never keeps a domain alive (the kernel's domain holds the file's inode,
+/// so no later file can meet a stale domain there; here a later file can
+/// reuse the inode of a removed one and so its id, and a count left behind
+/// by a dead holder would then answer `O_EXCL` with EEXIST). The file
+/// itself stays; an unlocked file is a domain nobody holds.
 fn entry_name(id: u32) -> String {
     format!("xrcd-{id:08x}")
 }
 
-/// Open (or create) the registry entry of `id` as `oflags` ask and count
-/// this context in; an errno when `O_EXCL` finds it or no `O_CREAT` misses it.
-fn enter_registry(id: u32, oflags: i32) -> Result<Arc<Segment>, i32> {
-    let name = entry_name(id);
-    let path = crate::shm::segment::dir().join(&name);
-    if oflags & libc::O_CREAT != 0 && oflags & libc::O_EXCL != 0 {
-        std::fs::create_dir_all(crate::shm::segment::dir())
-            .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
-        std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
-    } else if oflags & libc::O_CREAT == 0 && !path.exists() {
-        return Err(libc::ENOENT);
+/// Set an open-file-description lock of `kind` on all of `fd`; `wait`
+/// blocks until it is granted. The errno on failure (EAGAIN: held).
+fn ofd_lock(fd: c_int, kind: c_int, wait: bool) -> Result<(), i32> {
+    // SAFETY: an all-zero flock is valid; the fields below make it a lock
+    // of the whole file with l_pid 0, as open-file-description locks need.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = kind as libc::c_short;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    let cmd = if wait {
+        libc::F_OFD_SETLKW
+    } else {
+        libc::F_OFD_SETLK
+    };
+    loop {
+        // SAFETY: `fd` is an open descriptor and `fl` a valid flock.
+        if unsafe { libc::fcntl(fd, cmd, &fl) } == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO);
+        if e != libc::EINTR {
+            return Err(e);
+        }
     }
-    let seg = crate::shm::segment::open_shared(&name, 64)
-        .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
-    refs(&seg).fetch_add(1, Ordering::AcqRel);
-    Ok(seg)
 }
 
-fn refs(seg: &Segment) -> &AtomicU32 {
-    // SAFETY: the segment is 64 bytes, zero-initialised by its creator,
-    // and its first word is only accessed atomically, by every process.
-    unsafe { &*seg.base().cast::<AtomicU32>() }
+/// Enter the registry entry of `id` as `oflags` ask: a descriptor holding
+/// a shared lock on it, or an errno when `O_EXCL` finds the domain held or
+/// no `O_CREAT` finds it unheld (ENOENT).
+///
+/// Whoever takes the exclusive lock is alone, so the domain is not held:
+/// it creates it (or, without `O_CREAT`, finds nothing) and turns the lock
+/// into a shared one in place, which never lets another exclusive lock in
+/// between. An opener that finds the exclusive lock refused sees a holder,
+/// and waits for its shared lock (a creator holds the exclusive one only
+/// for these few lines).
+fn enter_registry(id: u32, oflags: i32) -> Result<OwnedFd, i32> {
+    let err = |e: std::io::Error| e.raw_os_error().unwrap_or(libc::EIO);
+    let dir = crate::shm::segment::dir();
+    std::fs::create_dir_all(&dir).map_err(err)?;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(dir.join(entry_name(id)))
+        .map_err(err)?;
+    let fd = OwnedFd::from(file);
+    let raw = fd.as_raw_fd();
+    match ofd_lock(raw, libc::F_WRLCK as c_int, false) {
+        Ok(()) => {
+            if oflags & libc::O_CREAT == 0 {
+                return Err(libc::ENOENT);
+            }
+            ofd_lock(raw, libc::F_RDLCK as c_int, false)?;
+        }
+        Err(e) if e == libc::EAGAIN || e == libc::EACCES => {
+            if oflags & libc::O_CREAT != 0 && oflags & libc::O_EXCL != 0 {
+                return Err(libc::EEXIST);
+            }
+            ofd_lock(raw, libc::F_RDLCK as c_int, true)?;
+        }
+        Err(e) => return Err(e),
+    }
+    Ok(fd)
 }
 
 impl std::fmt::Debug for SvXrcd {
@@ -142,7 +187,7 @@ pub unsafe extern "C" fn open_xrcd(
         }
         let id = file_domain_id(st.st_dev, st.st_ino);
         match enter_registry(id, a.oflags) {
-            Ok(seg) => (id, Some(seg)),
+            Ok(fd) => (id, Some(fd)),
             Err(e) => return fail(e),
         }
     };
@@ -163,11 +208,8 @@ pub unsafe extern "C" fn open_xrcd(
 pub unsafe extern "C" fn close_xrcd(x: *mut ibv::ibv_xrcd) -> c_int {
     // SAFETY: caller contract: the box of open_xrcd, last use.
     let x = unsafe { Box::from_raw(x.cast::<SvXrcd>()) };
-    if let Some(seg) = &x.entry {
-        if refs(seg).fetch_sub(1, Ordering::AcqRel) == 1 {
-            let _ = std::fs::remove_file(crate::shm::segment::dir().join(entry_name(x.id)));
-        }
-    }
+    // Dropping the entry's descriptor releases this context's lock.
+    drop(x);
     0
 }
 
