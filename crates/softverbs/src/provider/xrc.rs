@@ -5,10 +5,11 @@
 //!
 //! An XRC domain is an id: private (`fd` -1) or the same for every
 //! context, in any process, that opens it with the same file (its device
-//! and inode name it; a locked registry entry in the fabric marks it held). An XRC SRQ belongs to a domain and has its own CQ;
-//! an XRC_RECV QP belongs to a domain and has no queues: an XRC_SEND
-//! requester names the SRQ (`remote_srqn`) each request goes to, which
-//! must belong to the target QP's domain.
+//! and inode name it; a locked registry entry in the fabric marks it
+//! held). An XRC SRQ belongs to a domain and has its own CQ; an XRC_RECV
+//! QP belongs to a domain and has no queues: an XRC_SEND requester names
+//! the SRQ (`remote_srqn`) each request goes to, which must belong to the
+//! target QP's domain.
 
 use std::ffi::c_int;
 use std::os::fd::{AsRawFd, OwnedFd};
