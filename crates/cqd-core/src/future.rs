@@ -21,7 +21,7 @@
 //! - **Lists.** [`Ops::post_send_list`] and [`Ops::post_recv_list`] post
 //!   `N` requests in one posting call, a future each.
 //! - **Driven by either.** The futures are woken by whatever drives the
-//!   CQ: a poller thread or a [`TokioDriver`](crate::driver::TokioDriver).
+//!   CQ: a poller thread or a `TokioDriver` (feature `tokio`).
 //! - **Bounded, in order.** At most `capacity` requests are outstanding
 //!   or unresolved; [`Ops::send`] and [`Ops::recv`] wait for room, in the
 //!   order they began to wait, where [`Ops::post_send`] and
