@@ -254,6 +254,10 @@ fn xrc_requests_reach_the_srq_they_name_in_a_shared_domain() {
     unsafe { libc::close(exit_w) };
     let mut status = 0;
     assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "the child did not exit cleanly: status {status:#x}"
+    );
     let after = open_xrcd_with(&target, file.as_raw_fd(), excl);
     assert!(
         !after.is_null(),

@@ -207,10 +207,9 @@ pub unsafe extern "C" fn open_xrcd(
 /// # Safety
 /// `x` was made by [`open_xrcd`]; not used afterwards.
 pub unsafe extern "C" fn close_xrcd(x: *mut ibv::ibv_xrcd) -> c_int {
-    // SAFETY: caller contract: the box of open_xrcd, last use.
-    let x = unsafe { Box::from_raw(x.cast::<SvXrcd>()) };
-    // Dropping the entry's descriptor releases this context's lock.
-    drop(x);
+    // SAFETY: caller contract: the box of open_xrcd, last use. Dropping it
+    // closes the entry's descriptor, which releases this context's lock.
+    drop(unsafe { Box::from_raw(x.cast::<SvXrcd>()) });
     0
 }
 
