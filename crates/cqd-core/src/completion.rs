@@ -1,7 +1,7 @@
 //! The completion model: what a storage server reads from an `ibv_wc`.
 //!
 //! Values that come from the device are never trusted: [`Status`] and
-//! [`Opcode`] convert from any `u32` (an unknown value becomes `Unknown(n)`),
+//! [`Opcode`] take any `u32` (an unknown value stays, and says so),
 //! and nothing here can panic on device data (docs/architecture.md,
 //! "Invariants").
 
@@ -15,49 +15,77 @@ macro_rules! device_enum {
         }
     ) => {
         $(#[$meta])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-        #[non_exhaustive]
-        pub enum $name {
-            $( $(#[$vmeta])* $variant, )*
-            /// A value this version of cqd does not know. Counted, never a panic.
-            Unknown(u32),
-        }
+        ///
+        /// The raw `u32` the device wrote, kept as it is: a value is one of the
+        /// named constants or unknown ([`is_known`](Self::is_known) is
+        /// false), and every value is valid. The names read as an enum's
+        /// variants do (`Status::WrFlush`, `match status { Status::Success =>
+        /// ... }`), and a match needs a catch-all arm, as it would for a
+        /// non-exhaustive enum: the device may report a value this cqd does
+        /// not know. Keeping the raw word lets a completion have
+        /// `struct ibv_wc`'s layout, so that a CQ is polled straight into
+        /// cqd's completions.
+        #[derive(Clone, Copy, PartialEq, Eq, Hash)]
+        #[repr(transparent)]
+        pub struct $name(u32);
 
+        #[allow(non_upper_case_globals)]
         impl $name {
-            /// Every known variant, in the order of their numeric values.
+            $( $(#[$vmeta])* pub const $variant: $name = $name($value); )*
+
+            /// Every known value, in numeric order.
             pub const KNOWN: &'static [$name] = &[$($name::$variant),*];
 
-            /// Converts a raw device value. Never fails: unknown values
-            /// become `Unknown(raw)`.
+            /// One bit per known value below 256 (every known value is).
+            const KNOWN_BITS: [u64; 4] = {
+                let mut bits = [0u64; 4];
+                let known = Self::KNOWN;
+                let mut i = 0;
+                while i < known.len() {
+                    let raw = known[i].0;
+                    assert!(raw < 256, "a known value is below 256");
+                    bits[(raw / 64) as usize] |= 1 << (raw % 64);
+                    i += 1;
+                }
+                bits
+            };
+
+            /// Takes a raw device value. Never fails: a value this cqd does
+            /// not know is kept, and [`is_known`](Self::is_known) says so.
             #[inline]
             pub const fn from_raw(raw: u32) -> Self {
-                match raw {
-                    $( $value => $name::$variant, )*
-                    other => $name::Unknown(other),
-                }
+                $name(raw)
             }
 
             /// The raw value as the device (libibverbs) spells it.
             #[inline]
             pub const fn to_raw(self) -> u32 {
-                match self {
-                    $( $name::$variant => $value, )*
-                    $name::Unknown(raw) => raw,
+                self.0
+            }
+
+            /// The name of the value, as its constant spells it, or `None`
+            /// for an unknown value.
+            pub const fn name(self) -> Option<&'static str> {
+                match self.0 {
+                    $( $value => Some(stringify!($variant)), )*
+                    _ => None,
                 }
             }
 
-            /// The human-readable text (libibverbs' wording where it has one).
+            /// The human-readable text (libibverbs' wording where it has one);
+            /// "unknown" for a value this cqd does not know.
             pub const fn as_str(self) -> &'static str {
-                match self {
-                    $( $name::$variant => $text, )*
-                    $name::Unknown(_) => "unknown",
+                match self.0 {
+                    $( $value => $text, )*
+                    _ => "unknown",
                 }
             }
 
-            /// True unless this is `Unknown`.
+            /// True if this is one of the named values.
             #[inline]
             pub const fn is_known(self) -> bool {
-                !matches!(self, $name::Unknown(_))
+                let raw = self.0;
+                raw < 256 && Self::KNOWN_BITS[(raw / 64) as usize] & (1 << (raw % 64)) != 0
             }
         }
 
@@ -68,11 +96,23 @@ macro_rules! device_enum {
             }
         }
 
+        /// The constant's name (`WrFlush`), or `Unknown(n)`: what a derived
+        /// `Debug` of an enum would print.
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                match self.name() {
+                    Some(name) => f.write_str(name),
+                    None => write!(f, "Unknown({})", self.0),
+                }
+            }
+        }
+
         impl fmt::Display for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                match self {
-                    $name::Unknown(raw) => write!(f, "unknown ({raw})"),
-                    known => f.write_str(known.as_str()),
+                if self.is_known() {
+                    f.write_str(self.as_str())
+                } else {
+                    write!(f, "unknown ({})", self.0)
                 }
             }
         }
@@ -157,9 +197,10 @@ impl Status {
     /// values share the last slot.
     #[inline]
     pub const fn table_index(self) -> usize {
-        match self {
-            Status::Unknown(_) => Self::TABLE_LEN - 1,
-            known => known.to_raw() as usize,
+        if self.0 < Self::TABLE_LEN as u32 - 1 {
+            self.0 as usize
+        } else {
+            Self::TABLE_LEN - 1
         }
     }
 }
@@ -237,6 +278,7 @@ pub const GRH_LEN: u32 = 40;
 
 /// `ibv_wc_flags` bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[repr(transparent)]
 pub struct WcFlags(pub u32);
 
 impl WcFlags {
@@ -267,7 +309,13 @@ impl WcFlags {
 /// Mirrors the fields of `struct ibv_wc` that a storage server reads. Only
 /// `wr_id`, `status`, `qp_num` and `vendor_err` are defined for an error
 /// completion; the rest is what the device left there.
+///
+/// The layout is `struct ibv_wc`'s, field for field (cqd-verbs checks every
+/// offset when it compiles), and every bit pattern is a valid completion.
+/// So a verbs CQ is polled straight into a batch of completions, with no
+/// conversion on the poller's path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(C)]
 pub struct Completion {
     /// The 64-bit cookie given at post time (see [`crate::wr_id`]).
     pub wr_id: u64,
@@ -318,10 +366,10 @@ impl Completion {
         }
     }
 
-    /// An error completion; `opcode` is left undefined (`Unknown(u32::MAX)`)
+    /// An error completion; `opcode` is left undefined (`u32::MAX`, unknown)
     /// as a device may leave it.
     pub const fn error(wr_id: u64, status: Status, qp_num: u32) -> Self {
-        let mut c = Self::success(wr_id, Opcode::Unknown(u32::MAX), qp_num);
+        let mut c = Self::success(wr_id, Opcode::from_raw(u32::MAX), qp_num);
         c.status = status;
         c
     }
@@ -382,13 +430,14 @@ mod tests {
     fn unknown_values_never_panic() {
         for raw in [24u32, 99, u32::MAX] {
             let s = Status::from_raw(raw);
-            assert_eq!(s, Status::Unknown(raw));
+            assert!(!s.is_known());
+            assert_eq!(format!("{s:?}"), format!("Unknown({raw})"));
             assert_eq!(s.to_raw(), raw);
             assert_eq!(s.table_index(), Status::TABLE_LEN - 1);
             assert_eq!(s.to_string(), format!("unknown ({raw})"));
         }
         for raw in [8u32, 10, 127, 138, u32::MAX] {
-            assert_eq!(Opcode::from_raw(raw), Opcode::Unknown(raw));
+            assert!(!Opcode::from_raw(raw).is_known());
         }
     }
 
@@ -406,7 +455,7 @@ mod tests {
     #[test]
     fn atomic_opcodes_and_grh_flag() {
         assert!(Opcode::CompareSwap.is_atomic() && Opcode::FetchAdd.is_atomic());
-        assert!(!Opcode::RdmaRead.is_atomic() && !Opcode::Unknown(3 + 256).is_atomic());
+        assert!(!Opcode::RdmaRead.is_atomic() && !Opcode::from_raw(3 + 256).is_atomic());
         assert_eq!(Opcode::from_raw(3), Opcode::CompareSwap);
         assert_eq!(Opcode::from_raw(4), Opcode::FetchAdd);
         let mut c = Completion::success(1, Opcode::Recv, 7);

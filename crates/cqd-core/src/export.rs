@@ -1310,7 +1310,7 @@ mod tests {
             status_label(Status::RemoteInvalidRdRequest),
             "remote_invalid_rd_request"
         );
-        assert_eq!(status_label(Status::Unknown(300)), "unknown");
+        assert_eq!(status_label(Status::from_raw(300)), "unknown");
         assert_eq!(
             &*status_label_of_text(Status::RnrRetryExceeded.as_str()),
             "rnr_retry_exceeded"

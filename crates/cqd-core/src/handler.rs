@@ -151,8 +151,8 @@ impl Failed<'_> {
         self.key
     }
     /// The status: an error status, or — for the anomalies
-    /// ([`is_anomaly`](Self::is_anomaly)) — `Status::Unknown(n)` for a status
-    /// value this cqd does not know, or `Success` with an unknown
+    /// ([`is_anomaly`](Self::is_anomaly)) — a status value this cqd does not
+    /// know (`is_known()` false), or `Success` with an unknown
     /// [`opcode`](Self::opcode).
     pub fn status(&self) -> Status {
         self.wc.status
@@ -167,7 +167,7 @@ impl Failed<'_> {
     /// over either way (release what it held); the anomaly is counted in the
     /// CQ's metrics and traced at error level.
     pub fn is_anomaly(&self) -> bool {
-        matches!(self.wc.status, Status::Unknown(_))
+        !self.wc.status.is_known()
             || (self.wc.status.is_success() && !self.wc.opcode.is_known())
     }
     /// True if the request was flushed because its QP went to the error

@@ -430,7 +430,7 @@ mod tests {
     fn snapshot_names_errors() {
         let m = CqMetrics::default();
         bump(&m.0.errors_by_status[Status::WrFlush.table_index()], 3);
-        bump(&m.0.errors_by_status[Status::Unknown(77).table_index()], 1);
+        bump(&m.0.errors_by_status[Status::from_raw(77).table_index()], 1);
         let s = m.snapshot("cq", 16);
         assert_eq!(
             s.errors_by_status.get("Work Request Flushed Error"),

@@ -227,13 +227,13 @@ impl FabricState {
             Some(room) if room >= u64::from(GRH_LEN) + len => {}
             Some(_) => {
                 wc.status = Status::LocalLength;
-                wc.opcode = Opcode::Unknown(u32::MAX);
+                wc.opcode = Opcode::from_raw(u32::MAX);
                 self.complete_recv(peer, wc, false);
                 return sent;
             }
             None => {
                 wc.status = Status::LocalProtection;
-                wc.opcode = Opcode::Unknown(u32::MAX);
+                wc.opcode = Opcode::from_raw(u32::MAX);
                 self.complete_recv(peer, wc, false);
                 return sent;
             }

@@ -214,7 +214,7 @@ impl FabricState {
         ours: Status,
     ) -> Outcome {
         wc.status = theirs;
-        wc.opcode = Opcode::Unknown(u32::MAX);
+        wc.opcode = Opcode::from_raw(u32::MAX);
         self.complete_recv(peer, wc, false);
         self.enter_error(peer);
         Outcome::Fail(ours)

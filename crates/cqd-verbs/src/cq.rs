@@ -38,9 +38,6 @@ use crate::inbox::AsyncInbox;
 use crate::qp::QpInner;
 use crate::sys::{self, CqFlavor};
 
-/// The largest batch one `ibv_poll_cq` call asks for.
-pub const MAX_POLL_BATCH: usize = 256;
-
 pub(crate) struct ChannelInner {
     pub(crate) ctx: Arc<ContextInner>,
     ch: NonNull<sys::ibv_comp_channel>,
@@ -388,7 +385,6 @@ impl Cq {
 pub struct VerbsCqSource {
     cq: Arc<CqInner>,
     unacked: u32,
-    wcs: Box<[sys::ibv_wc]>,
 }
 
 impl fmt::Debug for VerbsCqSource {
@@ -564,37 +560,57 @@ pub(crate) unsafe fn adopt_parts(
     let source = VerbsCqSource {
         cq: Arc::clone(&inner),
         unacked: 0,
-        wcs: (0..MAX_POLL_BATCH).map(|_| empty_wc()).collect(),
     };
     Ok((Cq { inner }, source))
 }
 
-fn empty_wc() -> sys::ibv_wc {
-    // SAFETY: plain C data; all-zero is a valid value.
-    unsafe { std::mem::zeroed() }
-}
+// The layout promise the poll below relies on: cqd's `Completion` is
+// `struct ibv_wc` field for field (same size, alignment and offsets, and
+// each field an integer of the C field's width), so an array of
+// completions is an array of `ibv_wc` a provider may write.
+const _: () = {
+    use std::mem::{align_of, offset_of, size_of};
+    assert!(size_of::<Completion>() == size_of::<sys::ibv_wc>());
+    assert!(align_of::<Completion>() == align_of::<sys::ibv_wc>());
+    macro_rules! same {
+        ($($field:ident $(= $c:ident)?),*) => {$(
+            same!(@one $field $($c)?);
+        )*};
+        (@one $field:ident) => { same!(@one $field $field); };
+        (@one $field:ident $c:ident) => {
+            assert!(offset_of!(Completion, $field) == offset_of!(sys::ibv_wc, $c));
+        };
+    }
+    same!(
+        wr_id,
+        status,
+        opcode,
+        vendor_err,
+        byte_len,
+        imm_data = imm_data_invalidated_rkey_union,
+        qp_num,
+        src_qp,
+        wc_flags,
+        pkey_index,
+        slid,
+        sl,
+        dlid_path_bits
+    );
+    assert!(size_of::<Status>() == size_of::<u32>() && size_of::<Opcode>() == size_of::<u32>());
+    assert!(size_of::<WcFlags>() == size_of::<std::ffi::c_uint>());
+    assert!(size_of::<rdma_sys::imm_data_invalidated_rkey_union_t>() == size_of::<u32>());
+};
 
 /// One `ibv_wc` as cqd's [`Completion`]: every field copied, status and
-/// opcode kept as the device gave them (unknown values become `Unknown`,
-/// never a panic).
+/// opcode kept as the device gave them (an unknown value stays, and says
+/// so; never a panic). The two have one layout, so this is a copy; the
+/// verbs source polls into completions directly and never calls it.
 #[inline]
 pub fn completion_of(wc: &sys::ibv_wc) -> Completion {
-    Completion {
-        wr_id: wc.wr_id,
-        status: Status::from_raw(wc.status),
-        opcode: Opcode::from_raw(wc.opcode),
-        vendor_err: wc.vendor_err,
-        byte_len: wc.byte_len,
-        // SAFETY: both members of the union are a u32; any bits are valid.
-        imm_data: unsafe { wc.imm_data_invalidated_rkey_union.imm_data },
-        qp_num: wc.qp_num,
-        src_qp: wc.src_qp,
-        wc_flags: WcFlags(wc.wc_flags),
-        pkey_index: wc.pkey_index,
-        slid: wc.slid,
-        sl: wc.sl,
-        dlid_path_bits: wc.dlid_path_bits,
-    }
+    // SAFETY: `Completion` has `ibv_wc`'s layout (checked above when this
+    // compiles) and every bit pattern is a valid completion; `wc` is a
+    // live, aligned `ibv_wc`.
+    unsafe { *(wc as *const sys::ibv_wc).cast::<Completion>() }
 }
 
 impl VerbsCqSource {
@@ -634,15 +650,13 @@ impl CompletionSource for VerbsCqSource {
         if self.cq.has_zombies.load(Ordering::Acquire) {
             self.cq.reap();
         }
-        let want = out.len().min(self.wcs.len());
         // SAFETY: this source is the CQ's only poller (it is owned by one
-        // thread; CqInner never polls); `poll` is the CQ's provider's.
-        let n = unsafe { sys::poll_cq(self.cq.poll, self.cq.cq, &mut self.wcs[..want]) }
-            .map_err(|e| self.error("ibv_poll_cq", e))?;
-        for (slot, wc) in out.iter_mut().zip(&self.wcs[..n]) {
-            *slot = completion_of(wc);
-        }
-        Ok(n)
+        // thread; CqInner never polls); `poll` is the CQ's provider's. The
+        // provider writes `ibv_wc`s into `out`: a completion has that
+        // layout and any bits the provider writes (or leaves) are a valid
+        // completion (the layout check above).
+        unsafe { sys::poll_cq(self.cq.poll, self.cq.cq, out.as_mut_ptr().cast(), out.len()) }
+            .map_err(|e| self.error("ibv_poll_cq", e))
     }
 
     fn arm(&mut self, kind: ArmKind) -> Result<(), SourceError> {

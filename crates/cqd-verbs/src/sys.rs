@@ -458,19 +458,21 @@ pub(crate) unsafe fn cq_ops(cq: NonNull<ibv_cq>) -> io::Result<(PollFn, NotifyFn
     }
 }
 
-/// Polls up to `out.len()` completions.
+/// Polls up to `len` completions into `out`.
 ///
 /// # Safety
-/// `cq` is live and polled by this thread only; `poll` is its provider's.
+/// `cq` is live and polled by this thread only; `poll` is its provider's;
+/// `out` is valid for writes of `len` `ibv_wc`s.
 #[inline]
 pub(crate) unsafe fn poll_cq(
     poll: PollFn,
     cq: NonNull<ibv_cq>,
-    out: &mut [ibv_wc],
+    out: *mut ibv_wc,
+    len: usize,
 ) -> io::Result<usize> {
-    let n = i32::try_from(out.len()).unwrap_or(i32::MAX);
+    let n = i32::try_from(len).unwrap_or(i32::MAX);
     // SAFETY: the caller's contract; `out` has room for `n` entries.
-    let got = unsafe { poll(cq.as_ptr(), n, out.as_mut_ptr()) };
+    let got = unsafe { poll(cq.as_ptr(), n, out) };
     if got < 0 {
         // Providers return -1 with errno, or -errno without setting it.
         return Err(match got {
@@ -478,7 +480,7 @@ pub(crate) unsafe fn poll_cq(
             e => io::Error::from_raw_os_error(-e),
         });
     }
-    Ok((got as usize).min(out.len()))
+    Ok((got as usize).min(len))
 }
 
 /// Requests one notification.

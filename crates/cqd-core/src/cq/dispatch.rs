@@ -9,7 +9,7 @@ use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use super::{Command, CqOptions, CqShared};
-use crate::completion::{Completion, Status};
+use crate::completion::Completion;
 use crate::handler::{Failed, Outbox, RecvDone, SendDone};
 use crate::ledger::AccountCache;
 use crate::ledger::WrLedger;
@@ -413,23 +413,20 @@ fn not_success<W: 'static>(
     out: &mut VecDeque<Routed<W>>,
 ) {
     let m = &shared.metrics.0;
-    let anomaly = match wc.status {
-        Status::Unknown(_) => {
-            bump(&m.unknown_status, 1);
-            Some("unknown status")
+    let status = wc.status;
+    let anomaly = if !status.is_known() {
+        bump(&m.unknown_status, 1);
+        Some("unknown status")
+    } else if status.is_success() {
+        bump(&m.unknown_opcode, 1);
+        Some("unknown opcode")
+    } else {
+        bump(&m.errors_by_status[status.table_index()], 1);
+        if status.is_flush() {
+            bump(&m.flushes, 1);
+            entry.ledger.add_flushed(id.kind);
         }
-        Status::Success => {
-            bump(&m.unknown_opcode, 1);
-            Some("unknown opcode")
-        }
-        status => {
-            bump(&m.errors_by_status[status.table_index()], 1);
-            if status.is_flush() {
-                bump(&m.flushes, 1);
-                entry.ledger.add_flushed(id.kind);
-            }
-            None
-        }
+        None
     };
     if let Some(anomaly) = anomaly {
         tracing::error!(cq = %shared.name, wr_id = format_args!("{:#x}", wc.wr_id), key = %id.key,
