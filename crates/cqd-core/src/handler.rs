@@ -167,8 +167,7 @@ impl Failed<'_> {
     /// over either way (release what it held); the anomaly is counted in the
     /// CQ's metrics and traced at error level.
     pub fn is_anomaly(&self) -> bool {
-        !self.wc.status.is_known()
-            || (self.wc.status.is_success() && !self.wc.opcode.is_known())
+        !self.wc.status.is_known() || (self.wc.status.is_success() && !self.wc.opcode.is_known())
     }
     /// True if the request was flushed because its QP went to the error
     /// state: it was never executed.
