@@ -306,7 +306,7 @@ impl WcFlags {
 
 /// One work completion, as polled from a CQ.
 ///
-/// Mirrors the fields of `struct ibv_wc` that a storage server reads. Only
+/// Mirrors `struct ibv_wc`, every field. Only
 /// `wr_id`, `status`, `qp_num` and `vendor_err` are defined for an error
 /// completion; the rest is what the device left there.
 ///

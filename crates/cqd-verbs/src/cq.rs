@@ -572,30 +572,22 @@ const _: () = {
     use std::mem::{align_of, offset_of, size_of};
     assert!(size_of::<Completion>() == size_of::<sys::ibv_wc>());
     assert!(align_of::<Completion>() == align_of::<sys::ibv_wc>());
-    macro_rules! same {
-        ($($field:ident $(= $c:ident)?),*) => {$(
-            same!(@one $field $($c)?);
-        )*};
-        (@one $field:ident) => { same!(@one $field $field); };
-        (@one $field:ident $c:ident) => {
-            assert!(offset_of!(Completion, $field) == offset_of!(sys::ibv_wc, $c));
-        };
-    }
-    same!(
-        wr_id,
-        status,
-        opcode,
-        vendor_err,
-        byte_len,
-        imm_data = imm_data_invalidated_rkey_union,
-        qp_num,
-        src_qp,
-        wc_flags,
-        pkey_index,
-        slid,
-        sl,
-        dlid_path_bits
+    assert!(offset_of!(Completion, wr_id) == offset_of!(sys::ibv_wc, wr_id));
+    assert!(offset_of!(Completion, status) == offset_of!(sys::ibv_wc, status));
+    assert!(offset_of!(Completion, opcode) == offset_of!(sys::ibv_wc, opcode));
+    assert!(offset_of!(Completion, vendor_err) == offset_of!(sys::ibv_wc, vendor_err));
+    assert!(offset_of!(Completion, byte_len) == offset_of!(sys::ibv_wc, byte_len));
+    assert!(
+        offset_of!(Completion, imm_data)
+            == offset_of!(sys::ibv_wc, imm_data_invalidated_rkey_union)
     );
+    assert!(offset_of!(Completion, qp_num) == offset_of!(sys::ibv_wc, qp_num));
+    assert!(offset_of!(Completion, src_qp) == offset_of!(sys::ibv_wc, src_qp));
+    assert!(offset_of!(Completion, wc_flags) == offset_of!(sys::ibv_wc, wc_flags));
+    assert!(offset_of!(Completion, pkey_index) == offset_of!(sys::ibv_wc, pkey_index));
+    assert!(offset_of!(Completion, slid) == offset_of!(sys::ibv_wc, slid));
+    assert!(offset_of!(Completion, sl) == offset_of!(sys::ibv_wc, sl));
+    assert!(offset_of!(Completion, dlid_path_bits) == offset_of!(sys::ibv_wc, dlid_path_bits));
     assert!(size_of::<Status>() == size_of::<u32>() && size_of::<Opcode>() == size_of::<u32>());
     assert!(size_of::<WcFlags>() == size_of::<std::ffi::c_uint>());
     assert!(size_of::<rdma_sys::imm_data_invalidated_rkey_union_t>() == size_of::<u32>());
