@@ -21,13 +21,18 @@
 //! run interleaved so that both meet the same machine load. The poller is
 //! pinned to CPU 1 when the machine has two; the producer is left to the
 //! scheduler (pinned to a busy CPU, it is preempted between its time stamp
-//! and its push, and the latency measures that). The last row, the poller's
-//! CPU time per wake-up in the latency runs, is what the group's size costs
-//! each wake-up whatever the scheduler adds.
+//! and its push, and the latency measures that). The poller's CPU time per
+//! wake-up in the latency runs is what the group's size costs each wake-up
+//! whatever the scheduler adds. It is read over the steady part of each
+//! run (from the 20th sample to the last), and again over the poller's
+//! whole life: start-up arms every CQ of the group once and the stop
+//! drains each, which a group of 1,024 pays once and the whole-life figure
+//! spreads over its 400 wake-ups.
 //!
 //! `cargo bench --bench scale` (add `-- --quick` for a CI smoke run: one
-//! short run each). Figures are recorded in docs/benchmarks.md, "Many CQs
-//! per poller".
+//! short run each; `-- --profile event N`: six latency runs of a group of
+//! one and of N alternated in one process, for a profiler). Figures are
+//! recorded in docs/benchmarks.md, "Many CQs per poller".
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -43,8 +48,14 @@ const CAPACITY: u32 = 4096;
 
 /// Busy completions per poller CPU-second (M/s), by group size.
 static BUSY_CPU: std::sync::Mutex<Vec<(usize, f64)>> = std::sync::Mutex::new(Vec::new());
-/// Poller CPU per wake-up of the latency runs, by group size.
+/// Poller CPU per wake-up of the latency runs, by group size: its whole
+/// life (start-up and stop included) over its sleeps.
 static WAKE_CPU: std::sync::Mutex<Vec<(usize, f64)>> = std::sync::Mutex::new(Vec::new());
+/// The same over the steady part of the run only (after the warm-up
+/// samples, to the last): the cost of a wake-up itself.
+static WAKE_CPU_STEADY: std::sync::Mutex<Vec<(usize, f64)>> = std::sync::Mutex::new(Vec::new());
+/// Samples of a latency run before its steady window opens.
+const WARM: usize = 20;
 
 /// Counts completions and, when asked, the latency from the push stamp.
 struct Probe {
@@ -153,9 +164,14 @@ fn event_p50(n: usize, samples: usize) -> f64 {
     let g = group(PollMode::Event, n);
     std::thread::sleep(Duration::from_millis(50));
     let mut lat = Vec::with_capacity(samples);
+    let mut steady_from = None;
     for i in 0..samples {
         // Long enough for the poller to go to sleep.
         std::thread::sleep(Duration::from_micros(300 + (i as u64 * 37) % 200));
+        if i == WARM.min(samples / 2) {
+            // The poller is asleep: its CPU time was read as it went.
+            steady_from = Some(g.thread.snapshot());
+        }
         g.reg.track(OpKind::Send, 1);
         g.pushed_ns
             .store(g.base.elapsed().as_nanos() as u64, Ordering::Release);
@@ -167,6 +183,16 @@ fn event_p50(n: usize, samples: usize) -> f64 {
             std::hint::spin_loop();
         }
         lat.push(g.latency_ns.load(Ordering::Acquire) as f64 / 1e3);
+    }
+    // Asleep again after the last sample (its CPU time read as it went).
+    std::thread::sleep(Duration::from_millis(2));
+    if let Some(s0) = steady_from {
+        let s1 = g.thread.snapshot();
+        let wakes = s1.sleeps.saturating_sub(s0.sleeps).max(1);
+        let per_wake = s1.cpu_ns.saturating_sub(s0.cpu_ns) as f64 / 1e3 / wakes as f64;
+        if let Ok(mut v) = WAKE_CPU_STEADY.lock() {
+            v.push((n, per_wake));
+        }
     }
     if let Ok(r) = g.thread.stop() {
         // The poller's CPU per notified wake-up: what the group's size costs
@@ -289,7 +315,23 @@ impl std::fmt::Display for Goal {
 }
 
 fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let args: Vec<String> = std::env::args().collect();
+    // `--profile event N`: one latency run over N CQs, for a profiler.
+    if let Some(i) = args.iter().position(|a| a == "--profile") {
+        let n = args.get(i + 2).and_then(|n| n.parse().ok()).unwrap_or(1024);
+        for _ in 0..6 {
+            for n in [1, n] {
+                let p50 = event_p50(n, 400);
+                let per = WAKE_CPU_STEADY
+                    .lock()
+                    .map(|v| v.last().copied())
+                    .unwrap_or_default();
+                println!("event, {n} CQs: p50 {p50:.2} us, poller CPU per wake-up {per:?} us");
+            }
+        }
+        return;
+    }
+    let quick = args.iter().any(|a| a == "--quick");
     let reps = if quick { 1 } else { 5 };
     let samples = if quick { 40 } else { 400 };
     let idle_wall = Duration::from_millis(if quick { 300 } else { 2000 });
@@ -359,7 +401,8 @@ fn main() {
             many.0 / one.0
         );
     };
-    row("Event poller CPU per wake-up (us)", &WAKE_CPU);
+    row("Event poller CPU per wake-up (us)", &WAKE_CPU_STEADY);
+    row("  the same, start and stop incl.", &WAKE_CPU);
     row("Busy compl. per poller CPU-s (M/s)", &BUSY_CPU);
     let n = if quick { 1000 } else { 10_000 };
     let (shared, per_cq) = descriptors(n);
