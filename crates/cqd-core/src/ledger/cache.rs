@@ -42,10 +42,16 @@ fn cache_key(qp_num: u32, side: Side) -> u64 {
 /// from the CQ's [`WrLedger`] on a miss (a miss is remembered too, so a
 /// queue nobody attached costs one map look-up per run). Emptied whenever
 /// the ledger's attachments change.
-#[derive(Default)]
 pub(crate) struct AccountCache {
     epoch: u64,
-    map: KeyMap<Option<Arc<QueueAccount>>>,
+    /// (qp_num, side) → index in `accounts`.
+    map: KeyMap<u32>,
+    /// The accounts `map` found (`None`: no queue attached under its key).
+    accounts: Vec<Option<Arc<QueueAccount>>>,
+    /// The last two keys looked up and their indices in `accounts`: a
+    /// batch names one queue (WRITEs) or a QP's two (SEND/RECV), and
+    /// these spare it the map.
+    recent: [(u64, u32); 2],
     /// Scratch: silently completed wr_ids of the current batch.
     pub(crate) silent: Vec<u64>,
     /// The largest batch the poller polls (0: not known, for tests).
@@ -73,6 +79,26 @@ pub(crate) struct AccountCache {
 
 /// A completion of the batch that is already accounted (or not cqd's).
 const DONE: u64 = u64::MAX;
+
+impl Default for AccountCache {
+    fn default() -> Self {
+        AccountCache {
+            epoch: 0,
+            map: KeyMap::default(),
+            accounts: Vec::new(),
+            // No key is `DONE` (completions under it are skipped).
+            recent: [(DONE, 0); 2],
+            silent: Vec::new(),
+            batch: 0,
+            send_depths: 0,
+            deepest: 0,
+            closed: Vec::new(),
+            keys: Vec::new(),
+            received: Vec::new(),
+            dry: Vec::new(),
+        }
+    }
+}
 
 impl fmt::Debug for AccountCache {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -115,6 +141,8 @@ impl AccountCache {
         let epoch = ledger.epoch();
         if epoch != self.epoch {
             self.map.clear();
+            self.accounts.clear();
+            self.recent = [(DONE, 0); 2];
             (self.send_depths, self.deepest) = (0, 0);
             self.epoch = epoch;
         }
@@ -135,21 +163,16 @@ impl AccountCache {
                 wcs[i].qp_num,
                 if key & 1 == 1 { Side::Recv } else { Side::Send },
             );
-            let account = match self.map.entry(key) {
-                std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
-                std::collections::hash_map::Entry::Vacant(v) => {
-                    let found = ledger.lookup(qp, side);
-                    if let (Some(a), Side::Send) = (&found, side) {
-                        let depth = a.depth() as usize;
-                        self.send_depths += depth;
-                        self.deepest = self.deepest.max(depth);
-                        let bound = self.send_depths.min(self.batch * self.deepest);
-                        self.silent.reserve(bound.saturating_sub(self.silent.len()));
-                    }
-                    v.insert(found)
-                }
+            let index = if self.recent[0].0 == key {
+                self.recent[0].1
+            } else if self.recent[1].0 == key {
+                self.recent[1].1
+            } else {
+                let index = self.find(ledger, key, qp, side);
+                self.recent[1] = std::mem::replace(&mut self.recent[0], (key, index));
+                index
             };
-            let Some(account) = account else {
+            let Some(Some(account)) = self.accounts.get(index as usize) else {
                 continue;
             };
             // Every completion of this queue in the batch, in batch order
@@ -220,6 +243,27 @@ impl AccountCache {
 }
 
 impl AccountCache {
+    /// The index in `accounts` of the queue under `key`, looked up in the
+    /// map, or in the ledger on a miss (and remembered, found or not).
+    #[inline(never)]
+    fn find(&mut self, ledger: &WrLedger, key: u64, qp: u32, side: Side) -> u32 {
+        if let Some(&index) = self.map.get(&key) {
+            return index;
+        }
+        let found = ledger.lookup(qp, side);
+        if let (Some(a), Side::Send) = (&found, side) {
+            let depth = a.depth() as usize;
+            self.send_depths += depth;
+            self.deepest = self.deepest.max(depth);
+            let bound = self.send_depths.min(self.batch * self.deepest);
+            self.silent.reserve(bound.saturating_sub(self.silent.len()));
+        }
+        let index = self.accounts.len() as u32;
+        self.accounts.push(found);
+        self.map.insert(key, index);
+        index
+    }
+
     /// After a batch's handlers ran (and reposted what they repost): each
     /// receive queue the batch consumed from that now holds `low_water`
     /// receives or fewer, and did not at the last check, goes into
@@ -378,6 +422,48 @@ mod tests {
             sized,
             "the silent scratch grew"
         );
+    }
+
+    /// Batches that name more queues than the two the cache keeps at
+    /// hand, in turns, with a queue nobody attached among them: each
+    /// completion retires its own queue's entry, once. QP 0's send queue,
+    /// whose key is 0, is among them.
+    #[test]
+    fn queues_taking_turns_past_the_recent_two_are_each_accounted() {
+        let ledger = WrLedger::new();
+        let key = crate::wr_id::HandlerKey::new(0, 0).unwrap();
+        let id = |t: u32| key.wr_id(OpKind::Send, t).unwrap();
+        let sqs: Vec<_> = (0..3)
+            .map(|qp| ledger.open_queue(qp, Queue::Send))
+            .collect();
+        let rounds = 4u32;
+        for (qp, sq) in (0..3u32).zip(&sqs) {
+            let ids: Vec<(u64, bool)> = (0..rounds).map(|r| (id(qp * 100 + r), true)).collect();
+            push(sq, &ids);
+        }
+        let mut cache = AccountCache::default();
+        let wc = |qp: u32, r: u32| {
+            let t = if qp == 9 { 900 + r } else { qp * 100 + r };
+            Completion::success(id(t), crate::completion::Opcode::Send, qp)
+        };
+        for r in 0..rounds {
+            // Even rounds 0, 1, 9 (not attached), 2; odd rounds the other
+            // way round: the cache's two are hit in either place, and
+            // missed.
+            let mut order = [0u32, 1, 9, 2];
+            if r % 2 == 1 {
+                order.reverse();
+            }
+            let wcs: Vec<Completion> = order.iter().map(|&qp| wc(qp, r)).collect();
+            cache.account_batch(&ledger, &wcs, u32::MAX);
+            for sq in &sqs {
+                assert_eq!(sq.outstanding(), (rounds - r - 1) as usize);
+            }
+        }
+        // A completion naming an entry already retired retires nothing.
+        let again = Completion::success(id(101), crate::completion::Opcode::Send, 1);
+        cache.account_batch(&ledger, &[again], u32::MAX);
+        assert!(sqs.iter().all(|q| q.outstanding() == 0));
     }
 
     /// Many send queues on one CQ: the silent scratch holds what one batch
