@@ -316,7 +316,8 @@ impl std::fmt::Display for Goal {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    // `--profile event N`: one latency run over N CQs, for a profiler.
+    // `--profile event N`: latency runs of a group of one and of N,
+    // alternated six times in this process, for a profiler.
     if let Some(i) = args.iter().position(|a| a == "--profile") {
         let n = args.get(i + 2).and_then(|n| n.parse().ok()).unwrap_or(1024);
         for _ in 0..6 {

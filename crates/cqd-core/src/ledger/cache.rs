@@ -460,9 +460,15 @@ mod tests {
                 assert_eq!(sq.outstanding(), (rounds - r - 1) as usize);
             }
         }
-        // A completion naming an entry already retired retires nothing.
+        // A completion naming an entry already retired retires nothing,
+        // not even the one posted after it; that one's own completion
+        // does.
+        push(&sqs[1], &[(id(1000), true)]);
         let again = Completion::success(id(101), crate::completion::Opcode::Send, 1);
         cache.account_batch(&ledger, &[again], u32::MAX);
+        assert_eq!(sqs[1].outstanding(), 1);
+        let last = Completion::success(id(1000), crate::completion::Opcode::Send, 1);
+        cache.account_batch(&ledger, &[last], u32::MAX);
         assert!(sqs.iter().all(|q| q.outstanding() == 0));
     }
 
