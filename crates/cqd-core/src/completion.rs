@@ -306,9 +306,8 @@ impl WcFlags {
 
 /// One work completion, as polled from a CQ.
 ///
-/// Mirrors `struct ibv_wc`, every field. Only
-/// `wr_id`, `status`, `qp_num` and `vendor_err` are defined for an error
-/// completion; the rest is what the device left there.
+/// Only `wr_id`, `status`, `qp_num` and `vendor_err` are defined for an
+/// error completion; the rest is what the device left there.
 ///
 /// The layout is `struct ibv_wc`'s, field for field (cqd-verbs checks every
 /// offset when it compiles), and every bit pattern is a valid completion.
