@@ -23,17 +23,28 @@
 //! out twice, so a buffer held in a context stays alive until the device is
 //! done with it.
 //!
-//! Storage is a table of `capacity` slots (and a few more, step 4) made once, at registration
+//! **Storage.** A context of at most 8 bytes ([`in_ring`]: an integer, an
+//! index, a `Box`, an `Arc`) travels in its request's entry of the queue's
+//! ring (`account::ring`): the posting call writes its word beside the
+//! entry (R1), the claim that retires the entry, or the tombstone that
+//! takes it back at `bad_wr`, owns the word (R4, R5), and the handler's end
+//! hands back what the rings still hold (R8). Such a request's tag is its
+//! position on its queue. Nothing per request is shared between the
+//! posters and the poller but the ring, and nothing is allocated.
+//!
+//! A larger context lives in a table of `capacity` slots (and a few more,
+//! step 4) made once, at registration
 //! ([`CqHandle::register_with_contexts`](crate::CqHandle::register_with_contexts)):
 //! no allocation per request. The slot's index is the request's tag. A
 //! table with no free slot refuses the post ([`Refused::Contexts`](crate::post::Refused::Contexts)), as
-//! credits refuse one on a full CQ. Posts go through the
-//! `ContextRegistration` the registration returns (`crate::cq`), which
-//! has no tag-based posting call. Plain tags
-//! ([`Handler`]) cost what they always did: no table.
+//! credits refuse one on a full CQ.
 //!
-//! **The slot protocol** (C1–C5 in docs/posting.md; the SAFETY comments
-//! and the loom models `context::loom_table` cite these numbers):
+//! Posts go through the `ContextRegistration` the registration returns
+//! (`crate::cq`), which has no tag-based posting call. Plain tags
+//! ([`Handler`]) cost what they always did: no table, no word.
+//!
+//! **The slot protocol of a table** (C1–C5 in docs/posting.md; the SAFETY
+//! comments and the loom models `context::loom_table` cite these numbers):
 //!
 //! 1. **Take a slot.** A poster pops a free index from the table's free
 //!    stack (a Treiber stack of indices, its top tagged with a counter
@@ -68,6 +79,7 @@ use std::sync::Arc;
 
 use crossbeam_utils::CachePadded;
 
+use crate::account::CtxWord;
 use crate::handler::{Failed, Handler, Outbox, RecvDone, SendDone, Silent};
 use crate::sink::NoWork;
 use crate::sync::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -326,37 +338,108 @@ impl<C> Drop for Table<C> {
     }
 }
 
+/// True when a context of type `C` travels in its request's entry of the
+/// queue's ring (`account::ring`, R1 and R5) rather than in a table: it
+/// fits the entry's 8-byte word (an integer, a `Box`, an `Arc`, an index).
+pub(crate) const fn in_ring<C>() -> bool {
+    std::mem::size_of::<C>() <= 8 && std::mem::align_of::<C>() <= 8
+}
+
+/// Moves `value` into a ring word ([`in_ring`] types only).
+#[inline(always)]
+pub(crate) fn to_word<C>(value: C) -> CtxWord {
+    // Folded away for every type (a constant per type); a type too large
+    // never reaches here (its registration made a table).
+    assert!(in_ring::<C>(), "a context of more than 8 bytes has a table");
+    let mut word = CtxWord::uninit();
+    // SAFETY: a `MaybeUninit<u64>` has room and alignment for a `C` (the
+    // assertion above); the value's bytes, padding included, are kept as
+    // they are.
+    unsafe { word.as_mut_ptr().cast::<C>().write(value) };
+    word
+}
+
+/// Moves a value back out of a ring word.
+///
+/// # Safety
+/// `word` was made by [`to_word::<C>`](to_word) and the value has not been
+/// moved out of it (nor out of a copy of it) before: the ring's claim
+/// (R4/R5) gives each word to one owner.
+#[inline(always)]
+pub(crate) unsafe fn from_word<C>(word: CtxWord) -> C {
+    // SAFETY: the caller's.
+    unsafe { word.as_ptr().cast::<C>().read() }
+}
+
+/// What a context handler's registration and its handler share.
+#[derive(Debug, Default)]
+pub(crate) struct Shared {
+    /// The handler's end has come (ring contexts: its drop handed back
+    /// what the rings held); posts with contexts are refused from then on.
+    pub(crate) gone: AtomicBool,
+    /// Completions that carried no context of this handler (ring
+    /// contexts; a table counts its own).
+    pub(crate) empty_hits: AtomicU64,
+}
+
 /// The [`Handler`] cqd registers for a [`ContextHandler`]: it takes each
-/// request's context out of the table and hands it to the callback.
+/// request's context out of the completion (a context of at most 8 bytes,
+/// which the queue's ring carried) or out of the table, and hands it to
+/// the callback.
 pub(crate) struct WithContexts<H: ContextHandler<W>, W> {
     pub(crate) inner: H,
-    pub(crate) table: Arc<Table<H::Ctx>>,
+    /// The table, for a context too large for the ring.
+    pub(crate) table: Option<Arc<Table<H::Ctx>>>,
     /// The slots emptied and not yet pushed back (step 4).
     pub(crate) returns: Returns,
+    pub(crate) shared: Arc<Shared>,
+    /// The handler's registration: its key and its CQ's ledger, for the
+    /// end (ring contexts).
+    pub(crate) reg: crate::cq::Registration,
 }
 
 impl<H: ContextHandler<W>, W> WithContexts<H, W> {
-    pub(crate) fn new(inner: H, table: Arc<Table<H::Ctx>>) -> Self {
+    pub(crate) fn new(
+        inner: H,
+        table: Option<Arc<Table<H::Ctx>>>,
+        shared: Arc<Shared>,
+        reg: crate::cq::Registration,
+    ) -> Self {
         WithContexts {
             inner,
             table,
             returns: Returns::default(),
+            shared,
+            reg,
         }
     }
 
-    #[inline]
-    fn take(&mut self, index: u32) -> Option<H::Ctx> {
-        self.table.take_returning(index, &mut self.returns)
+    /// The context of a completion: its word (R5), or its table slot.
+    #[inline(always)]
+    fn take(&mut self, ctx: Option<CtxWord>, tag: u32) -> Option<H::Ctx> {
+        if in_ring::<H::Ctx>() {
+            // SAFETY: a word reaches a completion only from an entry
+            // posted with one (R1), and an entry names its poster's
+            // handler in its wr_id, which routed this completion here: the
+            // word was made by this handler's registration from an
+            // `H::Ctx`. The claim (R5) gave it to this completion alone.
+            return ctx.map(|w| unsafe { from_word::<H::Ctx>(w) });
+        }
+        let table = self.table.as_ref()?;
+        table.take_returning(tag, &mut self.returns)
     }
 }
 
 impl<H: ContextHandler<W>, W> WithContexts<H, W> {
-    /// A completion that names an empty slot: a foreign or corrupted tag
-    /// (the wr_id decoded, the handler matched, its tag did not).
+    /// A completion that carries no context: a foreign or corrupted wr_id
+    /// (the wr_id decoded, the handler matched, no request of its matched).
     #[cold]
     #[inline(never)]
     fn empty(&self, key: HandlerKey, tag: u32) {
-        self.table.empty_hits.fetch_add(1, Ordering::Relaxed);
+        match &self.table {
+            Some(t) => t.empty_hits.fetch_add(1, Ordering::Relaxed),
+            None => self.shared.empty_hits.fetch_add(1, Ordering::Relaxed),
+        };
         tracing::error!(handler = %key, tag, "completion names a request context that is not posted: not delivered");
     }
 }
@@ -364,26 +447,26 @@ impl<H: ContextHandler<W>, W> WithContexts<H, W> {
 impl<H: ContextHandler<W>, W: 'static> Handler<W> for WithContexts<H, W> {
     #[inline]
     fn on_send(&mut self, done: &SendDone<'_>, out: &mut Outbox<'_, W>) {
-        match self.take(done.tag()) {
+        match self.take(done.ctx, done.tag()) {
             Some(ctx) => self.inner.on_send(done, ctx, out),
             None => self.empty(done.key(), done.tag()),
         }
     }
     #[inline]
     fn on_recv(&mut self, done: &RecvDone<'_>, out: &mut Outbox<'_, W>) {
-        match self.take(done.tag()) {
+        match self.take(done.ctx, done.tag()) {
             Some(ctx) => self.inner.on_recv(done, ctx, out),
             None => self.empty(done.key(), done.tag()),
         }
     }
     fn on_error(&mut self, failed: &Failed<'_>, out: &mut Outbox<'_, W>) {
-        match self.take(failed.tag()) {
+        match self.take(failed.ctx, failed.tag()) {
             Some(ctx) => self.inner.on_error(failed, ctx, out),
             None => self.empty(failed.key(), failed.tag()),
         }
     }
     fn on_silent(&mut self, silent: &Silent, out: &mut Outbox<'_, W>) {
-        match self.take(silent.tag()) {
+        match self.take(silent.ctx, silent.tag()) {
             Some(ctx) => self.inner.on_silent(silent, ctx, out),
             None => self.empty(silent.key(), silent.tag()),
         }
@@ -396,9 +479,36 @@ impl<H: ContextHandler<W>, W: 'static> Handler<W> for WithContexts<H, W> {
 impl<H: ContextHandler<W>, W> Drop for WithContexts<H, W> {
     fn drop(&mut self) {
         // Step 5.
-        self.table.give_back(&mut self.returns);
         let inner = &mut self.inner;
-        self.table.drain(|ctx| inner.on_abandoned(ctx));
+        if let Some(table) = &self.table {
+            table.give_back(&mut self.returns);
+            table.drain(|ctx| inner.on_abandoned(ctx));
+            return;
+        }
+        // Ring contexts (R8 of `account::ring`): posts are refused from
+        // now on (each queue's posting lock, taken below after this store,
+        // orders it before any later post's check), then every live entry
+        // of this handler's gives its context back, once.
+        self.shared.gone.store(true, Ordering::SeqCst);
+        let Some(ledger) = self.reg.cq_ledger() else {
+            return;
+        };
+        let key = self.reg.key();
+        let mine = |wr_id: u64| crate::wr_id::WrId::decode(wr_id).is_ok_and(|id| id.key == key);
+        let mut left: Vec<H::Ctx> = Vec::new();
+        for (_, _, account) in ledger.accounts() {
+            account.abandon_where(&mine, &mut |w| {
+                // SAFETY: as in `take`: an entry of this handler's posted
+                // with a word; `abandon_where` hands each word out once and
+                // clears its flag under both locks.
+                left.push(unsafe { from_word::<H::Ctx>(w) });
+            });
+        }
+        // Outside the queues' locks: a callback that panics leaves the
+        // rest to be dropped with `left`.
+        for ctx in left {
+            inner.on_abandoned(ctx);
+        }
     }
 }
 

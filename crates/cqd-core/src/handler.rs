@@ -24,6 +24,10 @@ pub struct SendDone<'a> {
     pub(crate) tag: u32,
     pub(crate) key: HandlerKey,
     pub(crate) wc: &'a Completion,
+    /// The request's context word, if its queue's ring held one (R5 of
+    /// `account::ring`): read only by the handler cqd registers for a
+    /// context handler (`crate::context`).
+    pub(crate) ctx: Option<crate::account::CtxWord>,
 }
 
 impl SendDone<'_> {
@@ -63,6 +67,10 @@ pub struct RecvDone<'a> {
     pub(crate) tag: u32,
     pub(crate) key: HandlerKey,
     pub(crate) wc: &'a Completion,
+    /// The request's context word, if its queue's ring held one (R5 of
+    /// `account::ring`): read only by the handler cqd registers for a
+    /// context handler (`crate::context`).
+    pub(crate) ctx: Option<crate::account::CtxWord>,
 }
 
 impl RecvDone<'_> {
@@ -131,6 +139,10 @@ pub struct Failed<'a> {
     pub(crate) tag: u32,
     pub(crate) key: HandlerKey,
     pub(crate) wc: &'a Completion,
+    /// The request's context word, if its queue's ring held one (R5 of
+    /// `account::ring`): read only by the handler cqd registers for a
+    /// context handler (`crate::context`).
+    pub(crate) ctx: Option<crate::account::CtxWord>,
 }
 
 impl Failed<'_> {
@@ -197,6 +209,8 @@ pub struct Silent {
     pub(crate) kind: OpKind,
     pub(crate) tag: u32,
     pub(crate) key: HandlerKey,
+    /// As [`SendDone`]'s.
+    pub(crate) ctx: Option<crate::account::CtxWord>,
 }
 
 impl Silent {

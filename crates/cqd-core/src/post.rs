@@ -222,6 +222,25 @@ pub enum Refused {
         /// The table's capacity.
         capacity: u32,
     },
+    /// A context handler's poller has stopped (its handler was dropped
+    /// and handed back what it held): a context posted now would never
+    /// come back to it.
+    #[error("handler {handler}'s poller has stopped: a context posted now would not come back")]
+    Ended {
+        /// The handler.
+        handler: crate::wr_id::HandlerKey,
+    },
+    /// A request with a context is tagged with its position on its queue
+    /// (24 bits): the queue still holds a request posted about 2^24 posts
+    /// ago, whose tag a new one could repeat. Requests without contexts
+    /// are still taken; this clears once that request completes.
+    #[error("handler {handler}: queue {queue} holds a request outstanding for about 2^24 posts; a context's tag could repeat its tag")]
+    ContextTagsWrap {
+        /// The handler.
+        handler: crate::wr_id::HandlerKey,
+        /// The queue's number (its QP's, or its SRQ's).
+        queue: u32,
+    },
     /// The queue's completions go to another CQ than the handler's: they
     /// would never reach it.
     #[error("the queue's completions go to another CQ than handler {handler}'s ({cq})")]

@@ -48,3 +48,59 @@ impl<T> ShortMutex<T> {
 /// See the build's version.
 #[cfg(loom)]
 pub(crate) type ShortGuard<'a, T> = loom::sync::MutexGuard<'a, T>;
+
+/// A plain (not atomic) word that two threads pass between them under a
+/// protocol that orders every write before the other side's read (a
+/// request's context in its queue's ring: written before the Release that
+/// publishes the entry, read by whichever side the entry's claim made its
+/// owner). loom's version checks that no two accesses race. The word may
+/// hold a value's bytes whatever they are (padding included), so it is a
+/// `MaybeUninit`.
+#[cfg(not(loom))]
+pub(crate) struct Word(std::cell::UnsafeCell<std::mem::MaybeUninit<u64>>);
+/// See the build's version.
+#[cfg(loom)]
+pub(crate) struct Word(loom::cell::UnsafeCell<std::mem::MaybeUninit<u64>>);
+
+impl Word {
+    pub(crate) fn new() -> Self {
+        #[cfg(not(loom))]
+        let cell = std::cell::UnsafeCell::new(std::mem::MaybeUninit::uninit());
+        #[cfg(loom)]
+        let cell = loom::cell::UnsafeCell::new(std::mem::MaybeUninit::uninit());
+        Word(cell)
+    }
+
+    /// # Safety
+    /// No other thread writes the word now, and its last write happened
+    /// before this read (the caller's protocol orders them).
+    #[inline(always)]
+    pub(crate) unsafe fn read(&self) -> std::mem::MaybeUninit<u64> {
+        #[cfg(not(loom))]
+        // SAFETY: the caller's.
+        return unsafe { *self.0.get() };
+        #[cfg(loom)]
+        // SAFETY: the caller's.
+        return self.0.with(|p| unsafe { *p });
+    }
+
+    /// # Safety
+    /// No other thread reads or writes the word now.
+    #[inline(always)]
+    pub(crate) unsafe fn write(&self, value: std::mem::MaybeUninit<u64>) {
+        #[cfg(not(loom))]
+        // SAFETY: the caller's.
+        unsafe {
+            *self.0.get() = value;
+        }
+        #[cfg(loom)]
+        // SAFETY: the caller's.
+        self.0.with_mut(|p| unsafe { *p = value });
+    }
+}
+
+// SAFETY: the word is reached only under the protocol its owner follows
+// (see the type's documentation); it holds plain bytes.
+unsafe impl Sync for Word {}
+// SAFETY: as above.
+unsafe impl Send for Word {}

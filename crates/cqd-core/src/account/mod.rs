@@ -6,7 +6,7 @@
 //! and its poller share no lock: posters serialise among themselves on the
 //! ring's posting lock, the poller holds its retiring lock, and the two
 //! sides meet only in atomics (the protocol, numbered, is in
-//! `account::ring`; its steps are cited as R1–R7 here and in
+//! `account::ring`; its steps are cited as R1–R8 here and in
 //! [`crate::post`]).
 //!
 //! 1. **Posting** (the posting call, [`crate::post`]): the poster takes the
@@ -70,7 +70,7 @@ use parking_lot::Mutex as PlainMutex;
 use crate::budget::CqBudget;
 use crate::sync::{AtomicBool, Ordering};
 use crate::wr_id::{HandlerKey, OpKind, Side, WrId};
-pub(crate) use ring::{stamp, stamp_now};
+pub(crate) use ring::{stamp, stamp_now, CtxWord, SilentEntry};
 use ring::{NewEntry, Poster, Retirer, Ring};
 
 /// Where an account belongs: its CQ's ledger (`crate::ledger`), which
@@ -399,22 +399,42 @@ impl QueueAccount {
     /// credits retired (not yet given back).
     #[cold]
     #[inline(never)]
-    pub(crate) fn retire_chained(&self, wr_id: u64, success: bool, silent: &mut Vec<u64>) -> u64 {
+    pub(crate) fn retire_chained(
+        &self,
+        wr_id: u64,
+        success: bool,
+        silent: &mut Vec<SilentEntry>,
+        ctx: &mut Option<CtxWord>,
+    ) -> (u64, bool) {
         let mut prev = self.prev.lock();
         if let Some(p) = prev.as_ref() {
-            let (credits, found) = p.retiring().retire(wr_id, success, silent);
+            let (credits, found) = p.retiring().retire(wr_id, success, silent, ctx);
             if found {
-                return credits;
+                return (credits, true);
             }
         }
-        let (mut credits, found) = self.retiring().retire(wr_id, success, silent);
+        let (mut credits, found) = self.retiring().retire(wr_id, success, silent, ctx);
         if found {
             if let Some(p) = prev.take() {
                 self.has_prev.store(false, Ordering::Release);
                 credits += p.retiring().r.take_all(silent);
             }
         }
-        credits
+        (credits, found)
+    }
+
+    /// The end of a context handler (`crate::context`): every live request
+    /// of this queue (and of its predecessor) whose wr_id has a context
+    /// and satisfies `mine` gives its context word to `each`, once (see
+    /// `Retirer::abandon_where`). Takes the posting lock, then the
+    /// retiring lock (as [`close`](Self::close) does): no post is in
+    /// flight while it looks.
+    pub(crate) fn abandon_where(&self, mine: &dyn Fn(u64) -> bool, each: &mut dyn FnMut(CtxWord)) {
+        if let Some(p) = self.prev.lock().as_ref() {
+            p.abandon_where(mine, each);
+        }
+        let _posting = self.ring.poster();
+        self.ring.retirer().abandon_where(mine, each);
     }
 }
 
@@ -458,6 +478,26 @@ impl Posting<'_> {
             .write(NewEntry::new(wr_id, at, self.credit, signaled));
     }
 
+    /// R1 for a request with a context: `ctx` is the context's word.
+    #[inline]
+    pub(crate) fn write_ctx(&mut self, wr_id: u64, at: u64, signaled: bool, ctx: CtxWord) {
+        self.poster
+            .write(NewEntry::new(wr_id, at, self.credit, signaled).with_ctx(ctx));
+    }
+
+    /// The position the next write takes (a context tag is made from it).
+    #[inline]
+    pub(crate) fn next_pos(&self) -> u64 {
+        self.poster.next_pos()
+    }
+
+    /// True when a context tag might repeat an outstanding request's (see
+    /// `Poster::tags_wrap`).
+    #[inline]
+    pub(crate) fn tags_wrap(&self) -> bool {
+        self.poster.tags_wrap()
+    }
+
     /// R2: publishes the entries written, before the backend's post.
     #[inline]
     pub(crate) fn publish(&self) {
@@ -493,6 +533,19 @@ impl Posting<'_> {
 
 #[cfg(all(test, loom))]
 impl Posting<'_> {
+    /// The loom models' mutation of R1 for a context: the entry is
+    /// written flagged, and its word only by
+    /// [`write_word_late`](Self::write_word_late).
+    pub(crate) fn write_flagged(&mut self, wr_id: u64, at: Instant, signaled: bool) {
+        self.poster
+            .write_flagged(wr_id, ring::stamp(at), self.credit, signaled);
+    }
+
+    /// The mutation's late write of the word at `pos`.
+    pub(crate) fn write_word_late(&mut self, pos: u64, ctx: CtxWord) {
+        self.poster.write_word_late(pos, ctx);
+    }
+
     /// The loom models' mutation of R4: tombstones with a plain store, as
     /// if no completion could race with it, and gives the credits back.
     pub(crate) fn settle_without_cas(mut self, posted: usize) {
@@ -528,9 +581,10 @@ impl Retiring<'_> {
         &mut self,
         wr_id: u64,
         success: bool,
-        silent: &mut Vec<u64>,
+        silent: &mut Vec<SilentEntry>,
+        ctx: &mut Option<CtxWord>,
     ) -> (u64, bool) {
-        self.r.retire(wr_id, success, self.in_order, silent)
+        self.r.retire(wr_id, success, self.in_order, silent, ctx)
     }
 
     /// True when nothing is outstanding (R6 first).

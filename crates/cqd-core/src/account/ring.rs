@@ -19,8 +19,10 @@
 //!
 //! 1. **Write.** A poster, holding the posting lock, writes each request's
 //!    entry at the next positions from its tail: wr_id, post time, flags,
-//!    state *live*. A position that starts a segment first links one
-//!    (popped from the free stack, or allocated) behind the last.
+//!    state *live*, and, for a request with a context, the context's word
+//!    beside it (and the flag that says so in the state word). A position that starts a
+//!    segment first links one (popped from the free stack, or allocated)
+//!    behind the last.
 //! 2. **Publish** `tail` (Release), *before* the provider's post: a
 //!    completion that arrives inside the post (an inline NIC, softverbs, a
 //!    fast device) finds its entry.
@@ -38,7 +40,12 @@
 //!    `head` up to `tail`. It takes an entry below `committed` with a plain
 //!    store, one at or above it by compare-and-swap *live → taken* (a poster
 //!    may be tombstoning it, step 4): each entry is decided once, by
-//!    whichever side wins.
+//!    whichever side wins. **The winner owns the entry's context word**:
+//!    the poller reads it (the poster wrote it before step 2's Release,
+//!    which the poller's Acquire of `tail` saw) and hands it to the
+//!    completion; a poster whose tombstone won keeps the value it wrote
+//!    and hands it back to its caller. Nobody else reads the word until
+//!    the segment is used again (step 7).
 //! 6. **Advance.** `head` moves over taken and dead entries (both final).
 //!    A segment `head` has left, once the next one is linked, is pushed on
 //!    the free stack.
@@ -47,6 +54,16 @@
 //!    time a pop cannot meet the ABA problem (nobody else removes the head
 //!    it read), and a segment's links change only once a poster has popped
 //!    it.
+//!
+//! 8. **A context handler's end** (`crate::context`): its handler, dropped
+//!    on the poller thread after the last poll, first marks itself gone,
+//!    so that every later post with a context is refused (the posting
+//!    call reads the mark under the posting lock). Then, for each queue of
+//!    the CQ, it takes the posting lock (no post in flight: every entry is
+//!    below `committed`) and the retiring lock, reads the word of each of
+//!    its live entries that holds one, and clears that entry's flag: the
+//!    entry stays live (the request is still on the device, and the stop
+//!    reports it missing), but no later claim reads the word again.
 //!
 //! So a segment is written by one side at a time: posters write positions
 //! at or after `head` that they own (steps 1, 4); the poller recycles a
@@ -58,16 +75,37 @@ use std::time::Instant;
 
 use crossbeam_utils::CachePadded;
 
-use crate::sync::{AtomicPtr, AtomicU64, Ordering, ShortGuard, ShortMutex};
+use std::mem::MaybeUninit;
+
+use crate::sync::{AtomicPtr, AtomicU64, Ordering, ShortGuard, ShortMutex, Word};
+
+/// A request's context, as its entry's word holds it: the bytes of a
+/// value of at most 8 (`crate::context`).
+pub(crate) type CtxWord = MaybeUninit<u64>;
+
+/// A request retired without a completion of its own (an unsignaled send
+/// a later completion covered, a predecessor's leftover): its wr_id, and
+/// its context word if it was posted with one.
+pub(crate) type SilentEntry = (u64, Option<CtxWord>);
+
+/// Context tags are this many positions wide (a wr_id's tag): the posting
+/// call tags a request with a context by its position modulo this.
+pub(crate) const TAG_SPAN: u64 = 1 << crate::wr_id::TAG_BITS;
 
 /// Entries per segment (two under loom, so that the models cross
 /// segments): a segment is one 4 KiB page, the span a hardware prefetcher
 /// streams over, so a queue's entries cost no more to walk than a
-/// contiguous ring's.
+/// contiguous ring's: 169 entries of 16 bytes, then their 169 context
+/// words (a request without a context leaves its word untouched, so
+/// the poller of plain requests never reads those lines), then the
+/// watchdog's bits.
 #[cfg(not(loom))]
-pub(crate) const SEG: u64 = 255;
+pub(crate) const SEG: u64 = 169;
 #[cfg(loom)]
 pub(crate) const SEG: u64 = 2;
+
+/// Words of a segment's `reported` bits.
+const REPORT_WORDS: usize = (SEG as usize).div_ceil(64);
 
 /// The state of an entry, in the low bits of its word.
 const STATE: u64 = 0b11;
@@ -78,8 +116,8 @@ const DEAD: u64 = 2;
 const CREDIT: u64 = 1 << 2;
 /// The request asked for a completion on success.
 const SIGNALED: u64 = 1 << 3;
-/// The watchdog has reported it stuck.
-const REPORTED: u64 = 1 << 4;
+/// The entry's context word holds its request's context (R1).
+const HAS_CTX: u64 = 1 << 4;
 /// The post time ([`clock`](super::clock)'s reading), above the flags.
 pub(crate) const AT_SHIFT: u32 = 64 - super::clock::BITS;
 
@@ -100,6 +138,7 @@ pub(crate) fn stamp_now() -> u64 {
 pub(crate) struct Seen {
     pub(crate) wr_id: u64,
     word: u64,
+    reported: bool,
 }
 
 impl Seen {
@@ -114,10 +153,7 @@ impl Seen {
         self.word & SIGNALED != 0
     }
     pub(crate) fn reported(self) -> bool {
-        self.word & REPORTED != 0
-    }
-    fn state(self) -> u64 {
-        self.word & STATE
+        self.reported
     }
 }
 
@@ -129,6 +165,12 @@ struct Entry {
 #[cfg_attr(not(loom), repr(C, align(4096)))]
 struct Segment {
     entries: [Entry; SEG as usize],
+    /// The context word of each entry (R1, R5).
+    ctx: [Word; SEG as usize],
+    /// One bit per entry: the watchdog has reported it stuck. Cleared
+    /// when a poster links the segment (R1): nobody else reaches a
+    /// segment before a position in it is published.
+    reported: [AtomicU64; REPORT_WORDS],
     /// The segment after this one, once a poster links it (step 1).
     next: AtomicPtr<Segment>,
     /// The free stack's link (step 7).
@@ -141,6 +183,8 @@ fn alloc_segment() -> *mut Segment {
             wr_id: AtomicU64::new(0),
             word: AtomicU64::new(DEAD),
         }),
+        ctx: std::array::from_fn(|_| Word::new()),
+        reported: std::array::from_fn(|_| AtomicU64::new(0)),
         next: AtomicPtr::new(ptr::null_mut()),
         free_next: AtomicPtr::new(ptr::null_mut()),
     }))
@@ -166,6 +210,12 @@ impl Cursor {
     /// the ring.
     #[inline]
     fn at<'r>(&mut self, pos: u64) -> &'r Entry {
+        self.slot(pos).0
+    }
+
+    /// As [`at`](Self::at), with the entry's context word.
+    #[inline]
+    fn slot<'r>(&mut self, pos: u64) -> (&'r Entry, &'r Word) {
         while pos >= self.start + SEG {
             // SAFETY: the segment is live (segments are freed only with the
             // ring) and, since `pos` is below a tail this thread published
@@ -179,8 +229,34 @@ impl Cursor {
             self.seg = next;
             self.start += SEG;
         }
-        // SAFETY: as above, the segment is live; `pos - start < SEG`.
-        unsafe { &(*self.seg).entries[(pos - self.start) as usize] }
+        let i = (pos - self.start) as usize;
+        // SAFETY: as above, the segment is live; `i < SEG`.
+        unsafe { (&(*self.seg).entries[i], &(*self.seg).ctx[i]) }
+    }
+
+    /// The context word of the entry at `pos`, whose state word is
+    /// `word`, if it was posted with one.
+    ///
+    /// # Safety
+    /// The caller owns the entry (R5: its claim won) and holds the
+    /// retiring lock.
+    #[inline]
+    unsafe fn ctx(&mut self, pos: u64, word: u64) -> Option<CtxWord> {
+        if word & HAS_CTX == 0 {
+            return None;
+        }
+        // SAFETY: the caller's; the word was written before R2's Release,
+        // which the caller's Acquire of `tail` saw.
+        Some(unsafe { self.slot(pos).1.read() })
+    }
+
+    /// The watchdog's bit of the entry at `pos` (its word, its mask).
+    #[inline]
+    fn report_bit<'r>(&mut self, pos: u64) -> (&'r AtomicU64, u64) {
+        let _ = self.slot(pos);
+        let i = (pos - self.start) as usize;
+        // SAFETY: `slot` moved the cursor to the live segment holding `pos`.
+        (unsafe { &(*self.seg).reported[i / 64] }, 1 << (i % 64))
     }
 }
 
@@ -198,6 +274,10 @@ pub(crate) struct Producer {
     before_post: Option<(Cursor, u64, u64)>,
     /// Segments made by [`Ring::reserve`] and the first.
     reserved: u64,
+    /// The queue's oldest live request was, at the last segment linked,
+    /// so far behind the tail that a context tag (23 bits of position)
+    /// could repeat one still outstanding (see [`Poster::tags_wrap`]).
+    wide: bool,
 }
 
 /// What the poller keeps, under the retiring lock.
@@ -259,6 +339,7 @@ impl Ring {
                 last_posted: None,
                 before_post: None,
                 reserved: 1,
+                wide: false,
             })),
             retire: CachePadded::new(ShortMutex::new(Consumer { at: first, head: 0 })),
         }
@@ -347,6 +428,8 @@ impl Drop for Ring {
 pub(crate) struct NewEntry {
     pub(crate) wr_id: u64,
     word: u64,
+    /// Its context word, if it has one.
+    ctx: Option<CtxWord>,
 }
 
 impl NewEntry {
@@ -355,7 +438,21 @@ impl NewEntry {
     pub(crate) fn new(wr_id: u64, at: u64, credit: bool, signaled: bool) -> Self {
         let word =
             at | LIVE | if credit { CREDIT } else { 0 } | if signaled { SIGNALED } else { 0 };
-        NewEntry { wr_id, word }
+        NewEntry {
+            wr_id,
+            word,
+            ctx: None,
+        }
+    }
+
+    /// The entry carries `ctx`.
+    #[inline]
+    pub(crate) fn with_ctx(self, ctx: CtxWord) -> Self {
+        NewEntry {
+            word: self.word | HAS_CTX,
+            ctx: Some(ctx),
+            ..self
+        }
     }
 }
 
@@ -373,13 +470,40 @@ impl Poster<'_> {
         let p = &mut *self.p;
         if p.tail == p.last.start + SEG {
             link(self.ring, &mut p.last);
+            let behind = p
+                .tail
+                .saturating_sub(self.ring.head.load(Ordering::Acquire));
+            p.wide = behind + 2 * SEG >= TAG_SPAN;
         }
         let tail = p.tail;
-        let slot = p.last.at(tail);
+        let (slot, word) = p.last.slot(tail);
+        if let Some(ctx) = e.ctx {
+            // SAFETY: R1: the position is at the tail, not published, in a
+            // segment this poster linked or popped (R7), so nobody else
+            // reads or writes its word now; R2's Release publishes it.
+            unsafe { word.write(ctx) };
+        }
         slot.wr_id.store(e.wr_id, Ordering::Relaxed);
         slot.word.store(e.word, Ordering::Relaxed);
         p.last_posted = Some((p.last, tail, e.wr_id));
         p.tail += 1;
+    }
+
+    /// The position the next [`write`](Self::write) takes.
+    #[inline]
+    pub(crate) fn next_pos(&self) -> u64 {
+        self.p.tail
+    }
+
+    /// True when a context tag, which is 24 bits of the position, might
+    /// repeat a request still outstanding: the queue's oldest live request
+    /// was, when the last segment was linked, within two segments of
+    /// 2^24 positions behind the tail (a receive left outstanding while
+    /// millions of others went by). The posting call then refuses
+    /// requests with contexts; plain ones go on.
+    #[inline]
+    pub(crate) fn tags_wrap(&self) -> bool {
+        self.p.wide
     }
 
     /// Whether the queue ends in a live unsignaled request: the last
@@ -445,6 +569,23 @@ impl Poster<'_> {
 
 #[cfg(all(test, loom))]
 impl Poster<'_> {
+    /// The loom models' mutation of R1: an entry that says it holds a
+    /// context, whose word [`write_word_late`](Self::write_word_late)
+    /// writes later.
+    pub(crate) fn write_flagged(&mut self, wr_id: u64, at: u64, credit: bool, signaled: bool) {
+        let mut e = NewEntry::new(wr_id, at, credit, signaled);
+        e.word |= HAS_CTX;
+        self.write(e);
+    }
+
+    /// The mutation's late write of the word of the entry at `pos`.
+    pub(crate) fn write_word_late(&mut self, pos: u64, ctx: CtxWord) {
+        let mut cur = self.p.post;
+        // SAFETY: none: this is the mutation loom must catch (the entry is
+        // published, a claim may be reading its word).
+        unsafe { cur.slot(pos).1.write(ctx) };
+    }
+
     /// The loom models' mutation of step 4 (plain stores, no
     /// compare-and-swap); returns the credits of the entries it killed.
     pub(crate) fn settle_without_cas(&mut self, posted: usize) -> u64 {
@@ -491,6 +632,11 @@ fn link(ring: &Ring, last: &mut Cursor) {
     // 7) or just made; the poller reaches it only once a position in it is
     // published (step 2), after this store.
     unsafe { (*seg).next.store(ptr::null_mut(), Ordering::Relaxed) };
+    // The watchdog's bits of the segment's last use (R1).
+    // SAFETY: as above.
+    for bits in unsafe { &(*seg).reported } {
+        bits.store(0, Ordering::Relaxed);
+    }
     // SAFETY: `last.seg` is the last segment linked, live; the poller reads
     // its link only for positions published after this store (the Release
     // of step 2 orders it).
@@ -533,11 +679,17 @@ impl Retirer<'_> {
         let mut cur = self.c.at;
         (self.c.head..self.tail).filter_map(move |pos| {
             let e = cur.at(pos);
+            let word = e.word.load(Ordering::Acquire);
+            if word & STATE != LIVE {
+                return None;
+            }
+            let (bits, bit) = cur.report_bit(pos);
             let seen = Seen {
                 wr_id: e.wr_id.load(Ordering::Relaxed),
-                word: e.word.load(Ordering::Acquire),
+                word,
+                reported: bits.load(Ordering::Relaxed) & bit != 0,
             };
-            (seen.state() == LIVE).then_some((pos, seen))
+            Some((pos, seen))
         })
     }
 
@@ -549,7 +701,8 @@ impl Retirer<'_> {
     /// Marks the entry at `pos` reported (the watchdog).
     pub(crate) fn mark_reported(&mut self, pos: u64) {
         let mut cur = self.c.at;
-        cur.at(pos).word.fetch_or(REPORTED, Ordering::AcqRel);
+        let (bits, bit) = cur.report_bit(pos);
+        bits.fetch_or(bit, Ordering::Relaxed);
     }
 
     /// Step 5 for one entry: claims it if it is live; returns it if this
@@ -564,10 +717,18 @@ impl Retirer<'_> {
         let wr_id = e.wr_id.load(Ordering::Relaxed);
         if pos < self.committed {
             let word = e.word.load(Ordering::Acquire);
-            (word & STATE == LIVE).then_some(Seen { wr_id, word })
+            (word & STATE == LIVE).then_some(Seen {
+                wr_id,
+                word,
+                reported: false,
+            })
         } else {
             let (won, word) = set_state(&e.word, TAKEN);
-            won.then_some(Seen { wr_id, word })
+            won.then_some(Seen {
+                wr_id,
+                word,
+                reported: false,
+            })
         }
     }
 
@@ -587,14 +748,17 @@ impl Retirer<'_> {
     /// it, which completed silently and are appended to `silent`). A
     /// success names the oldest live *signaled* entry with its wr_id, an
     /// error the oldest live one. Returns the credits of what it retired
-    /// (not yet given back) and whether it found the named entry.
+    /// (not yet given back) and whether it found the named entry; if it
+    /// did and that was posted with a context, the context's word is put
+    /// in `ctx` (R5: this call's claim owns it).
     #[inline]
     pub(crate) fn retire(
         &mut self,
         wr_id: u64,
         success: bool,
         in_order: bool,
-        silent: &mut Vec<u64>,
+        silent: &mut Vec<SilentEntry>,
+        ctx: &mut Option<CtxWord>,
     ) -> (u64, bool) {
         // The common case: the live entry at `head` (step 6 done here,
         // lazily: the entry at `head` is read anyway).
@@ -605,11 +769,18 @@ impl Retirer<'_> {
                 && self.c.head < self.committed
                 && (w & SIGNALED != 0 || !success)
             {
+                if w & HAS_CTX != 0 {
+                    let head = self.c.head;
+                    // SAFETY: R5: below `committed` the entry is final for
+                    // the posters, and this claim (head moving past it)
+                    // is the only one; the retiring lock is held.
+                    *ctx = unsafe { self.c.at.ctx(head, w) };
+                }
                 self.c.head += 1;
                 return (u64::from(w & CREDIT != 0), true);
             }
         }
-        self.retire_behind(wr_id, success, in_order, silent)
+        self.retire_behind(wr_id, success, in_order, silent, ctx)
     }
 
     /// Out of line: a send completion behind unsignaled sends, an SRQ
@@ -620,7 +791,8 @@ impl Retirer<'_> {
         wr_id: u64,
         success: bool,
         in_order: bool,
-        silent: &mut Vec<u64>,
+        silent: &mut Vec<SilentEntry>,
+        ctx: &mut Option<CtxWord>,
     ) -> (u64, bool) {
         let head = self.c.head;
         let mut cur = self.c.at;
@@ -645,12 +817,15 @@ impl Retirer<'_> {
             for pos in head..named {
                 if let Some(seen) = self.claim(&mut cur, pos) {
                     credits += u64::from(seen.credit());
-                    silent.push(seen.wr_id);
+                    // SAFETY: R5: the claim just made owns the entry.
+                    silent.push((seen.wr_id, unsafe { cur.ctx(pos, seen.word) }));
                 }
             }
         }
         let took = self.claim(&mut cur, named);
         if let Some(seen) = took {
+            // SAFETY: R5: the claim just made owns the entry.
+            *ctx = unsafe { cur.ctx(named, seen.word) };
             credits += u64::from(seen.credit());
             if in_order || named == head {
                 // Everything up to it is retired or dead.
@@ -669,18 +844,52 @@ impl Retirer<'_> {
     /// Takes every live entry (a predecessor's end, step 6 of
     /// `crate::account`): appends their wr_ids to `silent`, returns their
     /// credits.
-    pub(crate) fn take_all(&mut self, silent: &mut Vec<u64>) -> u64 {
+    pub(crate) fn take_all(&mut self, silent: &mut Vec<SilentEntry>) -> u64 {
         let mut credits = 0;
         let mut cur = self.c.at;
         for pos in self.c.head..self.tail {
             if let Some(seen) = self.claim(&mut cur, pos) {
                 credits += u64::from(seen.credit());
-                silent.push(seen.wr_id);
+                // SAFETY: R5: the claim just made owns the entry.
+                silent.push((seen.wr_id, unsafe { cur.ctx(pos, seen.word) }));
             }
         }
         self.c.head = self.tail;
         self.advance();
         credits
+    }
+
+    /// The end of a context handler (its poller stopped): for each live
+    /// entry posted with a context whose wr_id satisfies `mine`, hands its
+    /// context word to `each` and clears the entry's flag, so that no
+    /// later claim reads the word again. The entry itself stays live and
+    /// keeps its credit: the request is still outstanding on the device
+    /// (the stop reports it missing). The caller holds the posting lock
+    /// too, so every entry is below `committed`, final for the posters.
+    pub(crate) fn abandon_where(
+        &mut self,
+        mine: impl Fn(u64) -> bool,
+        mut each: impl FnMut(CtxWord),
+    ) {
+        debug_assert_eq!(self.committed, self.tail, "the posting lock is held");
+        let mut cur = self.c.at;
+        for pos in self.c.head..self.tail {
+            let (e, _) = cur.slot(pos);
+            let word = e.word.load(Ordering::Acquire);
+            if word & STATE != LIVE || word & HAS_CTX == 0 {
+                continue;
+            }
+            if !mine(e.wr_id.load(Ordering::Relaxed)) {
+                continue;
+            }
+            // SAFETY: the entry is live below `committed` with both locks
+            // held: neither a poster (R4) nor a claim (R5) can take it now,
+            // and its flag is cleared before the locks are let go.
+            if let Some(ctx) = unsafe { cur.ctx(pos, word) } {
+                each(ctx);
+            }
+            e.word.store(word & !HAS_CTX, Ordering::Relaxed);
+        }
     }
 
     /// Entries from `head` to `tail` as this lock saw `tail`: the requests
@@ -796,8 +1005,11 @@ mod tests {
             // The last is unsignaled too, so a success does not name it:
             // an error (a flush) does, and retires every one before it.
             let mut r = ring.retirer();
-            assert_eq!(r.retire(last, true, true, &mut silent), (0, false));
-            let (credits, found) = r.retire(last, false, true, &mut silent);
+            assert_eq!(
+                r.retire(last, true, true, &mut silent, &mut None),
+                (0, false)
+            );
+            let (credits, found) = r.retire(last, false, true, &mut silent, &mut None);
             assert!(found);
             assert_eq!(credits, ids.len() as u64);
             assert!(r.drained());
@@ -823,13 +1035,17 @@ mod tests {
         let mut r = ring.retirer();
         assert_eq!(r.count(), 1);
         let mut silent = Vec::new();
-        assert_eq!(r.retire(3, true, true, &mut silent), (0, false), "dead");
-        assert_eq!(r.retire(1, true, true, &mut silent), (1, true));
+        assert_eq!(
+            r.retire(3, true, true, &mut silent, &mut None),
+            (0, false),
+            "dead"
+        );
+        assert_eq!(r.retire(1, true, true, &mut silent, &mut None), (1, true));
         assert!(r.drained());
         drop(r);
         post(&ring, &[5], true, 1);
         let mut r = ring.retirer();
-        assert_eq!(r.retire(5, true, true, &mut silent), (1, true));
+        assert_eq!(r.retire(5, true, true, &mut silent, &mut None), (1, true));
         assert!(silent.is_empty());
     }
 
@@ -841,12 +1057,15 @@ mod tests {
         let mut silent = Vec::new();
         let mut r = ring.retirer();
         for id in ids.iter().rev().skip(1) {
-            assert_eq!(r.retire(*id, true, false, &mut silent), (1, true));
+            assert_eq!(
+                r.retire(*id, true, false, &mut silent, &mut None),
+                (1, true)
+            );
         }
         assert_eq!(r.count(), 1);
         assert!(!r.drained());
         assert_eq!(
-            r.retire(ids[ids.len() - 1], true, false, &mut silent),
+            r.retire(ids[ids.len() - 1], true, false, &mut silent, &mut None),
             (1, true)
         );
         assert!(r.drained() && silent.is_empty());
@@ -858,6 +1077,7 @@ mod tests {
         let seen = Seen {
             wr_id: 0,
             word: NewEntry::new(0, stamp(t), false, true).word,
+            reported: false,
         };
         assert_eq!(seen.at(), t);
         assert!(seen.signaled() && !seen.credit() && !seen.reported());
@@ -866,6 +1086,7 @@ mod tests {
         let seen = Seen {
             wr_id: 0,
             word: NewEntry::new(0, stamp_now(), false, true).word,
+            reported: false,
         };
         let after = Instant::now();
         let slack = std::time::Duration::from_micros(20);

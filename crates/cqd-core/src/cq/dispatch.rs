@@ -9,6 +9,7 @@ use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use super::{Command, CqOptions, CqShared};
+use crate::account::{CtxWord, SilentEntry};
 use crate::completion::Completion;
 use crate::handler::{Failed, Outbox, RecvDone, SendDone};
 use crate::ledger::AccountCache;
@@ -100,7 +101,8 @@ pub(super) fn dispatch_batch<W: 'static>(
     // return those credits first, in one pass that a CQ without queue
     // accounts skips (a ledger whose epoch is still 0 never had a queue:
     // opening one moves it before the queue can post).
-    if let Some(ledger) = shared.ledger.get().filter(|l| l.epoch() != 0) {
+    let ledger = shared.ledger.get().filter(|l| l.epoch() != 0);
+    if let Some(ledger) = ledger {
         account_hooks(
             shared,
             slab,
@@ -124,16 +126,20 @@ pub(super) fn dispatch_batch<W: 'static>(
             slab.prefetch_handler(slot_of(wc.wr_id));
         }
     }
+    // The context words the accounting took, by completion (none without
+    // a ledger: no request of this CQ was posted with one).
+    let words = ledger.map(|_| &*accounts);
     let mut next = 0;
     while next < wcs.len() {
         let result = catch_unwind(AssertUnwindSafe(|| {
             while let Some(wc) = wcs.get(next) {
+                let ctx = words.and_then(|a| a.ctx_of(next));
                 next += 1;
                 if *probe == 0 {
-                    dispatch(shared, slab, options, wc, out);
+                    dispatch(shared, slab, options, wc, out, ctx);
                 } else {
                     *probe -= 1;
-                    timed(shared, slab, options, wc, out);
+                    timed(shared, slab, options, wc, out, ctx);
                 }
             }
         }));
@@ -157,11 +163,12 @@ fn timed<W: 'static>(
     options: &CqOptions,
     wc: &Completion,
     out: &mut VecDeque<Routed<W>>,
+    ctx: Option<CtxWord>,
 ) {
     bump(&shared.metrics.0.probed_calls, 1);
     let switches = crate::sys::voluntary_switches();
     let start = std::time::Instant::now();
-    dispatch(shared, slab, options, wc, out);
+    dispatch(shared, slab, options, wc, out, ctx);
     let took = start.elapsed();
     let Some(threshold) = options.slow_batch else {
         return;
@@ -220,6 +227,7 @@ fn dispatch<W: 'static>(
     options: &CqOptions,
     wc: &Completion,
     out: &mut VecDeque<Routed<W>>,
+    ctx: Option<CtxWord>,
 ) {
     if options.trace_completions {
         trace_completion(&shared.name, wc);
@@ -231,9 +239,9 @@ fn dispatch<W: 'static>(
         return internal(shared, wc);
     }
     let Some(entry) = slab.get_mut(id.key) else {
-        return miss(shared, slab, wc, id, out);
+        return miss(shared, slab, wc, id, out, ctx);
     };
-    complete(shared, entry, id, wc, out);
+    complete(shared, entry, id, wc, out, ctx);
     if entry.retiring {
         retire_if_drained(shared, slab, id.key);
     }
@@ -249,6 +257,7 @@ fn complete<W: 'static>(
     id: WrId,
     wc: &Completion,
     out: &mut VecDeque<Routed<W>>,
+    ctx: Option<CtxWord>,
 ) {
     entry.ledger.add_completed(id.kind);
     if wc.status.is_success() && wc.opcode.is_known() {
@@ -260,6 +269,7 @@ fn complete<W: 'static>(
                     tag: id.tag,
                     key: id.key,
                     wc,
+                    ctx,
                 },
                 &mut outbox,
             ),
@@ -268,12 +278,13 @@ fn complete<W: 'static>(
                     tag: id.tag,
                     key: id.key,
                     wc,
+                    ctx,
                 },
                 &mut outbox,
             ),
         }
     } else {
-        not_success(shared, entry, id, wc, out);
+        not_success(shared, entry, id, wc, out, ctx);
     }
 }
 
@@ -305,10 +316,10 @@ fn account_hooks<W: 'static>(
 fn silent_hooks<W: 'static>(
     shared: &CqShared<W>,
     slab: &mut Slab<W>,
-    silent: &[u64],
+    silent: &[SilentEntry],
     out: &mut VecDeque<Routed<W>>,
 ) {
-    for &wr_id in silent {
+    for &(wr_id, ctx) in silent {
         let Ok(id) = WrId::decode(wr_id) else {
             continue;
         };
@@ -324,6 +335,7 @@ fn silent_hooks<W: 'static>(
                 kind: id.kind,
                 tag: id.tag,
                 key: id.key,
+                ctx,
             };
             let mut outbox = Outbox::new(out, entry.route);
             // A panic here is caught as in the batch's dispatch: counted,
@@ -379,11 +391,12 @@ fn miss<W: 'static>(
     wc: &Completion,
     id: WrId,
     out: &mut VecDeque<Routed<W>>,
+    ctx: Option<CtxWord>,
 ) {
     if !shared.commands.is_empty() {
         apply_commands(shared, slab);
         if let Some(entry) = slab.get_mut(id.key) {
-            complete(shared, entry, id, wc, out);
+            complete(shared, entry, id, wc, out, ctx);
             if entry.retiring {
                 retire_if_drained(shared, slab, id.key);
             }
@@ -411,6 +424,7 @@ fn not_success<W: 'static>(
     id: WrId,
     wc: &Completion,
     out: &mut VecDeque<Routed<W>>,
+    ctx: Option<CtxWord>,
 ) {
     let m = &shared.metrics.0;
     let status = wc.status;
@@ -438,6 +452,7 @@ fn not_success<W: 'static>(
         tag: id.tag,
         key: id.key,
         wc,
+        ctx,
     };
     let mut outbox = Outbox::new(out, entry.route);
     entry.handler.on_error(&failed, &mut outbox);

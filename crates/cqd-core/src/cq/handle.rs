@@ -226,15 +226,31 @@ impl<W: Send + 'static> CqHandle<W> {
         if capacity == 0 || capacity > crate::wr_id::MAX_TAG + 1 {
             return Err(RegisterError::Contexts { capacity });
         }
-        let table = Arc::new(crate::context::Table::new(capacity));
+        // A context of at most 8 bytes travels in its queue's ring; a
+        // larger one lives in a table made here, once.
+        let table = (!crate::context::in_ring::<H::Ctx>())
+            .then(|| Arc::new(crate::context::Table::new(capacity)));
+        let shared = Arc::new(crate::context::Shared::default());
         let reg = self.register_inner(None, pending, |reg| {
             let creg = super::ContextRegistration {
                 reg: reg.clone(),
-                table: Arc::clone(&table),
+                table: table.clone(),
+                shared: Arc::clone(&shared),
+                capacity,
             };
-            crate::context::WithContexts::new(make(&creg), Arc::clone(&table))
+            crate::context::WithContexts::new(
+                make(&creg),
+                table.clone(),
+                Arc::clone(&shared),
+                reg.clone(),
+            )
         })?;
-        Ok(super::ContextRegistration { reg, table })
+        Ok(super::ContextRegistration {
+            reg,
+            table,
+            shared,
+            capacity,
+        })
     }
 
     /// Retires a handler: it keeps receiving the completions of what it
@@ -396,6 +412,17 @@ impl Registration {
         qp: &Q,
         wrs: &mut [Q::Wr<'_>],
     ) -> Result<(), Q::Error> {
+        self.post_send_with(qp, wrs, None)
+    }
+
+    /// [`post_send`](Self::post_send), with a context word per request.
+    #[inline]
+    pub(crate) fn post_send_with<Q: PostSend + ?Sized>(
+        &self,
+        qp: &Q,
+        wrs: &mut [Q::Wr<'_>],
+        ctx: Option<&mut posting::Words<'_>>,
+    ) -> Result<(), Q::Error> {
         posting::post(
             self,
             qp.send_account(),
@@ -404,6 +431,7 @@ impl Registration {
             crate::post::SendRequest::signaled,
             |w| qp.check_send(w),
             |w| qp.post_send_unaccounted(w),
+            ctx,
         )
     }
 
@@ -417,6 +445,17 @@ impl Registration {
         queue: &Q,
         wrs: &mut [Q::Wr<'_>],
     ) -> Result<(), Q::Error> {
+        self.post_recv_with(queue, wrs, None)
+    }
+
+    /// [`post_recv`](Self::post_recv), with a context word per request.
+    #[inline]
+    pub(crate) fn post_recv_with<Q: PostRecv + ?Sized>(
+        &self,
+        queue: &Q,
+        wrs: &mut [Q::Wr<'_>],
+        ctx: Option<&mut posting::Words<'_>>,
+    ) -> Result<(), Q::Error> {
         posting::post(
             self,
             queue.recv_account(),
@@ -425,6 +464,7 @@ impl Registration {
             |_| true,
             |_| Ok(()),
             |w| queue.post_recv_unaccounted(w),
+            ctx,
         )
     }
 
@@ -505,6 +545,11 @@ impl Registration {
     /// has been released, and all 0 once its slot holds another handler).
     pub fn ledger(&self) -> &SlotLedger {
         &self.ledger
+    }
+
+    /// The CQ's ledger of queue accounts, if one is attached.
+    pub(crate) fn cq_ledger(&self) -> Option<&crate::ledger::WrLedger> {
+        self.cq_ledger.get()
     }
 }
 

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
-use crate::account::QueueAccount;
+use crate::account::{CtxWord, QueueAccount, SilentEntry};
 use crate::completion::Completion;
 use crate::ledger::WrLedger;
 use crate::wr_id::{Side, WrId};
@@ -52,8 +52,9 @@ pub(crate) struct AccountCache {
     /// batch names one queue (WRITEs) or a QP's two (SEND/RECV), and
     /// these spare it the map.
     recent: [(u64, u32); 2],
-    /// Scratch: silently completed wr_ids of the current batch.
-    pub(crate) silent: Vec<u64>,
+    /// Scratch: silently completed requests of the current batch (wr_id,
+    /// context word).
+    pub(crate) silent: Vec<SilentEntry>,
     /// The largest batch the poller polls (0: not known, for tests).
     batch: usize,
     /// The sum and the largest of the reserved depths of the send queues
@@ -66,8 +67,15 @@ pub(crate) struct AccountCache {
     /// Scratch: closed accounts the batch drained, to detach.
     closed: Vec<(u32, Side, Arc<QueueAccount>)>,
     /// Scratch: each completion's queue key ([`DONE`] once retired or for
-    /// a wr_id that is not cqd's).
+    /// a wr_id that is not cqd's, [`CLAIMED`] once retired with its
+    /// request's context word, which is then in `ctx` at the same index).
     keys: Vec<u64>,
+    /// Scratch: the context words the batch's claims took (R5 of
+    /// `account::ring`), at their completions' indices.
+    ctx: Vec<CtxWord>,
+    /// The batch claimed a context word (dispatch looks at `keys` only
+    /// then).
+    any_ctx: bool,
     /// Scratch: the receive queues a batch consumed receives from (their
     /// QP, the last consumed wr_id), checked for running dry once the
     /// batch's handlers have reposted ([`check_dry`](Self::check_dry)).
@@ -79,6 +87,9 @@ pub(crate) struct AccountCache {
 
 /// A completion of the batch that is already accounted (or not cqd's).
 const DONE: u64 = u64::MAX;
+/// A completion of the batch that retired its request and took its
+/// context word (no queue key reaches it: a key is 33 bits).
+const CLAIMED: u64 = u64::MAX - 1;
 
 impl Default for AccountCache {
     fn default() -> Self {
@@ -94,6 +105,8 @@ impl Default for AccountCache {
             deepest: 0,
             closed: Vec::new(),
             keys: Vec::new(),
+            ctx: Vec::new(),
+            any_ctx: false,
             received: Vec::new(),
             dry: Vec::new(),
         }
@@ -124,6 +137,7 @@ impl AccountCache {
             batch,
             silent: Vec::with_capacity(batch),
             keys: Vec::with_capacity(batch),
+            ctx: vec![std::mem::MaybeUninit::uninit(); batch],
             received: Vec::with_capacity(batch),
             dry: Vec::with_capacity(batch),
             ..AccountCache::default()
@@ -138,6 +152,10 @@ impl AccountCache {
     pub(crate) fn account_batch(&mut self, ledger: &WrLedger, wcs: &[Completion], low_water: u32) {
         self.silent.clear();
         self.received.clear();
+        self.any_ctx = false;
+        if self.ctx.len() < wcs.len() {
+            self.ctx.resize(wcs.len(), std::mem::MaybeUninit::uninit());
+        }
         let epoch = ledger.epoch();
         if epoch != self.epoch {
             self.map.clear();
@@ -156,7 +174,7 @@ impl AccountCache {
         let mut credits = 0;
         for i in 0..wcs.len() {
             let key = self.keys[i];
-            if key == DONE {
+            if key >= CLAIMED {
                 continue;
             }
             let (qp, side) = (
@@ -180,14 +198,20 @@ impl AccountCache {
             // completions of several queues interleaved in a batch (sends
             // and receives of one QP) cost one lock per queue, not one per
             // completion.
-            let mine = self.keys[i..].iter_mut().zip(&wcs[i..]);
+            let mine = self.keys[i..]
+                .iter_mut()
+                .zip(&wcs[i..])
+                .zip(&mut self.ctx[i..]);
             if account.has_prev() {
                 let mut consumed = None;
-                for (k, wc) in mine {
+                for ((k, wc), w) in mine {
                     if *k == key {
-                        *k = DONE;
                         let ok = wc.status.is_success();
-                        credits += account.retire_chained(wc.wr_id, ok, &mut self.silent);
+                        let mut got = None;
+                        credits += account
+                            .retire_chained(wc.wr_id, ok, &mut self.silent, &mut got)
+                            .0;
+                        *k = claimed(got, w, &mut self.any_ctx);
                         if ok {
                             consumed = Some(wc.wr_id);
                         }
@@ -204,11 +228,12 @@ impl AccountCache {
             }
             let mut ring = account.retiring();
             let mut consumed = None;
-            for (k, wc) in mine {
+            for ((k, wc), w) in mine {
                 if *k == key {
-                    *k = DONE;
                     let ok = wc.status.is_success();
-                    credits += ring.retire(wc.wr_id, ok, &mut self.silent).0;
+                    let mut got = None;
+                    credits += ring.retire(wc.wr_id, ok, &mut self.silent, &mut got).0;
+                    *k = claimed(got, w, &mut self.any_ctx);
                     if ok {
                         consumed = Some(wc.wr_id);
                     }
@@ -242,7 +267,33 @@ impl AccountCache {
     }
 }
 
+/// A retired completion's key: [`CLAIMED`] if its retirement took a
+/// context word (kept in `slot`), else [`DONE`].
+#[inline(always)]
+fn claimed(got: Option<CtxWord>, slot: &mut CtxWord, any: &mut bool) -> u64 {
+    match got {
+        Some(w) => {
+            *slot = w;
+            *any = true;
+            CLAIMED
+        }
+        None => DONE,
+    }
+}
+
 impl AccountCache {
+    /// The context word the last batch's accounting took for completion
+    /// `i` (R5 of `account::ring`: its claim owns it), if it took one. A
+    /// completion that retired nothing (a stale or foreign wr_id, a
+    /// request already taken) has none.
+    #[inline(always)]
+    pub(crate) fn ctx_of(&self, i: usize) -> Option<CtxWord> {
+        if !self.any_ctx {
+            return None;
+        }
+        (self.keys.get(i) == Some(&CLAIMED)).then(|| self.ctx[i])
+    }
+
     /// The index in `accounts` of the queue under `key`, looked up in the
     /// map, or in the ledger on a miss (and remembered, found or not).
     #[inline(never)]
@@ -284,6 +335,12 @@ impl AccountCache {
     pub(crate) fn received_any(&self) -> bool {
         !self.received.is_empty()
     }
+}
+
+/// The wr_ids of silent entries (the tests' view of `silent`).
+#[cfg(test)]
+fn ids(silent: &[SilentEntry]) -> Vec<u64> {
+    silent.iter().map(|s| s.0).collect()
 }
 
 #[cfg(test)]
@@ -338,14 +395,22 @@ mod tests {
         assert_eq!(b.credits_in_use(), 6, "8 taken, 2 given back");
         let mut silent = Vec::new();
         let mut ring = sq.retiring();
-        assert_eq!(ring.retire(12, true, &mut silent), (3, true));
-        assert_eq!(silent, [10, 11], "the unsignaled ones before it");
-        assert_eq!(ring.retire(99, true, &mut silent), (0, false), "not held");
+        assert_eq!(ring.retire(12, true, &mut silent, &mut None), (3, true));
+        assert_eq!(ids(&silent), [10, 11], "the unsignaled ones before it");
+        assert_eq!(
+            ring.retire(99, true, &mut silent, &mut None),
+            (0, false),
+            "not held"
+        );
         ring.give_back(3);
         drop(ring);
         let mut ring = rq.retiring();
-        assert_eq!(ring.retire(22, true, &mut silent), (0, false), "not posted");
-        assert_eq!(ring.retire(21, true, &mut silent), (1, true));
+        assert_eq!(
+            ring.retire(22, true, &mut silent, &mut None),
+            (0, false),
+            "not posted"
+        );
+        assert_eq!(ring.retire(21, true, &mut silent, &mut None), (1, true));
         assert_eq!(silent.len(), 2, "receives retire only themselves");
         drop(ring);
         assert_eq!((sq.outstanding(), rq.outstanding()), (1, 1));
@@ -520,7 +585,11 @@ mod tests {
         push(&sq, &[(id, true)]);
         wc.wr_id = id;
         cache.account_batch(&ledger, &[wc], 0);
-        assert_eq!(cache.silent, [1], "the foreign entry before it, silently");
+        assert_eq!(
+            ids(&cache.silent),
+            [1],
+            "the foreign entry before it, silently"
+        );
         assert!(ledger.lookup(7, Side::Send).is_none(), "detached");
     }
 
@@ -570,7 +639,7 @@ mod tests {
         let done = Completion::success(id(1), crate::completion::Opcode::RdmaWrite, 3);
         let flush = Completion::error(marker, crate::completion::Status::WrFlush, 3);
         cache.account_batch(&ledger, &[done, flush], 0);
-        assert_eq!(cache.silent, [id(2), id(3)]);
+        assert_eq!(ids(&cache.silent), [id(2), id(3)]);
         assert_eq!((sq.outstanding(), b.credits_in_use()), (0, 0));
     }
 
@@ -581,13 +650,19 @@ mod tests {
         // The write, unsignaled, and the final request, signaled.
         push(&sq, &[(5, false), (5, true)]);
         let mut silent = Vec::new();
-        assert_eq!(sq.retiring().retire(5, true, &mut silent), (0, true));
-        assert_eq!(silent, [5], "the unsignaled one ran silently");
+        assert_eq!(
+            sq.retiring().retire(5, true, &mut silent, &mut None),
+            (0, true)
+        );
+        assert_eq!(ids(&silent), [5], "the unsignaled one ran silently");
         assert_eq!(sq.outstanding(), 0, "both retired by the one success");
         // An error names the oldest entry, signaled or not.
         push(&sq, &[(6, false), (6, true)]);
         silent.clear();
-        assert_eq!(sq.retiring().retire(6, false, &mut silent), (0, true));
+        assert_eq!(
+            sq.retiring().retire(6, false, &mut silent, &mut None),
+            (0, true)
+        );
         assert!(silent.is_empty());
         assert_eq!(sq.outstanding(), 1, "the flush of the second is to come");
     }
@@ -611,11 +686,11 @@ mod tests {
         let mut cache = AccountCache::default();
         // The old queue's completions come first and retire the old entries.
         cache.account_batch(&ledger, &[wc(1), wc(3)], 0);
-        assert!(cache.silent.contains(&id(2)));
+        assert!(ids(&cache.silent).contains(&id(2)));
         assert_eq!((old.outstanding(), new.outstanding()), (1, 1));
         // The new queue's first completion ends the old one: 4 ran silently.
         cache.account_batch(&ledger, &[wc(3)], 0);
-        assert_eq!(cache.silent, [id(4)]);
+        assert_eq!(ids(&cache.silent), [id(4)]);
         assert_eq!((old.outstanding(), new.outstanding()), (0, 0));
         assert_eq!(b.credits_in_use(), 0, "every credit came back");
     }
@@ -636,7 +711,7 @@ mod tests {
             let mut silent = Vec::new();
             for (i, s) in signaled.iter().enumerate() {
                 if *s {
-                    let (c, found) = sq.retiring().retire(i as u64, true, &mut silent);
+                    let (c, found) = sq.retiring().retire(i as u64, true, &mut silent, &mut None);
                     prop_assert!(found);
                     credits += c;
                     retired += 1;
@@ -645,7 +720,7 @@ mod tests {
             // A QP in error flushes what is left, each with its own completion.
             let rest: Vec<u64> = sq.retiring().live().map(|(_, e)| e.wr_id).collect();
             for id in rest {
-                let (c, found) = sq.retiring().retire(id, false, &mut silent);
+                let (c, found) = sq.retiring().retire(id, false, &mut silent, &mut None);
                 prop_assert!(found);
                 credits += c;
                 retired += 1;
@@ -703,7 +778,7 @@ mod loom_close {
                 "detached with two requests outstanding"
             );
             cache.account_batch(&ledger, &[Completion::success(id(3), Opcode::Send, 7)], 0);
-            assert_eq!(cache.silent, [id(2)], "the unsignaled send, silently");
+            assert_eq!(ids(&cache.silent), [id(2)], "the unsignaled send, silently");
             assert_eq!(sq.outstanding(), 0);
             assert!(
                 ledger.lookup(7, Side::Send).is_none(),
@@ -713,7 +788,7 @@ mod loom_close {
     }
 }
 
-/// Loom models of the posting protocol (R1–R7 of `account::ring`): a
+/// Loom models of the posting protocol (R1–R8 of `account::ring`): a
 /// completion that arrives inside the post, and a post refused part-way at
 /// `bad_wr`, each with the poller retiring concurrently, and each with a
 /// mutation of the protocol that loom must catch.
@@ -768,7 +843,7 @@ mod loom_post {
         }
         let mut cache = AccountCache::default();
         cache.account_batch(ledger, &wcs, 0);
-        cache.silent.clone()
+        ids(&cache.silent)
     }
 
     /// The completion of a request arrives while its post is still in the
@@ -872,5 +947,137 @@ mod loom_post {
     #[should_panic(expected = "decided twice")]
     fn tombstoning_without_cas_decides_twice() {
         refused_at_bad_wr(false);
+    }
+
+    fn word(v: u64) -> CtxWord {
+        std::mem::MaybeUninit::new(v)
+    }
+
+    /// The context words the batch's accounting took, by completion.
+    fn words(cache: &AccountCache, n: usize) -> Vec<Option<u64>> {
+        (0..n)
+            // SAFETY: the models write whole `u64`s.
+            .map(|i| cache.ctx_of(i).map(|w| unsafe { w.assume_init() }))
+            .collect()
+    }
+
+    /// R1 and R5 for a context: a request's context word, written with its
+    /// entry before the publish, reaches its completion when that arrives
+    /// inside the post (the claim owns the word; loom checks that the
+    /// poster's write and the poller's read never race).
+    fn ctx_inside_the_post(word_first: bool) {
+        loom::model(move || {
+            let (b, ledger, sq) = rig();
+            let cq = Arc::new([AtomicU64::new(0)]);
+            let (q, device) = (Arc::clone(&sq), Arc::clone(&cq));
+            let poster = loom::thread::spawn(move || {
+                let mut p = q.posting();
+                p.take_credits(1).unwrap();
+                let pos = p.next_pos();
+                if word_first {
+                    p.write_ctx(id(1), crate::account::stamp(Instant::now()), true, word(42));
+                } else {
+                    p.write_flagged(id(1), Instant::now(), true);
+                }
+                p.publish();
+                // R3: the device completes the request inside the post.
+                device[0].store(id(1), Ordering::Release);
+                if !word_first {
+                    p.write_word_late(pos, word(42));
+                }
+                p.commit();
+            });
+            let slot = loop {
+                match cq[0].load(Ordering::Acquire) {
+                    0 => loom::thread::yield_now(),
+                    w => break w,
+                }
+            };
+            let mut cache = AccountCache::new(1);
+            cache.account_batch(&ledger, &[Completion::success(slot, Opcode::Send, 7)], 0);
+            let got = words(&cache, 1);
+            poster.join().unwrap();
+            assert_eq!(got, [Some(42)], "the completion lost its context");
+            assert_eq!(sq.outstanding(), 0);
+            assert_eq!(b.credits_in_use(), 0);
+        });
+    }
+
+    #[test]
+    fn a_context_inside_the_post_reaches_its_completion() {
+        ctx_inside_the_post(true);
+    }
+
+    /// Mutation: the word written after the provider's post, which the
+    /// completion may already have claimed: loom sees the poller's read
+    /// race the poster's write (or the read find the word not written).
+    #[test]
+    #[should_panic(expected = "Causality violation")]
+    fn a_context_written_after_the_post_races_its_completion() {
+        ctx_inside_the_post(false);
+    }
+
+    /// R4 and R5 for contexts: the provider takes the first of two
+    /// requests with contexts (`bad_wr` at 1); the first completes inside
+    /// the post, and a foreign completion carrying the second's wr_id
+    /// races the tombstone. Whatever the interleaving, the second's
+    /// context has exactly one owner: the poster (its tombstone won: the
+    /// value goes back to its caller) or the completion (its claim won).
+    /// The first's context always reaches its completion.
+    fn ctx_refused_at_bad_wr(cas: bool) {
+        loom::model(move || {
+            let (_b, ledger, sq) = rig();
+            let cq = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
+            let (q, device) = (Arc::clone(&sq), Arc::clone(&cq));
+            let poster = loom::thread::spawn(move || {
+                let mut p = q.posting();
+                p.take_credits(2).unwrap();
+                let at = crate::account::stamp(Instant::now());
+                p.write_ctx(id(1), at, false, word(1));
+                p.write_ctx(id(2), at, true, word(2));
+                p.publish();
+                device[0].store(id(1), Ordering::Release);
+                device[1].store(id(2), Ordering::Release); // foreign
+                let mut back = 0;
+                if cas {
+                    p.settle(1, |_, taken_back| back += u32::from(taken_back));
+                } else {
+                    // The poster believes its store tombstoned the entry.
+                    p.settle_without_cas(1);
+                    back = 1;
+                }
+                back
+            });
+            let wcs = loop {
+                let (a, c) = (cq[0].load(Ordering::Acquire), cq[1].load(Ordering::Acquire));
+                if a != 0 && c != 0 {
+                    break [
+                        Completion::error(a, crate::completion::Status::WrFlush, 7),
+                        Completion::success(c, Opcode::Send, 7),
+                    ];
+                }
+                loom::thread::yield_now();
+            };
+            let mut cache = AccountCache::new(2);
+            cache.account_batch(&ledger, &wcs, 0);
+            let got = words(&cache, 2);
+            let back = poster.join().unwrap();
+            assert_eq!(got[0], Some(1), "the posted request's context");
+            let claimed = u32::from(got[1] == Some(2));
+            assert_eq!(claimed + back, 1, "a context owned twice or by nobody");
+        });
+    }
+
+    #[test]
+    fn a_refused_context_has_one_owner() {
+        ctx_refused_at_bad_wr(true);
+    }
+
+    /// Mutation: a tombstone by plain store lets the poster take back a
+    /// context whose completion the poller has just claimed.
+    #[test]
+    #[should_panic(expected = "owned twice")]
+    fn a_refused_context_tombstoned_without_cas_has_two_owners() {
+        ctx_refused_at_bad_wr(false);
     }
 }

@@ -292,7 +292,10 @@ impl WrLedger {
         };
         let mut silent = Vec::new();
         let mut ring = account.retiring();
-        let (credits, found) = ring.retire(wr_id, false, &mut silent);
+        // A request posted with a context is retired here without it: its
+        // value is forgotten, not handed to its handler (this path is for
+        // requests the expert path posted, which carry none).
+        let (credits, found) = ring.retire(wr_id, false, &mut silent, &mut None);
         ring.give_back(credits);
         silent.len() + usize::from(found)
     }
@@ -309,7 +312,7 @@ impl WrLedger {
 
     /// Every distinct account, with a QP number and side it is attached
     /// under (an SRQ's once).
-    fn accounts(&self) -> Vec<(u32, Side, Arc<QueueAccount>)> {
+    pub(crate) fn accounts(&self) -> Vec<(u32, Side, Arc<QueueAccount>)> {
         let q = self.inner.queues.read();
         let mut srqs = std::collections::HashSet::new();
         let mut out = Vec::with_capacity(q.len());
