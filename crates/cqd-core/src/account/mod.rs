@@ -576,7 +576,7 @@ impl Retiring<'_> {
     /// wr_ids of send-queue entries before it, which completed silently,
     /// are appended to `silent`. Returns the credits of the retired entries
     /// (not yet given back) and whether anything was retired.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn retire(
         &mut self,
         wr_id: u64,

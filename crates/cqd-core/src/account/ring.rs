@@ -751,7 +751,7 @@ impl Retirer<'_> {
     /// (not yet given back) and whether it found the named entry; if it
     /// did and that was posted with a context, the context's word is put
     /// in `ctx` (R5: this call's claim owns it).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn retire(
         &mut self,
         wr_id: u64,

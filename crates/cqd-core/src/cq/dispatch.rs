@@ -127,8 +127,9 @@ pub(super) fn dispatch_batch<W: 'static>(
         }
     }
     // The context words the accounting took, by completion (none without
-    // a ledger: no request of this CQ was posted with one).
-    let words = ledger.map(|_| &*accounts);
+    // a ledger: no request of this CQ was posted with one; none either
+    // when the batch claimed no word, the plain handlers' case).
+    let words = ledger.map(|_| &*accounts).filter(|a| a.claimed_ctx());
     let mut next = 0;
     while next < wcs.len() {
         let result = catch_unwind(AssertUnwindSafe(|| {

@@ -288,10 +288,13 @@ impl AccountCache {
     /// request already taken) has none.
     #[inline(always)]
     pub(crate) fn ctx_of(&self, i: usize) -> Option<CtxWord> {
-        if !self.any_ctx {
-            return None;
-        }
         (self.keys.get(i) == Some(&CLAIMED)).then(|| self.ctx[i])
+    }
+
+    /// True when the last batch's accounting took a context word.
+    #[inline(always)]
+    pub(crate) fn claimed_ctx(&self) -> bool {
+        self.any_ctx
     }
 
     /// The index in `accounts` of the queue under `key`, looked up in the
