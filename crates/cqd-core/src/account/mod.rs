@@ -482,7 +482,7 @@ impl Posting<'_> {
     #[inline]
     pub(crate) fn write_ctx(&mut self, wr_id: u64, at: u64, signaled: bool, ctx: CtxWord) {
         self.poster
-            .write(NewEntry::new(wr_id, at, self.credit, signaled).with_ctx(ctx));
+            .write_ctx(NewEntry::new(wr_id, at, self.credit, signaled), ctx);
     }
 
     /// The position the next write takes (a context tag is made from it).

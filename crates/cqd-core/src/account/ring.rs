@@ -428,8 +428,6 @@ impl Drop for Ring {
 pub(crate) struct NewEntry {
     pub(crate) wr_id: u64,
     word: u64,
-    /// Its context word, if it has one.
-    ctx: Option<CtxWord>,
 }
 
 impl NewEntry {
@@ -438,21 +436,7 @@ impl NewEntry {
     pub(crate) fn new(wr_id: u64, at: u64, credit: bool, signaled: bool) -> Self {
         let word =
             at | LIVE | if credit { CREDIT } else { 0 } | if signaled { SIGNALED } else { 0 };
-        NewEntry {
-            wr_id,
-            word,
-            ctx: None,
-        }
-    }
-
-    /// The entry carries `ctx`.
-    #[inline]
-    pub(crate) fn with_ctx(self, ctx: CtxWord) -> Self {
-        NewEntry {
-            word: self.word | HAS_CTX,
-            ctx: Some(ctx),
-            ..self
-        }
+        NewEntry { wr_id, word }
     }
 }
 
@@ -476,17 +460,27 @@ impl Poster<'_> {
             p.wide = behind + 2 * SEG >= TAG_SPAN;
         }
         let tail = p.tail;
-        let (slot, word) = p.last.slot(tail);
-        if let Some(ctx) = e.ctx {
-            // SAFETY: R1: the position is at the tail, not published, in a
-            // segment this poster linked or popped (R7), so nobody else
-            // reads or writes its word now; R2's Release publishes it.
-            unsafe { word.write(ctx) };
-        }
+        let slot = p.last.at(tail);
         slot.wr_id.store(e.wr_id, Ordering::Relaxed);
         slot.word.store(e.word, Ordering::Relaxed);
         p.last_posted = Some((p.last, tail, e.wr_id));
         p.tail += 1;
+    }
+
+    /// Step 1 for a request with a context: as [`write`](Self::write),
+    /// the entry flagged as holding one, and `ctx` in its word.
+    #[inline]
+    pub(crate) fn write_ctx(&mut self, e: NewEntry, ctx: CtxWord) {
+        let pos = self.p.tail;
+        self.write(NewEntry {
+            word: e.word | HAS_CTX,
+            ..e
+        });
+        let (_, word) = self.p.last.slot(pos);
+        // SAFETY: R1: the position is not published yet (step 2 comes
+        // after), in a segment this poster linked or popped (R7), so nobody
+        // else reads or writes its word now; R2's Release publishes it.
+        unsafe { word.write(ctx) };
     }
 
     /// The position the next [`write`](Self::write) takes.
