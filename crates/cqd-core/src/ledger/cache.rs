@@ -198,20 +198,22 @@ impl AccountCache {
             // completions of several queues interleaved in a batch (sends
             // and receives of one QP) cost one lock per queue, not one per
             // completion.
-            let mine = self.keys[i..]
-                .iter_mut()
-                .zip(&wcs[i..])
-                .zip(&mut self.ctx[i..]);
+            // (The context words are indexed only when a claim takes one:
+            // a third stream in this scan, which passes over the rest of
+            // the batch once per queue, cost 2 ns per completion with 32
+            // queues a batch.)
+            let base = self.keys.as_ptr() as usize;
+            let mine = self.keys[i..].iter_mut().zip(&wcs[i..]);
             if account.has_prev() {
                 let mut consumed = None;
-                for ((k, wc), w) in mine {
+                for (k, wc) in mine {
                     if *k == key {
                         let ok = wc.status.is_success();
                         let mut got = None;
                         credits += account
                             .retire_chained(wc.wr_id, ok, &mut self.silent, &mut got)
                             .0;
-                        *k = claimed(got, w, &mut self.any_ctx);
+                        *k = claimed(got, k, base, &mut self.ctx, &mut self.any_ctx);
                         if ok {
                             consumed = Some(wc.wr_id);
                         }
@@ -228,12 +230,12 @@ impl AccountCache {
             }
             let mut ring = account.retiring();
             let mut consumed = None;
-            for ((k, wc), w) in mine {
+            for (k, wc) in mine {
                 if *k == key {
                     let ok = wc.status.is_success();
                     let mut got = None;
                     credits += ring.retire(wc.wr_id, ok, &mut self.silent, &mut got).0;
-                    *k = claimed(got, w, &mut self.any_ctx);
+                    *k = claimed(got, k, base, &mut self.ctx, &mut self.any_ctx);
                     if ok {
                         consumed = Some(wc.wr_id);
                     }
@@ -268,12 +270,14 @@ impl AccountCache {
 }
 
 /// A retired completion's key: [`CLAIMED`] if its retirement took a
-/// context word (kept in `slot`), else [`DONE`].
+/// context word, kept in `ctx` at the index of its key `k` in the keys
+/// that start at address `base`; else [`DONE`].
 #[inline(always)]
-fn claimed(got: Option<CtxWord>, slot: &mut CtxWord, any: &mut bool) -> u64 {
+fn claimed(got: Option<CtxWord>, k: &u64, base: usize, ctx: &mut [CtxWord], any: &mut bool) -> u64 {
     match got {
         Some(w) => {
-            *slot = w;
+            let i = (k as *const u64 as usize - base) / std::mem::size_of::<u64>();
+            ctx[i] = w;
             *any = true;
             CLAIMED
         }
