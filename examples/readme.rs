@@ -6,7 +6,9 @@ use cqd::sim::{connect, Access, CqConfig, Device, QpCap, QpInit, RecvWr, SendWr,
 
 /// What each request carries, moved in at the post and back out, once.
 enum Req {
-    Buffer { offset: u64 }, // a receive buffer to hand on, or post again
+    // 8 bytes: it travels in its request's entry of the queue's ring (a
+    // larger context gets a table of `capacity` slots at registration)
+    Buffer { offset: u32 }, // a receive buffer to hand on, or post again
     Reply { client: u32 },
 }
 
@@ -36,7 +38,7 @@ pub fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (cq, unbound, handle) =
         dev.create_dispatched_cq("cq0", 256, CqConfig::default(), CqOptions::default())?;
     let poller = PollerBuilder::new("p0", NoSink).cq(unbound).spawn()?; // mode: Adaptive
-    let conn = handle.register_with_contexts(Conn, 256)?; // from any thread; 256 contexts
+    let conn = handle.register_with_contexts(Conn, 256)?; // from any thread; 256 outstanding
     let pd = dev.alloc_pd();
     let a = pd.create_qp(&QpInit::new(&cq, &cq, QpCap::default()))?; // admitted on the CQ
     let b = pd.create_qp(&QpInit::new(&cq, &cq, QpCap::default()))?;
