@@ -853,6 +853,23 @@ mod loom_post {
         ids(&cache.silent)
     }
 
+    /// The poller of the `bad_wr` models: waits for the fake CQ's two
+    /// entries, the completion of the first request (a flush: unsignaled
+    /// requests complete only in error) and the foreign copy of the
+    /// second's wr_id (a success).
+    fn flush_then_foreign(cq: &[AtomicU64]) -> [Completion; 2] {
+        loop {
+            let (a, c) = (cq[0].load(Ordering::Acquire), cq[1].load(Ordering::Acquire));
+            if a != 0 && c != 0 {
+                return [
+                    Completion::error(a, crate::completion::Status::WrFlush, 7),
+                    Completion::success(c, Opcode::Send, 7),
+                ];
+            }
+            loom::thread::yield_now();
+        }
+    }
+
     /// The completion of a request arrives while its post is still in the
     /// provider (softverbs, an inline NIC): it finds the entry published
     /// (R2 before R3), and retires it once, credit included.
@@ -923,18 +940,7 @@ mod loom_post {
                 }
                 back
             });
-            // Completions of 1 (an error: unsignaled requests complete
-            // only in error) and of the foreign copy of 2.
-            let wcs = loop {
-                let (a, c) = (cq[0].load(Ordering::Acquire), cq[1].load(Ordering::Acquire));
-                if a != 0 && c != 0 {
-                    break [
-                        Completion::error(a, crate::completion::Status::WrFlush, 7),
-                        Completion::success(c, Opcode::Send, 7),
-                    ];
-                }
-                loom::thread::yield_now();
-            };
+            let wcs = flush_then_foreign(&cq[..]);
             let mut cache = AccountCache::default();
             cache.account_batch(&ledger, &wcs, 0);
             poster.join().unwrap();
@@ -1055,16 +1061,7 @@ mod loom_post {
                 }
                 back
             });
-            let wcs = loop {
-                let (a, c) = (cq[0].load(Ordering::Acquire), cq[1].load(Ordering::Acquire));
-                if a != 0 && c != 0 {
-                    break [
-                        Completion::error(a, crate::completion::Status::WrFlush, 7),
-                        Completion::success(c, Opcode::Send, 7),
-                    ];
-                }
-                loom::thread::yield_now();
-            };
+            let wcs = flush_then_foreign(&cq[..]);
             let mut cache = AccountCache::new(2);
             cache.account_batch(&ledger, &wcs, 0);
             let got = words(&cache, 2);
