@@ -393,9 +393,10 @@ pub(crate) struct WithContexts<H: ContextHandler<W>, W> {
     /// The slots emptied and not yet pushed back (step 4).
     pub(crate) returns: Returns,
     pub(crate) shared: Arc<Shared>,
-    /// The handler's registration: its key and its CQ's ledger, for the
-    /// end (ring contexts).
-    pub(crate) reg: crate::cq::Registration,
+    /// The handler's key and its CQ's ledger (once attached), for the end
+    /// (ring contexts).
+    pub(crate) key: HandlerKey,
+    pub(crate) cq_ledger: Arc<std::sync::OnceLock<crate::ledger::WrLedger>>,
 }
 
 impl<H: ContextHandler<W>, W> WithContexts<H, W> {
@@ -403,14 +404,16 @@ impl<H: ContextHandler<W>, W> WithContexts<H, W> {
         inner: H,
         table: Option<Arc<Table<H::Ctx>>>,
         shared: Arc<Shared>,
-        reg: crate::cq::Registration,
+        key: HandlerKey,
+        cq_ledger: Arc<std::sync::OnceLock<crate::ledger::WrLedger>>,
     ) -> Self {
         WithContexts {
             inner,
             table,
             returns: Returns::default(),
             shared,
-            reg,
+            key,
+            cq_ledger,
         }
     }
 
@@ -490,10 +493,10 @@ impl<H: ContextHandler<W>, W> Drop for WithContexts<H, W> {
         // orders it before any later post's check), then every live entry
         // of this handler's gives its context back, once.
         self.shared.gone.store(true, Ordering::SeqCst);
-        let Some(ledger) = self.reg.cq_ledger() else {
+        let Some(ledger) = self.cq_ledger.get() else {
             return;
         };
-        let key = self.reg.key();
+        let key = self.key;
         let mine = |wr_id: u64| crate::wr_id::WrId::decode(wr_id).is_ok_and(|id| id.key == key);
         let mut left: Vec<H::Ctx> = Vec::new();
         for (_, _, account) in ledger.accounts() {

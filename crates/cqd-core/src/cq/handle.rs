@@ -242,7 +242,8 @@ impl<W: Send + 'static> CqHandle<W> {
                 make(&creg),
                 table.clone(),
                 Arc::clone(&shared),
-                reg.clone(),
+                reg.key(),
+                reg.cq_ledger_cell(),
             )
         })?;
         Ok(super::ContextRegistration {
@@ -547,9 +548,9 @@ impl Registration {
         &self.ledger
     }
 
-    /// The CQ's ledger of queue accounts, if one is attached.
-    pub(crate) fn cq_ledger(&self) -> Option<&crate::ledger::WrLedger> {
-        self.cq_ledger.get()
+    /// The cell of the CQ's ledger of queue accounts (set once attached).
+    pub(crate) fn cq_ledger_cell(&self) -> Arc<OnceLock<WrLedger>> {
+        Arc::clone(&self.cq_ledger)
     }
 }
 
