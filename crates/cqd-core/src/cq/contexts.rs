@@ -126,7 +126,7 @@ impl<C: Send + 'static> ContextRegistration<C> {
     /// request's position on its queue, or its context's table slot).
     ///
     /// # Errors
-    /// The posting call's errors; [`Refused::Contexts`] when the table
+    /// The posting call's errors; [`Refused::Contexts`] when a table
     /// has fewer than `N` free slots; [`Refused::Ended`] once the handler's
     /// poller has stopped; [`Refused::ContextTagsWrap`] (see there).
     /// [`PostRefused::back`] holds the contexts of the requests that were

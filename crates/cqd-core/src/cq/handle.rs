@@ -178,9 +178,13 @@ impl<W: Send + 'static> CqHandle<W> {
 
     /// Registers a [`ContextHandler`](crate::context::ContextHandler): each
     /// request it posts carries a context, handed back to exactly one of
-    /// its callbacks (`crate::context`). Its table, with room for
+    /// its callbacks (`crate::context`). A context of at most 8 bytes (an
+    /// integer, an index, a `Box`, an `Arc`) travels in its request's
+    /// entry of the queue's ring: nothing is made here and `capacity` is
+    /// not enforced (the CQ's credits and the queues' depths bound what is
+    /// outstanding). A larger one lives in a table, with room for
     /// `capacity` outstanding requests (at most
-    /// [`MAX_TAG`](crate::wr_id::MAX_TAG) + 1), is made here, once; a post
+    /// [`MAX_TAG`](crate::wr_id::MAX_TAG) + 1), made here, once; a post
     /// that finds no free slot is refused
     /// ([`Refused::Contexts`](crate::Refused::Contexts)). The table holds
     /// up to 15 slots more than `capacity` (an eighth of it, at most),
@@ -188,6 +192,8 @@ impl<W: Send + 'static> CqHandle<W> {
     /// ([`ContextRegistration::capacity`](super::ContextRegistration::capacity)
     /// says how many in all). A capacity of the handler's queues' depths
     /// never refuses a post that the queues would take.
+    /// [`ContextRegistration::in_ring`](super::ContextRegistration::in_ring)
+    /// says which storage the handler has.
     ///
     /// # Errors
     /// As [`register`](Self::register); [`RegisterError::Contexts`] for a
