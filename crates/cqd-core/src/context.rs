@@ -23,7 +23,7 @@
 //! out twice, so a buffer held in a context stays alive until the device is
 //! done with it.
 //!
-//! **Storage.** A context of at most 8 bytes ([`in_ring`]: an integer, an
+//! **Storage.** A context of at most 8 bytes (`in_ring`: an integer, an
 //! index, a `Box`, an `Arc`) travels in its request's entry of the queue's
 //! ring (`account::ring`): the posting call writes its word beside the
 //! entry (R1), the claim that retires the entry, or the tombstone that
