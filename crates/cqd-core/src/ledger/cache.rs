@@ -916,8 +916,12 @@ mod loom_post {
     /// (`bad_wr` at 1). The first completes inside the post; a foreign
     /// completion that happens to carry the second's wr_id arrives too
     /// (the worst case: it may retire that entry before the tombstone).
-    /// One credit is held by someone else. Whatever the interleaving, each
-    /// entry is decided once: the credits in use end at exactly 1.
+    /// One credit is held by someone else. Both requests carry contexts
+    /// (R1). Whatever the interleaving, each entry is decided once: the
+    /// credits in use end at exactly 1, the first request's context
+    /// reaches its completion, and the second's has exactly one owner —
+    /// the poster (its tombstone won: the value goes back to its caller)
+    /// or the foreign completion (its claim won, R5).
     fn refused_at_bad_wr(cas: bool) {
         loom::model(move || {
             let (b, ledger, sq) = rig();
@@ -927,8 +931,9 @@ mod loom_post {
             let poster = loom::thread::spawn(move || {
                 let mut p = q.posting();
                 p.take_credits(2).unwrap();
-                p.write(id(1), Instant::now(), false);
-                p.write(id(2), Instant::now(), true);
+                let at = crate::account::stamp(Instant::now());
+                p.write_ctx(id(1), at, false, word(1));
+                p.write_ctx(id(2), at, true, word(2));
                 p.publish();
                 device[0].store(id(1), Ordering::Release);
                 device[1].store(id(2), Ordering::Release); // foreign
@@ -936,16 +941,22 @@ mod loom_post {
                 if cas {
                     p.settle(1, |_, taken_back| back += u32::from(taken_back));
                 } else {
+                    // The poster believes its store tombstoned the entry.
                     p.settle_without_cas(1);
+                    back = 1;
                 }
                 back
             });
             let wcs = flush_then_foreign(&cq[..]);
-            let mut cache = AccountCache::default();
+            let mut cache = AccountCache::new(2);
             cache.account_batch(&ledger, &wcs, 0);
-            poster.join().unwrap();
+            let got = words(&cache, 2);
+            let back = poster.join().unwrap();
             assert_eq!(b.credits_in_use(), 1, "an entry was decided twice");
             assert_eq!(sq.outstanding(), 0, "nothing is left");
+            assert_eq!(got[0], Some(1), "the posted request's context");
+            let claimed = u32::from(got[1] == Some(2));
+            assert_eq!(claimed + back, 1, "a context owned twice or by nobody");
         });
     }
 
@@ -955,7 +966,7 @@ mod loom_post {
     }
 
     /// Mutation: tombstoning with a plain store lets a poster take back an
-    /// entry the poller has just retired.
+    /// entry (and its context) the poller has just retired.
     #[test]
     #[should_panic(expected = "decided twice")]
     fn tombstoning_without_cas_decides_twice() {
@@ -1028,60 +1039,5 @@ mod loom_post {
     #[should_panic(expected = "Causality violation")]
     fn a_context_written_after_the_post_races_its_completion() {
         ctx_inside_the_post(false);
-    }
-
-    /// R4 and R5 for contexts: the provider takes the first of two
-    /// requests with contexts (`bad_wr` at 1); the first completes inside
-    /// the post, and a foreign completion carrying the second's wr_id
-    /// races the tombstone. Whatever the interleaving, the second's
-    /// context has exactly one owner: the poster (its tombstone won: the
-    /// value goes back to its caller) or the completion (its claim won).
-    /// The first's context always reaches its completion.
-    fn ctx_refused_at_bad_wr(cas: bool) {
-        loom::model(move || {
-            let (_b, ledger, sq) = rig();
-            let cq = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
-            let (q, device) = (Arc::clone(&sq), Arc::clone(&cq));
-            let poster = loom::thread::spawn(move || {
-                let mut p = q.posting();
-                p.take_credits(2).unwrap();
-                let at = crate::account::stamp(Instant::now());
-                p.write_ctx(id(1), at, false, word(1));
-                p.write_ctx(id(2), at, true, word(2));
-                p.publish();
-                device[0].store(id(1), Ordering::Release);
-                device[1].store(id(2), Ordering::Release); // foreign
-                let mut back = 0;
-                if cas {
-                    p.settle(1, |_, taken_back| back += u32::from(taken_back));
-                } else {
-                    // The poster believes its store tombstoned the entry.
-                    p.settle_without_cas(1);
-                    back = 1;
-                }
-                back
-            });
-            let wcs = flush_then_foreign(&cq[..]);
-            let mut cache = AccountCache::new(2);
-            cache.account_batch(&ledger, &wcs, 0);
-            let got = words(&cache, 2);
-            let back = poster.join().unwrap();
-            assert_eq!(got[0], Some(1), "the posted request's context");
-            let claimed = u32::from(got[1] == Some(2));
-            assert_eq!(claimed + back, 1, "a context owned twice or by nobody");
-        });
-    }
-
-    #[test]
-    fn a_refused_context_has_one_owner() {
-        ctx_refused_at_bad_wr(true);
-    }
-
-    /// Mutation: a tombstone by plain store lets the poster take back a
-    /// context whose completion the poller has just claimed.
-    #[test]
-    #[should_panic(expected = "owned twice")]
-    fn a_refused_context_tombstoned_without_cas_has_two_owners() {
-        ctx_refused_at_bad_wr(false);
     }
 }
