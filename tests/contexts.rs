@@ -99,6 +99,8 @@ struct Rig<C> {
     _dev: Device,
     poller: PollerThread,
     reg: ContextRegistration<C>,
+    cq: cqd::sim::Cq,
+    pd: cqd::sim::Pd,
     a: Qp,
     b: Qp,
     mr: cqd::sim::Mr,
@@ -140,6 +142,8 @@ fn rig<C: Ctx>(mode: PollMode, capacity: u32) -> Rig<C> {
         _dev: dev,
         poller,
         reg,
+        cq,
+        pd,
         a,
         b,
         mr,
@@ -259,6 +263,53 @@ fn what_never_came_back_is_abandoned_at_the_stop<C: Ctx>(mode: PollMode) {
     assert_eq!(r.log.lock().unwrap().len(), 2, "each context once");
 }
 both_storages!(what_never_came_back_is_abandoned_at_the_stop);
+
+fn an_srq_no_qp_draws_on_gives_its_contexts_back_at_the_stop<C: Ctx>(mode: PollMode) {
+    let r = rig::<C>(mode, 16);
+    let dst = [r.mr.sge(0, 64)];
+    // Receives posted before any QP draws on the SRQ (the first post binds
+    // it to this handler's CQ): no ledger entry names it yet.
+    let srq = r.pd.create_srq(16, 1).unwrap();
+    r.reg
+        .post_recv(
+            &srq,
+            &mut [RecvWr::new(0, &dst), RecvWr::new(0, &dst)],
+            [req("s1"), req("s2")],
+        )
+        .unwrap();
+    let report = r.poller.stop().unwrap();
+    assert!(!report.accounts.is_balanced(), "two receives are missing");
+    assert_eq!(logged(&r.log, 2), ["abandoned s1", "abandoned s2"]);
+    drop(srq);
+    assert_eq!(r.log.lock().unwrap().len(), 2, "each context once");
+}
+both_storages!(an_srq_no_qp_draws_on_gives_its_contexts_back_at_the_stop);
+
+fn a_request_the_expert_path_retires_comes_back_at_the_stop<C: Ctx>(mode: PollMode) {
+    let r = rig::<C>(mode, 16);
+    let dst = [r.mr.sge(0, 64)];
+    let mut wrs = [RecvWr::new(0, &dst), RecvWr::new(0, &dst)];
+    r.reg
+        .post_recv(&r.b, &mut wrs, [req("r1"), req("r2")])
+        .unwrap();
+    // The expert path says r1 is done: no completion will carry its
+    // context, so it waits for the handler's end.
+    let retired =
+        r.cq.ledger()
+            .retire(r.b.qpn(), cqd::core::wr_id::Side::Recv, wrs[0].wr_id);
+    assert_eq!(retired, 1);
+    assert_eq!(
+        r.cq.ledger()
+            .outstanding(r.b.qpn(), cqd::core::wr_id::Side::Recv),
+        1
+    );
+    let report = r.poller.stop().unwrap();
+    assert!(!report.accounts.is_balanced(), "neither receive completed");
+    assert_eq!(logged(&r.log, 2), ["abandoned r1", "abandoned r2"]);
+    drop((r.a, r.b));
+    assert_eq!(r.log.lock().unwrap().len(), 2, "each context once");
+}
+both_storages!(a_request_the_expert_path_retires_comes_back_at_the_stop);
 
 /// A receive queue that posts a list up to its first bad request and
 /// says so, as verbs does with `bad_wr` (the simulator's own post takes a

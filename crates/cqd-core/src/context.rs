@@ -507,6 +507,13 @@ impl<H: ContextHandler<W>, W> Drop for WithContexts<H, W> {
                 left.push(unsafe { from_word::<H::Ctx>(w) });
             });
         }
+        // After every queue: words the expert path retired (kept under a
+        // queue's retiring lock, so none retired before a visit is missed).
+        for w in ledger.take_orphans(&mine) {
+            // SAFETY: as above: the word of a request of this handler's
+            // posted with a context, taken out of the ledger once.
+            left.push(unsafe { from_word::<H::Ctx>(w) });
+        }
         // Outside the queues' locks: a callback that panics leaves the
         // rest to be dropped with `left`.
         for ctx in left {

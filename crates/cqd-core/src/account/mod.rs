@@ -145,6 +145,10 @@ pub struct QueueAccount {
     /// (a wr_id names a handler of one CQ, and a receive completes on the
     /// CQ of whichever QP consumes it).
     pub(crate) home: OnceLock<Weak<dyn Home>>,
+    /// This account itself, for an SRQ's (empty for a QP's queue): the
+    /// ledger that becomes its home keeps it, so that a handler's end
+    /// finds its requests before any QP is attached to it.
+    pub(crate) me: Weak<QueueAccount>,
     /// Set by [`close`](Self::close) under the ring's two locks, and read
     /// by the poller under the retiring lock: "drained and closed" is one
     /// observation, so no request posted between the two can be detached
@@ -199,6 +203,7 @@ impl QueueAccount {
             queue,
             credits: budget.filter(|b| b.has_credits()).cloned(),
             home: cell,
+            me: Weak::new(),
             closed: AtomicBool::new(false),
             has_prev: PlainAtomicBool::new(prev.is_some()),
             dry: PlainAtomicBool::new(false),
@@ -215,7 +220,10 @@ impl QueueAccount {
     /// covers them). Attach it for each QP that draws on it with
     /// `WrLedger::attach_srq_user`.
     pub fn srq(srq_num: u32) -> Arc<QueueAccount> {
-        Arc::new(QueueAccount::new(srq_num, Queue::Srq, None, None, None))
+        Arc::new_cyclic(|me| QueueAccount {
+            me: me.clone(),
+            ..QueueAccount::new(srq_num, Queue::Srq, None, None, None)
+        })
     }
 
     /// The queue's QP number (the SRQ's number for an SRQ).

@@ -63,7 +63,10 @@
 //!    below `committed`) and the retiring lock, reads the word of each of
 //!    its live entries that holds one, and clears that entry's flag: the
 //!    entry stays live (the request is still on the device, and the stop
-//!    reports it missing), but no later claim reads the word again.
+//!    reports it missing), but no later claim reads the word again. The
+//!    queues are its CQ ledger's, with every SRQ that ledger is the home
+//!    of; last come the words the expert path's retirement
+//!    (`WrLedger::retire`) kept, under the retiring lock it held.
 //!
 //! So a segment is written by one side at a time: posters write positions
 //! at or after `head` that they own (steps 1, 4); the poller recycles a

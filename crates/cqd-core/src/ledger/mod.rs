@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
 
-use crate::account::Home;
+use crate::account::{CtxWord, Home};
 pub use crate::account::{DrainMarker, Queue, QueueAccount};
 use crate::budget::CqBudget;
 use crate::slab::SlotLedger;
@@ -109,6 +109,14 @@ pub(crate) struct LedgerInner {
     /// Moves on at every change of `queues`: pollers then empty their
     /// caches.
     epoch: AtomicU64,
+    /// The SRQs whose home this ledger became (`owns`), attached to a QP
+    /// or not yet: a receive can be posted to an SRQ before any QP draws
+    /// on it, and a context handler's end (R8) must find it.
+    srqs: parking_lot::Mutex<Vec<Arc<QueueAccount>>>,
+    /// Context words of requests that [`WrLedger::retire`] retired (the
+    /// expert path), with their wr_ids: no completion will carry them, so
+    /// their handler's end (R8) hands them to `on_abandoned`.
+    orphans: parking_lot::Mutex<Vec<(u64, CtxWord)>>,
     stuck: AtomicU64,
     scans: AtomicU64,
 }
@@ -177,10 +185,22 @@ impl WrLedger {
     /// Binds `account` to this ledger's CQ if it belongs to none yet (an
     /// SRQ's first user); true if it belongs to this CQ.
     pub(crate) fn owns(&self, account: &QueueAccount) -> bool {
+        let mut bound = false;
         let home = account.home.get_or_init(|| {
+            bound = true;
             let weak: Weak<dyn Home> = Arc::downgrade(&self.inner) as Weak<dyn Home>;
             weak
         });
+        if bound {
+            // An SRQ's first user (a QP's queue is born with its home).
+            if let Some(me) = account.me.upgrade() {
+                let mut srqs = self.inner.srqs.lock();
+                // Those whose queue is gone and whose requests are all
+                // retired need no visit.
+                srqs.retain(|a| Arc::strong_count(a) > 1 || a.outstanding() > 0);
+                srqs.push(me);
+            }
+        }
         std::ptr::addr_eq(home.as_ptr(), Arc::as_ptr(&self.inner))
     }
 
@@ -285,18 +305,29 @@ impl WrLedger {
     /// status: the oldest entry with that wr_id): on a send queue every
     /// entry up to and including it, on a receive queue that entry alone.
     /// Returns the entries retired. (Credits are given back; handler
-    /// ledgers are not touched.)
+    /// ledgers are not touched.) A request retired here that was posted
+    /// with a context has no completion to carry that context: it is
+    /// handed to its handler's `on_abandoned` when the handler ends.
     pub fn retire(&self, qp_num: u32, side: Side, wr_id: u64) -> usize {
         let Some(account) = self.lookup(qp_num, side) else {
             return 0;
         };
         let mut silent = Vec::new();
+        let mut ctx = None;
         let mut ring = account.retiring();
-        // A request posted with a context is retired here without it: its
-        // value is forgotten, not handed to its handler (this path is for
-        // requests the expert path posted, which carry none).
-        let (credits, found) = ring.retire(wr_id, false, &mut silent, &mut None);
+        let (credits, found) = ring.retire(wr_id, false, &mut silent, &mut ctx);
         ring.give_back(credits);
+        // A request posted with a context is retired here without its
+        // completion: its word waits for its handler's end (R8), which
+        // looks here after every queue. Kept while the retiring lock is
+        // held, so that an end that has visited this queue sees it.
+        let words = silent.iter().filter_map(|&(id, w)| Some((id, w?)));
+        let words = words.chain(ctx.map(|w| (wr_id, w)));
+        let mut words = words.peekable();
+        if words.peek().is_some() {
+            self.inner.orphans.lock().extend(words);
+        }
+        drop(ring);
         silent.len() + usize::from(found)
     }
 
@@ -322,6 +353,28 @@ impl WrLedger {
             }
             out.push((qp, side, Arc::clone(a)));
         }
+        drop(q);
+        // SRQs no QP draws on (yet, or any more), under their own number.
+        for a in self.inner.srqs.lock().iter() {
+            if srqs.insert(Arc::as_ptr(a)) {
+                out.push((a.number(), Side::Recv, Arc::clone(a)));
+            }
+        }
+        out
+    }
+
+    /// The context words [`retire`](Self::retire) kept whose wr_id
+    /// satisfies `mine` (a context handler's end, R8).
+    pub(crate) fn take_orphans(&self, mine: &dyn Fn(u64) -> bool) -> Vec<CtxWord> {
+        let mut orphans = self.inner.orphans.lock();
+        let mut out = Vec::new();
+        orphans.retain(|&(wr_id, w)| {
+            let m = mine(wr_id);
+            if m {
+                out.push(w);
+            }
+            !m
+        });
         out
     }
 
