@@ -281,6 +281,9 @@ pub(crate) struct Producer {
     /// so far behind the tail that a context tag (23 bits of position)
     /// could repeat one still outstanding (see [`Poster::tags_wrap`]).
     wide: bool,
+    /// The positions a context tag tells apart: [`TAG_SPAN`] (smaller in
+    /// a test, which cannot keep 2^24 requests outstanding cheaply).
+    span: u64,
 }
 
 /// What the poller keeps, under the retiring lock.
@@ -343,6 +346,7 @@ impl Ring {
                 before_post: None,
                 reserved: 1,
                 wide: false,
+                span: TAG_SPAN,
             })),
             retire: CachePadded::new(ShortMutex::new(Consumer { at: first, head: 0 })),
         }
@@ -460,7 +464,7 @@ impl Poster<'_> {
             let behind = p
                 .tail
                 .saturating_sub(self.ring.head.load(Ordering::Acquire));
-            p.wide = behind + 2 * SEG >= TAG_SPAN;
+            p.wide = behind + 2 * SEG >= p.span;
         }
         let tail = p.tail;
         let slot = p.last.at(tail);
@@ -1022,6 +1026,50 @@ mod tests {
             p = unsafe { (*p).free_next.load(Ordering::Relaxed) };
         }
         assert!(n <= 4, "{n} segments free: allocation did not level off");
+    }
+
+    #[test]
+    fn context_tags_wrap_while_an_old_request_is_outstanding() {
+        let ring = Ring::new();
+        let span = 8 * SEG;
+        ring.post.lock().span = span;
+        let mut silent = Vec::new();
+        // One receive left outstanding, then others posted and retired
+        // out of order behind it (an SRQ's): `head` stays at the old one.
+        post(&ring, &[u64::MAX], true, 1);
+        let mut wrapped_at = None;
+        for id in 0..span {
+            let mut p = ring.poster();
+            if p.tags_wrap() {
+                wrapped_at = Some(p.next_pos());
+                break;
+            }
+            p.write(NewEntry::new(id, 0, false, true));
+            p.publish();
+            p.commit();
+            drop(p);
+            let mut r = ring.retirer();
+            assert_eq!(r.retire(id, true, false, &mut silent, &mut None), (0, true));
+        }
+        // Refused from the first link at which the old request was within
+        // two segments of a span behind: before any tag could repeat it.
+        let at = wrapped_at.expect("the tags wrap before a span goes by");
+        assert!(at + 2 * SEG >= span && at < span, "wrapped at {at}");
+        // The old request retired, the next segment linked clears it.
+        assert_eq!(
+            ring.retirer().retire(u64::MAX, true, false, &mut silent, &mut None),
+            (1, true)
+        );
+        for id in 0..SEG {
+            let mut p = ring.poster();
+            p.write(NewEntry::new(id, 0, false, true));
+            p.publish();
+            p.commit();
+            drop(p);
+            ring.retirer().retire(id, true, false, &mut silent, &mut None);
+        }
+        assert!(!ring.poster().tags_wrap());
+        assert!(silent.is_empty());
     }
 
     #[test]
