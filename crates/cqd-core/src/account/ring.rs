@@ -1057,7 +1057,8 @@ mod tests {
         assert!(at + 2 * SEG >= span && at < span, "wrapped at {at}");
         // The old request retired, the next segment linked clears it.
         assert_eq!(
-            ring.retirer().retire(u64::MAX, true, false, &mut silent, &mut None),
+            ring.retirer()
+                .retire(u64::MAX, true, false, &mut silent, &mut None),
             (1, true)
         );
         for id in 0..SEG {
@@ -1066,7 +1067,8 @@ mod tests {
             p.publish();
             p.commit();
             drop(p);
-            ring.retirer().retire(id, true, false, &mut silent, &mut None);
+            ring.retirer()
+                .retire(id, true, false, &mut silent, &mut None);
         }
         assert!(!ring.poster().tags_wrap());
         assert!(silent.is_empty());
