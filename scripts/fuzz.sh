@@ -7,12 +7,15 @@
 #   bash scripts/fuzz.sh            # 20 s per target (what .ci/run runs)
 #   bash scripts/fuzz.sh 600        # 10 minutes per target
 #   bash scripts/fuzz.sh 60 sim_verbs poller_stream
+#   bash scripts/fuzz.sh --build-only     # build every target, run none
 #
 # Needs the nightly toolchain and cargo-fuzz (.ci/run installs both). The
 # build directory is kept between runs (CQD_FUZZ_TARGET, by default under
 # /var/tmp) so that a later run rebuilds only what changed.
 set -euo pipefail
 cd "$(dirname "$0")/../fuzz"
+build_only=0
+if [[ ${1:-} == --build-only ]]; then build_only=1; shift; fi
 secs=${1:-20}
 shift || true
 targets=("$@")
@@ -29,6 +32,7 @@ if [ $# -eq 0 ]; then
 else
   for t in "${targets[@]}"; do cargo +nightly fuzz build "$t" 2>&1 | tail -n 1; done
 fi
+[[ $build_only -eq 0 ]] || exit 0
 status=0
 for t in "${targets[@]}"; do
   log=$(mktemp /tmp/cqd-fuzz-"$t".XXXXXX)

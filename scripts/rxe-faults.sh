@@ -20,17 +20,19 @@
 #                --op-timeout 12s: the CM gives rxe's QPs an ACK timeout
 #                of about 2 s, so 2 tries last about 4 s
 #   restored, restored-rc6, restored-rc1   the link back: a new session
-#                passes
+#                passes, with the demo's defaults (a memory window per
+#                request)
 #   ifdown       (TCP exchange) `ip link set dev NIC down` for 2 s instead:
 #                rxe fails the requests it cannot send at once
 #                (IBV_WC_LOC_QP_OP_ERR), whatever the retry count
-#   restored-if  the link up again: a new session passes
+#   restored-if  the link up again: a new session passes (windows too)
 #
-# The load runs with --exposure keys: with a memory window per request,
+# Under a fault the load runs with --exposure keys: with a memory window
+# per request,
 # rxe (kernel 6.1) stops making progress once the load's QP has to
 # retransmit (measured 2026-12-02: netem delay 20ms 5ms, 0 of 64 requests
 # answered in 10 s; loss 1%, 16 failed on the 2 s timeout), while the same
-# two-VM run without faults passes with windows (.ci/rxe.sh step 5):
+# two-VM run without faults passes with windows (each restored scenario):
 # docs/verbs.md, "Memory windows".
 #
 # After an outage the load must exit 1 (not hang), report its failed
@@ -74,6 +76,9 @@ outage_of() { # scenario: seconds of loss 100% (0: none)
         *) echo 0 ;;
     esac
 }
+exposure_of() { # scenario: how the load exposes its buffers
+    [[ $1 == restored* ]] || echo "--exposure keys"
+}
 flags_of() { # scenario side: the demo's extra flags (cm: tcp or rdmacm)
     case $1:$2 in
         *-rc6:serve) echo "--retry-cnt 6" ;;
@@ -103,18 +108,19 @@ deltas() { # before after: the nonzero deltas, one line
 # The serve VM: one `cqd-demo serve` per scenario, in order, each under
 # `timeout`; its counters' deltas and verdicts per session.
 if [[ ${1:-} == --guest-serve ]]; then
-    cm=$2 fail=0
+    fail=0
     L=$RXE_VM_LOGDIR
-    for s in $FAULTS; do
-        log=$L/serve.$cm.$s.log rc=0
+    for run in $FAULTS; do
+        cm=${run%%.*} s=${run#*.}
+        log=$L/serve.$run.log rc=0
         counters /tmp/c0
         # shellcheck disable=SC2046 # the flags are words
         RUST_LOG=warn timeout 200 "$DEMO" serve --device rxe0 --gid-index "$RXE_GID_INDEX" --quick \
             --device-size 4MiB --cm "$cm" --listen "$RXE_VM_ADDR:$PORT_IN_GUEST" --accept-timeout 180s \
             $(flags_of "$s" serve) >"$log" 2>&1 || rc=$?
         counters /tmp/c1
-        echo "serve[$s] rc=$rc rxe0: $(deltas /tmp/c0 /tmp/c1)"
-        grep -aE '^verdict|^server |completed with' "$log" | sed "s/^/serve[$s]   /" || true
+        echo "serve[$run] rc=$rc rxe0: $(deltas /tmp/c0 /tmp/c1)"
+        grep -aE '^verdict|^server |completed with' "$log" | sed "s/^/serve[$run]   /" || true
         ok=1
         grep -aq 'verdict accounts: PASSED' "$log" || ok=0
         [[ $rc -ne 124 && $rc -ne 137 ]] || ok=0
@@ -122,9 +128,9 @@ if [[ ${1:-} == --guest-serve ]]; then
             [[ $rc -eq 0 ]] && grep -aq 'verdict session:  PASSED' "$log" || ok=0
         fi
         if [[ $ok -eq 1 ]]; then
-            echo "serve[$s] ok"
+            echo "serve[$run] ok"
         else
-            echo "serve[$s] FAIL (rc=$rc)"; tail -30 "$log" | sed "s/^/serve[$s]   /"; fail=1
+            echo "serve[$run] FAIL (rc=$rc)"; tail -30 "$log" | sed "s/^/serve[$run]   /"; fail=1
         fi
     done
     exit $fail
@@ -133,12 +139,13 @@ fi
 # The load VM: per scenario, wait for the server, the counters, the
 # fault, the load under `timeout`, the fault removed, the counters again.
 if [[ ${1:-} == --guest-load ]]; then
-    cm=$2 fail=0
+    fail=0
     L=$RXE_VM_LOGDIR
     nic=$(ls /sys/class/net | grep -v '^lo$' | head -1)
     modprobe sch_netem
-    for s in $FAULTS; do
-        log=$L/load.$cm.$s.log rc=0
+    for run in $FAULTS; do
+        cm=${run%%.*} s=${run#*.}
+        log=$L/load.$run.log rc=0
         # Until this scenario's server listens (each probe is a handshake
         # the server refuses and logs).
         for _ in $(seq 1 600); do
@@ -159,11 +166,11 @@ if [[ ${1:-} == --guest-load ]]; then
             fault="none (the link restored)"
         fi
         flags=$(flags_of "$s" load)
-        echo "load[$s] fault: $fault${flags:+; flags $flags}"
+        echo "load[$run] fault: $fault${flags:+; flags $flags}"
         t0=$(date +%s.%N)
         # shellcheck disable=SC2086 # the flags are words
         RUST_LOG=warn,cqd_demo=info timeout 150 "$DEMO" load --device rxe0 --gid-index "$RXE_GID_INDEX" \
-            --quick --exposure keys $flags --cm "$cm" --server "10.77.0.1:$PORT_IN_GUEST" >"$log" 2>&1 &
+            --quick $(exposure_of "$s") $flags --cm "$cm" --server "10.77.0.1:$PORT_IN_GUEST" >"$log" 2>&1 &
         lpid=$!
         if [[ $down -gt 0 ]]; then
             for _ in $(seq 1 600); do
@@ -173,7 +180,7 @@ if [[ ${1:-} == --guest-load ]]; then
             done
             sleep 0.5
             if [[ $s == ifdown* ]]; then ip link set dev "$nic" down; else tc qdisc add dev "$nic" root netem loss 100%; fi
-            echo "load[$s] link down at $(date +%T.%N | cut -c1-12)"
+            echo "load[$run] link down at $(date +%T.%N | cut -c1-12)"
             sleep "$down"
             if [[ $s == ifdown* ]]; then
                 ip link set dev "$nic" up
@@ -184,15 +191,15 @@ if [[ ${1:-} == --guest-load ]]; then
             else
                 tc qdisc del dev "$nic" root
             fi
-            echo "load[$s] link up at $(date +%T.%N | cut -c1-12)"
+            echo "load[$run] link up at $(date +%T.%N | cut -c1-12)"
         fi
         wait "$lpid" || rc=$?
         t1=$(date +%s.%N)
         tc qdisc del dev "$nic" root 2>/dev/null || true
         counters /tmp/c1
-        echo "load[$s] rc=$rc in $(awk "BEGIN { printf \"%.1f\", $t1 - $t0 }") s rxe0: $(deltas /tmp/c0 /tmp/c1)"
-        grep -aE '^(load +[0-9]|verify |verdict|server |note )' "$log" | sed "s/^/load[$s]   /" || true
-        grep -aE 'connection failed: |every connection failed' "$log" | sed -E "s/^[0-9-]+T([0-9:.]{12})[0-9]*Z +[A-Z]+ [a-z_:]+: /load[$s]   \1 /" || true
+        echo "load[$run] rc=$rc in $(awk "BEGIN { printf \"%.1f\", $t1 - $t0 }") s rxe0: $(deltas /tmp/c0 /tmp/c1)"
+        grep -aE '^(load +[0-9]|verify |verdict|server |note )' "$log" | sed "s/^/load[$run]   /" || true
+        grep -aE 'connection failed: |every connection failed' "$log" | sed -E "s/^[0-9-]+T([0-9:.]{12})[0-9]*Z +[A-Z]+ [a-z_:]+: /load[$run]   \1 /" || true
         why=()
         [[ $rc -ne 124 && $rc -ne 137 ]] || why+=("the load hung (timeout)")
         grep -aq 'verdict accounts: PASSED' "$log" || why+=("load accounts not PASSED")
@@ -213,9 +220,9 @@ if [[ ${1:-} == --guest-load ]]; then
             grep -aq 'verdict data:     PASSED' "$log" || why+=("data verdict not PASSED")
         fi
         if [[ ${#why[@]} -eq 0 ]]; then
-            echo "load[$s] ok"
+            echo "load[$run] ok"
         else
-            echo "load[$s] FAIL: $(IFS=';'; echo "${why[*]}")"; tail -30 "$log" | sed "s/^/load[$s]   /"; fail=1
+            echo "load[$run] FAIL: $(IFS=';'; echo "${why[*]}")"; tail -30 "$log" | sed "s/^/load[$run]   /"; fail=1
         fi
     done
     exit $fail
@@ -241,44 +248,47 @@ export DEMO RXE_VM_LOGDIR FAULTS
 RXE_VM_LOGDIR=$(mktemp -d /tmp/cqd-rxe-faults.XXXXXX)
 echo "rxe-faults: logs in $RXE_VM_LOGDIR"
 
-bad=0
+# One pair of VMs runs every scenario, the TCP exchange's first, then
+# rdma_cm's; each run is named CM.SCENARIO.
+FAULTS=
 for cm in ${CMS:-tcp rdmacm}; do
-    if [[ $cm == tcp ]]; then FAULTS=${FAULTS_TCP:-loss1 loss5 reorder delay outage restored outage-rc6 restored-rc6 ifdown restored-if}
-    else FAULTS=${FAULTS_CM:-loss5 outage restored outage-rc1 restored-rc1}; fi
-    n=$(wc -w <<<"$FAULTS")
-    port=$((31000 + $$ % 1000 + ${#cm}))
-    sl=$RXE_VM_LOGDIR/vm.$cm.serve.log ll=$RXE_VM_LOGDIR/vm.$cm.load.log
-    t0=$(date +%s) src=0 lrc=0
-    # Each VM's output through a pipe: written straight to its file, the
-    # console's lines and rxe-vm.sh's own overwrote each other.
-    RXE_VM_CPUS=1 RXE_VM_MEM=1G RXE_VM_TIMEOUT=$((60 + 45 * n)) RXE_VM_NET=listen:$port:1 \
-        RXE_VM_ENV="DEMO FAULTS" \
-        bash scripts/rxe-vm.sh bash scripts/rxe-faults.sh --guest-serve "$cm" 2>&1 | cat >"$sl" &
-    spid=$!
-    sleep 3 # QEMU's listening socket first
-    RXE_VM_CPUS=1 RXE_VM_MEM=1G RXE_VM_TIMEOUT=$((60 + 45 * n)) RXE_VM_NET=connect:$port:2 \
-        RXE_VM_ENV="DEMO FAULTS" \
-        bash scripts/rxe-vm.sh bash scripts/rxe-faults.sh --guest-load "$cm" 2>&1 | cat >"$ll" || lrc=$?
-    wait "$spid" || src=$?
-    if grep -aq '^SKIPPED: rxe-vm' "$sl" "$ll"; then
-        grep -ah '^SKIPPED: rxe-vm' "$sl" "$ll" | head -1 | sed 's/rxe-vm/rxe-faults/'
-        exit 0
-    fi
-    echo "== --cm $cm: $n scenarios in $(( $(date +%s) - t0 )) s (serve VM rc=$src, load VM rc=$lrc)"
-    for s in $FAULTS; do
-        grep -a "^load\[$s\]" "$ll" | sed 's/^load\[[a-z0-9-]*\] /  load:  /' | sed '1s/^  load:  fault: /fault '"$s"': /' || true
-        grep -a "^serve\[$s\]" "$sl" | sed 's/^serve\[[a-z0-9-]*\] /  serve: /' || true
-        if grep -aq "^load\[$s\] ok" "$ll" && grep -aq "^serve\[$s\] ok" "$sl"; then
-            echo "ok   fault_${cm}_$s"
-        else
-            echo "FAIL fault_${cm}_$s"; bad=$((bad + 1))
-        fi
-    done
-    if [[ $src -ne 0 || $lrc -ne 0 ]]; then
-        echo "FAIL rxe-faults --cm $cm: a VM exited $src / $lrc"
-        echo "--- serve VM"; tail -20 "$sl"; echo "--- load VM"; tail -20 "$ll"
-        bad=$((bad + 1))
+    if [[ $cm == tcp ]]; then list=${FAULTS_TCP:-loss1 loss5 reorder delay outage restored outage-rc6 restored-rc6 ifdown restored-if}
+    else list=${FAULTS_CM:-loss5 outage restored outage-rc1 restored-rc1}; fi
+    for s in $list; do FAULTS+="${FAULTS:+ }$cm.$s"; done
+done
+n=$(wc -w <<<"$FAULTS")
+port=$((31000 + $$ % 1000))
+sl=$RXE_VM_LOGDIR/vm.serve.log ll=$RXE_VM_LOGDIR/vm.load.log
+t0=$(date +%s) src=0 lrc=0 bad=0
+# Each VM's output through a pipe: written straight to its file, the
+# console's lines and rxe-vm.sh's own overwrote each other.
+RXE_VM_CPUS=1 RXE_VM_MEM=1G RXE_VM_TIMEOUT=$((60 + 45 * n)) RXE_VM_NET=listen:$port:1 \
+    RXE_VM_ENV="DEMO FAULTS" \
+    bash scripts/rxe-vm.sh bash scripts/rxe-faults.sh --guest-serve 2>&1 | cat >"$sl" &
+spid=$!
+sleep 3 # QEMU's listening socket first
+RXE_VM_CPUS=1 RXE_VM_MEM=1G RXE_VM_TIMEOUT=$((60 + 45 * n)) RXE_VM_NET=connect:$port:2 \
+    RXE_VM_ENV="DEMO FAULTS" \
+    bash scripts/rxe-vm.sh bash scripts/rxe-faults.sh --guest-load 2>&1 | cat >"$ll" || lrc=$?
+wait "$spid" || src=$?
+if grep -aq '^SKIPPED: rxe-vm' "$sl" "$ll"; then
+    grep -ah '^SKIPPED: rxe-vm' "$sl" "$ll" | head -1 | sed 's/rxe-vm/rxe-faults/'
+    exit 0
+fi
+echo "== $n scenarios in $(( $(date +%s) - t0 )) s (serve VM rc=$src, load VM rc=$lrc)"
+for run in $FAULTS; do
+    grep -a "^load\[$run\]" "$ll" | sed 's/^load\[[a-z0-9.-]*\] /  load:  /' | sed '1s/^  load:  fault: /fault '"$run"': /' || true
+    grep -a "^serve\[$run\]" "$sl" | sed 's/^serve\[[a-z0-9.-]*\] /  serve: /' || true
+    if grep -aq "^load\[$run\] ok" "$ll" && grep -aq "^serve\[$run\] ok" "$sl"; then
+        echo "ok   fault_${run/./_}"
+    else
+        echo "FAIL fault_${run/./_}"; bad=$((bad + 1))
     fi
 done
+if [[ $src -ne 0 || $lrc -ne 0 ]]; then
+    echo "FAIL rxe-faults: a VM exited $src / $lrc"
+    echo "--- serve VM"; tail -20 "$sl"; echo "--- load VM"; tail -20 "$ll"
+    bad=$((bad + 1))
+fi
 echo "rxe-faults: done in $(( $(date +%s) - start )) s, $bad failure(s)"
 [[ $bad -eq 0 ]]

@@ -42,7 +42,17 @@ if ((${#missing[@]})); then
   fi
 fi
 
-cargo test --workspace --doc
+# The doctests of the packages named with -p / --package (scripts/check.sh
+# names them), else of the whole workspace.
+doc=()
+for ((i = 1; i <= $#; i++)); do
+  case ${!i} in
+    -p | --package) j=$((i + 1)); doc+=(-p "${!j}") ;;
+    --package=*) doc+=(-p "${!i#--package=}") ;;
+  esac
+done
+((${#doc[@]})) || doc=(--workspace)
+cargo test "${doc[@]}" --doc
 
 # Can the softverbs tests run here? `why` says why not.
 why=
