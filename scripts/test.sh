@@ -42,8 +42,14 @@ if ((${#missing[@]})); then
   fi
 fi
 
-# The doctests of the packages named with -p / --package (scripts/check.sh
-# names them), else of the whole workspace.
+# The packages named with -p / --package (scripts/check.sh names them),
+# else the whole workspace: their doctests, then their tests.
+named=0
+for ((i = 1; i <= $#; i++)); do
+  case ${!i} in -p | --package | --package=*) named=1 ;; esac
+done
+sel=()
+((named)) || sel=(--workspace)
 doc=()
 for ((i = 1; i <= $#; i++)); do
   case ${!i} in
@@ -51,8 +57,7 @@ for ((i = 1; i <= $#; i++)); do
     --package=*) doc+=(-p "${!i#--package=}") ;;
   esac
 done
-((${#doc[@]})) || doc=(--workspace)
-cargo test "${doc[@]}" --doc
+cargo test "${sel[@]}" "${doc[@]}" --doc
 
 # Can the softverbs tests run here? `why` says why not.
 why=
@@ -89,7 +94,7 @@ if [[ -z $why ]]; then
   trap 'rm -rf "$SOFTVERBS_TEST_FABRICS"' EXIT
   say "the softverbs tests run, each under $SOFTVERBS_TEST_RUN" \
     "the rxe tests are skipped: they need the kernel's Soft-RoCE (.ci/rxe.sh runs them in a VM)"
-  cargo nextest run --workspace --no-fail-fast --profile softverbs "$@"
+  cargo nextest run "${sel[@]}" --no-fail-fast --profile softverbs "$@"
 else
   say "$rule" \
     "SKIPPING THE SOFTVERBS TESTS: $why." \
@@ -98,7 +103,7 @@ else
     "The rxe tests are skipped too: they need the kernel's Soft-RoCE (.ci/rxe.sh)." \
     "$rule"
   rc=0
-  cargo nextest run --workspace --no-fail-fast "$@" || rc=$?
+  cargo nextest run "${sel[@]}" --no-fail-fast "$@" || rc=$?
   say "the skipped tests include the softverbs tests: $why"
   exit "$rc"
 fi
