@@ -15,7 +15,7 @@
 # scripts/rxe-vm.sh says SKIPPED and this exits 0. Every client runs under
 # `timeout`, the VM under its own (RXE_VM_TIMEOUT: 840 s). The demo in two
 # VMs, serve in one and load in the other, is scripts/rxe-faults.sh's (its
-# `restored` scenarios run it without a fault, with the demo's defaults).
+# `restored` scenario runs it without a fault, with the demo's defaults).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -20,19 +20,19 @@
 #                --op-timeout 12s: the CM gives rxe's QPs an ACK timeout
 #                of about 2 s, so 2 tries last about 4 s
 #   restored, restored-rc6, restored-rc1   the link back: a new session
-#                passes, with the demo's defaults (a memory window per
-#                request)
+#                passes (`restored` with the demo's defaults: a memory
+#                window per request)
 #   ifdown       (TCP exchange) `ip link set dev NIC down` for 2 s instead:
 #                rxe fails the requests it cannot send at once
 #                (IBV_WC_LOC_QP_OP_ERR), whatever the retry count
-#   restored-if  the link up again: a new session passes (windows too)
+#   restored-if  the link up again: a new session passes
 #
 # Under a fault the load runs with --exposure keys: with a memory window
 # per request,
 # rxe (kernel 6.1) stops making progress once the load's QP has to
 # retransmit (measured 2026-12-02: netem delay 20ms 5ms, 0 of 64 requests
 # answered in 10 s; loss 1%, 16 failed on the 2 s timeout), while the same
-# two-VM run without faults passes with windows (each restored scenario):
+# two-VM run without faults passes with windows (`restored`, for each CM):
 # docs/verbs.md, "Memory windows".
 #
 # After an outage the load must exit 1 (not hang), report its failed
@@ -77,7 +77,7 @@ outage_of() { # scenario: seconds of loss 100% (0: none)
     esac
 }
 exposure_of() { # scenario: how the load exposes its buffers
-    [[ $1 == restored* ]] || echo "--exposure keys"
+    [[ $1 == restored ]] || echo "--exposure keys"
 }
 flags_of() { # scenario side: the demo's extra flags (cm: tcp or rdmacm)
     case $1:$2 in
