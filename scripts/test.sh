@@ -44,12 +44,6 @@ fi
 
 # The packages named with -p / --package (scripts/check.sh names them),
 # else the whole workspace: their doctests, then their tests.
-named=0
-for ((i = 1; i <= $#; i++)); do
-  case ${!i} in -p | --package | --package=*) named=1 ;; esac
-done
-sel=()
-((named)) || sel=(--workspace)
 doc=()
 for ((i = 1; i <= $#; i++)); do
   case ${!i} in
@@ -57,6 +51,8 @@ for ((i = 1; i <= $#; i++)); do
     --package=*) doc+=(-p "${!i#--package=}") ;;
   esac
 done
+sel=()
+((${#doc[@]})) || sel=(--workspace)
 cargo test "${sel[@]}" "${doc[@]}" --doc
 
 # Can the softverbs tests run here? `why` says why not.
