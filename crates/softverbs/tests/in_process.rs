@@ -569,14 +569,29 @@ fn reg_mr_remote_write_or_atomic_needs_local_write() {
 /// A send waiting for a receive (RNR) while the application sleeps in the
 /// completion channel resumes when the responder posts the receive — the
 /// responder rings its QP's doorbell and the progress thread, asleep on it,
-/// retries at once — not when a retry timer next expires. Each round
-/// leaves the progress thread asleep (2 ms) before the receive is posted and
-/// measures post_recv → completion event. A timer-driven retry (every
-/// 200 µs before the fix) puts the median near 100 µs or above; a wake-up
-/// costs a few µs (two thread wake-ups).
+/// retries at once — not when a retry timer next expires.
+///
+/// The rounds run in a child process with the progress thread's liveness
+/// timer off (`SOFTVERBS_TEST_NO_LIVENESS=1`, src/provider/progress.rs):
+/// nothing but the ring can then wake the thread for the waiting send, so
+/// each round's completion proves the ring resumed it, however loaded the
+/// machine is. Each round leaves the progress thread asleep (2 ms) before
+/// the receive is posted; the post_recv → completion-event latency is
+/// printed, not bounded.
 #[test]
 fn waiting_send_resumes_on_the_receive_not_on_a_timer() {
-    needs_launcher!("waiting_send_resumes_on_the_receive_not_on_a_timer");
+    const NAME: &str = "waiting_send_resumes_on_the_receive_not_on_a_timer";
+    needs_launcher!(NAME);
+    if std::env::var_os("SOFTVERBS_TEST_ROLE").is_none() {
+        let (mut child, _chan) =
+            common::child::spawn_env(NAME, &[("SOFTVERBS_TEST_NO_LIVENESS", "1")]);
+        let st = child.wait().expect("wait for the child");
+        assert!(
+            st.success(),
+            "the rounds without a liveness timer failed: {st}"
+        );
+        return;
+    }
     const ROUNDS: usize = 100;
     let dev = Dev::open();
     let ch = dev.channel();
@@ -595,7 +610,12 @@ fn waiting_send_resumes_on_the_receive_not_on_a_timer() {
         std::thread::sleep(Duration::from_micros(2000 + (i * 37) % 200));
         let t0 = Instant::now();
         post_recv(b, &buf, 32, 32, 1000 + i);
-        assert!(readable(ch, 2000), "the waiting send never completed");
+        // A hang bound, not a latency bound: without the ring nothing
+        // would ever resume the send.
+        assert!(
+            readable(ch, 10_000),
+            "round {i}: the waiting send was not resumed by the posted receive"
+        );
         lat.push(t0.elapsed());
         get_event(ch, cq_a);
         assert_eq!(poll(cq_a, 1)[0].wr_id, i);
@@ -605,11 +625,6 @@ fn waiting_send_resumes_on_the_receive_not_on_a_timer() {
     let (median, p90, max) = (lat[ROUNDS / 2], lat[ROUNDS * 9 / 10], lat[ROUNDS - 1]);
     let line = format!("resume latency: median {median:?}, p90 {p90:?}, max {max:?}\n");
     unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
-    assert!(
-        median < Duration::from_micros(50),
-        "a posted receive resumed the waiting send after {median:?} (median): \
-         the progress thread waits for a timer"
-    );
     for q in [a, b] {
         assert_eq!(unsafe { ibv_destroy_qp(q) }, 0);
     }
