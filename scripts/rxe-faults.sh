@@ -23,8 +23,15 @@
 #                passes (`restored` with the demo's defaults: a memory
 #                window per request)
 #   ifdown       (TCP exchange) `ip link set dev NIC down` for 2 s instead:
-#                rxe fails the requests it cannot send at once
-#                (IBV_WC_LOC_QP_OP_ERR), whatever the retry count
+#                the load must log the port going down (rxe raises
+#                IBV_EVENT_PORT_ERR at once; cqd-verbs logs "port down")
+#                and fail its requests. How they fail depends on what the
+#                load's QPs hold when the link goes: a request not yet
+#                acknowledged is retried and completes with
+#                IBV_WC_LOC_QP_OP_ERR (rxe cannot send it), while requests
+#                the server holds wait for answers that cannot arrive, and
+#                the 2 s --op-timeout fails them (the load posts nothing
+#                while it waits). Both are printed; neither is required.
 #   restored-if  the link up again: a new session passes
 #
 # Under a fault the load runs with --exposure keys: with a memory window
@@ -49,6 +56,7 @@
 #
 #   sudo bash scripts/rxe-faults.sh            # DEMO=... to skip the build
 #   CMS=tcp FAULTS_TCP="loss5 outage-rc6 restored" sudo bash scripts/rxe-faults.sh
+#   CMS=tcp FAULTS_TCP="ifdown restored-if ifdown~2 restored-if~2" ...   # NAME~N: a repeat
 #
 # Root, no stdin. Where the VM cannot run, scripts/rxe-vm.sh says SKIPPED
 # and so does this, exit 0.
@@ -96,41 +104,97 @@ flags_of() { # scenario side: the demo's extra flags (cm: tcp or rdmacm)
         *) echo "" ;;
     esac
 }
-counters() { # file: name value per line
-    local f
-    for f in "$HW"/*; do [[ $f == */lifespan ]] || echo "$(basename "$f") $(cat "$f")"; done >"$1"
+# In the guests every new process costs (TCG translates each program's
+# code afresh: measured 2026-12-07, about 0.25 s for `sleep 0`, 5.6 s for
+# reading the counters with a `cat` per file, 0.2 s with `read`), so what
+# runs between two scenarios uses bash's builtins: that time is the wait
+# between one load and the next.
+NAMES=() # the counters' names, in the order ls lists them
+counters() { # ARRAY: the counters into the associative array ARRAY
+    local -n into=$1
+    local f v
+    into=() NAMES=()
+    for f in "$HW"/*; do
+        [[ $f == */lifespan ]] && continue
+        read -r v <"$f" || v=0
+        into[${f##*/}]=$v
+        NAMES+=("${f##*/}")
+    done
 }
-deltas() { # before after: the nonzero deltas, one line
-    awk 'NR == FNR { b[$1] = $2; next } $2 - b[$1] != 0 { printf "%s%s +%d", sep, $1, $2 - b[$1]; sep = "," }
-         END { if (!sep) printf "none" }' "$1" "$2"
+deltas() { # BEFORE AFTER (associative arrays): the nonzero deltas, one line
+    local -n b=$1 a=$2
+    local k d out=
+    for k in "${NAMES[@]}"; do
+        d=$((${a[$k]:-0} - ${b[$k]:-0}))
+        if ((d != 0)); then out+="${out:+,}$k +$d"; fi
+    done
+    echo "${out:-none}"
+}
+LOG=()
+slurp() { # FILE: its lines into LOG (none before the file exists)
+    { mapfile -t LOG <"$1"; } 2>/dev/null || LOG=()
+}
+has() { # REGEX: does a line of LOG match
+    local l
+    for l in "${LOG[@]}"; do [[ $l =~ $1 ]] && return 0; done
+    return 1
+}
+show() { # REGEX PREFIX: LOG's matching lines, prefixed, a log line's
+    # timestamp and level and target shortened to the time of day
+    local l
+    for l in "${LOG[@]}"; do
+        [[ $l =~ $1 ]] || continue
+        if [[ $l =~ ^[0-9-]+T([0-9:.]{12})[0-9]*Z\ +[A-Z]+\ [a-z_:]+:\ (.*)$ ]]; then
+            l="${BASH_REMATCH[1]} ${BASH_REMATCH[2]}"
+        fi
+        echo "$2$l"
+    done
+}
+tail_of() { # N PREFIX: LOG's last N lines, prefixed
+    local i=$((${#LOG[@]} - $1))
+    ((i >= 0)) || i=0
+    for (( ; i < ${#LOG[@]}; i++)); do echo "$2${LOG[i]}"; done
+}
+nap() { read -rt "$1" -u "$NAP_FD" || true; } # sleep without a process
+clock() { # the time of day, to the millisecond
+    local us=${EPOCHREALTIME#*.}
+    printf '%(%T)T.%s\n' "${EPOCHREALTIME%.*}" "${us:0:3}"
+}
+guest_setup() {
+    # A pipe nothing writes to, held open for reading and writing: `read
+    # -t` on it waits out its timeout.
+    exec {NAP_FD}<> <(:)
 }
 
 # The serve VM: one `cqd-demo serve` per scenario, in order, each under
 # `timeout`; its counters' deltas and verdicts per session.
 if [[ ${1:-} == --guest-serve ]]; then
+    guest_setup
     fail=0
     L=$RXE_VM_LOGDIR
+    declare -A c0 c1
     for run in $FAULTS; do
-        cm=${run%%.*} s=${run#*.}
+        cm=${run%%.*} s=${run#*.} s=${s%%~*}
         log=$L/serve.$run.log rc=0
-        counters /tmp/c0
+        counters c0
         # shellcheck disable=SC2046 # the flags are words
         RUST_LOG=warn timeout 200 "$DEMO" serve --device rxe0 --gid-index "$RXE_GID_INDEX" --quick \
             --device-size 4MiB --cm "$cm" --listen "$RXE_VM_ADDR:$PORT_IN_GUEST" --accept-timeout 180s \
             $(flags_of "$s" serve) >"$log" 2>&1 || rc=$?
-        counters /tmp/c1
-        echo "serve[$run] rc=$rc rxe0: $(deltas /tmp/c0 /tmp/c1)"
-        grep -aE '^verdict|^server |completed with' "$log" | sed "s/^/serve[$run]   /" || true
+        counters c1
+        echo "serve[$run] rc=$rc rxe0: $(deltas c0 c1)"
+        slurp "$log"
+        show '^verdict|^server |completed with' "serve[$run]   "
         ok=1
-        grep -aq 'verdict accounts: PASSED' "$log" || ok=0
+        has 'verdict accounts: PASSED' || ok=0
         [[ $rc -ne 124 && $rc -ne 137 ]] || ok=0
         if [[ $(outage_of "$s") -eq 0 ]]; then
-            [[ $rc -eq 0 ]] && grep -aq 'verdict session:  PASSED' "$log" || ok=0
+            [[ $rc -eq 0 ]] && has 'verdict session:  PASSED' || ok=0
         fi
         if [[ $ok -eq 1 ]]; then
             echo "serve[$run] ok"
         else
-            echo "serve[$run] FAIL (rc=$rc)"; tail -30 "$log" | sed "s/^/serve[$run]   /"; fail=1
+            echo "serve[$run] FAIL (rc=$rc)"; tail_of 30 "serve[$run]   "; fail=1
         fi
     done
     exit $fail
@@ -139,21 +203,25 @@ fi
 # The load VM: per scenario, wait for the server, the counters, the
 # fault, the load under `timeout`, the fault removed, the counters again.
 if [[ ${1:-} == --guest-load ]]; then
+    guest_setup
     fail=0
     L=$RXE_VM_LOGDIR
-    nic=$(ls /sys/class/net | grep -v '^lo$' | head -1)
+    nics=(/sys/class/net/*)
+    nic=
+    for n in "${nics[@]}"; do [[ ${n##*/} == lo ]] || { nic=${n##*/}; break; }; done
     modprobe sch_netem
+    declare -A c0 c1
     for run in $FAULTS; do
-        cm=${run%%.*} s=${run#*.}
+        cm=${run%%.*} s=${run#*.} s=${s%%~*}
         log=$L/load.$run.log rc=0
         # Until this scenario's server listens (each probe is a handshake
-        # the server refuses and logs).
-        for _ in $(seq 1 600); do
-            timeout 2 bash -c "exec 3<>/dev/tcp/10.77.0.1/$PORT_IN_GUEST" 2>/dev/null && break
-            sleep 0.3
+        # the server refuses and logs). A probe before the serve VM's
+        # network is up waits for the SYN's retransmission.
+        for ((i = 0; i < 600; i++)); do
+            (exec 3<>"/dev/tcp/10.77.0.1/$PORT_IN_GUEST") 2>/dev/null && break
+            nap 0.2
         done
-        tc qdisc del dev "$nic" root 2>/dev/null || true
-        counters /tmp/c0
+        counters c0
         spec=$(netem_of "$s") down=$(outage_of "$s")
         if [[ -n $spec ]]; then
             # shellcheck disable=SC2086 # the netem arguments are words
@@ -167,62 +235,66 @@ if [[ ${1:-} == --guest-load ]]; then
         fi
         flags=$(flags_of "$s" load)
         echo "load[$run] fault: $fault${flags:+; flags $flags}"
-        t0=$(date +%s.%N)
+        t0=$EPOCHREALTIME
         # shellcheck disable=SC2086 # the flags are words
         RUST_LOG=warn,cqd_demo=info timeout 150 "$DEMO" load --device rxe0 --gid-index "$RXE_GID_INDEX" \
             --quick $(exposure_of "$s") $flags --cm "$cm" --server "10.77.0.1:$PORT_IN_GUEST" >"$log" 2>&1 &
         lpid=$!
         if [[ $down -gt 0 ]]; then
-            for _ in $(seq 1 600); do
-                grep -aq 'load: run' "$log" && break
+            for ((i = 0; i < 600; i++)); do
+                slurp "$log"
+                has 'load: run' && break
                 kill -0 "$lpid" 2>/dev/null || break
-                sleep 0.1
+                nap 0.1
             done
-            sleep 0.5
+            nap 0.5
             if [[ $s == ifdown* ]]; then ip link set dev "$nic" down; else tc qdisc add dev "$nic" root netem loss 100%; fi
-            echo "load[$run] link down at $(date +%T.%N | cut -c1-12)"
-            sleep "$down"
+            echo "load[$run] link down at $(clock)"
+            nap "$down"
             if [[ $s == ifdown* ]]; then
                 ip link set dev "$nic" up
-                for _ in $(seq 1 100); do
-                    grep -q ACTIVE /sys/class/infiniband/rxe0/ports/1/state && break
-                    sleep 0.1
+                for ((i = 0; i < 100; i++)); do
+                    read -r st </sys/class/infiniband/rxe0/ports/1/state || st=
+                    [[ $st == *ACTIVE* ]] && break
+                    nap 0.1
                 done
             else
                 tc qdisc del dev "$nic" root
             fi
-            echo "load[$run] link up at $(date +%T.%N | cut -c1-12)"
+            echo "load[$run] link up at $(clock)"
         fi
         wait "$lpid" || rc=$?
-        t1=$(date +%s.%N)
-        tc qdisc del dev "$nic" root 2>/dev/null || true
-        counters /tmp/c1
-        echo "load[$run] rc=$rc in $(awk "BEGIN { printf \"%.1f\", $t1 - $t0 }") s rxe0: $(deltas /tmp/c0 /tmp/c1)"
-        grep -aE '^(load +[0-9]|verify |verdict|server |note )' "$log" | sed "s/^/load[$run]   /" || true
-        grep -aE 'connection failed: |every connection failed' "$log" | sed -E "s/^[0-9-]+T([0-9:.]{12})[0-9]*Z +[A-Z]+ [a-z_:]+: /load[$run]   \1 /" || true
+        t1=$EPOCHREALTIME
+        [[ -z $spec ]] || tc qdisc del dev "$nic" root
+        counters c1
+        took=$(( (${t1/./} - ${t0/./}) / 100000 ))
+        echo "load[$run] rc=$rc in $((took / 10)).$((took % 10)) s rxe0: $(deltas c0 c1)"
+        slurp "$log"
+        show '^(load +[0-9]|verify |verdict|server |note )' "load[$run]   "
+        show 'connection failed: |every connection failed|cqd_verbs::device: port down' "load[$run]   "
         why=()
         [[ $rc -ne 124 && $rc -ne 137 ]] || why+=("the load hung (timeout)")
-        grep -aq 'verdict accounts: PASSED' "$log" || why+=("load accounts not PASSED")
-        grep -aqE 'verify +[0-9]+ reads matched, 0 mismatched' "$log" || why+=("a read mismatched, or no verify line")
+        has 'verdict accounts: PASSED' || why+=("load accounts not PASSED")
+        has 'verify +[0-9]+ reads matched, 0 mismatched' || why+=("a read mismatched, or no verify line")
         if [[ $down -gt 0 ]]; then
             [[ $rc -eq 1 ]] || why+=("exit status $rc, not 1")
-            grep -aq 'verdict data:     FAILED' "$log" || why+=("the data verdict did not report the lost connections")
-            grep -aqE 'requests? failed \(reported as failed' "$log" || why+=("no failed request reported")
+            has 'verdict data:     FAILED' || why+=("the data verdict did not report the lost connections")
+            has 'requests? failed \(reported as failed' || why+=("no failed request reported")
             if [[ $s == *-rc[0-6] ]]; then
-                grep -aqE 'RetryExceeded|retry counter exceeded' "$log" ||
+                has 'RetryExceeded|retry counter exceeded' ||
                     why+=("no request completed with RETRY_EXC_ERR")
             elif [[ $s == ifdown ]]; then
-                grep -aq 'connection failed: .* completed with' "$log" ||
-                    why+=("no request completed with an error")
+                has 'WARN cqd_verbs::device: port down' ||
+                    why+=("the load did not log the port going down")
             fi
         else
             [[ $rc -eq 0 ]] || why+=("exit status $rc")
-            grep -aq 'verdict data:     PASSED' "$log" || why+=("data verdict not PASSED")
+            has 'verdict data:     PASSED' || why+=("data verdict not PASSED")
         fi
         if [[ ${#why[@]} -eq 0 ]]; then
             echo "load[$run] ok"
         else
-            echo "load[$run] FAIL: $(IFS=';'; echo "${why[*]}")"; tail -30 "$log" | sed "s/^/load[$run]   /"; fail=1
+            echo "load[$run] FAIL: $(IFS=';'; echo "${why[*]}")"; tail_of 30 "load[$run]   "; fail=1
         fi
     done
     exit $fail
@@ -277,8 +349,8 @@ if grep -aq '^SKIPPED: rxe-vm' "$sl" "$ll"; then
 fi
 echo "== $n scenarios in $(( $(date +%s) - t0 )) s (serve VM rc=$src, load VM rc=$lrc)"
 for run in $FAULTS; do
-    grep -a "^load\[$run\]" "$ll" | sed 's/^load\[[a-z0-9.-]*\] /  load:  /' | sed '1s/^  load:  fault: /fault '"$run"': /' || true
-    grep -a "^serve\[$run\]" "$sl" | sed 's/^serve\[[a-z0-9.-]*\] /  serve: /' || true
+    grep -a "^load\[$run\]" "$ll" | sed 's/^load\[[a-z0-9.~-]*\] /  load:  /' | sed '1s/^  load:  fault: /fault '"$run"': /' || true
+    grep -a "^serve\[$run\]" "$sl" | sed 's/^serve\[[a-z0-9.~-]*\] /  serve: /' || true
     if grep -aq "^load\[$run\] ok" "$ll" && grep -aq "^serve\[$run\] ok" "$sl"; then
         echo "ok   fault_${run/./_}"
     else

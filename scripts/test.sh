@@ -64,10 +64,9 @@ elif [[ $(id -u) -ne 0 ]]; then
 else
   # The launcher and the provider it stages, release builds
   # (target/release/{softverbs-run,libsoftverbs.so}): the device the tests
-  # run on is built as a user (and .ci/softverbs.sh) runs it, and as fast;
-  # a debug provider takes twice as long to wake a waiting send, more than
-  # in_process.rs's latency test allows. The provider's unit tests run in
-  # the debug build with the rest. SOFTVERBS_LIB names this build's
+  # run on is built as a user (and .ci/softverbs.sh) runs it, and as fast
+  # (a debug provider takes twice as long to wake a waiting send). The
+  # provider's unit tests run in the debug build with the rest. SOFTVERBS_LIB names this build's
   # provider, so that a copy left next to the launcher
   # (libsoftverbs-rdmav34.so) is not taken instead.
   cargo build -p softverbs --release

@@ -585,6 +585,33 @@ impl<N: Node> LoadConn<N> {
 
     /// Marks the slot's SEND or reply done; finishes the request when both
     /// are.
+    /// What slot `slot` holds, for the message of a reply that matched
+    /// nothing.
+    fn slot_state(&self, slot: u32) -> String {
+        let Some(cell) = self.slots.get(slot as usize) else {
+            return format!("this connection has no slot {slot}");
+        };
+        let s = cell.lock();
+        let last = (u64::from(slot) << 48) | s.next_id;
+        match &s.op {
+            None => format!("the slot is idle, its last request id {last:#x}"),
+            Some(f) => format!(
+                "the slot holds id {:#x}, {}, {}",
+                f.id,
+                if s.sent {
+                    "sent"
+                } else {
+                    "its send not completed"
+                },
+                if s.reply.is_some() {
+                    "replied"
+                } else {
+                    "no reply yet"
+                }
+            ),
+        }
+    }
+
     fn progress(&self, slot: u32, id: Option<u64>, reply: Option<ReplyStatus>) -> bool {
         let Some(cell) = self.slots.get(slot as usize) else {
             return false;
@@ -671,8 +698,12 @@ impl<N: Node> Handler for LoadHandler<N> {
                 if !c.progress(u32::from(r.slot), Some(r.id), Some(r.status)) && !c.is_dead() {
                     c.shared.bad_replies.fetch_add(1, Ordering::Relaxed);
                     c.kill(&format!(
-                        "a reply for slot {} id {:#x} that matches no request in flight",
-                        r.slot, r.id
+                        "a reply for slot {} id {:#x} that matches no request in flight ({}; \
+                         receive {i}, {} bytes)",
+                        r.slot,
+                        r.id,
+                        c.slot_state(u32::from(r.slot)),
+                        d.byte_len()
                     ));
                 }
             }
