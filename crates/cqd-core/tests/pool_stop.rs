@@ -110,7 +110,17 @@ fn dropping_every_sink_without_offering_stops_an_idle_pool() {
         .unwrap()
         .spawn(2, |_| |_: ()| {})
         .unwrap();
-    std::thread::sleep(Duration::from_millis(20)); // let the workers park
+    // Until every worker has parked (a park is counted as the worker goes
+    // to sleep; a loaded machine can take longer than any fixed pause to
+    // run the workers that far): the stop below must wake parked workers.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !pool.snapshot().workers.iter().all(|w| w.parks >= 1) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the idle workers never parked"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
     drop(sinks);
     let s = pool.join().unwrap();
     assert_eq!(s.items(), 0);

@@ -112,9 +112,18 @@ fn an_overflowed_cq_is_reported_once_then_only_polled_on_the_wake_timeout() {
         .cq(unbound)
         .spawn()
         .unwrap();
-    let run = Duration::from_millis(400);
-    std::thread::sleep(run);
+    // Until it has slept on the wake timeout 5 times (however long a
+    // loaded machine takes to run it that far), timed.
+    let started = std::time::Instant::now();
+    while thread.snapshot().timeouts < 5 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "it never slept on the wake timeout"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let report = thread.stop().unwrap();
+    let run = started.elapsed();
     let (cq, poller) = (&report.cqs[0], &report.poller);
     assert!(cq.in_error, "the snapshot says the CQ is in error");
     assert_eq!((cq.overflows, cq.async_events), (1, 1), "reported once");
@@ -125,7 +134,7 @@ fn an_overflowed_cq_is_reported_once_then_only_polled_on_the_wake_timeout() {
         cq.arm_errors
     );
     // One sleep per wake timeout (plus slack for a noisy machine), not a
-    // back-off loop of one arm attempt every 2 ms (about 200 here).
+    // back-off loop of one arm attempt every 2 ms (ten times as many).
     let most = (run.as_millis() / wake.as_millis()) as u64 + 10;
     assert!(
         poller.loops <= most,

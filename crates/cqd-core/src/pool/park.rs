@@ -143,12 +143,16 @@ pub(crate) enum Idle {
 }
 
 impl Bell {
-    /// The worker side, steps 1 to 5. `has_work` re-checks every ring.
+    /// The worker side, steps 1 to 5. `has_work` re-checks every ring;
+    /// `parking` runs once the worker is committed to park, before it
+    /// sleeps (the park counter: a snapshot then shows the park while the
+    /// worker sleeps).
     pub(crate) fn idle(
         &self,
         open: &AtomicUsize,
         spin_window: std::time::Duration,
         mut has_work: impl FnMut() -> bool,
+        parking: impl FnOnce(),
     ) -> Idle {
         // 1. Spin, then back off.
         if BACK_OFF {
@@ -188,6 +192,7 @@ impl Bell {
             return Idle::Closed;
         }
         // 5. Park.
+        parking();
         thread::park();
         self.sleeping.store(false, Ordering::Relaxed);
         Idle::Parked

@@ -147,14 +147,14 @@ impl<W, H: Work<W>> Worker<W, H> {
                 std::hint::spin_loop();
                 continue;
             }
-            match self.bell.idle(&shared.open, self.spin_window, || {
-                rings.iter_mut().any(|r| !r.is_empty())
-            }) {
+            match self.bell.idle(
+                &shared.open,
+                self.spin_window,
+                || rings.iter_mut().any(|r| !r.is_empty()),
+                || counters.park(),
+            ) {
                 Idle::Work => {}
-                Idle::Parked => {
-                    counters.park();
-                    woken = true;
-                }
+                Idle::Parked => woken = true,
                 Idle::Closed => return,
             }
         }
