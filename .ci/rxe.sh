@@ -13,7 +13,8 @@
 #      (scripts/verbs-diff.py against the documented differences),
 # and fails if any of them fails. Root, no stdin. Where the VM cannot run,
 # scripts/rxe-vm.sh says SKIPPED and this exits 0. Every client runs under
-# `timeout`, the VM under its own (RXE_VM_TIMEOUT: 840 s). The demo in two
+# `timeout`, the VM under its own (RXE_VM_TIMEOUT: 1440 s, the build's
+# wait included). The demo in two
 # VMs, serve in one and load in the other, is scripts/rxe-faults.sh's (its
 # `restored` scenario runs it without a fault, with the demo's defaults).
 set -euo pipefail
@@ -23,6 +24,17 @@ cd "$(dirname "$0")/.."
 # LAT, DEMO (the binaries built on the host) and RXE_VM_LOGDIR set.
 if [[ ${1:-} == --guest ]]; then
     LOGS=$RXE_VM_LOGDIR
+    # The host builds while the VM boots: wait for its word (the paths of
+    # the test binaries it built, or why it could not build them).
+    t_wait=$(date +%s)
+    while [[ ! -e $LOGS/built ]] && (($(date +%s) - t_wait < 600)); do
+        sleep 0.5
+    done
+    [[ -e $LOGS/built ]] || { echo "FAIL rxe: the host built nothing in 10 minutes"; exit 1; }
+    echo "rxe guest: the host's build came $(($(date +%s) - t_wait)) s after the boot"
+    # shellcheck disable=SC1091 # written by the host half below
+    source "$LOGS/built"
+    [[ -n ${SUITE:-} ]] || { echo "FAIL rxe: the host's build failed"; exit 1; }
     fail=0 passed=0
     dev=${CQD_RXE:-rxe0} gid=${RXE_GID_INDEX:-1}
     t0=$(date +%s)
@@ -178,32 +190,59 @@ if [[ $(id -u) -ne 0 ]]; then
     exit 0
 fi
 # The host half: everything the guest runs is built here (the guest has
-# two slow vCPUs).
-nice -n 15 cargo build --release --features verbs --example rc_pingpong --example send_lat
-nice -n 15 cargo build --release -p cqd-demo --features verbs
-# The verbs probes, and the softverbs provider and launcher they run under
-# on the host (6. below).
-nice -n 15 cargo build --release -p softverbs --bins --lib --example verbs_probe
-SUITE=$(nice -n 15 cargo test -p cqd-verbs --release --test two_backends --no-run --message-format=json |
-    sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
-[[ -x $SUITE ]] || { echo "rxe: no two_backends test binary"; exit 1; }
-# The hostile client test; it runs the serve process its build made
-# (CARGO_BIN_EXE_cqd-demo: the release binary built above).
-HOSTILE=$(nice -n 15 cargo test -p cqd-demo --release --features verbs --test hostile --no-run --message-format=json |
-    grep '"kind":\["test"\],[^}]*"name":"hostile"' |
-    sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
-[[ -x $HOSTILE ]] || { echo "rxe: no hostile test binary"; exit 1; }
+# two slow vCPUs), while the VM boots (about 40 s under TCG, mostly one
+# core); the guest waits for the build's word in the log directory.
 REL=${CARGO_TARGET_DIR:-$PWD/target}/release
-export SUITE HOSTILE PP=$REL/examples/rc_pingpong LAT=$REL/examples/send_lat DEMO=$REL/cqd-demo
+export PP=$REL/examples/rc_pingpong LAT=$REL/examples/send_lat DEMO=$REL/cqd-demo
 export PROBE=$REL/examples/verbs_probe
 export RXE_VM_LOGDIR
 RXE_VM_LOGDIR=$(mktemp -d /tmp/cqd-rxe.XXXXXX)
-echo "rxe: built in $(( $(date +%s) - start )) s; logs in $RXE_VM_LOGDIR"
+echo "rxe: logs in $RXE_VM_LOGDIR"
+# The VM's timeout covers the guest's checks (840 s) and its wait for the
+# build (at most 600 s).
+RXE_VM_TIMEOUT=${RXE_VM_TIMEOUT:-1440} RXE_VM_ENV="PP LAT DEMO PROBE" \
+    bash scripts/rxe-vm.sh bash .ci/rxe.sh --guest >"$RXE_VM_LOGDIR/vm.log" 2>&1 &
+vm=$!
+build() { # (called under ||, where set -e does not stop it: each step says)
+    nice -n 15 cargo build --release --features verbs --example rc_pingpong --example send_lat || return
+    nice -n 15 cargo build --release -p cqd-demo --features verbs || return
+    # The verbs probes, and the softverbs provider and launcher they run
+    # under on the host (6. below).
+    nice -n 15 cargo build --release -p softverbs --bins --lib --example verbs_probe || return
+    SUITE=$(nice -n 15 cargo test -p cqd-verbs --release --test two_backends --no-run --message-format=json |
+        sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
+    [[ -x $SUITE ]] || { echo "rxe: no two_backends test binary"; return 1; }
+    # The hostile client test; it runs the serve process its build made
+    # (CARGO_BIN_EXE_cqd-demo: the release binary built above).
+    HOSTILE=$(nice -n 15 cargo test -p cqd-demo --release --features verbs --test hostile --no-run --message-format=json |
+        grep '"kind":\["test"\],[^}]*"name":"hostile"' |
+        sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
+    [[ -x $HOSTILE ]] || { echo "rxe: no hostile test binary"; return 1; }
+    printf 'SUITE=%q HOSTILE=%q\n' "$SUITE" "$HOSTILE" >"$RXE_VM_LOGDIR/built.tmp"
+    mv "$RXE_VM_LOGDIR/built.tmp" "$RXE_VM_LOGDIR/built"
+}
+build_rc=0
+build || build_rc=$?
+[[ $build_rc -eq 0 ]] || : >"$RXE_VM_LOGDIR/built" # the guest stops at once
+echo "rxe: built in $(( $(date +%s) - start )) s (status $build_rc)"
+# RXE_BESIDE_GUEST: a command for the host's idle core while the guest
+# runs (.ci/run: the test command's debug build); its failure fails this.
+beside_rc=0 beside=
+if [[ -n ${RXE_BESIDE_GUEST:-} && $build_rc -eq 0 ]]; then
+    bash -c "$RXE_BESIDE_GUEST" >"$RXE_VM_LOGDIR/beside.log" 2>&1 &
+    beside=$!
+fi
 set +e
-RXE_VM_TIMEOUT=${RXE_VM_TIMEOUT:-840} RXE_VM_ENV="SUITE HOSTILE PP LAT DEMO PROBE" \
-    bash scripts/rxe-vm.sh bash .ci/rxe.sh --guest 2>&1 | tee "$RXE_VM_LOGDIR/vm.log"
-rc=${PIPESTATUS[0]}
+wait "$vm"
+rc=$?
 set -e
+cat "$RXE_VM_LOGDIR/vm.log"
+if [[ -n $beside ]]; then
+    wait "$beside" || beside_rc=$?
+    echo "rxe: beside the guest ($RXE_BESIDE_GUEST): status $beside_rc"
+    [[ $beside_rc -eq 0 ]] || tail -40 "$RXE_VM_LOGDIR/beside.log"
+fi
+[[ $build_rc -eq 0 && $beside_rc -eq 0 ]] || exit 1
 if grep -q '^SKIPPED: rxe-vm' "$RXE_VM_LOGDIR/vm.log"; then exit 0; fi
 
 # 6. Differential conformance: the same probes on softverbs (here, under
