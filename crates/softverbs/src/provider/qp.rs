@@ -439,6 +439,10 @@ pub unsafe extern "C" fn destroy_qp(qp: *mut ibv::ibv_qp) -> c_int {
     }
     // Events protocol: no record after this (requesters check it).
     q.hdr().gone.store(1, Ordering::SeqCst);
+    // The name goes now, whoever still maps the segment (a peer, or the
+    // progress thread asleep on its doorbell): the QP is gone for anyone
+    // who would open it, and its number's next QP gets a fresh segment.
+    q.seg.unlink();
     {
         let mut ss = q.lock_send();
         q.hdr().state.store(QpState::Err as u32, Ordering::Release);

@@ -161,6 +161,8 @@ pub unsafe extern "C" fn destroy_srq(srq: *mut ibv::ibv_srq) -> c_int {
     // SAFETY: caller contract: live until freed below.
     let s = unsafe { &*srq.cast::<SvSrq>() };
     s.hdr().gone.store(1, Ordering::SeqCst);
+    // As `destroy_qp`: the name goes with the SRQ, mapped or not.
+    s.seg.unlink();
     s.hdr().limit.store(0, Ordering::Release);
     if !s.xrc_cq.is_null() {
         // SAFETY: counted in make_srq, so the CQ is still live.

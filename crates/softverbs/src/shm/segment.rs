@@ -5,7 +5,7 @@ use std::ffi::CString;
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 /// The per-machine directory holding every segment: `$SOFTVERBS_DIR`, or
@@ -16,14 +16,19 @@ pub fn dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/dev/shm/softverbs"))
 }
 
-/// One mapped segment. The creator unlinks the name on drop; mappings held
-/// by peers stay valid until they drop theirs.
+/// One mapped segment. The creator unlinks the name when the object it
+/// holds is destroyed ([`unlink`](Self::unlink)), or at the latest on
+/// drop; mappings held by peers (and by this process's progress thread)
+/// stay valid until they drop theirs.
 #[derive(Debug)]
 pub struct Segment {
     base: *mut u8,
     len: usize,
     name: String,
     owner: bool,
+    /// The name was unlinked (once: a name unlinked may by then belong to
+    /// a new object's segment).
+    unlinked: AtomicBool,
 }
 
 // SAFETY: a Segment is a fixed mapping; all access to its bytes goes through
@@ -94,6 +99,7 @@ impl Segment {
                     len,
                     name: name.to_owned(),
                     owner: true,
+                    unlinked: AtomicBool::new(false),
                 });
                 cache_insert(&seg);
                 Ok(seg)
@@ -138,6 +144,7 @@ impl Segment {
             len,
             name: name.to_owned(),
             owner: false,
+            unlinked: AtomicBool::new(false),
         });
         cache_insert(&seg);
         Ok(seg)
@@ -159,17 +166,27 @@ impl Segment {
     }
 }
 
-impl Drop for Segment {
-    fn drop(&mut self) {
-        // SAFETY: `base`/`len` are exactly the mapping made at construction,
-        // and no reference into it outlives the last Arc (callers hold Arcs).
-        unsafe { libc::munmap(self.base.cast(), self.len) };
-        if self.owner {
+impl Segment {
+    /// The creator's release of the name, when the object it holds is
+    /// destroyed: from then on nobody can open it, while every mapping
+    /// made before stays valid until dropped. Once only, and only by the
+    /// creator; a no-op for a peer's mapping.
+    pub fn unlink(&self) {
+        if self.owner && !self.unlinked.swap(true, Ordering::AcqRel) {
             if let Ok(p) = cpath(&self.name) {
                 // SAFETY: valid C string.
                 unsafe { libc::unlink(p.as_ptr()) };
             }
         }
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // SAFETY: `base`/`len` are exactly the mapping made at construction,
+        // and no reference into it outlives the last Arc (callers hold Arcs).
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+        self.unlink();
     }
 }
 
@@ -280,6 +297,7 @@ pub fn open_shared(name: &str, len: usize) -> io::Result<Arc<Segment>> {
         len,
         name: name.into(),
         owner: false,
+        unlinked: AtomicBool::new(false),
     }))
 }
 
