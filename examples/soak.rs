@@ -327,6 +327,7 @@ fn run(args: &Args) -> Result<(), String> {
             delay: 0.05,
             delay_by: Duration::from_micros(300),
             seed: args.seed + i as u64,
+            ..Faults::default()
         };
         let budget = CqBudget::new(
             name.clone(),

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use cqd::core::*;
 use cqd::sim::{
-    connect, Access, CqConfig, Device, Modify, Qp, QpCap, QpInit, RecvWr, SendWr, WrOp,
+    connect, Access, CqConfig, Device, Faults, Modify, Qp, QpCap, QpInit, RecvWr, SendWr, WrOp,
 };
 
 /// A request's context: heap values, so that a double hand-out or a lost
@@ -108,9 +108,18 @@ struct Rig<C> {
 }
 
 fn rig<C: Ctx>(mode: PollMode, capacity: u32) -> Rig<C> {
+    rig_with(mode, capacity, Faults::default())
+}
+
+/// [`rig`] on a CQ with the simulated device's `faults`.
+fn rig_with<C: Ctx>(mode: PollMode, capacity: u32, faults: Faults) -> Rig<C> {
     let dev = Device::open("ctx0");
+    let config = CqConfig {
+        faults,
+        ..CqConfig::default()
+    };
     let (cq, unbound, handle) = dev
-        .create_dispatched_cq("cq0", 256, CqConfig::default(), CqOptions::default())
+        .create_dispatched_cq("cq0", 256, config, CqOptions::default())
         .unwrap();
     let poller = PollerBuilder::new("p0", NoSink)
         .mode(mode)
@@ -230,6 +239,114 @@ fn successes_errors_flushes_and_silent_ones<C: Ctx>(mode: PollMode) {
     assert_eq!(r.reg.empty_hits(), 0);
 }
 both_storages!(successes_errors_flushes_and_silent_ones);
+
+/// Every completion written twice by the device (the simulator's
+/// `duplicate` fault): each context comes back once, the copies match no
+/// request in flight, are counted unmatched and reach no callback, and the
+/// handler's accounts stay exact.
+fn a_completion_written_twice_hands_its_context_back_once<C: Ctx>(mode: PollMode) {
+    let faults = Faults {
+        duplicate: 1.0,
+        ..Faults::default()
+    };
+    let r = rig_with::<C>(mode, 16, faults);
+    let (src, dst) = ([r.mr.sge(0, 64)], [r.mr.sge(1024, 64)]);
+    r.reg
+        .post_recv(&r.b, &mut [RecvWr::new(0, &dst)], [req("r1")])
+        .unwrap();
+    let remote = r.mr.remote(2048);
+    r.reg
+        .post_send(
+            &r.a,
+            &mut [
+                SendWr::new(0, WrOp::Write(remote), &src).unsignaled(),
+                SendWr::new(0, WrOp::Send, &src),
+            ],
+            [req("w1"), req("s1")],
+        )
+        .unwrap();
+    assert_eq!(
+        logged(&r.log, 3),
+        ["recv r1 64", "send s1 send", "silent w1 write"]
+    );
+    let report = r.poller.stop().unwrap();
+    assert_eq!(r.log.lock().unwrap().len(), 3, "each context once");
+    assert_eq!(r.reg.empty_hits(), 0, "no copy reached the handler");
+    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    let written_twice = r.cq.producer().stats().duplicated;
+    assert_eq!(written_twice, 2, "the receive's and the send's");
+    let cq = &report.cqs[0];
+    assert_eq!((cq.unmatched_wr_ids, cq.stale_wr_ids), (written_twice, 0));
+    assert!(report
+        .findings()
+        .iter()
+        .any(|f| f.kind == FindingKind::UnmatchedWrId));
+}
+both_storages!(a_completion_written_twice_hands_its_context_back_once);
+
+/// The same for a handler without contexts: each completion reaches it
+/// once.
+fn a_completion_written_twice_reaches_a_plain_handler_once(mode: PollMode) {
+    struct Plain(Log);
+    impl Handler for Plain {
+        fn on_send(&mut self, d: &SendDone<'_>, _: &mut Outbox<'_, NoWork>) {
+            self.0.lock().unwrap().push(format!("send {}", d.tag()));
+        }
+        fn on_recv(&mut self, d: &RecvDone<'_>, _: &mut Outbox<'_, NoWork>) {
+            self.0.lock().unwrap().push(format!("recv {}", d.tag()));
+        }
+        fn on_error(&mut self, f: &Failed<'_>, _: &mut Outbox<'_, NoWork>) {
+            self.0.lock().unwrap().push(format!("error {}", f.tag()));
+        }
+    }
+    let dev = Device::open("plain0");
+    let config = CqConfig {
+        faults: Faults {
+            duplicate: 1.0,
+            ..Faults::default()
+        },
+        ..CqConfig::default()
+    };
+    let (cq, unbound, handle) = dev
+        .create_dispatched_cq("cq0", 256, config, CqOptions::default())
+        .unwrap();
+    let poller = PollerBuilder::new("p0", NoSink)
+        .mode(mode)
+        .drain_timeout(Duration::from_millis(200))
+        .cq(unbound)
+        .spawn()
+        .unwrap();
+    let log = Log::default();
+    let reg = handle.register(Plain(Arc::clone(&log))).unwrap();
+    let pd = dev.alloc_pd();
+    let a = pd
+        .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
+        .unwrap();
+    let b = pd
+        .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
+        .unwrap();
+    connect(&a, &b).unwrap();
+    let mr = pd.reg_mr(4096, Access::ALL).unwrap();
+    let (src, dst) = ([mr.sge(0, 64)], [mr.sge(1024, 64)]);
+    for t in 0..4 {
+        reg.post_recv(&b, &mut [RecvWr::new(t, &dst)]).unwrap();
+        reg.post_send(&a, &mut [SendWr::new(t, WrOp::Send, &src)])
+            .unwrap();
+    }
+    let mut want: Vec<String> = (0..4)
+        .flat_map(|t| [format!("recv {t}"), format!("send {t}")])
+        .collect();
+    want.sort();
+    assert_eq!(logged(&log, 8), want);
+    let report = poller.stop().unwrap();
+    assert_eq!(log.lock().unwrap().len(), 8, "each completion once");
+    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    let written_twice = cq.producer().stats().duplicated;
+    assert_eq!(written_twice, 8);
+    let c = &report.cqs[0];
+    assert_eq!((c.unmatched_wr_ids, c.stale_wr_ids), (written_twice, 0));
+}
+crate::all_modes!(a_completion_written_twice_reaches_a_plain_handler_once);
 
 fn what_never_came_back_is_abandoned_at_the_stop<C: Ctx>(mode: PollMode) {
     let r = rig::<C>(mode, 16);

@@ -56,6 +56,7 @@ pub struct CqCounters {
     pub(crate) spurious_wakeups: AtomicU64,
     pub(crate) recovered_missed_events: AtomicU64,
     pub(crate) stale_wr_ids: AtomicU64,
+    pub(crate) unmatched_wr_ids: AtomicU64,
     pub(crate) foreign_wr_ids: AtomicU64,
     pub(crate) unknown_status: AtomicU64,
     pub(crate) unknown_opcode: AtomicU64,
@@ -77,6 +78,10 @@ pub struct CqCounters {
     pub(crate) last_stale_qp: AtomicU64,
     /// The handler the last stale completion named ([`key_word`]).
     pub(crate) last_stale_key: AtomicU64,
+    /// The QP of the last unmatched completion, plus 1 (0: none).
+    pub(crate) last_unmatched_qp: AtomicU64,
+    /// The handler the last unmatched completion named ([`key_word`]).
+    pub(crate) last_unmatched_key: AtomicU64,
     /// The handler whose callback panicked last ([`key_word`]).
     pub(crate) last_panic_key: AtomicU64,
     pub(crate) recv_queues_dry: AtomicU64,
@@ -142,6 +147,7 @@ impl CqMetrics {
             spurious_wakeups: get(&c.spurious_wakeups),
             recovered_missed_events: get(&c.recovered_missed_events),
             stale_wr_ids: get(&c.stale_wr_ids),
+            unmatched_wr_ids: get(&c.unmatched_wr_ids),
             foreign_wr_ids: get(&c.foreign_wr_ids),
             unknown_status: get(&c.unknown_status),
             unknown_opcode: get(&c.unknown_opcode),
@@ -160,6 +166,8 @@ impl CqMetrics {
             last_foreign_qp: qp_of(get(&c.last_foreign_qp)),
             last_stale_qp: qp_of(get(&c.last_stale_qp)),
             last_stale_handler: key_of(get(&c.last_stale_key)),
+            last_unmatched_qp: qp_of(get(&c.last_unmatched_qp)),
+            last_unmatched_handler: key_of(get(&c.last_unmatched_key)),
             last_panicked_handler: key_of(get(&c.last_panic_key)),
             recv_queues_dry: get(&c.recv_queues_dry),
             last_dry_qp: qp_of(get(&c.last_dry_qp)),
@@ -205,6 +213,11 @@ pub struct CqSnapshot {
     pub recovered_missed_events: u64,
     /// Completions whose wr_id named a handler generation no longer live.
     pub stale_wr_ids: u64,
+    /// Completions of an accounted queue that matched no request in flight
+    /// on it: the device wrote a completion twice, or named a request that
+    /// was never posted there. Counted, never delivered.
+    #[serde(default)]
+    pub unmatched_wr_ids: u64,
     /// Completions whose wr_id cqd did not make.
     pub foreign_wr_ids: u64,
     /// Completions with a status this version does not know.
@@ -247,6 +260,12 @@ pub struct CqSnapshot {
     /// The handler (`slot#generation`) the last stale completion named.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_stale_handler: Option<String>,
+    /// The QP number of the last unmatched completion, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_unmatched_qp: Option<u32>,
+    /// The handler (`slot#generation`) the last unmatched completion named.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_unmatched_handler: Option<String>,
     /// The handler whose callback panicked last.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_panicked_handler: Option<String>,

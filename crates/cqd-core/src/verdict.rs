@@ -31,6 +31,10 @@ pub enum FindingKind {
     ForeignWrId,
     /// Completions whose wr_id names a handler that is no longer there.
     StaleWrId,
+    /// Completions of an accounted queue that matched no request in flight
+    /// on it (a completion written twice, or one for a request never
+    /// posted there): counted, not delivered.
+    UnmatchedWrId,
     /// Completions with a status this version does not know.
     UnknownStatus,
     /// Successful completions with an opcode this version does not know.
@@ -107,6 +111,19 @@ pub(crate) fn of_cq(c: &CqSnapshot, out: &mut Vec<Finding>) {
             format!(
                 "CQ {cq}: {} completions named a handler that is no longer registered{at}: they reached no handler",
                 c.stale_wr_ids
+            ),
+        ));
+    }
+    if c.unmatched_wr_ids > 0 {
+        let at = match (&c.last_unmatched_handler, c.last_unmatched_qp) {
+            (Some(h), Some(q)) => format!(", the last for handler {h} from QP {q}"),
+            _ => String::new(),
+        };
+        out.push(Finding::new(
+            FindingKind::UnmatchedWrId,
+            format!(
+                "CQ {cq}: {} completions matched no request in flight on their queue{at} (the device wrote a completion twice, or named a request never posted there): they reached no handler",
+                c.unmatched_wr_ids
             ),
         ));
     }

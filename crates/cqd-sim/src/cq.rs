@@ -57,7 +57,15 @@ pub struct Faults {
     pub delay: f64,
     /// How late a delayed notification is.
     pub delay_by: Duration,
-    /// Seed of the generator.
+    /// On each completion added, the chance that the device writes it
+    /// twice: a second entry with the same wr_id right behind it, as a
+    /// faulty NIC or driver might. A copy is written only while the CQ has
+    /// room for it beside every completion its budget's credits still owe,
+    /// so that the fault never overflows a CQ that admission protects.
+    /// Drawn from a generator of its own, so that adding it leaves the
+    /// notification faults' draws as they were.
+    pub duplicate: f64,
+    /// Seed of the generators.
     pub seed: u64,
 }
 
@@ -80,6 +88,9 @@ pub struct SimCqStats {
     pub spurious: u64,
     /// Completions injected between poll and arm.
     pub injected: u64,
+    /// Copies written by the `duplicate` fault (each also counted in
+    /// `pushed`).
+    pub duplicated: u64,
 }
 
 /// Why a completion was not accepted.
@@ -128,23 +139,35 @@ struct State {
     inject_before_arm: Vec<Completion>,
     faults: Faults,
     rng: u64,
+    /// The `duplicate` fault's generator.
+    dup_rng: u64,
     stats: SimCqStats,
 }
 
 impl State {
     fn chance(&mut self, p: f64) -> bool {
-        if p <= 0.0 {
-            return false;
-        }
-        // xorshift64*: deterministic for a seed.
-        let mut x = self.rng;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.rng = x;
-        let v = x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11;
-        (v as f64 / (1u64 << 53) as f64) < p
+        draw(&mut self.rng, p)
     }
+}
+
+/// The `duplicate` fault's seed, from the faults' seed.
+fn dup_seed(seed: u64) -> u64 {
+    (seed ^ 0x9E37_79B9_7F4A_7C15) | 1
+}
+
+/// True with probability `p`, from the xorshift64* generator `rng`
+/// (deterministic for a seed); draws nothing when `p` is 0.
+fn draw(rng: &mut u64, p: f64) -> bool {
+    if p <= 0.0 {
+        return false;
+    }
+    let mut x = *rng;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    *rng = x;
+    let v = x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11;
+    (v as f64 / (1u64 << 53) as f64) < p
 }
 
 /// How a CQ notifies: its own descriptors, or a channel's.
@@ -340,6 +363,7 @@ pub(crate) fn make_cq(
             vanished: false,
             async_events: VecDeque::new(),
             inject_before_arm: Vec::new(),
+            dup_rng: dup_seed(faults.seed),
             faults,
             rng: seed,
             stats: SimCqStats::default(),
@@ -412,6 +436,10 @@ impl SimCq {
         }
         st.ring.push_back(wc);
         st.stats.pushed += 1;
+        let p = st.faults.duplicate;
+        if draw(&mut st.dup_rng, p) {
+            self.duplicate(st, wc);
+        }
         self.shared.publish(st);
         let fires = match st.arm {
             Some(ArmKind::Next) => true,
@@ -422,6 +450,22 @@ impl SimCq {
             self.shared.fire(st);
         }
         Ok(())
+    }
+
+    /// The `duplicate` fault: `wc` written a second time, if the CQ has
+    /// room for it beside what its credits owe.
+    #[cold]
+    fn duplicate(&self, st: &mut State, wc: Completion) {
+        let owed = self
+            .shared
+            .ledger
+            .budget()
+            .map_or(0, |b| b.credits_in_use());
+        if st.ring.len() as u64 + 1 + owed <= u64::from(self.shared.capacity) {
+            st.ring.push_back(wc);
+            st.stats.pushed += 1;
+            st.stats.duplicated += 1;
+        }
     }
 
     /// As [`push`](Self::push), returning the entry's sequence number: the
@@ -459,6 +503,7 @@ impl SimCq {
     pub fn set_faults(&self, faults: Faults) {
         let mut st = self.shared.state.lock();
         st.rng = faults.seed | 1;
+        st.dup_rng = dup_seed(faults.seed);
         st.faults = faults;
     }
 
@@ -775,6 +820,24 @@ mod tests {
         src.arm(ArmKind::Next).unwrap();
         assert_eq!(src.take_events().unwrap(), 1);
         assert_eq!(cq.stats().spurious, 1);
+    }
+
+    #[test]
+    fn the_duplicate_fault_writes_a_completion_twice_while_there_is_room() {
+        let faults = Faults {
+            duplicate: 1.0,
+            ..Faults::default()
+        };
+        let (cq, mut src) = sim_cq("t", 3, faults).unwrap();
+        cq.push(wc(1), false).unwrap();
+        // The copy of the second would not fit beside it: not written.
+        cq.push(wc(2), false).unwrap();
+        let mut out = [Completion::default(); 4];
+        let n = src.poll(&mut out).unwrap();
+        let ids: Vec<u64> = out[..n].iter().map(|c| c.wr_id).collect();
+        assert_eq!(ids, [1, 1, 2]);
+        let st = cq.stats();
+        assert_eq!((st.pushed, st.duplicated, st.lost), (3, 1, 0));
     }
 
     #[test]

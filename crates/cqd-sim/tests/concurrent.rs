@@ -258,6 +258,7 @@ fn schedule(mode: PollMode, seed: u64, target: u64) {
         delay: 0.02,
         delay_by: Duration::from_millis(1),
         seed,
+        ..Faults::default()
     };
     // Room for the live pairs plus the pairs being replaced.
     let cqe = (2 * PAIRS as u32) * 2 * DEPTH * 2;

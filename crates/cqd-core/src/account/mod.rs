@@ -31,8 +31,13 @@
 //!    completion are handed back to the dispatcher, which counts each one
 //!    completed in its own handler's ledger (and retires a retiring handler
 //!    whose ledger is then clean).
-//! 4. A completion whose wr_id no account holds (a raw post, a stale
-//!    request) retires nothing and is dispatched as any other.
+//! 4. A completion of a queue with no account attached retires nothing
+//!    and is dispatched as any other. A completion of an attached queue
+//!    that matches no request in flight there (the device wrote it twice,
+//!    or it names a request posted past the account: a raw post without
+//!    [`WrLedger::posted`](crate::ledger::WrLedger::posted)) retires
+//!    nothing and is not delivered: it is counted unmatched (stale, if its
+//!    handler is gone), so that no handler sees a request complete twice.
 //! 5. **Which entry a completion names.** Each entry records whether its
 //!    request was signaled. A successful send-side completion names the
 //!    oldest *signaled* entry with its wr_id (a success is reported for

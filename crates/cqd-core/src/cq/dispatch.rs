@@ -126,10 +126,14 @@ pub(super) fn dispatch_batch<W: 'static>(
             slab.prefetch_handler(slot_of(wc.wr_id));
         }
     }
-    // The context words the accounting took, by completion (none without
-    // a ledger: no request of this CQ was posted with one; none either
-    // when the batch claimed no word, the plain handlers' case).
-    let words = ledger.map(|_| &*accounts).filter(|a| a.claimed_ctx());
+    // The context words the accounting took, by completion, and the
+    // completions that matched no request in flight (none without a
+    // ledger: no request of this CQ was posted with one; none either when
+    // the batch claimed no word and matched every completion, the plain
+    // handlers' case).
+    let words = ledger
+        .map(|_| &*accounts)
+        .filter(|a| a.claimed_ctx() || a.missed_any());
     let mut next = 0;
     while next < wcs.len() {
         // Two loops, so that a batch without context words (every batch of
@@ -145,9 +149,13 @@ pub(super) fn dispatch_batch<W: 'static>(
             }
             Some(words) => {
                 while let Some(wc) = wcs.get(next) {
-                    let ctx = words.ctx_of(next);
+                    let i = next;
                     next += 1;
-                    one(shared, slab, options, wc, out, probe, ctx);
+                    if words.missed(i) {
+                        unmatched(shared, slab, wc);
+                        continue;
+                    }
+                    one(shared, slab, options, wc, out, probe, words.ctx_of(i));
                 }
             }
         }));
@@ -408,6 +416,34 @@ fn internal<W>(shared: &CqShared<W>, wc: &Completion) {
         "drain marker completed: the queue's silent requests before it are retired");
 }
 
+/// A completion of an attached queue whose accounting matched no request
+/// in flight there (a completion the device wrote twice, or one naming a
+/// request never posted on that queue): counted and named, never
+/// delivered, so that no handler sees a request complete twice and no
+/// handler's ledger counts more completions than posts. One that names a
+/// handler no longer registered is counted stale, as the dispatch of an
+/// accounted one would.
+#[cold]
+#[inline(never)]
+fn unmatched<W>(shared: &CqShared<W>, slab: &mut Slab<W>, wc: &Completion) {
+    if let Ok(id) = WrId::decode(wc.wr_id) {
+        let gone = !matches!(id.kind, OpKind::Internal)
+            && shared.commands.is_empty()
+            && slab.get_mut(id.key).is_none();
+        if gone {
+            return stale(shared, wc, id);
+        }
+    }
+    let m = &shared.metrics.0;
+    bump(&m.unmatched_wr_ids, 1);
+    m.last_unmatched_qp
+        .store(u64::from(wc.qp_num) + 1, Ordering::Relaxed);
+    let key = note_key(&m.last_unmatched_key, wc.wr_id);
+    tracing::warn!(cq = %shared.name, qp = wc.qp_num, wr_id = format_args!("{:#x}", wc.wr_id),
+        handler = %key.map_or_else(|| "?".to_string(), |k| k.to_string()), status = %wc.status,
+        "a completion matched no request in flight on its queue (written twice by the device?): not delivered");
+}
+
 /// The slot is empty or has another generation: maybe a registration not
 /// yet applied (posted right after `register` returned), else stale.
 #[cold]
@@ -430,6 +466,13 @@ fn miss<W: 'static>(
             return;
         }
     }
+    stale(shared, wc, id);
+}
+
+/// Counts and names a completion whose wr_id names no live handler.
+#[cold]
+#[inline(never)]
+fn stale<W>(shared: &CqShared<W>, wc: &Completion, id: WrId) {
     bump(&shared.metrics.0.stale_wr_ids, 1);
     let m = &shared.metrics.0;
     m.last_stale_qp

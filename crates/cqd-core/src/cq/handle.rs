@@ -521,9 +521,11 @@ impl Registration {
     /// handler's ledger. Call it *before* posting (a completion can arrive
     /// before the post call returns) and [`untrack`](Self::untrack) them if
     /// the post fails; the slot then stays alive until each one has
-    /// completed. Unsignaled sends posted this way never complete unless
-    /// their queue's account also records them
-    /// ([`WrLedger::posted`]); prefer [`post_send`](Self::post_send).
+    /// completed. On a queue whose account is attached, a request posted
+    /// this way must also be recorded there ([`WrLedger::posted`], before
+    /// posting): its completion is otherwise counted unmatched and never
+    /// reaches the handler; unsignaled sends never complete without it
+    /// either. Prefer [`post_send`](Self::post_send).
     ///
     /// Returns false, recording nothing, once the handler has been released
     /// (unregistered and drained): its slot may hold another handler, and

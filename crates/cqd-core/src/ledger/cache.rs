@@ -76,6 +76,9 @@ pub(crate) struct AccountCache {
     /// The batch claimed a context word (dispatch looks at `keys` only
     /// then).
     any_ctx: bool,
+    /// A completion of the batch matched no request in flight on its
+    /// queue ([`MISSED`]; dispatch looks at `keys` then too).
+    any_missed: bool,
     /// Scratch: the receive queues a batch consumed receives from (their
     /// QP, the last consumed wr_id), checked for running dry once the
     /// batch's handlers have reposted ([`check_dry`](Self::check_dry)).
@@ -90,6 +93,10 @@ const DONE: u64 = u64::MAX;
 /// A completion of the batch that retired its request and took its
 /// context word (no queue key reaches it: a key is 33 bits).
 const CLAIMED: u64 = u64::MAX - 1;
+/// A completion of an attached queue that retired nothing: no request in
+/// flight there has its wr_id (the device wrote a completion twice, or
+/// named one never posted there). Not delivered.
+const MISSED: u64 = u64::MAX - 2;
 
 impl Default for AccountCache {
     fn default() -> Self {
@@ -107,6 +114,7 @@ impl Default for AccountCache {
             keys: Vec::new(),
             ctx: Vec::new(),
             any_ctx: false,
+            any_missed: false,
             received: Vec::new(),
             dry: Vec::new(),
         }
@@ -153,6 +161,7 @@ impl AccountCache {
         self.silent.clear();
         self.received.clear();
         self.any_ctx = false;
+        self.any_missed = false;
         if self.ctx.len() < wcs.len() {
             self.ctx.resize(wcs.len(), std::mem::MaybeUninit::uninit());
         }
@@ -174,7 +183,7 @@ impl AccountCache {
         let mut credits = 0;
         for i in 0..wcs.len() {
             let key = self.keys[i];
-            if key >= CLAIMED {
+            if key >= MISSED {
                 continue;
             }
             let (qp, side) = (
@@ -210,11 +219,19 @@ impl AccountCache {
                     if *k == key {
                         let ok = wc.status.is_success();
                         let mut got = None;
-                        credits += account
-                            .retire_chained(wc.wr_id, ok, &mut self.silent, &mut got)
-                            .0;
-                        *k = claimed(got, k, base, &mut self.ctx, &mut self.any_ctx);
-                        if ok {
+                        let (c, found) =
+                            account.retire_chained(wc.wr_id, ok, &mut self.silent, &mut got);
+                        credits += c;
+                        *k = settled(
+                            found,
+                            got,
+                            k,
+                            base,
+                            &mut self.ctx,
+                            &mut self.any_ctx,
+                            &mut self.any_missed,
+                        );
+                        if ok && found {
                             consumed = Some(wc.wr_id);
                         }
                     }
@@ -234,9 +251,18 @@ impl AccountCache {
                 if *k == key {
                     let ok = wc.status.is_success();
                     let mut got = None;
-                    credits += ring.retire(wc.wr_id, ok, &mut self.silent, &mut got).0;
-                    *k = claimed(got, k, base, &mut self.ctx, &mut self.any_ctx);
-                    if ok {
+                    let (c, found) = ring.retire(wc.wr_id, ok, &mut self.silent, &mut got);
+                    credits += c;
+                    *k = settled(
+                        found,
+                        got,
+                        k,
+                        base,
+                        &mut self.ctx,
+                        &mut self.any_ctx,
+                        &mut self.any_missed,
+                    );
+                    if ok && found {
                         consumed = Some(wc.wr_id);
                     }
                 }
@@ -269,11 +295,20 @@ impl AccountCache {
     }
 }
 
-/// A retired completion's key: [`CLAIMED`] if its retirement took a
+/// An accounted completion's key: [`MISSED`] if its retirement found no
+/// request (`found` false; `missed` is set); [`CLAIMED`] if it took a
 /// context word, kept in `ctx` at the index of its key `k` in the keys
-/// that start at address `base`; else [`DONE`].
+/// that start at address `base` (`any` is set); else [`DONE`].
 #[inline(always)]
-fn claimed(got: Option<CtxWord>, k: &u64, base: usize, ctx: &mut [CtxWord], any: &mut bool) -> u64 {
+fn settled(
+    found: bool,
+    got: Option<CtxWord>,
+    k: &u64,
+    base: usize,
+    ctx: &mut [CtxWord],
+    any: &mut bool,
+    missed: &mut bool,
+) -> u64 {
     match got {
         Some(w) => {
             let i = (k as *const u64 as usize - base) / std::mem::size_of::<u64>();
@@ -281,7 +316,11 @@ fn claimed(got: Option<CtxWord>, k: &u64, base: usize, ctx: &mut [CtxWord], any:
             *any = true;
             CLAIMED
         }
-        None => DONE,
+        None if found => DONE,
+        None => {
+            *missed = true;
+            MISSED
+        }
     }
 }
 
@@ -299,6 +338,19 @@ impl AccountCache {
     #[inline(always)]
     pub(crate) fn claimed_ctx(&self) -> bool {
         self.any_ctx
+    }
+
+    /// True when completion `i` of the last batch matched no request in
+    /// flight on its attached queue ([`MISSED`]): it must not be delivered.
+    #[inline(always)]
+    pub(crate) fn missed(&self, i: usize) -> bool {
+        self.keys.get(i) == Some(&MISSED)
+    }
+
+    /// True when the last batch had a completion that matched nothing.
+    #[inline(always)]
+    pub(crate) fn missed_any(&self) -> bool {
+        self.any_missed
     }
 
     /// The index in `accounts` of the queue under `key`, looked up in the
@@ -531,17 +583,73 @@ mod tests {
             for sq in &sqs {
                 assert_eq!(sq.outstanding(), (rounds - r - 1) as usize);
             }
+            // QP 9's queue is not attached: its completion is not
+            // accounted, so it is not unmatched either.
+            assert!(!cache.missed_any() && (0..4).all(|i| !cache.missed(i)));
         }
         // A completion naming an entry already retired retires nothing,
-        // not even the one posted after it; that one's own completion
-        // does.
+        // not even the one posted after it, and is marked unmatched (not
+        // delivered); the later one's own completion retires it.
         push(&sqs[1], &[(id(1000), true)]);
         let again = Completion::success(id(101), crate::completion::Opcode::Send, 1);
         cache.account_batch(&ledger, &[again], u32::MAX);
         assert_eq!(sqs[1].outstanding(), 1);
+        assert!(cache.missed_any() && cache.missed(0));
         let last = Completion::success(id(1000), crate::completion::Opcode::Send, 1);
         cache.account_batch(&ledger, &[last], u32::MAX);
         assert!(sqs.iter().all(|q| q.outstanding() == 0));
+        assert!(!cache.missed_any() && !cache.missed(0));
+    }
+
+    /// A completion the device wrote twice, in the batch of the original
+    /// and in a later one, on a send queue (behind an unsignaled send) and
+    /// on a receive queue: the copy retires nothing, gives back no credit,
+    /// runs nothing silently and is marked unmatched; the original is not.
+    #[test]
+    fn a_completion_written_twice_is_unmatched_the_second_time() {
+        let b = budget();
+        let ledger = WrLedger::with_budget(b.clone());
+        let sq = ledger.open_queue(1, Queue::Send);
+        let rq = ledger.open_queue(1, Queue::Recv);
+        let key = crate::wr_id::HandlerKey::new(0, 0).unwrap();
+        let s = |t: u32| key.wr_id(OpKind::Send, t).unwrap();
+        let r = |t: u32| key.wr_id(OpKind::Recv, t).unwrap();
+        use crate::completion::Opcode;
+        push(&sq, &[(s(1), false), (s(2), true), (s(3), true)]);
+        push(&rq, &[(r(1), true), (r(2), true)]);
+        let mut cache = AccountCache::new(8);
+        // The same batch: send 2 (with 1 silently), its copy, receive 1,
+        // its copy.
+        let wcs = [
+            Completion::success(s(2), Opcode::Send, 1),
+            Completion::success(s(2), Opcode::Send, 1),
+            Completion::success(r(1), Opcode::Recv, 1),
+            Completion::success(r(1), Opcode::Recv, 1),
+        ];
+        cache.account_batch(&ledger, &wcs, u32::MAX);
+        assert_eq!(
+            ids(&cache.silent),
+            [s(1)],
+            "only the original ran one silently"
+        );
+        assert_eq!((sq.outstanding(), rq.outstanding()), (1, 1));
+        assert_eq!(b.credits_in_use(), 2, "the copies gave back no credit");
+        let marked: Vec<bool> = (0..4).map(|i| cache.missed(i)).collect();
+        assert_eq!(marked, [false, true, false, true]);
+        // A later batch: copies again, then the originals of what is left.
+        let wcs = [
+            Completion::success(s(2), Opcode::Send, 1),
+            Completion::success(r(1), Opcode::Recv, 1),
+            Completion::success(s(3), Opcode::Send, 1),
+            Completion::success(r(2), Opcode::Recv, 1),
+        ];
+        cache.account_batch(&ledger, &wcs, u32::MAX);
+        assert!(cache.silent.is_empty());
+        assert_eq!((sq.outstanding(), rq.outstanding()), (0, 0));
+        assert_eq!(b.credits_in_use(), 0);
+        let marked: Vec<bool> = (0..4).map(|i| cache.missed(i)).collect();
+        assert_eq!(marked, [true, true, false, false]);
+        assert!(cache.missed_any());
     }
 
     /// Many send queues on one CQ: the silent scratch holds what one batch
