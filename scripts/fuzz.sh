@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every cargo-fuzz target under fuzz/ for SECONDS each (default 20)
 # and prints each one's execution count; any crash fails the script (its
-# input is kept under fuzz/artifacts/TARGET/). docs/reliability.md records
+# input is kept under fuzz/artifacts/TARGET/). Inputs that once failed are
+# kept in fuzz/regressions/TARGET/ and read at every run's start. docs/reliability.md records
 # longer runs made with this script.
 #
 #   bash scripts/fuzz.sh            # 20 s per target (what .ci/run runs)
@@ -36,7 +37,11 @@ fi
 status=0
 for t in "${targets[@]}"; do
   log=$(mktemp /tmp/cqd-fuzz-"$t".XXXXXX)
-  if cargo +nightly fuzz run "$t" -- -max_total_time="$secs" -timeout=10 \
+  # Inputs that once failed (fuzz/regressions/TARGET) run first, each time.
+  mkdir -p corpus/"$t"
+  dirs=(corpus/"$t")
+  [[ -d regressions/$t ]] && dirs+=(regressions/"$t")
+  if cargo +nightly fuzz run "$t" "${dirs[@]}" -- -max_total_time="$secs" -timeout=10 \
       -rss_limit_mb=2048 -print_final_stats=1 >"$log" 2>&1; then
     runs=$(grep -E '^stat::number_of_executed_units' "$log" | awk '{print $2}')
     cov=$(grep -E '^#[0-9]+.*(DONE|cov:)' "$log" | tail -n 1 | grep -oE 'cov: [0-9]+' || true)
