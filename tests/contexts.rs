@@ -111,8 +111,22 @@ fn rig<C: Ctx>(mode: PollMode, capacity: u32) -> Rig<C> {
     rig_with(mode, capacity, Faults::default())
 }
 
-/// [`rig`] on a CQ with the simulated device's `faults`.
-fn rig_with<C: Ctx>(mode: PollMode, capacity: u32, faults: Faults) -> Rig<C> {
+/// A device, a dispatched CQ with the device's `faults` and its poller
+/// thread in `mode`, and two connected QPs on that CQ with a region to
+/// send from: what every test here starts from, before it registers its
+/// handler on `handle`.
+struct Wire {
+    dev: Device,
+    poller: PollerThread,
+    handle: CqHandle<NoWork>,
+    cq: cqd::sim::Cq,
+    pd: cqd::sim::Pd,
+    a: Qp,
+    b: Qp,
+    mr: cqd::sim::Mr,
+}
+
+fn wire(mode: PollMode, faults: Faults) -> Wire {
     let dev = Device::open("ctx0");
     let config = CqConfig {
         faults,
@@ -127,17 +141,6 @@ fn rig_with<C: Ctx>(mode: PollMode, capacity: u32, faults: Faults) -> Rig<C> {
         .cq(unbound)
         .spawn()
         .unwrap();
-    let log = Log::default();
-    let reg = handle
-        .register_with_contexts(
-            Server::<C> {
-                log: Arc::clone(&log),
-                _ctx: std::marker::PhantomData,
-            },
-            capacity,
-        )
-        .unwrap();
-    assert_eq!(reg.in_ring(), C::IN_RING);
     let pd = dev.alloc_pd();
     let a = pd
         .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
@@ -147,15 +150,42 @@ fn rig_with<C: Ctx>(mode: PollMode, capacity: u32, faults: Faults) -> Rig<C> {
         .unwrap();
     connect(&a, &b).unwrap();
     let mr = pd.reg_mr(4096, Access::ALL).unwrap();
-    Rig {
-        _dev: dev,
+    Wire {
+        dev,
         poller,
-        reg,
+        handle,
         cq,
         pd,
         a,
         b,
         mr,
+    }
+}
+
+/// [`rig`] on a CQ with the simulated device's `faults`.
+fn rig_with<C: Ctx>(mode: PollMode, capacity: u32, faults: Faults) -> Rig<C> {
+    let w = wire(mode, faults);
+    let log = Log::default();
+    let reg = w
+        .handle
+        .register_with_contexts(
+            Server::<C> {
+                log: Arc::clone(&log),
+                _ctx: std::marker::PhantomData,
+            },
+            capacity,
+        )
+        .unwrap();
+    assert_eq!(reg.in_ring(), C::IN_RING);
+    Rig {
+        _dev: w.dev,
+        poller: w.poller,
+        reg,
+        cq: w.cq,
+        pd: w.pd,
+        a: w.a,
+        b: w.b,
+        mr: w.mr,
         log,
     }
 }
@@ -287,34 +317,22 @@ fn a_completion_written_twice_reaches_a_plain_handler_once(mode: PollMode) {
             self.0.lock().unwrap().push(format!("error {}", f.tag()));
         }
     }
-    let dev = Device::open("plain0");
-    let config = CqConfig {
-        faults: Faults {
-            duplicate: 1.0,
-            ..Faults::default()
-        },
-        ..CqConfig::default()
+    let faults = Faults {
+        duplicate: 1.0,
+        ..Faults::default()
     };
-    let (cq, unbound, handle) = dev
-        .create_dispatched_cq("cq0", 256, config, CqOptions::default())
-        .unwrap();
-    let poller = PollerBuilder::new("p0", NoSink)
-        .mode(mode)
-        .drain_timeout(Duration::from_millis(200))
-        .cq(unbound)
-        .spawn()
-        .unwrap();
+    let Wire {
+        dev: _dev,
+        poller,
+        handle,
+        cq,
+        pd: _pd,
+        a,
+        b,
+        mr,
+    } = wire(mode, faults);
     let log = Log::default();
     let reg = handle.register(Plain(Arc::clone(&log))).unwrap();
-    let pd = dev.alloc_pd();
-    let a = pd
-        .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
-        .unwrap();
-    let b = pd
-        .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
-        .unwrap();
-    connect(&a, &b).unwrap();
-    let mr = pd.reg_mr(4096, Access::ALL).unwrap();
     let (src, dst) = ([mr.sge(0, 64)], [mr.sge(1024, 64)]);
     for t in 0..4 {
         reg.post_recv(&b, &mut [RecvWr::new(t, &dst)]).unwrap();
