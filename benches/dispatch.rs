@@ -29,8 +29,23 @@
 //! load reaches all of them alike; the sweep is timed in the thread's CPU
 //! time, 15 short runs of 20 fills each.
 //!
+//! Then the width axis: how many queues a batch's completions come from
+//! (1, 8, 32 and 256 loopback QPs on one CQ, one handler each, their
+//! completions interleaved, sends and receives alternating on each), for
+//! three contenders: `same-promise`, the loop a careful engineer writes for
+//! one server keeping cqd's promises by hand (a wr_id of queue and
+//! position, a per-queue ring of contexts the poster fills, an in-order
+//! check that counts stale completions, a send's completion retiring every
+//! request before it, counts once per batch, a `match` to the callback);
+//! `cqd` (plain handlers, every request through the posting call, with
+//! credits); and `cqd+ctx` (a `u64` context per request, carried in its
+//! queue's ring). The widths and contenders alternate within each run; each
+//! run gives its own ratios, and the lines `ratio NAME = VALUE` give their
+//! medians.
+//!
 //! `taskset -c 1 cargo bench --bench dispatch` (add `-- --quick` for a
-//! smoke run; `-- --sweep` runs the sweep only).
+//! smoke run; `-- --sweep` runs the sweep only, `-- --width` the width
+//! axis only).
 //! Figures are recorded in docs/benchmarks.md.
 
 use std::collections::{HashMap, VecDeque};
@@ -40,8 +55,9 @@ use std::time::{Duration, Instant};
 
 use cqd::core::budget::{BudgetOptions, CqBudget};
 use cqd::core::{
-    split, Completion, CompletionSource, CqOptions, CqPoller, Failed, Handler, NoWork, OpKind,
-    Opcode, Outbox, RecvDone, Registration, Routed, SendDone, WrLedger,
+    split, Completion, CompletionSource, ContextHandler, ContextRegistration, CqOptions, CqPoller,
+    Failed, Handler, NoWork, OpKind, Opcode, Outbox, RecvDone, Registration, Routed, SendDone,
+    Silent, Status, WrLedger,
 };
 use cqd::sim::{sim_cq, sim_cq_with_ledger, Faults, LoopWr, Loopback, SimCq};
 
@@ -255,6 +271,10 @@ fn stats(v: &mut [f64]) -> (f64, f64, f64) {
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let sweep_only = std::env::args().any(|a| a == "--sweep");
+    if std::env::args().any(|a| a == "--width") {
+        width(quick);
+        return;
+    }
     run(quick, sweep_only);
 }
 
@@ -433,5 +453,329 @@ pub fn run(quick: bool, sweep_only: bool) {
         "every completion was dispatched"
     );
     assert!(out.is_empty());
+    width(quick);
     sweep(sweep_rounds, sweep_reps);
+}
+
+/// The widths of the width axis: the number of queue pairs whose
+/// completions a batch interleaves.
+const WIDTHS: [usize; 4] = [1, 8, 32, 256];
+/// Completions per fill on the width axis.
+const WIDTH_FILL: u32 = 8_192;
+
+/// A handler with a `u64` context per request (carried in its queue's
+/// ring): the same work as [`Count`], plus the context.
+struct CountCtx(u64);
+
+impl ContextHandler for CountCtx {
+    type Ctx = u64;
+    fn on_send(&mut self, _: &SendDone<'_>, ctx: u64, _: &mut Outbox<'_, NoWork>) {
+        self.0 += ctx;
+    }
+    fn on_recv(&mut self, d: &RecvDone<'_>, ctx: u64, _: &mut Outbox<'_, NoWork>) {
+        self.0 += u64::from(d.byte_len()) + ctx;
+    }
+    fn on_error(&mut self, _: &Failed<'_>, _: u64, _: &mut Outbox<'_, NoWork>) {
+        self.0 += 1;
+    }
+    fn on_silent(&mut self, _: &Silent, _: u64, _: &mut Outbox<'_, NoWork>) {
+        self.0 += 1;
+    }
+    fn on_abandoned(&mut self, _: u64) {
+        panic!("a context was abandoned");
+    }
+}
+
+/// One queue of the same-promise contender: its ring of contexts, written
+/// by the poster at the tail, read by the poller at the head.
+struct SpQueue {
+    /// The next position the poller expects (receive) or the first not yet
+    /// retired (send).
+    head: u32,
+    /// The next position the poster fills.
+    tail: u32,
+    ctx: Box<[u64]>,
+    /// The handler's state.
+    sum: u64,
+}
+
+/// The same-promise contender: what a careful engineer writes for one
+/// server. A wr_id is `queue << 33 | side << 32 | position`; each queue
+/// pair has a send and a receive queue.
+struct SamePromise {
+    queues: Vec<[SpQueue; 2]>,
+    mask: u32,
+    stale: u64,
+    completions: u64,
+    credits: u64,
+    wcs: Vec<Completion>,
+}
+
+impl SamePromise {
+    fn new(width: usize) -> Self {
+        let cap = (WIDTH_FILL as usize / width).next_power_of_two();
+        let queue = || SpQueue {
+            head: 0,
+            tail: 0,
+            ctx: vec![0; cap].into_boxed_slice(),
+            sum: 0,
+        };
+        SamePromise {
+            queues: (0..width).map(|_| [queue(), queue()]).collect(),
+            mask: cap as u32 - 1,
+            stale: 0,
+            completions: 0,
+            credits: 0,
+            wcs: Vec::with_capacity(WIDTH_FILL as usize),
+        }
+    }
+
+    /// The poster: request `i` on queue pair `i % width`, sends and
+    /// receives alternating on each; its context written at the tail, its
+    /// completion (the loopback's) pushed on `cq`.
+    fn post(&mut self, cq: &SimCq) {
+        let width = self.queues.len();
+        self.wcs.clear();
+        for i in 0..WIDTH_FILL {
+            let q = i as usize % width;
+            let side = (i as usize / width) % 2;
+            let queue = &mut self.queues[q][side];
+            let p = queue.tail;
+            queue.ctx[(p & self.mask) as usize] = u64::from(i);
+            queue.tail = p.wrapping_add(1);
+            let wr_id = (q as u64) << 33 | (side as u64) << 32 | u64::from(p);
+            let mut c = if side == 0 {
+                Completion::success(wr_id, Opcode::Send, q as u32 + 1)
+            } else {
+                Completion::success(wr_id, Opcode::Recv, q as u32 + 1)
+            };
+            c.byte_len = 512;
+            self.wcs.push(c);
+        }
+        self.credits += u64::from(WIDTH_FILL);
+        cq.push_all(&self.wcs).unwrap();
+    }
+
+    /// The poller: one batch.
+    fn poll(&mut self, src: &mut impl CompletionSource, buf: &mut [Completion]) -> usize {
+        let n = src.poll(buf).unwrap();
+        let mut stale = 0;
+        for c in &buf[..n] {
+            let q = (c.wr_id >> 33) as usize;
+            let side = (c.wr_id >> 32 & 1) as usize;
+            let p = c.wr_id as u32;
+            let Some(pair) = self.queues.get_mut(q) else {
+                stale += 1;
+                continue;
+            };
+            let queue = &mut pair[side];
+            let mask = self.mask;
+            if side == 1 {
+                // Receives complete in posting order.
+                if p != queue.head {
+                    stale += 1;
+                    continue;
+                }
+            } else {
+                // A send's completion retires every request before it:
+                // the unsignaled ones run silently.
+                if p.wrapping_sub(queue.head) >= queue.tail.wrapping_sub(queue.head) {
+                    stale += 1;
+                    continue;
+                }
+                while queue.head != p {
+                    queue.sum += 1;
+                    queue.head = queue.head.wrapping_add(1);
+                }
+            }
+            queue.head = p.wrapping_add(1);
+            let ctx = queue.ctx[(p & mask) as usize];
+            match (c.status, side) {
+                (Status::Success, 0) => queue.sum += ctx,
+                (Status::Success, _) => queue.sum += u64::from(c.byte_len) + ctx,
+                _ => queue.sum += 1,
+            }
+        }
+        self.completions += n as u64;
+        self.credits -= n as u64;
+        self.stale += stale;
+        n
+    }
+}
+
+/// cqd at one width: a CQ with credits, `width` loopback QPs and a handler
+/// per QP, plain or with contexts.
+struct CqdWidth {
+    cq: SimCq,
+    handle: cqd::core::CqHandle<NoWork>,
+    ledger: WrLedger,
+    qps: Vec<Loopback>,
+    plain: Vec<Registration>,
+    ctx: Vec<ContextRegistration<u64>>,
+}
+
+impl CqdWidth {
+    fn new(width: usize, contexts: bool) -> (Self, CqPoller<NoWork>) {
+        let budget = CqBudget::new(
+            "width",
+            CQ_SIZE,
+            BudgetOptions {
+                admission: false,
+                credits: Some(CQ_SIZE),
+            },
+        );
+        let ledger = WrLedger::with_budget(budget);
+        let (cq, src) =
+            sim_cq_with_ledger("width", CQ_SIZE, Faults::default(), ledger.clone()).unwrap();
+        let (poller, handle) = split::<NoWork>(src, CqOptions::default()).unwrap();
+        let mut poller: CqPoller<NoWork> = poller.bind();
+        let (mut plain, mut ctx) = (Vec::new(), Vec::new());
+        for _ in 0..width {
+            if contexts {
+                let cap = WIDTH_FILL / width as u32;
+                ctx.push(handle.register_with_contexts(CountCtx(0), cap).unwrap());
+            } else {
+                plain.push(handle.register(Count(0)).unwrap());
+            }
+        }
+        poller.apply_commands();
+        let qps = (0..width)
+            .map(|i| Loopback::new(cq.clone(), i as u32 + 1))
+            .collect();
+        let cqd = CqdWidth {
+            cq,
+            handle,
+            ledger,
+            qps,
+            plain,
+            ctx,
+        };
+        (cqd, poller)
+    }
+
+    /// The same stream as [`SamePromise::post`], through the posting call.
+    fn post(&self) {
+        let width = self.qps.len();
+        for i in 0..WIDTH_FILL {
+            let q = i as usize % width;
+            let qp = &self.qps[q];
+            let recv = (i as usize / width) % 2 == 1;
+            let wr = if recv {
+                LoopWr::new(u64::from(i), OpKind::Recv).with_len(512)
+            } else {
+                LoopWr::new(u64::from(i), OpKind::Send)
+            };
+            match (self.ctx.get(q), recv) {
+                (Some(r), false) => r.post_send(qp, &mut [wr], [u64::from(i)]).map_err(drop),
+                (Some(r), true) => r.post_recv(qp, &mut [wr], [u64::from(i)]).map_err(drop),
+                (None, false) => self.plain[q].post_send(qp, &mut [wr]).map_err(drop),
+                (None, true) => self.plain[q].post_recv(qp, &mut [wr]).map_err(drop),
+            }
+            .unwrap();
+        }
+    }
+
+    /// Every completion delivered, every account balanced.
+    fn check(&self) {
+        let snap = self.handle.snapshot();
+        assert_eq!(
+            snap.stale_wr_ids + snap.foreign_wr_ids + snap.unmatched_wr_ids,
+            0
+        );
+        assert_eq!(self.ledger.snapshot(Instant::now()).outstanding, 0);
+        assert_eq!(self.cq.len(), 0);
+        assert!(self.ctx.iter().all(|r| r.empty_hits() == 0));
+    }
+}
+
+/// The width axis (see the module documentation): per-completion cost of
+/// each contender at each width, and the ratios the goals are stated in.
+pub fn width(quick: bool) {
+    let (rounds, reps) = if quick { (2, 1) } else { (40, 9) };
+    let mut buf = vec![Completion::default(); BATCH];
+    let mut out: VecDeque<Routed<NoWork>> = VecDeque::new();
+    // [width][contender] → per-run ns per completion.
+    let mut ns: Vec<[Vec<f64>; 3]> = WIDTHS.iter().map(|_| Default::default()).collect();
+    for _ in 0..reps {
+        for (wi, &w) in WIDTHS.iter().enumerate() {
+            let (cq_s, mut src_s) = sim_cq("same-promise", CQ_SIZE, Faults::default()).unwrap();
+            // The poster and the poller of the same-promise loop share its
+            // queues, on this one thread.
+            let sp = std::cell::RefCell::new(SamePromise::new(w));
+            let (plain, mut plain_poller) = CqdWidth::new(w, false);
+            let (ctx, mut ctx_poller) = CqdWidth::new(w, true);
+            let runs = [
+                measure(
+                    rounds,
+                    || sp.borrow_mut().post(&cq_s),
+                    || sp.borrow_mut().poll(&mut src_s, &mut buf),
+                )
+                .0,
+                measure(
+                    rounds,
+                    || plain.post(),
+                    || plain_poller.poll_once(&mut out).unwrap(),
+                )
+                .0,
+                measure(
+                    rounds,
+                    || ctx.post(),
+                    || ctx_poller.poll_once(&mut out).unwrap(),
+                )
+                .0,
+            ];
+            let sp = sp.into_inner();
+            assert_eq!(
+                (sp.stale, sp.credits),
+                (0, 0),
+                "same-promise: every completion matched"
+            );
+            assert_eq!(sp.completions, u64::from(WIDTH_FILL) * rounds as u64);
+            black_box(sp.queues.iter().map(|q| q[0].sum + q[1].sum).sum::<u64>());
+            plain.check();
+            ctx.check();
+            assert!(out.is_empty());
+            for (c, v) in runs.into_iter().enumerate() {
+                ns[wi][c].push(v);
+            }
+        }
+    }
+    println!(
+        "\nwidth axis: ns per completion, batch {BATCH}, send-recv, {reps} runs × {rounds} × {WIDTH_FILL} completions: median [min–max]"
+    );
+    println!(
+        "{:<8} {:>24} {:>24} {:>24}",
+        "width", "same-promise", "cqd", "cqd+ctx"
+    );
+    for (wi, w) in WIDTHS.iter().enumerate() {
+        let cell = |v: &mut Vec<f64>| {
+            let (m, lo, hi) = stats(v);
+            format!("{m:.2} [{lo:.2}–{hi:.2}]")
+        };
+        let [a, b, c] = &mut ns[wi];
+        println!("{w:<8} {:>24} {:>24} {:>24}", cell(a), cell(b), cell(c));
+    }
+    // The ratios, each the median of the runs' own.
+    let ratio = |num: &[f64], den: &[f64]| {
+        let mut r: Vec<f64> = num.iter().zip(den).map(|(a, b)| a / b).collect();
+        stats(&mut r).0
+    };
+    for (wi, w) in WIDTHS.iter().enumerate() {
+        let [sp, cqd, ctx] = &ns[wi];
+        println!(
+            "ratio cqd/same-promise width={w} stream=send-recv = {:.2}",
+            ratio(cqd, sp)
+        );
+        println!(
+            "ratio cqd+ctx/same-promise width={w} stream=send-recv = {:.2}",
+            ratio(ctx, sp)
+        );
+    }
+    let last = WIDTHS.len() - 1;
+    println!(
+        "ratio flat width={}/{} stream=send-recv = {:.2}",
+        WIDTHS[last],
+        WIDTHS[0],
+        ratio(&ns[last][1], &ns[0][1])
+    );
 }
