@@ -53,11 +53,14 @@ use std::hint::black_box;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+#[path = "common/handlers.rs"]
+mod handlers;
+use handlers::{Count, CountCtx};
+
 use cqd::core::budget::{BudgetOptions, CqBudget};
 use cqd::core::{
-    split, Completion, CompletionSource, ContextHandler, ContextRegistration, CqOptions, CqPoller,
-    Failed, Handler, NoWork, OpKind, Opcode, Outbox, RecvDone, Registration, Routed, SendDone,
-    Silent, Status, WrLedger,
+    split, Completion, CompletionSource, ContextRegistration, CqOptions, CqPoller, NoWork, OpKind,
+    Opcode, Registration, Routed, Status, WrLedger,
 };
 use cqd::sim::{sim_cq, sim_cq_with_ledger, Faults, LoopWr, Loopback, SimCq};
 
@@ -68,20 +71,6 @@ const BATCH: usize = 32;
 const SWEEP: [usize; 4] = [64, 4_096, 65_536, 262_144];
 /// Random completion sets each sweep CQ's fills rotate over.
 const SWEEP_FILLS: usize = 4;
-
-struct Count(u64);
-
-impl Handler for Count {
-    fn on_send(&mut self, d: &SendDone<'_>, _: &mut Outbox<'_, NoWork>) {
-        self.0 += u64::from(d.tag());
-    }
-    fn on_recv(&mut self, d: &RecvDone<'_>, _: &mut Outbox<'_, NoWork>) {
-        self.0 += u64::from(d.byte_len());
-    }
-    fn on_error(&mut self, _: &Failed<'_>, _: &mut Outbox<'_, NoWork>) {
-        self.0 += 1;
-    }
-}
 
 fn completions(regs: &[Registration]) -> Vec<Completion> {
     mixed(regs, |i| i % regs.len())
@@ -462,29 +451,6 @@ pub fn run(quick: bool, sweep_only: bool) {
 const WIDTHS: [usize; 4] = [1, 8, 32, 256];
 /// Completions per fill on the width axis.
 const WIDTH_FILL: u32 = 8_192;
-
-/// A handler with a `u64` context per request (carried in its queue's
-/// ring): the same work as [`Count`], plus the context.
-struct CountCtx(u64);
-
-impl ContextHandler for CountCtx {
-    type Ctx = u64;
-    fn on_send(&mut self, _: &SendDone<'_>, ctx: u64, _: &mut Outbox<'_, NoWork>) {
-        self.0 += ctx;
-    }
-    fn on_recv(&mut self, d: &RecvDone<'_>, ctx: u64, _: &mut Outbox<'_, NoWork>) {
-        self.0 += u64::from(d.byte_len()) + ctx;
-    }
-    fn on_error(&mut self, _: &Failed<'_>, _: u64, _: &mut Outbox<'_, NoWork>) {
-        self.0 += 1;
-    }
-    fn on_silent(&mut self, _: &Silent, _: u64, _: &mut Outbox<'_, NoWork>) {
-        self.0 += 1;
-    }
-    fn on_abandoned(&mut self, _: u64) {
-        panic!("a context was abandoned");
-    }
-}
 
 /// One queue of the same-promise contender: its ring of contexts, written
 /// by the poster at the tail, read by the poller at the head.

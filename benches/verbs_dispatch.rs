@@ -75,10 +75,11 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
-use cqd::core::{
-    Completion, ContextHandler, ContextRegistration, CqOptions, CqPoller, Failed, Handler, NoWork,
-    Outbox, RecvDone, Registration, SendDone, Silent,
-};
+#[path = "common/handlers.rs"]
+mod handlers;
+use handlers::{Count, CountCtx};
+
+use cqd::core::{Completion, ContextRegistration, CqOptions, CqPoller, NoWork, Registration};
 use cqd::verbs::{
     completion_of, Access, ConnectOptions, Context, Cq, CqSpec, Mr, Qp, QpCap, QpInit, RecvWr,
     SendWr, Sge, WrOp,
@@ -133,43 +134,6 @@ impl Contender {
             Contender::RawCtx => "hand-written + contexts (slab by wr_id)",
             Contender::CqdCtx => "cqd + contexts (ContextHandler)",
         }
-    }
-}
-
-/// cqd's handlers: what dispatch.rs's count.
-struct Count(u64);
-
-impl Handler for Count {
-    fn on_send(&mut self, d: &SendDone<'_>, _: &mut Outbox<'_, NoWork>) {
-        self.0 += u64::from(d.tag());
-    }
-    fn on_recv(&mut self, d: &RecvDone<'_>, _: &mut Outbox<'_, NoWork>) {
-        self.0 += u64::from(d.byte_len());
-    }
-    fn on_error(&mut self, _: &Failed<'_>, _: &mut Outbox<'_, NoWork>) {
-        self.0 += 1;
-    }
-}
-
-/// cqd's context handlers: the same work, with the request's value.
-struct CountCtx(u64);
-
-impl ContextHandler for CountCtx {
-    type Ctx = u64;
-    fn on_send(&mut self, _: &SendDone<'_>, ctx: u64, _: &mut Outbox<'_, NoWork>) {
-        self.0 += ctx;
-    }
-    fn on_recv(&mut self, d: &RecvDone<'_>, ctx: u64, _: &mut Outbox<'_, NoWork>) {
-        self.0 += u64::from(d.byte_len()) + ctx;
-    }
-    fn on_error(&mut self, _: &Failed<'_>, _: u64, _: &mut Outbox<'_, NoWork>) {
-        self.0 += 1;
-    }
-    fn on_silent(&mut self, _: &Silent, _: u64, _: &mut Outbox<'_, NoWork>) {
-        self.0 += 1;
-    }
-    fn on_abandoned(&mut self, _: u64) {
-        panic!("a context was abandoned");
     }
 }
 

@@ -49,8 +49,10 @@ mod handoff;
 #[path = "../../benches/dispatch.rs"]
 mod dispatch;
 
+// Each bench includes benches/common/handlers.rs, so with both here it is
+// two modules of the same file.
 #[cfg(feature = "verbs")]
-#[allow(dead_code)]
+#[allow(dead_code, clippy::duplicate_mod)]
 #[path = "../../benches/verbs_dispatch.rs"]
 mod verbs_dispatch;
 
