@@ -30,6 +30,13 @@ pub(crate) fn bump(c: &AtomicU64, n: u64) {
     c.store(c.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
 }
 
+/// [`bump`], as a release store: what the poller stored before it is seen
+/// by a reader that loads the counter with acquire and finds the new value.
+#[inline]
+pub(crate) fn bump_release(c: &AtomicU64, n: u64) {
+    c.store(c.load(Ordering::Relaxed).wrapping_add(n), Ordering::Release);
+}
+
 /// Raises an owner-written high-water mark.
 #[inline]
 pub(crate) fn raise(c: &AtomicU64, v: u64) {
@@ -155,7 +162,9 @@ impl CqMetrics {
             errors_by_status: errors,
             flushes: get(&c.flushes),
             async_events: get(&c.async_events),
-            overflows: get(&c.overflows),
+            // Acquire, and before `in_error` (fields are read in order):
+            // the poller publishes the error state before the count.
+            overflows: c.overflows.load(Ordering::Acquire),
             poll_errors: get(&c.poll_errors),
             arm_errors: get(&c.arm_errors),
             in_error: get(&c.in_error) != 0,

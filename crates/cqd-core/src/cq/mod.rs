@@ -119,7 +119,7 @@ use crate::budget::CqBudget;
 use crate::completion::Completion;
 use crate::ledger::AccountCache;
 use crate::ledger::WrLedger;
-use crate::metrics::{batch_bucket, bump, CqMetrics};
+use crate::metrics::{batch_bucket, bump, bump_release, CqMetrics};
 use crate::sink::Routed;
 use crate::slab::{Entry, Slab, SlotTable};
 use crate::source::{ArmKind, AsyncEvent, CompletionSource, SourceError};
@@ -721,12 +721,17 @@ impl<W: Send + 'static> CqPoller<W> {
             let m = &self.core.shared.metrics.0;
             bump(&m.async_events, 1);
             if let AsyncEvent::CqOverflow { capacity, lost } = ev {
-                bump(&m.overflows, 1);
+                tracing::error!(cq = %self.core.shared.name, capacity, lost, "CQ overflow: completions were lost");
+                // The error state and the budget's count are published
+                // before the overflow count (a release store, which
+                // `MetricsSnapshot` reads first, with acquire): a snapshot
+                // that shows the overflow shows the CQ in error and the
+                // budget's count of it.
+                self.enter_error("it overflowed");
                 if let Some(b) = self.core.shared.budget.get() {
                     b.record_overflow();
                 }
-                tracing::error!(cq = %self.core.shared.name, capacity, lost, "CQ overflow: completions were lost");
-                self.enter_error("it overflowed");
+                bump_release(&self.core.shared.metrics.0.overflows, 1);
             } else {
                 match ev {
                     AsyncEvent::Qp { .. } | AsyncEvent::Srq { .. } => {
