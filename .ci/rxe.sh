@@ -213,7 +213,7 @@ build() { # (called under ||, where set -e does not stop it: each step says)
     # built), so that cargo resolves features as for the demo above and
     # reuses its cqd-core, cqd-sim and cqd-verbs; alone, cqd-verbs' tests
     # resolve `log` and `tracing-core` with fewer features and rebuild all
-    # three (88 s of this build, while the VM waited).
+    # three while the VM waits (docs/ci.md).
     SUITE=$(nice -n 15 cargo test --release -p cqd-verbs -p cqd-demo --features cqd-demo/verbs \
         --test two_backends --no-run --message-format=json |
         sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)

@@ -282,12 +282,12 @@ fuzz_target!(|input: (u8, Vec<Op>)| {
                     },
                     Target::Raw(r) => (r, None),
                 };
+                let decoded = cqd_core::WrId::decode(raw).ok();
                 // A raw value may name a live handler too.
                 let owner = owner.or_else(|| {
-                    let d = cqd_core::WrId::decode(raw).ok()?;
+                    let d = decoded?;
                     w.live.iter().position(|l| l.reg.key() == d.key)
                 });
-                let decoded = cqd_core::WrId::decode(raw).ok();
                 // On the loopback QP, only tags no post carries: a completion
                 // naming a request posted there is that request's own (or
                 // the device writing it twice, which tests/contexts.rs
