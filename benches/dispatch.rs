@@ -45,7 +45,7 @@
 //!
 //! `taskset -c 1 cargo bench --bench dispatch` (add `-- --quick` for a
 //! smoke run; `-- --sweep` runs the sweep only, `-- --width` the width
-//! axis only).
+//! axis only, and `-- --width --widths=1,256` those widths of it).
 //! Figures are recorded in docs/benchmarks.md.
 
 use std::collections::{HashMap, VecDeque};
@@ -658,12 +658,21 @@ impl CqdWidth {
 /// each contender at each width, and the ratios the goals are stated in.
 pub fn width(quick: bool) {
     let (rounds, reps) = if quick { (2, 1) } else { (40, 9) };
+    // `--widths=1,256` runs those widths only (for a profile of one).
+    let only: Option<Vec<usize>> = std::env::args()
+        .find_map(|a| a.strip_prefix("--widths=").map(str::to_owned))
+        .map(|l| l.split(',').filter_map(|w| w.parse().ok()).collect());
+    let widths: Vec<usize> = WIDTHS
+        .iter()
+        .copied()
+        .filter(|w| only.as_ref().is_none_or(|o| o.contains(w)))
+        .collect();
     let mut buf = vec![Completion::default(); BATCH];
     let mut out: VecDeque<Routed<NoWork>> = VecDeque::new();
     // [width][contender] → per-run ns per completion.
-    let mut ns: Vec<[Vec<f64>; 3]> = WIDTHS.iter().map(|_| Default::default()).collect();
+    let mut ns: Vec<[Vec<f64>; 3]> = widths.iter().map(|_| Default::default()).collect();
     for _ in 0..reps {
-        for (wi, &w) in WIDTHS.iter().enumerate() {
+        for (wi, &w) in widths.iter().enumerate() {
             let (cq_s, mut src_s) = sim_cq("same-promise", CQ_SIZE, Faults::default()).unwrap();
             // The poster and the poller of the same-promise loop share its
             // queues, on this one thread.
@@ -713,7 +722,7 @@ pub fn width(quick: bool) {
         "{:<8} {:>24} {:>24} {:>24}",
         "width", "same-promise", "cqd", "cqd+ctx"
     );
-    for (wi, w) in WIDTHS.iter().enumerate() {
+    for (wi, w) in widths.iter().enumerate() {
         let cell = |v: &mut Vec<f64>| {
             let (m, lo, hi) = stats(v);
             format!("{m:.2} [{lo:.2}–{hi:.2}]")
@@ -726,7 +735,7 @@ pub fn width(quick: bool) {
         let mut r: Vec<f64> = num.iter().zip(den).map(|(a, b)| a / b).collect();
         stats(&mut r).0
     };
-    for (wi, w) in WIDTHS.iter().enumerate() {
+    for (wi, w) in widths.iter().enumerate() {
         let [sp, cqd, ctx] = &ns[wi];
         println!(
             "ratio cqd/same-promise width={w} stream=send-recv = {:.2}",
@@ -737,11 +746,13 @@ pub fn width(quick: bool) {
             ratio(ctx, sp)
         );
     }
-    let last = WIDTHS.len() - 1;
-    println!(
-        "ratio flat width={}/{} stream=send-recv = {:.2}",
-        WIDTHS[last],
-        WIDTHS[0],
-        ratio(&ns[last][1], &ns[0][1])
-    );
+    if widths.len() > 1 {
+        let last = widths.len() - 1;
+        println!(
+            "ratio flat width={}/{} stream=send-recv = {:.2}",
+            widths[last],
+            widths[0],
+            ratio(&ns[last][1], &ns[0][1])
+        );
+    }
 }

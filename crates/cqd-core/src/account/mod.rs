@@ -18,15 +18,16 @@
 //!    order whatever the number of posting threads, and the poller never
 //!    waits for it.
 //! 2. **Completing** (the poller, once per batch): the poller finds the
-//!    account of each completion's queue through a poller-local cache
+//!    account of each completion's queue through a poller-local table
 //!    (qp_num and side → account, filled from the CQ's
-//!    `WrLedger` (`crate::ledger`) only on a miss), and takes each account's retiring lock
-//!    (which no poster takes) once per run of completions of that queue. A send-side completion retires every entry
+//!    `WrLedger` (`crate::ledger`) only on a miss), then takes the CQ's
+//!    retiring lock (which no poster takes, and which every queue of the
+//!    CQ's ledger shares) once and retires the batch in order. A send-side completion retires every entry
 //!    up to and including its wr_id: send queues complete in order, so the
 //!    unsignaled requests before it completed silently. A receive retires
 //!    its own entry (an SRQ's receives are consumed in any order). The
 //!    credits of every retired entry go back to the CQ's budget, one atomic
-//!    subtraction per run.
+//!    subtraction per batch.
 //! 3. **Silent completions**: the unsignaled requests retired by a later
 //!    completion are handed back to the dispatcher, which counts each one
 //!    completed in its own handler's ledger (and retires a retiring handler
@@ -66,16 +67,17 @@ mod clock;
 mod ring;
 
 use std::fmt;
-use std::sync::atomic::AtomicBool as PlainAtomicBool;
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::Instant;
 
 use parking_lot::Mutex as PlainMutex;
 
 use crate::budget::CqBudget;
-use crate::sync::{AtomicBool, Ordering};
+use crate::sync::Ordering;
 use crate::wr_id::{HandlerKey, OpKind, Side, WrId};
-pub(crate) use ring::{stamp, stamp_now, CtxWord, SilentEntry};
+#[cfg(all(test, loom))]
+pub(crate) use ring::HEAD_BOUND_IS_TAIL;
+pub(crate) use ring::{stamp, stamp_now, CtxWord, RetireHeld, RetireLock, SilentEntry};
 use ring::{NewEntry, Poster, Retirer, Ring};
 
 /// Where an account belongs: its CQ's ledger (`crate::ledger`), which
@@ -154,19 +156,16 @@ pub struct QueueAccount {
     /// ledger that becomes its home keeps it, so that a handler's end
     /// finds its requests before any QP is attached to it.
     pub(crate) me: Weak<QueueAccount>,
-    /// Set by [`close`](Self::close) under the ring's two locks, and read
-    /// by the poller under the retiring lock: "drained and closed" is one
-    /// observation, so no request posted between the two can be detached
-    /// with the account.
-    closed: AtomicBool,
     /// The account of a destroyed queue whose number this queue reuses,
     /// while it still holds requests (step 6 of the module documentation).
-    /// Locked by the poller only.
+    /// Locked by the poller only. (Whether there is one, and whether the
+    /// queue is closed, are flags on the ring's retiring line, which the
+    /// poller reads with every completion: `Ring::has_prev`,
+    /// `Ring::closed`. "closed" is set by [`close`](Self::close) under
+    /// the ring's two locks and read by the poller under the retiring
+    /// lock: "drained and closed" is one observation, so no request posted
+    /// between the two can be detached with the account.)
     prev: PlainMutex<Option<Arc<QueueAccount>>>,
-    has_prev: PlainAtomicBool,
-    /// The poller found the queue dry after its last batch (a receive
-    /// queue at or below its CQ's low-water mark); the poller's only.
-    dry: PlainAtomicBool,
     /// When it went dry (nanoseconds since the ring's base, `stamp`).
     dry_at: std::sync::atomic::AtomicU64,
     /// The posters' tail when it went dry: a receive posted since moves it.
@@ -192,13 +191,17 @@ impl fmt::Debug for QueueAccount {
 }
 
 impl QueueAccount {
+    /// An account retired under `lock` (its CQ's: see
+    /// `ring::RetireLock`).
     pub(crate) fn new(
         number: u32,
         queue: Queue,
         budget: Option<&CqBudget>,
         home: Option<Weak<dyn Home>>,
         prev: Option<Arc<QueueAccount>>,
+        lock: Arc<RetireLock>,
     ) -> Self {
+        let had_prev = prev.is_some();
         let cell = OnceLock::new();
         if let Some(h) = home {
             let _ = cell.set(h);
@@ -209,26 +212,40 @@ impl QueueAccount {
             credits: budget.filter(|b| b.has_credits()).cloned(),
             home: cell,
             me: Weak::new(),
-            closed: AtomicBool::new(false),
-            has_prev: PlainAtomicBool::new(prev.is_some()),
-            dry: PlainAtomicBool::new(false),
             dry_at: std::sync::atomic::AtomicU64::new(0),
             dry_tail: std::sync::atomic::AtomicU64::new(0),
             depth: std::sync::atomic::AtomicU32::new(0),
             prev: PlainMutex::new(prev),
-            ring: Ring::new(),
+            ring: {
+                let ring = Ring::new(lock, queue == Queue::Send);
+                ring.has_prev().store(had_prev, Ordering::Relaxed);
+                ring
+            },
         }
     }
 
     /// The account of shared receive queue `srq_num`. Its receives take no
     /// credits (their CQ is known only when a QP consumes them; admission
     /// covers them). Attach it for each QP that draws on it with
-    /// `WrLedger::attach_srq_user`.
+    /// `WrLedger::attach_srq_user`. Made before its CQ is known, it has a
+    /// retiring lock of its own.
     pub fn srq(srq_num: u32) -> Arc<QueueAccount> {
         Arc::new_cyclic(|me| QueueAccount {
             me: me.clone(),
-            ..QueueAccount::new(srq_num, Queue::Srq, None, None, None)
+            ..QueueAccount::new(srq_num, Queue::Srq, None, None, None, RetireLock::new())
         })
+    }
+
+    /// True when `held` is this account's retiring lock.
+    #[inline]
+    pub(crate) fn retires_under(&self, held: &RetireHeld<'_>) -> bool {
+        held.holds(self.ring.retire_lock())
+    }
+
+    /// This account's retiring lock.
+    #[inline]
+    pub(crate) fn retire_lock(&self) -> &RetireLock {
+        self.ring.retire_lock()
     }
 
     /// The queue's QP number (the SRQ's number for an SRQ).
@@ -264,7 +281,7 @@ impl QueueAccount {
     pub fn close(self: &Arc<Self>) {
         let poster = self.ring.poster();
         let mut r = self.ring.retirer();
-        self.closed.store(true, Ordering::Release);
+        self.ring.closed().store(true, Ordering::Release);
         let drained = r.drained() && !self.has_prev();
         drop(r);
         drop(poster);
@@ -340,13 +357,24 @@ impl QueueAccount {
         }
     }
 
-    /// The retiring lock, for the poller and readers beside it (R5–R6).
+    /// The retiring lock, for readers beside the poller and tests (R5–R6).
     #[inline]
     pub(crate) fn retiring(&self) -> Retiring<'_> {
         Retiring {
-            in_order: self.queue == Queue::Send,
+            in_order: self.ring.in_order(),
             account: self,
             r: self.ring.retirer(),
+        }
+    }
+
+    /// R5–R6 under the retiring lock the caller holds (the poller's pass:
+    /// [`retires_under`](Self::retires_under) is true of `held`).
+    #[inline]
+    pub(crate) fn retiring_under<'a>(&'a self, held: &'a mut RetireHeld<'_>) -> Retiring<'a> {
+        Retiring {
+            in_order: self.ring.in_order(),
+            account: self,
+            r: self.ring.retirer_under(held),
         }
     }
 
@@ -366,13 +394,16 @@ impl QueueAccount {
     /// True while the poller last found the queue dry.
     #[inline]
     pub(crate) fn is_dry(&self) -> bool {
-        self.dry.load(std::sync::atomic::Ordering::Relaxed)
+        self.ring.dry().load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Records whether the queue is dry now; true if it just became so
     /// (and then when, for [`dry_since`](Self::dry_since)).
     pub(crate) fn went_dry(&self, dry: bool) -> bool {
-        let was = self.dry.swap(dry, std::sync::atomic::Ordering::Relaxed);
+        let was = self
+            .ring
+            .dry()
+            .swap(dry, std::sync::atomic::Ordering::Relaxed);
         let went = dry && !was;
         if went {
             self.dry_tail
@@ -390,7 +421,7 @@ impl QueueAccount {
         // it, although no batch has consumed from the queue since; a flush
         // posts nothing and does not.
         let since = self.dry_tail.load(std::sync::atomic::Ordering::Relaxed);
-        if !self.dry.load(std::sync::atomic::Ordering::Relaxed) || self.ring.tail() > since {
+        if !self.is_dry() || self.ring.tail() > since {
             return None;
         }
         let at = self.dry_at.load(std::sync::atomic::Ordering::Relaxed);
@@ -398,22 +429,47 @@ impl QueueAccount {
     }
 
     pub(crate) fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::Acquire)
+        self.ring.closed().load(Ordering::Acquire)
+    }
+
+    /// The common case of R5 under the retiring lock the caller holds
+    /// (`account::ring`'s `take_head`): the completion of `wr_id` names
+    /// the live entry at `head`. Returns its credit, its context word and
+    /// the requests left on the queue, at most; `None`: take
+    /// [`retiring_under`](Self::retiring_under)'s general path.
+    #[inline(always)]
+    pub(crate) fn retire_head(
+        &self,
+        held: &mut RetireHeld<'_>,
+        wr_id: u64,
+        success: bool,
+    ) -> Option<(u64, Option<CtxWord>, u64)> {
+        self.ring.retire_head(held, wr_id, success)
+    }
+
+    /// True for a send queue (a completion retires every entry before
+    /// it); false for a receive queue or an SRQ.
+    #[inline]
+    pub(crate) fn in_order(&self) -> bool {
+        self.ring.in_order()
     }
 
     /// True while a predecessor (step 6) still holds requests.
     #[inline]
     pub(crate) fn has_prev(&self) -> bool {
-        self.has_prev.load(Ordering::Acquire)
+        self.ring.has_prev().load(Ordering::Acquire)
     }
 
     /// Step 6 for one completion of a queue with a predecessor: the
     /// predecessor first; a completion of this queue ends it. Returns the
-    /// credits retired (not yet given back).
+    /// credits retired (not yet given back). `held` is this account's
+    /// retiring lock, which is its predecessor's too (the two are queues
+    /// of one CQ's ledger, under one QP number).
     #[cold]
     #[inline(never)]
     pub(crate) fn retire_chained(
         &self,
+        held: &mut RetireHeld<'_>,
         wr_id: u64,
         success: bool,
         silent: &mut Vec<SilentEntry>,
@@ -421,16 +477,18 @@ impl QueueAccount {
     ) -> (u64, bool) {
         let mut prev = self.prev.lock();
         if let Some(p) = prev.as_ref() {
-            let (credits, found) = p.retiring().retire(wr_id, success, silent, ctx);
+            let (credits, found) = p.retiring_under(held).retire(wr_id, success, silent, ctx);
             if found {
                 return (credits, true);
             }
         }
-        let (mut credits, found) = self.retiring().retire(wr_id, success, silent, ctx);
+        let (mut credits, found) = self
+            .retiring_under(held)
+            .retire(wr_id, success, silent, ctx);
         if found {
             if let Some(p) = prev.take() {
-                self.has_prev.store(false, Ordering::Release);
-                credits += p.retiring().r.take_all(silent);
+                self.ring.has_prev().store(false, Ordering::Release);
+                credits += p.retiring_under(held).r.take_all(silent);
             }
         }
         (credits, found)
@@ -443,7 +501,11 @@ impl QueueAccount {
     /// retiring lock (as [`close`](Self::close) does): no post is in
     /// flight while it looks.
     pub(crate) fn abandon_where(&self, mine: &dyn Fn(u64) -> bool, each: &mut dyn FnMut(CtxWord)) {
-        if let Some(p) = self.prev.lock().as_ref() {
+        // The predecessor is taken out of its lock first: the poller takes
+        // that lock under the retiring lock (`retire_chained`), so holding
+        // it while waiting for the retiring lock could deadlock.
+        let prev = self.prev.lock().clone();
+        if let Some(p) = prev {
             p.abandon_where(mine, each);
         }
         let _posting = self.ring.poster();

@@ -8,6 +8,13 @@
 //! hold the **retiring lock**, which posters never take. Between the two
 //! sides there are only atomics: the entries and two positions.
 //!
+//! The retiring lock is not the ring's own: it is a [`RetireLock`] that
+//! every queue of one CQ shares (an SRQ has its own until the end), so
+//! that the poller takes it once per batch, however many queues the
+//! batch's completions come from. The ring's retiring state sits in a
+//! cell that only a holder of that lock reaches ([`Ring::retirer_under`]
+//! checks that the lock held is the ring's).
+//!
 //! Positions count the entries ever written on the queue (`u64`). Entries
 //! live in segments of [`SEG`], linked in position order; a segment the
 //! poller has left goes to a free stack and is used again by a later post,
@@ -37,8 +44,13 @@
 //!    again.
 //! 5. **Retire.** The poller, holding the retiring lock, loads `tail` and
 //!    `committed` (Acquire) and looks for the entry a completion names, from
-//!    `head` up to `tail`. It takes an entry below `committed` with a plain
-//!    store, one at or above it by compare-and-swap *live → taken* (a poster
+//!    `head` up to `tail`. It keeps what it loaded: both only grow, so the
+//!    entries below them stay published and final, and it loads them again
+//!    only when `head` reaches the `committed` it kept, or to look past it
+//!    (so a queue's poster's line is read about once per batch, not once
+//!    per completion). It takes an entry below `committed` with a plain
+//!    store, or, at `head`, by moving `head` past it with no write at all;
+//!    one at or above `committed` by compare-and-swap *live → taken* (a poster
 //!    may be tombstoning it, step 4): each entry is decided once, by
 //!    whichever side wins. **The winner owns the entry's context word**:
 //!    the poller reads it (the poster wrote it before step 2's Release,
@@ -80,7 +92,55 @@ use crossbeam_utils::CachePadded;
 
 use std::mem::MaybeUninit;
 
+use std::cell::UnsafeCell;
+use std::sync::Arc;
+
 use crate::sync::{AtomicPtr, AtomicU64, Ordering, ShortGuard, ShortMutex, Word};
+
+/// The retiring lock of a set of rings (those of one CQ's queues, or one
+/// SRQ's ring alone): whoever holds it may retire from any of them.
+pub(crate) struct RetireLock(ShortMutex<()>);
+
+impl Default for RetireLock {
+    fn default() -> Self {
+        RetireLock(ShortMutex::new(()))
+    }
+}
+
+impl std::fmt::Debug for RetireLock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RetireLock")
+    }
+}
+
+impl RetireLock {
+    pub(crate) fn new() -> Arc<Self> {
+        Arc::new(RetireLock(ShortMutex::new(())))
+    }
+
+    /// Takes the lock.
+    #[inline]
+    pub(crate) fn lock(&self) -> RetireHeld<'_> {
+        RetireHeld {
+            lock: self,
+            _guard: self.0.lock(),
+        }
+    }
+}
+
+/// A [`RetireLock`] held.
+pub(crate) struct RetireHeld<'a> {
+    lock: &'a RetireLock,
+    _guard: ShortGuard<'a, ()>,
+}
+
+impl RetireHeld<'_> {
+    /// True when this is `lock` held.
+    #[inline]
+    pub(crate) fn holds(&self, lock: &RetireLock) -> bool {
+        ptr::eq(self.lock, lock)
+    }
+}
 
 /// A request's context, as its entry's word holds it: the bytes of a
 /// value of at most 8 (`crate::context`).
@@ -289,10 +349,17 @@ pub(crate) struct Producer {
     span: u64,
 }
 
-/// What the poller keeps, under the retiring lock.
+/// What the poller keeps, under the retiring lock (the ring's
+/// [`RetireLock`]).
 pub(crate) struct Consumer {
     at: Cursor,
     head: u64,
+    /// `tail` and `committed` as last loaded (Acquire, step 5): they only
+    /// grow, so entries below them stay published and final; the poller
+    /// loads them again only when `head` reaches `committed`, or to look
+    /// past it.
+    tail: u64,
+    committed: u64,
 }
 
 // SAFETY: the cursors name segments of the ring these states belong to,
@@ -307,28 +374,50 @@ struct Positions {
     committed: AtomicU64,
 }
 
+/// What a retirement reads and writes, on one line that posters read
+/// only rarely (`head`, when they link a segment or ask about a drain
+/// marker).
+struct RetireSide {
+    /// Reached only by a [`Retirer`], which holds `lock` (or by `Drop`).
+    consumer: UnsafeCell<Consumer>,
+    /// `head` as the poller last left it (Release), for a poster asking
+    /// whether its last request was retired (a drain marker).
+    head: AtomicU64,
+    /// The retiring lock: its CQ's, shared with the CQ's other queues.
+    lock: Arc<RetireLock>,
+    /// The queue's account flags the poller reads with each completion
+    /// (`QueueAccount::is_closed`, `QueueAccount::has_prev`).
+    closed: crate::sync::AtomicBool,
+    has_prev: std::sync::atomic::AtomicBool,
+    /// The poller found the queue dry after its last batch (a receive
+    /// queue at or below its CQ's low-water mark; `QueueAccount::is_dry`);
+    /// written by the poller only.
+    dry: std::sync::atomic::AtomicBool,
+    /// A send queue: a completion retires every entry before it.
+    in_order: bool,
+}
+
 /// One queue's ring (see the module documentation).
 pub(crate) struct Ring {
     /// Written by posters only, read by the poller: `tail` and
     /// `committed`, on one line.
     pos: CachePadded<Positions>,
-    /// `head` as the poller last left it (Release), for a poster asking
-    /// whether its last request was retired (a drain marker).
-    head: CachePadded<AtomicU64>,
     free: CachePadded<AtomicPtr<Segment>>,
     post: CachePadded<ShortMutex<Producer>>,
-    retire: CachePadded<ShortMutex<Consumer>>,
+    retire: CachePadded<RetireSide>,
 }
 
 // SAFETY: the raw pointers inside are reached only under the two locks
-// (`Producer`, `Consumer`) or through atomics; segments are freed only by
-// `Drop`, which has the ring to itself.
+// (`Producer`; `Consumer` under `lock`, see `Ring::retirer_under`) or
+// through atomics; segments are freed only by `Drop`, which has the ring
+// to itself.
 unsafe impl Sync for Ring {}
 // SAFETY: as above.
 unsafe impl Send for Ring {}
 
 impl Ring {
-    pub(crate) fn new() -> Self {
+    /// A ring retired under `lock`; `in_order` for a send queue's.
+    pub(crate) fn new(lock: Arc<RetireLock>, in_order: bool) -> Self {
         let first = Cursor {
             seg: alloc_segment(),
             start: 0,
@@ -338,7 +427,6 @@ impl Ring {
                 tail: AtomicU64::new(0),
                 committed: AtomicU64::new(0),
             }),
-            head: CachePadded::new(AtomicU64::new(0)),
             free: CachePadded::new(AtomicPtr::new(ptr::null_mut())),
             post: CachePadded::new(ShortMutex::new(Producer {
                 last: first,
@@ -352,8 +440,46 @@ impl Ring {
                 #[cfg(test)]
                 span: TAG_SPAN,
             })),
-            retire: CachePadded::new(ShortMutex::new(Consumer { at: first, head: 0 })),
+            retire: CachePadded::new(RetireSide {
+                consumer: UnsafeCell::new(Consumer {
+                    at: first,
+                    head: 0,
+                    tail: 0,
+                    committed: 0,
+                }),
+                head: AtomicU64::new(0),
+                lock,
+                closed: crate::sync::AtomicBool::new(false),
+                has_prev: std::sync::atomic::AtomicBool::new(false),
+                dry: std::sync::atomic::AtomicBool::new(false),
+                in_order,
+            }),
         }
+    }
+
+    /// True for a send queue's ring (a completion retires every entry
+    /// before it).
+    #[inline]
+    pub(crate) fn in_order(&self) -> bool {
+        self.retire.in_order
+    }
+
+    /// The account's flag "dry" (`QueueAccount::is_dry`).
+    #[inline]
+    pub(crate) fn dry(&self) -> &std::sync::atomic::AtomicBool {
+        &self.retire.dry
+    }
+
+    /// The account's flag "closed" (`QueueAccount::close`).
+    #[inline]
+    pub(crate) fn closed(&self) -> &crate::sync::AtomicBool {
+        &self.retire.closed
+    }
+
+    /// The account's flag "has a predecessor" (`QueueAccount`, step 6).
+    #[inline]
+    pub(crate) fn has_prev(&self) -> &std::sync::atomic::AtomicBool {
+        &self.retire.has_prev
     }
 
     /// Puts segments on the free stack (step 7) until the ring holds at
@@ -383,7 +509,7 @@ impl Ring {
     /// `head` count until `head` passes them).
     pub(crate) fn ahead(&self) -> u64 {
         let tail = self.pos.tail.load(Ordering::Acquire);
-        tail.saturating_sub(self.head.load(Ordering::Acquire))
+        tail.saturating_sub(self.retire.head.load(Ordering::Acquire))
     }
 
     /// The posting lock (steps 1–4).
@@ -396,20 +522,64 @@ impl Ring {
         Poster { ring: self, p }
     }
 
-    /// The retiring lock (steps 5–6).
+    /// The ring's retiring lock.
+    #[inline]
+    pub(crate) fn retire_lock(&self) -> &Arc<RetireLock> {
+        &self.retire.lock
+    }
+
+    /// Takes the retiring lock for this ring alone (steps 5–6): the
+    /// watchdog, a report, a close. The lock is shared with the CQ's
+    /// other queues, so a thread that holds it already (the poller, in
+    /// its accounting pass) uses [`retirer_under`](Self::retirer_under).
     #[inline]
     pub(crate) fn retirer(&self) -> Retirer<'_> {
-        let c = self.retire.lock();
-        let tail = self.pos.tail.load(Ordering::Acquire);
-        let committed = self.pos.committed.load(Ordering::Acquire);
+        let held = self.retire.lock.lock();
+        // SAFETY: `held` is this ring's lock, held for as long as the
+        // retirer, which keeps it.
+        unsafe { self.make_retirer(Some(held)) }
+    }
+
+    /// Steps 5–6 under a retiring lock the caller holds already (the
+    /// poller, once per batch). `held` is borrowed for as long as the
+    /// retirer lives, so one retirer at a time uses it.
+    ///
+    /// # Panics
+    /// If `held` is not this ring's lock (a bug in cqd: the caller checks
+    /// with [`RetireHeld::holds`] first).
+    #[inline]
+    pub(crate) fn retirer_under<'a>(&'a self, held: &'a mut RetireHeld<'_>) -> Retirer<'a> {
+        assert!(
+            held.holds(&self.retire.lock),
+            "a retiring lock of another CQ"
+        );
+        // SAFETY: `held` is this ring's lock, exclusively borrowed for 'a.
+        unsafe { self.make_retirer(None) }
+    }
+
+    /// # Safety
+    /// The caller holds this ring's retiring lock for as long as the
+    /// retirer lives, and makes no other retirer of the ring meanwhile
+    /// (`own`, if given, is that lock: the retirer keeps it).
+    #[inline]
+    unsafe fn make_retirer<'a>(&'a self, own: Option<RetireHeld<'a>>) -> Retirer<'a> {
+        // SAFETY: the caller's: the lock makes this the only reference to
+        // the consumer state while the retirer lives.
+        let c = unsafe { &mut *self.retire.consumer.get() };
         let head_at_lock = c.head;
-        Retirer {
+        let fresh = own.is_some();
+        let mut r = Retirer {
             ring: self,
             c,
-            tail,
-            committed,
             head_at_lock,
+            _own: own,
+        };
+        // A reader beside the poller looks at the queue as it is now; the
+        // poller loads the positions when it needs them (step 5).
+        if fresh {
+            r.refresh();
         }
+        r
     }
 }
 
@@ -417,7 +587,7 @@ impl Drop for Ring {
     fn drop(&mut self) {
         // Every segment is on the chain from the consumer's segment on, or
         // on the free stack (step 6 pushes only segments before it).
-        let mut p = self.retire.lock().at.seg;
+        let mut p = self.retire.consumer.get_mut().at.seg;
         while !p.is_null() {
             // SAFETY: a segment of the chain, from `Box::into_raw`, freed
             // once here; nothing else runs during drop.
@@ -467,7 +637,7 @@ impl Poster<'_> {
             link(self.ring, &mut p.last);
             let behind = p
                 .tail
-                .saturating_sub(self.ring.head.load(Ordering::Acquire));
+                .saturating_sub(self.ring.retire.head.load(Ordering::Acquire));
             #[cfg(test)]
             let span = p.span;
             #[cfg(not(test))]
@@ -525,7 +695,7 @@ impl Poster<'_> {
         // The segment may have been recycled since (the poller left it):
         // then that request was retired, and whatever the slot holds now
         // is not it (its wr_id or state differs) or is dead.
-        if pos < self.ring.head.load(Ordering::Acquire) {
+        if pos < self.ring.retire.head.load(Ordering::Acquire) {
             return false; // retired (step 6)
         }
         let e = cur.at(pos);
@@ -671,22 +841,106 @@ fn set_state(word: &AtomicU64, to: u64) -> (bool, u64) {
     }
 }
 
+/// Step 5's common case: the entry at `head` is live, below the
+/// `committed` last loaded, in the cursor's segment, and the one a
+/// completion of `wr_id` (`success`: its status) names; it is retired by
+/// moving `head` past it, with no write to it (below `committed` it is
+/// final for the posters). Returns its credit and its context word (R5:
+/// this claim, the only one, owns it), or `None` if the entry at `head` is
+/// not that one (the caller takes the general path).
+///
+/// The caller holds the ring's retiring lock (`c` is its consumer).
+#[inline(always)]
+fn take_head(c: &mut Consumer, wr_id: u64, success: bool) -> Option<(u64, Option<CtxWord>)> {
+    let bound = c.committed;
+    #[cfg(all(test, loom))]
+    let bound = if HEAD_BOUND_IS_TAIL.with(|m| m.get()) {
+        c.tail
+    } else {
+        bound
+    };
+    if c.head >= bound || c.head >= c.at.start + SEG {
+        return None;
+    }
+    let head = c.head;
+    let e = c.at.at(head);
+    let w = e.word.load(Ordering::Acquire);
+    if w & STATE != LIVE
+        || e.wr_id.load(Ordering::Relaxed) != wr_id
+        || (w & SIGNALED == 0 && success)
+    {
+        return None;
+    }
+    // SAFETY: R5: below `committed` the entry is final for the posters,
+    // and this claim (`head` moving past it) is the only one; the caller
+    // holds the retiring lock.
+    let word = unsafe { c.at.ctx(head, w) };
+    c.head += 1;
+    Some((u64::from(w & CREDIT != 0), word))
+}
+
+#[cfg(all(test, loom))]
+std::thread_local! {
+    /// The loom models' mutation of [`take_head`]: bounded by `tail`.
+    pub(crate) static HEAD_BOUND_IS_TAIL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+impl Ring {
+    /// Step 5's common case under the retiring lock the caller holds
+    /// (see [`take_head`]), with no [`Retirer`]: the poller's pass tries
+    /// it first for each completion. Returns the credit, the context word
+    /// and the requests left on the queue (at most: the `tail` last
+    /// loaded less `head`); `None` sends the caller to the general path.
+    ///
+    /// # Panics
+    /// If `held` is not this ring's lock (a bug in cqd).
+    #[inline(always)]
+    pub(crate) fn retire_head(
+        &self,
+        held: &mut RetireHeld<'_>,
+        wr_id: u64,
+        success: bool,
+    ) -> Option<(u64, Option<CtxWord>, u64)> {
+        assert!(
+            held.holds(&self.retire.lock),
+            "a retiring lock of another CQ"
+        );
+        // SAFETY: `held` is this ring's lock, exclusively borrowed for the
+        // call: this is the only reference to the consumer state.
+        let c = unsafe { &mut *self.retire.consumer.get() };
+        let (credit, word) = take_head(c, wr_id, success)?;
+        // Published as a retirer's end publishes it (step 6).
+        self.retire.head.store(c.head, Ordering::Release);
+        Some((credit, word, c.tail.saturating_sub(c.head)))
+    }
+}
+
 /// The poller (or a reader beside it), holding the retiring lock, with the
 /// positions it loaded (step 5).
 pub(crate) struct Retirer<'a> {
     ring: &'a Ring,
-    c: ShortGuard<'a, Consumer>,
-    tail: u64,
-    committed: u64,
+    c: &'a mut Consumer,
     /// `head` when the lock was taken (published again only if it moved).
     head_at_lock: u64,
+    /// The retiring lock, when this retirer took it (dropped after `Drop`
+    /// has published `head`).
+    _own: Option<RetireHeld<'a>>,
 }
 
 impl Retirer<'_> {
+    /// Step 5's loads: `tail` and `committed` (Acquire) as the posters
+    /// left them.
+    #[inline]
+    fn refresh(&mut self) {
+        self.c.tail = self.ring.pos.tail.load(Ordering::Acquire);
+        self.c.committed = self.ring.pos.committed.load(Ordering::Acquire);
+    }
+
     /// The live entries from `head`, in order, with their positions.
     pub(crate) fn live(&mut self) -> impl Iterator<Item = (u64, Seen)> + '_ {
+        self.refresh();
         let mut cur = self.c.at;
-        (self.c.head..self.tail).filter_map(move |pos| {
+        (self.c.head..self.c.tail).filter_map(move |pos| {
             let e = cur.at(pos);
             let word = e.word.load(Ordering::Acquire);
             if word & STATE != LIVE {
@@ -724,7 +978,7 @@ impl Retirer<'_> {
     fn claim(&self, cur: &mut Cursor, pos: u64) -> Option<Seen> {
         let e = cur.at(pos);
         let wr_id = e.wr_id.load(Ordering::Relaxed);
-        if pos < self.committed {
+        if pos < self.c.committed {
             let word = e.word.load(Ordering::Acquire);
             (word & STATE == LIVE).then_some(Seen {
                 wr_id,
@@ -745,7 +999,7 @@ impl Retirer<'_> {
     /// not pass now (an out-of-order receive).
     #[inline]
     fn mark(&self, cur: &mut Cursor, pos: u64) {
-        if pos < self.committed {
+        if pos < self.c.committed {
             let e = cur.at(pos);
             let w = e.word.load(Ordering::Relaxed);
             e.word.store((w & !STATE) | TAKEN, Ordering::Relaxed);
@@ -769,24 +1023,17 @@ impl Retirer<'_> {
         silent: &mut Vec<SilentEntry>,
         ctx: &mut Option<CtxWord>,
     ) -> (u64, bool) {
+        // Entries below the `committed` last loaded are published and
+        // final: the positions are loaded again only past them.
+        if self.c.head >= self.c.committed {
+            self.refresh();
+        }
         // The common case: the live entry at `head` (step 6 done here,
         // lazily: the entry at `head` is read anyway).
-        if let Some((e, w)) = self.at_head() {
-            // Below `committed` the entry is final for the posters: no
-            // write (`head` moves past it).
-            if e.wr_id.load(Ordering::Relaxed) == wr_id
-                && self.c.head < self.committed
-                && (w & SIGNALED != 0 || !success)
-            {
-                if w & HAS_CTX != 0 {
-                    let head = self.c.head;
-                    // SAFETY: R5: below `committed` the entry is final for
-                    // the posters, and this claim (head moving past it)
-                    // is the only one; the retiring lock is held.
-                    *ctx = unsafe { self.c.at.ctx(head, w) };
-                }
-                self.c.head += 1;
-                return (u64::from(w & CREDIT != 0), true);
+        if self.at_head().is_some() {
+            if let Some((credit, word)) = take_head(self.c, wr_id, success) {
+                *ctx = word;
+                return (credit, true);
             }
         }
         self.retire_behind(wr_id, success, in_order, silent, ctx)
@@ -803,10 +1050,11 @@ impl Retirer<'_> {
         silent: &mut Vec<SilentEntry>,
         ctx: &mut Option<CtxWord>,
     ) -> (u64, bool) {
+        self.refresh();
         let head = self.c.head;
         let mut cur = self.c.at;
         let mut found = None;
-        for pos in head..self.tail {
+        for pos in head..self.c.tail {
             let e = cur.at(pos);
             if e.wr_id.load(Ordering::Relaxed) != wr_id {
                 continue;
@@ -854,16 +1102,17 @@ impl Retirer<'_> {
     /// `crate::account`): appends their wr_ids to `silent`, returns their
     /// credits.
     pub(crate) fn take_all(&mut self, silent: &mut Vec<SilentEntry>) -> u64 {
+        self.refresh();
         let mut credits = 0;
         let mut cur = self.c.at;
-        for pos in self.c.head..self.tail {
+        for pos in self.c.head..self.c.tail {
             if let Some(seen) = self.claim(&mut cur, pos) {
                 credits += u64::from(seen.credit());
                 // SAFETY: R5: the claim just made owns the entry.
                 silent.push((seen.wr_id, unsafe { cur.ctx(pos, seen.word) }));
             }
         }
-        self.c.head = self.tail;
+        self.c.head = self.c.tail;
         self.advance();
         credits
     }
@@ -880,9 +1129,9 @@ impl Retirer<'_> {
         mine: impl Fn(u64) -> bool,
         mut each: impl FnMut(CtxWord),
     ) {
-        debug_assert_eq!(self.committed, self.tail, "the posting lock is held");
+        debug_assert_eq!(self.c.committed, self.c.tail, "the posting lock is held");
         let mut cur = self.c.at;
-        for pos in self.c.head..self.tail {
+        for pos in self.c.head..self.c.tail {
             let (e, _) = cur.slot(pos);
             let word = e.word.load(Ordering::Acquire);
             if word & STATE != LIVE || word & HAS_CTX == 0 {
@@ -906,11 +1155,12 @@ impl Retirer<'_> {
     /// bound: out-of-order retirements and tombstones above `head` count).
     #[inline]
     pub(crate) fn left(&self) -> u64 {
-        self.tail.saturating_sub(self.c.head)
+        self.c.tail.saturating_sub(self.c.head)
     }
 
     /// True when no entry from `head` is live.
     pub(crate) fn drained(&mut self) -> bool {
+        self.refresh();
         self.at_head().is_none()
     }
 
@@ -919,7 +1169,7 @@ impl Retirer<'_> {
     fn at_head(&mut self) -> Option<(&'static Entry, u64)> {
         loop {
             let c = &mut *self.c;
-            if c.head >= self.tail {
+            if c.head >= c.tail {
                 return None;
             }
             if c.head >= c.at.start + SEG {
@@ -941,7 +1191,7 @@ impl Retirer<'_> {
     #[inline(never)]
     fn recycle(&mut self) {
         let c = &mut *self.c;
-        while c.head >= c.at.start + SEG && c.head < self.tail {
+        while c.head >= c.at.start + SEG && c.head < c.tail {
             let old = c.at.seg;
             let start = c.at.start;
             let _ = c.at.at(start + SEG);
@@ -961,7 +1211,7 @@ impl Retirer<'_> {
 impl Drop for Retirer<'_> {
     fn drop(&mut self) {
         if self.c.head != self.head_at_lock {
-            self.ring.head.store(self.c.head, Ordering::Release);
+            self.ring.retire.head.store(self.c.head, Ordering::Release);
         }
     }
 }
@@ -988,6 +1238,10 @@ fn push_free(ring: &Ring, seg: *mut Segment) {
 mod tests {
     use super::*;
 
+    fn ring() -> Ring {
+        Ring::new(RetireLock::new(), true)
+    }
+
     fn post(ring: &Ring, ids: &[u64], signaled: bool, posted: usize) -> Vec<(bool, bool)> {
         let mut p = ring.poster();
         for &id in ids {
@@ -1005,7 +1259,7 @@ mod tests {
 
     #[test]
     fn in_order_retirement_across_segments_recycles_them() {
-        let ring = Ring::new();
+        let ring = ring();
         let mut silent = Vec::new();
         for round in 0..10u64 {
             let ids: Vec<u64> = (0..SEG * 2 + 3).map(|i| round * 1000 + i).collect();
@@ -1038,7 +1292,7 @@ mod tests {
 
     #[test]
     fn context_tags_wrap_while_an_old_request_is_outstanding() {
-        let ring = Ring::new();
+        let ring = ring();
         let span = 8 * SEG;
         ring.post.lock().span = span;
         let mut silent = Vec::new();
@@ -1084,7 +1338,7 @@ mod tests {
 
     #[test]
     fn a_refused_tail_is_tombstoned_and_skipped() {
-        let ring = Ring::new();
+        let ring = ring();
         let settled = post(&ring, &[1, 2, 3, 4], true, 1);
         assert_eq!(settled, [(true, true); 3], "three tombstoned, with credits");
         let mut r = ring.retirer();
@@ -1106,7 +1360,7 @@ mod tests {
 
     #[test]
     fn out_of_order_receives_leave_head_at_the_oldest() {
-        let ring = Ring::new();
+        let ring = ring();
         let ids: Vec<u64> = (0..SEG + 5).collect();
         post(&ring, &ids, true, ids.len());
         let mut silent = Vec::new();

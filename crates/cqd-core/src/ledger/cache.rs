@@ -1,4 +1,4 @@
-//! The poller's side of the ledger: its cache from (qp_num, side) to queue
+//! The poller's side of the ledger: its table from (qp_num, side) to queue
 //! account, and the accounting pass of each batch (step 2 of
 //! `crate::account`).
 
@@ -6,12 +6,12 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
-use crate::account::{CtxWord, QueueAccount, SilentEntry};
+use crate::account::{CtxWord, QueueAccount, RetireHeld, SilentEntry};
 use crate::completion::Completion;
 use crate::ledger::WrLedger;
 use crate::wr_id::{Side, WrId};
 
-/// A multiply-rotate hash for the cache's integer keys (SipHash would cost
+/// A multiply-rotate hash for the map's integer keys (SipHash would cost
 /// more than the rest of a look-up).
 #[derive(Default, Clone, Copy)]
 pub(crate) struct KeyHasher(u64);
@@ -38,20 +38,29 @@ fn cache_key(qp_num: u32, side: Side) -> u64 {
     u64::from(qp_num) << 1 | u64::from(side == Side::Recv)
 }
 
-/// The poller's own map from (qp_num, side) to the queue's account, filled
-/// from the CQ's [`WrLedger`] on a miss (a miss is remembered too, so a
-/// queue nobody attached costs one map look-up per run). Emptied whenever
-/// the ledger's attachments change.
+/// Slots of the direct-mapped table at first, and at most.
+const TABLE_MIN: usize = 64;
+const TABLE_MAX: usize = 4096;
+
+/// The poller's own table from (qp_num, side) to the queue's account,
+/// filled from the CQ's [`WrLedger`] on a miss (a miss is remembered too,
+/// so a queue nobody attached costs one look-up). Emptied whenever the
+/// ledger's attachments change.
+///
+/// A completion's queue is found in a direct-mapped table indexed by its
+/// key's low bits (QP numbers are handed out in sequence, so a CQ's queues
+/// rarely share a slot); only a slot holding another key sends it to the
+/// map. The table has at least twice as many slots as the cache has
+/// queues, up to [`TABLE_MAX`].
 pub(crate) struct AccountCache {
     epoch: u64,
     /// (qp_num, side) → index in `accounts`.
     map: KeyMap<u32>,
     /// The accounts `map` found (`None`: no queue attached under its key).
     accounts: Vec<Option<Arc<QueueAccount>>>,
-    /// The last two keys looked up and their indices in `accounts`: a
-    /// batch names one queue (WRITEs) or a QP's two (SEND/RECV), and
-    /// these spare it the map.
-    recent: [(u64, u32); 2],
+    /// Slot `key & (len - 1)`: the last key looked up there and its index
+    /// in `accounts` ([`DONE`] as the key of an empty slot).
+    table: Vec<(u64, u32)>,
     /// Scratch: silently completed requests of the current batch (wr_id,
     /// context word).
     pub(crate) silent: Vec<SilentEntry>,
@@ -66,9 +75,10 @@ pub(crate) struct AccountCache {
     deepest: usize,
     /// Scratch: closed accounts the batch drained, to detach.
     closed: Vec<(u32, Side, Arc<QueueAccount>)>,
-    /// Scratch: each completion's queue key ([`DONE`] once retired or for
-    /// a wr_id that is not cqd's, [`CLAIMED`] once retired with its
-    /// request's context word, which is then in `ctx` at the same index).
+    /// Scratch: each completion's account (its index in `accounts`) until
+    /// it is retired; then [`DONE`] (also for a wr_id that is not cqd's,
+    /// or a queue with no account), [`CLAIMED`] if it took its request's
+    /// context word (then in `ctx` at the same index), or [`MISSED`].
     keys: Vec<u64>,
     /// Scratch: the context words the batch's claims took (R5 of
     /// `account::ring`), at their completions' indices.
@@ -83,6 +93,9 @@ pub(crate) struct AccountCache {
     /// QP, the last consumed wr_id), checked for running dry once the
     /// batch's handlers have reposted ([`check_dry`](Self::check_dry)).
     received: Vec<(u32, u64, Arc<QueueAccount>)>,
+    /// Scratch: receive queues that were dry and held more than the
+    /// low-water mark at a completion of the batch (see `Pass::retire`).
+    undry: Vec<Arc<QueueAccount>>,
     /// The receive queues [`check_dry`](Self::check_dry) found newly dry:
     /// QP and the last wr_id consumed from it.
     pub(crate) dry: Vec<(u32, u64)>,
@@ -91,7 +104,7 @@ pub(crate) struct AccountCache {
 /// A completion of the batch that is already accounted (or not cqd's).
 const DONE: u64 = u64::MAX;
 /// A completion of the batch that retired its request and took its
-/// context word (no queue key reaches it: a key is 33 bits).
+/// context word (no account index reaches it: an index is 32 bits).
 const CLAIMED: u64 = u64::MAX - 1;
 /// A completion of an attached queue that retired nothing: no request in
 /// flight there has its wr_id (the device wrote a completion twice, or
@@ -104,8 +117,8 @@ impl Default for AccountCache {
             epoch: 0,
             map: KeyMap::default(),
             accounts: Vec::new(),
-            // No key is `DONE` (completions under it are skipped).
-            recent: [(DONE, 0); 2],
+            // No key is `DONE` (a key is 33 bits).
+            table: vec![(DONE, 0); TABLE_MIN],
             silent: Vec::new(),
             batch: 0,
             send_depths: 0,
@@ -116,6 +129,7 @@ impl Default for AccountCache {
             any_ctx: false,
             any_missed: false,
             received: Vec::new(),
+            undry: Vec::new(),
             dry: Vec::new(),
         }
     }
@@ -147,6 +161,7 @@ impl AccountCache {
             keys: Vec::with_capacity(batch),
             ctx: vec![std::mem::MaybeUninit::uninit(); batch],
             received: Vec::with_capacity(batch),
+            undry: Vec::with_capacity(batch),
             dry: Vec::with_capacity(batch),
             ..AccountCache::default()
         }
@@ -157,6 +172,16 @@ impl AccountCache {
     /// batch: every account of a ledger takes its credits from the ledger's
     /// budget), and leaves the silently completed wr_ids in `self.silent`
     /// for the dispatcher.
+    ///
+    /// One pass, in batch order (a queue's completions come in its
+    /// order, whatever other queues' come between): each completion's
+    /// account is found in the table, and retired under the CQ's retiring
+    /// lock, taken once for the batch. A miss reads the ledger's map,
+    /// which is never read under a retiring lock (`WrLedger::open_queue`
+    /// takes the retiring lock under the map's write lock): the lock is let
+    /// go for it. The completions of queues with another retiring lock (an
+    /// SRQ's) are retired after the pass, under that lock, taken once per
+    /// run of them.
     pub(crate) fn account_batch(&mut self, ledger: &WrLedger, wcs: &[Completion], low_water: u32) {
         self.silent.clear();
         self.received.clear();
@@ -169,122 +194,93 @@ impl AccountCache {
         if epoch != self.epoch {
             self.map.clear();
             self.accounts.clear();
-            self.recent = [(DONE, 0); 2];
+            self.table.clear();
+            self.table.resize(TABLE_MIN, (DONE, 0));
             (self.send_depths, self.deepest) = (0, 0);
             self.epoch = epoch;
         }
-        // Each completion's queue, decoded once.
         self.keys.clear();
-        self.keys
-            .extend(wcs.iter().map(|wc| match WrId::decode(wc.wr_id) {
-                Ok(id) => cache_key(wc.qp_num, id.kind.side()),
-                Err(_) => DONE,
-            }));
+        self.keys.resize(wcs.len(), DONE);
         let mut credits = 0;
-        for i in 0..wcs.len() {
-            let key = self.keys[i];
-            if key >= MISSED {
+        let mut others = false;
+        let mut held: Option<RetireHeld<'_>> = None;
+        for (i, wc) in wcs.iter().enumerate() {
+            let Ok(id) = WrId::decode(wc.wr_id) else {
                 continue;
-            }
-            let (qp, side) = (
-                wcs[i].qp_num,
-                if key & 1 == 1 { Side::Recv } else { Side::Send },
-            );
-            let index = if self.recent[0].0 == key {
-                self.recent[0].1
-            } else if self.recent[1].0 == key {
-                self.recent[1].1
+            };
+            let side = id.kind.side();
+            let key = cache_key(wc.qp_num, side);
+            let slot = self.table[key as usize & (self.table.len() - 1)];
+            let index = if slot.0 == key {
+                slot.1
             } else {
-                let index = self.find(ledger, key, qp, side);
-                self.recent[1] = std::mem::replace(&mut self.recent[0], (key, index));
-                index
+                held = None;
+                self.find(ledger, key, wc.qp_num, side)
             };
             let Some(Some(account)) = self.accounts.get(index as usize) else {
                 continue;
             };
-            // Every completion of this queue in the batch, in batch order
-            // (a queue's completions come in its order), under one lock:
-            // completions of several queues interleaved in a batch (sends
-            // and receives of one QP) cost one lock per queue, not one per
-            // completion.
-            // (The context words are indexed only when a claim takes one:
-            // a third stream in this scan, which passes over the rest of
-            // the batch once per queue, cost 2 ns per completion with 32
-            // queues a batch.)
-            let base = self.keys.as_ptr() as usize;
-            let mine = self.keys[i..].iter_mut().zip(&wcs[i..]);
-            if account.has_prev() {
-                let mut consumed = None;
-                for (k, wc) in mine {
-                    if *k == key {
-                        let ok = wc.status.is_success();
-                        let mut got = None;
-                        let (c, found) =
-                            account.retire_chained(wc.wr_id, ok, &mut self.silent, &mut got);
-                        credits += c;
-                        *k = settled(
-                            found,
-                            got,
-                            k,
-                            base,
-                            &mut self.ctx,
-                            &mut self.any_ctx,
-                            &mut self.any_missed,
-                        );
-                        if ok && found {
-                            consumed = Some(wc.wr_id);
-                        }
-                    }
-                }
-                if let (Some(wr_id), Side::Recv) = (consumed, side) {
-                    self.received.push((qp, wr_id, Arc::clone(account)));
-                }
-                let mut ring = account.retiring();
-                if account.is_closed() && !account.has_prev() && ring.drained() {
-                    self.closed.push((qp, side, Arc::clone(account)));
-                }
+            let held = match &mut held {
+                Some(h) => h,
+                None => held.insert(ledger.lock_retiring()),
+            };
+            if !account.retires_under(held) {
+                others = true;
+                self.keys[i] = u64::from(index);
                 continue;
             }
-            let mut ring = account.retiring();
-            let mut consumed = None;
-            for (k, wc) in mine {
-                if *k == key {
-                    let ok = wc.status.is_success();
-                    let mut got = None;
-                    let (c, found) = ring.retire(wc.wr_id, ok, &mut self.silent, &mut got);
-                    credits += c;
-                    *k = settled(
-                        found,
-                        got,
-                        k,
-                        base,
-                        &mut self.ctx,
-                        &mut self.any_ctx,
-                        &mut self.any_missed,
-                    );
-                    if ok && found {
-                        consumed = Some(wc.wr_id);
+            let mut pass = Pass {
+                silent: &mut self.silent,
+                keys: &mut self.keys,
+                ctx: &mut self.ctx,
+                any_ctx: &mut self.any_ctx,
+                any_missed: &mut self.any_missed,
+                received: &mut self.received,
+                undry: &mut self.undry,
+                closed: &mut self.closed,
+                low_water,
+                credits: &mut credits,
+            };
+            pass.retire(i, wc, account, held);
+        }
+        drop(held);
+        // The rest, under their own locks (an SRQ's).
+        if others {
+            let mut held: Option<RetireHeld<'_>> = None;
+            for (i, wc) in wcs.iter().enumerate() {
+                let k = self.keys[i];
+                let Some(Some(account)) = (k < MISSED)
+                    .then(|| self.accounts.get(k as usize))
+                    .flatten()
+                else {
+                    continue;
+                };
+                let held = match &mut held {
+                    Some(h) if account.retires_under(h) => h,
+                    _ => {
+                        held = None;
+                        held.insert(account.retire_lock().lock())
                     }
-                }
+                };
+                let mut pass = Pass {
+                    silent: &mut self.silent,
+                    keys: &mut self.keys,
+                    ctx: &mut self.ctx,
+                    any_ctx: &mut self.any_ctx,
+                    any_missed: &mut self.any_missed,
+                    received: &mut self.received,
+                    undry: &mut self.undry,
+                    closed: &mut self.closed,
+                    low_water,
+                    credits: &mut credits,
+                };
+                pass.retire(i, wc, account, held);
             }
-            // A receive queue with more left than the low-water mark as
-            // this lock saw it cannot be dry after the handlers (reposts
-            // only add): only the others are checked again after them.
-            if let (Some(wr_id), Side::Recv) = (consumed, side) {
-                if ring.left() <= u64::from(low_water) {
-                    self.received.push((qp, wr_id, Arc::clone(account)));
-                } else if account.is_dry() {
-                    account.went_dry(false);
-                }
+        }
+        for account in self.undry.drain(..) {
+            if !self.received.iter().any(|r| Arc::ptr_eq(&r.2, &account)) {
+                account.went_dry(false);
             }
-            // Drained and closed, seen under the retiring lock that `close`
-            // sets the flag under (with the posting lock, so no post is in
-            // flight then): requests posted after the last retirement here
-            // and before the close keep the account attached.
-            if account.is_closed() && ring.drained() {
-                self.closed.push((qp, side, Arc::clone(account)));
-            }
-            drop(ring);
         }
         if let Some(b) = ledger.budget() {
             b.give_back(credits);
@@ -295,31 +291,106 @@ impl AccountCache {
     }
 }
 
-/// An accounted completion's key: [`MISSED`] if its retirement found no
-/// request (`found` false; `missed` is set); [`CLAIMED`] if it took a
-/// context word, kept in `ctx` at the index of its key `k` in the keys
-/// that start at address `base` (`any` is set); else [`DONE`].
-#[inline(always)]
-fn settled(
-    found: bool,
-    got: Option<CtxWord>,
-    k: &u64,
-    base: usize,
-    ctx: &mut [CtxWord],
-    any: &mut bool,
-    missed: &mut bool,
-) -> u64 {
-    match got {
-        Some(w) => {
-            let i = (k as *const u64 as usize - base) / std::mem::size_of::<u64>();
-            ctx[i] = w;
-            *any = true;
-            CLAIMED
+/// The scratch of one accounting pass, borrowed from the cache beside its
+/// accounts.
+struct Pass<'s> {
+    silent: &'s mut Vec<SilentEntry>,
+    keys: &'s mut [u64],
+    ctx: &'s mut [CtxWord],
+    any_ctx: &'s mut bool,
+    any_missed: &'s mut bool,
+    received: &'s mut Vec<(u32, u64, Arc<QueueAccount>)>,
+    undry: &'s mut Vec<Arc<QueueAccount>>,
+    closed: &'s mut Vec<(u32, Side, Arc<QueueAccount>)>,
+    low_water: u32,
+    /// Credits retired, given back once the pass is over.
+    credits: &'s mut u64,
+}
+
+impl Pass<'_> {
+    /// Retires what completion `i` (`wc`) covers in `account`, whose
+    /// retiring lock is `held`, settles its key, and looks at the queue as
+    /// it left it (running dry, closed and drained).
+    #[inline(always)]
+    fn retire(
+        &mut self,
+        i: usize,
+        wc: &Completion,
+        account: &Arc<QueueAccount>,
+        held: &mut RetireHeld<'_>,
+    ) {
+        let ok = wc.status.is_success();
+        let mut got = None;
+        // The requests the queue holds after this completion, at most
+        // (unknown with a predecessor).
+        let fast = if account.has_prev() {
+            None
+        } else {
+            account.retire_head(held, wc.wr_id, ok)
+        };
+        let (c, found, left) = if let Some((c, word, left)) = fast {
+            got = word;
+            (c, true, Some(left))
+        } else if account.has_prev() {
+            let (c, found) = account.retire_chained(held, wc.wr_id, ok, self.silent, &mut got);
+            (c, found, None)
+        } else {
+            let mut ring = account.retiring_under(held);
+            let (c, found) = ring.retire(wc.wr_id, ok, self.silent, &mut got);
+            (c, found, Some(ring.left()))
+        };
+        *self.credits += c;
+        self.keys[i] = match got {
+            Some(w) => {
+                self.ctx[i] = w;
+                *self.any_ctx = true;
+                CLAIMED
+            }
+            None if found => DONE,
+            None => {
+                *self.any_missed = true;
+                MISSED
+            }
+        };
+        // A receive queue with more left than the low-water mark cannot be
+        // dry after the handlers (reposts only add): only the others are
+        // checked again after them, once per queue and batch, with its last
+        // receive consumed. (What a queue holds only falls during the pass,
+        // so its last completion decides: one that was dry and is above the
+        // mark at some completion is noted, and found no longer dry after
+        // the pass unless a later completion took it to the mark.)
+        if ok && found && !account.in_order() {
+            match left {
+                Some(left) if left > u64::from(self.low_water) => {
+                    if account.is_dry() && !self.undry.iter().any(|u| Arc::ptr_eq(u, account)) {
+                        self.undry.push(Arc::clone(account));
+                    }
+                }
+                _ => match self
+                    .received
+                    .iter_mut()
+                    .find(|r| r.0 == wc.qp_num && Arc::ptr_eq(&r.2, account))
+                {
+                    Some(r) => r.1 = wc.wr_id,
+                    None => self
+                        .received
+                        .push((wc.qp_num, wc.wr_id, Arc::clone(account))),
+                },
+            }
         }
-        None if found => DONE,
-        None => {
-            *missed = true;
-            MISSED
+        // Drained and closed, seen under the retiring lock that `close`
+        // sets the flag under (with the posting lock, so no post is in
+        // flight then): requests posted after the last retirement here and
+        // before the close keep the account attached.
+        if account.is_closed() && !account.has_prev() && account.retiring_under(held).drained() {
+            let side = account.queue().side();
+            if !self
+                .closed
+                .iter()
+                .any(|c| c.0 == wc.qp_num && c.1 == side && Arc::ptr_eq(&c.2, account))
+            {
+                self.closed.push((wc.qp_num, side, Arc::clone(account)));
+            }
         }
     }
 }
@@ -354,10 +425,13 @@ impl AccountCache {
     }
 
     /// The index in `accounts` of the queue under `key`, looked up in the
-    /// map, or in the ledger on a miss (and remembered, found or not).
+    /// map, or in the ledger on a miss (and remembered, found or not), and
+    /// put in the table's slot for it.
     #[inline(never)]
     fn find(&mut self, ledger: &WrLedger, key: u64, qp: u32, side: Side) -> u32 {
         if let Some(&index) = self.map.get(&key) {
+            let slots = self.table.len();
+            self.table[key as usize & (slots - 1)] = (key, index);
             return index;
         }
         let found = ledger.lookup(qp, side);
@@ -371,6 +445,17 @@ impl AccountCache {
         let index = self.accounts.len() as u32;
         self.accounts.push(found);
         self.map.insert(key, index);
+        if self.accounts.len() * 2 > self.table.len() && self.table.len() < TABLE_MAX {
+            // Twice as many slots as queues: the table again, from the map.
+            let slots = (self.table.len() * 2).min(TABLE_MAX);
+            self.table.clear();
+            self.table.resize(slots, (DONE, 0));
+            for (&k, &i) in &self.map {
+                self.table[k as usize & (slots - 1)] = (k, i);
+            }
+        }
+        let slots = self.table.len();
+        self.table[key as usize & (slots - 1)] = (key, index);
         index
     }
 
@@ -1049,8 +1134,9 @@ mod loom_post {
     /// reaches its completion, and the second's has exactly one owner —
     /// the poster (its tombstone won: the value goes back to its caller)
     /// or the foreign completion (its claim won, R5).
-    fn refused_at_bad_wr(cas: bool) {
+    fn refused_at_bad_wr(cas: bool, head_bound_is_tail: bool) {
         loom::model(move || {
+            crate::account::HEAD_BOUND_IS_TAIL.with(|m| m.set(head_bound_is_tail));
             let (b, ledger, sq) = rig();
             b.try_take(1).unwrap();
             let cq = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
@@ -1089,7 +1175,17 @@ mod loom_post {
 
     #[test]
     fn a_refused_tail_is_decided_once() {
-        refused_at_bad_wr(true);
+        refused_at_bad_wr(true, false);
+    }
+
+    /// Mutation of R5's common case: the poller's take at `head` bounded
+    /// by the `tail` it loaded instead of `committed`, so that it takes
+    /// with a plain move of `head` an entry a poster may still tombstone
+    /// (R4): both win.
+    #[test]
+    #[should_panic(expected = "decided twice")]
+    fn a_head_taken_above_committed_decides_twice() {
+        refused_at_bad_wr(true, true);
     }
 
     /// Mutation: tombstoning with a plain store lets a poster take back an
@@ -1097,7 +1193,7 @@ mod loom_post {
     #[test]
     #[should_panic(expected = "decided twice")]
     fn tombstoning_without_cas_decides_twice() {
-        refused_at_bad_wr(false);
+        refused_at_bad_wr(false, false);
     }
 
     fn word(v: u64) -> CtxWord {

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
 
-use crate::account::{CtxWord, Home};
+use crate::account::{CtxWord, Home, RetireHeld, RetireLock};
 pub use crate::account::{DrainMarker, Queue, QueueAccount};
 use crate::budget::CqBudget;
 use crate::slab::SlotLedger;
@@ -109,6 +109,9 @@ pub(crate) struct LedgerInner {
     /// Moves on at every change of `queues`: pollers then empty their
     /// caches.
     epoch: AtomicU64,
+    /// The retiring lock of every queue opened here (`account::ring`):
+    /// the poller takes it once per batch.
+    retire: Arc<RetireLock>,
     /// The SRQs whose home this ledger became (`owns`), attached to a QP
     /// or not yet: a receive can be posted to an SRQ before any QP draws
     /// on it, and a context handler's end (R8) must find it.
@@ -204,6 +207,13 @@ impl WrLedger {
         std::ptr::addr_eq(home.as_ptr(), Arc::as_ptr(&self.inner))
     }
 
+    /// Takes the retiring lock of the queues opened here (the poller's
+    /// accounting pass).
+    #[inline]
+    pub(crate) fn lock_retiring(&self) -> RetireHeld<'_> {
+        self.inner.retire.lock()
+    }
+
     pub(crate) fn epoch(&self) -> u64 {
         self.inner.epoch.load(Ordering::Acquire)
     }
@@ -229,6 +239,7 @@ impl WrLedger {
             self.inner.budget.as_ref(),
             Some(Arc::downgrade(&self.inner) as Weak<dyn Home>),
             prev,
+            Arc::clone(&self.inner.retire),
         ));
         queues.insert(key, Arc::clone(&account));
         drop(queues);
