@@ -63,9 +63,31 @@
 //!     cargo bench --features verbs --bench verbs_dispatch
 //! ```
 //!
-//! (`-- --quick`: one short run, a smoke test; `-- --profile cqd` and the
-//! like: one contender alone, for a profiler.) Without softverbs-run (or
-//! a real device) it prints `SKIPPED: needs softverbs-run` and exits 0.
+//! Then the **width axis**: the number of QP pairs whose completions a
+//! batch interleaves, 1, 8, 32 and 256 (256 connections on one CQ), on a
+//! CQ of its own, quiet, both streams, each request posted alone (a list of
+//! 1), pair after pair, and three contenders:
+//!
+//! - `same-promise`: what a careful engineer writes for one server, with
+//!   cqd's promises: a wr_id of (queue, side, position), a per-queue array
+//!   of contexts the poster fills, an in-order head check that counts stale
+//!   completions and delivers none, a send retiring everything before it,
+//!   credits counted once per batch, a `match` to the callback;
+//! - `cqd` and `cqd+ctx`: a plain handler, or a context handler with a
+//!   `u64` per request, per pair, through the posting call.
+//!
+//! The run ends with one line per goal, `ratio NAME = VALUE`, each the
+//! median of the runs' own ratios: `cqd/same-promise` and
+//! `cqd+ctx/same-promise` per width and stream, `flat width=256/1`,
+//! `same-pair/quiet`, `mutexmap/cqd setting=other|same`, and
+//! `post/hand-written list=1|8` (list 1: the width axis at width 1 against
+//! the same-promise post; list 8: the quiet setting above against the
+//! hand-written post).
+//!
+//! (`-- --quick`: one short run, a smoke test; `-- --width`: the width axis
+//! alone; `-- --profile cqd` and the like: one contender alone, for a
+//! profiler.) Without softverbs-run (or a real device) it prints
+//! `SKIPPED: needs softverbs-run` and exits 0.
 //! Figures are recorded in docs/benchmarks.md.
 
 use std::collections::{HashMap, VecDeque};
@@ -177,6 +199,14 @@ impl Stream {
         match self {
             Stream::SendRecv => "SEND/RECV (receive and send completions alternate)",
             Stream::Write => "RDMA WRITE (one send queue)",
+        }
+    }
+
+    /// The name in the `ratio` lines.
+    fn short(self) -> &'static str {
+        match self {
+            Stream::SendRecv => "send-recv",
+            Stream::Write => "write",
         }
     }
 }
@@ -668,6 +698,12 @@ pub fn run(quick: bool) {
         })
         .collect();
     let mr = pd.reg_mr(8192, Access::ALL_RDMA).expect("MR");
+    if std::env::args().any(|a| a == "--width") {
+        for line in width_axis(&ctx, &pd, &mr, quick) {
+            println!("{line}");
+        }
+        return;
+    }
     let regs: Vec<Registration> = (0..HANDLERS)
         .map(|_| handle.register(Count(0)).unwrap())
         .collect();
@@ -760,6 +796,36 @@ pub fn run(quick: bool) {
     }
     drop(jobs);
     posting.join().unwrap();
+    // The goals' ratios, each the median of the runs' own (before the
+    // tables sort the runs' figures).
+    let mut lines = Vec::new();
+    {
+        let ratio = |num: &[f64], den: &[f64]| {
+            let mut r: Vec<f64> = num.iter().zip(den).map(|(a, b)| a / b).collect();
+            stats(&mut r).0
+        };
+        let (quiet, other, same) = (0, 1, 2);
+        let (raw, cqd, map) = (0, 1, 2);
+        for (t, stream) in STREAMS.into_iter().enumerate() {
+            let s = stream.short();
+            lines.push(format!(
+                "ratio same-pair/quiet stream={s} = {:.2}",
+                ratio(&poll[t][same][cqd], &poll[t][quiet][cqd])
+            ));
+            lines.push(format!(
+                "ratio mutexmap/cqd setting=other stream={s} = {:.2}",
+                ratio(&poll[t][other][map], &poll[t][other][cqd])
+            ));
+            lines.push(format!(
+                "ratio mutexmap/cqd setting=same stream={s} = {:.2}",
+                ratio(&poll[t][same][map], &poll[t][same][cqd])
+            ));
+            lines.push(format!(
+                "ratio post/hand-written list={LIST} stream={s} = {:.2}",
+                ratio(&post[t][quiet][cqd], &post[t][quiet][raw])
+            ));
+        }
+    }
 
     println!(
         "verbs dispatch on softverbs: one CQ, two RC QP pairs, {ROUND} completions per round posted in lists of {LIST} over {HANDLERS} handlers, batch {BATCH}; {reps} runs × {rounds} timed rounds per contender, stream and setting; poller pinned to CPU {POLLER_CPU}, poster to CPU {POSTER_CPU}"
@@ -879,4 +945,408 @@ pub fn run(quick: bool) {
     );
     assert!(consumer.out.is_empty());
     black_box(consumer.plain.iter().map(|p| p.0).sum::<u64>());
+    lines.extend(width_axis(&ctx, &pd, &mr, quick));
+    println!();
+    for line in lines {
+        println!("{line}");
+    }
+}
+
+/// The widths of the width axis: the number of QP pairs whose completions
+/// a batch interleaves.
+const WIDTHS: [usize; 4] = [1, 8, 32, 256];
+/// Completions per fill on the width axis.
+const WFILL: usize = 2048;
+/// The width axis's CQ.
+const WIDTH_CQ_ENTRIES: u32 = 32_768;
+
+/// One queue of the same-promise contender: the contexts its poster
+/// writes at the tail, read by the poller at the head.
+struct SpQueue {
+    /// The next position the poller expects (receive) or the first not
+    /// yet retired (send).
+    head: u32,
+    /// The next position the poster fills.
+    tail: u32,
+    ctx: Box<[u64]>,
+}
+
+/// The width axis at one width: `width` RC QP pairs (a → b) on the axis's
+/// CQ, a plain handler and a context handler per pair, and the
+/// same-promise contender's queues (per pair: a's send queue, b's receive
+/// queue).
+struct WidthRig {
+    pairs: Vec<(Qp, Qp)>,
+    regs: Vec<Registration>,
+    ctx_regs: Vec<ContextRegistration<u64>>,
+    sp: Vec<[SpQueue; 2]>,
+    mask: u32,
+    plain: Vec<Plain>,
+    /// Completions the same-promise loop found at no expected position.
+    stale: u64,
+    /// Credits the same-promise loop holds (requests posted, not yet
+    /// completed), given back once per batch.
+    credits: u64,
+}
+
+/// The width axis's contenders.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WidthWho {
+    SamePromise,
+    Cqd,
+    CqdCtx,
+}
+
+const WIDTH_WHO: [WidthWho; 3] = [WidthWho::SamePromise, WidthWho::Cqd, WidthWho::CqdCtx];
+
+impl WidthRig {
+    fn new(
+        pd: &cqd::verbs::Pd,
+        cq: &Cq,
+        handle: &cqd::core::CqHandle<NoWork>,
+        width: usize,
+    ) -> Self {
+        // Each queue holds one fill's share, and a little more.
+        let depth = (WFILL / width + 8) as u32;
+        let cap = |send, recv| QpCap {
+            max_send_wr: send,
+            max_recv_wr: recv,
+            ..QpCap::default()
+        };
+        let opts = ConnectOptions::default();
+        let pairs: Vec<(Qp, Qp)> = (0..width)
+            .map(|_| {
+                let a = pd
+                    .create_qp(&QpInit::new(cq, cq, cap(depth, 1)))
+                    .expect("QP a");
+                let b = pd
+                    .create_qp(&QpInit::new(cq, cq, cap(1, depth)))
+                    .expect("QP b");
+                let (ea, eb) = (a.endpoint(&opts, 1).unwrap(), b.endpoint(&opts, 2).unwrap());
+                a.connect(&eb, 1, &opts).expect("connect a");
+                b.connect(&ea, 2, &opts).expect("connect b");
+                (a, b)
+            })
+            .collect();
+        let slots = (depth as usize).next_power_of_two();
+        let queue = || SpQueue {
+            head: 0,
+            tail: 0,
+            ctx: vec![0; slots].into_boxed_slice(),
+        };
+        WidthRig {
+            pairs,
+            regs: (0..width)
+                .map(|_| handle.register(Count(0)).unwrap())
+                .collect(),
+            ctx_regs: (0..width)
+                .map(|_| handle.register_with_contexts(CountCtx(0), depth).unwrap())
+                .collect(),
+            sp: (0..width).map(|_| [queue(), queue()]).collect(),
+            mask: slots as u32 - 1,
+            plain: (0..width).map(|_| Plain::default()).collect(),
+            stale: 0,
+            credits: 0,
+        }
+    }
+
+    /// Posts one fill, one request per post call (a list of 1): for
+    /// SEND/RECV every pair's receives first, then the SENDs, pair after
+    /// pair; for WRITE the WRITEs, pair after pair. Returns the time.
+    fn post_fill(&mut self, who: WidthWho, stream: Stream, mr: &Mr) -> Duration {
+        let width = self.pairs.len();
+        let parts: &[(u64, usize)] = match stream {
+            Stream::SendRecv => &[(KIND_RECV, WFILL / 2), (KIND_SEND, WFILL / 2)],
+            Stream::Write => &[(KIND_WRITE, WFILL)],
+        };
+        let start = Instant::now();
+        for &(side, n) in parts {
+            for i in 0..n {
+                let q = i % width;
+                let value = i as u64;
+                match who {
+                    WidthWho::SamePromise => self.post_sp(q, side, value, mr),
+                    WidthWho::Cqd | WidthWho::CqdCtx => {
+                        self.post_cqd(q, side, value, mr, who == WidthWho::CqdCtx)
+                    }
+                }
+            }
+        }
+        start.elapsed()
+    }
+
+    /// The same-promise post: the context written at the queue's tail,
+    /// the wr_id made of (queue, side, position), one `ibv_post_*`.
+    #[inline]
+    fn post_sp(&mut self, q: usize, side: u64, value: u64, mr: &Mr) {
+        let recv = side == KIND_RECV;
+        let queue = &mut self.sp[q][usize::from(recv)];
+        let p = queue.tail;
+        queue.ctx[(p & self.mask) as usize] = value;
+        queue.tail = p.wrapping_add(1);
+        self.credits += 1;
+        let wr_id = (q as u64) << 33 | u64::from(recv) << 32 | u64::from(p);
+        let mut sge = ibv_sge {
+            addr: mr.addr() + buf(side, 0) as u64,
+            length: MSG,
+            lkey: mr.lkey(),
+        };
+        let (a, b) = &self.pairs[q];
+        if recv {
+            let mut bad = std::ptr::null_mut();
+            let mut wr = ibv_recv_wr {
+                wr_id,
+                next: std::ptr::null_mut(),
+                sg_list: &mut sge,
+                num_sge: 1,
+            };
+            // SAFETY: the QP is live (held by `self.pairs`); the one request
+            // has a null `next`; its SGE names the registered region, which
+            // outlives every request.
+            let r = unsafe { rdma_sys::ibv_post_recv(b.as_raw(), &mut wr, &mut bad) };
+            assert_eq!(r, 0, "ibv_post_recv");
+        } else {
+            // SAFETY: plain C data; all-zero is a valid value.
+            let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+            wr.wr_id = wr_id;
+            wr.sg_list = &mut sge;
+            wr.num_sge = 1;
+            if side == KIND_WRITE {
+                wr.opcode = rdma_sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+                wr.wr.rdma = rdma_sys::rdma_t {
+                    remote_addr: mr.addr() + buf(KIND_RECV, 0) as u64,
+                    rkey: mr.rkey(),
+                };
+            } else {
+                wr.opcode = rdma_sys::ibv_wr_opcode::IBV_WR_SEND;
+            }
+            wr.send_flags = rdma_sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+            let mut bad = std::ptr::null_mut();
+            // SAFETY: as for the receive, on a live QP of `self.pairs`.
+            let r = unsafe { rdma_sys::ibv_post_send(a.as_raw(), &mut wr, &mut bad) };
+            assert_eq!(r, 0, "ibv_post_send");
+        }
+    }
+
+    /// cqd's post of the same request, through the posting call (with its
+    /// context for `ctx`).
+    #[inline]
+    fn post_cqd(&mut self, q: usize, side: u64, value: u64, mr: &Mr, ctx: bool) {
+        let sge = [mr.sge(buf(side, 0), MSG)];
+        let (a, b) = &self.pairs[q];
+        let tag = value & 0xffff;
+        if side == KIND_RECV {
+            let mut wr = [RecvWr::new(if ctx { 0 } else { tag }, &sge)];
+            if ctx {
+                self.ctx_regs[q]
+                    .post_recv(b, &mut wr, [value])
+                    .map_err(drop)
+            } else {
+                self.regs[q].post_recv(b, &mut wr).map_err(drop)
+            }
+            .expect("post_recv");
+        } else {
+            let op = match side {
+                KIND_WRITE => WrOp::Write(mr.remote(buf(KIND_RECV, 0))),
+                _ => WrOp::Send,
+            };
+            let mut wr = [SendWr::new(if ctx { 0 } else { tag }, op, &sge)];
+            if ctx {
+                self.ctx_regs[q]
+                    .post_send(a, &mut wr, [value])
+                    .map_err(drop)
+            } else {
+                self.regs[q].post_send(a, &mut wr).map_err(drop)
+            }
+            .expect("post_send");
+        }
+    }
+
+    /// The same-promise poller: one batch. A receive must be at its
+    /// queue's head; a send retires every request before it (unsignaled
+    /// ones run silently; here every send is signaled); anything else is
+    /// counted stale and not delivered. Credits go back once per batch.
+    #[inline]
+    fn poll_sp(&mut self, cq: &Cq, wcs: &mut [ibv_wc]) -> usize {
+        // SAFETY: the CQ is live (held by `cq`) and polled by this thread
+        // only (cqd's poller, on this thread too, is not polling it now);
+        // `wcs` has room for BATCH entries.
+        let n = unsafe { rdma_sys::ibv_poll_cq(cq.as_raw(), BATCH as i32, wcs.as_mut_ptr()) };
+        assert!(n >= 0, "ibv_poll_cq failed");
+        let n = n as usize;
+        let mask = self.mask;
+        for wc in &wcs[..n] {
+            let q = (wc.wr_id >> 33) as usize;
+            let recv = wc.wr_id >> 32 & 1 == 1;
+            let p = wc.wr_id as u32;
+            let Some(pair) = self.sp.get_mut(q) else {
+                self.stale += 1;
+                continue;
+            };
+            let queue = &mut pair[usize::from(recv)];
+            if recv {
+                if p != queue.head {
+                    self.stale += 1;
+                    continue;
+                }
+            } else if p.wrapping_sub(queue.head) >= queue.tail.wrapping_sub(queue.head) {
+                self.stale += 1;
+                continue;
+            }
+            queue.head = p.wrapping_add(1);
+            let ctx = queue.ctx[(p & mask) as usize];
+            let h = &mut self.plain[q];
+            match (wc.status == rdma_sys::ibv_wc_status::IBV_WC_SUCCESS, recv) {
+                (true, true) => h.on_recv(wc.byte_len + ctx as u32),
+                (true, false) => h.on_send(ctx as u32),
+                (false, _) => self.stale += 1,
+            }
+        }
+        self.credits -= n as u64;
+        n
+    }
+}
+
+/// The width axis on verbs (see the module documentation): per stream,
+/// width and contender, the per-run ns per completion (drain) and per
+/// request (post), quiet. Returns the lines `ratio NAME = VALUE`.
+fn width_axis(ctx: &Context, pd: &cqd::verbs::Pd, mr: &Mr, quick: bool) -> Vec<String> {
+    let (rounds, reps) = if quick { (2, 1) } else { (20, 9) };
+    let options = CqOptions {
+        batch: BATCH,
+        ..CqOptions::default()
+    };
+    let (cq, unbound, handle) = ctx
+        .create_dispatched_cq::<NoWork>("verbs_width", WIDTH_CQ_ENTRIES, CqSpec::default(), options)
+        .expect("the width axis's CQ");
+    let mut rigs: Vec<WidthRig> = WIDTHS
+        .iter()
+        .map(|&w| WidthRig::new(pd, &cq, &handle, w))
+        .collect();
+    let mut poller = unbound.bind();
+    poller.apply_commands();
+    let mut out: VecDeque<cqd::core::Routed<NoWork>> = VecDeque::new();
+    // SAFETY: plain C data; all-zero is a valid value.
+    let mut wcs: Vec<ibv_wc> = (0..BATCH).map(|_| unsafe { std::mem::zeroed() }).collect();
+    // [stream][width][contender] → per-run ns per completion / per request.
+    let mut poll: [[[Vec<f64>; 3]; 4]; 2] = Default::default();
+    let mut post: [[[Vec<f64>; 3]; 4]; 2] = Default::default();
+    for _ in 0..reps {
+        for (t, stream) in STREAMS.into_iter().enumerate() {
+            for (wi, rig) in rigs.iter_mut().enumerate() {
+                for (c, who) in WIDTH_WHO.into_iter().enumerate() {
+                    let (mut drained, mut posted) = (Duration::ZERO, Duration::ZERO);
+                    for _ in 0..rounds {
+                        posted += rig.post_fill(who, stream, mr);
+                        let deadline = Instant::now() + Duration::from_secs(10);
+                        let mut n = 0;
+                        let start = Instant::now();
+                        while n < WFILL {
+                            n += match who {
+                                WidthWho::SamePromise => rig.poll_sp(&cq, &mut wcs),
+                                _ => poller.poll_once(&mut out).expect("poll"),
+                            };
+                            if Instant::now() > deadline {
+                                panic!("width {}: the fill did not drain", rig.pairs.len());
+                            }
+                        }
+                        drained += start.elapsed();
+                        assert_eq!(n, WFILL, "more completions than requests");
+                    }
+                    let per = |d: Duration| d.as_nanos() as f64 / (rounds * WFILL) as f64;
+                    poll[t][wi][c].push(per(drained));
+                    post[t][wi][c].push(per(posted));
+                }
+            }
+        }
+    }
+    println!();
+    println!(
+        "width axis on softverbs: one CQ, W RC QP pairs, {WFILL} completions per fill posted one request per call, pair after pair, batch {BATCH}, quiet; {reps} runs × {rounds} fills; poller and poster on CPU {POLLER_CPU}"
+    );
+    let mut lines = Vec::new();
+    // The median of the runs' own ratios.
+    let ratio = |num: &[f64], den: &[f64]| {
+        let mut r: Vec<f64> = num.iter().zip(den).map(|(a, b)| a / b).collect();
+        stats(&mut r).0
+    };
+    for (t, stream) in STREAMS.into_iter().enumerate() {
+        let s = stream.short();
+        println!(
+            "{}: ns per completion | ns per request posted, median [min–max]",
+            stream.name()
+        );
+        println!(
+            "{:<8} {:>24} {:>24} {:>24} | {:>20} {:>20} {:>20}",
+            "width", "same-promise", "cqd", "cqd+ctx", "same-promise", "cqd", "cqd+ctx"
+        );
+        for (wi, w) in WIDTHS.iter().enumerate() {
+            let cell = |v: &[f64], d: usize| {
+                let mut v = v.to_vec();
+                let (m, lo, hi) = stats(&mut v);
+                format!("{m:.d$} [{lo:.d$}–{hi:.d$}]")
+            };
+            let p = &poll[t][wi];
+            let q = &post[t][wi];
+            println!(
+                "{w:<8} {:>24} {:>24} {:>24} | {:>20} {:>20} {:>20}",
+                cell(&p[0], 2),
+                cell(&p[1], 2),
+                cell(&p[2], 2),
+                cell(&q[0], 1),
+                cell(&q[1], 1),
+                cell(&q[2], 1)
+            );
+        }
+        for (wi, w) in WIDTHS.iter().enumerate() {
+            let p = &poll[t][wi];
+            lines.push(format!(
+                "ratio cqd/same-promise width={w} stream={s} = {:.2}",
+                ratio(&p[1], &p[0])
+            ));
+            lines.push(format!(
+                "ratio cqd+ctx/same-promise width={w} stream={s} = {:.2}",
+                ratio(&p[2], &p[0])
+            ));
+        }
+        lines.push(format!(
+            "ratio flat width={}/{} stream={s} = {:.2}",
+            WIDTHS[3],
+            WIDTHS[0],
+            ratio(&poll[t][3][1], &poll[t][0][1])
+        ));
+        lines.push(format!(
+            "ratio post/hand-written list=1 stream={s} = {:.2}",
+            ratio(&post[t][0][1], &post[t][0][0])
+        ));
+    }
+    // Every request came back once, every account balanced.
+    for rig in &rigs {
+        assert_eq!(
+            (rig.stale, rig.credits),
+            (0, 0),
+            "same-promise: every completion matched"
+        );
+        assert!(rig.regs.iter().all(|r| r.ledger().outstanding() == 0));
+        assert!(rig
+            .ctx_regs
+            .iter()
+            .all(|r| r.ledger().outstanding() == 0 && r.empty_hits() == 0));
+        black_box(rig.plain.iter().map(|p| p.0).sum::<u64>());
+    }
+    let snap = handle.snapshot();
+    assert_eq!(
+        snap.stale_wr_ids + snap.foreign_wr_ids + snap.unmatched_wr_ids,
+        0
+    );
+    assert_eq!(
+        cq.budget_snapshot().credits_in_use,
+        0,
+        "every credit came back"
+    );
+    assert!(out.is_empty());
+    // The QPs go first, drained, while their poller is still bound.
+    drop(rigs);
+    drop(poller);
+    lines
 }
