@@ -30,13 +30,6 @@ pub(crate) fn bump(c: &AtomicU64, n: u64) {
     c.store(c.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
 }
 
-/// [`bump`], as a release store: what the poller stored before it is seen
-/// by a reader that loads the counter with acquire and finds the new value.
-#[inline]
-pub(crate) fn bump_release(c: &AtomicU64, n: u64) {
-    c.store(c.load(Ordering::Relaxed).wrapping_add(n), Ordering::Release);
-}
-
 /// Raises an owner-written high-water mark.
 #[inline]
 pub(crate) fn raise(c: &AtomicU64, v: u64) {
@@ -125,10 +118,43 @@ fn qp_of(word: u64) -> Option<u32> {
 pub struct CqMetrics(pub(crate) CachePadded<CqCounters>);
 
 impl CqMetrics {
+    /// The publication of a CQ overflow (the poller's `check_async`), so
+    /// that a snapshot that shows the overflow shows the CQ in error and
+    /// the budget's count of it:
+    ///
+    /// 1. the error state (a relaxed store);
+    /// 2. the budget's count, under its lock;
+    /// 3. the overflow count, `count` (the poller's own count, the only
+    ///    writer's), with a release store;
+    /// 4. a snapshot loads the count first, with acquire, then the error
+    ///    state (`snapshot` reads the fields in order).
+    ///
+    /// The loom model `loom_overflow` checks it, and that a relaxed count
+    /// (step 3 without its release) lets a reader see the overflow on a CQ
+    /// not in error. (The count is stored, not read and stored again:
+    /// loom does not find that reordering when the writer loads the
+    /// counter first.)
+    pub(crate) fn publish_overflow(&self, count: u64, budget: Option<&crate::budget::CqBudget>) {
+        self.0.in_error.store(1, Ordering::Relaxed);
+        if let Some(b) = budget {
+            b.record_overflow();
+        }
+        self.0.overflows.store(count, Ordering::Release);
+    }
+
+    /// Step 4 of [`publish_overflow`](Self::publish_overflow): the overflow
+    /// count (acquire), then the error state.
+    #[inline]
+    fn overflow_state(&self) -> (u64, bool) {
+        let overflows = self.0.overflows.load(Ordering::Acquire);
+        (overflows, get(&self.0.in_error) != 0)
+    }
+
     /// A consistent-enough copy of every counter (each is read atomically;
     /// the set is not a single atomic snapshot).
     pub fn snapshot(&self, name: &str, capacity: u32) -> CqSnapshot {
         let c = &self.0;
+        let (overflows, in_error) = self.overflow_state();
         let mut errors = BTreeMap::new();
         for (i, n) in c.errors_by_status.iter().enumerate() {
             let n = get(n);
@@ -162,12 +188,10 @@ impl CqMetrics {
             errors_by_status: errors,
             flushes: get(&c.flushes),
             async_events: get(&c.async_events),
-            // Acquire, and before `in_error` (fields are read in order):
-            // the poller publishes the error state before the count.
-            overflows: c.overflows.load(Ordering::Acquire),
+            overflows,
             poll_errors: get(&c.poll_errors),
             arm_errors: get(&c.arm_errors),
-            in_error: get(&c.in_error) != 0,
+            in_error,
             handler_ns: get(&c.handler_ns),
             handlers_live: get(&c.handlers_live),
             registrations: get(&c.registrations),
@@ -488,5 +512,46 @@ mod serde_tests {
         let ps = p.snapshot("p0");
         let back: PollerSnapshot = toml::from_str(&toml::to_string(&ps).unwrap()).unwrap();
         assert_eq!(back, ps);
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_overflow {
+    use super::*;
+
+    /// The poller publishes an overflow while a reader takes a snapshot's
+    /// view of it: whenever the view shows the overflow, it shows the CQ
+    /// in error.
+    fn model(release: bool) {
+        loom::model(move || {
+            let m = crate::sync::Arc::new(CqMetrics::default());
+            let w = crate::sync::Arc::clone(&m);
+            let poller = loom::thread::spawn(move || {
+                if release {
+                    w.publish_overflow(1, None);
+                } else {
+                    // The mutation: step 3 as a relaxed store.
+                    w.0.in_error.store(1, Ordering::Relaxed);
+                    w.0.overflows.store(1, Ordering::Relaxed);
+                }
+            });
+            let (overflows, in_error) = m.overflow_state();
+            if overflows > 0 {
+                assert!(in_error, "an overflow on a CQ not in error");
+            }
+            poller.join().unwrap();
+        });
+    }
+
+    #[test]
+    fn a_snapshot_that_shows_an_overflow_shows_the_error_state() {
+        model(true);
+    }
+
+    /// Mutation: the overflow count stored relaxed.
+    #[test]
+    #[should_panic(expected = "not in error")]
+    fn a_relaxed_overflow_count_shows_a_cq_not_in_error() {
+        model(false);
     }
 }

@@ -119,7 +119,7 @@ use crate::budget::CqBudget;
 use crate::completion::Completion;
 use crate::ledger::AccountCache;
 use crate::ledger::WrLedger;
-use crate::metrics::{batch_bucket, bump, bump_release, CqMetrics};
+use crate::metrics::{batch_bucket, bump, CqMetrics};
 use crate::sink::Routed;
 use crate::slab::{Entry, Slab, SlotTable};
 use crate::source::{ArmKind, AsyncEvent, CompletionSource, SourceError};
@@ -304,6 +304,7 @@ pub fn split<W: Send + 'static>(
         options,
         finished: false,
         in_error: false,
+        overflows: 0,
         doorbell: None,
     };
     Ok((
@@ -329,6 +330,9 @@ struct Core<W> {
     finished: bool,
     /// Set once the CQ was found in the error state (overflow).
     in_error: bool,
+    /// Overflows reported (the metric's value: this poller is its only
+    /// writer).
+    overflows: u64,
     /// The doorbell installed for this CQ (the poller's), for its fd.
     doorbell: Option<Arc<GroupBell>>,
     /// Completions still to be timed one by one after a slow batch, to
@@ -723,15 +727,16 @@ impl<W: Send + 'static> CqPoller<W> {
             if let AsyncEvent::CqOverflow { capacity, lost } = ev {
                 tracing::error!(cq = %self.core.shared.name, capacity, lost, "CQ overflow: completions were lost");
                 // The error state and the budget's count are published
-                // before the overflow count (a release store, which
-                // `MetricsSnapshot` reads first, with acquire): a snapshot
-                // that shows the overflow shows the CQ in error and the
-                // budget's count of it.
+                // before the overflow count (`CqMetrics::publish_overflow`,
+                // steps 1-3): a snapshot that shows the overflow shows the
+                // CQ in error and the budget's count of it.
                 self.enter_error("it overflowed");
-                if let Some(b) = self.core.shared.budget.get() {
-                    b.record_overflow();
-                }
-                bump_release(&self.core.shared.metrics.0.overflows, 1);
+                self.core.overflows += 1;
+                let budget = self.core.shared.budget.get();
+                self.core
+                    .shared
+                    .metrics
+                    .publish_overflow(self.core.overflows, budget);
             } else {
                 match ev {
                     AsyncEvent::Qp { .. } | AsyncEvent::Srq { .. } => {
