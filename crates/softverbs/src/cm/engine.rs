@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use super::abi::{self, cmd, event, Pod};
 use super::addr;
+use super::peer;
 use super::wire::{Msg, Params};
 
 /// The node GUID the fake sysfs and `ibv_query_device` report, as the
@@ -270,7 +271,8 @@ fn bind_name(name: &[u8]) -> io::Result<OwnedFd> {
     Ok(s)
 }
 
-/// Connect a fresh socket to the abstract `name`.
+/// Connect a fresh socket to the abstract `name`, refusing a listener of
+/// another uid (step 2 of `peer`).
 fn connect_name(name: &[u8]) -> io::Result<OwnedFd> {
     let s = seqpacket()?;
     let (sa, len) = abstract_addr(name);
@@ -279,6 +281,7 @@ fn connect_name(name: &[u8]) -> io::Result<OwnedFd> {
     if r != 0 {
         return Err(io::Error::last_os_error());
     }
+    peer::same_user(&s)?;
     Ok(s)
 }
 
@@ -1346,6 +1349,10 @@ impl Cm {
                 )
             };
             let Ok(fd) = new_fd(r) else { break };
+            if peer::same_user(&fd).is_err() {
+                // A process of another uid (step 1 of `peer`): closed unread.
+                continue;
+            }
             let serial = self.next_serial;
             self.next_serial += 1;
             if epoll_add(

@@ -23,11 +23,13 @@
 //! directory: a REQ/MRA/REP/REJ/RTU/DREQ/DREP exchange ([`wire`]). Each
 //! process runs one CM thread for what arrives; the end of a socket is the
 //! peer's side being destroyed (including its process dying), answered
-//! with the events a fabric gives (see docs/softverbs.md, "rdma_cm").
+//! with the events a fabric gives (see docs/softverbs.md, "rdma_cm"). A
+//! peer of another uid is refused at both ends (`peer`).
 
 pub mod abi;
 pub mod addr;
 mod engine;
+mod peer;
 pub mod wire;
 
 use std::ffi::{c_char, c_int, c_void, CStr};

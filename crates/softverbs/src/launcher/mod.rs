@@ -1,7 +1,9 @@
 //! What `softverbs-run` does, step by step:
 //!
-//! 1. refuse clearly when not root, when libibverbs is missing, or when it
-//!    does not export the private ABI this provider needs;
+//! 1. refuse clearly when not root, when libibverbs is missing, when it
+//!    does not export the private ABI this provider needs, or when the
+//!    fabric directory is not this user's alone (`shm::fabric`: made with
+//!    mode 0700 when missing);
 //! 2. enter a private mount namespace (mount propagation private);
 //! 3. mount a tmpfs on [`STAGE`] (the same path in every namespace, so
 //!    nothing is left behind on the host) and write there the fake sysfs tree
@@ -19,6 +21,25 @@ pub mod sysfs;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
+/// What `softverbs-run --help` prints.
+pub const HELP: &str = "\
+usage: softverbs-run COMMAND [ARGS...]
+
+Runs COMMAND on softverbs, a userspace libibverbs device (and rdma_cm),
+in a private mount namespace; needs root.
+
+softverbs is a test device for one user's processes; it is not a security
+boundary between users.
+
+Environment:
+  SOFTVERBS_DIR  the fabric directory every program run this way shares
+                 (default /dev/shm/softverbs); made with mode 0700, and
+                 refused when it is not a directory, belongs to another
+                 user, or is writable by group or others
+  SOFTVERBS_LIB  the provider library (default: libsoftverbs-rdmav34.so
+                 or libsoftverbs.so next to softverbs-run)
+";
+
 /// Where the launcher stages its files (a tmpfs private to the namespace).
 pub const STAGE: &str = "/tmp/softverbs-run";
 
@@ -27,7 +48,7 @@ pub const STAGE: &str = "/tmp/softverbs-run";
 #[non_exhaustive]
 pub enum LaunchError {
     /// No command given.
-    #[error("usage: softverbs-run COMMAND [ARGS...]")]
+    #[error("usage: softverbs-run COMMAND [ARGS...] (softverbs-run --help says more)")]
     Usage,
     /// Not root.
     #[error(
@@ -44,6 +65,9 @@ pub enum LaunchError {
     /// The provider library was not found.
     #[error("provider library not found (looked for {0}); build it with cargo build -p softverbs or set SOFTVERBS_LIB")]
     NoProvider(String),
+    /// The fabric directory was refused.
+    #[error("{0}")]
+    Fabric(#[from] crate::shm::fabric::FabricError),
     /// A system call failed.
     #[error("{what}: {err}")]
     Os {
@@ -85,7 +109,8 @@ pub fn find_provider() -> Result<PathBuf, LaunchError> {
     })
 }
 
-/// Steps 1: privilege and libibverbs checks.
+/// Step 1: privilege and libibverbs checks (the fabric directory's follow
+/// in [`launch`]).
 ///
 /// # Errors
 /// [`LaunchError::NotPrivileged`], [`LaunchError::NoLibibverbs`], [`LaunchError::Abi`].
@@ -128,6 +153,7 @@ pub fn launch(args: Vec<OsString>) -> Result<std::convert::Infallible, LaunchErr
         return Err(LaunchError::Usage);
     }
     preflight()?;
+    crate::shm::fabric::prepare(&crate::shm::fabric::dir())?;
     let provider = find_provider()?;
     ns::enter_private_namespace()?;
     let stage = Path::new(STAGE);

@@ -220,7 +220,7 @@ pub unsafe extern "C" fn alloc_context(
                 (p.uninit_context)(&mut (*sv).vctx);
                 libc::free(sv.cast());
             }
-            set_errno(e.raw_os_error().unwrap_or(libc::ENOMEM));
+            set_errno(crate::shm::fabric::errno(&e, libc::ENOMEM));
             std::ptr::null_mut()
         }
     }

@@ -269,13 +269,13 @@ fn new_ring(
     cq_ptr: u64,
     stamp: bool,
 ) -> Result<(u32, CqPort), i32> {
-    let ids = Ids::get().map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+    let ids = Ids::get().map_err(|e| crate::shm::fabric::errno(&e, libc::EIO))?;
     let (id, seg) = crate::shm::segment::create_fresh(
         "cq-",
         || ids.next(IdKind::Cq),
         seg_bytes::<CqHeader, Cqe>(cap),
     )
-    .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+    .map_err(|e| crate::shm::fabric::errno(&e, libc::EIO))?;
     // SAFETY: the fresh, zeroed segment is large enough for the ring at
     // ring_offset and unknown to anyone else until its id is published.
     unsafe { Ring::<Cqe>::init(seg.base().add(ring_offset::<CqHeader>()), cap) };

@@ -138,7 +138,7 @@ fn prune(g: &mut Group) {
 /// the table.
 pub fn attach(qpn: u32, mgid: &[u8; 16], lid: u16) -> Result<(), c_int> {
     let me = my_pid();
-    let mut l = Locked::take().map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+    let mut l = Locked::take().map_err(|e| crate::shm::fabric::errno(&e, libc::EIO))?;
     let groups = l.groups();
     let gi = match find(groups, mgid) {
         Some(i) => i,
@@ -189,7 +189,7 @@ pub fn attach(qpn: u32, mgid: &[u8; 16], lid: u16) -> Result<(), c_int> {
 /// EINVAL when it is not attached with `lid`.
 pub fn detach(qpn: u32, mgid: &[u8; 16], lid: u16) -> Result<(), c_int> {
     let me = my_pid();
-    let mut l = Locked::take().map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+    let mut l = Locked::take().map_err(|e| crate::shm::fabric::errno(&e, libc::EIO))?;
     let groups = l.groups();
     let Some(gi) = find(groups, mgid) else {
         return Err(libc::EINVAL);

@@ -299,7 +299,7 @@ pub unsafe fn make_qp(
     let ids = match Ids::get() {
         Ok(i) => i,
         Err(e) => {
-            set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+            set_errno(crate::shm::fabric::errno(&e, libc::EIO));
             return std::ptr::null_mut();
         }
     };
@@ -310,7 +310,7 @@ pub unsafe fn make_qp(
     ) {
         Ok(x) => x,
         Err(e) => {
-            set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+            set_errno(crate::shm::fabric::errno(&e, libc::EIO));
             return std::ptr::null_mut();
         }
     };

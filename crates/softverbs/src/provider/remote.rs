@@ -4,6 +4,7 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -17,7 +18,7 @@ use crate::shm::doorbell::{Doorbell, Watch};
 use crate::shm::layout::{
     mr_table, ring_offset, Cqe, CtxHeader, MrSlot, QpHeader, RecvWqe, SrqHeader, CTX_BYTES, MAGIC,
 };
-use crate::shm::Segment;
+use crate::shm::{dir, Segment};
 
 /// The responder of a connected QP, as mapped by the requester.
 #[derive(Debug)]
@@ -98,48 +99,111 @@ fn seg_err() -> io::Error {
     io::Error::from_raw_os_error(libc::EPROTO)
 }
 
+/// The fields of a QP segment's header [`Remote`] reads first.
+struct QpFields {
+    qp_type: u32,
+    ctx: u32,
+    recv_cq: u32,
+    srq: u32,
+    xrcd: u32,
+    pid: u32,
+    pd: u32,
+}
+
+/// Read the header of the QP segment `qp` and attach its receive ring:
+/// the segment's length is checked to hold the header before any field is
+/// read, and the ring is given only the bytes after the header.
+///
+/// # Errors
+/// EPROTO when the segment is shorter than its header, its magic is wrong
+/// or its ring does not fit in the rest.
+fn qp_view(qp: &Segment) -> io::Result<(QpFields, ClaimRing<RecvWqe>)> {
+    let off = ring_offset::<QpHeader>();
+    let avail = qp.len().checked_sub(off).ok_or_else(seg_err)?;
+    let h = qp.base().cast::<QpHeader>();
+    // SAFETY: the segment holds at least `off` >= size_of::<QpHeader>()
+    // bytes (checked just above); the magic is checked before any other
+    // field is trusted.
+    let f = unsafe {
+        if (*h).magic != MAGIC {
+            return Err(seg_err());
+        }
+        QpFields {
+            qp_type: (*h).qp_type,
+            ctx: (*h).ctx,
+            recv_cq: (*h).recv_cq,
+            srq: (*h).srq,
+            xrcd: (*h).xrcd,
+            pid: (*h).pid,
+            pd: (*h).pd,
+        }
+    };
+    // SAFETY: `avail` bytes follow `off` in the mapping (checked above),
+    // where the creator initialised the ring; attach checks the ring's own
+    // header against `avail`. The caller keeps `qp` alive with the view.
+    let rq = unsafe { ClaimRing::attach(qp.base().add(off), avail) }.ok_or_else(seg_err)?;
+    Ok((f, rq))
+}
+
+/// Read the header of the SRQ segment `s` and attach its receive ring,
+/// checked as [`qp_view`] does.
+///
+/// # Errors
+/// EPROTO as for [`qp_view`].
+fn srq_view(s: &Segment) -> io::Result<(&SrqHeader, ClaimRing<RecvWqe>)> {
+    let off = ring_offset::<SrqHeader>();
+    let avail = s.len().checked_sub(off).ok_or_else(seg_err)?;
+    // SAFETY: the segment holds at least `off` >= size_of::<SrqHeader>()
+    // bytes (checked just above) and stays mapped while `s` is borrowed.
+    let h = unsafe { &*s.base().cast::<SrqHeader>() };
+    if h.magic != MAGIC {
+        return Err(seg_err());
+    }
+    // SAFETY: as in qp_view, for the SRQ's ring.
+    let ring = unsafe { ClaimRing::attach(s.base().add(off), avail) }.ok_or_else(seg_err)?;
+    Ok((h, ring))
+}
+
+/// Map the context segment `name` of `dir` and check that it holds a
+/// whole context (header and MR table).
+///
+/// # Errors
+/// The error of [`Segment::open_in`]; EPROTO when it is short or its magic
+/// is wrong.
+fn ctx_segment(dir: &Path, id: u32) -> io::Result<Arc<Segment>> {
+    let ctx = Segment::open_in(dir, &format!("ctx-{id}"))?;
+    // SAFETY: the length is checked (first operand) before the header is read.
+    if ctx.len() < CTX_BYTES || unsafe { (*ctx.base().cast::<CtxHeader>()).magic } != MAGIC {
+        return Err(seg_err());
+    }
+    Ok(ctx)
+}
+
 impl Remote {
     /// Map the responder of QPN `qpn`.
     ///
     /// # Errors
-    /// ENOENT when no such QP exists (any more), EPROTO for a malformed segment.
+    /// ENOENT when no such QP exists (any more), EPROTO for a malformed or
+    /// truncated segment, ELOOP ([`FabricError::Symlink`](crate::shm::fabric::FabricError))
+    /// for a symbolic link in place of one.
     pub fn open(qpn: u32) -> io::Result<Self> {
-        let qp = Segment::open(&format!("qp-{qpn}"))?;
-        let h = qp.base().cast::<QpHeader>();
-        // SAFETY: the creator wrote the header before the QPN was known; the
-        // magic is checked before any other field is trusted.
-        let (magic, ctx_id, cq_id, srq_id, pid) =
-            unsafe { ((*h).magic, (*h).ctx, (*h).recv_cq, (*h).srq, (*h).pid) };
-        if magic != MAGIC {
-            return Err(seg_err());
-        }
-        let off = ring_offset::<QpHeader>();
-        // SAFETY: the ring was initialised at `off` by the creator; `qp` is
-        // kept alive with the view.
-        let rq =
-            unsafe { ClaimRing::attach(qp.base().add(off), qp.len() - off) }.ok_or_else(seg_err)?;
-        let ctx = Segment::open(&format!("ctx-{ctx_id}"))?;
-        // SAFETY: a context segment starts with its header.
-        if ctx.len() < CTX_BYTES || unsafe { (*ctx.base().cast::<CtxHeader>()).magic } != MAGIC {
-            return Err(seg_err());
-        }
-        let cq = CqPort::attach(Segment::open(&format!("cq-{cq_id}"))?).ok_or_else(seg_err)?;
-        let srq = if srq_id == 0 {
+        Self::open_in(&dir(), qpn)
+    }
+
+    /// [`open`](Self::open) in the fabric directory `dir`.
+    fn open_in(dir: &Path, qpn: u32) -> io::Result<Self> {
+        let qp = Segment::open_in(dir, &format!("qp-{qpn}"))?;
+        let (f, rq) = qp_view(&qp)?;
+        let ctx = ctx_segment(dir, f.ctx)?;
+        let cq = CqPort::attach(Segment::open_in(dir, &format!("cq-{}", f.recv_cq))?)
+            .ok_or_else(seg_err)?;
+        let srq = if f.srq == 0 {
             None
         } else {
-            let s = Segment::open(&format!("srq-{srq_id}"))?;
-            let off = ring_offset::<SrqHeader>();
-            // SAFETY: the length is checked before the header is read.
-            if s.len() < off || unsafe { (*s.base().cast::<SrqHeader>()).magic } != MAGIC {
-                return Err(seg_err());
-            }
-            // SAFETY: as for the QP ring.
-            let r = unsafe { ClaimRing::attach(s.base().add(off), s.len() - off) }
-                .ok_or_else(seg_err)?;
+            let s = Segment::open_in(dir, &format!("srq-{}", f.srq))?;
+            let (_, r) = srq_view(&s)?;
             Some((s, r))
         };
-        // SAFETY: checked above.
-        let pd = unsafe { (*h).pd };
         Ok(Self {
             qp,
             qp_ctx: Arc::clone(&ctx),
@@ -147,9 +211,9 @@ impl Remote {
             rq,
             srq,
             cq,
-            owner: Owner::of(pid),
-            pd,
-            pid,
+            owner: Owner::of(f.pid),
+            pd: f.pd,
+            pid: f.pid,
         })
     }
 
@@ -160,55 +224,25 @@ impl Remote {
     /// # Errors
     /// ENOENT when the QP does not exist (any more); EINVAL when it is not
     /// an XRC target, when the SRQ does not exist or is not of the QP's
-    /// XRC domain; EPROTO for a malformed segment.
+    /// XRC domain; EPROTO for a malformed or truncated segment.
     pub fn open_xrc(qpn: u32, srqn: u32) -> io::Result<Self> {
-        let qp = Segment::open(&format!("qp-{qpn}"))?;
-        let h = qp.base().cast::<QpHeader>();
-        // SAFETY: as in open: the magic is checked before anything else.
-        let (magic, qp_type, xrcd, pid, qp_ctx_id) =
-            unsafe { ((*h).magic, (*h).qp_type, (*h).xrcd, (*h).pid, (*h).ctx) };
-        if magic != MAGIC {
-            return Err(seg_err());
-        }
+        let dir = dir();
+        let qp = Segment::open_in(&dir, &format!("qp-{qpn}"))?;
+        let (f, rq) = qp_view(&qp)?;
         let invalid = || io::Error::from_raw_os_error(libc::EINVAL);
-        if qp_type != crate::model::qp::QpType::XrcRecv as u32 || xrcd == 0 {
+        if f.qp_type != crate::model::qp::QpType::XrcRecv as u32 || f.xrcd == 0 {
             return Err(invalid());
         }
-        let off = ring_offset::<QpHeader>();
-        // SAFETY: as in open.
-        let rq =
-            unsafe { ClaimRing::attach(qp.base().add(off), qp.len() - off) }.ok_or_else(seg_err)?;
-        let s = Segment::open(&format!("srq-{srqn}")).map_err(|_| invalid())?;
-        let soff = ring_offset::<SrqHeader>();
-        // SAFETY: the length is checked before the header is read.
-        if s.len() < soff || unsafe { (*s.base().cast::<SrqHeader>()).magic } != MAGIC {
-            return Err(seg_err());
-        }
-        // SAFETY: checked just above.
-        let (s_xrcd, s_ctx, s_cq, s_pd, s_pid) = unsafe {
-            let sh = &*s.base().cast::<SrqHeader>();
-            (sh.xrcd, sh.ctx, sh.cq, sh.pd, sh.pid)
-        };
-        if s_xrcd != xrcd {
+        let s = Segment::open_in(&dir, &format!("srq-{srqn}")).map_err(|_| invalid())?;
+        let (sh, ring) = srq_view(&s)?;
+        let (s_xrcd, s_ctx, s_cq, s_pd, s_pid) = (sh.xrcd, sh.ctx, sh.cq, sh.pd, sh.pid);
+        if s_xrcd != f.xrcd {
             return Err(invalid());
         }
-        // SAFETY: as for the QP ring.
-        let ring =
-            unsafe { ClaimRing::attach(s.base().add(soff), s.len() - soff) }.ok_or_else(seg_err)?;
-        let ctx = Segment::open(&format!("ctx-{s_ctx}"))?;
-        // SAFETY: a context segment starts with its header.
-        if ctx.len() < CTX_BYTES || unsafe { (*ctx.base().cast::<CtxHeader>()).magic } != MAGIC {
-            return Err(seg_err());
-        }
-        let cq = CqPort::attach(Segment::open(&format!("cq-{s_cq}"))?).ok_or_else(seg_err)?;
-        let qp_ctx = Segment::open(&format!("ctx-{qp_ctx_id}"))?;
-        if qp_ctx.len() < CTX_BYTES
-            // SAFETY: the segment holds at least a context header (checked
-            // just before).
-            || unsafe { (*qp_ctx.base().cast::<CtxHeader>()).magic } != MAGIC
-        {
-            return Err(seg_err());
-        }
+        let ctx = ctx_segment(&dir, s_ctx)?;
+        let cq =
+            CqPort::attach(Segment::open_in(&dir, &format!("cq-{s_cq}"))?).ok_or_else(seg_err)?;
+        let qp_ctx = ctx_segment(&dir, f.ctx)?;
         Ok(Self {
             qp,
             qp_ctx,
@@ -216,7 +250,7 @@ impl Remote {
             rq,
             srq: Some((s, ring)),
             cq,
-            owner: Owner::of(pid),
+            owner: Owner::of(f.pid),
             pd: s_pd,
             pid: s_pid,
         })
@@ -488,5 +522,68 @@ impl Drop for Inside<'_> {
             h.inflight.fetch_sub(1, Ordering::SeqCst);
             events::last_wqe(self.r.qp_ctx_hdr(), h);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shm::fabric::tests::Scratch;
+    use crate::shm::fabric::FabricError;
+
+    /// Write `qp-<qpn>` of `len` bytes into `dir`: the magic, then zeros
+    /// (a header whose ids name nothing, a ring of capacity 0).
+    fn write_qp(dir: &Path, qpn: u32, len: usize) {
+        let mut b = vec![0u8; len];
+        let m = MAGIC.to_ne_bytes();
+        let n = m.len().min(len);
+        b[..n].copy_from_slice(&m[..n]);
+        std::fs::write(dir.join(format!("qp-{qpn}")), b).expect("write the segment");
+    }
+
+    #[test]
+    fn a_truncated_qp_segment_is_an_error_not_a_panic() {
+        let s = Scratch::new("truncated-qp");
+        let off = ring_offset::<QpHeader>();
+        let cases = [
+            (1, 4, "the magic alone"),
+            (
+                2,
+                std::mem::size_of::<QpHeader>() - 1,
+                "a header one byte short",
+            ),
+            (3, off - 1, "a byte short of the ring"),
+            (4, off, "a header and no ring"),
+            (5, off + 8, "a ring header cut short"),
+            (6, off + 64, "a ring header of capacity 0"),
+        ];
+        for (qpn, len, what) in cases {
+            write_qp(&s.0, qpn, len);
+            let e = Remote::open_in(&s.0, qpn).expect_err(what);
+            assert_eq!(
+                e.raw_os_error(),
+                Some(libc::EPROTO),
+                "{what} ({len} bytes): {e}"
+            );
+        }
+        std::fs::write(s.0.join("qp-7"), b"").expect("empty segment");
+        let e = Remote::open_in(&s.0, 7).expect_err("an empty segment");
+        assert_eq!(e.raw_os_error(), Some(libc::ENODATA), "{e}");
+    }
+
+    #[test]
+    fn a_symlink_in_place_of_a_qp_segment_is_refused() {
+        let s = Scratch::new("qp-symlink");
+        let elsewhere = s.0.join("elsewhere");
+        std::fs::create_dir(&elsewhere).expect("mkdir");
+        write_qp(&elsewhere, 9, ring_offset::<QpHeader>() + 4096);
+        std::os::unix::fs::symlink(elsewhere.join("qp-9"), s.0.join("qp-9")).expect("symlink");
+        let e = Remote::open_in(&s.0, 9).expect_err("a QP segment reached through a link");
+        assert_eq!(crate::shm::fabric::errno(&e, 0), libc::ELOOP, "{e}");
+        let inner = e.get_ref().and_then(|i| i.downcast_ref::<FabricError>());
+        assert!(
+            matches!(inner, Some(FabricError::Symlink { path }) if path.ends_with("qp-9")),
+            "{e:?}"
+        );
     }
 }

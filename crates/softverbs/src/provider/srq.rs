@@ -102,7 +102,7 @@ pub unsafe fn make_srq(
         recv_seg_bytes::<SrqHeader>(cap),
     ) {
         Ok(x) => x,
-        Err(e) => return fail(e.raw_os_error().unwrap_or(libc::EIO)),
+        Err(e) => return fail(crate::shm::fabric::errno(&e, libc::EIO)),
     };
     // SAFETY: fresh zeroed segment sized for the ring; unknown to others.
     let ring =

@@ -17,6 +17,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use super::context::inner;
 use super::qp::fail;
 use super::srq::{make_srq, SvSrq};
+use crate::shm::fabric;
 use crate::shm::segment::IdKind;
 use crate::shm::Ids;
 use crate::sys::ibv;
@@ -91,17 +92,12 @@ fn ofd_lock(fd: c_int, kind: c_int, wait: bool) -> Result<(), i32> {
 /// and waits for its shared lock (a creator holds the exclusive one only
 /// for these few lines).
 fn enter_registry(id: u32, oflags: i32) -> Result<OwnedFd, i32> {
-    let err = |e: std::io::Error| e.raw_os_error().unwrap_or(libc::EIO);
-    let dir = crate::shm::segment::dir();
-    std::fs::create_dir_all(&dir).map_err(err)?;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(dir.join(entry_name(id)))
-        .map_err(err)?;
-    let fd = OwnedFd::from(file);
+    let err = |e: std::io::Error| fabric::errno(&e, libc::EIO);
+    let dir = fabric::ensure().map_err(err)?;
+    // Created exclusively by the first context to name the domain, opened
+    // (never through a symbolic link) by the others: fabric step 3.
+    let path = fabric::file_path(&dir, &entry_name(id)).map_err(err)?;
+    let (fd, _) = fabric::open_or_create(&path).map_err(err)?;
     let raw = fd.as_raw_fd();
     match ofd_lock(raw, libc::F_WRLCK as c_int, false) {
         Ok(()) => {

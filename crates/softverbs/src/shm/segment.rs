@@ -1,20 +1,17 @@
 //! Named shared-memory segments (files in a tmpfs directory, mapped shared).
+//! The directory and the way its files are made and opened are
+//! [`fabric`]'s.
 
 use std::collections::HashMap;
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::io;
-use std::os::unix::ffi::OsStrExt;
-use std::path::PathBuf;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-/// The per-machine directory holding every segment: `$SOFTVERBS_DIR`, or
-/// `/dev/shm/softverbs`.
-pub fn dir() -> PathBuf {
-    std::env::var_os("SOFTVERBS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/dev/shm/softverbs"))
-}
+use super::fabric;
+pub use super::fabric::dir;
 
 /// One mapped segment. The creator unlinks the name when the object it
 /// holds is destroyed ([`unlink`](Self::unlink)), or at the latest on
@@ -24,7 +21,8 @@ pub fn dir() -> PathBuf {
 pub struct Segment {
     base: *mut u8,
     len: usize,
-    name: String,
+    /// The file's full name (the fabric directory it was made or opened in).
+    path: CString,
     owner: bool,
     /// The name was unlinked (once: a name unlinked may by then belong to
     /// a new object's segment).
@@ -38,13 +36,7 @@ unsafe impl Send for Segment {}
 // other processes too) and goes through atomics.
 unsafe impl Sync for Segment {}
 
-fn cpath(name: &str) -> io::Result<CString> {
-    let mut p = dir();
-    p.push(name);
-    CString::new(p.as_os_str().as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
-}
-
-fn map(fd: libc::c_int, len: usize) -> io::Result<*mut u8> {
+fn map(fd: &OwnedFd, len: usize) -> io::Result<*mut u8> {
     // SAFETY: mapping `len` bytes of an open file shared; the result is
     // checked against MAP_FAILED.
     let p = unsafe {
@@ -53,7 +45,7 @@ fn map(fd: libc::c_int, len: usize) -> io::Result<*mut u8> {
             len,
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_SHARED,
-            fd,
+            fd.as_raw_fd(),
             0,
         )
     };
@@ -64,40 +56,57 @@ fn map(fd: libc::c_int, len: usize) -> io::Result<*mut u8> {
     }
 }
 
+/// The size of the open file `fd`.
+fn file_len(fd: &OwnedFd) -> io::Result<libc::off_t> {
+    // SAFETY: an all-zero `stat` is a valid out-parameter.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `fd` is open and `st` is writable.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(st.st_size)
+}
+
+/// Extend the open file `fd` to `len` bytes (zeros).
+fn extend(fd: &OwnedFd, len: usize) -> io::Result<()> {
+    let len = libc::off_t::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
+    // SAFETY: `fd` is an open file of ours; ftruncate takes any length.
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), len) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn unlink_path(path: &CStr) {
+    // SAFETY: a valid C string.
+    unsafe { libc::unlink(path.as_ptr()) };
+}
+
 impl Segment {
-    /// Create `name` with `len` zeroed bytes (fails if it exists).
+    /// Create `name` with `len` zeroed bytes (fails with EEXIST if any
+    /// file has the name) in the fabric directory, made first if need be
+    /// (fabric steps 1 and 2).
     ///
     /// # Errors
-    /// The OS error of mkdir/open/ftruncate/mmap.
+    /// A [`fabric::FabricError`] for a refused directory, else the OS error
+    /// of mkdir/open/ftruncate/mmap.
     pub fn create(name: &str, len: usize) -> io::Result<Arc<Self>> {
-        std::fs::create_dir_all(dir())?;
-        let path = cpath(name)?;
-        // SAFETY: valid C string; the fd is checked and closed below.
-        let fd = unsafe {
-            libc::open(
-                path.as_ptr(),
-                libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC,
-                0o600,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `fd` is the file just created.
-        let r = unsafe { libc::ftruncate(fd, len as libc::off_t) };
-        let res = if r != 0 {
-            Err(io::Error::last_os_error())
-        } else {
-            map(fd, len)
-        };
-        // SAFETY: `fd` is ours; the mapping (if any) does not need it.
-        unsafe { libc::close(fd) };
-        match res {
+        Self::create_in(&fabric::ensure()?, name, len)
+    }
+
+    /// [`create`](Self::create) in the directory `dir`, already prepared.
+    ///
+    /// # Errors
+    /// The OS error of open/ftruncate/mmap.
+    pub(crate) fn create_in(dir: &Path, name: &str, len: usize) -> io::Result<Arc<Self>> {
+        let path = fabric::file_path(dir, name)?;
+        let fd = fabric::create_file(&path)?;
+        match extend(&fd, len).and_then(|()| map(&fd, len)) {
             Ok(base) => {
                 let seg = Arc::new(Self {
                     base,
                     len,
-                    name: name.to_owned(),
+                    path,
                     owner: true,
                     unlinked: AtomicBool::new(false),
                 });
@@ -105,44 +114,44 @@ impl Segment {
                 Ok(seg)
             }
             Err(e) => {
-                // SAFETY: valid C string of the file we created.
-                unsafe { libc::unlink(path.as_ptr()) };
+                unlink_path(&path);
                 Err(e)
             }
         }
     }
 
-    /// Map an existing segment, sharing one mapping per process and name.
+    /// Map an existing segment of the fabric directory, sharing one mapping
+    /// per process and name; never through a symbolic link (fabric step 2).
     ///
     /// # Errors
-    /// The OS error of open/fstat/mmap (ENOENT when nobody created it).
+    /// A [`fabric::FabricError`] for a refused directory or a symbolic link,
+    /// else the OS error of open/fstat/mmap (ENOENT when nobody created
+    /// it, ENODATA when it is empty).
     pub fn open(name: &str) -> io::Result<Arc<Self>> {
-        if let Some(s) = cache_get(name) {
+        Self::open_in(&fabric::dir(), name)
+    }
+
+    /// [`open`](Self::open) in the directory `dir`.
+    ///
+    /// # Errors
+    /// As [`open`](Self::open).
+    pub(crate) fn open_in(dir: &Path, name: &str) -> io::Result<Arc<Self>> {
+        let path = fabric::file_path(dir, name)?;
+        if let Some(s) = cache_get(&path) {
             return Ok(s);
         }
-        let path = cpath(name)?;
-        // SAFETY: valid C string; fd checked and closed below.
-        let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: an all-zero `stat` is a valid out-parameter.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: `fd` is open and `st` is writable.
-        let res = if unsafe { libc::fstat(fd, &mut st) } != 0 {
-            Err(io::Error::last_os_error())
-        } else if st.st_size <= 0 {
-            Err(io::Error::from_raw_os_error(libc::ENODATA))
-        } else {
-            map(fd, st.st_size as usize).map(|b| (b, st.st_size as usize))
+        fabric::check(dir).map_err(fabric::refused)?;
+        let fd = fabric::open_file(&path)?;
+        let size = file_len(&fd)?;
+        let len = match usize::try_from(size) {
+            Ok(n) if n > 0 => n,
+            _ => return Err(io::Error::from_raw_os_error(libc::ENODATA)),
         };
-        // SAFETY: `fd` is ours.
-        unsafe { libc::close(fd) };
-        let (base, len) = res?;
+        let base = map(&fd, len)?;
         let seg = Arc::new(Self {
             base,
             len,
-            name: name.to_owned(),
+            path,
             owner: false,
             unlinked: AtomicBool::new(false),
         });
@@ -173,10 +182,7 @@ impl Segment {
     /// creator; a no-op for a peer's mapping.
     pub fn unlink(&self) {
         if self.owner && !self.unlinked.swap(true, Ordering::AcqRel) {
-            if let Ok(p) = cpath(&self.name) {
-                // SAFETY: valid C string.
-                unsafe { libc::unlink(p.as_ptr()) };
-            }
+            unlink_path(&self.path);
         }
     }
 }
@@ -190,18 +196,19 @@ impl Drop for Segment {
     }
 }
 
-type Cache = Mutex<HashMap<String, Weak<Segment>>>;
+/// Mappings by full file name.
+type Cache = Mutex<HashMap<CString, Weak<Segment>>>;
 
 fn cache() -> &'static Cache {
     static C: OnceLock<Cache> = OnceLock::new();
     C.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-fn cache_get(name: &str) -> Option<Arc<Segment>> {
+fn cache_get(path: &CStr) -> Option<Arc<Segment>> {
     let mut c = cache().lock().unwrap_or_else(|e| e.into_inner());
-    let s = c.get(name).and_then(Weak::upgrade);
+    let s = c.get(path).and_then(Weak::upgrade);
     if s.is_none() {
-        c.remove(name);
+        c.remove(path);
     }
     s
 }
@@ -209,7 +216,7 @@ fn cache_get(name: &str) -> Option<Arc<Segment>> {
 fn cache_insert(seg: &Arc<Segment>) {
     let mut c = cache().lock().unwrap_or_else(|e| e.into_inner());
     c.retain(|_, w| w.strong_count() > 0);
-    c.insert(seg.name.clone(), Arc::downgrade(seg));
+    c.insert(seg.path.clone(), Arc::downgrade(seg));
 }
 
 /// The machine-wide id counters (segment `ids`).
@@ -261,41 +268,33 @@ impl Ids {
 }
 
 /// Open (creating on first use, zeroed) a machine-wide segment of `len`
-/// bytes that no process owns and nobody unlinks (`ids`, `atomics`): racing
-/// creators share the file, and zero is every such segment's initial state.
+/// bytes that no process owns and nobody unlinks (`ids`, `atomics`,
+/// `mcast`): the first process to need it creates it exclusively, the
+/// others open it (fabric step 3); zero is every such segment's initial
+/// state.
 ///
 /// # Errors
-/// The OS error of mkdir/open/ftruncate/mmap.
+/// A [`fabric::FabricError`] for a refused directory or a symbolic link,
+/// else the OS error of mkdir/open/ftruncate/mmap.
 pub fn open_shared(name: &str, len: usize) -> io::Result<Arc<Segment>> {
-    std::fs::create_dir_all(dir())?;
-    let path = cpath(name)?;
-    // SAFETY: valid C string; O_CREAT without O_EXCL so racing creators
-    // share the file; fd closed below.
-    let fd = unsafe {
-        libc::open(
-            path.as_ptr(),
-            libc::O_RDWR | libc::O_CREAT | libc::O_CLOEXEC,
-            0o600,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
+    open_shared_in(&fabric::ensure()?, name, len)
+}
+
+fn open_shared_in(dir: &Path, name: &str, len: usize) -> io::Result<Arc<Segment>> {
+    let path = fabric::file_path(dir, name)?;
+    let (fd, _) = fabric::open_or_create(&path)?;
+    // Every user of the name asks for the same length: whoever finds the
+    // file shorter (its creator not yet past this line) extends it, and
+    // concurrent extensions to one length are harmless; a fresh file reads
+    // as zeros.
+    if usize::try_from(file_len(&fd)?).map_or(true, |n| n < len) {
+        extend(&fd, len)?;
     }
-    // SAFETY: extending to `len` bytes; concurrent ftruncates to the same
-    // size are harmless, and a fresh file reads as zeros.
-    let r = unsafe { libc::ftruncate(fd, len as libc::off_t) };
-    let res = if r != 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        map(fd, len)
-    };
-    // SAFETY: `fd` is ours.
-    unsafe { libc::close(fd) };
-    let base = res?;
+    let base = map(&fd, len)?;
     Ok(Arc::new(Segment {
         base,
         len,
-        name: name.into(),
+        path,
         owner: false,
         unlinked: AtomicBool::new(false),
     }))
@@ -307,7 +306,11 @@ pub fn open_shared(name: &str, len: usize) -> io::Result<Arc<Segment>> {
 /// Peers that still map such a segment keep their mapping.
 pub fn sweep_dead() {
     use std::io::Read;
-    let Ok(rd) = std::fs::read_dir(dir()) else {
+    use std::os::unix::fs::OpenOptionsExt;
+    let Ok(d) = fabric::checked() else {
+        return;
+    };
+    let Ok(rd) = std::fs::read_dir(d) else {
         return;
     };
     for e in rd.flatten() {
@@ -320,7 +323,11 @@ pub fn sweep_dead() {
             continue;
         }
         let mut head = [0u8; 8];
-        let Ok(mut f) = std::fs::File::open(e.path()) else {
+        let Ok(mut f) = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(e.path())
+        else {
             continue;
         };
         if f.read_exact(&mut head).is_err() {
@@ -360,4 +367,55 @@ pub fn create_fresh(
         }
     }
     Err(last)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shm::fabric::tests::Scratch;
+    use crate::shm::fabric::FabricError;
+
+    fn is_symlink_refusal(e: &io::Error) -> bool {
+        matches!(
+            e.get_ref().and_then(|i| i.downcast_ref::<FabricError>()),
+            Some(FabricError::Symlink { .. })
+        )
+    }
+
+    #[test]
+    fn a_symlink_in_place_of_a_segment_is_refused() {
+        let s = Scratch::new("seg-symlink");
+        let target = s.0.join("target");
+        std::fs::write(&target, [0u8; 4096]).expect("target");
+        std::os::unix::fs::symlink(&target, s.0.join("cq-3")).expect("symlink");
+        let e = Segment::open_in(&s.0, "cq-3").expect_err("a segment reached through a link");
+        assert!(is_symlink_refusal(&e), "{e:?}");
+        assert!(e.to_string().contains("cq-3 is a symbolic link"), "{e}");
+        // A creator finds the name taken and never writes through the link.
+        let e = Segment::create_in(&s.0, "cq-3", 4096).expect_err("create over a link");
+        assert_eq!(e.raw_os_error(), Some(libc::EEXIST));
+        std::os::unix::fs::symlink(&target, s.0.join("ids")).expect("symlink");
+        let e = open_shared_in(&s.0, "ids", 4096).expect_err("a shared segment through a link");
+        assert!(is_symlink_refusal(&e), "{e:?}");
+        assert_eq!(
+            std::fs::read(&target).expect("target"),
+            vec![0u8; 4096],
+            "the link's target is untouched"
+        );
+    }
+
+    #[test]
+    fn a_shared_segment_is_made_once_and_mapped_by_every_opener() {
+        let s = Scratch::new("seg-shared");
+        let a = open_shared_in(&s.0, "ids", 4096).expect("first");
+        let b = open_shared_in(&s.0, "ids", 4096).expect("second");
+        // SAFETY: both map the same 4096-byte file; the test is alone with it.
+        unsafe {
+            a.base().write(7);
+            assert_eq!(b.base().read(), 7);
+        }
+        let m = std::fs::symlink_metadata(s.0.join("ids")).expect("made");
+        assert!(m.file_type().is_file());
+        assert_eq!(m.len(), 4096);
+    }
 }
