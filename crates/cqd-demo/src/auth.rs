@@ -18,7 +18,8 @@
 //! session (a replayed `answer` meets a new `S`); the labels keep a load's
 //! answer from passing as a server's proof. The secret itself never
 //! crosses the wire. It is read from a file (not the command line, which
-//! other users can see), 16 to 4,096 bytes, a trailing newline ignored.
+//! other users can see), 16 to 4,096 bytes, a trailing newline ignored; a
+//! file its group or others may read or write is refused.
 
 use std::fmt;
 use std::io::Read;
@@ -55,15 +56,21 @@ impl Secret {
     /// The secret in `path` (a trailing newline dropped).
     ///
     /// # Errors
-    /// The file cannot be read, or holds fewer than [`MIN_SECRET`] or more
-    /// than [`MAX_SECRET`] bytes.
+    /// The file cannot be read, its group or others may read or write it
+    /// (any of the mode bits `0o077`, as ssh refuses a private key; the
+    /// mode is that of the opened file, the one read), or it holds fewer
+    /// than [`MIN_SECRET`] or more than [`MAX_SECRET`] bytes.
     pub fn from_file(path: &Path) -> Result<Secret, DemoError> {
+        let bad = |e: String| DemoError::Config(format!("--secret-file {}: {e}", path.display()));
+        let mut file = std::fs::File::open(path).map_err(|e| bad(e.to_string()))?;
+        let meta = file.metadata().map_err(|e| bad(e.to_string()))?;
+        private_to_owner(&meta, path).map_err(bad)?;
         let mut bytes = Vec::new();
-        std::fs::File::open(path)
-            .and_then(|f| f.take(MAX_SECRET as u64 + 2).read_to_end(&mut bytes))
-            .map_err(|e| DemoError::Config(format!("--secret-file {}: {e}", path.display())))?;
-        Secret::from_bytes(bytes)
-            .map_err(|e| DemoError::Config(format!("--secret-file {}: {e}", path.display())))
+        (&mut file)
+            .take(MAX_SECRET as u64 + 2)
+            .read_to_end(&mut bytes)
+            .map_err(|e| bad(e.to_string()))?;
+        Secret::from_bytes(bytes).map_err(bad)
     }
 
     /// A secret from its bytes (a trailing newline dropped).
@@ -116,6 +123,36 @@ impl Secret {
     pub fn check_proof(&self, l: &[u8; NONCE_LEN], s: &[u8; NONCE_LEN], proof: &str) -> bool {
         unhex(proof).is_some_and(|mac| self.mac(SERVER, l, s).verify_slice(&mac).is_ok())
     }
+}
+
+/// The mode bits of group and others: a secret file with any of them set
+/// is refused.
+const SHARED_MODE_BITS: u32 = 0o077;
+
+/// Whether the opened file `meta` (of `path`, named in the reason) is
+/// private to its owner: no bit of [`SHARED_MODE_BITS`] set.
+///
+/// # Errors
+/// Its mode lets the group or others read or write it; the reason gives
+/// the mode and the `chmod` that fixes it.
+#[cfg(unix)]
+fn private_to_owner(meta: &std::fs::Metadata, path: &Path) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = meta.permissions().mode() & 0o7777;
+    if mode & SHARED_MODE_BITS == 0 {
+        return Ok(());
+    }
+    Err(format!(
+        "mode {mode:04o} lets its group or others read or write it; a shared secret must be \
+         private to its owner: chmod 600 {}",
+        path.display()
+    ))
+}
+
+/// Non-Unix systems have no mode bits to check.
+#[cfg(not(unix))]
+fn private_to_owner(_: &std::fs::Metadata, _: &Path) -> Result<(), String> {
+    Ok(())
 }
 
 /// A fresh nonce from the kernel's random source.

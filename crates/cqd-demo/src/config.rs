@@ -140,10 +140,11 @@ pub struct Args {
     /// machines].
     #[arg(long, value_name = "ADDR:PORT")]
     pub listen: Option<String>,
-    /// serve/load: a file holding a shared secret (16 to 4,096 bytes): the
-    /// server admits only loads that prove they know it, and a load joins
-    /// only servers that prove it back (docs/demo.md, "Trust and
-    /// exposure") [default: none — any load that reaches the port joins].
+    /// serve/load: a file holding a shared secret (16 to 4,096 bytes; no
+    /// access for group or others: `chmod 600 FILE`): the server admits
+    /// only loads that prove they know it, and a load joins only servers
+    /// that prove it back (docs/demo.md, "Trust and exposure") [default:
+    /// none — any load that reaches the port joins].
     #[arg(long, value_name = "FILE")]
     pub secret_file: Option<PathBuf>,
     /// serve/load: how the queue pairs connect: `tcp` (endpoints in the

@@ -273,14 +273,25 @@ impl Wire {
 ///
 /// # Errors
 /// Not JSON, or not a message of this protocol (the reason quotes the
-/// line's first 120 bytes).
+/// line's first 120 bytes, and the parser's words, which may quote the
+/// line too, escaped: see [`escaped`]).
 pub fn parse_message<E: DeserializeOwned>(line: &[u8]) -> Result<Msg<E>, String> {
     serde_json::from_slice(line).map_err(|e| {
         format!(
-            "not a cqd-demo message ({e}): {:?}",
-            String::from_utf8_lossy(&line[..line.len().min(120)])
+            "not a cqd-demo message ({}): {}",
+            escaped(&e.to_string()),
+            escaped(&String::from_utf8_lossy(&line[..line.len().min(120)]))
         )
     })
+}
+
+/// `text` that came from a peer (or quotes it), as this process prints
+/// it: quoted, with control characters, line breaks and other unprintable
+/// characters escaped (Rust's `{:?}`), so that a peer can neither send
+/// terminal escape codes nor forge a line of the output, such as a
+/// verdict.
+pub fn escaped(text: &str) -> String {
+    format!("{text:?}")
 }
 
 /// What a server takes (its side of [`judge_hello`]).
@@ -616,7 +627,8 @@ fn session<N: Node>(
         Ok(Msg::Join) => {}
         Ok(Msg::Refused { reason }) => {
             return Ok(SessionStart::Refused(format!(
-                "the load refused this server: {reason}"
+                "the load refused this server: {}",
+                escaped(&reason)
             )))
         }
         Ok(other) => return refuse(wire, format!("expected join, got {}", other.name())),
@@ -809,7 +821,11 @@ fn hello<E: DeserializeOwned + Serialize>(
             wire.send(&Msg::<E>::Join)?;
             Ok(Agreed { blocks })
         }
-        Msg::Refused { reason } => Err(net(format!("{} refused the load: {reason}", wire.peer()))),
+        Msg::Refused { reason } => Err(net(format!(
+            "{} refused the load: {}",
+            wire.peer(),
+            escaped(&reason)
+        ))),
         other => Err(net(format!(
             "{}: expected welcome, got {}",
             wire.peer(),
@@ -898,8 +914,9 @@ pub fn load_on<N: Node, F: Fn(&str) -> Result<N, DemoError>>(
                 Msg::Accepted { conn, endpoint } if conn == n => endpoint,
                 Msg::Refused { reason } => {
                     return Err(net(format!(
-                        "{} refused connection {n}: {reason}",
-                        wire.peer()
+                        "{} refused connection {n}: {}",
+                        wire.peer(),
+                        escaped(&reason)
                     )))
                 }
                 other => {
@@ -1050,6 +1067,9 @@ fn read_bye<N: Node>(
             "{peer} sent {} where bye was expected",
             other.name()
         )),
-        Err(e) => Err(format!("{peer} sent something that is not a message: {e}")),
+        Err(e) => Err(format!(
+            "{peer} sent something that is not a message: {}",
+            escaped(&e.to_string())
+        )),
     }
 }

@@ -81,7 +81,8 @@ pub struct PeerVerdict {
     pub server: String,
     /// Its accounts verdict and session, passed?
     pub passed: bool,
-    /// Its words, or why there are none.
+    /// Its words, or why there are none. The words are the peer's: the
+    /// text report prints them escaped ([`crate::net::escaped`]).
     pub detail: String,
 }
 
@@ -659,7 +660,7 @@ impl Report {
                 "server {:<20} (its own side) {} — {}",
                 p.server,
                 if p.passed { "PASSED" } else { "FAILED" },
-                p.detail
+                crate::net::escaped(&p.detail)
             );
         }
         let _ = writeln!(

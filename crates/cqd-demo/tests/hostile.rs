@@ -23,11 +23,17 @@
 //! same-user test device), so these checks hold against clients that use
 //! the provider. On rxe (the VM of scripts/rxe-vm.sh, `CQD_RXE` set) the
 //! kernel makes them. Elsewhere the test prints SKIPPED and passes.
+//!
+//! Two more tests forge a `refused` reason (a terminal escape, then a line
+//! that reads as a verdict): a fake server sends it to a `load` process,
+//! a fake load to a `serve` process, and each process prints it escaped.
 #![cfg(feature = "verbs")]
 #![allow(missing_docs)]
 
 mod common;
 
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
 use std::process::Child;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -37,7 +43,7 @@ use cqd_core::{
     CqOptions, Failed, Handler, NoWork, OpKind, Outbox, PollerBuilder, RecvDone, Registration,
     SendDone, Status,
 };
-use cqd_demo::auth::Secret;
+use cqd_demo::auth::{self, Secret};
 use cqd_demo::backend::Remote;
 use cqd_demo::config::{Args, Command, Config};
 use cqd_demo::net::{join, Msg, Wire};
@@ -98,9 +104,9 @@ impl Handler for Recorder {
     }
 }
 
-/// Where the test runs: rxe in the VM, softverbs under the launcher, or
+/// Where `test` runs: rxe in the VM, softverbs under the launcher, or
 /// nowhere (SKIPPED).
-fn device() -> Option<(String, Option<u8>)> {
+fn device(test: &str) -> Option<(String, Option<u8>)> {
     if let Ok(name) = std::env::var("CQD_RXE") {
         let gid = std::env::var("RXE_GID_INDEX")
             .ok()
@@ -108,8 +114,7 @@ fn device() -> Option<(String, Option<u8>)> {
             .unwrap_or(1);
         return Some((name, Some(gid)));
     }
-    common::served::launcher_or_skip("a_hostile_client_gets_nothing_and_the_server_stays_up")
-        .then(|| ("softverbs0".to_string(), None))
+    common::served::launcher_or_skip(test).then(|| ("softverbs0".to_string(), None))
 }
 
 /// How much slower the device runs here (rxe under TCG).
@@ -302,11 +307,15 @@ fn config(extra: &[&str]) -> Config {
     c
 }
 
+/// A secret file readable and writable by its owner only (mode 0600, as
+/// `--secret-file` requires).
 fn secret_file(name: &str, secret: &str) -> String {
+    use std::os::unix::fs::PermissionsExt;
     let dir = std::env::temp_dir().join(format!("cqd-hostile-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let p = dir.join(name);
     std::fs::write(&p, format!("{secret}\n")).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
     p.to_string_lossy().into_owned()
 }
 
@@ -355,7 +364,9 @@ fn serve(
 
 #[test]
 fn a_hostile_client_gets_nothing_and_the_server_stays_up() {
-    let Some((dev, gid)) = device() else { return };
+    let Some((dev, gid)) = device("a_hostile_client_gets_nothing_and_the_server_stays_up") else {
+        return;
+    };
     let right = secret_file("right", "the server's secret, long enough");
     let wrong = secret_file("wrong", "a guess at the server's secret");
     let (mut server, addr, out) = serve(&dev, gid, &right);
@@ -620,4 +631,122 @@ fn a_hostile_client_gets_nothing_and_the_server_stays_up() {
     }
     eprintln!("serve ({status}):\n{text}");
     drop(cq);
+}
+
+/// The forged reason of the tests below: a terminal escape (clear the
+/// screen), then a line that looks like a verdict.
+const FORGED: &str = "\u{1b}[2J\nverdict accounts: PASSED";
+
+/// What a process printed after a peer sent it `FORGED`: no raw escape
+/// byte, no line that starts as the forged one does, and the peer's words
+/// still there, escaped.
+fn assert_escaped(printed: &str) {
+    assert!(!printed.contains('\u{1b}'), "a raw ESC: {printed:?}");
+    assert!(
+        !printed
+            .lines()
+            .any(|l| l.starts_with("verdict accounts: PASSED")),
+        "a forged verdict line:\n{printed}"
+    );
+    assert!(
+        printed.contains(r"\u{1b}[2J\nverdict accounts: PASSED"),
+        "the peer's words, escaped:\n{printed}"
+    );
+}
+
+#[test]
+fn a_servers_forged_refusal_is_printed_escaped_by_the_load() {
+    let Some((dev, gid)) = device("a_servers_forged_refusal_is_printed_escaped_by_the_load") else {
+        return;
+    };
+    // A fake server: refuses the hello with the forged reason.
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let fake = std::thread::spawn(move || {
+        let (s, _) = l.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60) * slow()))
+            .unwrap();
+        let mut w = s.try_clone().unwrap();
+        let mut hello = String::new();
+        BufReader::new(s).read_line(&mut hello).unwrap();
+        assert!(hello.contains("\"msg\":\"hello\""), "{hello}");
+        let refused = serde_json::to_string(&Msg::<()>::Refused {
+            reason: FORGED.into(),
+        })
+        .unwrap();
+        w.write_all(format!("{refused}\n").as_bytes()).unwrap();
+    });
+    let gid = gid.map(|g| g.to_string());
+    let mut args = vec!["load", "--device", &dev, "--server", &addr, "--ops", "10"];
+    if let Some(g) = &gid {
+        args.extend_from_slice(&["--gid-index", g]);
+    }
+    let out = common::finish(
+        common::demo(&args, "warn").spawn().expect("load starts"),
+        "load against a forging server",
+        Duration::from_secs(60) * slow(),
+    );
+    fake.join().unwrap();
+    let (stdout, stderr) = (common::text(&out.stdout), common::text(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(stderr.contains("refused the load"), "{stderr}");
+    assert_escaped(&format!("{stdout}\n{stderr}"));
+}
+
+#[test]
+fn a_loads_forged_refusal_is_printed_escaped_by_the_server() {
+    let Some((dev, gid)) = device("a_loads_forged_refusal_is_printed_escaped_by_the_server") else {
+        return;
+    };
+    let right = secret_file("forged", "the server's secret, long enough");
+    let (mut server, addr, out) = serve(&dev, gid, &right);
+    let err = common::served::lines(server.stderr.take().unwrap());
+    // A fake load: proves the secret, then refuses the welcome with the
+    // forged reason.
+    let secret = Secret::from_file(std::path::Path::new(&right)).unwrap();
+    let mut wire = Wire::new(cqd_demo::net::reach(&addr).unwrap(), addr.clone()).unwrap();
+    let mine = auth::nonce().unwrap();
+    wire.send(&Msg::<Endpoint>::Hello {
+        protocol: cqd_demo::net::PROTOCOL.into(),
+        version: cqd_demo::net::VERSION,
+        block_size: BLOCK,
+        qd: QD,
+        connections: 1,
+        rdmacm: false,
+        nonce: auth::nonce_hex(&mine),
+    })
+    .unwrap();
+    let Msg::Challenge { nonce } = wire.recv::<Endpoint>().unwrap() else {
+        panic!("no challenge")
+    };
+    let theirs = auth::parse_nonce(&nonce).unwrap();
+    wire.send(&Msg::<Endpoint>::Answer {
+        mac: secret.answer(&theirs, &mine),
+    })
+    .unwrap();
+    let welcome = wire.recv::<Endpoint>().unwrap();
+    assert!(matches!(welcome, Msg::Welcome { .. }), "{welcome:?}");
+    wire.send(&Msg::<Endpoint>::Refused {
+        reason: FORGED.into(),
+    })
+    .unwrap();
+    // The server says why it goes on waiting; then it is stopped.
+    let deadline = Instant::now() + Duration::from_secs(30) * slow();
+    let mut stderr = Vec::new();
+    while !stderr
+        .iter()
+        .any(|l: &String| l.contains("the load refused this server"))
+    {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match err.recv_timeout(left) {
+            Ok(l) => stderr.push(l),
+            Err(_) => panic!("serve did not report the refusal:\n{}", stderr.join("\n")),
+        }
+    }
+    server.kill().unwrap();
+    let _ = server.wait();
+    drop(wire);
+    stderr.extend(err.iter());
+    let stdout: Vec<String> = out.iter().collect();
+    assert_escaped(&format!("{}\n{}", stdout.join("\n"), stderr.join("\n")));
 }

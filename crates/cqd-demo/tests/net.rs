@@ -6,7 +6,7 @@
 //! softverbs-run).
 #![allow(missing_docs)]
 
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
@@ -316,11 +316,19 @@ fn with_secret(mut cfg: Config, file: &str) -> Config {
     cfg
 }
 
-/// A secret file in a fresh temporary directory (kept for the test's life).
+/// A secret file in a fresh temporary directory (kept for the test's
+/// life), readable and writable by its owner only (mode 0600, as
+/// `--secret-file` requires).
 fn secret_file(dir: &std::path::Path, name: &str, secret: &str) -> String {
     let p = dir.join(name);
     std::fs::write(&p, format!("{secret}\n")).unwrap();
+    set_mode(&p, 0o600);
     p.to_string_lossy().into_owned()
+}
+
+fn set_mode(p: &std::path::Path, mode: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
 }
 
 fn temp_dir(tag: &str) -> std::path::PathBuf {
@@ -433,4 +441,158 @@ fn a_secret_file_is_checked_before_anything_starts() {
         "{e}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_secret_file_its_group_or_others_may_read_or_write_is_refused() {
+    let dir = temp_dir("secretmode");
+    let file = secret_file(&dir, "secret", "a shared secret of some length");
+    let path = std::path::Path::new(&file);
+    // Any bit of group or others, read or write (mode & 0o077 != 0).
+    for mode in [0o644, 0o640, 0o604, 0o620, 0o602, 0o610, 0o666] {
+        set_mode(path, mode);
+        let e = Secret::from_file(path).unwrap_err();
+        let msg = e.to_string();
+        assert_eq!(e.exit_code(), 2, "{msg}");
+        assert!(msg.contains(&file), "names the file: {msg}");
+        assert!(msg.contains(&format!("mode {mode:04o}")), "{mode:o}: {msg}");
+        assert!(
+            msg.contains(&format!("chmod 600 {file}")),
+            "{mode:o}: {msg}"
+        );
+    }
+    // Private to its owner: taken.
+    for mode in [0o600, 0o400] {
+        set_mode(path, mode);
+        let s = Secret::from_file(path);
+        assert!(s.is_ok(), "mode {mode:04o}: {s:?}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The forged reason of the tests below: a terminal escape (clear the
+/// screen), then a line that looks like a verdict.
+const FORGED: &str = "\u{1b}[2J\nverdict accounts: PASSED";
+
+/// `FORGED` as the wire carries it (a JSON string, quotes included).
+fn forged_json() -> String {
+    serde_json::to_string(FORGED).unwrap()
+}
+
+/// What a process prints of `text` passed on from a peer: no raw escape
+/// byte, and exactly `own` lines that start as the forged one does (the
+/// process's own verdicts, none from the peer); the peer's words are still
+/// there, escaped.
+fn assert_escaped(text: &str, own: usize) {
+    assert!(!text.contains('\u{1b}'), "a raw ESC: {text:?}");
+    assert_eq!(
+        text.lines()
+            .filter(|l| l.starts_with("verdict accounts: PASSED"))
+            .count(),
+        own,
+        "a forged verdict line: {text:?}"
+    );
+    assert!(
+        text.contains(r"\u{1b}[2J\nverdict accounts: PASSED"),
+        "the peer's words, escaped: {text:?}"
+    );
+}
+
+/// A fake server on a free port: for each `(expect, reply)` in turn, reads
+/// lines until one is the message `expect`, then sends `reply`; then reads
+/// until the load closes the connection.
+fn fake_server(script: Vec<(&'static str, String)>) -> (String, JoinHandle<()>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let h = std::thread::spawn(move || {
+        let (s, _) = l.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut w = s.try_clone().unwrap();
+        let mut lines = BufReader::new(s).lines();
+        for (expect, reply) in script {
+            let tag = format!("\"msg\":\"{expect}\"");
+            loop {
+                let line = lines.next().expect("the load speaks").unwrap();
+                if line.contains(&tag) {
+                    break;
+                }
+            }
+            w.write_all(reply.as_bytes()).unwrap();
+            w.write_all(b"\n").unwrap();
+        }
+        for _ in lines.by_ref() {}
+    });
+    (addr, h)
+}
+
+#[test]
+fn a_forged_refusal_is_printed_escaped() {
+    let refused = format!("{{\"msg\":\"refused\",\"reason\":{}}}", forged_json());
+    // Refused at hello.
+    let fabric = SimFabric::new(0.0, 7);
+    let (addr, h) = fake_server(vec![("hello", refused.clone())]);
+    let e = load(&fabric, &load_cfg(&[addr], &["--ops", "100"])).unwrap_err();
+    // What `cqd-demo load` prints of it (main.rs).
+    let printed = format!("cqd-demo: {e}");
+    assert!(printed.contains("refused the load"), "{printed}");
+    assert_escaped(&printed, 0);
+    h.join().unwrap();
+    // Welcomed, then refused at the first connection.
+    let welcome = format!(
+        "{{\"msg\":\"welcome\",\"version\":{},\"block_size\":4096,\"blocks\":512,\
+         \"max_qd\":64,\"max_connections\":64}}",
+        cqd_demo::net::VERSION
+    );
+    let (addr, h) = fake_server(vec![("hello", welcome), ("connect", refused)]);
+    let e = load(&fabric, &load_cfg(&[addr], &["--ops", "100"])).unwrap_err();
+    let printed = format!("cqd-demo: {e}");
+    assert!(printed.contains("refused connection 0"), "{printed}");
+    assert_escaped(&printed, 0);
+    h.join().unwrap();
+}
+
+/// Forwards one TCP connection to `to`, the server's `bye` replaced by
+/// one whose detail is `FORGED`.
+fn forging_proxy(to: String) -> String {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        let (a, _) = l.accept().unwrap();
+        let b = TcpStream::connect(&to).unwrap();
+        let (mut from_a, mut to_b) = (a.try_clone().unwrap(), b.try_clone().unwrap());
+        std::thread::spawn(move || {
+            let _ = std::io::copy(&mut from_a, &mut to_b);
+            let _ = to_b.shutdown(Shutdown::Write);
+        });
+        let mut to_a = a;
+        for line in BufReader::new(b).lines().map_while(Result::ok) {
+            let line = if line.contains("\"msg\":\"bye\"") {
+                format!(
+                    "{{\"msg\":\"bye\",\"passed\":true,\"detail\":{}}}",
+                    forged_json()
+                )
+            } else {
+                line
+            };
+            if to_a.write_all(format!("{line}\n").as_bytes()).is_err() {
+                break;
+            }
+        }
+        let _ = to_a.shutdown(Shutdown::Both);
+    });
+    addr
+}
+
+#[test]
+fn a_forged_bye_is_printed_escaped_in_the_loads_report() {
+    let fabric = SimFabric::new(0.0, 8);
+    let (addr, srv) = server(&fabric, "srv0", serve_cfg(&["--device-size", "2MiB"]));
+    let via = forging_proxy(addr);
+    let r = load(&fabric, &load_cfg(&[via], &["--ops", "300"])).unwrap();
+    assert_eq!(r.peers[0].detail, FORGED, "the proxy forged the bye");
+    // The load's own accounts verdict is the one line that says it.
+    let text = r.text();
+    assert!(r.verdicts.accounts.passed, "{text}");
+    assert_escaped(&text, 1);
+    assert!(srv.join().unwrap().unwrap().passed());
 }
