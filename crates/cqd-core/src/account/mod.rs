@@ -77,7 +77,9 @@ use crate::sync::Ordering;
 use crate::wr_id::{HandlerKey, OpKind, Side, WrId};
 #[cfg(all(test, loom))]
 pub(crate) use ring::HEAD_BOUND_IS_TAIL;
-pub(crate) use ring::{stamp, stamp_now, CtxWord, RetireHeld, RetireLock, SilentEntry};
+pub(crate) use ring::{
+    stamp, stamp_now, AtHead, CtxWord, Flags, RetireHeld, RetireLock, SilentEntry,
+};
 use ring::{NewEntry, Poster, Retirer, Ring};
 
 /// Where an account belongs: its CQ's ledger (`crate::ledger`), which
@@ -428,30 +430,26 @@ impl QueueAccount {
         Some(now.saturating_duration_since(clock::instant(at >> ring::AT_SHIFT)))
     }
 
-    pub(crate) fn is_closed(&self) -> bool {
-        self.ring.closed().load(Ordering::Acquire)
-    }
-
-    /// The common case of R5 under the retiring lock the caller holds
-    /// (`account::ring`'s `take_head`): the completion of `wr_id` names
-    /// the live entry at `head`. Returns its credit, its context word and
-    /// the requests left on the queue, at most; `None`: take
-    /// [`retiring_under`](Self::retiring_under)'s general path.
+    /// The common case of R5 under a retiring lock the caller holds
+    /// (`account::ring`'s `take_head`): whether `held` is this account's
+    /// lock, and if so whether the completion of `wr_id` names the live
+    /// entry at `head` (then retired). [`AtHead::Slow`]: take
+    /// [`retiring_under`](Self::retiring_under)'s general path (or
+    /// [`retire_chained`](Self::retire_chained) with a predecessor).
     #[inline(always)]
     pub(crate) fn retire_head(
         &self,
         held: &mut RetireHeld<'_>,
         wr_id: u64,
         success: bool,
-    ) -> Option<(u64, Option<CtxWord>, u64)> {
+    ) -> AtHead {
         self.ring.retire_head(held, wr_id, success)
     }
 
-    /// True for a send queue (a completion retires every entry before
-    /// it); false for a receive queue or an SRQ.
-    #[inline]
-    pub(crate) fn in_order(&self) -> bool {
-        self.ring.in_order()
+    /// The flags the poller's pass reads after a retirement.
+    #[inline(always)]
+    pub(crate) fn flags(&self) -> Flags {
+        self.ring.flags()
     }
 
     /// True while a predecessor (step 6) still holds requests.

@@ -885,33 +885,78 @@ std::thread_local! {
     pub(crate) static HEAD_BOUND_IS_TAIL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
+/// What [`Ring::retire_head`] found.
+pub(crate) enum AtHead {
+    /// The ring's retiring lock is not the one held (an SRQ's own).
+    OtherLock,
+    /// Not the common case (a predecessor, an entry that is not at `head`
+    /// or not below `committed`): the caller takes the general path.
+    Slow,
+    /// Retired: its credit, its context word, the requests left on the
+    /// queue at most (the `tail` last loaded less `head`), and the flags
+    /// the poller's pass looks at next (see [`Ring::flags`]).
+    Taken {
+        credit: u64,
+        word: Option<CtxWord>,
+        left: u64,
+        flags: Flags,
+    },
+}
+
+/// The account's flags on the retiring line, as one look found them.
+#[derive(Clone, Copy)]
+pub(crate) struct Flags {
+    /// A send queue.
+    pub(crate) in_order: bool,
+    /// The queue is closed (`QueueAccount::close`).
+    pub(crate) closed: bool,
+    /// The poller last found the queue dry.
+    pub(crate) dry: bool,
+}
+
 impl Ring {
-    /// Step 5's common case under the retiring lock the caller holds
-    /// (see [`take_head`]), with no [`Retirer`]: the poller's pass tries
-    /// it first for each completion. Returns the credit, the context word
-    /// and the requests left on the queue (at most: the `tail` last
-    /// loaded less `head`); `None` sends the caller to the general path.
-    ///
-    /// # Panics
-    /// If `held` is not this ring's lock (a bug in cqd).
+    /// Step 5's common case under a retiring lock the caller holds (see
+    /// [`take_head`]), with no [`Retirer`]: the poller's pass tries it
+    /// first for each completion. It tells first whether `held` is this
+    /// ring's lock at all ([`AtHead::OtherLock`]).
     #[inline(always)]
     pub(crate) fn retire_head(
         &self,
         held: &mut RetireHeld<'_>,
         wr_id: u64,
         success: bool,
-    ) -> Option<(u64, Option<CtxWord>, u64)> {
-        assert!(
-            held.holds(&self.retire.lock),
-            "a retiring lock of another CQ"
-        );
-        // SAFETY: `held` is this ring's lock, exclusively borrowed for the
-        // call: this is the only reference to the consumer state.
+    ) -> AtHead {
+        if !held.holds(&self.retire.lock) {
+            return AtHead::OtherLock;
+        }
+        if self.retire.has_prev.load(Ordering::Acquire) {
+            return AtHead::Slow;
+        }
+        // SAFETY: `held` is this ring's lock (checked above), exclusively
+        // borrowed for the call: this is the only reference to the
+        // consumer state.
         let c = unsafe { &mut *self.retire.consumer.get() };
-        let (credit, word) = take_head(c, wr_id, success)?;
+        let Some((credit, word)) = take_head(c, wr_id, success) else {
+            return AtHead::Slow;
+        };
         // Published as a retirer's end publishes it (step 6).
         self.retire.head.store(c.head, Ordering::Release);
-        Some((credit, word, c.tail.saturating_sub(c.head)))
+        AtHead::Taken {
+            credit,
+            word,
+            left: c.tail.saturating_sub(c.head),
+            flags: self.flags(),
+        }
+    }
+
+    /// The account's flags, as the poller reads them with a completion.
+    #[inline(always)]
+    pub(crate) fn flags(&self) -> Flags {
+        Flags {
+            in_order: self.retire.in_order,
+            closed: self.retire.closed.load(Ordering::Acquire),
+            dry: self.retire.dry.load(std::sync::atomic::Ordering::Relaxed),
+        }
     }
 }
 

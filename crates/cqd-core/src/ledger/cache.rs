@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
-use crate::account::{CtxWord, QueueAccount, RetireHeld, SilentEntry};
+use crate::account::{AtHead, CtxWord, Flags, QueueAccount, RetireHeld, SilentEntry};
 use crate::completion::Completion;
 use crate::ledger::WrLedger;
 use crate::wr_id::{Side, WrId};
@@ -224,10 +224,48 @@ impl AccountCache {
                 Some(h) => h,
                 None => held.insert(ledger.lock_retiring()),
             };
-            if !account.retires_under(held) {
-                others = true;
-                self.keys[i] = u64::from(index);
-                continue;
+            let ok = wc.status.is_success();
+            match account.retire_head(held, wc.wr_id, ok) {
+                AtHead::OtherLock => {
+                    others = true;
+                    self.keys[i] = u64::from(index);
+                    continue;
+                }
+                AtHead::Taken {
+                    credit,
+                    word,
+                    left,
+                    flags,
+                } => {
+                    credits += credit;
+                    if let Some(w) = word {
+                        self.ctx[i] = w;
+                        self.any_ctx = true;
+                        self.keys[i] = CLAIMED;
+                    }
+                    // A send queue, or a receive queue above the mark and
+                    // not dry, that is not closed: nothing more to look at.
+                    if !flags.closed
+                        && (flags.in_order || left > u64::from(low_water) && !flags.dry)
+                    {
+                        continue;
+                    }
+                    let mut pass = Pass {
+                        silent: &mut self.silent,
+                        keys: &mut self.keys,
+                        ctx: &mut self.ctx,
+                        any_ctx: &mut self.any_ctx,
+                        any_missed: &mut self.any_missed,
+                        received: &mut self.received,
+                        undry: &mut self.undry,
+                        closed: &mut self.closed,
+                        low_water,
+                        credits: &mut credits,
+                    };
+                    pass.after(wc, account, held, ok, Some(left), flags);
+                    continue;
+                }
+                AtHead::Slow => {}
             }
             let mut pass = Pass {
                 silent: &mut self.silent,
@@ -262,6 +300,8 @@ impl AccountCache {
                         held.insert(account.retire_lock().lock())
                     }
                 };
+                // (The SRQ's retirements take the general path: their
+                // completions come out of order across its QPs.)
                 let mut pass = Pass {
                     silent: &mut self.silent,
                     keys: &mut self.keys,
@@ -309,9 +349,10 @@ struct Pass<'s> {
 
 impl Pass<'_> {
     /// Retires what completion `i` (`wc`) covers in `account`, whose
-    /// retiring lock is `held`, settles its key, and looks at the queue as
-    /// it left it (running dry, closed and drained).
-    #[inline(always)]
+    /// retiring lock is `held`, by the general path (out of the common
+    /// case of `QueueAccount::retire_head`), settles its key, and looks at
+    /// the queue as it left it ([`after`](Self::after)).
+    #[inline(never)]
     fn retire(
         &mut self,
         i: usize,
@@ -323,15 +364,7 @@ impl Pass<'_> {
         let mut got = None;
         // The requests the queue holds after this completion, at most
         // (unknown with a predecessor).
-        let fast = if account.has_prev() {
-            None
-        } else {
-            account.retire_head(held, wc.wr_id, ok)
-        };
-        let (c, found, left) = if let Some((c, word, left)) = fast {
-            got = word;
-            (c, true, Some(left))
-        } else if account.has_prev() {
+        let (c, found, left) = if account.has_prev() {
             let (c, found) = account.retire_chained(held, wc.wr_id, ok, self.silent, &mut got);
             (c, found, None)
         } else {
@@ -352,6 +385,24 @@ impl Pass<'_> {
                 MISSED
             }
         };
+        let flags = account.flags();
+        self.after(wc, account, held, ok && found, left, flags);
+    }
+
+    /// What the pass looks at after retiring a completion (`wc`) of
+    /// `account` (`consumed`: a success that retired its request; `left`:
+    /// the requests the queue holds now, at most, if known; `flags`: the
+    /// account's flags as the retirement found them).
+    #[inline(never)]
+    fn after(
+        &mut self,
+        wc: &Completion,
+        account: &Arc<QueueAccount>,
+        held: &mut RetireHeld<'_>,
+        consumed: bool,
+        left: Option<u64>,
+        flags: Flags,
+    ) {
         // A receive queue with more left than the low-water mark cannot be
         // dry after the handlers (reposts only add): only the others are
         // checked again after them, once per queue and batch, with its last
@@ -359,10 +410,10 @@ impl Pass<'_> {
         // so its last completion decides: one that was dry and is above the
         // mark at some completion is noted, and found no longer dry after
         // the pass unless a later completion took it to the mark.)
-        if ok && found && !account.in_order() {
+        if consumed && !flags.in_order {
             match left {
                 Some(left) if left > u64::from(self.low_water) => {
-                    if account.is_dry() && !self.undry.iter().any(|u| Arc::ptr_eq(u, account)) {
+                    if flags.dry && !self.undry.iter().any(|u| Arc::ptr_eq(u, account)) {
                         self.undry.push(Arc::clone(account));
                     }
                 }
@@ -382,7 +433,7 @@ impl Pass<'_> {
         // sets the flag under (with the posting lock, so no post is in
         // flight then): requests posted after the last retirement here and
         // before the close keep the account attached.
-        if account.is_closed() && !account.has_prev() && account.retiring_under(held).drained() {
+        if flags.closed && !account.has_prev() && account.retiring_under(held).drained() {
             let side = account.queue().side();
             if !self
                 .closed
