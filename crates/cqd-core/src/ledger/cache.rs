@@ -202,6 +202,24 @@ impl AccountCache {
         self.keys.clear();
         self.keys.resize(wcs.len(), DONE);
         let mut credits = 0;
+        // The pass's scratch, borrowed beside `self.accounts` (an account
+        // found there is borrowed while the pass writes the scratch).
+        macro_rules! pass {
+            () => {
+                Pass {
+                    silent: &mut self.silent,
+                    keys: &mut self.keys,
+                    ctx: &mut self.ctx,
+                    any_ctx: &mut self.any_ctx,
+                    any_missed: &mut self.any_missed,
+                    received: &mut self.received,
+                    undry: &mut self.undry,
+                    closed: &mut self.closed,
+                    low_water,
+                    credits: &mut credits,
+                }
+            };
+        }
         let mut others = false;
         let mut held: Option<RetireHeld<'_>> = None;
         for (i, wc) in wcs.iter().enumerate() {
@@ -250,35 +268,13 @@ impl AccountCache {
                     {
                         continue;
                     }
-                    let mut pass = Pass {
-                        silent: &mut self.silent,
-                        keys: &mut self.keys,
-                        ctx: &mut self.ctx,
-                        any_ctx: &mut self.any_ctx,
-                        any_missed: &mut self.any_missed,
-                        received: &mut self.received,
-                        undry: &mut self.undry,
-                        closed: &mut self.closed,
-                        low_water,
-                        credits: &mut credits,
-                    };
+                    let mut pass = pass!();
                     pass.after(wc, account, held, ok, Some(left), flags);
                     continue;
                 }
                 AtHead::Slow => {}
             }
-            let mut pass = Pass {
-                silent: &mut self.silent,
-                keys: &mut self.keys,
-                ctx: &mut self.ctx,
-                any_ctx: &mut self.any_ctx,
-                any_missed: &mut self.any_missed,
-                received: &mut self.received,
-                undry: &mut self.undry,
-                closed: &mut self.closed,
-                low_water,
-                credits: &mut credits,
-            };
+            let mut pass = pass!();
             pass.retire(i, wc, account, held);
         }
         drop(held);
@@ -302,18 +298,7 @@ impl AccountCache {
                 };
                 // (The SRQ's retirements take the general path: their
                 // completions come out of order across its QPs.)
-                let mut pass = Pass {
-                    silent: &mut self.silent,
-                    keys: &mut self.keys,
-                    ctx: &mut self.ctx,
-                    any_ctx: &mut self.any_ctx,
-                    any_missed: &mut self.any_missed,
-                    received: &mut self.received,
-                    undry: &mut self.undry,
-                    closed: &mut self.closed,
-                    low_water,
-                    credits: &mut credits,
-                };
+                let mut pass = pass!();
                 pass.retire(i, wc, account, held);
             }
         }
