@@ -131,9 +131,9 @@ impl CqMetrics {
     ///
     /// The loom model `loom_overflow` checks it, and that a relaxed count
     /// (step 3 without its release) lets a reader see the overflow on a CQ
-    /// not in error. (The count is stored, not read and stored again:
-    /// loom does not find that reordering when the writer loads the
-    /// counter first.)
+    /// not in error. The count is the poller's own, written with one
+    /// release store (no load of the counter first): the shape the model
+    /// checks.
     pub(crate) fn publish_overflow(&self, count: u64, budget: Option<&crate::budget::CqBudget>) {
         self.0.in_error.store(1, Ordering::Relaxed);
         if let Some(b) = budget {

@@ -301,17 +301,11 @@ fn sys_open(path: &CStr, flags: libc::c_int, mode: libc::mode_t) -> io::Result<O
     Err(err)
 }
 
-/// [`FabricError::Symlink`] for `path`, printed on stderr the first time
-/// in this process.
+/// [`FabricError::Symlink`] for `path`, as [`refused`] gives it.
 fn refused_link(path: &CStr) -> io::Error {
-    static WARNED: AtomicBool = AtomicBool::new(false);
-    let e = FabricError::Symlink {
+    refused(FabricError::Symlink {
         path: PathBuf::from(std::ffi::OsStr::from_bytes(path.to_bytes())),
-    };
-    if !WARNED.swap(true, Ordering::Relaxed) {
-        crate::sys::private::warn(&e.to_string());
-    }
-    e.into()
+    })
 }
 
 /// Step 2: create `path` read-write with mode 0600, failing with EEXIST
