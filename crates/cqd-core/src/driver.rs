@@ -485,8 +485,13 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             }
             // 1. Drain every CQ; asynchronous events.
             self.drain_all().await?;
-            for cq in &mut self.cqs {
-                cq.poller.check_async();
+            for i in 0..self.cqs.len() {
+                self.cqs[i].poller.check_async();
+                if self.cqs[i].poller.quiescing() {
+                    // An SRQ user's last WQE: a short poll quiesces it
+                    // (step 3 of `ledger::teardown`).
+                    self.drain(i).await?;
+                }
             }
             if !self.out.is_empty() {
                 // The sink is full: it drains as its workers work; above

@@ -34,7 +34,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cqd_core::completion::Completion;
-use cqd_core::ledger::WrLedger;
+use cqd_core::ledger::{Graveyard, WrLedger};
 use cqd_core::notifier::Member;
 use cqd_core::source::{ArmKind, AsyncEvent, CompletionSource, SharedNotifier, SourceError};
 
@@ -91,6 +91,9 @@ pub struct SimCqStats {
     /// Copies written by the `duplicate` fault (each also counted in
     /// `pushed`).
     pub duplicated: u64,
+    /// Entries removed with their QP when it was destroyed (as mlx5's
+    /// `ibv_destroy_qp` cleans its CQs).
+    pub purged: u64,
 }
 
 /// Why a completion was not accepted.
@@ -130,7 +133,9 @@ pub const MAX_CQE: u32 = 4 * 1024 * 1024;
 
 #[derive(Debug)]
 struct State {
-    ring: VecDeque<Completion>,
+    /// The entries, each with its sequence number (the count of entries
+    /// ever added before it).
+    ring: VecDeque<(u64, Completion)>,
     arm: Option<ArmKind>,
     overflowed: bool,
     destroyed: bool,
@@ -200,6 +205,11 @@ struct Shared {
     queued: AtomicUsize,
     /// Destroyed or vanished (written under the lock).
     dead: AtomicBool,
+    /// QPs waiting for their completions here to be accounted before the
+    /// NIC destroys them; reaped by the consumer side between polls.
+    grave: Arc<Graveyard>,
+    /// Cleared when the consumer side goes.
+    source_alive: AtomicBool,
 }
 
 impl Shared {
@@ -372,6 +382,8 @@ pub(crate) fn make_cq(
         async_pending: AtomicUsize::new(0),
         queued: AtomicUsize::new(0),
         dead: AtomicBool::new(false),
+        grave: Graveyard::new(),
+        source_alive: AtomicBool::new(true),
     });
     Ok((
         SimCq {
@@ -434,7 +446,8 @@ impl SimCq {
             }
             return Err(PushError::Overflow { capacity });
         }
-        st.ring.push_back(wc);
+        let seq = st.stats.pushed;
+        st.ring.push_back((seq, wc));
         st.stats.pushed += 1;
         let p = st.faults.duplicate;
         if draw(&mut st.dup_rng, p) {
@@ -462,7 +475,8 @@ impl SimCq {
             .budget()
             .map_or(0, |b| b.credits_in_use());
         if st.ring.len() as u64 + 1 + owed <= u64::from(self.shared.capacity) {
-            st.ring.push_back(wc);
+            let seq = st.stats.pushed;
+            st.ring.push_back((seq, wc));
             st.stats.pushed += 1;
             st.stats.duplicated += 1;
         }
@@ -481,11 +495,57 @@ impl SimCq {
         self.push_locked(&mut st, wc, solicited).map(|()| seq)
     }
 
-    /// Entries polled (or discarded by destroy) so far: every entry whose
-    /// sequence number is below this has left the CQ.
+    /// Every entry whose sequence number is below this has left the CQ
+    /// (polled, or purged with its QP): the sequence number of the oldest
+    /// entry still queued, or of the next one.
     pub fn consumed(&self) -> u64 {
         let st = self.shared.state.lock();
-        st.stats.pushed - st.ring.len() as u64
+        st.ring.front().map_or(st.stats.pushed, |e| e.0)
+    }
+
+    /// What a device does with a QP it destroys: removes the entries of
+    /// QP `qpn` still queued, keeping the others in order, and returns
+    /// their sequence numbers (so that the NIC frees the queue slots they
+    /// held; mlx5's `ibv_destroy_qp` cleans its CQs this way). With the
+    /// fabric's state locked.
+    pub(crate) fn purge_qp(&self, qpn: u32) -> Vec<u64> {
+        let mut st = self.shared.state.lock();
+        let mut gone = Vec::new();
+        st.ring.retain(|(seq, wc)| {
+            let keep = wc.qp_num != qpn;
+            if !keep {
+                gone.push(*seq);
+            }
+            keep
+        });
+        if !gone.is_empty() {
+            st.stats.purged += gone.len() as u64;
+            self.shared.publish(&st);
+        }
+        gone
+    }
+
+    /// Raises an asynchronous event on this CQ (a QP's, routed to the
+    /// poller of its receive CQ).
+    pub(crate) fn raise_async(&self, ev: AsyncEvent) {
+        let mut st = self.shared.state.lock();
+        if st.destroyed || st.vanished {
+            return;
+        }
+        self.shared.raise(&mut st, ev);
+    }
+
+    /// The QPs the application let go whose completions here are not all
+    /// accounted yet (`cqd_core::ledger::Graveyard`): this CQ's poller
+    /// reaps them between polls.
+    pub(crate) fn grave(&self) -> &Arc<Graveyard> {
+        &self.shared.grave
+    }
+
+    /// True while the consumer side is held (a poller may still account
+    /// what is queued here).
+    pub(crate) fn source_alive(&self) -> bool {
+        self.shared.source_alive.load(Ordering::Acquire)
     }
 
     /// Makes `wcs` land in the CQ at the start of the next arm, before the
@@ -557,6 +617,16 @@ pub struct SimCqSource {
     unacked: u32,
 }
 
+impl Drop for SimCqSource {
+    fn drop(&mut self) {
+        // Nobody will account what is queued here any more: the QPs that
+        // wait for it are destroyed now (what they owed is reported
+        // missing by the stop).
+        self.shared.source_alive.store(false, Ordering::Release);
+        self.shared.grave.release_all();
+    }
+}
+
 impl SimCqSource {
     /// The producer side of the same CQ.
     pub fn producer(&self) -> SimCq {
@@ -580,6 +650,9 @@ impl CompletionSource for SimCqSource {
     }
 
     fn poll(&mut self, out: &mut [Completion]) -> Result<usize, SourceError> {
+        if !self.shared.grave.is_empty() {
+            self.shared.grave.reap();
+        }
         if self.shared.queued.load(Ordering::Acquire) == 0
             && !self.shared.dead.load(Ordering::Acquire)
         {
@@ -596,7 +669,7 @@ impl CompletionSource for SimCqSource {
             return Err(SourceError::Backend("CQ destroyed".into()));
         }
         let n = out.len().min(st.ring.len());
-        for (slot, wc) in out.iter_mut().zip(st.ring.drain(..n)) {
+        for (slot, (_, wc)) in out.iter_mut().zip(st.ring.drain(..n)) {
             *slot = wc;
         }
         self.shared.publish(&st);
@@ -620,7 +693,8 @@ impl CompletionSource for SimCqSource {
             let injected = std::mem::take(&mut st.inject_before_arm);
             for wc in injected {
                 if st.ring.len() < self.shared.capacity as usize {
-                    st.ring.push_back(wc);
+                    let seq = st.stats.pushed;
+                    st.ring.push_back((seq, wc));
                     st.stats.pushed += 1;
                     st.stats.injected += 1;
                 }

@@ -33,6 +33,7 @@
 use std::time::{Duration, Instant};
 
 use cqd_core::completion::{Completion, Status};
+use cqd_core::source::{AsyncEvent, QpEvent};
 
 use crate::cq::PushError;
 use crate::device::Cq;
@@ -102,6 +103,9 @@ pub struct NicStats {
     pub errors: u64,
     /// Flush completions.
     pub flushed: u64,
+    /// Completions removed from their CQ when their QP was destroyed before
+    /// they were polled.
+    pub purged: u64,
     /// Completions lost to CQ overflow.
     pub lost: u64,
     /// Errors injected (`error_rate`).
@@ -288,6 +292,59 @@ impl FabricState {
                 q.rq_done.push_back(done);
             }
         }
+        // A QP on an SRQ takes no more of its receives from here on (the
+        // simulated NIC completes a receive whole, so none is half taken,
+        // and the completions of those it took are in the CQ already):
+        // IBV_EVENT_QP_LAST_WQE_REACHED, once, on its receive CQ.
+        if let Some(q) = self.qps.get_mut(&qpn) {
+            if q.srq.is_some() && !std::mem::replace(&mut q.last_wqe, true) {
+                rcq.producer().raise_async(AsyncEvent::Qp {
+                    qp_num: qpn,
+                    kind: QpEvent::LastWqeReached,
+                    owner: None,
+                });
+            }
+        }
+    }
+
+    /// What the NIC does when it destroys QP `qpn`: the QP goes to error,
+    /// its completions still queued in its CQs are removed (mlx5's
+    /// `ibv_destroy_qp` cleans them), the queue slots they held are freed
+    /// (an SRQ's too: those receives are gone, and no completion will name
+    /// them), and the context goes once nothing holds a slot. Returns the
+    /// completions removed.
+    pub(crate) fn destroy_qp(&mut self, qpn: u32) -> usize {
+        self.enter_error(qpn);
+        let Some(q) = self.qps.get_mut(&qpn) else {
+            return 0;
+        };
+        let (scq, rcq, srq) = (q.send_cq.clone(), q.recv_cq.clone(), q.srq);
+        let sgone = scq.producer().purge_qp(qpn);
+        let rgone = if rcq.same(&scq) {
+            Vec::new()
+        } else {
+            rcq.producer().purge_qp(qpn)
+        };
+        let purged = sgone.len() + rgone.len();
+        let unlist = |d: &mut std::collections::VecDeque<Done>, gone: &[u64]| {
+            d.retain(|x| !matches!(x, Done::Cqe(seq) if gone.contains(seq)));
+        };
+        q.destroyed = true;
+        if purged > 0 {
+            unlist(&mut q.sq_done, &sgone);
+            let own = if rcq.same(&scq) { &sgone } else { &rgone };
+            unlist(&mut q.rq_done, own);
+            if let Some(s) = srq.and_then(|s| self.srqs.get_mut(&s)) {
+                for (cq, d) in &mut s.done {
+                    if cq.same(&rcq) {
+                        unlist(d, if rcq.same(&scq) { &sgone } else { &rgone });
+                    }
+                }
+            }
+            self.stats.purged += purged as u64;
+        }
+        self.sweep_destroyed();
+        purged
     }
 
     /// Takes the next receive of `qpn` (its queue or its SRQ).

@@ -213,9 +213,10 @@ impl Pd {
         };
         // An SRQ serves the handlers of one CQ: refused before anything
         // is made.
-        if let Some(srq) = init.srq {
-            init.recv_cq.ledger().attach_srq_user(qpn, &srq.account)?;
-        }
+        let srq_user = match init.srq {
+            Some(srq) => Some(init.recv_cq.ledger().attach_srq_user(qpn, &srq.account)?),
+            None => None,
+        };
         st.next_qpn += 1;
         let send_account = init.send_cq.ledger().open_queue(qpn, Queue::Send);
         send_account.reserve(init.cap.max_send_wr);
@@ -252,6 +253,7 @@ impl Pd {
                 rq_done: VecDeque::new(),
                 _admissions: admissions,
                 destroyed: false,
+                last_wqe: false,
             },
         );
         drop(st);
@@ -263,6 +265,8 @@ impl Pd {
             device: Arc::clone(&self.device.inner),
             send_account,
             recv_account,
+            srq_user,
+            recv_ledger: init.recv_cq.ledger().clone(),
         })
     }
 

@@ -18,7 +18,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use cqd_core::ledger::{DrainMarker, Queue, QueueAccount};
+use cqd_core::ledger::{DrainMarker, Queue, QueueAccount, SrqUser, WrLedger, Zombie};
 use cqd_core::post::{
     check_atomic, check_datagram, Invalid, PostRecv, PostSend, SendRequest, WorkRequest,
 };
@@ -145,6 +145,10 @@ pub struct Qp {
     /// The receive queue's account (on the receive CQ's ledger), or the
     /// SRQ's.
     pub(crate) recv_account: Arc<QueueAccount>,
+    /// Its use of an SRQ, as the receive CQ's ledger keeps it.
+    pub(crate) srq_user: Option<Arc<SrqUser>>,
+    /// The receive CQ's ledger.
+    pub(crate) recv_ledger: WrLedger,
 }
 
 impl Qp {
@@ -521,15 +525,82 @@ impl Drop for Qp {
             }
         }
         self.send_account.close();
-        if self.recv_account.queue() == Queue::Recv {
+        let own_recv = self.recv_account.queue() == Queue::Recv;
+        if own_recv {
             self.recv_account.close();
         }
-        let mut st = self.fabric.core.state.lock();
-        st.enter_error(self.qpn);
-        if let Some(q) = st.qps.get_mut(&self.qpn) {
-            q.destroyed = true;
+        // The NIC destroys the QP (and purges what is left of it in its
+        // CQs) once every completion of it is accounted: until then it
+        // waits in its send CQ's graveyard (`cqd_core::ledger::Graveyard`).
+        let tomb = Tomb {
+            fabric: self.fabric.clone(),
+            qpn: self.qpn,
+            send: Arc::clone(&self.send_account),
+            recv: own_recv.then(|| Arc::clone(&self.recv_account)),
+            srq: self.srq_user.as_ref().map(|u| {
+                (
+                    Arc::clone(u),
+                    Arc::clone(&self.recv_account),
+                    self.recv_ledger.clone(),
+                )
+            }),
+        };
+        let send_cq = {
+            let mut st = self.fabric.core.state.lock();
+            st.enter_error(self.qpn);
+            st.qps.get(&self.qpn).map(|q| q.send_cq.clone())
+        };
+        match send_cq {
+            Some(cq) if cq.producer().source_alive() && !tomb.ready() => {
+                let grave = cq.producer().grave();
+                if let Some(u) = &self.srq_user {
+                    u.waits_in(grave);
+                }
+                grave.bury(Box::new(tomb));
+            }
+            _ => drop(tomb),
         }
-        st.sweep_destroyed();
+    }
+}
+
+/// A dropped QP whose completions are not all accounted yet. Dropping it
+/// destroys the QP in the NIC.
+struct Tomb {
+    fabric: Fabric,
+    qpn: u32,
+    send: Arc<QueueAccount>,
+    recv: Option<Arc<QueueAccount>>,
+    /// Its SRQ user, the SRQ's account and the receive CQ's ledger.
+    srq: Option<(Arc<SrqUser>, Arc<QueueAccount>, WrLedger)>,
+}
+
+impl Zombie for Tomb {
+    /// Checked only once the QP is in the error state, where it takes no
+    /// more receives from its SRQ: an SRQ account that holds nothing then
+    /// means that no completion of the QP can retire anything of it.
+    fn ready(&self) -> bool {
+        self.send.outstanding() == 0
+            && self.recv.as_ref().is_none_or(|r| r.outstanding() == 0)
+            && self
+                .srq
+                .as_ref()
+                .is_none_or(|(u, srq, _)| u.quiesced() || srq.outstanding() == 0)
+    }
+}
+
+impl Drop for Tomb {
+    fn drop(&mut self) {
+        if let Some((u, _, ledger)) = &self.srq {
+            ledger.release_srq_user(u);
+        }
+        let purged = self.fabric.core.state.lock().destroy_qp(self.qpn);
+        if purged > 0 {
+            tracing::warn!(
+                qpn = self.qpn,
+                purged,
+                "QP destroyed with completions not polled: the NIC removed them"
+            );
+        }
     }
 }
 

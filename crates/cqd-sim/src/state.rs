@@ -130,6 +130,8 @@ pub(crate) struct QpCtx {
     pub(crate) _admissions: Vec<Admission>,
     /// Destroyed by the user; kept until its slots are reclaimed.
     pub(crate) destroyed: bool,
+    /// `IBV_EVENT_QP_LAST_WQE_REACHED` was raised (a QP on an SRQ, once).
+    pub(crate) last_wqe: bool,
 }
 
 impl std::fmt::Debug for QpCtx {

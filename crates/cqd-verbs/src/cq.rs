@@ -27,7 +27,7 @@ use std::sync::Arc;
 use cqd_core::budget::{BudgetOptions, BudgetSnapshot, CqBudget};
 use cqd_core::completion::{Completion, Opcode, Status, WcFlags};
 use cqd_core::cq::{split, CqHandle, CqOptions, UnboundCq};
-use cqd_core::ledger::WrLedger;
+use cqd_core::ledger::{Graveyard, WrLedger};
 use cqd_core::notifier::{FiredSet, Member};
 use cqd_core::source::{ArmKind, AsyncEvent, CompletionSource, SharedNotifier, SourceError};
 use parking_lot::Mutex;
@@ -233,10 +233,10 @@ pub(crate) struct CqInner {
     pub(crate) ledger: WrLedger,
     /// Events read by the source and not yet acked when it let go.
     leftover: Mutex<u32>,
-    /// QPs dropped with requests outstanding, in ERR, destroyed once the
-    /// poller has retired their flushes (see [`crate::Qp`]).
-    zombies: Mutex<Vec<QpInner>>,
-    has_zombies: AtomicBool,
+    /// QPs dropped with completions to account, in ERR, destroyed once
+    /// the poller has retired their flushes and quiesced their SRQ use
+    /// (see [`crate::Qp`] and `cqd_core::ledger::Graveyard`).
+    pub(crate) grave: Arc<Graveyard>,
     /// The source (the poller's half) exists.
     source_alive: AtomicBool,
 }
@@ -254,41 +254,22 @@ impl CqInner {
         self.source_alive.load(Ordering::Acquire)
     }
 
-    /// Keeps a flushed QP until its flushes are retired.
+    /// Keeps a flushed QP until its completions are accounted.
     pub(crate) fn bury(&self, qp: QpInner) {
-        let mut z = self.zombies.lock();
+        if let Some(u) = &qp.srq_user {
+            u.waits_in(&self.grave);
+        }
+        self.grave.bury(Box::new(qp));
         if !self.poller_alive() {
             // The source went meanwhile: nobody will reap it.
-            drop(z);
-            drop(qp);
-            return;
+            self.grave.release_all();
         }
-        z.push(qp);
-        self.has_zombies.store(true, Ordering::Release);
-    }
-
-    /// Destroys the buried QPs whose flushes are all retired (the poller
-    /// thread, between polls).
-    #[cold]
-    fn reap(&self) {
-        let done: Vec<QpInner> = {
-            let mut z = self.zombies.lock();
-            let (done, keep) = std::mem::take(&mut *z)
-                .into_iter()
-                .partition(|q| q.outstanding() == 0);
-            *z = keep;
-            self.has_zombies.store(!z.is_empty(), Ordering::Release);
-            done
-        };
-        drop(done);
     }
 
     /// The source is gone: every buried QP goes now.
     fn bury_all(&self) {
         self.source_alive.store(false, Ordering::Release);
-        let all = std::mem::take(&mut *self.zombies.lock());
-        self.has_zombies.store(false, Ordering::Release);
-        drop(all);
+        self.grave.release_all();
     }
 }
 
@@ -552,8 +533,7 @@ pub(crate) unsafe fn adopt_parts(
         budget,
         ledger,
         leftover: Mutex::new(0),
-        zombies: Mutex::new(Vec::new()),
-        has_zombies: AtomicBool::new(false),
+        grave: Graveyard::new(),
         source_alive: AtomicBool::new(true),
     });
     inner.channel.inbox.open(token);
@@ -639,8 +619,8 @@ impl CompletionSource for VerbsCqSource {
 
     #[inline]
     fn poll(&mut self, out: &mut [Completion]) -> Result<usize, SourceError> {
-        if self.cq.has_zombies.load(Ordering::Acquire) {
-            self.cq.reap();
+        if !self.cq.grave.is_empty() {
+            self.cq.grave.reap();
         }
         // SAFETY: this source is the CQ's only poller (it is owned by one
         // thread; CqInner never polls); `poll` is the CQ's provider's. The

@@ -151,12 +151,17 @@ pub(crate) enum Route {
         token: u64,
         capacity: u32,
     },
-    /// A QP: its number, owner and the inbox of its send CQ.
+    /// A QP: its number, owner and the inbox of its owner's CQ (or its
+    /// send CQ's).
     Qp {
         qp_num: u32,
         owner: Option<HandlerKey>,
         inbox: Weak<AsyncInbox>,
         token: u64,
+        /// A QP on an SRQ whose receive CQ is another: that CQ's inbox and
+        /// token, where its `LAST_WQE_REACHED` goes too (its poller
+        /// quiesces the QP's SRQ use: `cqd_core::ledger::Graveyard`).
+        srq_recv: Option<(Weak<AsyncInbox>, u64)>,
     },
     /// An SRQ: its number, owner and the inbox of its owner's CQ.
     Srq {
@@ -275,13 +280,29 @@ impl ContextInner {
                             owner,
                             inbox,
                             token,
+                            srq_recv,
                         }),
                         Element::Qp(_),
                     ) => {
                         c.qp_events.fetch_add(1, Ordering::Relaxed);
+                        let kind = qp_event(ty);
+                        if let (QpEvent::LastWqeReached, Some((recv, recv_token))) =
+                            (kind, srq_recv)
+                        {
+                            if let Some(i) = recv.upgrade() {
+                                i.push(
+                                    *recv_token,
+                                    AsyncEvent::Qp {
+                                        qp_num: *qp_num,
+                                        kind,
+                                        owner: None,
+                                    },
+                                );
+                            }
+                        }
                         let ev = AsyncEvent::Qp {
                             qp_num: *qp_num,
-                            kind: qp_event(ty),
+                            kind,
                             owner: *owner,
                         };
                         inbox.upgrade().map(|i| i.push(*token, ev))

@@ -19,6 +19,7 @@ use std::sync::Arc;
 use cqd_core::account::{DrainMarker, Queue, QueueAccount};
 use cqd_core::budget::Admission;
 use cqd_core::cq::Registration;
+use cqd_core::ledger::{SrqUser, Zombie};
 use cqd_core::post::{check_atomic, check_datagram, Invalid, PostRecv, PostSend};
 use parking_lot::Mutex;
 
@@ -489,6 +490,8 @@ pub(crate) struct QpInner {
     mtu: std::sync::atomic::AtomicU32,
     send_account: Arc<QueueAccount>,
     recv_account: Arc<QueueAccount>,
+    /// Its use of an SRQ, as the receive CQ's ledger keeps it.
+    pub(crate) srq_user: Option<Arc<SrqUser>>,
     pins: Pins,
     /// Its memory windows, deallocated before it is destroyed.
     windows: crate::window::Windows,
@@ -512,10 +515,32 @@ impl QpInner {
         };
         self.send_account.outstanding() + recv
     }
+
+    /// True when the device may destroy it: nothing outstanding on its own
+    /// queues, and its SRQ use quiesced (`cqd_core::ledger::Graveyard`).
+    /// Asked only once the QP is in the error state, where it takes no
+    /// more of its SRQ's receives: an SRQ account that holds nothing then
+    /// means that no completion of the QP can retire anything of it.
+    fn ready(&self) -> bool {
+        self.outstanding() == 0
+            && self
+                .srq_user
+                .as_ref()
+                .is_none_or(|u| u.quiesced() || self.recv_account.outstanding() == 0)
+    }
+}
+
+impl Zombie for QpInner {
+    fn ready(&self) -> bool {
+        QpInner::ready(self)
+    }
 }
 
 impl Drop for QpInner {
     fn drop(&mut self) {
+        if let Some(u) = &self.srq_user {
+            self.recv_cq.ledger.release_srq_user(u);
+        }
         self.pd.ctx.remove_route(self.qp.as_ptr() as usize);
         // Windows first: a type-2 window still bound to a destroyed QP is
         // a device error (rxe waits, then frees the QP under the window).
@@ -645,6 +670,7 @@ impl Pd {
             max_inline_data: attr.cap.max_inline_data.max(init.cap.max_inline_data),
         };
         let mut admissions = Vec::with_capacity(2);
+        let mut srq_user = None;
         admissions.push(
             init.send_cq
                 .budget()
@@ -659,10 +685,12 @@ impl Pd {
                         .admit_srq(srq.number(), srq.depth())
                         .map_err(|e| destroy(e.into()))?,
                 );
-                init.recv_cq
-                    .ledger()
-                    .attach_srq_user(qpn, &srq.inner.account)
-                    .map_err(|e| destroy(e.into()))?;
+                srq_user = Some(
+                    init.recv_cq
+                        .ledger()
+                        .attach_srq_user(qpn, &srq.inner.account)
+                        .map_err(|e| destroy(e.into()))?,
+                );
             }
             None => admissions.push(
                 init.recv_cq
@@ -695,6 +723,14 @@ impl Pd {
                 owner,
                 inbox: Arc::downgrade(&event_cq.inner.channel.inbox),
                 token: event_cq.inner.token,
+                srq_recv: (srq_user.is_some()
+                    && !Arc::ptr_eq(&event_cq.inner, &init.recv_cq.inner))
+                .then(|| {
+                    (
+                        Arc::downgrade(&init.recv_cq.inner.channel.inbox),
+                        init.recv_cq.inner.token,
+                    )
+                }),
             },
         );
         Ok(Qp {
@@ -710,6 +746,7 @@ impl Pd {
                 mtu: std::sync::atomic::AtomicU32::new(0),
                 send_account,
                 recv_account,
+                srq_user,
                 pins: Pins::default(),
                 windows: crate::window::Windows::default(),
                 _admissions: admissions,
@@ -1218,7 +1255,9 @@ impl Drop for Qp {
     fn drop(&mut self) {
         // SAFETY: `drop` runs once and `self.inner` is not used after.
         let inner = unsafe { std::mem::ManuallyDrop::take(&mut self.inner) };
-        if inner.outstanding() == 0 || !inner.send_cq.poller_alive() {
+        // A QP on an SRQ goes to the error state first whatever it holds:
+        // only then does it take no more of the SRQ's receives.
+        if (inner.outstanding() == 0 && inner.srq_user.is_none()) || !inner.send_cq.poller_alive() {
             drop(inner);
             return;
         }
@@ -1251,6 +1290,10 @@ impl Drop for Qp {
                 tracing::warn!(qpn = inner.qpn, ?marker,
                     "no drain marker: the unsignaled requests at the end of the send queue stay outstanding");
             }
+        }
+        if inner.ready() {
+            drop(inner);
+            return;
         }
         let cq = Arc::clone(&inner.send_cq);
         cq.bury(inner);

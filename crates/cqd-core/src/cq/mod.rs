@@ -305,6 +305,7 @@ pub fn split<W: Send + 'static>(
         finished: false,
         in_error: false,
         overflows: 0,
+        last_wqe: Vec::new(),
         doorbell: None,
     };
     Ok((
@@ -333,6 +334,9 @@ struct Core<W> {
     /// Overflows reported (the metric's value: this poller is its only
     /// writer).
     overflows: u64,
+    /// QPs of an SRQ whose `LAST_WQE_REACHED` this poller took (step 2 of
+    /// `ledger::teardown`), to quiesce after the next short poll.
+    last_wqe: Vec<u32>,
     /// The doorbell installed for this CQ (the poller's), for its fd.
     doorbell: Option<Arc<GroupBell>>,
     /// Completions still to be timed one by one after a slow batch, to
@@ -514,6 +518,9 @@ impl<W: Send + 'static> CqPoller<W> {
         }
         let m = &self.core.shared.metrics.0;
         bump(&m.polls, 1);
+        // SRQ users whose last WQE was taken before this poll began
+        // (`ledger::teardown`, step 3).
+        let quiescing = self.core.last_wqe.len();
         let n = match self.core.source.poll(&mut self.core.buf) {
             Ok(n) => n.min(self.core.buf.len()),
             Err(e) => {
@@ -523,6 +530,9 @@ impl<W: Send + 'static> CqPoller<W> {
         };
         if n == 0 {
             bump(&m.empty_polls, 1);
+            if quiescing > 0 {
+                self.quiesce(quiescing);
+            }
             return Ok(0);
         }
         bump(&m.completions, n as u64);
@@ -555,7 +565,29 @@ impl<W: Send + 'static> CqPoller<W> {
                 self.slow_batch(took);
             }
         }
+        if quiescing > 0 && n < self.core.buf.len() {
+            self.quiesce(quiescing);
+        }
         Ok(n)
+    }
+
+    /// True while an SRQ user waits for a short poll of this CQ (step 3 of
+    /// `ledger::teardown`): the poller polls the CQ before it sleeps.
+    #[inline]
+    pub(crate) fn quiescing(&self) -> bool {
+        !self.core.last_wqe.is_empty()
+    }
+
+    /// Step 3 of `ledger::teardown` for the first `count` SRQ users of
+    /// `last_wqe`: the poll that just ended began after their events,
+    /// found the CQ empty, and its batch is accounted.
+    #[cold]
+    #[inline(never)]
+    fn quiesce(&mut self, count: usize) {
+        let done: Vec<u32> = self.core.last_wqe.drain(..count).collect();
+        if let Some(l) = self.core.shared.ledger.get() {
+            l.quiesce(&done);
+        }
     }
 
     /// Out of line: a batch whose handlers took longer than
@@ -744,6 +776,23 @@ impl<W: Send + 'static> CqPoller<W> {
                     }
                     _ => {
                         tracing::error!(cq = %self.core.shared.name, event = ?ev, "asynchronous event")
+                    }
+                }
+                if let AsyncEvent::Qp {
+                    qp_num,
+                    kind: crate::event::QpEvent::LastWqeReached,
+                    ..
+                } = ev
+                {
+                    // Step 2 of `ledger::teardown`.
+                    if self
+                        .core
+                        .shared
+                        .ledger
+                        .get()
+                        .is_some_and(|l| l.last_wqe_reached(qp_num))
+                    {
+                        self.core.last_wqe.push(qp_num);
                     }
                 }
                 self.route_async(&ev);

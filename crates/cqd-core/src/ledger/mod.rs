@@ -41,8 +41,10 @@ use crate::budget::CqBudget;
 use crate::slab::SlotLedger;
 
 pub(crate) mod cache;
+mod teardown;
 use crate::wr_id::{HandlerKey, OpKind, Side, WrId};
 pub(crate) use cache::AccountCache;
+pub use teardown::{Graveyard, SrqUser, Zombie};
 
 /// An SRQ serves the handlers of one CQ (see
 /// [`WrLedger::attach_srq_user`]).
@@ -116,6 +118,9 @@ pub(crate) struct LedgerInner {
     /// or not yet: a receive can be posted to an SRQ before any QP draws
     /// on it, and a context handler's end (R8) must find it.
     srqs: parking_lot::Mutex<Vec<Arc<QueueAccount>>>,
+    /// The QPs whose receives come from an SRQ, by QP number, until they
+    /// are quiesced (`teardown`, steps 1-3).
+    srq_users: parking_lot::Mutex<HashMap<u32, Arc<SrqUser>>>,
     /// Context words of requests that [`WrLedger::retire`] retired (the
     /// expert path), with their wr_ids: no completion will carry them, so
     /// their handler's end (R8) hands them to `on_abandoned`.
@@ -256,20 +261,94 @@ impl WrLedger {
     /// completes on the CQ of whichever QP consumes it, and its wr_id names
     /// a handler of one CQ, so all of an SRQ's QPs must complete their
     /// receives on one CQ.
+    ///
+    /// Returns the QP's [`SrqUser`] (step 1 of `teardown`): the backend
+    /// keeps it, and destroys the QP only once it is
+    /// [quiesced](SrqUser::quiesced), when the poller of this CQ has
+    /// accounted every completion of the QP's SRQ receives and detached
+    /// the QP from the SRQ's account.
     pub fn attach_srq_user(
         &self,
         qp_num: u32,
         srq: &Arc<QueueAccount>,
-    ) -> Result<(), SrqOnOtherCq> {
+    ) -> Result<Arc<SrqUser>, SrqOnOtherCq> {
         if !self.owns(srq) {
             return Err(SrqOnOtherCq { srq: srq.number() });
         }
+        let user = Arc::new(SrqUser::new(qp_num, srq.number()));
         self.inner
             .queues
             .write()
             .insert((qp_num, Side::Recv), Arc::clone(srq));
+        self.inner
+            .srq_users
+            .lock()
+            .insert(qp_num, Arc::clone(&user));
         self.changed();
-        Ok(())
+        Ok(user)
+    }
+
+    /// Step 2 of `teardown`: the device will take no more SRQ receives for
+    /// QP `qp_num` (its `LAST_WQE_REACHED`, taken by this CQ's poller).
+    /// True if the QP is an SRQ user here that had not seen it yet: the
+    /// poller then quiesces it after its next short poll.
+    pub(crate) fn last_wqe_reached(&self, qp_num: u32) -> bool {
+        self.inner
+            .srq_users
+            .lock()
+            .get(&qp_num)
+            .is_some_and(|u| u.mark_last_wqe())
+    }
+
+    /// Step 3 of `teardown`, for the QPs of `qp_nums` (each past step 2):
+    /// called by this CQ's poller after a poll that began after their
+    /// events and found the CQ empty, once that poll's batch is accounted.
+    pub(crate) fn quiesce(&self, qp_nums: &[u32]) {
+        for &qp_num in qp_nums {
+            let user = self.inner.srq_users.lock().get(&qp_num).cloned();
+            if let Some(user) = user {
+                self.release_srq_user(&user);
+            }
+        }
+    }
+
+    /// Forgets `user` (a QP the backend destroys): detaches it from the
+    /// SRQ's account and marks it quiesced, if the poller has not already.
+    /// A backend calls it when it destroys the QP without step 3: the
+    /// SRQ's account held nothing once the QP was in the error state (so
+    /// no completion of the QP can retire anything of it), or the CQ's
+    /// poller is gone.
+    pub fn release_srq_user(&self, user: &Arc<SrqUser>) {
+        let qp_num = user.qp_num();
+        {
+            let mut users = self.inner.srq_users.lock();
+            if !users.get(&qp_num).is_some_and(|u| Arc::ptr_eq(u, user)) {
+                return;
+            }
+            users.remove(&qp_num);
+        }
+        {
+            let mut q = self.inner.queues.write();
+            if q.get(&(qp_num, Side::Recv))
+                .is_some_and(|a| a.queue() == Queue::Srq && a.number() == user.srq())
+            {
+                q.remove(&(qp_num, Side::Recv));
+            }
+        }
+        self.changed();
+        user.mark_quiesced();
+    }
+
+    /// The QPs attached here as SRQ users and not quiesced yet.
+    pub fn srq_users(&self) -> usize {
+        self.inner.srq_users.lock().len()
+    }
+
+    /// The (QP, side) pairs this ledger maps to an account: one per live
+    /// queue, one per SRQ user, and one per destroyed queue whose requests
+    /// are not all retired yet.
+    pub fn queue_count(&self) -> usize {
+        self.inner.queues.read().len()
     }
 
     /// Detaches `account` from (qp_num, side), if it is still the one

@@ -458,14 +458,25 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
     /// (which looks at no epoll set) an eighth of them every `READY_CHECK`.
     pub(super) fn check_async(&mut self) {
         if std::mem::take(&mut self.ready.async_ready) {
-            for cq in &mut self.cqs {
-                cq.check_async();
+            for i in 0..self.cqs.len() {
+                self.check_async_of(i);
             }
         } else {
-            for &i in &self.ready.active {
-                if let Some(cq) = self.cqs.get_mut(i) {
-                    cq.check_async();
-                }
+            for j in 0..self.ready.active.len() {
+                let i = self.ready.active[j];
+                self.check_async_of(i);
+            }
+        }
+    }
+
+    /// CQ `i`'s asynchronous events. A CQ that took an SRQ user's last WQE
+    /// is made active, so that it is polled before the poller sleeps
+    /// (step 3 of `ledger::teardown`).
+    fn check_async_of(&mut self, i: usize) {
+        if let Some(cq) = self.cqs.get_mut(i) {
+            cq.check_async();
+            if cq.quiescing() {
+                self.ready.make_active(i);
             }
         }
     }
@@ -489,7 +500,7 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             for _ in 0..n.div_ceil(SAFETY_SWEEP) {
                 let i = self.ready.async_cursor % n;
                 self.ready.async_cursor = i + 1;
-                self.cqs[i].check_async();
+                self.check_async_of(i);
             }
         } else {
             self.collect_now();

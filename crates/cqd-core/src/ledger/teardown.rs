@@ -1,0 +1,352 @@
+//! Tearing a QP down without losing what its CQs still hold.
+//!
+//! A device may drop a destroyed QP's completions that are still in its
+//! CQs: mlx5's `ibv_destroy_qp` purges them from both CQs, and frees the
+//! SRQ receives they consumed, so that no completion will ever retire
+//! those receives' entries. A QP is therefore destroyed only once every
+//! completion of it has been polled and accounted:
+//!
+//! - its send queue and its own receive queue: once their accounts, closed,
+//!   hold nothing (the error state flushed everything, and a drain marker
+//!   follows a silent tail);
+//! - its use of an SRQ: once the device said it will take no more of the
+//!   SRQ's receives for the QP (`IBV_EVENT_QP_LAST_WQE_REACHED`, which it
+//!   raises after the completions of the receives it took), and the poller
+//!   of the QP's receive CQ has then polled that CQ empty.
+//!
+//! **The protocol of an SRQ user** (cited by the poller and the backends):
+//!
+//! 1. **Attach.** Making a QP on an SRQ, the backend attaches it in the
+//!    receive CQ's ledger ([`super::WrLedger::attach_srq_user`]), which
+//!    maps (QP, receive) to the SRQ's account and keeps an [`SrqUser`]
+//!    for the QP, *attached*.
+//! 2. **Last WQE.** The receive CQ's poller takes the device's
+//!    `LAST_WQE_REACHED` for the QP from its asynchronous events and marks
+//!    the user *last WQE seen* (`WrLedger::last_wqe_reached`).
+//! 3. **Quiesce.** The same poller, at the end of its next poll that began
+//!    after step 2 and came back short of a full batch (the CQ was empty
+//!    when it read it), after that batch is accounted, marks the user
+//!    *quiesced*, detaches (QP, receive) from the ledger's map and forgets
+//!    the user (`WrLedger::quiesce`). Every completion the device wrote
+//!    for the QP before the event was in the CQ before that poll began,
+//!    so it has been accounted.
+//! 4. **Destroy.** A QP the application let go waits in its CQ's
+//!    [`Graveyard`] until it is [`Zombie::ready`] (its accounts empty, its
+//!    SRQ user quiesced). Whichever thread makes the last condition true
+//!    reaps it: the send CQ's poller between polls, or the receive CQ's
+//!    poller at step 3 (the user holds the graveyard it waits in).
+//!    `Graveyard::reap` takes the graveyard's lock, so of the two threads
+//!    that each make one condition true, the second to take it sees both.
+//!
+//! A device that never raises the event (or a poller that is gone) leaves
+//! the user attached: the backend then destroys the QP when its CQ goes,
+//! and the stop reports what is missing.
+
+use std::sync::{Arc, Weak};
+
+use crate::sync::{AtomicBool, AtomicU8, Ordering, ShortMutex as Mutex};
+
+const ATTACHED: u8 = 0;
+const LAST_WQE: u8 = 1;
+const QUIESCED: u8 = 2;
+
+/// One QP's use of an SRQ, as its receive CQ's ledger keeps it (see the
+/// module documentation for the protocol).
+#[derive(Debug)]
+pub struct SrqUser {
+    qp_num: u32,
+    srq: u32,
+    state: AtomicU8,
+    /// The graveyard the QP waits in, once the application let it go: the
+    /// poller that quiesces the user reaps it (step 4).
+    grave: Mutex<Option<Weak<Graveyard>>>,
+}
+
+impl SrqUser {
+    pub(crate) fn new(qp_num: u32, srq: u32) -> Self {
+        SrqUser {
+            qp_num,
+            srq,
+            state: AtomicU8::new(ATTACHED),
+            grave: Mutex::new(None),
+        }
+    }
+
+    /// The QP.
+    pub fn qp_num(&self) -> u32 {
+        self.qp_num
+    }
+
+    /// The SRQ's number.
+    pub fn srq(&self) -> u32 {
+        self.srq
+    }
+
+    /// True once the device said it takes no more receives for the QP.
+    pub fn last_wqe_seen(&self) -> bool {
+        self.state.load(Ordering::Acquire) >= LAST_WQE
+    }
+
+    /// True once every completion of the QP's SRQ receives has been
+    /// polled and accounted (step 3): the QP can be destroyed as far as
+    /// the SRQ is concerned.
+    pub fn quiesced(&self) -> bool {
+        self.state.load(Ordering::Acquire) == QUIESCED
+    }
+
+    /// Step 2; false if the user was past it already.
+    pub(crate) fn mark_last_wqe(&self) -> bool {
+        self.state
+            .compare_exchange(ATTACHED, LAST_WQE, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    /// Step 3, then step 4's reap of the graveyard the QP waits in (after
+    /// the store: a reap that ran before it would find the QP not ready,
+    /// and the thread that made the other conditions true may have reaped
+    /// already).
+    pub(crate) fn mark_quiesced(&self) {
+        #[cfg(all(test, loom))]
+        let early = REAP_BEFORE_QUIESCED.with(|m| m.get());
+        #[cfg(not(all(test, loom)))]
+        let early = false;
+        if !early {
+            self.state.store(QUIESCED, Ordering::Release);
+        }
+        let grave = self.grave.lock().take().and_then(|g| g.upgrade());
+        if let Some(g) = grave {
+            g.reap();
+        }
+        if early {
+            self.state.store(QUIESCED, Ordering::Release);
+        }
+    }
+
+    /// Names the graveyard the QP waits in (step 4).
+    pub fn waits_in(&self, grave: &Arc<Graveyard>) {
+        *self.grave.lock() = Some(Arc::downgrade(grave));
+    }
+}
+
+/// A QP the application let go, waiting for its completions to be
+/// accounted before the device may destroy it. Dropping it destroys it.
+pub trait Zombie: Send {
+    /// True when it may be destroyed: every completion of it polled and
+    /// accounted.
+    fn ready(&self) -> bool;
+}
+
+#[cfg(all(test, loom))]
+std::thread_local! {
+    /// The loom model's mutation of [`SrqUser::mark_quiesced`]: the reap
+    /// before the store.
+    static REAP_BEFORE_QUIESCED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The QPs waiting to be destroyed (step 4), kept by a CQ whose poller
+/// reaps them between polls.
+pub struct Graveyard {
+    zombies: Mutex<Vec<Box<dyn Zombie>>>,
+    any: AtomicBool,
+}
+
+impl Default for Graveyard {
+    fn default() -> Self {
+        Graveyard {
+            zombies: Mutex::new(Vec::new()),
+            any: AtomicBool::new(false),
+        }
+    }
+}
+
+impl std::fmt::Debug for Graveyard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Graveyard")
+            .field("zombies", &self.zombies.lock().len())
+            .finish()
+    }
+}
+
+impl Graveyard {
+    /// An empty graveyard.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Graveyard::default())
+    }
+
+    /// Keeps `z` until it is ready (then a reap drops it), or drops it now
+    /// if it is ready already.
+    pub fn bury(&self, z: Box<dyn Zombie>) {
+        if z.ready() {
+            drop(z);
+            return;
+        }
+        self.zombies.lock().push(z);
+        self.any.store(true, Ordering::Release);
+        // A condition made true between the check above and the push found
+        // nothing to reap: look again, under the lock.
+        self.reap();
+    }
+
+    /// True when something waits (one load: the poller's check between
+    /// polls).
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        !self.any.load(Ordering::Acquire)
+    }
+
+    /// Drops (destroys) every zombie that is ready, outside the lock.
+    pub fn reap(&self) {
+        let ready: Vec<Box<dyn Zombie>> = {
+            let mut z = self.zombies.lock();
+            let (ready, keep): (Vec<_>, Vec<_>) =
+                std::mem::take(&mut *z).into_iter().partition(|q| q.ready());
+            *z = keep;
+            self.any.store(!z.is_empty(), Ordering::Release);
+            ready
+        };
+        drop(ready);
+    }
+
+    /// Zombies waiting.
+    pub fn len(&self) -> usize {
+        self.zombies.lock().len()
+    }
+
+    /// Drops every zombie, ready or not (the CQ's poller is gone, or the
+    /// CQ goes): what they still owed is reported missing by the stop.
+    pub fn release_all(&self) {
+        let all = std::mem::take(&mut *self.zombies.lock());
+        self.any.store(false, Ordering::Release);
+        drop(all);
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    struct Z {
+        ready: Arc<AtomicBool>,
+        dropped: Arc<AtomicUsize>,
+    }
+    impl Zombie for Z {
+        fn ready(&self) -> bool {
+            self.ready.load(Ordering::Acquire)
+        }
+    }
+    impl Drop for Z {
+        fn drop(&mut self) {
+            self.dropped.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    #[test]
+    fn a_zombie_goes_when_ready_and_a_quiesced_user_reaps_its_grave() {
+        let g = Graveyard::new();
+        let (ready, dropped) = (Arc::new(AtomicBool::new(false)), Arc::default());
+        g.bury(Box::new(Z {
+            ready: Arc::clone(&ready),
+            dropped: Arc::clone(&dropped),
+        }));
+        assert!(!g.is_empty());
+        g.reap();
+        assert_eq!(dropped.load(Ordering::Acquire), 0);
+        let user = SrqUser::new(7, 1);
+        user.waits_in(&g);
+        assert!(user.mark_last_wqe());
+        assert!(!user.mark_last_wqe(), "once");
+        ready.store(true, Ordering::Release);
+        user.mark_quiesced();
+        assert!(user.quiesced());
+        assert_eq!(dropped.load(Ordering::Acquire), 1);
+        assert!(g.is_empty());
+        // A ready zombie is dropped at once.
+        let d2: Arc<AtomicUsize> = Arc::default();
+        g.bury(Box::new(Z {
+            ready: Arc::new(AtomicBool::new(true)),
+            dropped: Arc::clone(&d2),
+        }));
+        assert_eq!((d2.load(Ordering::Acquire), g.len()), (1, 0));
+        // release_all drops what is not ready.
+        let d3: Arc<AtomicUsize> = Arc::default();
+        g.bury(Box::new(Z {
+            ready: Arc::new(AtomicBool::new(false)),
+            dropped: Arc::clone(&d3),
+        }));
+        g.release_all();
+        assert_eq!(d3.load(Ordering::Acquire), 1);
+    }
+}
+
+/// Step 4 under loom: the send CQ's poller empties the QP's send account
+/// and reaps; the receive CQ's poller quiesces its SRQ user, which reaps
+/// the graveyard too. Whatever the interleaving, the QP is destroyed, once.
+#[cfg(all(test, loom))]
+mod loom_teardown {
+    use super::*;
+    use crate::sync::AtomicUsize;
+
+    struct Z {
+        sent: Arc<AtomicBool>,
+        user: Arc<SrqUser>,
+        destroyed: Arc<AtomicUsize>,
+    }
+    impl Zombie for Z {
+        fn ready(&self) -> bool {
+            self.sent.load(Ordering::Acquire) && self.user.quiesced()
+        }
+    }
+    impl Drop for Z {
+        fn drop(&mut self) {
+            if self.ready() {
+                self.destroyed.fetch_add(1, Ordering::AcqRel);
+            }
+        }
+    }
+
+    fn model(reap_before_quiesced: bool) {
+        loom::model(move || {
+            REAP_BEFORE_QUIESCED.with(|m| m.set(reap_before_quiesced));
+            let grave = Graveyard::new();
+            let user = Arc::new(SrqUser::new(9, 1));
+            let sent = Arc::new(AtomicBool::new(false));
+            let destroyed = Arc::new(AtomicUsize::new(0));
+            user.waits_in(&grave);
+            grave.bury(Box::new(Z {
+                sent: Arc::clone(&sent),
+                user: Arc::clone(&user),
+                destroyed: Arc::clone(&destroyed),
+            }));
+            let (g2, s2) = (Arc::clone(&grave), Arc::clone(&sent));
+            let send_poller = loom::thread::spawn(move || {
+                s2.store(true, Ordering::Release);
+                g2.reap();
+            });
+            let u2 = Arc::clone(&user);
+            let recv_poller = loom::thread::spawn(move || {
+                REAP_BEFORE_QUIESCED.with(|m| m.set(reap_before_quiesced));
+                assert!(u2.mark_last_wqe());
+                u2.mark_quiesced();
+            });
+            send_poller.join().unwrap();
+            recv_poller.join().unwrap();
+            assert_eq!(
+                (destroyed.load(Ordering::Acquire), grave.len()),
+                (1, 0),
+                "the QP is destroyed once, by whichever poller came second"
+            );
+        });
+    }
+
+    #[test]
+    fn loom_teardown_reaps_once() {
+        model(false);
+    }
+
+    #[test]
+    #[should_panic(expected = "destroyed once")]
+    fn loom_teardown_mutation_reap_before_quiesced() {
+        model(true);
+    }
+}
