@@ -724,6 +724,18 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             if outstanding == 0 || started.elapsed() >= self.how.drain_timeout {
                 break;
             }
+            // QPs on an SRQ that reached their last WQE are quiesced by the
+            // next short poll; an SRQ none can take from any more hands its
+            // receives back.
+            let mut returned = 0;
+            for cq in &mut self.cqs {
+                cq.poller.check_async();
+                returned += cq.poller.return_srq_receives(&mut self.out);
+            }
+            if returned > 0 {
+                self.offer();
+                continue;
+            }
             if found == 0 || !self.out.is_empty() {
                 tokio::time::sleep(Duration::from_micros(200)).await;
             }

@@ -160,7 +160,7 @@ fn secs(ns: u64) -> f64 {
 }
 
 #[rustfmt::skip]
-static CQ_FIELDS: [Field<CqSnapshot>; 27] = [
+static CQ_FIELDS: [Field<CqSnapshot>; 28] = [
     count("cqd_cq_completions_total", CQ, "Completions polled from the CQ (every one: dispatched to a handler, or counted as an anomaly).", |s| s.completions),
     count("cqd_cq_polls_total", CQ, "Calls to poll the CQ.", |s| s.polls),
     count("cqd_cq_empty_polls_total", CQ, "Polls that found the CQ empty.", |s| s.empty_polls),
@@ -171,6 +171,7 @@ static CQ_FIELDS: [Field<CqSnapshot>; 27] = [
     count("cqd_cq_recovered_missed_events_total", CQ, "Quiet CQs the safety net found holding completions: a notification was lost and recovered.", |s| s.recovered_missed_events),
     count("cqd_cq_stale_wr_ids_total", CQ, "Completions whose wr_id named a handler generation no longer live (never dispatched).", |s| s.stale_wr_ids),
     count("cqd_cq_unmatched_wr_ids_total", CQ, "Completions of an accounted queue that matched no request in flight on it: written twice by the device, or naming a request never posted there (never dispatched).", |s| s.unmatched_wr_ids),
+    count("cqd_cq_srq_returned_total", CQ, "Receives still posted on an SRQ at the stop, once no QP could take them any more, handed back to their handlers as flushes.", |s| s.srq_returned),
     count("cqd_cq_foreign_wr_ids_total", CQ, "Completions whose wr_id cqd did not make (never dispatched).", |s| s.foreign_wr_ids),
     count("cqd_cq_slow_handler_calls_total", CQ, "Handler calls that held the poller past CqOptions::slow_batch (found by timing the completions after a slow batch).", |s| s.slow_handler_calls),
     count("cqd_cq_recv_queues_dry_total", CQ, "Times a receive queue was left with no more than the low-water mark of receives after its handler's batch (a peer's next SEND meets RNR).", |s| s.recv_queues_dry),

@@ -57,6 +57,7 @@ pub struct CqCounters {
     pub(crate) recovered_missed_events: AtomicU64,
     pub(crate) stale_wr_ids: AtomicU64,
     pub(crate) unmatched_wr_ids: AtomicU64,
+    pub(crate) srq_returned: AtomicU64,
     pub(crate) foreign_wr_ids: AtomicU64,
     pub(crate) unknown_status: AtomicU64,
     pub(crate) unknown_opcode: AtomicU64,
@@ -181,6 +182,7 @@ impl CqMetrics {
             recovered_missed_events: get(&c.recovered_missed_events),
             stale_wr_ids: get(&c.stale_wr_ids),
             unmatched_wr_ids: get(&c.unmatched_wr_ids),
+            srq_returned: get(&c.srq_returned),
             foreign_wr_ids: get(&c.foreign_wr_ids),
             unknown_status: get(&c.unknown_status),
             unknown_opcode: get(&c.unknown_opcode),
@@ -251,6 +253,11 @@ pub struct CqSnapshot {
     /// was never posted there. Counted, never delivered.
     #[serde(default)]
     pub unmatched_wr_ids: u64,
+    /// Receives still posted on an SRQ at the stop, once no QP could take
+    /// them any more, handed back to their handlers as flushes (a device
+    /// never completes them).
+    #[serde(default)]
+    pub srq_returned: u64,
     /// Completions whose wr_id cqd did not make.
     pub foreign_wr_ids: u64,
     /// Completions with a status this version does not know.

@@ -860,7 +860,11 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                 timed_out = true;
                 break;
             }
-            if self.poll_every_cq() == 0 {
+            // QPs on an SRQ that reached their last WQE are quiesced by the
+            // next short poll; an SRQ none can take from any more hands its
+            // receives back.
+            self.check_async_all();
+            if self.poll_every_cq() == 0 && self.return_srq_receives() == 0 {
                 std::thread::sleep(Duration::from_micros(100));
             }
         }
@@ -964,6 +968,11 @@ impl<W: Send + 'static> CqPoller<W> {
             }
             if self.outstanding() == 0 {
                 break;
+            }
+            self.check_async();
+            if self.return_srq_receives(pending) > 0 {
+                sink.offer(pending);
+                continue;
             }
             if started.elapsed() >= how.drain_timeout {
                 timed_out = true;

@@ -239,3 +239,112 @@ mod churn {
         churn_leaves_nothing_behind(PollMode::Adaptive(Adaptive::default()))
     }
 }
+
+/// The stop hands back the receives still posted on an SRQ once no QP
+/// can take them (its QPs dropped, or in the error state and quiesced):
+/// each reaches its handler as a flush, once, is counted returned, and the
+/// stop balances. While a QP that could still take one is live, they stay
+/// missing.
+fn the_stop_hands_back_an_srqs_unused_receives(mode: PollMode) {
+    let dev = Device::open("sim0");
+    let (cq, src) = dev.create_cq("server", 256, CqConfig::default()).unwrap();
+    let (ccq, _csrc) = dev.create_cq("clients", 256, CqConfig::default()).unwrap();
+    let (unbound, handle) = cqd_core::split::<NoWork>(src, CqOptions::default()).unwrap();
+    let log = Log::default();
+    let reg = handle.register(Recorder(log.clone())).unwrap();
+    let thread = PollerBuilder::new("stop", cqd_core::NoSink)
+        .mode(mode)
+        .drain_timeout(Duration::from_secs(20))
+        .cq(unbound)
+        .spawn()
+        .unwrap();
+    let pd = dev.alloc_pd();
+    let srq = pd.create_srq(64, 1).unwrap();
+    let bufs = pd.reg_mr(64, Access::LOCAL_WRITE).unwrap();
+    let sge = [bufs.sge(0, 64)];
+    let (s0, c0) = pair(&pd, &cq, &ccq, &srq);
+    let (s1, c1) = pair(&pd, &cq, &ccq, &srq);
+    let mut recvs: Vec<_> = (0..16u64).map(|t| RecvWr::new(t, &sge)).collect();
+    reg.post_recv(&srq, &mut recvs).unwrap();
+    send(&c0, &pd, 3);
+    send(&c1, &pd, 2);
+    // One connection closed, the other in the error state (still held).
+    drop((s0, c0));
+    s1.force_error();
+    let started = Instant::now();
+    while log.0.lock().len() < 5 || cq.ledger().srq_users() > 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "never quiesced"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let report = thread.stop().unwrap();
+    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    assert_eq!(report.cqs[0].srq_returned, 11);
+    let evs = log.take();
+    let (done, flushed): (Vec<&common::Ev>, Vec<_>) = evs.iter().partition(|e| e.ok);
+    assert_eq!((done.len(), flushed.len()), (5, 11));
+    assert!(flushed
+        .iter()
+        .all(|e| e.side == Side::Recv && e.status == cqd_core::Status::WrFlush));
+    let mut tags: Vec<u32> = evs.iter().map(|e| e.tag).collect();
+    tags.sort_unstable();
+    assert_eq!(tags, (0..16).collect::<Vec<_>>(), "each receive once");
+    drop((s1, c1));
+}
+
+/// A QP still able to take the SRQ's receives keeps them posted: the stop
+/// cannot hand them back, and says they are missing.
+#[test]
+fn a_live_srq_user_keeps_the_stop_from_handing_back() {
+    let dev = Device::open("sim0");
+    let (cq, src) = dev.create_cq("server", 256, CqConfig::default()).unwrap();
+    let (ccq, _csrc) = dev.create_cq("clients", 256, CqConfig::default()).unwrap();
+    let (unbound, handle) = cqd_core::split::<NoWork>(src, CqOptions::default()).unwrap();
+    let reg = handle.register(Recorder(Log::default())).unwrap();
+    let thread = PollerBuilder::new("stop", cqd_core::NoSink)
+        .drain_timeout(Duration::from_millis(50))
+        .cq(unbound)
+        .spawn()
+        .unwrap();
+    let pd = dev.alloc_pd();
+    let srq = pd.create_srq(8, 1).unwrap();
+    let bufs = pd.reg_mr(64, Access::LOCAL_WRITE).unwrap();
+    let sge = [bufs.sge(0, 64)];
+    let (s0, c0) = pair(&pd, &cq, &ccq, &srq);
+    let mut recvs: Vec<_> = (0..4u64).map(|t| RecvWr::new(t, &sge)).collect();
+    reg.post_recv(&srq, &mut recvs).unwrap();
+    let report = thread.stop().unwrap();
+    assert!(!report.accounts.is_balanced());
+    assert_eq!(report.cqs[0].srq_returned, 0);
+    assert_eq!(
+        report.accounts.missing().map(|a| a.missing()).sum::<u64>(),
+        4
+    );
+    drop((s0, c0));
+}
+
+mod stop_hands_back {
+    use super::*;
+    use cqd_core::Adaptive;
+
+    #[test]
+    fn busy() {
+        the_stop_hands_back_an_srqs_unused_receives(PollMode::Busy)
+    }
+    #[test]
+    fn event() {
+        the_stop_hands_back_an_srqs_unused_receives(PollMode::Event)
+    }
+    #[test]
+    fn hybrid() {
+        the_stop_hands_back_an_srqs_unused_receives(PollMode::Hybrid {
+            spin: Duration::from_micros(50),
+        })
+    }
+    #[test]
+    fn adaptive() {
+        the_stop_hands_back_an_srqs_unused_receives(PollMode::Adaptive(Adaptive::default()))
+    }
+}

@@ -571,6 +571,45 @@ impl<W: Send + 'static> CqPoller<W> {
         Ok(n)
     }
 
+    /// The stop's hand-back of SRQ receives: each receive still posted on
+    /// an SRQ whose completions come here, once no QP can take it any more
+    /// ([`WrLedger::unused_srq_receives`]), is dispatched as a flush, as if
+    /// the device had flushed it. Its account retires it, its handler's
+    /// `on_error` sees a flush (a context comes back with it), and the
+    /// handler's ledger counts it completed and flushed, so the stop
+    /// balances; the CQ counts it in `srq_returned`. Returns how many.
+    pub fn return_srq_receives(&mut self, out: &mut VecDeque<Routed<W>>) -> usize {
+        let Some(l) = self.core.shared.ledger.get() else {
+            return 0;
+        };
+        let unused = l.unused_srq_receives();
+        if unused.is_empty() {
+            return 0;
+        }
+        for chunk in unused.chunks(self.core.buf.len().max(1)) {
+            for (wc, &(qp_num, wr_id)) in self.core.buf.iter_mut().zip(chunk) {
+                *wc = Completion::error(wr_id, crate::completion::Status::WrFlush, qp_num);
+                wc.opcode = crate::completion::Opcode::Recv;
+            }
+            dispatch_batch(
+                &self.core.shared,
+                &mut self.core.slab,
+                &mut self.core.account_cache,
+                &self.core.options,
+                &self.core.buf[..chunk.len()],
+                out,
+                &mut self.core.probe,
+            );
+        }
+        bump(
+            &self.core.shared.metrics.0.srq_returned,
+            unused.len() as u64,
+        );
+        tracing::info!(cq = %self.core.shared.name, returned = unused.len(),
+            "stop: receives still posted on an SRQ handed back as flushes");
+        unused.len()
+    }
+
     /// True while an SRQ user waits for a short poll of this CQ (step 3 of
     /// `ledger::teardown`): the poller polls the CQ before it sleeps.
     #[inline]

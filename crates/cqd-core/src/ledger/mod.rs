@@ -46,6 +46,12 @@ use crate::wr_id::{HandlerKey, OpKind, Side, WrId};
 pub(crate) use cache::AccountCache;
 pub use teardown::{Graveyard, SrqUser, Zombie};
 
+/// The QP number under which a ledger maps an SRQ of its own to that
+/// SRQ's account, `SRQ_SELF | srq number` (above every QP number, which
+/// has 24 bits): the stop hands the SRQ's unused receives back through it
+/// ([`WrLedger::unused_srq_receives`]).
+pub const SRQ_SELF: u32 = 1 << 31;
+
 /// An SRQ serves the handlers of one CQ (see
 /// [`WrLedger::attach_srq_user`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -132,11 +138,19 @@ pub(crate) struct LedgerInner {
 impl Home for LedgerInner {
     fn detach(&self, qp_num: u32, side: Side, account: &Arc<QueueAccount>) {
         let mut q = self.queues.write();
-        if q.get(&(qp_num, side))
-            .is_some_and(|a| Arc::ptr_eq(a, account))
-        {
-            q.remove(&(qp_num, side));
-            drop(q);
+        let mut keys = vec![(qp_num, side)];
+        if account.queue() == Queue::Srq {
+            keys.push((SRQ_SELF | account.number(), Side::Recv));
+        }
+        let mut changed = false;
+        for key in keys {
+            if q.get(&key).is_some_and(|a| Arc::ptr_eq(a, account)) {
+                q.remove(&key);
+                changed = true;
+            }
+        }
+        drop(q);
+        if changed {
             self.epoch.fetch_add(1, Ordering::AcqRel);
         }
     }
@@ -202,11 +216,17 @@ impl WrLedger {
         if bound {
             // An SRQ's first user (a QP's queue is born with its home).
             if let Some(me) = account.me.upgrade() {
+                self.inner
+                    .queues
+                    .write()
+                    .insert((SRQ_SELF | me.number(), Side::Recv), Arc::clone(&me));
                 let mut srqs = self.inner.srqs.lock();
                 // Those whose queue is gone and whose requests are all
                 // retired need no visit.
                 srqs.retain(|a| Arc::strong_count(a) > 1 || a.outstanding() > 0);
                 srqs.push(me);
+                drop(srqs);
+                self.changed();
             }
         }
         std::ptr::addr_eq(home.as_ptr(), Arc::as_ptr(&self.inner))
@@ -337,6 +357,30 @@ impl WrLedger {
         }
         self.changed();
         user.mark_quiesced();
+    }
+
+    /// The receives still posted on this ledger's SRQs that no QP can take
+    /// any more, as (QP number, wr_id) of the flush that hands each back:
+    /// those of every SRQ homed here with no SRQ user left to quiesce (its
+    /// QPs all destroyed, or in the error state and quiesced, step 3 of
+    /// `teardown`). The QP number is [`SRQ_SELF`] | the SRQ's number, which
+    /// this ledger maps to the SRQ's account. For the stop.
+    pub fn unused_srq_receives(&self) -> Vec<(u32, u64)> {
+        let srqs = self.inner.srqs.lock().clone();
+        let busy: Vec<u32> = self
+            .inner
+            .srq_users
+            .lock()
+            .values()
+            .map(|u| u.srq())
+            .collect();
+        let mut out = Vec::new();
+        for a in srqs.iter().filter(|a| !busy.contains(&a.number())) {
+            let key = SRQ_SELF | a.number();
+            let mut r = a.retiring();
+            out.extend(r.live().map(|(_, seen)| (key, seen.wr_id)));
+        }
+        out
     }
 
     /// The QPs attached here as SRQ users and not quiesced yet.

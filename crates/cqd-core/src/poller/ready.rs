@@ -469,6 +469,27 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         }
     }
 
+    /// Every CQ's asynchronous events (the stop's drain).
+    pub(super) fn check_async_all(&mut self) {
+        for i in 0..self.cqs.len() {
+            self.check_async_of(i);
+        }
+    }
+
+    /// The stop's hand-back of the receives still posted on SRQs no QP can
+    /// take from any more (`CqPoller::return_srq_receives`), then the
+    /// hand-off. Returns how many.
+    pub(super) fn return_srq_receives(&mut self) -> usize {
+        let mut total = 0;
+        for cq in &mut self.cqs {
+            total += cq.return_srq_receives(&mut self.spill.items);
+        }
+        if total > 0 {
+            self.hand_off();
+        }
+        total
+    }
+
     /// CQ `i`'s asynchronous events. A CQ that took an SRQ user's last WQE
     /// is made active, so that it is polled before the poller sleeps
     /// (step 3 of `ledger::teardown`).
