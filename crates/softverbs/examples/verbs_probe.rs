@@ -16,12 +16,15 @@
 //! ```
 //!
 //! Every probe uses fresh RC QPs connected to each other on one device (a
-//! loopback pair), each with a CQ of its own. Values a device may leave
-//! undefined are not printed: the opcode and byte count of an error
-//! completion, the byte count of a SEND or WRITE's own completion. A QP's
-//! number is printed as its role (`a`, `b`). Exit status 0 once every probe
-//! ran (what they found is the output), 1 when the device cannot be opened
-//! or a set-up step fails.
+//! loopback pair), each with a CQ of its own, except the teardown probes
+//! (`destroy_unpolled`, `destroy_srq`, `last_wqe`): what `ibv_destroy_qp`
+//! does to completions still in a CQ shared with another QP, to an SRQ's
+//! receives, and when `IBV_EVENT_QP_LAST_WQE_REACHED` comes. Values a device
+//! may leave undefined are not printed: the opcode and byte count of an
+//! error completion, the byte count of a SEND or WRITE's own completion. A
+//! QP's number is printed as its role (`a`, `b`, `d`). Exit status 0 once
+//! every probe ran (what they found is the output), 1 when the device cannot
+//! be opened or a set-up step fails.
 #![allow(clippy::undocumented_unsafe_blocks)]
 // Each unsafe block calls libibverbs with objects this program made and
 // still holds (contexts, PDs, CQs, QPs, MRs over live vectors), as any
@@ -37,6 +40,11 @@ use rdma_sys::*;
 const WAIT: Duration = Duration::from_secs(10);
 /// How long a probe waits to see that no (further) completion comes.
 const QUIET: Duration = Duration::from_millis(300);
+/// How long the last-WQE probe waits for the event (a device that never
+/// raises it costs this much).
+const EVENT_WAIT: Duration = Duration::from_secs(3);
+/// `enum ibv_event_type`'s `IBV_EVENT_QP_LAST_WQE_REACHED`.
+const QP_LAST_WQE_REACHED: u32 = 16;
 
 const ACCESS_ALL: u32 = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
     | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
@@ -112,9 +120,15 @@ impl Dev {
     }
 
     fn qp(&self, cq: *mut ibv_cq, sig_all: bool) -> *mut ibv_qp {
+        self.qp_on(cq, null_mut(), sig_all)
+    }
+
+    /// An RC QP on `cq`, receiving from `srq` when it is not null.
+    fn qp_on(&self, cq: *mut ibv_cq, srq: *mut ibv_srq, sig_all: bool) -> *mut ibv_qp {
         let mut a: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
         a.send_cq = cq;
         a.recv_cq = cq;
+        a.srq = srq;
         a.qp_type = ibv_qp_type::IBV_QPT_RC;
         a.sq_sig_all = i32::from(sig_all);
         a.cap.max_send_wr = 16;
@@ -412,40 +426,11 @@ impl<'d> Pair<'d> {
         unsafe { ibv_post_send(self.a, &mut wr, &mut bad) }
     }
 
-    /// Every completion of `cq` until `n` came (or [`WAIT`] passed), then
-    /// any more within [`QUIET`].
-    fn wcs(&self, cq: *mut ibv_cq, n: usize) -> Vec<ibv_wc> {
-        let mut out = Vec::new();
-        let start = Instant::now();
-        let mut quiet_from = None;
-        loop {
-            let mut wc: ibv_wc = unsafe { std::mem::zeroed() };
-            let got = unsafe { ibv_poll_cq(cq, 1, &mut wc) };
-            if got > 0 {
-                out.push(wc);
-                continue;
-            }
-            if got < 0 {
-                break;
-            }
-            if out.len() >= n {
-                let q = *quiet_from.get_or_insert_with(Instant::now);
-                if q.elapsed() >= QUIET {
-                    break;
-                }
-            } else if start.elapsed() >= WAIT {
-                break;
-            }
-            std::thread::sleep(Duration::from_micros(200));
-        }
-        out
-    }
-
     /// Prints `a`'s and `b`'s completions (`na` and `nb` expected) as
     /// `probe.a.N` / `probe.b.N` lines, then both QPs' states.
     fn report(&self, probe: &str, na: usize, nb: usize) {
         for (side, cq, n) in [("a", self.cq_a, na), ("b", self.cq_b, nb)] {
-            let wcs = self.wcs(cq, n);
+            let wcs = wcs(cq, n);
             println!("{probe}.{side}.count = {}", wcs.len());
             for (i, wc) in wcs.iter().enumerate() {
                 println!("{probe}.{side}.{i} = {}", self.describe(wc));
@@ -456,37 +441,70 @@ impl<'d> Pair<'d> {
     }
 
     fn describe(&self, wc: &ibv_wc) -> String {
-        let mut s = format!(
-            "wr_id={} status={} qp={}",
-            wc.wr_id,
-            status_name(wc.status),
-            self.role(wc.qp_num)
-        );
-        if wc.status != ibv_wc_status::IBV_WC_SUCCESS {
-            return s; // opcode, byte_len and flags are undefined
-        }
-        s += &format!(" opcode={}", opcode_name(wc.opcode));
-        let receive = wc.opcode & ibv_wc_opcode::IBV_WC_RECV != 0;
-        if receive
-            || matches!(
-                wc.opcode,
-                ibv_wc_opcode::IBV_WC_RDMA_READ
-                    | ibv_wc_opcode::IBV_WC_COMP_SWAP
-                    | ibv_wc_opcode::IBV_WC_FETCH_ADD
-            )
-        {
-            s += &format!(" byte_len={}", wc.byte_len);
-        }
-        if receive {
-            let imm = wc.wc_flags & ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0;
-            s += &format!(" with_imm={imm}");
-            if imm {
-                let v = u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data });
-                s += &format!(" imm={v:#x}");
-            }
-        }
-        s
+        describe(wc, self.role(wc.qp_num))
     }
+}
+
+/// Every completion of `cq` until `n` came (or [`WAIT`] passed), then
+/// any more within [`QUIET`].
+fn wcs(cq: *mut ibv_cq, n: usize) -> Vec<ibv_wc> {
+    let mut out = Vec::new();
+    let start = Instant::now();
+    let mut quiet_from = None;
+    loop {
+        let mut wc: ibv_wc = unsafe { std::mem::zeroed() };
+        let got = unsafe { ibv_poll_cq(cq, 1, &mut wc) };
+        if got > 0 {
+            out.push(wc);
+            continue;
+        }
+        if got < 0 {
+            break;
+        }
+        if out.len() >= n {
+            let q = *quiet_from.get_or_insert_with(Instant::now);
+            if q.elapsed() >= QUIET {
+                break;
+            }
+        } else if start.elapsed() >= WAIT {
+            break;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    out
+}
+
+/// A completion as a probe line's value, its QP named `role`.
+fn describe(wc: &ibv_wc, role: &str) -> String {
+    let mut s = format!(
+        "wr_id={} status={} qp={role}",
+        wc.wr_id,
+        status_name(wc.status),
+    );
+    if wc.status != ibv_wc_status::IBV_WC_SUCCESS {
+        return s; // opcode, byte_len and flags are undefined
+    }
+    s += &format!(" opcode={}", opcode_name(wc.opcode));
+    let receive = wc.opcode & ibv_wc_opcode::IBV_WC_RECV != 0;
+    if receive
+        || matches!(
+            wc.opcode,
+            ibv_wc_opcode::IBV_WC_RDMA_READ
+                | ibv_wc_opcode::IBV_WC_COMP_SWAP
+                | ibv_wc_opcode::IBV_WC_FETCH_ADD
+        )
+    {
+        s += &format!(" byte_len={}", wc.byte_len);
+    }
+    if receive {
+        let imm = wc.wc_flags & ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0;
+        s += &format!(" with_imm={imm}");
+        if imm {
+            let v = u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data });
+            s += &format!(" imm={v:#x}");
+        }
+    }
+    s
 }
 
 impl Drop for Pair<'_> {
@@ -668,6 +686,7 @@ fn main() {
     masks(&dev);
     data_path(&dev);
     errors(&dev);
+    teardown(&dev);
 }
 
 /// Successful requests of each kind: what each side's completion says.
@@ -884,4 +903,257 @@ fn errors(dev: &Dev) {
     p.send(1, SEND, ARGS);
     p.send(2, SEND, ARGS);
     p.report("no_peer", 2, 0);
+}
+
+/// Connects `x` and `y` (RESET to RTS, each toward the other).
+fn pair_up(dev: &Dev, x: *mut ibv_qp, y: *mut ibv_qp) {
+    let (nx, ny) = unsafe { ((*x).qp_num, (*y).qp_num) };
+    up(x, ny, DEFAULT, dev);
+    up(y, nx, DEFAULT, dev);
+}
+
+/// One SEND of 8 bytes from `qp`, waited for on its CQ `cq`: on success
+/// the receive's completion is in the responder's CQ too (an RC responder
+/// completes a receive before it acknowledges the SEND).
+fn send_waited(qp: *mut ibv_qp, cq: *mut ibv_cq, buf: &Buf, wr_id: u64) -> String {
+    let mut sge = ibv_sge {
+        addr: buf.addr(0),
+        length: 8,
+        lkey: buf.lkey(),
+    };
+    let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+    wr.wr_id = wr_id;
+    wr.sg_list = &mut sge;
+    wr.num_sge = 1;
+    wr.opcode = SEND;
+    wr.send_flags = SIGNALED;
+    let mut bad = null_mut();
+    if unsafe { ibv_post_send(qp, &mut wr, &mut bad) } != 0 {
+        die("ibv_post_send");
+    }
+    match wcs(cq, 1).first() {
+        Some(wc) => status_name(wc.status),
+        None => "none".into(),
+    }
+}
+
+/// `ibv_post_recv` (to `qp`) or `ibv_post_srq_recv` (to `srq`) of one
+/// 64-byte receive: its return code.
+fn post_one_recv(qp: *mut ibv_qp, srq: *mut ibv_srq, buf: &Buf, wr_id: u64) -> i32 {
+    let mut sge = ibv_sge {
+        addr: buf.addr(64),
+        length: 64,
+        lkey: buf.lkey(),
+    };
+    let mut wr: ibv_recv_wr = unsafe { std::mem::zeroed() };
+    wr.wr_id = wr_id;
+    wr.sg_list = &mut sge;
+    wr.num_sge = 1;
+    let mut bad = null_mut();
+    unsafe {
+        if srq.is_null() {
+            ibv_post_recv(qp, &mut wr, &mut bad)
+        } else {
+            ibv_post_srq_recv(srq, &mut wr, &mut bad)
+        }
+    }
+}
+
+fn make_srq(dev: &Dev, max_wr: u32) -> (*mut ibv_srq, u64) {
+    let mut a: ibv_srq_init_attr = unsafe { std::mem::zeroed() };
+    a.attr.max_wr = max_wr;
+    a.attr.max_sge = 1;
+    let srq = unsafe { ibv_create_srq(dev.pd, &mut a) };
+    if srq.is_null() {
+        die("ibv_create_srq");
+    }
+    let mut q: ibv_srq_attr = unsafe { std::mem::zeroed() };
+    if unsafe { ibv_query_srq(srq, &mut q) } != 0 {
+        die("ibv_query_srq");
+    }
+    (srq, u64::from(q.max_wr))
+}
+
+/// Every async event already queued, read and acknowledged (earlier probes
+/// raise some on some devices).
+fn drain_async_events(dev: &Dev) {
+    while next_async_event(dev, Duration::ZERO).is_some() {}
+}
+
+/// The next async event within `wait`: its type and element, acknowledged.
+fn next_async_event(dev: &Dev, wait: Duration) -> Option<(u32, usize)> {
+    let mut p = libc::pollfd {
+        fd: unsafe { (*dev.ctx).async_fd },
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    if unsafe { libc::poll(&mut p, 1, wait.as_millis() as i32) } != 1 {
+        return None;
+    }
+    let mut ev: ibv_async_event = unsafe { std::mem::zeroed() };
+    if unsafe { ibv_get_async_event(dev.ctx, &mut ev) } != 0 {
+        die("ibv_get_async_event");
+    }
+    let ty = unsafe { *(std::ptr::addr_of!(ev.event_type) as *const u32) };
+    let element = unsafe { ev.element.qp } as usize;
+    unsafe { ibv_ack_async_event(&mut ev) };
+    Some((ty, element))
+}
+
+/// Waits up to `wait` for `IBV_EVENT_QP_LAST_WQE_REACHED` naming `qp`
+/// (other events are read and dropped): the probe line's value.
+fn last_wqe_event(dev: &Dev, qp: *mut ibv_qp, wait: Duration) -> String {
+    let end = Instant::now() + wait;
+    loop {
+        let left = end.saturating_duration_since(Instant::now());
+        match next_async_event(dev, left) {
+            Some((QP_LAST_WQE_REACHED, e)) if e == qp as usize => {
+                return "QP_LAST_WQE_REACHED qp=b".into()
+            }
+            Some(_) => continue,
+            None => return "none".into(),
+        }
+    }
+}
+
+/// What `ibv_destroy_qp` does with what the QP leaves behind, and when the
+/// last-WQE event of a QP on an SRQ comes.
+fn teardown(dev: &Dev) {
+    destroy_unpolled(dev);
+    destroy_srq(dev);
+    last_wqe(dev);
+}
+
+/// `b` and `d` share a CQ; `a` SENDs to `b` and `c` to `d`, in turn, and
+/// nobody polls the shared CQ. `b` is destroyed, then the shared CQ is
+/// polled: the completions left there of each QP (`b`'s sorted by
+/// wr_id).
+fn destroy_unpolled(dev: &Dev) {
+    let shared = dev.cq();
+    let (cq_a, cq_c) = (dev.cq(), dev.cq());
+    let (b, d) = (dev.qp(shared, false), dev.qp(shared, false));
+    let (a, c) = (dev.qp(cq_a, false), dev.qp(cq_c, false));
+    pair_up(dev, a, b);
+    pair_up(dev, c, d);
+    let buf = dev.mr(4096, ACCESS_ALL);
+    for i in 0..2 {
+        post_one_recv(b, null_mut(), &buf, 10 + i);
+        post_one_recv(d, null_mut(), &buf, 20 + i);
+    }
+    let mut sent = Vec::new();
+    for (i, (qp, cq)) in [(a, cq_a), (c, cq_c), (a, cq_a), (c, cq_c)]
+        .into_iter()
+        .enumerate()
+    {
+        sent.push(send_waited(qp, cq, &buf, i as u64 + 1));
+    }
+    println!("destroy_unpolled.sent = {}", sent.join(" "));
+    let (nb, nd) = unsafe { ((*b).qp_num, (*d).qp_num) };
+    println!(
+        "destroy_unpolled.destroy = {}",
+        errno_name(unsafe { ibv_destroy_qp(b) })
+    );
+    let left = wcs(shared, 2);
+    for (name, num) in [("b", nb), ("d", nd)] {
+        let mut mine: Vec<&ibv_wc> = left.iter().filter(|w| w.qp_num == num).collect();
+        if name == "b" {
+            mine.sort_by_key(|w| w.wr_id);
+        }
+        println!("destroy_unpolled.{name}.count = {}", mine.len());
+        for (i, wc) in mine.iter().enumerate() {
+            println!("destroy_unpolled.{name}.{i} = {}", describe(wc, name));
+        }
+    }
+    let others = left
+        .iter()
+        .filter(|w| w.qp_num != nb && w.qp_num != nd)
+        .count();
+    println!("destroy_unpolled.other.count = {others}");
+    drop(buf);
+    unsafe {
+        ibv_destroy_qp(a);
+        ibv_destroy_qp(c);
+        ibv_destroy_qp(d);
+        for cq in [shared, cq_a, cq_c] {
+            ibv_destroy_cq(cq);
+        }
+    }
+}
+
+/// `b` on an SRQ filled to its capacity; `a` SENDs to `b` twice; `b` is
+/// destroyed with both receive completions unpolled. Then: what `b`'s CQ
+/// still holds, and whether the SRQ takes two receives again, and a third.
+fn destroy_srq(dev: &Dev) {
+    let (srq, cap) = make_srq(dev, 4);
+    let (cq_a, cq_b) = (dev.cq(), dev.cq());
+    let b = dev.qp_on(cq_b, srq, false);
+    let a = dev.qp(cq_a, false);
+    pair_up(dev, a, b);
+    let buf = dev.mr(4096, ACCESS_ALL);
+    let filled = (0..cap).all(|i| post_one_recv(null_mut(), srq, &buf, 100 + i) == 0);
+    println!(
+        "destroy_srq.fill = {}",
+        if filled { "ok" } else { "refused" }
+    );
+    let over = post_one_recv(null_mut(), srq, &buf, 999);
+    println!("destroy_srq.over = {}", errno_name(over));
+    let sent: Vec<String> = (1..=2).map(|i| send_waited(a, cq_a, &buf, i)).collect();
+    println!("destroy_srq.sent = {}", sent.join(" "));
+    println!(
+        "destroy_srq.destroy = {}",
+        errno_name(unsafe { ibv_destroy_qp(b) })
+    );
+    println!("destroy_srq.b.count = {}", wcs(cq_b, 0).len());
+    let refill: Vec<String> = (0..2)
+        .map(|i| errno_name(post_one_recv(null_mut(), srq, &buf, 200 + i)))
+        .collect();
+    println!("destroy_srq.refill = {}", refill.join(" "));
+    let over = post_one_recv(null_mut(), srq, &buf, 999);
+    println!("destroy_srq.refill_over = {}", errno_name(over));
+    drop(buf);
+    unsafe {
+        ibv_destroy_qp(a);
+        ibv_destroy_srq(srq);
+        ibv_destroy_cq(cq_a);
+        ibv_destroy_cq(cq_b);
+    }
+}
+
+/// `b` on an SRQ took one receive; then it goes to ERR: does the last-WQE
+/// event come (within [`EVENT_WAIT`]), what `b`'s CQ holds then, and does a
+/// second move to ERR raise it again.
+fn last_wqe(dev: &Dev) {
+    let (srq, _) = make_srq(dev, 4);
+    let (cq_a, cq_b) = (dev.cq(), dev.cq());
+    let b = dev.qp_on(cq_b, srq, false);
+    let a = dev.qp(cq_a, false);
+    pair_up(dev, a, b);
+    let buf = dev.mr(4096, ACCESS_ALL);
+    for i in 0..4 {
+        post_one_recv(null_mut(), srq, &buf, 100 + i);
+    }
+    println!("last_wqe.sent = {}", send_waited(a, cq_a, &buf, 1));
+    drain_async_events(dev);
+    let rc = to_state(b, ibv_qp_state::IBV_QPS_ERR, 0, DEFAULT, dev);
+    println!("last_wqe.to_err = {}", errno_name(rc));
+    println!("last_wqe.event = {}", last_wqe_event(dev, b, EVENT_WAIT));
+    let left = wcs(cq_b, 1);
+    println!("last_wqe.b.count = {}", left.len());
+    for (i, wc) in left.iter().enumerate() {
+        println!("last_wqe.b.{i} = {}", describe(wc, "b"));
+    }
+    let rc = to_state(b, ibv_qp_state::IBV_QPS_ERR, 0, DEFAULT, dev);
+    println!(
+        "last_wqe.again = {} event={}",
+        errno_name(rc),
+        last_wqe_event(dev, b, QUIET)
+    );
+    drop(buf);
+    unsafe {
+        ibv_destroy_qp(a);
+        ibv_destroy_qp(b);
+        ibv_destroy_srq(srq);
+        ibv_destroy_cq(cq_a);
+        ibv_destroy_cq(cq_b);
+    }
 }

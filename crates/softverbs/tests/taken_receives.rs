@@ -14,9 +14,8 @@
 #![allow(clippy::undocumented_unsafe_blocks, missing_docs)]
 
 mod common;
-use common::child::{child_chan, spawn, spawn_env, Chan};
+use common::child::{child_chan, kill_and_wait_dead, spawn, spawn_env, wait_stopped, Chan};
 use common::*;
-use std::process::Child;
 use std::ptr::null_mut;
 use std::time::{Duration, Instant};
 
@@ -29,46 +28,6 @@ const STALL: (&str, &str) = ("SOFTVERBS_TEST_STALL_AFTER_CLAIM", "1");
 
 const FLUSH: u32 = ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
 const OK: u32 = ibv_wc_status::IBV_WC_SUCCESS;
-
-/// Wait (10 s at most) until the child stopped itself in the claim hook.
-fn wait_stopped(child: &Child) {
-    let pid = child.id() as libc::pid_t;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let mut st = 0;
-        let r = unsafe { libc::waitpid(pid, &mut st, libc::WUNTRACED | libc::WNOHANG) };
-        assert!(r >= 0, "waitpid: {}", std::io::Error::last_os_error());
-        if r == pid {
-            assert!(
-                libc::WIFSTOPPED(st),
-                "the requester ended (status {st:#x}) instead of stopping after its claim"
-            );
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the requester never claimed a receive"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
-/// SIGKILL the stopped child and wait until it is dead (a zombie, not
-/// reaped: `child.wait()` reaps it later).
-fn kill_and_wait_dead(child: &Child) {
-    let pid = child.id() as libc::pid_t;
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
-    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-    let r = unsafe {
-        libc::waitid(
-            libc::P_PID,
-            pid as libc::id_t,
-            &mut info,
-            libc::WEXITED | libc::WNOWAIT,
-        )
-    };
-    assert_eq!(r, 0, "waitid: {}", std::io::Error::last_os_error());
-}
 
 fn ids(wcs: &[Wc]) -> Vec<(u64, u32)> {
     wcs.iter().map(|w| (w.wr_id, w.status)).collect()

@@ -5,6 +5,7 @@ use std::collections::VecDeque;
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Mutex;
+use std::time::Duration;
 
 use super::context::{inner, limits, ContextInner};
 use super::cq_iter::CqIter;
@@ -42,8 +43,12 @@ pub struct SvCq {
     pub recv_users: AtomicU32,
     /// Consecutive empty polls (see [`EMPTY_POLLS_BEFORE_YIELD`]).
     pub empty_polls: AtomicU32,
-    /// CQEs taken off the ring by [`SvCq::clean`] that are still to be
-    /// polled, ahead of everything in the ring.
+    /// Whether consumers take the consumer lock (`iter`, cq_iter step 1):
+    /// false only for a CQ created with `IBV_CREATE_CQ_ATTR_SINGLE_THREADED`.
+    pub locked: bool,
+    /// CQEs taken off an older ring of a grown CQ ahead of a newer one's
+    /// ([`SvCq::pop`]) that are still to be polled, ahead of everything in
+    /// the rings.
     stash: Mutex<VecDeque<Cqe>>,
     /// Whether `stash` may be non-empty (the fast path skips its lock).
     stashed: AtomicBool,
@@ -54,6 +59,12 @@ pub struct SvCq {
 /// would produce the next completion may be waiting for this very core; a
 /// yield now and then costs nothing measurable when cores are free.
 pub const EMPTY_POLLS_BEFORE_YIELD: u32 = 128;
+
+/// How long [`SvCq::clean`] waits for a producer that took a slot of the
+/// ring to publish it (shm::ring step 6). A live producer is a few
+/// instructions from it; one that died inside its push stopped the ring for
+/// every consumer already.
+const PUBLISH_PATIENCE: Duration = Duration::from_secs(1);
 
 impl SvCq {
     /// Whether the device died for the owning context (model::device).
@@ -76,9 +87,10 @@ impl SvCq {
         }
     }
 
-    /// The next completion: the stash first (it holds what was in the
-    /// rings before a clean), then the rings of the CQ, oldest first (a CQ
-    /// grown by `ibv_resize_cq` has several, provider::notify).
+    /// The next completion: the stash first, then the rings of the CQ,
+    /// oldest first (a CQ grown by `ibv_resize_cq` has several,
+    /// provider::notify). The caller is the CQ's consumer: it holds the
+    /// consumer lock (cq_iter step 1) or polls a single-threaded CQ.
     ///
     /// The common case — nothing stashed, never resized — is the ring's own
     /// pop, inlined into the extended CQ's `take`; the rest is
@@ -137,21 +149,33 @@ impl SvCq {
         first
     }
 
-    /// Remove every completion of QP `qpn` (a QP moved to RESET, as
-    /// hardware providers do: `ibv_modify_qp(3)`'s RESET empties the QP's
-    /// queues, and completions of its former life must not be polled
-    /// after it is reused). What the rings hold moves to the stash, which
-    /// is polled first, so the order of the remaining completions is kept
-    /// even while peers push new ones meanwhile.
-    pub fn clean(&self, qpn: u32) {
-        let mut st = self.stash.lock().unwrap_or_else(|e| e.into_inner());
+    /// Remove every completion of QP `qpn` not yet polled, keeping the
+    /// order of the others (a QP destroyed or moved to RESET, as mlx5's
+    /// `__mlx5_cq_clean` does; provider::purge step P5): from the stash, and
+    /// in place from every ring of the CQ (shm::ring steps 5–8), as the CQ's
+    /// only consumer (cq_iter step 1). Producers of other QPs may push
+    /// meanwhile; the caller made sure that nothing naming `qpn` is still
+    /// to come. Returns how many were removed.
+    ///
+    /// The calling thread must not be inside an `ibv_start_poll` …
+    /// `ibv_end_poll` of this CQ (it would wait for itself, as with mlx5).
+    pub fn clean(&self, qpn: u32) -> usize {
+        let _consumer = self.iter.hold(self.locked);
+        let mut removed = {
+            let mut st = self.stash.lock().unwrap_or_else(|e| e.into_inner());
+            let before = st.len();
+            st.retain(|e| e.qp_num != qpn);
+            self.stashed.store(!st.is_empty(), Ordering::Release);
+            before - st.len()
+        };
         for p in self.port.chain() {
-            while let Some(e) = p.ring().pop() {
-                st.push_back(e);
-            }
+            // SAFETY: this thread is the ring's only consumer: it holds the
+            // consumer lock, or the CQ was created single-threaded and the
+            // application promised that one thread uses it (what mlx5's
+            // unlocked clean relies on too).
+            removed += unsafe { p.ring().retain(|e| e.qp_num != qpn, PUBLISH_PATIENCE) };
         }
-        st.retain(|e| e.qp_num != qpn);
-        self.stashed.store(!st.is_empty(), Ordering::Release);
+        removed
     }
 
     /// Completions waiting to be polled.
@@ -245,6 +269,7 @@ pub unsafe fn make_cq(
         waiting: AtomicU32::new(0),
         empty_polls: AtomicU32::new(0),
         recv_users: AtomicU32::new(0),
+        locked: true,
         iter: CqIter::new(),
         stash: Mutex::new(VecDeque::new()),
         stashed: AtomicBool::new(false),
@@ -359,8 +384,10 @@ pub unsafe fn sv<'a>(cq: *mut ibv::ibv_cq) -> &'a SvCq {
     unsafe { &*cq.cast::<SvCq>() }
 }
 
-/// `destroy_cq`. Never waits for event acknowledgements: the events were
-/// written to a pipe that the application drains itself.
+/// `destroy_cq`. EBUSY while a QP uses the CQ (as send or receive CQ) or
+/// an XRC SRQ completes into it, as the kernel answers. Never waits for
+/// event acknowledgements: the events were written to a pipe that the
+/// application drains itself.
 ///
 /// # Safety
 /// `cq` was made by [`create_cq`]; not used afterwards.
@@ -372,6 +399,7 @@ pub unsafe extern "C" fn destroy_cq(cq: *mut ibv::ibv_cq) -> c_int {
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .is_empty()
+        || s.recv_users.load(Ordering::Acquire) != 0
     {
         return libc::EBUSY;
     }
@@ -392,29 +420,27 @@ pub unsafe extern "C" fn poll_cq(cq: *mut ibv::ibv_cq, n: c_int, wc: *mut ibv::i
         return -DEAD_ERRNO;
     }
     s.progress_waiting();
+    // The CQ's only consumer until the polls are done (cq_iter step 1).
+    let consumer = s.iter.hold(s.locked);
     let n = n.max(0);
     let mut got = 0;
     // The common case in a loop of its own, which the compiler keeps
     // tight (each CQE read from its slot straight into `wc`, no call, no
     // copy through the stack; see SvCq::pop): one ring — the CQ was never
     // resized, and a resize is not concurrent with a poll (verbs
-    // contract) — and nothing stashed, which a RESET's clean on another
-    // thread may change, so that is checked per completion.
-    let mut slow = s.port.hdr().moved_to.load(Ordering::Acquire) != 0;
+    // contract) — and nothing stashed (only a consumer stashes, and this
+    // call is the only one).
+    let slow =
+        s.port.hdr().moved_to.load(Ordering::Acquire) != 0 || s.stashed.load(Ordering::Acquire);
     if !slow {
         let ring = s.port.ring();
         while got < n {
-            if s.stashed.load(Ordering::Acquire) {
-                slow = true;
-                break;
-            }
             let Some(e) = ring.pop() else { break };
             // SAFETY: `wc` has room for n entries (caller contract), got < n.
             unsafe { fill_wc(wc.add(got as usize), &e) };
             got += 1;
         }
-    }
-    if slow {
+    } else {
         while got < n {
             let Some(e) = s.pop() else { break };
             // SAFETY: as above.
@@ -422,6 +448,8 @@ pub unsafe extern "C" fn poll_cq(cq: *mut ibv::ibv_cq, n: c_int, wc: *mut ibv::i
             got += 1;
         }
     }
+    // An empty poll may yield the CPU: not while holding the lock.
+    drop(consumer);
     if got == 0 {
         s.empty_poll();
     } else {

@@ -16,10 +16,11 @@
 //!
 //! A CQ created with `IBV_CREATE_CQ_ATTR_SINGLE_THREADED` gets the
 //! lock-free variants of `start_poll`/`end_poll` (the `LOCK` parameter):
-//! the application promised one polling thread. `ibv_poll_cq` on an
-//! extended CQ takes no lock: it pops from the lock-free ring and never
-//! touches the current completion. Completion timestamps (device clock and
-//! wall clock, provider::clock) are read from the CQE; flow tags, CVLAN
+//! the application promised one polling thread; `ibv_poll_cq` and the clean
+//! of a destroyed QP's completions then take no lock either
+//! ([`SvCq::locked`]). `ibv_poll_cq` never touches the current completion.
+//! Completion timestamps (device clock and wall clock, provider::clock)
+//! are read from the CQE; flow tags, CVLAN
 //! and TM info are not supported and answer EOPNOTSUPP; a parent domain is
 //! accepted (`IBV_CQ_INIT_ATTR_MASK_PD`, it must be one of this context).
 //!
@@ -299,6 +300,7 @@ pub unsafe extern "C" fn create_cq_ex(
     // SAFETY: `raw` is the live box just made, unknown to other threads
     // until we return it; filling the iterator slots.
     unsafe {
+        (*raw).locked = !single;
         let c = &mut (*raw).cq;
         if single {
             c.start_poll = Some(start_poll::<false>);

@@ -1,11 +1,16 @@
-//! The iterator state of an extended CQ (`ibv_start_poll` …): the current
-//! completion, and the lock that lets one thread at a time own it.
+//! The consumer lock of a CQ, and the iterator state of an extended CQ
+//! (`ibv_start_poll` …): the current completion, which the lock lets one
+//! thread at a time own.
 //!
 //! Protocol (the verbs iterator contract; hardware providers such as
 //! rdma-core's mlx5 lock the same way):
 //! 1. `start_poll` takes the lock, unless the CQ was created with
 //!    `IBV_CREATE_CQ_ATTR_SINGLE_THREADED`: then the application promised
-//!    that a single thread polls the CQ, and no lock is needed.
+//!    that a single thread polls the CQ, and no lock is needed. `poll_cq`
+//!    and the clean of a QP's completions (provider::purge) take the same
+//!    lock for the length of their call ([`CqIter::hold`]), as mlx5's
+//!    `poll_cq` and `__mlx5_cq_clean` take the CQ's: whoever holds it is
+//!    the CQ's only consumer.
 //! 2. Holding the lock (or that promise), the thread owns the iteration: it
 //!    alone writes the current completion (`start_poll`, `next_poll`) and
 //!    reads it (the `read_*` callbacks, the `ibv_cq_ex` `status`/`wr_id`).
@@ -103,6 +108,35 @@ impl CqIter {
         // SAFETY: caller contract, as in set_current: only the owner of the
         // iteration touches `cur`.
         unsafe { *self.cur.get() }
+    }
+}
+
+impl CqIter {
+    /// Step 1 for one call: take the lock when `lock` (a CQ not created
+    /// single-threaded) until the returned guard drops.
+    pub fn hold(&self, lock: bool) -> Held<'_> {
+        if lock {
+            self.lock();
+        }
+        Held {
+            it: lock.then_some(self),
+        }
+    }
+}
+
+/// The lock taken by [`CqIter::hold`], released on drop.
+#[derive(Debug)]
+pub struct Held<'a> {
+    it: Option<&'a CqIter>,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        if let Some(it) = self.it {
+            // SAFETY: `hold` took the lock for this guard, and only this
+            // drop releases it.
+            unsafe { it.unlock() };
+        }
     }
 }
 

@@ -32,6 +32,23 @@
 //!   for `ibv_ack_async_event`) until the context is closed
 //!   (closing the context frees them). No allocation reuse can make such a record name a
 //!   newer object.
+//!
+//! Last WQE reached ([`last_wqe`], model::event): a consumer that reads the
+//! event and then polls the QP's receive CQ until it is empty has seen
+//! every receive completion of the QP (the kernel's `__ib_drain_srq` relies
+//! on it). So:
+//! 1. whoever may add a receive completion of the QP is counted among its
+//!    insiders while it does (shm::insiders): a requester inside a request
+//!    to it, and the owner while `SvQp::to_error` flushes, from before it
+//!    stores ERR until its flush is published;
+//! 2. the QP's state goes to ERR (SeqCst), by the owner or by a requester
+//!    inside (`Remote::fail`);
+//! 3. whoever leaves the insiders, and the owner after its flush, calls
+//!    [`last_wqe`], which raises the event when the QP is in ERR and
+//!    nobody is inside, once per stay in ERR (`QpHeader::last_wqe`).
+//!    An insider that comes after step 2 sees ERR and adds nothing
+//!    (shm::insiders step 4); the one that raises the event saw every
+//!    earlier one gone, each with its completions published.
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -181,16 +198,14 @@ pub fn raise(ctx: &CtxHeader, events: &AtomicU32, gone: &AtomicU32, element: u64
 }
 
 /// Raise `IBV_EVENT_QP_LAST_WQE_REACHED` for the QP `qp` of context `ctx`
-/// if it is due (model::event): the QP is on an SRQ, in ERR, no requester
-/// is completing a receive it took, and the event was not raised yet in
-/// this stay in ERR. Called by whoever may have made it due: the thread
-/// that moved the QP to ERR and every requester leaving the QP's responder
-/// part (`Remote::enter`). SeqCst pairs the state store with the
-/// `inflight` decrement, so the last of them sees both conditions.
+/// if it is due (model::event): the QP is on an SRQ, in ERR, nobody may
+/// still add a receive completion of it (its insiders, shm::insiders), and
+/// the event was not raised yet in this stay in ERR (step 3 of "Last WQE
+/// reached" above).
 pub fn last_wqe(ctx: &CtxHeader, qp: &QpHeader) {
     if qp.srq == 0
         || QpState::from_u32(qp.state.load(Ordering::SeqCst)) != Some(QpState::Err)
-        || qp.inflight.load(Ordering::SeqCst) != 0
+        || !qp.insiders.none()
     {
         return;
     }

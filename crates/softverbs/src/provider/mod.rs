@@ -17,6 +17,7 @@ pub mod mcast;
 pub mod mw;
 pub mod notify;
 pub mod progress;
+pub mod purge;
 pub mod qp;
 pub mod qp_ex;
 pub mod remote;

@@ -118,17 +118,20 @@ impl SvQp {
     }
 
     /// Move to ERR and flush both queues (model::qp flush rule); a QP on
-    /// an SRQ then gets its last-WQE event when due (model::event).
+    /// an SRQ then gets its last-WQE event when due (model::event), after
+    /// the flush (steps 1–3 of "Last WQE reached", provider::events).
     /// Idempotent: a QP a requester already moved to ERR gets its waiting
     /// sends flushed.
     pub fn to_error(&self, ss: &mut SendSide) {
-        self.hdr()
-            .state
-            .store(QpState::Err as u32, Ordering::SeqCst);
+        let h = self.hdr();
+        // Step 1: counted while the flush adds receive completions.
+        let me = h.insiders.enter();
+        h.state.store(QpState::Err as u32, Ordering::SeqCst);
         // Requesters waiting on us now hear nothing (their timeout starts).
-        self.hdr().doorbell.ring();
+        h.doorbell.ring();
         self.flush(ss);
-        super::events::last_wqe(self.ctx().hdr(), self.hdr());
+        h.insiders.leave(me);
+        super::events::last_wqe(self.ctx().hdr(), h);
     }
 
     /// A UC/UD send-queue error (model::qp): the QP enters SQE, where
@@ -418,12 +421,17 @@ pub unsafe fn sv<'a>(qp: *mut ibv::ibv_qp) -> &'a SvQp {
     unsafe { &*qp.cast::<SvQp>() }
 }
 
-/// `destroy_qp`: peers see ERR; no completions or events are generated.
-/// Waits until the application acked the async events it read for the QP
-/// (libibverbs' rule); see provider::events for records still unread.
+/// `destroy_qp`: peers see ERR; no completions or events are generated,
+/// and the QP's completions not yet polled leave its CQs, the SRQ
+/// receives dead requesters took for it go back to the SRQ
+/// (provider::purge, as mlx5's `mlx5_destroy_qp`). Waits until the
+/// application acked the async events it read for the QP (libibverbs'
+/// rule); see provider::events for records still unread.
 ///
 /// # Safety
-/// `qp` was made by [`create_qp`]; not used afterwards.
+/// `qp` was made by [`create_qp`]; not used afterwards. The calling thread
+/// is not inside an `ibv_start_poll` … `ibv_end_poll` of one of its CQs
+/// (the clean takes the CQ's consumer lock, as mlx5's does).
 pub unsafe extern "C" fn destroy_qp(qp: *mut ibv::ibv_qp) -> c_int {
     // SAFETY: caller contract.
     let q = unsafe { sv(qp) };
@@ -445,8 +453,10 @@ pub unsafe extern "C" fn destroy_qp(qp: *mut ibv::ibv_qp) -> c_int {
     q.seg.unlink();
     {
         let mut ss = q.lock_send();
-        q.hdr().state.store(QpState::Err as u32, Ordering::Release);
+        // Purge P1.
+        q.hdr().state.store(QpState::Err as u32, Ordering::SeqCst);
         q.hdr().doorbell.ring();
+        // Purge P2.
         ss.pending.clear();
         ss.set_waiting(q, false);
         // Progress step 3: leave the background registry before the free,
@@ -461,6 +471,11 @@ pub unsafe extern "C" fn destroy_qp(qp: *mut ibv::ibv_qp) -> c_int {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .retain(|&p| p != qp as usize);
+    }
+    // Purge P3–P5. A dead device's CQs deliver nothing any more, and its
+    // cleanup never waits (model::device).
+    if !q.ctx().dead() {
+        super::purge::purge(q);
     }
     if !q.recv_cq.is_null() {
         q.recv_cq().recv_users.fetch_sub(1, Ordering::AcqRel);
@@ -597,23 +612,28 @@ pub unsafe extern "C" fn modify_qp(
         match next {
             QpState::Err => q.to_error(&mut ss),
             QpState::Reset => {
-                q.hdr().state.store(next as u32, Ordering::Release);
+                // Purge P1 and P2 (the QP stays on its CQs: its send side,
+                // emptied here, adds nothing in RESET).
+                q.hdr().state.store(next as u32, Ordering::SeqCst);
                 q.hdr().last_wqe.store(0, Ordering::Release);
                 ss.pending.clear();
                 ss.set_waiting(q, false);
                 // Posted receives go, and those a dead requester took.
                 q.rq.flush(Token::mine(q.qpn), |_| true, |_, _| {});
-                if !q.send_cq.is_null() {
-                    q.send_cq().clean(q.qpn);
-                }
-                if !q.recv_cq.is_null() && q.recv_cq != q.send_cq {
-                    q.recv_cq().clean(q.qpn);
-                }
             }
             _ => q.hdr().state.store(next as u32, Ordering::Release),
         }
         // Requesters waiting for us to reach RTR (or now unanswered).
         q.hdr().doorbell.ring();
+        if next == QpState::Reset {
+            // Purge P3–P5: completions of its former life are not polled
+            // after it is reused. Not under the send side's lock: the clean
+            // takes the CQs' consumer lock, which a thread inside an
+            // `ibv_start_poll` … `ibv_end_poll` holds while it may post on
+            // this QP.
+            drop(ss);
+            super::purge::purge(q);
+        }
     }
     0
 }

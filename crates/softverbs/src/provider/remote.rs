@@ -15,6 +15,7 @@ use crate::model::qp::QpState;
 use crate::model::wc::{opcode, WcStatus};
 use crate::shm::claim::{stall_hook, ClaimRing, StallAt, Token};
 use crate::shm::doorbell::{Doorbell, Watch};
+use crate::shm::insiders::Entry;
 use crate::shm::layout::{
     mr_table, ring_offset, Cqe, CtxHeader, MrSlot, QpHeader, RecvWqe, SrqHeader, CTX_BYTES, MAGIC,
 };
@@ -303,9 +304,10 @@ impl Remote {
         unsafe { &*self.qp.base().cast::<QpHeader>() }
     }
 
-    /// The responder's state.
+    /// The responder's state. SeqCst: read after [`Remote::enter`], it is
+    /// step 2 of shm::insiders.
     pub fn state(&self) -> QpState {
-        QpState::from_u32(self.hdr().state.load(Ordering::Acquire)).unwrap_or(QpState::Err)
+        QpState::from_u32(self.hdr().state.load(Ordering::SeqCst)).unwrap_or(QpState::Err)
     }
 
     /// Whether the device died for the responder's context (its shared
@@ -375,15 +377,14 @@ impl Remote {
         Some(wqe)
     }
 
-    /// Enter the responder part of a request. For a responder on an SRQ
-    /// this is counted until the guard drops, so that its last-WQE event
-    /// comes after every receive completion of ours (model::event).
+    /// Enter the responder part of a request (shm::insiders step 1) until
+    /// the guard drops: the responder's last-WQE event comes after every
+    /// receive completion of ours (model::event), and its destroy cleans
+    /// its CQs only once we left (provider::purge). Read the state after
+    /// this ([`Remote::state`]).
     pub fn enter(&self) -> Inside<'_> {
-        let counted = self.srq.is_some();
-        if counted {
-            self.hdr().inflight.fetch_add(1, Ordering::SeqCst);
-        }
-        Inside { r: self, counted }
+        let entry = self.hdr().insiders.enter();
+        Inside { r: self, entry }
     }
 
     /// The responder detected an error (model::event): move its QP to ERR
@@ -512,16 +513,15 @@ impl Drop for Armed {
 #[derive(Debug)]
 pub struct Inside<'a> {
     r: &'a Remote,
-    counted: bool,
+    entry: Entry,
 }
 
 impl Drop for Inside<'_> {
     fn drop(&mut self) {
-        if self.counted {
-            let h = self.r.hdr();
-            h.inflight.fetch_sub(1, Ordering::SeqCst);
-            events::last_wqe(self.r.qp_ctx_hdr(), h);
-        }
+        let h = self.r.hdr();
+        // shm::insiders step 3: every completion we added is published.
+        h.insiders.leave(self.entry);
+        events::last_wqe(self.r.qp_ctx_hdr(), h);
     }
 }
 

@@ -52,6 +52,13 @@ impl SvSrq {
         flush_taken_for(&self.ring, qpn, f)
     }
 
+    /// Release, without a completion, the receives of this SRQ that a
+    /// requester took for QP `qpn` and died before completing (purge step
+    /// P4, the QP being destroyed or reset): their slots are free again.
+    pub fn release_taken_for(&self, qpn: u32) -> usize {
+        flush_taken_for(&self.ring, qpn, |_, _| {})
+    }
+
     /// Whether the device died for the owning context (model::device).
     fn dead(&self) -> bool {
         // SAFETY: a context outlives its SRQs (verbs rule).

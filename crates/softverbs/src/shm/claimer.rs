@@ -39,6 +39,13 @@ impl Token {
         Self(CLAIMED | start << (PID_BITS + QPN_BITS) | qpn << PID_BITS | pid)
     }
 
+    /// The same process's token with `qpn` in its QPN field (masked to
+    /// 24 bits).
+    pub(crate) fn with_qpn(self, qpn: u32) -> Self {
+        let field = ((1u64 << QPN_BITS) - 1) << PID_BITS;
+        Self(self.0 & !field | (u64::from(qpn) << PID_BITS) & field)
+    }
+
     /// The claimer's pid.
     pub fn pid(self) -> u32 {
         (self.0 & ((1 << PID_BITS) - 1)) as u32
@@ -212,6 +219,8 @@ mod tests {
                     assert_eq!(t.qpn(), qpn as u32);
                     assert_eq!(t.start(), start & ((1 << START_BITS) - 1));
                     assert_eq!(Token::from_word(t.word()), Some(t));
+                    let other = (qpn as u32).wrapping_mul(7) & 0xFF_FFFF;
+                    assert_eq!(t.with_qpn(other), Token::of(pid as u32, start, other));
                 }
             }
         }

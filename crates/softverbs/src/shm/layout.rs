@@ -6,6 +6,7 @@ use std::mem::size_of;
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
 
 use super::doorbell::Doorbell;
+use super::insiders::Insiders;
 use super::ring::Ring;
 
 /// Magic at the start of every segment header ("SVB1").
@@ -307,10 +308,7 @@ pub struct QpHeader {
     pub state: AtomicU32,
     /// `qp_access_flags` (remote access the QP allows).
     pub access: AtomicU32,
-    /// Requesters inside the responder part of a request right now (counted
-    /// only for QPs on an SRQ: `IBV_EVENT_QP_LAST_WQE_REACHED` waits for
-    /// them, provider::events).
-    pub inflight: AtomicU32,
+    _pad0: u32,
     /// Non-zero once `IBV_EVENT_QP_LAST_WQE_REACHED` was raised for the
     /// current stay in ERR (cleared by RESET).
     pub last_wqe: AtomicU32,
@@ -335,6 +333,11 @@ pub struct QpHeader {
     /// requester waits between tries when this responder has no receive
     /// (model::qp::rnr_timer). 0, the longest, until set.
     pub min_rnr_timer: AtomicU32,
+    /// Who may still add a receive completion of the QP: requesters inside
+    /// the responder part of a request, its owner while it flushes
+    /// (shm::insiders). Its last-WQE event and the clean of its completions
+    /// wait for them (provider::events, provider::purge).
+    pub insiders: Insiders,
 }
 
 /// An SRQ's header, followed by its receive ring.
@@ -428,7 +431,7 @@ mod tests {
         // these offsets.
         assert_eq!(offset_of!(QpHeader, state), 28);
         assert_eq!(offset_of!(QpHeader, access), 32);
-        assert_eq!(offset_of!(QpHeader, inflight), 36);
+        assert_eq!(offset_of!(QpHeader, insiders), 88);
         assert_eq!(offset_of!(QpHeader, last_wqe), 40);
         assert_eq!(offset_of!(QpHeader, events), 44);
         assert_eq!(offset_of!(QpHeader, gone), 48);

@@ -24,6 +24,7 @@ pub mod claim;
 pub mod claimer;
 pub mod doorbell;
 pub mod fabric;
+pub mod insiders;
 pub mod layout;
 pub mod ring;
 pub mod segment;

@@ -11,10 +11,30 @@
 //!    `pos + cap` (Release), handing the slot to the producer one lap later.
 //! 4. A producer that sees a sequence below `pos` finds the ring full; a
 //!    consumer that sees one below `pos + 1` finds it empty.
+//! 5. A consumer that excludes every other consumer (the caller of
+//!    [`Ring::retain`]) may remove entries in place while producers go on.
+//!    It reads `head` and takes `end = tail`: positions from `end` on are
+//!    the producers' to fill, and none of them touches a slot of
+//!    `head..end` (each holds the sequence `pos + 1` or is being filled,
+//!    and only a consumer hands it back).
+//! 6. It waits until every slot of `head..end` is published (sequence
+//!    `pos + 1`): a producer that took one before step 5 is a few
+//!    instructions from publishing it. One that never publishes (its
+//!    process died inside the push) stops the ring for every consumer
+//!    anyway: after the caller's patience, `end` becomes that position.
+//! 7. Newest first, it moves each entry it keeps toward `end`, over the
+//!    ones it removes (rdma-core's mlx5 cleans its CQ this way,
+//!    `__mlx5_cq_clean`), so the kept entries keep their order.
+//! 8. It hands the `n` slots freed at the front back to producers
+//!    (sequence `pos + cap`, as in step 3), then moves `head` by `n`. The
+//!    next consumer reads the moved entries after it takes over from this
+//!    one (the lock that excludes consumers orders them); their sequences
+//!    did not change.
 
 use std::marker::PhantomData;
 use std::mem::size_of;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 /// Ring header, in the segment (cache-line separated indices).
 #[repr(C, align(64))]
@@ -250,6 +270,73 @@ impl<T: Copy> Ring<T> {
         }
     }
 
+    /// Remove, in place, every entry `keep` refuses, keeping the order of
+    /// the others (steps 5–8); producers may push meanwhile. Waits up to
+    /// `patience` for entries claimed by producers to be published; an
+    /// entry still unpublished then, and every entry after it, is left as
+    /// it is. Returns how many entries were removed.
+    ///
+    /// # Safety
+    /// No other consumer pops from the ring (or calls this) until this
+    /// returns: the caller holds whatever excludes them.
+    pub unsafe fn retain(&self, mut keep: impl FnMut(&T) -> bool, patience: Duration) -> usize {
+        let h = self.hdr();
+        // Step 5.
+        let head = h.head.load(Ordering::Acquire);
+        let mut end = h.tail.load(Ordering::Acquire);
+        // Step 6.
+        let deadline = Instant::now() + patience;
+        let mut spins = 0u32;
+        let mut pos = head;
+        while pos < end {
+            // SAFETY: `slot` is in the mapped region; `seq` is only
+            // accessed atomically.
+            if unsafe { (*self.slot(pos)).seq.load(Ordering::Acquire) } == pos + 1 {
+                pos += 1;
+                continue;
+            }
+            if Instant::now() >= deadline {
+                end = pos;
+                break;
+            }
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        // Step 7.
+        let mut removed = 0u64;
+        for pos in (head..end).rev() {
+            let s = self.slot(pos);
+            // SAFETY: step 6 saw the slot published (Acquire), so its
+            // value is written; no producer writes it before step 8 hands
+            // it back, and the caller excludes other consumers.
+            let v = unsafe { std::ptr::addr_of!((*s).val).read() };
+            if !keep(&v) {
+                removed += 1;
+            } else if removed > 0 {
+                let to = self.slot(pos + removed);
+                // SAFETY: `pos + removed` < `end`: a published slot of
+                // `head..end`, which only this consumer touches (as above).
+                unsafe { std::ptr::addr_of_mut!((*to).val).write(v) };
+            }
+        }
+        // Step 8.
+        for pos in head..head + removed {
+            // SAFETY: a slot of `head..end` whose entry was removed or moved
+            // toward `end` in step 7; handed to the producer one lap later.
+            unsafe {
+                (*self.slot(pos))
+                    .seq
+                    .store(pos + self.mask + 1, Ordering::Release)
+            };
+        }
+        h.head.store(head + removed, Ordering::Release);
+        removed as usize
+    }
+
     /// Entries in the ring (a racy snapshot: claimed slots count as filled).
     pub fn len(&self) -> usize {
         let h = self.hdr();
@@ -314,6 +401,118 @@ mod tests {
         unsafe { (*b.0.as_mut_ptr().cast::<RingHeader>()).cap = 1 };
         // SAFETY: initialised memory of the right type, alive.
         assert!(unsafe { Ring::<u64>::attach(b.0.as_mut_ptr(), 4096) }.is_none());
+    }
+
+    #[test]
+    fn retain_removes_in_place_and_keeps_the_order() {
+        let mut b = Box::new(Buf([0; 4096]));
+        // SAFETY: the buffer is aligned, large enough for 8 u64 slots, ours alone.
+        let r = unsafe { Ring::<u64>::init(b.0.as_mut_ptr(), 8) };
+        for lap in 0..3u64 {
+            // Wrap around: some laps start mid-ring.
+            for i in 0..lap {
+                r.push(100 + i).unwrap();
+                assert_eq!(r.pop(), Some(100 + i));
+            }
+            for i in 0..8 {
+                r.push(i).unwrap();
+            }
+            // SAFETY: this thread is the only consumer.
+            let n = unsafe { r.retain(|&v| v % 3 != 0, Duration::ZERO) };
+            assert_eq!(n, 3, "0, 3 and 6 removed");
+            assert_eq!(r.len(), 5);
+            // The freed slots take new entries, after the kept ones.
+            for v in 20..23 {
+                r.push(v).unwrap();
+            }
+            assert_eq!(r.push(99), Err(99), "full again: 8 entries");
+            let got: Vec<u64> = std::iter::from_fn(|| r.pop()).collect();
+            assert_eq!(got, vec![1, 2, 4, 5, 7, 20, 21, 22]);
+        }
+        // Nothing to remove, and an empty ring.
+        r.push(1).unwrap();
+        // SAFETY: as above.
+        assert_eq!(unsafe { r.retain(|_| true, Duration::ZERO) }, 0);
+        assert_eq!(r.pop(), Some(1));
+        // SAFETY: as above.
+        assert_eq!(unsafe { r.retain(|_| false, Duration::ZERO) }, 0);
+        assert!(r.pop().is_none());
+    }
+
+    /// A slot a producer claimed and never published (its process died
+    /// inside the push): after the patience, what lies before it is
+    /// cleaned and the rest is left as it is.
+    #[test]
+    fn retain_stops_at_a_slot_never_published() {
+        let mut b = Box::new(Buf([0; 4096]));
+        // SAFETY: the buffer is aligned, large enough for 8 u64 slots, ours alone.
+        let r = unsafe { Ring::<u64>::init(b.0.as_mut_ptr(), 8) };
+        r.push(1).unwrap();
+        r.push(2).unwrap();
+        // A producer takes position 2 and stops there.
+        r.hdr().tail.fetch_add(1, Ordering::Relaxed);
+        r.push(3).unwrap();
+        // SAFETY: this thread is the only consumer.
+        let n = unsafe { r.retain(|&v| v == 2, Duration::from_millis(5)) };
+        assert_eq!(n, 1, "1 removed; 3, beyond the gap, is not looked at");
+        assert_eq!(r.pop(), Some(2));
+        assert_eq!(r.pop(), None, "the gap stops the consumer, as before");
+    }
+
+    /// Producers push while the only consumer pops and removes one
+    /// producer's entries once that producer stopped: every other entry
+    /// comes out exactly once, in each producer's order.
+    #[test]
+    fn retain_with_producers_pushing_keeps_every_other_entry_in_order() {
+        let mut b = Box::new(Buf([0; 4096]));
+        // SAFETY: as above; the threads are scoped and end before `b`.
+        let r = unsafe { Ring::<u64>::init(b.0.as_mut_ptr(), 16) };
+        const ITEMS: u64 = if cfg!(miri) { 100 } else { 5_000 };
+        const GONE: u64 = 2;
+        let gone_done = std::sync::atomic::AtomicBool::new(false);
+        let mut got = Vec::new();
+        std::thread::scope(|s| {
+            for t in 0..=GONE {
+                let (r, gone_done) = (&r, &gone_done);
+                s.spawn(move || {
+                    let n = if t == GONE { 8 } else { ITEMS };
+                    for i in 0..n {
+                        let mut v = t << 32 | i;
+                        while let Err(back) = r.push(v) {
+                            v = back;
+                            std::thread::yield_now();
+                        }
+                    }
+                    if t == GONE {
+                        gone_done.store(true, Ordering::Release);
+                    }
+                });
+            }
+            let mut cleaned = false;
+            while got.len() < 2 * ITEMS as usize {
+                if !cleaned && gone_done.load(Ordering::Acquire) {
+                    // SAFETY: this thread is the ring's only consumer.
+                    unsafe { r.retain(|&v| v >> 32 != GONE, Duration::from_secs(1)) };
+                    cleaned = true;
+                }
+                match r.pop() {
+                    Some(v) if v >> 32 == GONE => {
+                        assert!(!cleaned, "an entry of the stopped producer after the clean");
+                    }
+                    Some(v) => got.push(v),
+                    None => std::thread::yield_now(),
+                }
+            }
+        });
+        for t in 0..GONE {
+            let mine: Vec<u64> = got
+                .iter()
+                .filter(|&&v| v >> 32 == t)
+                .map(|&v| v & 0xffff_ffff)
+                .collect();
+            assert_eq!(mine, (0..ITEMS).collect::<Vec<_>>(), "producer {t}");
+        }
+        drop(b);
     }
 
     #[test]

@@ -6,6 +6,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::net::UnixStream;
 use std::process::{Child, Command};
+use std::time::{Duration, Instant};
 
 /// One end of the socketpair: lines of numbers.
 pub struct Chan {
@@ -66,4 +67,44 @@ pub fn spawn_env(test: &str, env: &[(&str, &str)]) -> (Child, Chan) {
         .expect("spawn child");
     drop(b);
     (child, Chan::new(a))
+}
+
+/// Wait (10 s at most) until the child stopped itself in the claim hook.
+pub fn wait_stopped(child: &Child) {
+    let pid = child.id() as libc::pid_t;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut st = 0;
+        let r = unsafe { libc::waitpid(pid, &mut st, libc::WUNTRACED | libc::WNOHANG) };
+        assert!(r >= 0, "waitpid: {}", std::io::Error::last_os_error());
+        if r == pid {
+            assert!(
+                libc::WIFSTOPPED(st),
+                "the requester ended (status {st:#x}) instead of stopping after its claim"
+            );
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the requester never claimed a receive"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// SIGKILL the stopped child and wait until it is dead (a zombie, not
+/// reaped: `child.wait()` reaps it later).
+pub fn kill_and_wait_dead(child: &Child) {
+    let pid = child.id() as libc::pid_t;
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    let r = unsafe {
+        libc::waitid(
+            libc::P_PID,
+            pid as libc::id_t,
+            &mut info,
+            libc::WEXITED | libc::WNOWAIT,
+        )
+    };
+    assert_eq!(r, 0, "waitid: {}", std::io::Error::last_os_error());
 }

@@ -555,6 +555,24 @@ pub struct Wc {
     pub pkey_index: u16,
 }
 
+impl From<&ibv_wc> for Wc {
+    fn from(wc: &ibv_wc) -> Wc {
+        Wc {
+            wr_id: wc.wr_id,
+            status: wc.status,
+            opcode: wc.opcode,
+            byte_len: wc.byte_len,
+            imm: unsafe { wc.imm_data_invalidated_rkey_union.imm_data },
+            qp_num: wc.qp_num,
+            src_qp: wc.src_qp,
+            wc_flags: wc.wc_flags,
+            slid: wc.slid,
+            sl: wc.sl,
+            pkey_index: wc.pkey_index,
+        }
+    }
+}
+
 /// A raw libibverbs handle moved into a test thread.
 pub struct SendPtr<T>(pub *mut T);
 impl<T> Clone for SendPtr<T> {
@@ -576,19 +594,7 @@ pub fn poll(cq: *mut ibv_cq, n: usize) -> Vec<Wc> {
         let r = unsafe { ibv_poll_cq(cq, 1, &mut wc) };
         assert!(r >= 0, "poll_cq failed");
         if r == 1 {
-            out.push(Wc {
-                wr_id: wc.wr_id,
-                status: wc.status,
-                opcode: wc.opcode,
-                byte_len: wc.byte_len,
-                imm: unsafe { wc.imm_data_invalidated_rkey_union.imm_data },
-                qp_num: wc.qp_num,
-                src_qp: wc.src_qp,
-                wc_flags: wc.wc_flags,
-                slid: wc.slid,
-                sl: wc.sl,
-                pkey_index: wc.pkey_index,
-            });
+            out.push(Wc::from(&wc));
         } else {
             assert!(
                 Instant::now() < deadline,
