@@ -689,8 +689,12 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
             }
             // 2. One round (or, above the mark, a hand-off only).
             let found = self.round();
-            // 3. Hand off (inside round) and 4. async events.
-            self.check_async();
+            // 3. Hand off (inside round) and 4. async events (a CQ that
+            //    took an SRQ user's last WQE is polled again at once:
+            //    `ledger::teardown`, step 3).
+            if self.check_async() {
+                continue;
+            }
             // 5. Work, spin or sleep (or back off from a failing device).
             if std::mem::take(&mut self.failing) && found == 0 {
                 self.back_off();

@@ -4,7 +4,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use cqd_core::ledger::{Queue, QueueAccount};
+use cqd_core::ledger::{CloseSignal, Queue, QueueAccount};
 use parking_lot::Mutex;
 
 use crate::device::{Cq, Device};
@@ -267,6 +267,7 @@ impl Pd {
             recv_account,
             srq_user,
             recv_ledger: init.recv_cq.ledger().clone(),
+            closed: CloseSignal::new(),
         })
     }
 

@@ -18,7 +18,9 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use cqd_core::ledger::{DrainMarker, Queue, QueueAccount, SrqUser, WrLedger, Zombie};
+use cqd_core::ledger::{
+    CloseSignal, CloseWait, DrainMarker, Queue, QueueAccount, SrqUser, WrLedger, Zombie,
+};
 use cqd_core::post::{
     check_atomic, check_datagram, Invalid, PostRecv, PostSend, SendRequest, WorkRequest,
 };
@@ -149,6 +151,8 @@ pub struct Qp {
     pub(crate) srq_user: Option<Arc<SrqUser>>,
     /// The receive CQ's ledger.
     pub(crate) recv_ledger: WrLedger,
+    /// Fired once the NIC has destroyed it ([`Qp::close`]).
+    pub(crate) closed: Arc<CloseSignal>,
 }
 
 impl Qp {
@@ -167,6 +171,25 @@ impl Qp {
     /// The transport.
     pub fn qp_type(&self) -> QpType {
         self.qp_type
+    }
+
+    /// Closes the QP, as dropping it does, and returns the wait for its
+    /// end. It goes to the error state (its requests flush, a drain
+    /// marker follows a silent tail of sends); once its CQs' pollers have
+    /// accounted every completion of it, its SRQ use included
+    /// (`cqd_core::ledger`, module `teardown`), the NIC destroys it and its
+    /// admission comes back. Never blocks; the wait does, or is awaited.
+    pub fn close(self) -> CloseWait {
+        let own_recv = self.recv_account.queue() == Queue::Recv;
+        let wait = CloseWait::new(
+            self.qpn,
+            Arc::clone(&self.closed),
+            Arc::clone(&self.send_account),
+            own_recv.then(|| Arc::clone(&self.recv_account)),
+            self.srq_user.clone(),
+        );
+        drop(self);
+        wait
     }
 
     /// The largest datagram a UD QP sends (the port's MTU).
@@ -544,6 +567,7 @@ impl Drop for Qp {
                     self.recv_ledger.clone(),
                 )
             }),
+            closed: Arc::clone(&self.closed),
         };
         let send_cq = {
             let mut st = self.fabric.core.state.lock();
@@ -572,6 +596,7 @@ struct Tomb {
     recv: Option<Arc<QueueAccount>>,
     /// Its SRQ user, the SRQ's account and the receive CQ's ledger.
     srq: Option<(Arc<SrqUser>, Arc<QueueAccount>, WrLedger)>,
+    closed: Arc<CloseSignal>,
 }
 
 impl Zombie for Tomb {
@@ -601,6 +626,7 @@ impl Drop for Tomb {
                 "QP destroyed with completions not polled: the NIC removed them"
             );
         }
+        self.closed.fire();
     }
 }
 

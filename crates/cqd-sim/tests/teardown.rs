@@ -348,3 +348,160 @@ mod stop_hands_back {
         the_stop_hands_back_an_srqs_unused_receives(PollMode::Adaptive(Adaptive::default()))
     }
 }
+
+/// A future's executor for one future: parks the thread until woken.
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = std::task::Waker::from(std::sync::Arc::new(Unpark(std::thread::current())));
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    loop {
+        if let std::task::Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::thread::park();
+    }
+}
+
+/// One call closes a connection while another keeps running: its
+/// outstanding requests come back as flushes, once each, the wait (and
+/// the future) ends when the QP is destroyed, its admission is back, and
+/// the other connection goes on.
+fn close_one_connection_while_another_runs(mode: PollMode) {
+    let dev = Device::open("sim0");
+    let (cq, src) = dev.create_cq("server", 512, CqConfig::default()).unwrap();
+    let (ccq, _csrc) = dev.create_cq("clients", 512, CqConfig::default()).unwrap();
+    let (unbound, handle) = cqd_core::split::<NoWork>(src, CqOptions::default()).unwrap();
+    let log = Log::default();
+    let reg = handle.register(Recorder(log.clone())).unwrap();
+    let thread = PollerBuilder::new("close", cqd_core::NoSink)
+        .mode(mode)
+        .cq(unbound)
+        .spawn()
+        .unwrap();
+    let pd = dev.alloc_pd();
+    let srq = pd.create_srq(64, 1).unwrap();
+    let bufs = pd.reg_mr(4096, Access::LOCAL_WRITE).unwrap();
+    let sge = [bufs.sge(0, 64)];
+    let own = QpCap {
+        max_send_wr: 16,
+        max_recv_wr: 16,
+        max_send_sge: 1,
+        max_recv_sge: 1,
+    };
+    let reserved = cq.budget_snapshot().reserved;
+    // A connection with its own receive queue, four receives posted and
+    // never used; one on the SRQ.
+    let a = pd.create_qp(&QpInit::new(&cq, &cq, own)).unwrap();
+    let ca = pd
+        .create_qp(&QpInit::new(&ccq, &ccq, QpCap::default()))
+        .unwrap();
+    connect(&a, &ca).unwrap();
+    let mut recvs: Vec<_> = (0..4u64).map(|t| RecvWr::new(t, &sge)).collect();
+    reg.post_recv(&a, &mut recvs).unwrap();
+    let (b, cb) = pair(&pd, &cq, &ccq, &srq);
+    let mut srecvs: Vec<_> = (10..20u64).map(|t| RecvWr::new(t, &sge)).collect();
+    reg.post_recv(&srq, &mut srecvs).unwrap();
+    assert!(cq.budget_snapshot().reserved > reserved);
+    // Close the first: blocking wait.
+    a.close().wait(Duration::from_secs(30)).unwrap();
+    let flushed: Vec<u32> = log.take().iter().filter(|e| !e.ok).map(|e| e.tag).collect();
+    assert_eq!(
+        flushed,
+        [0, 1, 2, 3],
+        "each outstanding receive flushed once"
+    );
+    // The other still receives.
+    send(&cb, &pd, 2);
+    let started = Instant::now();
+    while log.0.lock().len() < 2 {
+        assert!(started.elapsed() < Duration::from_secs(30));
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(log.take().iter().all(|e| e.ok && e.qp == b.qpn()));
+    // Close the second: awaited.
+    block_on(b.close());
+    assert_eq!(cq.ledger().srq_users(), 0);
+    drop((ca, cb));
+    let snap = cq.budget_snapshot();
+    assert_eq!(
+        snap.reserved, reserved,
+        "every admission came back, the SRQ's with its last QP"
+    );
+    let report = thread.stop().unwrap();
+    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    assert_eq!(report.cqs[0].srq_returned, 8);
+}
+
+/// A close whose completions nobody accounts says which QP and what it
+/// waits for, and ends once they are.
+#[test]
+fn a_close_that_cannot_end_names_the_qp_and_what_it_waits_for() {
+    let dev = Device::open("sim0");
+    let (cq, poller, handle) = dev
+        .create_dispatched_cq::<NoWork>("server", 256, CqConfig::default(), CqOptions::default())
+        .unwrap();
+    let (ccq, _csrc) = dev.create_cq("clients", 256, CqConfig::default()).unwrap();
+    let reg = handle.register(Recorder(Log::default())).unwrap();
+    let mut poller = poller.bind();
+    let pd = dev.alloc_pd();
+    let srq = pd.create_srq(16, 1).unwrap();
+    let bufs = pd.reg_mr(64, Access::LOCAL_WRITE).unwrap();
+    let sge = [bufs.sge(0, 64)];
+    let (s, c) = pair(&pd, &cq, &ccq, &srq);
+    let qpn = s.qpn();
+    let mut recvs: Vec<_> = (0..4u64).map(|t| RecvWr::new(t, &sge)).collect();
+    reg.post_recv(&srq, &mut recvs).unwrap();
+    send(&c, &pd, 1);
+    let wait = s.close();
+    let e = wait.wait(Duration::from_millis(20)).unwrap_err();
+    assert_eq!(
+        (e.qp_num, e.sends, e.recvs, e.srq),
+        (qpn, 0, 0, Some((1, false)))
+    );
+    let text = e.to_string();
+    assert!(
+        text.contains(&format!("QP {qpn}")) && text.contains("LAST_WQE_REACHED"),
+        "{text}"
+    );
+    // The poller accounts the receive and takes the event; the short poll
+    // after it destroys the QP.
+    let mut out = VecDeque::new();
+    while poller.poll_once(&mut out).unwrap() > 0 {}
+    poller.check_async();
+    let e = wait.wait(Duration::ZERO).unwrap_err();
+    assert_eq!(e.srq, Some((1, true)), "{e}");
+    poller.poll_once(&mut out).unwrap();
+    wait.wait(Duration::from_secs(5)).unwrap();
+    assert!(wait.is_done());
+    drop(c);
+}
+
+mod close {
+    use super::*;
+    use cqd_core::Adaptive;
+
+    #[test]
+    fn busy() {
+        close_one_connection_while_another_runs(PollMode::Busy)
+    }
+    #[test]
+    fn event() {
+        close_one_connection_while_another_runs(PollMode::Event)
+    }
+    #[test]
+    fn hybrid() {
+        close_one_connection_while_another_runs(PollMode::Hybrid {
+            spin: Duration::from_micros(50),
+        })
+    }
+    #[test]
+    fn adaptive() {
+        close_one_connection_while_another_runs(PollMode::Adaptive(Adaptive::default()))
+    }
+}

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use cqd_core::account::{DrainMarker, Queue, QueueAccount};
 use cqd_core::budget::Admission;
 use cqd_core::cq::Registration;
-use cqd_core::ledger::{SrqUser, Zombie};
+use cqd_core::ledger::{CloseSignal, CloseWait, SrqUser, Zombie};
 use cqd_core::post::{check_atomic, check_datagram, Invalid, PostRecv, PostSend};
 use parking_lot::Mutex;
 
@@ -492,6 +492,9 @@ pub(crate) struct QpInner {
     recv_account: Arc<QueueAccount>,
     /// Its use of an SRQ, as the receive CQ's ledger keeps it.
     pub(crate) srq_user: Option<Arc<SrqUser>>,
+    /// Fired once it is destroyed and its admission given back
+    /// ([`Qp::close`]).
+    closed: Arc<CloseSignal>,
     pins: Pins,
     /// Its memory windows, deallocated before it is destroyed.
     windows: crate::window::Windows,
@@ -554,6 +557,8 @@ impl Drop for QpInner {
         if self.recv_account.queue() == Queue::Recv {
             self.recv_account.close();
         }
+        drop(std::mem::take(&mut self._admissions));
+        self.closed.fire();
     }
 }
 
@@ -747,6 +752,7 @@ impl Pd {
                 send_account,
                 recv_account,
                 srq_user,
+                closed: CloseSignal::new(),
                 pins: Pins::default(),
                 windows: crate::window::Windows::default(),
                 _admissions: admissions,
@@ -759,6 +765,27 @@ impl Qp {
     /// The QP number.
     pub fn qpn(&self) -> u32 {
         self.inner.qpn
+    }
+
+    /// Closes the QP, as dropping it does, and returns the wait for its
+    /// end: it goes to the error state (its requests flush, with their
+    /// contexts; a drain marker follows a silent tail of sends), and once
+    /// its CQs' pollers have accounted every completion of it, its SRQ use
+    /// included (`cqd_core::ledger`, module `teardown`), it is destroyed
+    /// and its admission comes back. Never blocks: the wait does (not on
+    /// one of its CQs' poller threads), or is awaited.
+    pub fn close(self) -> CloseWait {
+        let q = &self.inner;
+        let own_recv = q.recv_account.queue() == Queue::Recv;
+        let wait = CloseWait::new(
+            q.qpn,
+            Arc::clone(&q.closed),
+            Arc::clone(&q.send_account),
+            own_recv.then(|| Arc::clone(&q.recv_account)),
+            q.srq_user.clone(),
+        );
+        drop(self);
+        wait
     }
 
     /// A type-2 memory window of this QP (`ibv_alloc_mw`), unbound: bind

@@ -50,6 +50,8 @@ mod backend;
 mod memory_windows;
 #[path = "two_backends/support.rs"]
 mod support;
+#[path = "two_backends/teardown.rs"]
+mod teardown;
 #[path = "two_backends/ud_atomic.rs"]
 mod ud_atomic;
 
@@ -69,6 +71,7 @@ use support::{
     device_or_skip, mode, poller, poller_with, readable, retry, wait_until, within, Ev, Log,
     Recorder, Spy,
 };
+use teardown::{close_own, close_srq};
 use ud_atomic::{atomics, mixed_kinds, ud_routing};
 
 /// Runs one cell of the matrix: skips a verbs backend without its device
@@ -1868,6 +1871,8 @@ macro_rules! verbs_matrix {
 matrix!(exactly_once: busy, event, hybrid, adaptive);
 matrix!(send_recv_one_cq: busy, event, hybrid, adaptive);
 matrix!(srq_shared: busy, event, hybrid, adaptive);
+matrix!(close_own: busy, event, hybrid, adaptive);
+matrix!(close_srq: busy, event, hybrid, adaptive);
 matrix!(errors_by_side: busy, event, hybrid, adaptive);
 matrix!(unsignaled: busy, event, hybrid, adaptive);
 matrix!(drain_and_shutdown: busy, event, hybrid, adaptive);

@@ -136,6 +136,200 @@ pub trait Zombie: Send {
     fn ready(&self) -> bool;
 }
 
+/// Fired once a closed QP is destroyed (its zombie dropped): what a
+/// [`CloseWait`] waits for. The backend holds one per QP and fires it after
+/// the device's destroy.
+#[derive(Debug, Default)]
+pub struct CloseSignal {
+    done: std::sync::Mutex<bool>,
+    cv: std::sync::Condvar,
+    wakers: std::sync::Mutex<Vec<std::task::Waker>>,
+}
+
+impl CloseSignal {
+    /// A signal not fired yet.
+    pub fn new() -> Arc<Self> {
+        Arc::new(CloseSignal::default())
+    }
+
+    /// The QP is destroyed: wakes every waiter (once; later calls do
+    /// nothing).
+    pub fn fire(&self) {
+        {
+            let mut done = self.done.lock().unwrap_or_else(|p| p.into_inner());
+            if *done {
+                return;
+            }
+            *done = true;
+        }
+        self.cv.notify_all();
+        let wakers = std::mem::take(&mut *self.wakers.lock().unwrap_or_else(|p| p.into_inner()));
+        for w in wakers {
+            w.wake();
+        }
+    }
+
+    /// True once fired.
+    pub fn is_fired(&self) -> bool {
+        *self.done.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A QP's close under way: the QP is in the error state and waits, in its
+/// send CQ's graveyard, for its completions to be accounted; it is
+/// destroyed (its admission given back) by its CQs' pollers. Wait with
+/// [`wait`](Self::wait) on a thread that is not one of those pollers, or
+/// await it (it is a future; bound it with the runtime's timeout and name
+/// what was missing with [`timed_out`](Self::timed_out)). Dropping it
+/// does not stop the close.
+#[must_use = "the close goes on without it; wait on it to know the QP is gone"]
+#[derive(Debug)]
+pub struct CloseWait {
+    qp_num: u32,
+    signal: Arc<CloseSignal>,
+    send: Arc<crate::account::QueueAccount>,
+    recv: Option<Arc<crate::account::QueueAccount>>,
+    srq_user: Option<Arc<SrqUser>>,
+}
+
+impl CloseWait {
+    /// The wait for QP `qp_num`'s `signal`; the accounts (its send queue's,
+    /// its own receive queue's) and SRQ user say what is missing when it
+    /// times out.
+    pub fn new(
+        qp_num: u32,
+        signal: Arc<CloseSignal>,
+        send: Arc<crate::account::QueueAccount>,
+        recv: Option<Arc<crate::account::QueueAccount>>,
+        srq_user: Option<Arc<SrqUser>>,
+    ) -> Self {
+        CloseWait {
+            qp_num,
+            signal,
+            send,
+            recv,
+            srq_user,
+        }
+    }
+
+    /// The QP.
+    pub fn qp_num(&self) -> u32 {
+        self.qp_num
+    }
+
+    /// True once the QP is destroyed.
+    pub fn is_done(&self) -> bool {
+        self.signal.is_fired()
+    }
+
+    /// Waits until the QP is destroyed, at most `timeout`.
+    ///
+    /// # Errors
+    /// [`CloseTimedOut`], naming the QP and what it still waits for; the
+    /// close goes on.
+    pub fn wait(&self, timeout: std::time::Duration) -> Result<(), CloseTimedOut> {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut done = self.signal.done.lock().unwrap_or_else(|p| p.into_inner());
+        while !*done {
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                drop(done);
+                return Err(self.timed_out());
+            }
+            done = self
+                .signal
+                .cv
+                .wait_timeout(done, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+
+    /// What the QP still waits for, as an error (for a wait bounded by the
+    /// caller, an async one).
+    pub fn timed_out(&self) -> CloseTimedOut {
+        CloseTimedOut {
+            qp_num: self.qp_num,
+            sends: self.send.outstanding(),
+            recvs: self.recv.as_ref().map_or(0, |r| r.outstanding()),
+            srq: self
+                .srq_user
+                .as_ref()
+                .filter(|u| !u.quiesced())
+                .map(|u| (u.srq(), u.last_wqe_seen())),
+        }
+    }
+}
+
+impl std::future::Future for CloseWait {
+    type Output = ();
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
+        if self.signal.is_fired() {
+            return std::task::Poll::Ready(());
+        }
+        {
+            let mut w = self.signal.wakers.lock().unwrap_or_else(|p| p.into_inner());
+            if !w.iter().any(|x| x.will_wake(cx.waker())) {
+                w.push(cx.waker().clone());
+            }
+        }
+        // Fired between the check and the registration: `fire` took the
+        // wakers before or after the push; look again.
+        if self.signal.is_fired() {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    }
+}
+
+/// A close that did not end in time ([`CloseWait::wait`]): the QP is still
+/// waiting to be destroyed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("QP {qp_num} is not closed yet: {}", self.waiting_for())]
+#[non_exhaustive]
+pub struct CloseTimedOut {
+    /// The QP.
+    pub qp_num: u32,
+    /// Its send requests not completed (flushes not yet polled).
+    pub sends: usize,
+    /// Its own receive queue's requests not completed.
+    pub recvs: usize,
+    /// Its SRQ, if its use of it is not quiesced, and whether the device
+    /// has said `LAST_WQE_REACHED` for it.
+    pub srq: Option<(u32, bool)>,
+}
+
+impl CloseTimedOut {
+    fn waiting_for(&self) -> String {
+        let mut parts = Vec::new();
+        if self.sends > 0 {
+            parts.push(format!("{} send requests not completed", self.sends));
+        }
+        if self.recvs > 0 {
+            parts.push(format!("{} receives not completed", self.recvs));
+        }
+        match self.srq {
+            Some((srq, false)) => parts.push(format!(
+                "no IBV_EVENT_QP_LAST_WQE_REACHED from the device for its use of SRQ {srq}"
+            )),
+            Some((srq, true)) => parts.push(format!(
+                "its receive CQ's poller has not polled it empty since its last WQE (SRQ {srq})"
+            )),
+            None => {}
+        }
+        if parts.is_empty() {
+            parts.push("its CQ's poller has not reaped it yet".into());
+        }
+        parts.join("; ")
+    }
+}
+
 #[cfg(all(test, loom))]
 std::thread_local! {
     /// The loom model's mutation of [`SrqUser::mark_quiesced`]: the reap

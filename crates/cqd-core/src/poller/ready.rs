@@ -456,17 +456,21 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
     /// otherwise the active ones (in Busy mode, the hot ones). The quiet
     /// ones are checked by the safety round slice by slice, in Busy mode
     /// (which looks at no epoll set) an eighth of them every `READY_CHECK`.
-    pub(super) fn check_async(&mut self) {
+    /// True when a CQ took an SRQ user's last WQE and must be polled
+    /// before the poller sleeps (step 3 of `ledger::teardown`).
+    pub(super) fn check_async(&mut self) -> bool {
+        let mut repoll = false;
         if std::mem::take(&mut self.ready.async_ready) {
             for i in 0..self.cqs.len() {
-                self.check_async_of(i);
+                repoll |= self.check_async_of(i);
             }
         } else {
             for j in 0..self.ready.active.len() {
                 let i = self.ready.active[j];
-                self.check_async_of(i);
+                repoll |= self.check_async_of(i);
             }
         }
+        repoll
     }
 
     /// Every CQ's asynchronous events (the stop's drain).
@@ -493,13 +497,15 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
     /// CQ `i`'s asynchronous events. A CQ that took an SRQ user's last WQE
     /// is made active, so that it is polled before the poller sleeps
     /// (step 3 of `ledger::teardown`).
-    fn check_async_of(&mut self, i: usize) {
+    fn check_async_of(&mut self, i: usize) -> bool {
         if let Some(cq) = self.cqs.get_mut(i) {
             cq.check_async();
             if cq.quiescing() {
                 self.ready.make_active(i);
+                return true;
             }
         }
+        false
     }
 
     /// While not blocking (work, or spinning), looks at the epoll set every

@@ -131,6 +131,12 @@ pub trait Backend: Sized + 'static {
     fn credits_in_use(cq: &Self::Cq) -> u64;
     /// CQ entries the CQ's budget holds admitted for live queues.
     fn reserved(cq: &Self::Cq) -> u64;
+    /// The CQ's ledger.
+    fn ledger(cq: &Self::Cq) -> cqd_core::ledger::WrLedger {
+        Self::ledger_of(cq).clone()
+    }
+    /// The CQ's ledger, borrowed.
+    fn ledger_of(cq: &Self::Cq) -> &cqd_core::ledger::WrLedger;
     /// Overflows the CQ's budget recorded.
     fn budget_overflows(cq: &Self::Cq) -> u64;
     /// An RC QP in RESET on `send_cq` / `recv_cq`.
@@ -158,6 +164,8 @@ pub trait Backend: Sized + 'static {
     fn connect(qp: &Self::Qp, peer: &Self::Endpoint);
     /// Moves the QP to the error state (both queues flush).
     fn to_error(qp: &Self::Qp);
+    /// Closes `qp` (`Qp::close`): the wait for its end.
+    fn close(qp: Self::Qp) -> cqd_core::ledger::CloseWait;
     /// A zeroed region with local write and remote read/write access.
     fn reg_mr(dev: &Self::Dev, len: usize) -> Self::Mr;
     fn sge<'a>(mr: &'a Self::Mr, offset: usize, len: u32) -> Self::Sge<'a>;
@@ -322,6 +330,10 @@ impl Backend for Sim {
         cq.budget_snapshot().credits_in_use
     }
 
+    fn ledger_of(cq: &Self::Cq) -> &cqd_core::ledger::WrLedger {
+        cq.ledger()
+    }
+
     fn reserved(cq: &Self::Cq) -> u64 {
         cq.budget_snapshot().reserved
     }
@@ -393,6 +405,10 @@ impl Backend for Sim {
 
     fn to_error(qp: &Self::Qp) {
         qp.modify(cqd_sim::Modify::Err).expect("ERR");
+    }
+
+    fn close(qp: Self::Qp) -> cqd_core::ledger::CloseWait {
+        qp.close()
     }
 
     fn reg_mr(dev: &Self::Dev, len: usize) -> Self::Mr {
@@ -632,6 +648,12 @@ impl Flavour for Soft {
 /// it to `rxe0`).
 pub const RXE_ENV: &str = "CQD_RXE";
 
+/// Why a close of a QP on an SRQ cannot end on rxe while the SRQ holds
+/// receives.
+pub const RXE_NO_LAST_WQE: &str = "rxe on kernel 6.1 raises no \
+    IBV_EVENT_QP_LAST_WQE_REACHED, so a QP on an SRQ that still holds receives \
+    is never quiesced (docs/softverbs.md, differences from rxe)";
+
 /// Why a device-death scenario cannot run on rxe.
 pub const RXE_NO_DEATH: &str = "rxe cannot die under an open context: it has no \
     disassociate_ucontext, so `rdma link delete` blocks in the kernel until every \
@@ -680,6 +702,9 @@ impl Flavour for RxeDevice {
     }
 
     fn cannot_run(scenario: &str) -> Option<&'static str> {
+        if scenario.starts_with("close_srq") {
+            return Some(RXE_NO_LAST_WQE);
+        }
         scenario.starts_with("device_gone").then_some(RXE_NO_DEATH)
     }
 
@@ -786,6 +811,10 @@ impl<F: Flavour> Backend for VerbsOn<F> {
         cq.budget_snapshot().credits_in_use
     }
 
+    fn ledger_of(cq: &Self::Cq) -> &cqd_core::ledger::WrLedger {
+        cq.ledger()
+    }
+
     fn reserved(cq: &Self::Cq) -> u64 {
         cq.budget_snapshot().reserved
     }
@@ -864,6 +893,10 @@ impl<F: Flavour> Backend for VerbsOn<F> {
 
     fn to_error(qp: &Self::Qp) {
         qp.to_error().expect("to_error");
+    }
+
+    fn close(qp: Self::Qp) -> cqd_core::ledger::CloseWait {
+        qp.close()
     }
 
     fn reg_mr(dev: &Self::Dev, len: usize) -> Self::Mr {

@@ -1,0 +1,149 @@
+//! Connections that come and go on one CQ, written once for every
+//! backend: one call closes a connection while the others keep traffic
+//! flowing, its outstanding requests come back as flushes, once each, its
+//! admission comes back, and nothing of it stays in the CQ's ledger.
+
+use std::time::Duration;
+
+use cqd_core::OpKind;
+
+use crate::backend::{Backend, Cap, Op};
+use crate::support::{mode, poller, wait_until, Log, Recorder};
+use crate::{assert_clean, assert_each_once};
+
+/// Closes and opens connections with their own receive queues, 24 times,
+/// beside one that keeps receiving: each closed connection's receives
+/// (posted, never used) come back flushed, the other's messages arrive,
+/// the CQ's admission and ledger end where they began, the stop is clean.
+pub fn close_own<B: Backend>(mode_name: &str) {
+    const CYCLES: u32 = 24;
+    const RECVS: u32 = 4;
+    let dev = B::open();
+    let (cq, u, h) = B::dispatched_cq(&dev, "close", 1024, true);
+    let log = Log::default();
+    let reg = h.register(Recorder(log.clone())).unwrap();
+    let t = poller("close", mode(mode_name), vec![u]);
+    let mr = B::reg_mr(&dev, 64 * 1024);
+    let (keep_a, keep_b) = B::pair(&dev, &cq, &cq, Cap::default());
+    let (reserved, queues) = (B::reserved(&cq), B::ledger(&cq).queue_count());
+    let mut tag = 0u32;
+    for cycle in 0..CYCLES {
+        let (a, b) = B::pair(&dev, &cq, &cq, Cap { send: 16, recv: 16 });
+        let sg: Vec<_> = (0..RECVS)
+            .map(|i| [B::sge(&mr, (i * 64) as usize, 64)])
+            .collect();
+        let mut r: Vec<_> = (0..RECVS)
+            .map(|i| B::recv_wr(tag + i, &sg[i as usize]))
+            .collect();
+        reg.post_recv(&b, &mut r).unwrap();
+        tag += RECVS;
+        // The connection that stays: one message per cycle.
+        let rsg = [B::sge(&mr, 8192 + cycle as usize * 64, 64)];
+        reg.post_recv(&keep_b, &mut [B::recv_wr(10_000 + cycle, &rsg)])
+            .unwrap();
+        let ssg = [B::sge(&mr, 4096, 8)];
+        reg.post_send(
+            &keep_a,
+            &mut [B::send_wr(20_000 + cycle, Op::Send, &ssg, true)],
+        )
+        .unwrap();
+        B::close(b).wait(Duration::from_secs(30)).unwrap();
+        B::close(a).wait(Duration::from_secs(30)).unwrap();
+    }
+    let want = (CYCLES * RECVS + 2 * CYCLES) as usize;
+    assert!(
+        wait_until(Duration::from_secs(10), || log.len() == want),
+        "{}: {} of {want} completions",
+        B::NAME,
+        log.len()
+    );
+    assert_eq!(
+        B::reserved(&cq),
+        reserved,
+        "{}: every admission back",
+        B::NAME
+    );
+    assert_eq!(
+        B::ledger(&cq).queue_count(),
+        queues,
+        "{}: nothing of the closed connections in the ledger",
+        B::NAME
+    );
+    let report = cqd_core::shutdown(|| {}, [t], []);
+    assert_clean("close_own", &report);
+    let evs = log.snapshot();
+    let flushed: Vec<_> = evs.iter().filter(|e| !e.ok).map(|e| e.tag).collect();
+    assert_eq!(flushed.len(), (CYCLES * RECVS) as usize, "{evs:?}");
+    assert_each_once(
+        "close",
+        &evs,
+        OpKind::Recv,
+        (0..CYCLES * RECVS).chain(10_000..10_000 + CYCLES),
+    );
+    assert_each_once("close", &evs, OpKind::Send, 20_000..20_000 + CYCLES);
+    drop((keep_a, keep_b));
+}
+
+/// The same with connections on one SRQ that still holds receives when
+/// they close: each close ends once the CQ's poller has taken the QP's
+/// last WQE and polled its CQ empty after it; the stop hands the SRQ's
+/// unused receives back and is clean.
+pub fn close_srq<B: Backend>(mode_name: &str) {
+    const CYCLES: u32 = 24;
+    let dev = B::open();
+    let (cq, u, h) = B::dispatched_cq(&dev, "close-srq", 1024, true);
+    let srq = B::srq(&dev, 64);
+    let log = Log::default();
+    let reg = h.register(Recorder(log.clone())).unwrap();
+    let t = poller("close-srq", mode(mode_name), vec![u]);
+    let mr = B::reg_mr(&dev, 64 * 1024);
+    let sg: Vec<_> = (0..32usize).map(|i| [B::sge(&mr, i * 64, 64)]).collect();
+    let mut r: Vec<_> = (0..32u32)
+        .map(|i| B::srq_recv_wr(i, &sg[i as usize]))
+        .collect();
+    reg.post_recv(&srq, &mut r).unwrap();
+    let (reserved, queues) = (B::reserved(&cq), B::ledger(&cq).queue_count());
+    for cycle in 0..CYCLES {
+        let a = B::qp(&dev, &cq, &cq, Cap { send: 16, recv: 16 });
+        let b = B::qp_on_srq(&dev, &cq, &cq, &srq, Cap { send: 16, recv: 0 });
+        B::connect(&a, &B::endpoint(&b));
+        B::connect(&b, &B::endpoint(&a));
+        if cycle % 3 == 0 {
+            // Every third connection receives one message before it goes.
+            let ssg = [B::sge(&mr, 4096, 8)];
+            reg.post_send(&a, &mut [B::send_wr(20_000 + cycle, Op::Send, &ssg, true)])
+                .unwrap();
+            let want = 2 * (cycle / 3 + 1) as usize;
+            assert!(
+                wait_until(Duration::from_secs(10), || log.len() == want),
+                "{}: {} of {want} completions",
+                B::NAME,
+                log.len()
+            );
+        }
+        B::close(b).wait(Duration::from_secs(30)).unwrap();
+        B::close(a).wait(Duration::from_secs(30)).unwrap();
+    }
+    let sent = CYCLES.div_ceil(3);
+    assert!(
+        wait_until(Duration::from_secs(10), || log.len() == 2 * sent as usize),
+        "{}: {} of {} completions",
+        B::NAME,
+        log.len(),
+        2 * sent
+    );
+    assert_eq!(B::ledger(&cq).srq_users(), 0, "{}", B::NAME);
+    assert_eq!(B::ledger(&cq).queue_count(), queues, "{}", B::NAME);
+    assert_eq!(B::reserved(&cq), reserved, "{}", B::NAME);
+    let report = cqd_core::shutdown(|| {}, [t], []);
+    assert_clean("close_srq", &report);
+    assert_eq!(report.pollers[0].cqs[0].srq_returned, u64::from(32 - sent));
+    let evs = log.snapshot();
+    assert_each_once("close_srq", &evs, OpKind::Recv, 0..32);
+    assert_each_once(
+        "close_srq",
+        &evs,
+        OpKind::Send,
+        (0..sent).map(|k| 20_000 + 3 * k),
+    );
+}
