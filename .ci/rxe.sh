@@ -162,7 +162,7 @@ if [[ ${1:-} == --guest ]]; then
     #      forged refusal, printed escaped by the load and by the server.
     l=$LOGS/hostile.log rc=0
     timeout 300 "$HOSTILE" --nocapture --test-threads 1 >"$l" 2>&1 || rc=$?
-    if [[ $rc -eq 0 ]] && grep -q '^test result: ok. 3 passed' "$l"; then
+    if [[ $rc -eq 0 ]] && grep -q '^test result: ok. 4 passed' "$l"; then
         passed=$((passed + 1))
         echo "ok   hostile_client:"; grep -E 'broke|verdict' "$l" | sed 's/^/       /'
     else

@@ -20,6 +20,23 @@
 //! crosses the wire. It is read from a file (not the command line, which
 //! other users can see), 16 to 4,096 bytes, a trailing newline ignored; a
 //! file its group or others may read or write is refused.
+//!
+//! After the `welcome`, both sides hold the session's key ([`SessionKey`]),
+//! from which every later MAC is made:
+//!
+//! 5. `K = HMAC-SHA-256(ikm, "cqd-demo session" ‖ L ‖ S)`, where `ikm` is
+//!    the secret, or, for a server without one, `S` itself: the server's
+//!    nonce, which it then sends in its `welcome` as the session's token.
+//!    Without a secret, whoever reads the TCP session can compute `K`.
+//! 6. A control message's MAC ([`SessionKey::control_mac`]):
+//!    `HMAC-SHA-256(K, label ‖ seq ‖ body)`, the label naming the
+//!    direction ("cqd-demo load to server", "cqd-demo server to load"),
+//!    `seq` its number in that direction (u64, big-endian).
+//! 7. An rdma_cm request's MAC ([`SessionKey::cm_mac`]): the first
+//!    [`CM_MAC_LEN`] bytes of `HMAC-SHA-256(K, "cqd-demo rdma_cm" ‖ L ‖ S ‖
+//!    conn)`, `conn` the connection's number (u32, little-endian): a
+//!    request's private data holds 56 bytes, and 128 bits of HMAC are as
+//!    hard to forge as the key is to guess.
 
 use std::fmt;
 use std::io::Read;
@@ -39,8 +56,19 @@ pub const MIN_SECRET: usize = 16;
 /// The longest secret taken.
 pub const MAX_SECRET: usize = 4096;
 
+/// Bytes of the MAC an rdma_cm request carries (step 7).
+pub const CM_MAC_LEN: usize = 16;
+
 const LOAD: &[u8] = b"cqd-demo load";
 const SERVER: &[u8] = b"cqd-demo server";
+const SESSION: &[u8] = b"cqd-demo session";
+const LOAD_TO_SERVER: &[u8] = b"cqd-demo load to server";
+const SERVER_TO_LOAD: &[u8] = b"cqd-demo server to load";
+const RDMA_CM: &[u8] = b"cqd-demo rdma_cm";
+
+fn hmac_of(key: &[u8]) -> Hmac<Sha256> {
+    <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes a key of any length")
+}
 
 /// A shared secret. Its bytes are never printed.
 #[derive(Clone)]
@@ -94,8 +122,7 @@ impl Secret {
     }
 
     fn mac(&self, label: &[u8], first: &[u8; NONCE_LEN], second: &[u8; NONCE_LEN]) -> Hmac<Sha256> {
-        let mut m =
-            <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC takes a key of any length");
+        let mut m = hmac_of(&self.0);
         m.update(label);
         m.update(first);
         m.update(second);
@@ -122,6 +149,110 @@ impl Secret {
     /// Step 4, the load's check of a proof (constant time).
     pub fn check_proof(&self, l: &[u8; NONCE_LEN], s: &[u8; NONCE_LEN], proof: &str) -> bool {
         unhex(proof).is_some_and(|mac| self.mac(SERVER, l, s).verify_slice(&mac).is_ok())
+    }
+}
+
+/// Which way a control message goes: its MAC's label (step 6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// Sent by the load.
+    LoadToServer,
+    /// Sent by the server.
+    ServerToLoad,
+}
+
+impl Direction {
+    fn label(self) -> &'static [u8] {
+        match self {
+            Direction::LoadToServer => LOAD_TO_SERVER,
+            Direction::ServerToLoad => SERVER_TO_LOAD,
+        }
+    }
+}
+
+/// A session's key and its two nonces (steps 5 to 7). Its bytes are never
+/// printed.
+#[derive(Clone)]
+pub struct SessionKey {
+    key: [u8; 32],
+    l: [u8; NONCE_LEN],
+    s: [u8; NONCE_LEN],
+}
+
+impl fmt::Debug for SessionKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("SessionKey(..)")
+    }
+}
+
+impl SessionKey {
+    /// Step 5 with a shared secret: the key of the session whose load
+    /// nonce is `l` and server nonce `s`.
+    pub fn with_secret(secret: &Secret, l: &[u8; NONCE_LEN], s: &[u8; NONCE_LEN]) -> SessionKey {
+        SessionKey {
+            key: secret.mac(SESSION, l, s).finalize().into_bytes().into(),
+            l: *l,
+            s: *s,
+        }
+    }
+
+    /// Step 5 without a secret: the server's nonce `s` is the session's
+    /// token and the key's only secret (whoever read the `welcome` knows
+    /// it).
+    pub fn from_token(l: &[u8; NONCE_LEN], s: &[u8; NONCE_LEN]) -> SessionKey {
+        let mut m = hmac_of(s);
+        m.update(SESSION);
+        m.update(l);
+        m.update(s);
+        SessionKey {
+            key: m.finalize().into_bytes().into(),
+            l: *l,
+            s: *s,
+        }
+    }
+
+    fn control(&self, dir: Direction, seq: u64, body: &[u8]) -> Hmac<Sha256> {
+        let mut m = hmac_of(&self.key);
+        m.update(dir.label());
+        m.update(&seq.to_be_bytes());
+        m.update(body);
+        m
+    }
+
+    /// Step 6: the MAC of control message `seq` going `dir` with `body`,
+    /// as 64 hex digits.
+    pub fn control_mac(&self, dir: Direction, seq: u64, body: &[u8]) -> String {
+        hex(&self.control(dir, seq, body).finalize().into_bytes())
+    }
+
+    /// Step 6, the receiver's check (constant time). False for anything
+    /// that is not 64 hex digits.
+    pub fn check_control_mac(&self, dir: Direction, seq: u64, body: &[u8], mac: &str) -> bool {
+        unhex(mac).is_some_and(|m| self.control(dir, seq, body).verify_slice(&m).is_ok())
+    }
+
+    fn cm(&self, conn: u32) -> Hmac<Sha256> {
+        let mut m = hmac_of(&self.key);
+        m.update(RDMA_CM);
+        m.update(&self.l);
+        m.update(&self.s);
+        m.update(&conn.to_le_bytes());
+        m
+    }
+
+    /// Step 7: the MAC of this session's rdma_cm request for connection
+    /// `conn`.
+    pub fn cm_mac(&self, conn: u32) -> [u8; CM_MAC_LEN] {
+        let full = self.cm(conn).finalize().into_bytes();
+        let mut out = [0u8; CM_MAC_LEN];
+        out.copy_from_slice(&full[..CM_MAC_LEN]);
+        out
+    }
+
+    /// Step 7, the server's check (constant time): `mac` is this
+    /// session's for connection `conn`. False for any other length.
+    pub fn check_cm_mac(&self, conn: u32, mac: &[u8]) -> bool {
+        mac.len() == CM_MAC_LEN && self.cm(conn).verify_truncated_left(mac).is_ok()
     }
 }
 
@@ -250,6 +381,48 @@ mod tests {
         for bad in ["", "zz", &ans[..63], &format!("{ans}0"), &"g".repeat(64)] {
             assert!(!a.check_answer(&s, &l, bad), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn session_keys_bind_both_nonces_the_secret_and_the_direction() {
+        let a = secret("correct horse battery");
+        let (s, l) = (nonce().unwrap(), nonce().unwrap());
+        let k = SessionKey::with_secret(&a, &l, &s);
+        let others = [
+            SessionKey::with_secret(&secret("correct horse battery!"), &l, &s),
+            SessionKey::with_secret(&a, &s, &l),
+            SessionKey::with_secret(&a, &nonce().unwrap(), &s),
+            SessionKey::from_token(&l, &s),
+        ];
+        let dir = Direction::LoadToServer;
+        let mac = k.control_mac(dir, 3, b"{\"msg\":\"done\"}");
+        assert!(k.check_control_mac(dir, 3, b"{\"msg\":\"done\"}", &mac));
+        assert!(
+            !k.check_control_mac(dir, 4, b"{\"msg\":\"done\"}", &mac),
+            "seq"
+        );
+        assert!(
+            !k.check_control_mac(dir, 3, b"{\"msg\":\"join\"}", &mac),
+            "body"
+        );
+        assert!(
+            !k.check_control_mac(Direction::ServerToLoad, 3, b"{\"msg\":\"done\"}", &mac),
+            "direction"
+        );
+        assert!(!k.check_control_mac(dir, 3, b"{\"msg\":\"done\"}", &mac[..63]));
+        let cm = k.cm_mac(0);
+        assert!(k.check_cm_mac(0, &cm));
+        assert!(!k.check_cm_mac(1, &cm), "another connection");
+        assert!(!k.check_cm_mac(0, &cm[..15]), "shorter");
+        assert!(!k.check_cm_mac(0, &[0u8; CM_MAC_LEN]));
+        for o in &others {
+            assert!(!o.check_control_mac(dir, 3, b"{\"msg\":\"done\"}", &mac));
+            assert!(!o.check_cm_mac(0, &cm));
+        }
+        // Without a secret, both sides derive the same key from the token.
+        let t = SessionKey::from_token(&l, &s);
+        assert!(SessionKey::from_token(&l, &s).check_cm_mac(7, &t.cm_mac(7)));
+        assert_eq!(format!("{k:?}"), "SessionKey(..)", "never printed");
     }
 
     #[test]

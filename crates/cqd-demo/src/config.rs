@@ -166,6 +166,10 @@ pub struct Args {
     /// [default: wait for ever].
     #[arg(long, value_parser = parse_duration)]
     pub accept_timeout: Option<Duration>,
+    /// serve/load: the one deadline of each handshake, from the TCP
+    /// connection to the last queue pair connected [default: 30s].
+    #[arg(long, value_parser = parse_duration)]
+    pub handshake_timeout: Option<Duration>,
     /// Thread layout (TOML, docs/topology.md); default: the built-in copy
     /// of examples/demo-topology.toml.
     #[arg(long, value_name = "FILE")]
@@ -295,6 +299,9 @@ pub struct Config {
     /// serve: how long to wait for a load session.
     #[serde(skip)]
     pub accept_timeout: Option<Duration>,
+    /// serve/load: the one deadline of each handshake.
+    #[serde(skip)]
+    pub handshake_timeout: Duration,
     /// Servers.
     pub servers: u32,
     /// Connections in all.
@@ -401,6 +408,12 @@ impl Args {
         }
         if self.secret_file.is_some() && !matches!(command, Command::Serve | Command::Load) {
             return bad("--secret-file is for `serve` and `load`".into());
+        }
+        if self.handshake_timeout.is_some() && !matches!(command, Command::Serve | Command::Load) {
+            return bad("--handshake-timeout is for `serve` and `load`".into());
+        }
+        if self.handshake_timeout.is_some_and(|t| t.is_zero()) {
+            return bad("--handshake-timeout 0: give a deadline longer than zero".into());
         }
         let secret = match &self.secret_file {
             Some(path) => Some(crate::auth::Secret::from_file(path)?),
@@ -547,6 +560,9 @@ impl Args {
             exposure: self.exposure.unwrap_or_default(),
             secret,
             accept_timeout: self.accept_timeout,
+            handshake_timeout: self
+                .handshake_timeout
+                .unwrap_or(crate::net::HANDSHAKE_TIMEOUT),
             servers,
             connections: self.connections,
             qd: self.qd,
@@ -810,5 +826,22 @@ mod tests {
         assert_eq!(s.listen, format!("127.0.0.1:{DEFAULT_PORT}"));
         let e = args(&["serve", "--duration", "1s"]).check().unwrap_err();
         assert!(e.to_string().contains("the load's"), "{e}");
+        // One deadline per handshake: 30 s unless told, never zero, and
+        // only where there is a handshake.
+        assert_eq!(s.handshake_timeout, crate::net::HANDSHAKE_TIMEOUT);
+        let s = args(&["serve", "--handshake-timeout", "5s"])
+            .check()
+            .unwrap();
+        assert_eq!(s.handshake_timeout, std::time::Duration::from_secs(5));
+        let e = args(&["serve", "--handshake-timeout", "0s"])
+            .check()
+            .unwrap_err();
+        assert!(e.to_string().contains("longer than zero"), "{e}");
+        let e = args(&["--handshake-timeout", "5s"]).check().unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("--handshake-timeout is for `serve` and `load`"),
+            "{e}"
+        );
     }
 }

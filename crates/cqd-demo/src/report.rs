@@ -496,10 +496,22 @@ pub struct ServeReport {
     pub session: Verdict,
     /// What went wrong along the way.
     pub notes: Vec<String>,
+    /// With `--cm rdmacm`: the connection requests its gate rejected (a
+    /// stranger's, another address's, a replay; `crate::net`, H5).
+    pub cm_rejected: Option<CmRejected>,
     /// The topology used, as TOML.
     pub topology: String,
     /// cqd's full shutdown report.
     pub system: SystemReport,
+}
+
+/// The rdma_cm requests a server rejected.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CmRejected {
+    /// How many.
+    pub count: u64,
+    /// The first few, each with where it came from and why.
+    pub named: Vec<String>,
 }
 
 /// What [`build_serve`] needs.
@@ -525,6 +537,8 @@ pub struct ServeInputs<'a, N: Node> {
     pub topology_toml: String,
     /// Notes.
     pub notes: Vec<String>,
+    /// With `--cm rdmacm`: what the gate rejected.
+    pub cm_rejected: Option<crate::net::Rejected>,
 }
 
 /// Gathers a server process's report.
@@ -541,6 +555,10 @@ pub fn build_serve<N: Node>(i: ServeInputs<'_, N>) -> ServeReport {
         accounts_verdict,
         session: i.session,
         notes: i.notes,
+        cm_rejected: i.cm_rejected.map(|r| CmRejected {
+            count: r.count,
+            named: r.named,
+        }),
         topology: i.topology_toml,
         system: i.system,
     }
@@ -569,6 +587,12 @@ impl ServeReport {
         threads_text(&mut s, &self.pollers, &self.system);
         for n in &self.notes {
             let _ = writeln!(s, "note      {n}");
+        }
+        if let Some(r) = &self.cm_rejected {
+            let _ = writeln!(s, "rdma_cm   {} request(s) rejected", r.count);
+            for n in &r.named {
+                let _ = writeln!(s, "rejected  {n}");
+            }
         }
         let _ = writeln!(
             s,

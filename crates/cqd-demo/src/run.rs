@@ -32,6 +32,10 @@ use crate::DemoError;
 /// How long the load may take to finish what is in flight.
 const DRAIN: Duration = Duration::from_secs(10);
 
+/// How long a connection given back may take to be dropped
+/// ([`ServerSide::release`]).
+const RELEASE: Duration = Duration::from_secs(5);
+
 /// Runs the demo once on the simulated NIC, in `mode` (None: the
 /// topology's modes).
 ///
@@ -246,6 +250,33 @@ impl<N: Node> ServerSide<N> {
         let cq = format!("srv{server}");
         name_of(&mut self.names, pi, &cq, conn.registration(), conn.name());
         Ok(conn)
+    }
+
+    /// Gives back `conns` of server `server`, made for a session that did
+    /// not start ([`Server::release`]), and waits (at most `RELEASE`) until
+    /// each is dropped, so that the next session finds the CQ's admission
+    /// free again. What is not dropped by then is named in the return.
+    pub fn release(&mut self, server: u32, conns: Vec<Arc<SrvConn<N>>>) -> Vec<String> {
+        let Some(srv) = self.servers.get_mut(server as usize) else {
+            return Vec::new();
+        };
+        for c in &conns {
+            srv.release(c);
+        }
+        let deadline = Instant::now() + RELEASE;
+        while conns.iter().any(|c| Arc::strong_count(c) > 1) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        conns
+            .iter()
+            .filter(|c| Arc::strong_count(c) > 1)
+            .map(|c| {
+                format!(
+                    "{}: still held {RELEASE:?} after it was given back",
+                    c.name()
+                )
+            })
+            .collect()
     }
 
     /// Server `i`.

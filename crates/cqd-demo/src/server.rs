@@ -174,6 +174,9 @@ pub struct SrvConn<N: Node> {
     stats: Arc<ServerStats>,
     closing: Arc<AtomicBool>,
     broken: AtomicBool,
+    /// Given back before its session started ([`Server::release`]): its
+    /// flushes end it, they do not break it.
+    released: AtomicBool,
 }
 
 impl<N: Node> SrvConn<N> {
@@ -479,9 +482,10 @@ impl<N: Node> Handler<ServerWork<N>> for SrvHandler<N> {
             }
             _ => {}
         }
-        // A flush at the close is the end of the connection's life, not
-        // a failure.
-        if !(f.is_flush() && c.closing.load(Ordering::Acquire)) {
+        // A flush at the close, or of a connection given back, is the end
+        // of the connection's life, not a failure.
+        let ended = c.closing.load(Ordering::Acquire) || c.released.load(Ordering::Acquire);
+        if !(f.is_flush() && ended) {
             c.break_conn(&format!(
                 "{} completed with {:?}",
                 f.kind().name(),
@@ -527,6 +531,9 @@ pub struct Server<N: Node> {
     device: Arc<N::Region>,
     spec: ServerSpec,
     conns: Vec<Arc<SrvConn<N>>>,
+    /// Connections made so far, given back ones included (their names
+    /// stay unique).
+    made: u32,
     stats: Arc<ServerStats>,
     closing: Arc<AtomicBool>,
 }
@@ -575,6 +582,7 @@ impl<N: Node> Server<N> {
             device,
             spec,
             conns: Vec::new(),
+            made: 0,
             stats: Arc::new(ServerStats::default()),
             closing: Arc::new(AtomicBool::new(false)),
         })
@@ -615,7 +623,7 @@ impl<N: Node> Server<N> {
         let msgs = self
             .node
             .reg_region(u64::from(3 * depth) * MSG, Exposure::Local)?;
-        let name = format!("{}/c{}", self.name, self.conns.len());
+        let name = format!("{}/c{}", self.name, self.made);
         let (device, stats, closing) = (
             Arc::clone(&self.device),
             Arc::clone(&self.stats),
@@ -643,14 +651,30 @@ impl<N: Node> Server<N> {
                     stats,
                     closing,
                     broken: AtomicBool::new(false),
+                    released: AtomicBool::new(false),
                 });
                 made = Some(Arc::clone(&conn));
                 SrvHandler { conn }
             })
             .map_err(|e| crate::DemoError::Setup(format!("{name}: register: {e}")))?;
         let conn = made.ok_or_else(|| crate::DemoError::Setup(format!("{name}: not made")))?;
+        self.made += 1;
         self.conns.push(Arc::clone(&conn));
         Ok(conn)
+    }
+
+    /// Gives back a connection of a session that did not start: its QP to
+    /// error (what it posted comes back flushed), off the server's list,
+    /// its handler unregistered. The poller drops the handler once its
+    /// flushes are in, and with it the QP and the QP's admission on the
+    /// CQ: [`Arc::strong_count`] of `conn` falls to the caller's own.
+    pub fn release(&mut self, conn: &Arc<SrvConn<N>>) {
+        conn.released.store(true, Ordering::Release);
+        conn.link.to_error();
+        self.conns.retain(|c| !Arc::ptr_eq(c, conn));
+        if let Err(e) = self.handle.unregister(conn.reg.key()) {
+            tracing::warn!(conn = %conn.name, "unregister: {e}");
+        }
     }
 
     /// Waits until no job is with the workers (or `timeout`), then closes:

@@ -27,6 +27,12 @@
 //! Two more tests forge a `refused` reason (a terminal escape, then a line
 //! that reads as a verdict): a fake server sends it to a `load` process,
 //! a fake load to a `serve` process, and each process prints it escaped.
+//!
+//! The last attacks the handshake of a `serve` process: a silent one, one
+//! sending a byte a second and 100 idle connections (an honest join is
+//! timed during each), then a malformed and an altered message after
+//! `join`. Each is refused, with the reason, and a `load` process run
+//! beside them passes, as does the server.
 #![cfg(feature = "verbs")]
 #![allow(missing_docs)]
 
@@ -414,6 +420,8 @@ fn a_hostile_client_gets_nothing_and_the_server_stays_up() {
         mr: &mr,
         conns: Vec::new(),
     };
+    // Every connect first, then the server's answers (H5).
+    let mut qps = Vec::new();
     for n in 0..CONNS {
         let cap = QpCap {
             max_send_wr: 16,
@@ -427,6 +435,9 @@ fn a_hostile_client_gets_nothing_and_the_server_stays_up() {
             endpoint: qp.endpoint(&opts, psn).unwrap(),
         })
         .unwrap();
+        qps.push((n, psn, qp));
+    }
+    for (n, psn, qp) in qps {
         let theirs = match wire.recv::<Endpoint>().unwrap() {
             Msg::Accepted { conn, endpoint } if conn == n => endpoint,
             other => panic!("connection {n}: {other:?}"),
@@ -449,6 +460,8 @@ fn a_hostile_client_gets_nothing_and_the_server_stays_up() {
         }
     }
     assert_eq!(client.conns[5].n, 5);
+    // The handshake is over: the session has no deadline.
+    wire.set_deadline(None);
 
     // The honest connection works.
     client.honest_round(0, 1, 0x11);
@@ -749,4 +762,113 @@ fn a_loads_forged_refusal_is_printed_escaped_by_the_server() {
     stderr.extend(err.iter());
     let stdout: Vec<String> = out.iter().collect();
     assert_escaped(&format!("{}\n{}", stdout.join("\n"), stderr.join("\n")));
+}
+
+#[test]
+fn stalled_flooding_and_malformed_handshakes_are_refused_and_a_load_passes() {
+    use common::attack::{self, refusal_on, sealed_refusal, Trickle, JOIN_BOUND};
+    let Some((dev, gid)) =
+        device("stalled_flooding_and_malformed_handshakes_are_refused_and_a_load_passes")
+    else {
+        return;
+    };
+    let right = secret_file("stalled", "the server's secret, long enough");
+    let (mut server, addr, out) = serve(&dev, gid, &right);
+    // Its stderr, read as it comes: a refusal a line.
+    let _err = common::served::lines(server.stderr.take().unwrap());
+    let qd = QD.to_string();
+    let mut cfg = config(&["--qd", qd.as_str(), "--block-size", "4096"]);
+    cfg.secret = Some(Secret::from_file(std::path::Path::new(&right)).unwrap());
+    // The server's handshake deadline is the default 30 s: an honest join
+    // that waited for an attacker's would take that long. (rxe under
+    // emulation runs slower, not that much slower.)
+    let bound = JOIN_BOUND * slow().min(3);
+    let mut joins = Vec::new();
+    let mut measure = |what: &str| {
+        let (took, wire) = attack::timed_join(&addr, &cfg, 1);
+        eprintln!("honest join during {what}: {took:?}");
+        assert!(took < bound, "{what}: the honest join took {took:?}");
+        joins.push(wire);
+    };
+    let silent = attack::silent(&addr);
+    measure("a silent handshake");
+    let trickle = Trickle::start(&addr, Duration::from_secs(1));
+    measure("a handshake sending one byte a second");
+    let idle = attack::idle(&addr, 100);
+    measure("100 idle connections");
+    for s in [&silent, &trickle.stream] {
+        let why = refusal_on(s);
+        assert!(why.contains("is ended to make room"), "{why}");
+    }
+    drop(joins);
+    // After join (with the secret): a line that is no message, and a
+    // sealed message whose MAC is not the session's.
+    let (mut wire, mut raw) = attack::joined(&addr, &cfg, 1);
+    raw.write_all(b"garbage\n").unwrap();
+    let why = sealed_refusal(&mut wire);
+    assert!(why.contains("not a cqd-demo message"), "{why}");
+    let (mut wire, mut raw) = attack::joined(&addr, &cfg, 1);
+    let forged = Msg::<Endpoint>::Sealed {
+        seq: 1,
+        body: r#"{"msg":"done"}"#.into(),
+        mac: "0".repeat(64),
+    };
+    raw.write_all(format!("{}\n", serde_json::to_string(&forged).unwrap()).as_bytes())
+        .unwrap();
+    let why = sealed_refusal(&mut wire);
+    assert!(why.contains("its MAC is not this session's"), "{why}");
+    // An honest load process, beside the idle connections, passes; its
+    // session ends every pending handshake.
+    let gid = gid.map(|g| g.to_string());
+    let mut args = vec![
+        "load",
+        "--device",
+        &dev,
+        "--server",
+        &addr,
+        "--secret-file",
+        &right,
+        "--qd",
+        &qd,
+        "--connections",
+        "2",
+        "--ops",
+        "2000",
+    ];
+    if let Some(g) = &gid {
+        args.extend_from_slice(&["--gid-index", g]);
+    }
+    let done = common::finish(
+        common::demo(&args, "warn").spawn().expect("load starts"),
+        "an honest load beside the attacks",
+        Duration::from_secs(120) * slow(),
+    );
+    let (stdout, stderr) = (common::text(&done.stdout), common::text(&done.stderr));
+    assert_eq!(done.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(stdout.contains("verdict data:     PASSED"), "{stdout}");
+    assert!(stdout.contains("verdict accounts: PASSED"), "{stdout}");
+    for s in &idle {
+        let why = refusal_on(s);
+        assert!(
+            why.contains("session has started") || why.contains("is ended to make room"),
+            "{why}"
+        );
+    }
+    drop(trickle);
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = server.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60) * slow(),
+            "serve did not end"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let text: Vec<String> = out.try_iter().collect();
+    let text = text.join("\n");
+    assert!(status.success(), "serve: {status}\n{text}");
+    assert!(text.contains("verdict session:  PASSED"), "{text}");
+    assert!(text.contains("verdict accounts: PASSED"), "{text}");
 }

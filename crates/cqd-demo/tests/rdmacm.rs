@@ -128,3 +128,107 @@ fn a_server_killed_mid_run_under_rdma_cm_fails_the_load_fast() {
     assert!(stdout.contains("0 mismatched"), "{stdout}");
     assert_accounts_balanced(&stdout);
 }
+
+/// A stranger's rdma_cm request for connection 0 of the server at `addr`,
+/// with private data `data`: the reason the server gave in its reject.
+fn strangers_request(addr: &str, data: Vec<u8>) -> String {
+    use cqd_core::{CqOptions, NoWork};
+    use cqd_verbs::cm::{CmError, CmParams, ConnectionManager};
+    use cqd_verbs::{Context, CqSpec, QpCap, QpInit};
+    let ctx = Context::open("softverbs0").expect("the device");
+    let pd = ctx.alloc_pd().unwrap();
+    let (cq, _unbound, _handle) = ctx
+        .create_dispatched_cq::<NoWork>("stranger", 64, CqSpec::default(), CqOptions::default())
+        .unwrap();
+    let cap = QpCap {
+        max_send_wr: 4,
+        max_recv_wr: 4,
+        ..QpCap::default()
+    };
+    let qp = pd.create_qp(&QpInit::new(&cq, &cq, cap)).unwrap();
+    let cm = ConnectionManager::new().unwrap();
+    let params = CmParams {
+        private_data: data,
+        ..CmParams::default()
+    };
+    match cm.connect(addr.parse().unwrap(), qp, &params) {
+        Err(CmError::Rejected { private_data, .. }) => {
+            let end = private_data
+                .iter()
+                .position(|&b| b == 0)
+                .unwrap_or(private_data.len());
+            String::from_utf8_lossy(&private_data[..end]).into_owned()
+        }
+        Err(e) => panic!("the stranger's request: {e}"),
+        Ok(_) => panic!("a stranger's request was accepted"),
+    }
+}
+
+#[test]
+fn a_strangers_rdma_cm_request_is_rejected_and_the_session_goes_on() {
+    if !launcher_or_skip("a_strangers_rdma_cm_request_is_rejected_and_the_session_goes_on") {
+        return;
+    }
+    use cqd_demo::auth::CM_MAC_LEN;
+    use cqd_demo::backend::cm::request_data;
+    let s = serve(&["--device-size", "2MiB", "--cm", "rdmacm"]);
+    // Before any session: a request for connection 0 with a MAC of no
+    // session's key.
+    let forged = request_data(0, &[0x5a; CM_MAC_LEN]);
+    let why = strangers_request(&s.addr, forged.clone());
+    assert!(why.contains("its MAC is no session's"), "{why}");
+    // A session runs.
+    let load = common::spawn(&[
+        "load",
+        "--device",
+        "softverbs0",
+        "--cm",
+        "rdmacm",
+        "--server",
+        &s.addr,
+        "--connections",
+        "2",
+        "--duration",
+        "3s",
+    ]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match s.err.recv_timeout(left) {
+            Ok(l) if l.contains("serving") => break,
+            Ok(_) => {}
+            Err(_) => panic!("the server never served"),
+        }
+    }
+    // A request for its connection 0 with the forged MAC again, and one
+    // that is not the demo's. Both rejected; the session goes on.
+    let why = strangers_request(&s.addr, forged);
+    assert!(
+        why.contains("connection 0: its MAC is no session's"),
+        "{why}"
+    );
+    let why = strangers_request(&s.addr, b"another protocol".to_vec());
+    assert!(why.contains("not a cqd-demo connection request"), "{why}");
+    let out = common::finish(load, "the honest load", Duration::from_secs(120));
+    let stdout = text(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        text(&out.stderr)
+    );
+    assert!(stdout.contains("verdict data:     PASSED"), "{stdout}");
+    assert!(stdout.contains("verdict accounts: PASSED"), "{stdout}");
+    // The server's report counts and names each.
+    let (code, sout, serr) = s.end(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{sout}\n{serr}");
+    assert!(sout.contains("rdma_cm   3 request(s) rejected"), "{sout}");
+    assert_eq!(
+        sout.lines()
+            .filter(|l| l.starts_with("rejected  rdma_cm request from 127.0.0.1"))
+            .count(),
+        3,
+        "{sout}"
+    );
+    assert!(sout.contains("verdict session:  PASSED"), "{sout}");
+}

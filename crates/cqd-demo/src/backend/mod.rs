@@ -248,12 +248,19 @@ pub trait Link: Send + Sync + Debug + 'static {
     }
 
     /// Connect through rdma_cm to the listener at `dst` as the session's
-    /// connection `conn` (`--cm rdmacm`); only the verbs backend has it.
+    /// connection `conn`, with the session's `mac` of the request
+    /// (`--cm rdmacm`; [`cm::request_data`]); only the verbs backend has
+    /// it.
     ///
     /// # Errors
     /// No rdma_cm in this backend, the peer refused or is unreachable.
-    fn cm_connect(&self, dst: std::net::SocketAddr, conn: u32) -> Result<(), BackendError> {
-        let _ = (dst, conn);
+    fn cm_connect(
+        &self,
+        dst: std::net::SocketAddr,
+        conn: u32,
+        mac: &[u8; crate::auth::CM_MAC_LEN],
+    ) -> Result<(), BackendError> {
+        let _ = (dst, conn, mac);
         Err(cm::unsupported("connect through rdma_cm"))
     }
 

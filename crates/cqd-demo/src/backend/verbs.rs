@@ -370,10 +370,15 @@ impl Link for VerbsLink {
         })
     }
 
-    fn cm_connect(&self, dst: std::net::SocketAddr, conn: u32) -> Result<(), BackendError> {
+    fn cm_connect(
+        &self,
+        dst: std::net::SocketAddr,
+        conn: u32,
+        mac: &[u8; crate::auth::CM_MAC_LEN],
+    ) -> Result<(), BackendError> {
         let cm = cm_manager()?;
         let params = cqd_verbs::cm::CmParams {
-            private_data: super::cm::request_data(conn),
+            private_data: super::cm::request_data(conn, mac),
             // The REQ carries it: both sides' QPs retry this often.
             retry_count: self.connect.retry_cnt,
             // This link's exposure, not rdma_cm's remote write and read.

@@ -2,6 +2,7 @@
 //! no input, waited for at most a limit (a hang is a failure, never a wait).
 #![allow(dead_code)] // each test file uses its own part
 
+pub mod attack;
 #[cfg(feature = "verbs")]
 pub mod served;
 
