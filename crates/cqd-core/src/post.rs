@@ -187,6 +187,22 @@ pub enum Refused {
     /// Too few CQ credits are left.
     #[error(transparent)]
     Credits(#[from] BudgetError),
+    /// The send queue is full: the list would take it past its depth
+    /// (its requests not yet retired, `tail - head`, as the device counts
+    /// its slots). Nothing was posted; post it again once completions of
+    /// the queue have been polled (a completion future waits for room by
+    /// itself). A connection need not end on it.
+    #[error("QP {qp_num}'s send queue is full: {outstanding} of its {depth} slots hold requests not yet completed, {posting} more asked; post again after its completions")]
+    Full {
+        /// The QP.
+        qp_num: u32,
+        /// The queue's depth (as the backend reserved it).
+        depth: u32,
+        /// Its requests not yet retired.
+        outstanding: u64,
+        /// The requests the list asked for.
+        posting: usize,
+    },
     /// The handler's CQ has no ledger: its source gave none to `split` and
     /// none was attached, so no poller would retire what is posted.
     #[error("handler {handler}'s CQ {cq} has no ledger: use a source that gives one to split (every cqd backend's does) or attach the CQ's ledger (CqHandle::attach_ledger)")]

@@ -215,6 +215,19 @@ impl From<Refused> for PostError {
     fn from(r: Refused) -> Self {
         match r {
             Refused::Credits(e) => PostError::Credits(e),
+            // The posting call's own check, the NIC's refusal made early.
+            Refused::Full {
+                qp_num,
+                depth,
+                outstanding,
+                posting,
+            } => PostError::QueueFull {
+                qpn: qp_num,
+                queue: "send",
+                depth,
+                outstanding: u32::try_from(outstanding).unwrap_or(u32::MAX),
+                posting: u32::try_from(posting).unwrap_or(u32::MAX),
+            },
             other => PostError::Refused(other),
         }
     }

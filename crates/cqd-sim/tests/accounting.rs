@@ -243,7 +243,7 @@ fn completed_means_every_completion_and_flushed_is_a_subset_everywhere() {
 #[test]
 fn a_refused_post_leaves_every_account_as_it_was() {
     let cap = QpCap {
-        max_send_wr: 4,
+        max_send_wr: 8,
         max_send_sge: 1,
         ..QpCap::default()
     };
@@ -279,8 +279,9 @@ fn a_refused_post_leaves_every_account_as_it_was() {
     assert_eq!(state(&r), before);
     assert_eq!(list[0].wr_id, 7);
 
-    // The queue full (3 of 4 slots taken).
-    let mut list = [w(8, &one[..]), w(9, &one[..])];
+    // The queue full (3 of 8 slots taken, 6 asked): refused by the
+    // posting call before the NIC sees it.
+    let mut list = [8, 9, 10, 11, 12, 13].map(|t| w(t, &one[..]));
     let err = r.reg.post_send(&r.a, &mut list).unwrap_err();
     assert!(matches!(err, PostError::QueueFull { .. }), "{err}");
     assert_eq!(state(&r), before);

@@ -537,6 +537,23 @@ impl Posting<'_> {
         Ok(())
     }
 
+    /// The send queue's room for `n` more requests within its reserved
+    /// depth: `Err((depth, outstanding))` when there is none. A receive
+    /// queue, an SRQ (whose receives complete in any order) and a queue
+    /// never reserved are not checked.
+    #[inline]
+    pub(crate) fn room(&mut self, n: usize) -> Result<(), (u32, u64)> {
+        let depth = self.account.depth();
+        if self.account.queue != Queue::Send || depth == 0 {
+            return Ok(());
+        }
+        if self.poster.has_room(n as u64, u64::from(depth)) {
+            Ok(())
+        } else {
+            Err((depth, self.poster.in_flight()))
+        }
+    }
+
     /// R1: writes one request's entry.
     #[inline]
     pub(crate) fn write(&mut self, wr_id: u64, at: Instant, signaled: bool) {

@@ -337,6 +337,9 @@ pub(crate) struct Producer {
     before_post: Option<(Cursor, u64, u64)>,
     /// Segments made by [`Ring::reserve`] and the first.
     reserved: u64,
+    /// The poller's published `head` as this side last loaded it (it only
+    /// grows): the room check loads it again only when this says full.
+    head_seen: u64,
     /// The queue's oldest live request was, at the last segment linked,
     /// so far behind the tail that a context tag (23 bits of position)
     /// could repeat one still outstanding (see [`Poster::tags_wrap`]).
@@ -436,6 +439,7 @@ impl Ring {
                 last_posted: None,
                 before_post: None,
                 reserved: 1,
+                head_seen: 0,
                 wide: false,
                 #[cfg(test)]
                 span: TAG_SPAN,
@@ -628,6 +632,27 @@ pub(crate) struct Poster<'a> {
 }
 
 impl Poster<'_> {
+    /// True if `n` more requests keep the queue within `depth` requests
+    /// not yet retired (`tail - head`, `head` as the poller last
+    /// published it, loaded again only when the one seen last says no).
+    /// For a queue that retires in order (a send queue), this is the
+    /// device's own occupancy: its slots are freed as their completions
+    /// are polled.
+    #[inline]
+    pub(crate) fn has_room(&mut self, n: u64, depth: u64) -> bool {
+        let p = &mut *self.p;
+        if p.tail + n <= p.head_seen + depth {
+            return true;
+        }
+        p.head_seen = self.ring.retire.head.load(Ordering::Acquire);
+        p.tail + n <= p.head_seen + depth
+    }
+
+    /// Requests not yet retired, as [`has_room`](Self::has_room) last saw.
+    pub(crate) fn in_flight(&self) -> u64 {
+        self.p.tail.saturating_sub(self.p.head_seen)
+    }
+
     /// Step 1 for one entry: writes it at the next position, not yet
     /// published.
     #[inline]

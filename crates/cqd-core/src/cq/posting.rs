@@ -114,6 +114,21 @@ where
         }),
         _ => None,
     };
+    // The send queue's room: a list that would overfill it is refused
+    // whole, before the device sees it, and the caller may post it again
+    // once completions have freed slots.
+    let refused = match refused {
+        Some(r) => Some(r),
+        None => posting
+            .room(wrs.len())
+            .err()
+            .map(|(depth, outstanding)| Refused::Full {
+                qp_num: account.number(),
+                depth,
+                outstanding,
+                posting: wrs.len(),
+            }),
+    };
     let refused = match refused {
         Some(r) => Some(r),
         None => posting

@@ -183,6 +183,8 @@ pub trait Backend: Sized + 'static {
     fn recv_wr<'a, 'b: 'a>(tag: u32, sg: &'a [Self::Sge<'b>]) -> <Self::Qp as PostRecv>::Wr<'a>;
     /// The queue is full or the CQ has no credits: post again later.
     fn retryable(e: &Self::PostErr) -> bool;
+    /// The send queue's depth, if `e` says it is full.
+    fn full_depth(e: &Self::PostErr) -> Option<u32>;
     /// The posting call's refusal of an invalid request, if `e` is one.
     fn invalid(e: &Self::PostErr) -> Option<cqd_core::Invalid> {
         match Self::refused(e)? {
@@ -478,6 +480,13 @@ impl Backend for Sim {
             e,
             cqd_sim::PostError::QueueFull { .. } | cqd_sim::PostError::Credits(_)
         )
+    }
+
+    fn full_depth(e: &Self::PostErr) -> Option<u32> {
+        match e {
+            cqd_sim::PostError::QueueFull { depth, .. } => Some(*depth),
+            _ => None,
+        }
     }
 
     fn refused(e: &Self::PostErr) -> Option<&cqd_core::Refused> {
@@ -966,9 +975,18 @@ impl<F: Flavour> Backend for VerbsOn<F> {
         cqd_verbs::RecvWr::new(u64::from(tag), sg)
     }
 
+    fn full_depth(e: &Self::PostErr) -> Option<u32> {
+        match e {
+            cqd_verbs::PostError::Refused(cqd_core::Refused::Full { depth, .. }) => Some(*depth),
+            _ => None,
+        }
+    }
+
     fn retryable(e: &Self::PostErr) -> bool {
         match e {
-            cqd_verbs::PostError::Refused(cqd_core::Refused::Credits(_)) => true,
+            cqd_verbs::PostError::Refused(
+                cqd_core::Refused::Credits(_) | cqd_core::Refused::Full { .. },
+            ) => true,
             cqd_verbs::PostError::Device { source, .. } => {
                 source.raw_os_error() == Some(libc::ENOMEM)
             }

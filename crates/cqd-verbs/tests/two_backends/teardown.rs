@@ -147,3 +147,100 @@ pub fn close_srq<B: Backend>(mode_name: &str) {
         (0..sent).map(|k| 20_000 + 3 * k),
     );
 }
+
+/// A send queue filled beyond its depth by several threads: each post that
+/// would overfill it is refused whole with `Refused::Full` before the
+/// device sees it, and the thread posts it again once the poller has
+/// polled completions. Every message reaches the peer once, each thread's
+/// in its order, and no request fails.
+pub fn full_send_queue<B: Backend>(mode_name: &str) {
+    const THREADS: u32 = 4;
+    const EACH: u32 = 50;
+    let _ = mode_name;
+    let dev = B::open();
+    let (cq, u, h) = B::dispatched_cq(&dev, "full", 2048, true);
+    let mut poller = u.bind();
+    let log = Log::default();
+    let reg = h.register(Recorder(log.clone())).unwrap();
+    let (a, b) = B::pair(&dev, &cq, &cq, Cap { send: 8, recv: 256 });
+    let (ma, mb) = (B::reg_mr(&dev, 4096), B::reg_mr(&dev, 8 * 256));
+    let n = THREADS * EACH;
+    let rsg: Vec<_> = (0..n as usize).map(|i| [B::sge(&mb, i * 8, 8)]).collect();
+    let mut r: Vec<_> = (0..n).map(|i| B::recv_wr(i, &rsg[i as usize])).collect();
+    reg.post_recv(&b, &mut r).unwrap();
+    // Message k of thread t: [t, k, ...], a slot of its own.
+    for t in 0..THREADS {
+        for k in 0..EACH {
+            B::write(
+                &ma,
+                ((t * EACH + k) * 8) as usize,
+                &[t as u8, k as u8, 0xa5, 0, 0, 0, 0, 0],
+            );
+        }
+    }
+    use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+    // Refusals, and the threads refused at least once: the poller polls
+    // only once every thread has met the full queue.
+    let (full, refused) = (AtomicU32::new(0), AtomicU32::new(0));
+    let mut out = std::collections::VecDeque::new();
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let (reg, a, ma, full, refused) = (&reg, &a, &ma, &full, &refused);
+            s.spawn(move || {
+                let mut met = false;
+                for k in 0..EACH {
+                    let tag = 1000 + t * EACH + k;
+                    let sg = [B::sge(ma, ((t * EACH + k) * 8) as usize, 8)];
+                    while let Err(e) = reg.post_send(a, &mut [B::send_wr(tag, Op::Send, &sg, true)])
+                    {
+                        assert_eq!(B::full_depth(&e), Some(8), "{}: {e}", B::NAME);
+                        full.fetch_add(1, Relaxed);
+                        if !std::mem::replace(&mut met, true) {
+                            refused.fetch_add(1, Relaxed);
+                        }
+                        std::thread::yield_now();
+                    }
+                }
+            });
+        }
+        assert!(
+            wait_until(Duration::from_secs(30), || refused.load(Relaxed) == THREADS),
+            "{}: {} threads met the full queue",
+            B::NAME,
+            refused.load(Relaxed)
+        );
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while log.len() < 2 * n as usize {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{}: {} of {}",
+                B::NAME,
+                log.len(),
+                2 * n
+            );
+            poller.poll_once(&mut out).unwrap();
+        }
+    });
+    assert!(full.into_inner() >= THREADS, "every thread was refused");
+    let evs = log.snapshot();
+    assert!(evs.iter().all(|e| e.ok), "{}: {evs:?}", B::NAME);
+    assert_each_once("full", &evs, OpKind::Send, 1000..1000 + n);
+    // The receives in arrival order: each thread's messages in its order.
+    let mut next = vec![0u32; THREADS as usize];
+    for e in evs.iter().filter(|e| e.kind == OpKind::Recv) {
+        let mut buf = [0u8; 8];
+        B::read(&mb, e.tag as usize * 8, &mut buf);
+        let (t, k) = (buf[0] as usize, u32::from(buf[1]));
+        assert!(t < THREADS as usize && buf[2] == 0xa5, "{buf:?}");
+        assert_eq!(
+            k,
+            next[t],
+            "{}: thread {t}'s messages out of order",
+            B::NAME
+        );
+        next[t] += 1;
+    }
+    assert_eq!(next, vec![EACH; THREADS as usize]);
+    while poller.poll_once(&mut out).unwrap() > 0 {}
+    drop((a, b));
+}
