@@ -180,13 +180,12 @@ impl Qp {
     /// (`cqd_core::ledger`, module `teardown`), the NIC destroys it and its
     /// admission comes back. Never blocks; the wait does, or is awaited.
     pub fn close(self) -> CloseWait {
-        let own_recv = self.recv_account.queue() == Queue::Recv;
         let wait = CloseWait::new(
             self.qpn,
-            Arc::clone(&self.closed),
-            Arc::clone(&self.send_account),
-            own_recv.then(|| Arc::clone(&self.recv_account)),
-            self.srq_user.clone(),
+            &self.closed,
+            &self.send_account,
+            &self.recv_account,
+            self.srq_user.as_ref(),
         );
         drop(self);
         wait

@@ -776,13 +776,12 @@ impl Qp {
     /// one of its CQs' poller threads), or is awaited.
     pub fn close(self) -> CloseWait {
         let q = &self.inner;
-        let own_recv = q.recv_account.queue() == Queue::Recv;
         let wait = CloseWait::new(
             q.qpn,
-            Arc::clone(&q.closed),
-            Arc::clone(&q.send_account),
-            own_recv.then(|| Arc::clone(&q.recv_account)),
-            q.srq_user.clone(),
+            &q.closed,
+            &q.send_account,
+            &q.recv_account,
+            q.srq_user.as_ref(),
         );
         drop(self);
         wait

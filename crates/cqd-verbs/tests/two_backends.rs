@@ -71,7 +71,7 @@ use support::{
     device_or_skip, mode, poller, poller_with, readable, retry, wait_until, within, Ev, Log,
     Recorder, Spy,
 };
-use teardown::{close_own, close_srq, full_send_queue};
+use teardown::{churn, close_own, close_srq, full_send_queue};
 use ud_atomic::{atomics, mixed_kinds, ud_routing};
 
 /// Runs one cell of the matrix: skips a verbs backend without its device
@@ -1874,6 +1874,7 @@ matrix!(srq_shared: busy, event, hybrid, adaptive);
 matrix!(close_own: busy, event, hybrid, adaptive);
 matrix!(close_srq: busy, event, hybrid, adaptive);
 matrix!(full_send_queue: direct);
+matrix!(churn: event);
 matrix!(errors_by_side: busy, event, hybrid, adaptive);
 matrix!(unsignaled: busy, event, hybrid, adaptive);
 matrix!(drain_and_shutdown: busy, event, hybrid, adaptive);

@@ -193,22 +193,23 @@ pub struct CloseWait {
 }
 
 impl CloseWait {
-    /// The wait for QP `qp_num`'s `signal`; the accounts (its send queue's,
-    /// its own receive queue's) and SRQ user say what is missing when it
-    /// times out.
+    /// The wait for QP `qp_num`'s `signal`; its accounts (its send
+    /// queue's, and its receive queue's or its SRQ's) and its SRQ user say
+    /// what is missing when it times out.
     pub fn new(
         qp_num: u32,
-        signal: Arc<CloseSignal>,
-        send: Arc<crate::account::QueueAccount>,
-        recv: Option<Arc<crate::account::QueueAccount>>,
-        srq_user: Option<Arc<SrqUser>>,
+        signal: &Arc<CloseSignal>,
+        send: &Arc<crate::account::QueueAccount>,
+        recv: &Arc<crate::account::QueueAccount>,
+        srq_user: Option<&Arc<SrqUser>>,
     ) -> Self {
+        let own = recv.queue() == crate::account::Queue::Recv;
         CloseWait {
             qp_num,
-            signal,
-            send,
-            recv,
-            srq_user,
+            signal: Arc::clone(signal),
+            send: Arc::clone(send),
+            recv: own.then(|| Arc::clone(recv)),
+            srq_user: srq_user.cloned(),
         }
     }
 

@@ -711,7 +711,7 @@ impl Flavour for RxeDevice {
     }
 
     fn cannot_run(scenario: &str) -> Option<&'static str> {
-        if scenario.starts_with("close_srq") {
+        if scenario.starts_with("close_srq") || scenario.starts_with("churn") {
             return Some(RXE_NO_LAST_WQE);
         }
         scenario.starts_with("device_gone").then_some(RXE_NO_DEATH)
