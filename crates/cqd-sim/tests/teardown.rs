@@ -505,3 +505,81 @@ mod close {
         close_one_connection_while_another_runs(PollMode::Adaptive(Adaptive::default()))
     }
 }
+
+/// A retired handler's end can be waited for, or awaited, without polling
+/// a flag: not while its requests are outstanding, at once when their
+/// flushes are polled; a retirement the stop cuts short ends with it.
+fn a_retired_handlers_end_can_be_waited_for(mode: PollMode) {
+    let dev = Device::open("sim0");
+    let (cq, src) = dev.create_cq("server", 256, CqConfig::default()).unwrap();
+    let (unbound, handle) = cqd_core::split::<NoWork>(src, CqOptions::default()).unwrap();
+    let log = Log::default();
+    let reg = handle.register(Recorder(log.clone())).unwrap();
+    let idle = handle.register(Recorder(Log::default())).unwrap();
+    let other = handle.register(Recorder(Log::default())).unwrap();
+    let thread = PollerBuilder::new("retire", cqd_core::NoSink)
+        .mode(mode)
+        .drain_timeout(Duration::from_millis(50))
+        .cq(unbound)
+        .spawn()
+        .unwrap();
+    let pd = dev.alloc_pd();
+    let own = QpCap {
+        max_send_wr: 8,
+        max_recv_wr: 8,
+        max_send_sge: 1,
+        max_recv_sge: 1,
+    };
+    let a = pd.create_qp(&QpInit::new(&cq, &cq, own)).unwrap();
+    let b = pd.create_qp(&QpInit::new(&cq, &cq, own)).unwrap();
+    connect(&a, &b).unwrap();
+    let bufs = pd.reg_mr(64, Access::LOCAL_WRITE).unwrap();
+    let sge = [bufs.sge(0, 64)];
+    let mut recvs: Vec<_> = (0..3u64).map(|t| RecvWr::new(t, &sge)).collect();
+    reg.post_recv(&a, &mut recvs).unwrap();
+    let mut parked: Vec<_> = (0..2u64).map(|t| RecvWr::new(t, &sge)).collect();
+    other.post_recv(&b, &mut parked).unwrap();
+    // A handler with nothing outstanding goes at once.
+    block_on(handle.unregister(idle.key()).unwrap());
+    let retired = handle.unregister(reg.key()).unwrap();
+    let e = retired.wait(Duration::from_millis(20)).unwrap_err();
+    assert_eq!(e.key, reg.key());
+    assert!(!retired.is_done());
+    // Its receives flush: it drains, and is gone.
+    a.close().wait(Duration::from_secs(30)).unwrap();
+    retired.wait(Duration::from_secs(30)).unwrap();
+    assert_eq!(log.take().len(), 3, "its three flushes first");
+    // One the stop cuts short (its receives on a live QP never complete).
+    let cut = handle.unregister(other.key()).unwrap();
+    let report = thread.stop().unwrap();
+    assert!(
+        !report.accounts.is_balanced(),
+        "b's two receives are missing"
+    );
+    cut.wait(Duration::from_secs(5)).unwrap();
+    drop(b);
+}
+
+mod retire {
+    use super::*;
+    use cqd_core::Adaptive;
+
+    #[test]
+    fn busy() {
+        a_retired_handlers_end_can_be_waited_for(PollMode::Busy)
+    }
+    #[test]
+    fn event() {
+        a_retired_handlers_end_can_be_waited_for(PollMode::Event)
+    }
+    #[test]
+    fn hybrid() {
+        a_retired_handlers_end_can_be_waited_for(PollMode::Hybrid {
+            spin: Duration::from_micros(50),
+        })
+    }
+    #[test]
+    fn adaptive() {
+        a_retired_handlers_end_can_be_waited_for(PollMode::Adaptive(Adaptive::default()))
+    }
+}

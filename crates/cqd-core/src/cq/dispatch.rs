@@ -67,11 +67,13 @@ fn retire<W>(shared: &CqShared<W>, slab: &mut Slab<W>, key: HandlerKey) -> bool 
     if !e.ledger.close() {
         return false;
     }
-    if slab.remove(key).is_some() {
+    if let Some(entry) = slab.remove(key) {
         shared.table().release(key);
         let m = &shared.metrics.0;
         m.handlers_live.fetch_sub(1, Ordering::Relaxed);
         m.unregistrations.fetch_add(1, Ordering::Relaxed);
+        drop(entry);
+        shared.retired(Some(key));
     }
     true
 }

@@ -262,18 +262,26 @@ impl<W: Send + 'static> CqHandle<W> {
 
     /// Retires a handler: it keeps receiving the completions of what it
     /// posted (flushes included) and is dropped once none is outstanding.
+    /// The returned [`Retired`](crate::ledger::Retired) says when: wait on
+    /// it (not on the poller's thread) or await it.
     ///
     /// # Errors
     /// [`RegisterError::UnknownKey`] if `key` names no live handler.
-    pub fn unregister(&self, key: HandlerKey) -> Result<(), RegisterError> {
+    pub fn unregister(&self, key: HandlerKey) -> Result<crate::ledger::Retired, RegisterError> {
         if !self.shared.table().is_live(key) {
             return Err(RegisterError::UnknownKey {
                 cq: self.shared.name.clone(),
                 key,
             });
         }
+        let signal = crate::ledger::CloseSignal::new();
+        self.shared.retiring.lock().push((key, Arc::clone(&signal)));
+        if self.shared.closed.load(Ordering::Acquire) {
+            // The poller has finished: nothing will retire it.
+            self.shared.retired(Some(key));
+        }
         push_command(&self.shared, Command::Unregister { key });
-        Ok(())
+        Ok(crate::ledger::Retired::new(key, signal))
     }
 
     /// A copy of the CQ's counters (with its budget's, if attached).

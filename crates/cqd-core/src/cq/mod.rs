@@ -231,9 +231,27 @@ pub(crate) struct CqShared<W> {
     /// retires their entries and returns their credits as it polls.
     /// Shared with registrations, which post only to its queues.
     pub(crate) ledger: Arc<OnceLock<WrLedger>>,
+    /// The signals of handlers being retired ([`CqHandle::unregister`]),
+    /// fired when the poller drops them, or when it finishes.
+    pub(crate) retiring: parking_lot::Mutex<Vec<(HandlerKey, Arc<crate::ledger::CloseSignal>)>>,
 }
 
 impl<W> CqShared<W> {
+    /// Fires the retirement signals of `key`, or every one (`None`: the
+    /// poller finished).
+    pub(crate) fn retired(&self, key: Option<HandlerKey>) {
+        let fired: Vec<_> = {
+            let mut r = self.retiring.lock();
+            let (fired, keep) = std::mem::take(&mut *r)
+                .into_iter()
+                .partition(|(k, _)| key.is_none_or(|key| *k == key));
+            *r = keep;
+            fired
+        };
+        for (_, s) in fired {
+            s.fire();
+        }
+    }
     /// The slot table, locked. A panic under the lock cannot leave it half
     /// changed (each change is one call that either happens or not), so a
     /// poisoned lock is taken as it is.
@@ -285,6 +303,7 @@ pub fn split<W: Send + 'static>(
         closed: AtomicBool::new(false),
         budget: Arc::default(),
         ledger: Arc::default(),
+        retiring: parking_lot::Mutex::new(Vec::new()),
     });
     // The source's ledger and budget, attached before anything can post.
     if let Some(ledger) = source.ledger() {
@@ -397,6 +416,9 @@ impl<W> Core<W> {
             return Ok(());
         }
         self.finished = true;
+        // No handler is retired any more: whoever waits for one learns it
+        // now (the stop's report says what it left).
+        self.shared.retired(None);
         let taken = self.source.take_events();
         if let Ok(n) = taken {
             bump(&self.shared.metrics.0.events, u64::from(n));

@@ -44,7 +44,9 @@ pub(crate) mod cache;
 mod teardown;
 use crate::wr_id::{HandlerKey, OpKind, Side, WrId};
 pub(crate) use cache::AccountCache;
-pub use teardown::{CloseSignal, CloseTimedOut, CloseWait, Graveyard, SrqUser, Zombie};
+pub use teardown::{
+    CloseSignal, CloseTimedOut, CloseWait, Graveyard, NotDrained, Retired, SrqUser, Zombie,
+};
 
 /// The QP number under which a ledger maps an SRQ of its own to that
 /// SRQ's account, `SRQ_SELF | srq number` (above every QP number, which

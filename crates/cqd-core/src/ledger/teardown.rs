@@ -173,6 +173,45 @@ impl CloseSignal {
     pub fn is_fired(&self) -> bool {
         *self.done.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// Waits until fired, at most `timeout`; whether it was.
+    pub fn wait(&self, timeout: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut done = self.done.lock().unwrap_or_else(|p| p.into_inner());
+        while !*done {
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            done = self
+                .cv
+                .wait_timeout(done, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        true
+    }
+
+    /// A future's poll: ready once fired, else the task's waker is kept
+    /// (once) for [`fire`](Self::fire).
+    pub fn poll_fired(&self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        if self.is_fired() {
+            return std::task::Poll::Ready(());
+        }
+        {
+            let mut w = self.wakers.lock().unwrap_or_else(|p| p.into_inner());
+            if !w.iter().any(|x| x.will_wake(cx.waker())) {
+                w.push(cx.waker().clone());
+            }
+        }
+        // Fired between the check and the registration: `fire` took the
+        // wakers before or after the push; look again.
+        if self.is_fired() {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    }
 }
 
 /// A QP's close under way: the QP is in the error state and waits, in its
@@ -229,22 +268,11 @@ impl CloseWait {
     /// [`CloseTimedOut`], naming the QP and what it still waits for; the
     /// close goes on.
     pub fn wait(&self, timeout: std::time::Duration) -> Result<(), CloseTimedOut> {
-        let deadline = std::time::Instant::now() + timeout;
-        let mut done = self.signal.done.lock().unwrap_or_else(|p| p.into_inner());
-        while !*done {
-            let now = std::time::Instant::now();
-            if now >= deadline {
-                drop(done);
-                return Err(self.timed_out());
-            }
-            done = self
-                .signal
-                .cv
-                .wait_timeout(done, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+        if self.signal.wait(timeout) {
+            Ok(())
+        } else {
+            Err(self.timed_out())
         }
-        Ok(())
     }
 
     /// What the QP still waits for, as an error (for a wait bounded by the
@@ -270,23 +298,71 @@ impl std::future::Future for CloseWait {
         self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<()> {
-        if self.signal.is_fired() {
-            return std::task::Poll::Ready(());
-        }
-        {
-            let mut w = self.signal.wakers.lock().unwrap_or_else(|p| p.into_inner());
-            if !w.iter().any(|x| x.will_wake(cx.waker())) {
-                w.push(cx.waker().clone());
-            }
-        }
-        // Fired between the check and the registration: `fire` took the
-        // wakers before or after the push; look again.
-        if self.signal.is_fired() {
-            std::task::Poll::Ready(())
+        self.signal.poll_fired(cx)
+    }
+}
+
+/// A handler's retirement under way ([`CqHandle::unregister`]): it keeps
+/// receiving the completions and flushes of what it posted, and its
+/// poller drops it once none is outstanding. Wait with
+/// [`wait`](Self::wait) on a thread that is not its poller, or await it.
+/// It also ends when the poller stops with the handler still there (the
+/// stop's report says what it left). Dropping it does not stop the
+/// retirement.
+///
+/// [`CqHandle::unregister`]: crate::CqHandle::unregister
+#[derive(Debug)]
+pub struct Retired {
+    key: crate::wr_id::HandlerKey,
+    signal: Arc<CloseSignal>,
+}
+
+impl Retired {
+    pub(crate) fn new(key: crate::wr_id::HandlerKey, signal: Arc<CloseSignal>) -> Self {
+        Retired { key, signal }
+    }
+
+    /// The handler.
+    pub fn key(&self) -> crate::wr_id::HandlerKey {
+        self.key
+    }
+
+    /// True once the handler is gone.
+    pub fn is_done(&self) -> bool {
+        self.signal.is_fired()
+    }
+
+    /// Waits until the handler is gone, at most `timeout`.
+    ///
+    /// # Errors
+    /// [`NotDrained`]: requests it posted are still outstanding.
+    pub fn wait(&self, timeout: std::time::Duration) -> Result<(), NotDrained> {
+        if self.signal.wait(timeout) {
+            Ok(())
         } else {
-            std::task::Poll::Pending
+            Err(NotDrained { key: self.key })
         }
     }
+}
+
+impl std::future::Future for Retired {
+    type Output = ();
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
+        self.signal.poll_fired(cx)
+    }
+}
+
+/// A retirement that did not end in time ([`Retired::wait`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("handler {key} has not drained yet: requests it posted are still outstanding (their completions or flushes not polled)")]
+#[non_exhaustive]
+pub struct NotDrained {
+    /// The handler.
+    pub key: crate::wr_id::HandlerKey,
 }
 
 /// A close that did not end in time ([`CloseWait::wait`]): the QP is still
