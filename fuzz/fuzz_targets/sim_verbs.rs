@@ -133,7 +133,9 @@ struct QpSlot {
     qp: Option<Qp>,
     send_cq: usize,
     recv_cq: usize,
-    /// Reset (or dropped in reset) after a post: its requests may vanish.
+    /// Reset or destroyed after a post: its requests may vanish (a move
+    /// to RESET discards them; the NIC purges a destroyed QP's completions
+    /// not yet polled from its CQs, as mlx5 does).
     reset: bool,
 }
 
@@ -338,7 +340,9 @@ fuzz_target!(|calls: Vec<Call>| {
             }
             Call::DropQp(i) => {
                 if let Some(q) = pick(&w.qps, i) {
-                    w.qps[q].qp = None;
+                    if w.qps[q].qp.take().is_some() {
+                        w.qps[q].reset = true;
+                    }
                 }
             }
             Call::Modify(i, m) => {
