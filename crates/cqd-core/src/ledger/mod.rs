@@ -52,7 +52,7 @@ pub use teardown::{
 /// SRQ's account, `SRQ_SELF | srq number` (above every QP number, which
 /// has 24 bits): the stop hands the SRQ's unused receives back through it
 /// ([`WrLedger::unused_srq_receives`]).
-pub const SRQ_SELF: u32 = 1 << 31;
+pub(crate) const SRQ_SELF: u32 = 1 << 31;
 
 /// An SRQ serves the handlers of one CQ (see
 /// [`WrLedger::attach_srq_user`]).
