@@ -365,7 +365,7 @@ impl WrLedger {
     /// any more, as (QP number, wr_id) of the flush that hands each back:
     /// those of every SRQ homed here with no SRQ user left to quiesce (its
     /// QPs all destroyed, or in the error state and quiesced, step 3 of
-    /// `teardown`). The QP number is [`SRQ_SELF`] | the SRQ's number, which
+    /// `teardown`). The QP number is `SRQ_SELF` (bit 31) | the SRQ's number, which
     /// this ledger maps to the SRQ's account. For the stop.
     pub fn unused_srq_receives(&self) -> Vec<(u32, u64)> {
         let srqs = self.inner.srqs.lock().clone();
