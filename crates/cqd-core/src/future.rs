@@ -968,12 +968,14 @@ impl<B: Send + 'static> Ops<B> {
         }
     }
 
-    /// Waits for room (a state slot, in the order the waits began), then
-    /// posts as [`post_send`](Self::post_send) and awaits the outcome.
+    /// Waits for room (a state slot, in the order the waits began; then a
+    /// slot on the send queue, [`PostSend::send_room`]), then posts as
+    /// [`post_send`](Self::post_send) and awaits the outcome.
     ///
     /// # Errors
     /// The posting call's errors, with `hold` back; the outcome's own
-    /// error is in the `Ok` output.
+    /// error is in the `Ok` output. [`Refused::Full`] only when another
+    /// poster of the same QP took the slot between the wait and the post.
     pub async fn send<Q: PostSend + ?Sized>(
         &self,
         qp: &Q,
@@ -981,6 +983,9 @@ impl<B: Send + 'static> Ops<B> {
         hold: B,
     ) -> Result<OpOutput<B>, OpRefused<Q::Error, B>> {
         let room = self.reserve().await;
+        // A wait that ends without room (the queue closed, its poller
+        // ended) leaves the post to say why.
+        let _ = qp.send_room(1).await;
         Ok(room.post_send(qp, wr, hold)?.await)
     }
 

@@ -74,6 +74,7 @@ pub use ledger::{
 };
 pub use mode::{Adaptive, PollMode};
 pub use poller::{CustomStop, PollerBuilder, PollerMonitor, PollerReport, PollerThread};
+pub use account::{RoomError, SendRoom};
 pub use post::{Invalid, PostRecv, PostSend, Refused, SendRequest, WorkRequest};
 pub use shutdown::{shutdown, shutdown_with, ShutdownOptions, Stopper, SystemReport};
 pub use sink::{Burst, NoSink, NoWork, Route, Routed, SpaceWait, SpaceWaker, WorkSink};

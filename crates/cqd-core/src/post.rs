@@ -276,6 +276,26 @@ pub trait PostSend {
     /// it.
     type Error: From<Refused>;
 
+    /// Waits until the send queue has room for `n` more requests, at most
+    /// `timeout` ([`QueueAccount::wait_room`]): after a
+    /// [`Refused::Full`], post again once it returns.
+    ///
+    /// # Errors
+    /// As [`QueueAccount::wait_room`].
+    fn wait_send_room(
+        &self,
+        n: usize,
+        timeout: std::time::Duration,
+    ) -> Result<(), crate::account::RoomError> {
+        self.send_account().wait_room(n, timeout)
+    }
+
+    /// As [`wait_send_room`](Self::wait_send_room), as a future
+    /// ([`QueueAccount::room`]).
+    fn send_room(&self, n: usize) -> crate::account::SendRoom<'_> {
+        self.send_account().room(n)
+    }
+
     /// The send queue's account.
     fn send_account(&self) -> &QueueAccount;
     /// Checks one request before anything of its list is recorded or

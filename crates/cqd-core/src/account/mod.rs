@@ -65,6 +65,7 @@
 
 mod clock;
 mod ring;
+mod room;
 
 use std::fmt;
 use std::sync::{Arc, OnceLock, Weak};
@@ -80,7 +81,9 @@ pub(crate) use ring::HEAD_BOUND_IS_TAIL;
 pub(crate) use ring::{
     stamp, stamp_now, AtHead, CtxWord, Flags, RetireHeld, RetireLock, SilentEntry,
 };
+pub(crate) use room::RoomBell;
 use ring::{NewEntry, Poster, Retirer, Ring};
+pub use room::{RoomError, SendRoom};
 
 /// Where an account belongs: its CQ's ledger (`crate::ledger`), which
 /// detaches the account from its map once the queue is closed and
@@ -287,6 +290,11 @@ impl QueueAccount {
         let drained = r.drained() && !self.has_prev();
         drop(r);
         drop(poster);
+        // A poster waiting for room on it (`account::room`) learns that
+        // none will come.
+        if self.queue == Queue::Send {
+            self.ring.retire_lock().bell().ring();
+        }
         let home = self.home.get().and_then(Weak::upgrade);
         if let (true, Some(home)) = (drained, home) {
             home.detach(self.number, self.queue.side(), self);
@@ -339,6 +347,92 @@ impl QueueAccount {
         self.ring.reserve(u64::from(depth) + 64);
         self.depth
             .fetch_max(depth, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Waits until this send queue has room for `n` more requests within
+    /// its depth (the poller has retired enough of its requests), at most
+    /// `timeout`: the wait a caller makes after the posting call refused a
+    /// list with [`Refused::Full`](crate::post::Refused::Full). Another
+    /// poster may take the room first: post again, and wait again on
+    /// `Full`. A receive queue, an SRQ and a queue never reserved have no
+    /// such limit: the wait returns at once. The poller is never blocked
+    /// by a wait (the protocol is `account::room`'s).
+    ///
+    /// # Errors
+    /// [`RoomError::TooMany`] (`n` exceeds the depth: it never fits),
+    /// [`RoomError::TimedOut`], [`RoomError::Closed`] (the queue was
+    /// destroyed), [`RoomError::Stopped`] (its CQ's poller ended).
+    pub fn wait_room(&self, n: usize, timeout: std::time::Duration) -> Result<(), RoomError> {
+        let start = Instant::now();
+        self.room_fits(n)?;
+        let deadline = start.checked_add(timeout);
+        let end = self
+            .ring
+            .retire_lock()
+            .bell()
+            .wait(|| self.look_room(n), deadline);
+        end.map_err(|e| self.room_error(n, e, start.elapsed()))
+    }
+
+    /// As [`wait_room`](Self::wait_room), as a future with no deadline of
+    /// its own (wrap it in the runtime's timeout). Dropped, it leaves
+    /// nothing behind.
+    pub fn room(&self, n: usize) -> SendRoom<'_> {
+        SendRoom::new(self, n)
+    }
+
+    /// What a waiter's re-check finds (`account::room` step 3).
+    pub(crate) fn look_room(&self, n: usize) -> room::Look {
+        if self.ring.closed().load(Ordering::Acquire) {
+            return room::Look::Closed;
+        }
+        let depth = u64::from(self.depth());
+        if self.queue != Queue::Send || depth == 0 {
+            return room::Look::Room;
+        }
+        if self.ring.tail() + n as u64 <= self.ring.head() + depth {
+            room::Look::Room
+        } else {
+            room::Look::Full
+        }
+    }
+
+    /// `Err` when `n` requests can never be on the queue at once.
+    pub(crate) fn room_fits(&self, n: usize) -> Result<(), RoomError> {
+        let depth = self.depth();
+        if self.queue == Queue::Send && depth != 0 && n as u64 > u64::from(depth) {
+            return Err(RoomError::TooMany {
+                qp_num: self.number,
+                depth,
+                wanted: n,
+            });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn room_error(
+        &self,
+        n: usize,
+        end: room::WaitEnd,
+        waited: std::time::Duration,
+    ) -> RoomError {
+        let qp_num = self.number;
+        match end {
+            room::WaitEnd::Closed => RoomError::Closed { qp_num },
+            room::WaitEnd::Ended => RoomError::Stopped { qp_num },
+            room::WaitEnd::TimedOut => RoomError::TimedOut {
+                qp_num,
+                depth: self.depth(),
+                outstanding: self.ring.ahead(),
+                wanted: n,
+                waited,
+            },
+        }
+    }
+
+    /// The bell this queue's posters wait for room on (`account::room`).
+    pub(crate) fn bell(&self) -> &room::RoomBell {
+        self.ring.retire_lock().bell()
     }
 
     /// The depth [`reserve`](Self::reserve) prepared the account for, 0

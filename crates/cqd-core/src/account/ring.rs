@@ -95,15 +95,17 @@ use std::mem::MaybeUninit;
 use std::cell::UnsafeCell;
 use std::sync::Arc;
 
+use super::room::RoomBell;
 use crate::sync::{AtomicPtr, AtomicU64, Ordering, ShortGuard, ShortMutex, Word};
 
 /// The retiring lock of a set of rings (those of one CQ's queues, or one
-/// SRQ's ring alone): whoever holds it may retire from any of them.
-pub(crate) struct RetireLock(ShortMutex<()>);
+/// SRQ's ring alone): whoever holds it may retire from any of them. Beside
+/// it, the bell their posters wait for room on (`account::room`).
+pub(crate) struct RetireLock(ShortMutex<()>, RoomBell);
 
 impl Default for RetireLock {
     fn default() -> Self {
-        RetireLock(ShortMutex::new(()))
+        RetireLock(ShortMutex::new(()), RoomBell::default())
     }
 }
 
@@ -115,7 +117,13 @@ impl std::fmt::Debug for RetireLock {
 
 impl RetireLock {
     pub(crate) fn new() -> Arc<Self> {
-        Arc::new(RetireLock(ShortMutex::new(())))
+        Arc::new(RetireLock::default())
+    }
+
+    /// The bell of the rings retired under this lock.
+    #[inline]
+    pub(crate) fn bell(&self) -> &RoomBell {
+        &self.1
     }
 
     /// Takes the lock.
@@ -502,6 +510,13 @@ impl Ring {
         }
     }
 
+    /// `head` as the poller last published it (Acquire): every entry
+    /// below it is retired.
+    #[inline]
+    pub(crate) fn head(&self) -> u64 {
+        self.retire.head.load(Ordering::Acquire)
+    }
+
     /// The posters' `tail`: requests ever published on the queue.
     pub(crate) fn tail(&self) -> u64 {
         self.pos.tail.load(Ordering::Acquire)
@@ -576,7 +591,7 @@ impl Ring {
             ring: self,
             c,
             head_at_lock,
-            _own: own,
+            own,
         };
         // A reader beside the poller looks at the queue as it is now; the
         // poller loads the positions when it needs them (step 5).
@@ -994,7 +1009,7 @@ pub(crate) struct Retirer<'a> {
     head_at_lock: u64,
     /// The retiring lock, when this retirer took it (dropped after `Drop`
     /// has published `head`).
-    _own: Option<RetireHeld<'a>>,
+    own: Option<RetireHeld<'a>>,
 }
 
 impl Retirer<'_> {
@@ -1282,6 +1297,13 @@ impl Drop for Retirer<'_> {
     fn drop(&mut self) {
         if self.c.head != self.head_at_lock {
             self.ring.retire.head.store(self.c.head, Ordering::Release);
+            // A reader beside the poller (the expert path's retire, a
+            // close's drain) freed room on a send queue: its waiting
+            // posters learn it now (`account::room`; the poller's pass,
+            // which holds the lock itself, rings once per batch).
+            if self.own.is_some() && self.ring.retire.in_order {
+                self.ring.retire.lock.bell().after_retire();
+            }
         }
     }
 }

@@ -419,6 +419,10 @@ impl<W> Core<W> {
         // No handler is retired any more: whoever waits for one learns it
         // now (the stop's report says what it left).
         self.shared.retired(None);
+        // Nor is any send request: a poster waiting for room learns it.
+        if let Some(l) = self.shared.ledger.get() {
+            l.room_bell().end();
+        }
         let taken = self.source.take_events();
         if let Ok(n) = taken {
             bump(&self.shared.metrics.0.events, u64::from(n));

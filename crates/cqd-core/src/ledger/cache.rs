@@ -221,12 +221,14 @@ impl AccountCache {
             };
         }
         let mut others = false;
+        let mut sent = false;
         let mut held: Option<RetireHeld<'_>> = None;
         for (i, wc) in wcs.iter().enumerate() {
             let Ok(id) = WrId::decode(wc.wr_id) else {
                 continue;
             };
             let side = id.kind.side();
+            sent |= side == Side::Send;
             let key = cache_key(wc.qp_num, side);
             let slot = self.table[key as usize & (self.table.len() - 1)];
             let index = if slot.0 == key {
@@ -278,6 +280,11 @@ impl AccountCache {
             pass.retire(i, wc, account, held);
         }
         drop(held);
+        // Posters waiting for room on a send queue (`account::room`,
+        // poller steps 2-3: the heads are published).
+        if sent {
+            ledger.room_bell().after_retire();
+        }
         // The rest, under their own locks (an SRQ's).
         if others {
             let mut held: Option<RetireHeld<'_>> = None;

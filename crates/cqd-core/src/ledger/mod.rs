@@ -241,6 +241,14 @@ impl WrLedger {
         self.inner.retire.lock()
     }
 
+    /// The bell the posters of the send queues opened here wait for room
+    /// on (`account::room`): the poller rings it after a batch that
+    /// retired send requests, and ends it when it stops.
+    #[inline]
+    pub(crate) fn room_bell(&self) -> &crate::account::RoomBell {
+        self.inner.retire.bell()
+    }
+
     pub(crate) fn epoch(&self) -> u64 {
         self.inner.epoch.load(Ordering::Acquire)
     }

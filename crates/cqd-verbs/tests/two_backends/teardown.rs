@@ -150,9 +150,10 @@ pub fn close_srq<B: Backend>(mode_name: &str) {
 
 /// A send queue filled beyond its depth by several threads: each post that
 /// would overfill it is refused whole with `Refused::Full` before the
-/// device sees it, and the thread posts it again once the poller has
-/// polled completions. Every message reaches the peer once, each thread's
-/// in its order, and no request fails.
+/// device sees it; the thread waits for room (`PostSend::wait_send_room`,
+/// woken by the poller's batch that retires completions of the queue) and
+/// posts it again. Every message reaches the peer once, each thread's in
+/// its order, and no request fails.
 pub fn full_send_queue<B: Backend>(mode_name: &str) {
     const THREADS: u32 = 4;
     const EACH: u32 = 50;
@@ -198,7 +199,8 @@ pub fn full_send_queue<B: Backend>(mode_name: &str) {
                         if !std::mem::replace(&mut met, true) {
                             refused.fetch_add(1, Relaxed);
                         }
-                        std::thread::yield_now();
+                        a.wait_send_room(1, Duration::from_secs(60))
+                            .unwrap_or_else(|e| panic!("{}: {e}", B::NAME));
                     }
                 }
             });
