@@ -428,3 +428,85 @@ fn a_stop_hands_back_what_the_sink_never_took() {
     );
     assert_eq!(errors, 0);
 }
+
+/// CQs added to a running driver (`DriverHandle::add_cq`): each joins, its
+/// notifications wake the task (none of its completions is left to the
+/// 1 s safety net), and the stop's report has every CQ, clean. A CQ on a
+/// shared completion channel, and a name the driver serves already, are
+/// refused with their reasons.
+#[test]
+fn cqs_added_to_a_running_driver_are_served() {
+    let (r0, u0) = rig::<NoWork>("grow0", CqConfig::default());
+    let (r1, u1) = rig::<NoWork>("grow1", CqConfig::default());
+    let (r2, u2) = rig::<NoWork>("grow2", CqConfig::default());
+    let (_dup, u_dup) = rig::<NoWork>("grow1", CqConfig::default());
+    let shared_dev = Device::open("grow-shared");
+    let shared_config = CqConfig {
+        channel: Some(cqd::sim::SimChannel::new().unwrap()),
+        ..CqConfig::default()
+    };
+    let (_shared_cq, u_shared, _h) = shared_dev
+        .create_dispatched_cq::<NoWork>("grow-shared", 64, shared_config, CqOptions::default())
+        .unwrap();
+    let seen = Arc::new(AtomicU64::new(0));
+    let rt = runtime();
+    let local = tokio::task::LocalSet::new();
+    let report = local.block_on(&rt, async {
+        let driver = TokioDriver::new("grow", NoSink)
+            .cq(u0)
+            .wake_timeout(Duration::from_secs(1))
+            .spawn_local()
+            .unwrap();
+        let plain = || Plain {
+            seen: Arc::clone(&seen),
+        };
+        let reg0 = r0.handle.register(plain()).unwrap();
+        exchange(&r0, &reg0, &seen, 2).await;
+        for u in [u1, u2] {
+            let joining = driver.add_cq(u).map_err(|n| n.error().clone()).unwrap();
+            joining.await.unwrap();
+        }
+        let reg1 = r1.handle.register(plain()).unwrap();
+        let reg2 = r2.handle.register(plain()).unwrap();
+        // The task sleeps between rounds: each CQ's descriptor wakes it.
+        for _ in 0..3 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            exchange(&r1, &reg1, &seen, 1).await;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            exchange(&r2, &reg2, &seen, 1).await;
+        }
+        let dup = driver
+            .add_cq(u_dup)
+            .map_err(|n| n.error().clone())
+            .unwrap()
+            .await;
+        assert!(
+            matches!(&dup, Err(JoinError::Duplicate { cq, .. }) if cq == "grow1"),
+            "{dup:?}"
+        );
+        let shared = driver
+            .add_cq(u_shared)
+            .map_err(|n| n.error().clone())
+            .unwrap()
+            .await;
+        assert!(
+            matches!(&shared, Err(JoinError::SharedChannel { cq, .. }) if cq == "grow-shared"),
+            "{shared:?}"
+        );
+        for r in [&r0, &r1, &r2] {
+            r.a.force_error();
+            r.b.force_error();
+        }
+        driver.stop().await
+    });
+    assert!(report.is_clean(), "{report}");
+    assert!(report.accounts.is_balanced(), "{}", report.accounts);
+    let names: Vec<_> = report.cqs.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(names, ["grow0", "grow1", "grow2"]);
+    assert_eq!(seen.load(Relaxed), 2 * 32 + 6 * 32);
+    for c in &report.cqs[1..] {
+        assert_eq!(c.completions, 3 * 32, "{}", c.name);
+        assert!(c.events > 0, "{}: it slept on notifications", c.name);
+        assert_eq!(c.recovered_missed_events, 0, "{}", c.name);
+    }
+}

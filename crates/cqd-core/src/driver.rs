@@ -68,8 +68,9 @@ use tokio::io::Interest;
 use crate::cq::{CqPoller, GroupBell, UnboundCq};
 use crate::metrics::{bump, PollerMetrics};
 use crate::poller::{
-    hand_back, CustomStop, PollerError, PollerReport, DEFAULT_ACK_BATCH,
-    DEFAULT_SPILL_HIGH_WATER_MARK, DEFAULT_WAKE_TIMEOUT, MIN_WAKE_TIMEOUT,
+    hand_back, hand_over, AnyArrivals, Arrivals, CustomStop, JoinError, Joining, NotJoined,
+    PollerError, PollerReport, ARRIVAL, DEFAULT_ACK_BATCH, DEFAULT_SPILL_HIGH_WATER_MARK,
+    DEFAULT_WAKE_TIMEOUT, MIN_WAKE_TIMEOUT,
 };
 use crate::shutdown::Stopper;
 use crate::sink::{Routed, WorkSink};
@@ -184,20 +185,6 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> TokioDriver<W, S> {
             move |source| PollerError::Os { poller, op, source }
         };
         let bell = Arc::new(GroupBell::new().map_err(os("eventfd"))?);
-        let register = |fd: std::os::fd::BorrowedFd<'_>| -> std::io::Result<AsyncFd<OwnedFd>> {
-            let fd = fd.try_clone_to_owned()?;
-            // SAFETY: `register_with_interest` needs a descriptor that stays
-            // open and names the same open file for as long as the
-            // `AsyncFd` lives. `fd` is an `OwnedFd` the `AsyncFd` takes: it
-            // is closed only when the `AsyncFd` drops it, its number never
-            // changes, and nothing here replaces it (no `get_mut`, no
-            // `into_inner` before the drop). It is a duplicate of the CQ's
-            // (or the doorbell's) descriptor, so it names the same file
-            // even while the CQ keeps its own; the `AsyncFd`s are dropped
-            // before their CQs are destroyed (`Group::finish`).
-            unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }
-                .map_err(std::io::Error::from)
-        };
         let bell_fd = register(bell.as_fd()).map_err(os("register the doorbell"))?;
         if let Some(cq) = self.cqs.iter().find(|c| c.source().notifier().is_some()) {
             return Err(PollerError::SharedChannel {
@@ -217,6 +204,7 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> TokioDriver<W, S> {
                 armed: false,
             });
         }
+        let arrivals = Arrivals::<W>::new(&name, Arc::clone(&bell));
         let shared = Arc::new(Shared {
             thread: std::thread::current().id(),
             stop: AtomicBool::new(false),
@@ -239,6 +227,7 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> TokioDriver<W, S> {
             give_back: self.give_back,
             noted: Vec::new(),
             ready: Vec::with_capacity(n_cqs),
+            arrivals: Arc::clone(&arrivals),
         };
         tokio::task::spawn_local(group.run());
         // The stop drains once for the group, then hands over per CQ.
@@ -246,9 +235,25 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> TokioDriver<W, S> {
         Ok(DriverHandle {
             name,
             shared,
+            arrivals,
             wait: self.how.drain_timeout + per_cq + Duration::from_secs(5),
         })
     }
+}
+
+/// Registers a duplicate of `fd` with the runtime.
+fn register(fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<AsyncFd<OwnedFd>> {
+    let fd = fd.try_clone_to_owned()?;
+    // SAFETY: `register_with_interest` needs a descriptor that stays
+    // open and names the same open file for as long as the
+    // `AsyncFd` lives. `fd` is an `OwnedFd` the `AsyncFd` takes: it
+    // is closed only when the `AsyncFd` drops it, its number never
+    // changes, and nothing here replaces it (no `get_mut`, no
+    // `into_inner` before the drop). It is a duplicate of the CQ's
+    // (or the doorbell's) descriptor, so it names the same file
+    // even while the CQ keeps its own; the `AsyncFd`s are dropped
+    // before their CQs are destroyed (`Group::finish`).
+    unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }.map_err(std::io::Error::from)
 }
 
 /// What the driver task and its handle share.
@@ -281,6 +286,8 @@ impl Shared {
 pub struct DriverHandle {
     name: String,
     shared: Arc<Shared>,
+    /// CQs joining the running group (`poller::arrive`).
+    arrivals: AnyArrivals,
     /// How long a blocking stop waits for the task's report.
     wait: Duration,
 }
@@ -303,6 +310,19 @@ impl DriverHandle {
     pub fn request_stop(&self) {
         self.shared.stop.store(true, Ordering::Release);
         self.shared.bell.ring();
+    }
+
+    /// Adds a CQ to the running driver, as
+    /// [`PollerThread::add_cq`](crate::PollerThread::add_cq) does: the task
+    /// registers its descriptor with the runtime, binds it and drains it
+    /// from its next round. The CQ's name must be new to the driver, and
+    /// its completion channel its own.
+    ///
+    /// # Errors
+    /// As [`PollerThread::add_cq`](crate::PollerThread::add_cq); the
+    /// `Joining` also reports [`JoinError::SharedChannel`].
+    pub fn add_cq<W: Send + 'static>(&self, cq: UnboundCq<W>) -> Result<Joining, NotJoined<W>> {
+        hand_over(&self.arrivals, &self.name, cq)
     }
 
     /// Stops the driver and awaits its report, from a task (of any
@@ -440,6 +460,8 @@ struct Group<W, S> {
     noted: Vec<usize>,
     /// The CQs a wait found readable (reused).
     ready: Vec<usize>,
+    /// CQs handed over to join the group (`poller::arrive`).
+    arrivals: Arc<Arrivals<W>>,
 }
 
 impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
@@ -470,6 +492,8 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                 }
             }
         }
+        // `poller::arrive` step 3.
+        self.arrivals.end();
         let mut report = self.finish().await;
         report.errors.extend(errors);
         self.shared.deliver(report);
@@ -598,9 +622,54 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                 }
             }
         }
+        let mut arrived = false;
         for i in std::mem::take(&mut self.noted) {
             if let Some(cq) = self.cqs.get_mut(i) {
                 cq.poller.apply_commands();
+            }
+            arrived |= i == ARRIVAL;
+        }
+        if arrived {
+            self.join_arrivals();
+        }
+    }
+
+    /// `poller::arrive` step 2: the CQs handed over join, each last,
+    /// unarmed (the next round drains and arms it).
+    fn join_arrivals(&mut self) {
+        for (cq, answer) in self.arrivals.take() {
+            let name = cq.name().to_string();
+            let poller = self.name.clone();
+            if self.cqs.iter().any(|c| c.poller.name() == name) {
+                drop(cq);
+                answer.answer(Err(JoinError::Duplicate { poller, cq: name }));
+                continue;
+            }
+            if cq.source().notifier().is_some() {
+                drop(cq);
+                answer.answer(Err(JoinError::SharedChannel { poller, cq: name }));
+                continue;
+            }
+            let i = self.cqs.len();
+            let mut polled = cq.bind();
+            polled.install_doorbell(Arc::clone(&self.shared.bell), i);
+            match register(polled.event_fd()) {
+                Ok(fd) => {
+                    self.cqs.push(DrivenCq {
+                        poller: polled,
+                        fd,
+                        armed: false,
+                    });
+                    answer.answer(Ok(()));
+                }
+                Err(e) => {
+                    drop(polled);
+                    answer.answer(Err(JoinError::Os {
+                        poller,
+                        cq: name,
+                        reason: e.to_string(),
+                    }));
+                }
             }
         }
     }

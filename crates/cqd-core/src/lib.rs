@@ -60,6 +60,7 @@ pub mod topology;
 pub mod verdict;
 pub mod wr_id;
 
+pub use account::{RoomError, SendRoom};
 pub use budget::{cq_depth_for, Admission, BudgetError, BudgetOptions, BudgetSnapshot, CqBudget};
 pub use completion::{Completion, Opcode, Status, WcFlags};
 pub use context::ContextHandler;
@@ -73,8 +74,10 @@ pub use ledger::{
     drain, KindAccount, Queue, QueueAccount, ShutdownReport, StuckWr, Watchdog, WrLedger,
 };
 pub use mode::{Adaptive, PollMode};
-pub use poller::{CustomStop, PollerBuilder, PollerMonitor, PollerReport, PollerThread};
-pub use account::{RoomError, SendRoom};
+pub use poller::{
+    CustomStop, JoinError, Joining, NotJoined, PollerBuilder, PollerMonitor, PollerReport,
+    PollerThread,
+};
 pub use post::{Invalid, PostRecv, PostSend, Refused, SendRequest, WorkRequest};
 pub use shutdown::{shutdown, shutdown_with, ShutdownOptions, Stopper, SystemReport};
 pub use sink::{Burst, NoSink, NoWork, Route, Routed, SpaceWait, SpaceWaker, WorkSink};

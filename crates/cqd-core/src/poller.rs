@@ -52,6 +52,7 @@
 //!
 //! Workers are drained and joined after the pollers (see `pool`).
 
+mod arrive;
 mod ready;
 mod spill;
 
@@ -71,6 +72,8 @@ use crate::sink::{Routed, WorkSink};
 use crate::sync::{AtomicBool, Ordering};
 use crate::sys::thread_cpu_time;
 use crate::thread::{start, StartError, ThreadHandle};
+pub(crate) use arrive::{hand_over, AnyArrivals, Arrivals, ARRIVAL};
+pub use arrive::{JoinError, Joining, NotJoined};
 use ready::Readiness;
 pub use spill::DEFAULT_SPILL_HIGH_WATER_MARK;
 use spill::{GiveBack, Spill};
@@ -251,6 +254,8 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
         drop(sources);
         let name = self.name.clone();
         let group_name = self.name.clone();
+        let arrivals = Arrivals::<W>::new(&self.name, Arc::clone(&doorbell));
+        let group_arrivals = Arc::clone(&arrivals);
         let cqs = self.cqs;
         let group_doorbell = Arc::clone(&doorbell);
         let (group_metrics, group_stop) = (Arc::clone(&metrics), Arc::clone(&stop));
@@ -281,6 +286,7 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
             last_scan: Instant::now(),
             slow_threshold: None,
             round_from: None,
+            arrivals: group_arrivals,
         };
         let setup = self.setup;
         // The one start-up handshake: returns once `on_start` ran on the new
@@ -317,6 +323,7 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
             stop,
             doorbell,
             metrics,
+            arrivals,
             join: Some(join),
         })
     }
@@ -454,6 +461,8 @@ pub struct PollerThread {
     stop: Arc<AtomicBool>,
     doorbell: Arc<GroupBell>,
     metrics: Arc<PollerMetrics>,
+    /// CQs joining the running group (`poller::arrive`).
+    arrivals: AnyArrivals,
     join: Option<ThreadHandle<PollerReport>>,
 }
 
@@ -508,6 +517,21 @@ impl PollerThread {
     fn request_stop(&self) {
         self.stop.store(true, Ordering::Release);
         self.doorbell.ring();
+    }
+
+    /// Adds a CQ to the running poller, in whatever mode it runs: the
+    /// poller registers its notifications, binds it on its own thread and
+    /// polls it from its next round (`poller::arrive`). The CQ's name must
+    /// be new to the poller. Wait on the [`Joining`] (or await it) to know
+    /// that it is polled; register handlers and post through its
+    /// `CqHandle` before or after.
+    ///
+    /// # Errors
+    /// With the CQ back: the poller has stopped ([`JoinError::Ended`]), or
+    /// the CQ's work type is not the poller's ([`JoinError::WorkType`]).
+    /// The `Joining` reports the rest.
+    pub fn add_cq<W: Send + 'static>(&self, cq: UnboundCq<W>) -> Result<Joining, NotJoined<W>> {
+        hand_over(&self.arrivals, &self.name, cq)
     }
 }
 
@@ -671,6 +695,8 @@ struct Group<W, S> {
     /// timed. (A yield in the spin may count towards the round: that costs
     /// one timed batch, which judges by its own clock.)
     round_from: Option<Instant>,
+    /// CQs handed over to join the group (`poller::arrive`).
+    arrivals: Arc<Arrivals<W>>,
 }
 
 impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
@@ -742,7 +768,43 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
                 .spin_window_ns
                 .store(self.idle.window().as_nanos() as u64, Ordering::Relaxed);
         }
+        // `poller::arrive` step 3: no CQ joins any more; those queued are
+        // finished and told.
+        self.arrivals.end();
         self.shutdown()
+    }
+
+    /// `poller::arrive` step 2: the CQs handed over join, each last and
+    /// active.
+    #[cold]
+    fn join_arrivals(&mut self) {
+        for (cq, answer) in self.arrivals.take() {
+            let name = cq.name().to_string();
+            let poller = self.name.clone();
+            if self.cqs.iter().any(|c| c.name() == name) {
+                drop(cq);
+                answer.answer(Err(JoinError::Duplicate { poller, cq: name }));
+                continue;
+            }
+            let i = self.cqs.len();
+            if let Err(e) = self.ready.add(i, cq.source()) {
+                drop(cq);
+                answer.answer(Err(JoinError::Os {
+                    poller,
+                    cq: name,
+                    reason: e.to_string(),
+                }));
+                continue;
+            }
+            let mut cq = cq.bind();
+            cq.install_doorbell(self.ready.doorbell(), i);
+            if let Some(t) = cq.slow_threshold() {
+                self.slow_threshold = Some(self.slow_threshold.map_or(t, |s| s.min(t)));
+            }
+            tracing::debug!(poller = %self.name, cq = %name, index = i, "CQ joined");
+            self.cqs.push(cq);
+            answer.answer(Ok(()));
+        }
     }
 
     /// A round that found work took longer than the smallest slow

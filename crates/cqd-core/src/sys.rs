@@ -78,6 +78,12 @@ impl Epoll {
         Ok(())
     }
 
+    /// Removes `fd` (registered by [`add`](Self::add)).
+    pub(crate) fn delete(&mut self, fd: BorrowedFd<'_>) -> io::Result<()> {
+        epoll::delete(&self.fd, fd)?;
+        Ok(())
+    }
+
     /// Blocks until a registered descriptor is ready or `timeout` passes
     /// (`None`: do not block). Appends the ready tokens to `ready`
     /// (cleared first); returns how many.

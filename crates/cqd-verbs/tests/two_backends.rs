@@ -46,6 +46,8 @@
 
 #[path = "two_backends/backend.rs"]
 mod backend;
+#[path = "two_backends/grow.rs"]
+mod grow;
 #[path = "two_backends/windows.rs"]
 mod memory_windows;
 #[path = "two_backends/support.rs"]
@@ -67,6 +69,7 @@ use cqd_core::{
     split, CompletionSource, CqOptions, KindAccount, NoWork, OpKind, PollerReport, Registration,
     Side, Status, SystemReport,
 };
+use grow::{grow_running, join_as_it_stops};
 use support::{
     device_or_skip, mode, poller, poller_with, readable, retry, wait_until, within, Ev, Log,
     Recorder, Spy,
@@ -1875,6 +1878,8 @@ matrix!(close_own: busy, event, hybrid, adaptive);
 matrix!(close_srq: busy, event, hybrid, adaptive);
 matrix!(full_send_queue: direct);
 matrix!(churn: event);
+matrix!(grow_running: busy, event, hybrid, adaptive);
+matrix!(join_as_it_stops: busy, event);
 matrix!(errors_by_side: busy, event, hybrid, adaptive);
 matrix!(unsignaled: busy, event, hybrid, adaptive);
 matrix!(drain_and_shutdown: busy, event, hybrid, adaptive);

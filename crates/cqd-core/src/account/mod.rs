@@ -81,8 +81,8 @@ pub(crate) use ring::HEAD_BOUND_IS_TAIL;
 pub(crate) use ring::{
     stamp, stamp_now, AtHead, CtxWord, Flags, RetireHeld, RetireLock, SilentEntry,
 };
-pub(crate) use room::RoomBell;
 use ring::{NewEntry, Poster, Retirer, Ring};
+pub(crate) use room::RoomBell;
 pub use room::{RoomError, SendRoom};
 
 /// Where an account belongs: its CQ's ledger (`crate::ledger`), which

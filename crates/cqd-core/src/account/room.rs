@@ -317,7 +317,9 @@ pub enum RoomError {
     },
     /// The poller of the queue's CQ has ended: no completion will be
     /// polled to free room.
-    #[error("the poller of QP {qp_num}'s CQ has ended: no completion will free room on its send queue")]
+    #[error(
+        "the poller of QP {qp_num}'s CQ has ended: no completion will free room on its send queue"
+    )]
     Stopped {
         /// The QP.
         qp_num: u32,
@@ -482,7 +484,10 @@ mod tests {
             std::thread::yield_now();
         }
         ledger.room_bell().end();
-        assert_eq!(waiter.join().unwrap(), Err(RoomError::Stopped { qp_num: 7 }));
+        assert_eq!(
+            waiter.join().unwrap(),
+            Err(RoomError::Stopped { qp_num: 7 })
+        );
     }
 
     #[cfg(not(loom))]

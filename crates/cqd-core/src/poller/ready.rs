@@ -90,6 +90,8 @@ pub(super) struct Readiness {
     /// CQs whose handles rang the doorbell (commands to apply).
     rung: Vec<usize>,
     notifiers: Vec<(Arc<dyn SharedNotifier>, HashMap<u64, usize>)>,
+    /// The asynchronous-event descriptors registered (each once).
+    async_fds: std::collections::HashSet<std::os::fd::RawFd>,
     pub(super) st: Vec<CqState>,
     /// Active CQs, by index.
     active: Vec<usize>,
@@ -122,52 +124,17 @@ impl Readiness {
         let mut ctl = Epoll::new()?;
         ctl.add(doorbell.as_fd(), DOORBELL)?;
         epoll.add(ctl.as_fd(), CTL)?;
-        let mut notifiers: Vec<(Arc<dyn SharedNotifier>, HashMap<u64, usize>)> = Vec::new();
-        let mut claims = Vec::new();
-        let mut async_fds = std::collections::HashSet::new();
-        for (i, s) in sources.iter().enumerate() {
-            match s.notifier() {
-                Some((n, token)) => {
-                    let k = match notifiers
-                        .iter()
-                        .position(|(m, _)| std::ptr::addr_eq(Arc::as_ptr(m), Arc::as_ptr(&n)))
-                    {
-                        Some(k) => k,
-                        None => {
-                            claim(&n)?;
-                            let claimed = Claimed(Arc::clone(&n));
-                            epoll.add(n.fd(), NOTIFIER | notifiers.len() as u64)?;
-                            notifiers.push((n, HashMap::new()));
-                            claims.push(claimed);
-                            notifiers.len() - 1
-                        }
-                    };
-                    notifiers[k].1.insert(token, i);
-                }
-                None => epoll.add(s.event_fd(), i as u64)?,
-            }
-            if let Some(fd) = s.async_fd() {
-                if async_fds.insert(fd.as_raw_fd()) {
-                    epoll.add(fd, ASYNC | async_fds.len() as u64)?;
-                }
-            }
-        }
         let now = Instant::now();
-        Ok(Readiness {
-            _claims: claims,
+        let mut ready = Readiness {
+            _claims: Vec::new(),
             epoll,
             ctl,
             doorbell,
             rung: Vec::new(),
-            notifiers,
-            st: vec![
-                CqState {
-                    active: true,
-                    ..CqState::default()
-                };
-                sources.len()
-            ],
-            active: (0..sources.len()).collect(),
+            notifiers: Vec::new(),
+            async_fds: std::collections::HashSet::new(),
+            st: Vec::with_capacity(sources.len()),
+            active: Vec::with_capacity(sources.len()),
             just_armed: Vec::new(),
             errored: Vec::new(),
             tokens: Vec::new(),
@@ -179,7 +146,79 @@ impl Readiness {
             last_safety: now,
             last_check: now,
             async_ready: false,
-        })
+        };
+        for (i, s) in sources.iter().enumerate() {
+            ready.add(i, *s)?;
+        }
+        Ok(ready)
+    }
+
+    /// Registers the descriptors of CQ `i` (the next index: `i` equals
+    /// the CQs registered so far), distinct ones once, and places it on
+    /// the active list. A CQ joining a running group comes here too
+    /// (`poller::arrive`, step 2); on a failure nothing of the CQ stays
+    /// registered (a shared channel it would have joined stays, for its
+    /// other CQs or a later one).
+    pub(super) fn add(&mut self, i: usize, s: &dyn CompletionSource) -> io::Result<()> {
+        debug_assert_eq!(i, self.st.len());
+        match s.notifier() {
+            Some((n, token)) => {
+                let k = match self
+                    .notifiers
+                    .iter()
+                    .position(|(m, _)| std::ptr::addr_eq(Arc::as_ptr(m), Arc::as_ptr(&n)))
+                {
+                    Some(k) => k,
+                    None => {
+                        claim(&n)?;
+                        let claimed = Claimed(Arc::clone(&n));
+                        self.epoll
+                            .add(n.fd(), NOTIFIER | self.notifiers.len() as u64)?;
+                        self.notifiers.push((n, HashMap::new()));
+                        self._claims.push(claimed);
+                        self.notifiers.len() - 1
+                    }
+                };
+                self.notifiers[k].1.insert(token, i);
+            }
+            None => self.epoll.add(s.event_fd(), i as u64)?,
+        }
+        if let Some(fd) = s.async_fd() {
+            if !self.async_fds.contains(&fd.as_raw_fd()) {
+                if let Err(e) = self
+                    .epoll
+                    .add(fd, ASYNC | (self.async_fds.len() as u64 + 1))
+                {
+                    // Undo the CQ's own registration (a channel's stays:
+                    // its other CQs, or a later one, use it).
+                    match s.notifier() {
+                        None => {
+                            let _ = self.epoll.delete(s.event_fd());
+                        }
+                        Some((n, token)) => {
+                            for (m, tokens) in &mut self.notifiers {
+                                if std::ptr::addr_eq(Arc::as_ptr(m), Arc::as_ptr(&n)) {
+                                    tokens.remove(&token);
+                                }
+                            }
+                        }
+                    }
+                    return Err(e);
+                }
+                self.async_fds.insert(fd.as_raw_fd());
+            }
+        }
+        self.st.push(CqState {
+            active: true,
+            ..CqState::default()
+        });
+        self.active.push(i);
+        Ok(())
+    }
+
+    /// The group's doorbell (a joining CQ's handle rings it).
+    pub(super) fn doorbell(&self) -> Arc<GroupBell> {
+        Arc::clone(&self.doorbell)
     }
 
     /// Registers the space doorbell in the control set.
@@ -586,10 +625,15 @@ impl<W: Send + 'static, S: WorkSink<W>> Group<W, S> {
         let mut rung = std::mem::take(&mut self.ready.rung);
         if self.ready.doorbell.drain(&mut rung) {
             bump(&self.metrics.0.control_wakeups, 1);
+            let mut arrived = false;
             for &i in &rung {
                 if let Some(cq) = self.cqs.get_mut(i) {
                     cq.apply_commands();
                 }
+                arrived |= i == super::ARRIVAL;
+            }
+            if arrived {
+                self.join_arrivals();
             }
         }
         rung.clear();

@@ -1,0 +1,139 @@
+//! A poller's CQ set grows while it runs (`PollerThread::add_cq`).
+
+use std::time::Duration;
+
+use cqd_core::{JoinError, OpKind};
+
+use crate::backend::{Backend, Cap, Op};
+use crate::support::{mode, poller, wait_until, Log, Recorder};
+use crate::{assert_clean, assert_each_once};
+
+/// CQs added to a running poller, in every mode, while its first CQ has
+/// traffic: one with a notification descriptor of its own, then two on one
+/// shared completion channel (the second finds the channel registered).
+/// Each is polled from the poller's next round and its notifications wake
+/// the poller (no completion is found by the safety net alone); a name the
+/// poller polls already is refused, and so is a CQ after the stop (handed
+/// back). The stop's report has every CQ, clean.
+pub fn grow_running<B: Backend>(mode_name: &str) {
+    const N: u32 = 32;
+    let dev = B::open();
+    let mr = B::reg_mr(&dev, 64 * 1024);
+    let (cq_a, ua, ha) = B::dispatched_cq(&dev, "grow-a", 1024, true);
+    let log = Log::default();
+    let reg_a = ha.register(Recorder(log.clone())).unwrap();
+    let t = poller("grow", mode(mode_name), vec![ua]);
+    let chan = B::channel(&dev);
+    let (cq_b, ub, hb) = B::dispatched_cq(&dev, "grow-b", 1024, true);
+    let (cq_c, uc, hc) = B::dispatched_cq_on(&dev, "grow-c", 1024, &chan);
+    let (cq_d, ud, hd) = B::dispatched_cq_on(&dev, "grow-d", 1024, &chan);
+    let joined = [ub, uc, ud].map(|u| t.add_cq(u).map_err(|n| n.error().clone()).unwrap());
+    let cqs = [(&cq_a, &ha), (&cq_b, &hb), (&cq_c, &hc), (&cq_d, &hd)];
+    let regs = [
+        reg_a,
+        hb.register(Recorder(log.clone())).unwrap(),
+        hc.register(Recorder(log.clone())).unwrap(),
+        hd.register(Recorder(log.clone())).unwrap(),
+    ];
+    let mut pairs = Vec::new();
+    let mut tag = 0;
+    // Each CQ gets a connection, and its messages; the first CQ's go
+    // while the others join.
+    for (k, ((cq, _), reg)) in cqs.iter().zip(&regs).enumerate() {
+        if k == 1 {
+            for j in &joined {
+                j.wait(Duration::from_secs(30))
+                    .unwrap_or_else(|e| panic!("{}: {e}", B::NAME));
+            }
+        }
+        let (a, b) = B::pair(&dev, cq, cq, Cap { send: 64, recv: 64 });
+        let rsg: Vec<_> = (0..N)
+            .map(|i| [B::sge(&mr, ((k as u32 * N + i) * 64) as usize, 64)])
+            .collect();
+        let mut r: Vec<_> = (0..N)
+            .map(|i| B::recv_wr(tag + i, &rsg[i as usize]))
+            .collect();
+        reg.post_recv(&b, &mut r).unwrap();
+        let ssg = [B::sge(&mr, 60 * 1024, 8)];
+        for i in 0..N {
+            // Spaced out, so that the poller goes to sleep between them in
+            // the sleeping modes, and must be woken by the CQ's descriptor.
+            if i % 8 == 0 {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            reg.post_send(
+                &a,
+                &mut [B::send_wr(10_000 + tag + i, Op::Send, &ssg, true)],
+            )
+            .unwrap();
+        }
+        tag += N;
+        pairs.push((a, b));
+    }
+    let want = 2 * 4 * N as usize;
+    assert!(
+        wait_until(Duration::from_secs(30), || log.len() == want),
+        "{}: {} of {want} completions",
+        B::NAME,
+        log.len()
+    );
+    for (cq, h) in &cqs[1..] {
+        let _ = cq;
+        let s = h.snapshot();
+        assert_eq!(
+            s.recovered_missed_events,
+            0,
+            "{}: {}'s completions were found by the safety net, not its notifications",
+            B::NAME,
+            s.name
+        );
+    }
+    // A second CQ named as one the poller polls.
+    let (_cq_b2, ub2, _hb2) = B::dispatched_cq(&dev, "grow-b", 16, false);
+    let again = t.add_cq(ub2).map_err(|n| n.error().clone()).unwrap();
+    assert!(
+        matches!(again.wait(Duration::from_secs(30)), Err(JoinError::Duplicate { ref cq, .. }) if cq == "grow-b"),
+        "{}",
+        B::NAME
+    );
+    drop(pairs);
+    let mut threads = vec![t];
+    let report = cqd_core::shutdown(|| {}, threads.drain(..), []);
+    assert_clean("grow_running", &report);
+    let names: Vec<_> = report.pollers[0]
+        .cqs
+        .iter()
+        .map(|c| c.name.clone())
+        .collect();
+    assert_eq!(
+        names,
+        ["grow-a", "grow-b", "grow-c", "grow-d"],
+        "{}",
+        B::NAME
+    );
+    let evs = log.snapshot();
+    assert_each_once("grow", &evs, OpKind::Recv, 0..4 * N);
+    assert_each_once("grow", &evs, OpKind::Send, 10_000..10_000 + 4 * N);
+}
+
+/// A CQ handed over as the poller stops: the `Joining` always gets an
+/// answer, and it agrees with the report (joined: the report has the CQ;
+/// refused: `Ended`, the CQ finished). Which one depends on whether the
+/// poller took its doorbell before its stop flag.
+pub fn join_as_it_stops<B: Backend>(mode_name: &str) {
+    let dev = B::open();
+    let (_cq_a, ua, _ha) = B::dispatched_cq(&dev, "late-a", 64, false);
+    let t = poller("late", mode(mode_name), vec![ua]);
+    let (_cq_b, ub, _hb) = B::dispatched_cq(&dev, "late-b", 64, false);
+    let joining = t.add_cq(ub).map_err(|n| n.error().clone()).unwrap();
+    let report = t.stop().unwrap();
+    let joined = report.cqs.iter().any(|c| c.name == "late-b");
+    match joining.wait(Duration::from_secs(30)) {
+        Ok(()) => assert!(joined, "{}: joined, but not in the report", B::NAME),
+        Err(JoinError::Ended { cq, .. }) => {
+            assert_eq!(cq, "late-b");
+            assert!(!joined, "{}: refused, but in the report", B::NAME);
+        }
+        Err(e) => panic!("{}: {e}", B::NAME),
+    }
+}
