@@ -1,8 +1,9 @@
 //! rdma_cm on softverbs through the unmodified librdmacm (rdma-sys): the
 //! events of a whole connection's life, private data each way, refused and
 //! rejected connections, a peer process that dies, a peer whose CM never
-//! answers, pollable channels, and the rdma_getaddrinfo/rdma_create_ep
-//! helpers. Run under `softverbs-run`; skipped loudly otherwise.
+//! answers or stops answering once it acknowledged the request, pollable
+//! channels, and the rdma_getaddrinfo/rdma_create_ep helpers. Run under
+//! `softverbs-run`; skipped loudly otherwise.
 #![allow(clippy::undocumented_unsafe_blocks, missing_docs)]
 
 mod common;
@@ -382,12 +383,23 @@ fn channel_is_pollable_and_nonblocking() {
 }
 
 /// The child side of the two-process tests: listen on the port given,
-/// accept one connection (with a QP), print "up", then as `how` says.
+/// print "listening", then as `how` says: `listen-only` sleeps;
+/// `stop-at-request` stops its own process once it has read
+/// CONNECT_REQUEST; anything else accepts one connection (with a QP) and
+/// exits without cleanup.
 fn child(how: &str, p: u16) {
     let ch = Ch::new();
     let l = listen(&ch, p);
     println!("listening");
     if how == "listen-only" {
+        std::thread::sleep(Duration::from_secs(30));
+        return;
+    }
+    if how == "stop-at-request" {
+        // Our CM acknowledged the REQ (MRA) before it queued the event.
+        ch.expect(ev::RDMA_CM_EVENT_CONNECT_REQUEST);
+        // SAFETY: signalling our own process; no memory is involved.
+        unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
         std::thread::sleep(Duration::from_secs(30));
         return;
     }
@@ -576,6 +588,53 @@ fn join_event(ch: &Ch) -> (rdma_ud_param, *mut rdma_cm_id) {
     unsafe { rdma_ack_cm_event(e) };
     assert_eq!((t, st), (ev::RDMA_CM_EVENT_MULTICAST_JOIN, 0));
     (ud, id)
+}
+
+/// A peer whose CM acknowledged the REQ (MRA) and whose process then
+/// stopped, before its application accepted: the repeated REQ goes
+/// unanswered, so the connecting side gets UNREACHABLE, never waits for
+/// ever. The peer stops itself once it has read CONNECT_REQUEST, after its
+/// CM sent the MRA: the stop lands in that step every time.
+#[test]
+fn peer_stopped_after_acknowledging_the_request_is_unreachable() {
+    const NAME: &str = "peer_stopped_after_acknowledging_the_request_is_unreachable";
+    if let Some((how, p)) = child_role() {
+        if how == "connect" {
+            connect_unreachable(p);
+        } else {
+            child(&how, p);
+        }
+        return;
+    }
+    if !launcher_or_skip(NAME) {
+        return;
+    }
+    let p = port(5);
+    let mut kid = spawn_child(NAME, "stop-at-request", p);
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([NAME, "--exact", "--nocapture", "--test-threads=1"])
+        .env("RDMA_CM_TEST_CHILD", format!("connect:{p}"))
+        .env("SOFTVERBS_CM_TIMEOUT_MS", "400")
+        .output()
+        .expect("run the connecting process");
+    // The peer stopped (it stops only after reading the request; were it
+    // never to, it would exit after its sleep and this would say so).
+    let pid = kid.id() as i32;
+    let mut status = 0;
+    // SAFETY: waiting for our own child; `status` is a writable int.
+    let r = unsafe { libc::waitpid(pid, &mut status, libc::WUNTRACED) };
+    let stopped = r == pid && libc::WIFSTOPPED(status);
+    // SAFETY: signalling our own child, not yet reaped.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let _ = kid.wait();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("unreachable ok"),
+        "connecting process: {}\n{text}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stopped, "the listening process did not stop at the request");
 }
 
 /// rdma_join_multicast with two ids (two QPs): MULTICAST_JOIN carries the

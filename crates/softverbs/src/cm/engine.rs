@@ -49,7 +49,11 @@ const PACKET_LIFE_TIME: u8 = 13;
 
 /// How long a CM message may go unanswered by a peer whose CM does not run
 /// (a stopped or hung process) before the connection is given up:
-/// `$SOFTVERBS_CM_TIMEOUT_MS`, default 5 s.
+/// `$SOFTVERBS_CM_TIMEOUT_MS`, default 5 s. A REQ the peer's CM
+/// acknowledged (MRA) is sent again each time this runs out, and each copy
+/// must be acknowledged within it in turn, so a requester whose peer's CM
+/// stops answering, at whatever step, gives up at most twice this after
+/// the last answer.
 fn cm_timeout() -> Duration {
     static T: OnceLock<Duration> = OnceLock::new();
     *T.get_or_init(|| {
@@ -67,7 +71,8 @@ enum St {
     AddrResolved,
     RouteResolved,
     Listen,
-    /// REQ sent; `mra` says whether the peer's CM acknowledged it.
+    /// REQ sent; `mra` says whether the peer's CM acknowledged it, and
+    /// `acked` whether it acknowledged the latest copy.
     ReqSent,
     /// Passive: REQ received, not yet accepted or rejected.
     ReqRcvd,
@@ -104,7 +109,12 @@ struct Id {
     /// The reserved/listening socket of a bound id.
     reserve: Option<OwnedFd>,
     conn: Option<OwnedFd>,
+    /// The peer's CM acknowledged this connection's REQ (MRA): a live
+    /// listener holds the request.
     mra: bool,
+    /// The peer's CM acknowledged the latest copy of the REQ: when the
+    /// response timer runs out, the REQ is sent again instead of given up.
+    acked: bool,
     reported: u32,
     local_psn: u32,
     /// Our parameters (CONNECT or ACCEPT).
@@ -133,6 +143,7 @@ impl Id {
             reserve: None,
             conn: None,
             mra: false,
+            acked: false,
             reported: 0,
             local_psn: random_u32() & 0xff_ffff,
             mine: Params::default(),
@@ -919,6 +930,7 @@ impl Cm {
         let id = self.id_on(chan, h)?;
         id.conn = Some(sock);
         id.mra = false;
+        id.acked = false;
         id.state = St::ReqSent;
         self.set_deadline(h, Some((Instant::now() + cm_timeout(), Timer::Response)));
         Ok(())
@@ -1165,7 +1177,17 @@ impl Cm {
         let st = id.state;
         match r {
             Recv::Nothing => {}
-            Recv::Msg(Msg::Mra) => id.mra = true,
+            Recv::Msg(Msg::Mra) if st == St::ReqSent => {
+                id.mra = true;
+                id.acked = true;
+            }
+            // The requester's CM asks again while our application has not
+            // answered: acknowledged at once, as the first copy was.
+            Recv::Msg(Msg::Req { .. }) if st == St::ReqRcvd => {
+                if let Some(s) = &id.conn {
+                    send_msg(s, &Msg::Mra);
+                }
+            }
             Recv::Msg(Msg::Rep(p)) if st == St::ReqSent && is_ud(id.qp_type) => {
                 let up = ud_param(&p, SIDR_REP_PDATA);
                 id.peer = Some(p);
@@ -1313,8 +1335,26 @@ impl Cm {
                 self.close_conn(h);
                 self.push(h, event::TIMEWAIT_EXIT, 0, None);
             }
-            // The peer's CM never answered.
-            (Timer::Response, St::ReqSent) if !id.mra => {
+            // The peer's CM acknowledged the REQ, its application has not
+            // answered yet: ask again, as the InfiniBand CM repeats a REQ.
+            // A CM that runs acknowledges the copy at once; one that has
+            // stopped since (a process stopped after its MRA) leaves it
+            // unanswered, and the next round gives up.
+            (Timer::Response, St::ReqSent) if id.acked => {
+                id.acked = false;
+                if let (Some(src), Some(dst), Some(s)) = (id.src, id.dst, id.conn.as_ref()) {
+                    let req = Msg::Req {
+                        src,
+                        dst,
+                        ps: id.ps,
+                        params: id.mine.clone(),
+                    };
+                    send_msg(s, &req);
+                }
+                id.deadline = Some((Instant::now() + cm_timeout(), Timer::Response));
+            }
+            // The peer's CM did not answer the REQ (or its latest copy).
+            (Timer::Response, St::ReqSent) => {
                 self.close_conn(h);
                 self.finish(h, st, event::UNREACHABLE, -libc::ETIMEDOUT, None);
             }
