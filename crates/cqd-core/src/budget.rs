@@ -263,6 +263,26 @@ impl CqBudget {
         })
     }
 
+    /// Entries a new QP would reserve here: `entries` of its own, and
+    /// `srq`'s depth (number, depth) unless this CQ holds that SRQ's
+    /// reservation already; `None` if admission is on and they do not fit
+    /// now. (A look, not a reservation: the QP's creation admits.)
+    pub fn fits(&self, entries: u32, srq: Option<(u32, u32)>) -> Option<u64> {
+        let st = self.inner.state.lock();
+        let srq_part = match srq {
+            Some((n, depth)) if !st.srqs.contains_key(&n) => u64::from(depth),
+            _ => 0,
+        };
+        let needed = u64::from(entries) + srq_part;
+        let available = u64::from(self.inner.capacity).saturating_sub(st.reserved);
+        (!self.inner.options.admission || needed <= available).then_some(needed)
+    }
+
+    /// Entries reserved now.
+    pub fn reserved(&self) -> u64 {
+        self.inner.state.lock().reserved
+    }
+
     fn check(&self, st: &mut State, what: &str, needed: u64) -> Result<(), BudgetError> {
         let capacity = u64::from(self.inner.capacity);
         let available = capacity.saturating_sub(st.reserved);

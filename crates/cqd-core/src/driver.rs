@@ -68,9 +68,9 @@ use tokio::io::Interest;
 use crate::cq::{CqPoller, GroupBell, UnboundCq};
 use crate::metrics::{bump, PollerMetrics};
 use crate::poller::{
-    hand_back, hand_over, AnyArrivals, Arrivals, CustomStop, JoinError, Joining, NotJoined,
-    PollerError, PollerReport, ARRIVAL, DEFAULT_ACK_BATCH, DEFAULT_SPILL_HIGH_WATER_MARK,
-    DEFAULT_WAKE_TIMEOUT, MIN_WAKE_TIMEOUT,
+    hand_back, hand_over, joiner, AnyArrivals, Arrivals, CqJoiner, CustomStop, JoinError, Joining,
+    NotJoined, PollerError, PollerReport, ARRIVAL, DEFAULT_ACK_BATCH,
+    DEFAULT_SPILL_HIGH_WATER_MARK, DEFAULT_WAKE_TIMEOUT, MIN_WAKE_TIMEOUT,
 };
 use crate::shutdown::Stopper;
 use crate::sink::{Routed, WorkSink};
@@ -323,6 +323,12 @@ impl DriverHandle {
     /// `Joining` also reports [`JoinError::SharedChannel`].
     pub fn add_cq<W: Send + 'static>(&self, cq: UnboundCq<W>) -> Result<Joining, NotJoined<W>> {
         hand_over(&self.arrivals, &self.name, cq)
+    }
+
+    /// A handle that adds CQs to this group from anywhere (a CQ pool's),
+    /// if `W` is its work type.
+    pub fn joiner<W: Send + 'static>(&self) -> Option<CqJoiner<W>> {
+        joiner(&self.arrivals)
     }
 
     /// Stops the driver and awaits its report, from a task (of any

@@ -34,6 +34,7 @@ pub mod budget;
 pub mod completion;
 pub mod context;
 pub mod cq;
+pub mod cq_pool;
 #[cfg(feature = "tokio")]
 pub mod driver;
 pub mod event;
@@ -67,6 +68,7 @@ pub use context::ContextHandler;
 pub use cq::{
     split, ContextRegistration, CqHandle, CqOptions, CqPoller, PostRefused, Registration, UnboundCq,
 };
+pub use cq_pool::{CqPool, Fit, PoolError};
 #[cfg(feature = "metrics")]
 pub use export::MetricsExporter;
 pub use handler::{Failed, Handler, Outbox, RecvDone, SendDone, Silent};
@@ -75,8 +77,8 @@ pub use ledger::{
 };
 pub use mode::{Adaptive, PollMode};
 pub use poller::{
-    CustomStop, JoinError, Joining, NotJoined, PollerBuilder, PollerMonitor, PollerReport,
-    PollerThread,
+    CqJoiner, CustomStop, JoinError, Joining, NotJoined, PollerBuilder, PollerMonitor,
+    PollerReport, PollerThread,
 };
 pub use post::{Invalid, PostRecv, PostSend, Refused, SendRequest, WorkRequest};
 pub use shutdown::{shutdown, shutdown_with, ShutdownOptions, Stopper, SystemReport};

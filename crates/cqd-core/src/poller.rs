@@ -72,8 +72,8 @@ use crate::sink::{Routed, WorkSink};
 use crate::sync::{AtomicBool, Ordering};
 use crate::sys::thread_cpu_time;
 use crate::thread::{start, StartError, ThreadHandle};
-pub(crate) use arrive::{hand_over, AnyArrivals, Arrivals, ARRIVAL};
-pub use arrive::{JoinError, Joining, NotJoined};
+pub(crate) use arrive::{hand_over, joiner, AnyArrivals, Arrivals, ARRIVAL};
+pub use arrive::{CqJoiner, JoinError, Joining, NotJoined};
 use ready::Readiness;
 pub use spill::DEFAULT_SPILL_HIGH_WATER_MARK;
 use spill::{GiveBack, Spill};
@@ -532,6 +532,12 @@ impl PollerThread {
     /// The `Joining` reports the rest.
     pub fn add_cq<W: Send + 'static>(&self, cq: UnboundCq<W>) -> Result<Joining, NotJoined<W>> {
         hand_over(&self.arrivals, &self.name, cq)
+    }
+
+    /// A handle that adds CQs to this group from anywhere (a CQ pool's),
+    /// if `W` is its work type.
+    pub fn joiner<W: Send + 'static>(&self) -> Option<CqJoiner<W>> {
+        joiner(&self.arrivals)
     }
 }
 

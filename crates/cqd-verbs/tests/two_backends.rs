@@ -69,7 +69,7 @@ use cqd_core::{
     split, CompletionSource, CqOptions, KindAccount, NoWork, OpKind, PollerReport, Registration,
     Side, Status, SystemReport,
 };
-use grow::{grow_running, join_as_it_stops};
+use grow::{cq_pool, cq_pool_first_fit, grow_running, join_as_it_stops};
 use support::{
     device_or_skip, mode, poller, poller_with, readable, retry, wait_until, within, Ev, Log,
     Recorder, Spy,
@@ -1880,6 +1880,8 @@ matrix!(full_send_queue: direct);
 matrix!(churn: event);
 matrix!(grow_running: busy, event, hybrid, adaptive);
 matrix!(join_as_it_stops: busy, event);
+matrix!(cq_pool: busy, event, hybrid, adaptive);
+matrix!(cq_pool_first_fit: event);
 matrix!(errors_by_side: busy, event, hybrid, adaptive);
 matrix!(unsignaled: busy, event, hybrid, adaptive);
 matrix!(drain_and_shutdown: busy, event, hybrid, adaptive);

@@ -302,6 +302,11 @@ impl<W: Send + 'static> CqHandle<W> {
         self.shared.ledger.get()
     }
 
+    /// The CQ's budget, if one is attached.
+    pub fn budget(&self) -> Option<&CqBudget> {
+        self.shared.budget.get()
+    }
+
     /// The budget's counters, if a budget is attached.
     pub fn budget_snapshot(&self) -> Option<BudgetSnapshot> {
         self.shared.budget.get().map(CqBudget::snapshot)

@@ -277,6 +277,53 @@ impl<W: Send + 'static> Arrivals<W> {
     }
 }
 
+/// A handle that adds CQs to one running group (a poller thread's or a
+/// tokio driver's), typed by its work: what a CQ pool keeps for each
+/// poller it grows onto. Cheap to clone; it does not keep the group
+/// running (once the group ends, an add gets the CQ back).
+pub struct CqJoiner<W> {
+    arrivals: Arc<Arrivals<W>>,
+}
+
+impl<W> Clone for CqJoiner<W> {
+    fn clone(&self) -> Self {
+        CqJoiner {
+            arrivals: Arc::clone(&self.arrivals),
+        }
+    }
+}
+
+impl<W> std::fmt::Debug for CqJoiner<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CqJoiner")
+            .field("poller", &self.arrivals.poller)
+            .finish()
+    }
+}
+
+impl<W: Send + 'static> CqJoiner<W> {
+    /// The group's name.
+    pub fn poller(&self) -> &str {
+        &self.arrivals.poller
+    }
+
+    /// As [`PollerThread::add_cq`](crate::PollerThread::add_cq).
+    ///
+    /// # Errors
+    /// As [`PollerThread::add_cq`](crate::PollerThread::add_cq).
+    pub fn add_cq(&self, cq: UnboundCq<W>) -> Result<Joining, NotJoined<W>> {
+        self.arrivals.hand_over(cq)
+    }
+}
+
+/// The typed joiner of an erased handle, if `W` is its work type.
+pub(crate) fn joiner<W: Send + 'static>(arrivals: &AnyArrivals) -> Option<CqJoiner<W>> {
+    Arc::clone(arrivals)
+        .downcast::<Arrivals<W>>()
+        .ok()
+        .map(|arrivals| CqJoiner { arrivals })
+}
+
 /// A group's arrivals with their work type erased, for a handle that is
 /// not generic over it (`PollerThread`, `DriverHandle`).
 pub(crate) type AnyArrivals = Arc<dyn Any + Send + Sync>;

@@ -137,3 +137,167 @@ pub fn join_as_it_stops<B: Backend>(mode_name: &str) {
         Err(e) => panic!("{}: {e}", B::NAME),
     }
 }
+
+/// A CQ pool over two running pollers: connections (a QP pair on one CQ,
+/// 32 entries of admission) come and go with traffic. The pool grows past
+/// its first CQ's capacity onto both pollers, the way its fit says; a
+/// closed connection's capacity comes back and is used again without
+/// growing; a connection larger than a CQ is refused. Every message
+/// arrives once, and the stop is clean with every pool CQ in its poller's
+/// report.
+pub fn cq_pool<B: Backend>(mode_name: &str) {
+    use cqd_core::{CqPool, Fit, PoolError};
+    const MSGS: u32 = 4;
+    let dev = std::sync::Arc::new(B::open());
+    let mr = B::reg_mr(&dev, 64 * 1024);
+    let log = Log::default();
+    let (_s0, u0, _h0) = B::dispatched_cq(&dev, "seed-0", 16, false);
+    let (_s1, u1, _h1) = B::dispatched_cq(&dev, "seed-1", 16, false);
+    let pollers = [
+        poller("pool-p0", mode(mode_name), vec![u0]),
+        poller("pool-p1", mode(mode_name), vec![u1]),
+    ];
+    let joiners = pollers.iter().map(|p| p.joiner().unwrap()).collect();
+    let maker = std::sync::Arc::clone(&dev);
+    let pool = CqPool::new("pool", 64, joiners, move |name, cqe| {
+        Ok(B::dispatched_cq(&maker, name, cqe, true))
+    })
+    .fit(Fit::LeastUsed);
+    let cap = Cap { send: 8, recv: 8 };
+    let mut tag = 0;
+    let mut open = |live: &mut Vec<_>| {
+        let conn = pool
+            .open(32, None, |cq, h| {
+                let reg = h
+                    .register(Recorder(log.clone()))
+                    .map_err(|e| e.to_string())?;
+                let (a, b) = B::pair(&dev, cq, cq, cap);
+                Ok::<_, String>((a, b, reg))
+            })
+            .unwrap_or_else(|e| panic!("{}: {e}", B::NAME));
+        let (a, b, reg) = &conn;
+        let rsg: Vec<_> = (0..MSGS)
+            .map(|i| [B::sge(&mr, (((tag + i) % 512) * 64) as usize, 64)])
+            .collect();
+        let mut r: Vec<_> = (0..MSGS)
+            .map(|i| B::recv_wr(tag + i, &rsg[i as usize]))
+            .collect();
+        reg.post_recv(b, &mut r).unwrap();
+        let ssg = [B::sge(&mr, 60 * 1024, 8)];
+        let mut s: Vec<_> = (0..MSGS)
+            .map(|i| B::send_wr(100_000 + tag + i, Op::Send, &ssg, true))
+            .collect();
+        reg.post_send(a, &mut s).unwrap();
+        tag += MSGS;
+        live.push(conn);
+    };
+    let mut live = Vec::new();
+    for _ in 0..12 {
+        open(&mut live);
+    }
+    let snap = pool.snapshot();
+    assert_eq!(snap.len(), 6, "{}: two connections a CQ: {snap:?}", B::NAME);
+    for p in ["pool-p0", "pool-p1"] {
+        assert_eq!(
+            snap.iter().filter(|c| c.poller == p).count(),
+            3,
+            "{}: least used spreads the CQs over the pollers: {snap:?}",
+            B::NAME
+        );
+    }
+    assert!(snap.iter().all(|c| c.reserved == 64), "{snap:?}");
+    // Their messages arrive; then half the connections close (nothing
+    // outstanding: no flush): their capacity comes back, and the next ones
+    // take it without a new CQ.
+    let first = (2 * MSGS * 12) as usize;
+    assert!(
+        wait_until(Duration::from_secs(30), || log.len() == first),
+        "{}: {} of {first} completions",
+        B::NAME,
+        log.len()
+    );
+    let closing: Vec<_> = live.drain(..6).collect();
+    for (a, b, _reg) in closing {
+        B::close(a).wait(Duration::from_secs(30)).unwrap();
+        B::close(b).wait(Duration::from_secs(30)).unwrap();
+    }
+    let freed: u64 = pool.snapshot().iter().map(|c| 64 - c.reserved).sum();
+    assert_eq!(freed, 6 * 32, "{}: {:?}", B::NAME, pool.snapshot());
+    for _ in 0..6 {
+        open(&mut live);
+    }
+    assert_eq!(pool.snapshot().len(), 6, "{}: no growth", B::NAME);
+    // A connection larger than a CQ.
+    let big = pool.open(65, None, |_, _| Ok::<(), String>(()));
+    assert!(
+        matches!(
+            big,
+            Err(PoolError::TooLarge {
+                needed: 65,
+                cqe: 64,
+                ..
+            })
+        ),
+        "{big:?}"
+    );
+    let want = (2 * MSGS * 18) as usize;
+    assert!(
+        wait_until(Duration::from_secs(30), || log.len() == want),
+        "{}: {} of {want} completions",
+        B::NAME,
+        log.len()
+    );
+    drop(live);
+    let report = cqd_core::shutdown(|| {}, pollers, []);
+    assert_clean("cq_pool", &report);
+    let polled: usize = report.pollers.iter().map(|p| p.cqs.len()).sum();
+    assert_eq!(polled, 2 + 6, "{}: the seeds and the pool's CQs", B::NAME);
+    let evs = log.snapshot();
+    let recvs: Vec<_> = evs
+        .iter()
+        .filter(|e| e.kind == OpKind::Recv && e.ok)
+        .map(|e| e.tag)
+        .collect();
+    assert_eq!(recvs.len(), (MSGS * 18) as usize, "{}", B::NAME);
+    assert_each_once("cq_pool", &evs, OpKind::Send, 100_000..100_000 + MSGS * 18);
+}
+
+/// First fit fills the first CQ before the next.
+pub fn cq_pool_first_fit<B: Backend>(mode_name: &str) {
+    use cqd_core::{CqPool, Fit};
+    let dev = std::sync::Arc::new(B::open());
+    let (_s0, u0, _h0) = B::dispatched_cq(&dev, "seed-0", 16, false);
+    let t = poller("ff", mode(mode_name), vec![u0]);
+    let maker = std::sync::Arc::clone(&dev);
+    let pool = CqPool::new("ff", 64, vec![t.joiner().unwrap()], move |name, cqe| {
+        Ok(B::dispatched_cq(&maker, name, cqe, true))
+    })
+    .fit(Fit::First);
+    let cap = Cap { send: 8, recv: 8 };
+    let mut live = Vec::new();
+    for _ in 0..3 {
+        live.push(
+            pool.open(16, None, |cq, _| Ok::<_, String>(B::qp(&dev, cq, cq, cap)))
+                .unwrap(),
+        );
+    }
+    // 16 each: the first CQ takes all three (48 of 64).
+    let snap = pool.snapshot();
+    assert_eq!(snap.len(), 1, "{snap:?}");
+    assert_eq!(snap[0].reserved, 48);
+    live.push(
+        pool.open(32, None, |cq, _| {
+            Ok::<_, String>(B::qp(&dev, cq, cq, Cap { send: 16, recv: 16 }))
+        })
+        .unwrap(),
+    );
+    let snap = pool.snapshot();
+    assert_eq!(
+        snap.iter().map(|c| c.reserved).collect::<Vec<_>>(),
+        [48, 32],
+        "{snap:?}"
+    );
+    drop(live);
+    let report = cqd_core::shutdown(|| {}, [t], []);
+    assert_clean("cq_pool_first_fit", &report);
+}
