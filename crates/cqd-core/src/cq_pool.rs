@@ -224,7 +224,9 @@ impl<C, W: Send + 'static> CqPool<C, W> {
     /// that SRQ's reservation yet; grows the pool if none has room; then
     /// calls `open` with the CQ and its handle (create the connection's QPs
     /// there, register its handler), under the pool's lock, and returns
-    /// what it returns.
+    /// what it returns. Call it from a thread that is not one of the
+    /// pool's pollers: a growth waits for a poller to take its new CQ
+    /// (at most the join timeout), which a poller blocked here cannot do.
     ///
     /// # Errors
     /// See [`PoolError`].
