@@ -5,7 +5,7 @@ use std::time::Duration;
 use cqd_core::{JoinError, OpKind};
 
 use crate::backend::{Backend, Cap, Op};
-use crate::support::{mode, poller, wait_until, Log, Recorder};
+use crate::support::{mode, poller, slow, wait_until, Log, Recorder};
 use crate::{assert_clean, assert_each_once};
 
 /// CQs added to a running poller, in every mode, while its first CQ has
@@ -22,7 +22,16 @@ pub fn grow_running<B: Backend>(mode_name: &str) {
     let (cq_a, ua, ha) = B::dispatched_cq(&dev, "grow-a", 1024, true);
     let log = Log::default();
     let reg_a = ha.register(Recorder(log.clone())).unwrap();
-    let t = poller("grow", mode(mode_name), vec![ua]);
+    // A long safety net: a completion it finds before the CQ's own
+    // notification is counted recovered, which the test refuses (a device
+    // slower than that to notify would fail it, not one that notifies).
+    let t = cqd_core::PollerBuilder::new("grow", cqd_core::NoSink)
+        .mode(mode(mode_name))
+        .wake_timeout(Duration::from_secs(2))
+        .drain_timeout(Duration::from_secs(10) * slow())
+        .cq(ua)
+        .spawn()
+        .expect("spawn the poller");
     let chan = B::channel(&dev);
     let (cq_b, ub, hb) = B::dispatched_cq(&dev, "grow-b", 1024, true);
     let (cq_c, uc, hc) = B::dispatched_cq_on(&dev, "grow-c", 1024, &chan);
