@@ -166,6 +166,13 @@ impl<C, W: Send + 'static> CqPool<C, W> {
     /// or a driver's). It starts empty: the first connection makes the
     /// first CQ. At most 1,024 CQs unless [`max_cqs`](Self::max_cqs) says
     /// otherwise.
+    ///
+    /// A device may make a CQ larger than asked (rxe gives 127 entries for
+    /// 64, mlx5 a power of two less one): the pool places connections by
+    /// each CQ's real capacity, and so fits more of them than `cqe`
+    /// suggests. A connection needing more than `cqe` entries is still
+    /// refused ([`PoolError::TooLarge`]) before any CQ is looked at, so
+    /// that whether it fits never depends on the device.
     pub fn new(
         name: impl Into<String>,
         cqe: u32,
