@@ -317,6 +317,8 @@ fn reject_carries_private_data_and_the_consumer_reason() {
     }
 }
 
+/// The channel polls readable while an event waits, and only then; a
+/// non-blocking GET_EVENT with none answers EAGAIN.
 #[test]
 fn channel_is_pollable_and_nonblocking() {
     if !launcher_or_skip("channel_is_pollable_and_nonblocking") {
@@ -374,8 +376,31 @@ fn channel_is_pollable_and_nonblocking() {
         unsafe { ((*e).event, (*e).status) },
         (ev::RDMA_CM_EVENT_ADDR_ERROR, -libc::ENODEV)
     );
+    unsafe { rdma_ack_cm_event(e) };
+    // An event whose id is destroyed unread goes, and so does the
+    // channel's readiness: readable only while an event waits, as on a
+    // kernel (a program that polls before it asks would otherwise block).
+    let id3 = ch.id();
+    assert_eq!(
+        unsafe {
+            rdma_resolve_addr(
+                id3,
+                null_mut(),
+                (&mut d as *mut libc::sockaddr_in).cast(),
+                2000,
+            )
+        },
+        0
+    );
+    assert!(fd_readable(fd, 5000));
+    assert_eq!(unsafe { rdma_destroy_id(id3) }, 0);
+    assert!(!fd_readable(fd, 50), "its event went, yet readable");
+    assert_eq!(unsafe { rdma_get_cm_event(ch.0, &mut e) }, -1);
+    assert_eq!(
+        std::io::Error::last_os_error().raw_os_error(),
+        Some(libc::EAGAIN)
+    );
     unsafe {
-        rdma_ack_cm_event(e);
         rdma_destroy_id(id);
         rdma_destroy_id(id2);
         rdma_destroy_event_channel(ch.0);
@@ -635,6 +660,143 @@ fn peer_stopped_after_acknowledging_the_request_is_unreachable() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(stopped, "the listening process did not stop at the request");
+}
+
+/// The waiting side of `a_wait_holds_its_channel_across_a_close`, in a
+/// process of its own (the hook is read from the environment once per
+/// process).
+fn wait_across_close(p: u16) {
+    let (a, b) = (Ch::new(), Ch::new());
+    let fd = unsafe { (*a.0).fd };
+    // `z` (on `a`) connects to `l` (on `b`), which rejects it at the end:
+    // an event for the channel after it was closed, from the CM thread.
+    let l = listen(&b, p);
+    let z = resolved(&a, p);
+    // A byte whose event goes unread: queued, taken by the waiter, then
+    // its id destroyed (as rping's main thread destroys its id while its
+    // CM thread waits).
+    let x = a.id();
+    let mut d = sin(&format!("127.0.0.1:{p}"));
+    assert_eq!(
+        unsafe {
+            rdma_resolve_addr(
+                x,
+                null_mut(),
+                (&mut d as *mut libc::sockaddr_in).cast(),
+                2000,
+            )
+        },
+        0
+    );
+    assert!(fd_readable(fd, 10_000), "no ADDR_RESOLVED byte");
+    let chan = a.0 as usize;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name(WAITER.into())
+        .spawn(move || {
+            let _ = tid_tx.send(unsafe { libc::syscall(libc::SYS_gettid) });
+            let mut e = null_mut();
+            let r = unsafe { rdma_get_cm_event(chan as *mut rdma_event_channel, &mut e) };
+            let got = if r == 0 {
+                let t = unsafe { (*e).event };
+                unsafe { rdma_ack_cm_event(e) };
+                Ok(t)
+            } else {
+                Err(std::io::Error::last_os_error())
+            };
+            let _ = tx.send(got);
+        })
+        .unwrap();
+    let tid = tid_rx.recv().unwrap();
+    // The waiter took the byte; the hook holds it there until the close.
+    let t = Instant::now();
+    while fd_readable(fd, 0) {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the waiter never read"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(unsafe { rdma_destroy_id(x) }, 0);
+    assert_eq!(unsafe { rdma_connect(z, &mut param(&[])) }, 0);
+    let (_, r, _) = b.expect(ev::RDMA_CM_EVENT_CONNECT_REQUEST);
+    // Another thread closes the descriptor: not rdma_destroy_event_channel,
+    // which would free the channel the waiter still uses.
+    assert_eq!(unsafe { libc::close(fd) }, 0);
+    // The waiter finds no event and reads again: wait until it blocks in
+    // read(2), unless it returned.
+    let syscall = format!("/proc/self/task/{tid}/syscall");
+    let reading = format!("{} ", libc::SYS_read);
+    let t = Instant::now();
+    let early = loop {
+        if let Ok(got) = rx.try_recv() {
+            break Some(got);
+        }
+        let now = std::fs::read_to_string(&syscall).unwrap_or_default();
+        if now.starts_with(&reading) {
+            break None;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "waiter: {now}");
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    if let Some(Err(e)) = early {
+        panic!("rdma_get_cm_event after the close: {e}");
+    }
+    assert!(
+        early.is_none(),
+        "the waiter returned {early:?} with no event"
+    );
+    // The rejection reaches `z` on the closed channel, and the waiter.
+    assert_eq!(unsafe { rdma_reject(r, null_mut(), 0) }, 0);
+    let got = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the waiter did not return");
+    match got {
+        Ok(t) => assert_eq!(t, ev::RDMA_CM_EVENT_REJECTED, "event {t}"),
+        Err(e) => panic!("rdma_get_cm_event: {e}"),
+    }
+    let _ = l;
+    println!("wait ok");
+}
+
+/// The waiting thread's name (the hook acts in it only).
+const WAITER: &str = "cm-waiter";
+
+/// A thread waiting in `rdma_get_cm_event` holds its channel, as the
+/// kernel's `write(2)` holds the file: a byte whose event went unread (its
+/// id destroyed after the waiter took the byte) leaves the waiter waiting
+/// on the same channel, even after another thread closed the descriptor,
+/// and the channel's next event (from the CM thread) reaches it. It used
+/// to read the descriptor's number again: rping's client exited 255 with
+/// `rdma_get_cm_event: Bad file descriptor` (docs/reliability.md item 5).
+/// The hook holds the waiter between taking the byte and looking for its
+/// event until the close, so the test fails every time without the fix.
+#[test]
+fn a_wait_holds_its_channel_across_a_close() {
+    const NAME: &str = "a_wait_holds_its_channel_across_a_close";
+    if let Some((how, p)) = child_role() {
+        assert_eq!(how, "wait");
+        wait_across_close(p);
+        return;
+    }
+    if !launcher_or_skip(NAME) {
+        return;
+    }
+    let p = port(6);
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([NAME, "--exact", "--nocapture", "--test-threads=1"])
+        .env("RDMA_CM_TEST_CHILD", format!("wait:{p}"))
+        .env("SOFTVERBS_TEST_CM_WAKE_WAITS_FOR_CLOSE", WAITER)
+        .output()
+        .expect("run the waiting process");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("wait ok"),
+        "waiting process: {}\n{text}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// rdma_join_multicast with two ids (two QPs): MULTICAST_JOIN carries the

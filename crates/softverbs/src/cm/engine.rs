@@ -520,6 +520,37 @@ impl Cm {
         }
     }
 
+    /// Take back channel `chan`'s byte once the events it announced are
+    /// gone unread (their id destroyed, their group left, the id moved to
+    /// another channel): the kernel's channel polls readable only while it
+    /// has an event, and a `GET_EVENT` it wakes with none waits again — a
+    /// program that polls before it asks (rping's newer CM thread) would
+    /// then wait for ever. Run in commands, whose caller names `chan` by
+    /// its own descriptor; the byte is flushed from a duplicate checked to
+    /// be the channel (the number may name another file by now).
+    fn withdraw_token(&mut self, chan: RawFd) {
+        let Some(c) = self.chans.get_mut(&chan) else {
+            return;
+        };
+        if !c.token || !c.events.is_empty() {
+            return;
+        }
+        // SAFETY: F_DUPFD_CLOEXEC takes no pointer; the result is checked.
+        let d = unsafe { libc::fcntl(chan, libc::F_DUPFD_CLOEXEC, 0) };
+        if d < 0 {
+            return;
+        }
+        // SAFETY: a fresh descriptor that nothing else owns.
+        let dup = unsafe { OwnedFd::from_raw_fd(d) };
+        if ptn(dup.as_raw_fd()) != Some(c.ptn) {
+            return;
+        }
+        // SAFETY: TCFLSH takes an int argument; it discards the bytes
+        // waiting to be read from this pty master (ours: checked above).
+        unsafe { libc::tcflush(dup.as_raw_fd(), libc::TCIFLUSH) };
+        c.token = false;
+    }
+
     /// Queue an event for id `h` (on its channel).
     fn push(&mut self, h: u32, ev: u32, status: i32, param: Option<abi::ConnParam>) {
         let Some(id) = self.ids.get(&h) else { return };
@@ -594,6 +625,7 @@ impl Cm {
                 }
             });
         }
+        self.withdraw_token(id.chan);
         for d in doomed {
             self.remove_id(d);
         }
@@ -803,6 +835,7 @@ impl Cm {
         if let Some(c) = self.chans.get_mut(&chan) {
             c.events.retain(|e| e.mc != Some(mh));
         }
+        self.withdraw_token(chan);
         Ok(m.reported)
     }
 
@@ -1145,6 +1178,7 @@ impl Cm {
             }
             None => Vec::new(),
         };
+        self.withdraw_token(old_fd);
         if let Some(c) = self.chans.get_mut(&new_chan) {
             c.events.extend(moved);
         }
@@ -1685,13 +1719,48 @@ pub(super) fn open_channel() -> Result<RawFd, i32> {
     Ok(master)
 }
 
-/// Whether `fd` is still the channel registered under its number (not a
-/// descriptor that reused the number after the channel was closed).
-pub(super) fn still_channel(fd: RawFd) -> bool {
-    let Some(g) = lock() else { return false };
+/// A channel held for one command, as the kernel's `write(2)` holds the
+/// file from its entry until it returns: a duplicate of the application's
+/// descriptor `fd`, taken before anything else (a lock may make the
+/// command wait, and the application may close `fd` meanwhile), and the
+/// serial of the channel it is. A `GET_EVENT` waits on the duplicate.
+pub(super) struct Held {
+    fd: RawFd,
+    dup: OwnedFd,
+    serial: u64,
+}
+
+/// Why [`hold`] did not hold a channel.
+pub(super) enum NotHeld {
+    /// The duplicate failed (`fd` is closed: EBADF, as from the kernel).
+    Errno(i32),
+    /// `fd` names another file now: the channel that had the number was
+    /// closed, and the caller forgets it.
+    Other,
+}
+
+/// Hold channel `fd` for a command (see [`Held`]).
+pub(super) fn hold(fd: RawFd) -> Result<Held, NotHeld> {
+    // SAFETY: F_DUPFD_CLOEXEC takes no pointer; the result is checked.
+    let d = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if d < 0 {
+        return Err(NotHeld::Errno(errno()));
+    }
+    // SAFETY: a fresh descriptor that nothing else owns.
+    let dup = unsafe { OwnedFd::from_raw_fd(d) };
+    let Some(g) = lock() else {
+        return Err(NotHeld::Errno(libc::ENOMEM));
+    };
+    // The file duplicated is the channel registered under `fd`, not a
+    // descriptor that took the number after the channel was closed: the
+    // pty number names the file.
     match g.chans.get(&fd) {
-        Some(c) => ptn(fd) == Some(c.ptn),
-        None => false,
+        Some(c) if ptn(dup.as_raw_fd()) == Some(c.ptn) => Ok(Held {
+            fd,
+            dup,
+            serial: c.serial,
+        }),
+        _ => Err(NotHeld::Other),
     }
 }
 
@@ -1702,16 +1771,17 @@ pub(super) fn forget_channel(fd: RawFd) {
     }
 }
 
-/// Execute one command written to channel `fd`: the command header and its
-/// input (`buf`, `len` bytes). Returns `len` or a negative errno.
-pub(super) fn command(fd: RawFd, buf: usize, len: usize) -> isize {
-    match command_inner(fd, buf, len) {
+/// Execute one command written to the channel `held`: the command header
+/// and its input (`buf`, `len` bytes). Returns `len` or a negative errno.
+pub(super) fn command(held: &Held, buf: usize, len: usize) -> isize {
+    match command_inner(held, buf, len) {
         Ok(()) => len as isize,
         Err(e) => -(e as isize),
     }
 }
 
-fn command_inner(fd: RawFd, buf: usize, len: usize) -> Result<(), i32> {
+fn command_inner(held: &Held, buf: usize, len: usize) -> Result<(), i32> {
+    let fd = held.fd;
     let hdr_len = std::mem::size_of::<abi::CmdHdr>();
     if len < hdr_len {
         return Err(libc::EINVAL);
@@ -1724,7 +1794,7 @@ fn command_inner(fd: RawFd, buf: usize, len: usize) -> Result<(), i32> {
     let n = usize::from(hdr.in_);
     if hdr.cmd == cmd::GET_EVENT {
         let c: abi::GetEvent = read_user(inp, n)?;
-        return get_event(fd, c.response, hdr.out);
+        return get_event(held, c.response, hdr.out);
     }
     let mut g = lock().ok_or(libc::ENOMEM)?;
     match hdr.cmd {
@@ -1907,15 +1977,31 @@ fn join_answer(g: &mut Cm, fd: RawFd, mh: u32, response: u64, out: u16) -> Resul
 // SAFETY: a one-byte array: any bit pattern is valid.
 unsafe impl Pod for [u8; 1] {}
 
-fn get_event(fd: RawFd, response: u64, out: u16) -> Result<(), i32> {
+/// `GET_EVENT` on the channel `held`: wait for its token byte (blocking or
+/// EAGAIN as the application set the descriptor), then take its next
+/// event.
+///
+/// The wait holds the channel, as the kernel's `write(2)` holds the file
+/// for the whole command: it reads the duplicate [`hold`] took, and takes
+/// events only from the channel it started on. A byte may wake it with no
+/// event behind it (the event's id was destroyed after its byte was
+/// written, as rping's main thread destroys its id while its CM thread
+/// waits); it then waits again on the same file, even if another thread
+/// closed the descriptor meanwhile — whose number it used to read again,
+/// failing with EBADF (rping's client exited 255, docs/reliability.md
+/// item 5), or reading whatever file took the number. While the duplicate
+/// is open the channel stays open, as the kernel's file does: its ids live
+/// on, and its next event ends the wait.
+fn get_event(held: &Held, response: u64, out: u16) -> Result<(), i32> {
     if usize::from(out) < std::mem::size_of::<abi::EventResp>() {
         return Err(libc::ENOSPC);
     }
+    let fd = held.fd;
     loop {
-        // The token: blocks (or EAGAIN) as the application set the fd.
         let mut b = 0u8;
-        // SAFETY: reading one byte from the channel's pty master.
-        let r = unsafe { libc::read(fd, (&mut b as *mut u8).cast(), 1) };
+        // SAFETY: reading one byte from the channel's pty master (our
+        // duplicate of it, open until the command returns).
+        let r = unsafe { libc::read(held.dup.as_raw_fd(), (&mut b as *mut u8).cast(), 1) };
         if r < 0 {
             let e = errno();
             if e == libc::EINTR {
@@ -1926,10 +2012,48 @@ fn get_event(fd: RawFd, response: u64, out: u16) -> Result<(), i32> {
         if r == 0 {
             return Err(libc::EIO);
         }
+        woken_hook(fd);
         let mut g = lock().ok_or(libc::ENOMEM)?;
+        if g.chans.get(&fd).is_none_or(|c| c.serial != held.serial) {
+            // The channel ended under us: the application closed its
+            // descriptor, another file took the number, and the CM forgot
+            // the channel (`forget_channel`, `open_channel`), destroying
+            // its ids (the slave's end closed: a read finding no byte
+            // fails with EIO instead). No event can come any more.
+            return Err(libc::EBADF);
+        }
         if let Some(ev) = g.pop_event(fd) {
             drop(g);
             return write_user(response, out, &ev);
         }
+    }
+}
+
+/// A test-only hook: with `SOFTVERBS_TEST_CM_WAKE_WAITS_FOR_CLOSE=<name>`
+/// in its environment (read once per process), a `GET_EVENT` of a thread
+/// named `<name>` that took a byte waits, before it looks for the event,
+/// until the application's descriptor `fd` is closed (at most 10 s), so
+/// that a test can destroy the event's id and close the channel at exactly
+/// that point (tests/rdma_cm.rs, `a_wait_holds_its_channel_across_a_close`).
+/// Nothing else reads the variable.
+fn woken_hook(fd: RawFd) {
+    static NAME: OnceLock<Option<Vec<u8>>> = OnceLock::new();
+    let Some(name) = NAME.get_or_init(|| {
+        std::env::var_os("SOFTVERBS_TEST_CM_WAKE_WAITS_FOR_CLOSE")
+            .map(|v| std::os::unix::ffi::OsStrExt::as_bytes(v.as_os_str()).to_vec())
+    }) else {
+        return;
+    };
+    let mut comm = [0u8; 16];
+    // SAFETY: PR_GET_NAME writes at most 16 bytes (NUL included) into
+    // `comm`, which has 16.
+    unsafe { libc::prctl(libc::PR_GET_NAME, comm.as_mut_ptr()) };
+    if comm.split(|b| *b == 0).next() != Some(name.as_slice()) {
+        return;
+    }
+    let end = Instant::now() + Duration::from_secs(10);
+    // SAFETY: F_GETFD only asks whether `fd` is open; no memory is passed.
+    while unsafe { libc::fcntl(fd, libc::F_GETFD) } >= 0 && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(1));
     }
 }

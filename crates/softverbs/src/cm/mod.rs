@@ -178,17 +178,30 @@ pub unsafe extern "C" fn open64(path: *const c_char, flags: c_int, mode: libc::m
 #[cfg_attr(not(miri), no_mangle)]
 pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, count: usize) -> isize {
     if marked(fd) {
-        if engine::still_channel(fd) {
-            let r = engine::command(fd, buf as usize, count);
-            if r < 0 {
-                crate::provider::set_errno((-r) as i32);
+        // Held from here until the command returns, as the kernel holds
+        // the file of a write(2) (engine::Held).
+        match engine::hold(fd) {
+            Ok(held) => {
+                let r = engine::command(&held, buf as usize, count);
+                if r < 0 {
+                    crate::provider::set_errno((-r) as i32);
+                    return -1;
+                }
+                return r;
+            }
+            // Closed: EBADF, as from the kernel. The channel itself ends
+            // when its last descriptor closes (the slave's hang-up), as
+            // the kernel's file is released.
+            Err(engine::NotHeld::Errno(e)) => {
+                crate::provider::set_errno(e);
                 return -1;
             }
-            return r;
+            // The channel was closed and the number reused.
+            Err(engine::NotHeld::Other) => {
+                mark(fd, false);
+                engine::forget_channel(fd);
+            }
         }
-        // The channel was closed and the number reused.
-        mark(fd, false);
-        engine::forget_channel(fd);
     }
     real_write(fd, buf, count)
 }

@@ -12,14 +12,39 @@
 //! Pipes of another process are reached through `/proc/<pid>/fd/<n>`, which
 //! opens the same pipe; the write ends are opened once and cached.
 //!
+//! Arm and fire: the protocol of [`crate::model::notify`], whose steps
+//! are numbered N1–N5 here and which that module checks over every
+//! interleaving:
+//! - N1. [`CqPort::arm`] (`ibv_req_notify_cq`) stores the arm state into
+//!   the newest ring's `armed`, then a SeqCst fence;
+//! - N2. the owner's `ibv_poll_cq` then loads the head slot's sequence
+//!   (shm::ring step 3) and, finding the ring empty,
+//! - N3. waits in `ibv_get_cq_event` for a record in the channel's pipe;
+//! - N4. a producer publishes its CQE (shm::ring step 2, Release), then a
+//!   SeqCst fence — one per [`Batch`] of CQEs, none for a CQ without a
+//!   completion channel, where nobody can wait for an event;
+//! - N5. it then loads `moved_to` and `armed` of the newest ring and, if
+//!   the arm fires, CASes it to DISARMED; the CAS that succeeds writes the
+//!   one record.
+//!
+//! N1 and N4 each store one word and then load the other side's (store
+//! buffering): with a fence on each side, either the poll sees the CQE or
+//! the producer sees the arm. Without them both can miss (on x86-64, each
+//! store still in its core's store buffer), and the owner sleeps with a
+//! completion in its CQ and no event coming — the `rping -V` stalls of
+//! docs/reliability.md item 5.
+//!
 //! A CQ grown by `ibv_resize_cq` is a chain of rings: each full-grown
 //! ring's header names the next (`moved_to`); completions go to the
 //! newest, the owner drains the older ones first (provider::cq), and a
 //! producer that raced with the move (it pushed into an older ring) applies
-//! the arm rule of the newest, where the owner arms.
+//! the arm rule of the newest, where the owner arms. N5 reads `moved_to`
+//! after N4's fence, so the fence covers that race too: a producer whose
+//! CQE the owner's poll missed in an older ring sees the move and the arm
+//! made on the newest ring before the owner's fence.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{fence, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use crate::model::cq::{fires, DISARMED, EVENT_CQ_ERR};
@@ -159,16 +184,13 @@ impl CqPort {
     /// released the claim already, so no flush completes that receive a
     /// second time.
     pub fn push_with(&self, cqe: Cqe, before_publish: impl FnOnce()) {
-        let p = self.newest();
-        p.push_here(cqe, before_publish);
-        // The CQ grew while we pushed: the owner drains this ring first,
-        // but arms the newest one.
-        if p.hdr().moved_to.load(Ordering::Acquire) != 0 {
-            p.newest().maybe_fire(cqe.solicited != 0, cqe.status == 0);
-        }
+        let mut b = Batch::new();
+        b.push_with(self, cqe, before_publish);
     }
 
-    fn push_here(&self, mut cqe: Cqe, before_publish: impl FnOnce()) {
+    /// Publish `cqe` into this ring (N4 without its fence); whether it was
+    /// pushed (false: the CQ overflowed, the CQE is lost).
+    fn push_here(&self, mut cqe: Cqe, before_publish: impl FnOnce()) -> bool {
         let h = self.hdr();
         // Only a CQ that asked for timestamps pays for the clock read.
         if cqe.ts == 0 && h.stamp.load(Ordering::Relaxed) != 0 {
@@ -192,9 +214,24 @@ impl CqPort {
                     write_all(fd, &super::fatal::async_record(h.cq_ptr, EVENT_CQ_ERR));
                 }
             }
-            return;
+            return false;
         }
-        self.maybe_fire(cqe.solicited != 0, cqe.status == 0);
+        true
+    }
+
+    /// N4's fence and N5, after CQEs were published into this CQ: fire the
+    /// newest ring's arm if it fires for a CQE that is `solicited` and
+    /// `success` (a batch's summary: see [`Batch`]).
+    fn notify(&self, solicited: bool, success: bool) {
+        // The channel descriptor is written once, at creation, before the
+        // segment is known to anyone; every ring of the chain has the
+        // same.
+        if self.hdr().chan_fd >= 0 {
+            // N4: orders the publish before the loads of `moved_to` and
+            // `armed` below (model::notify step 4).
+            fence(Ordering::SeqCst);
+        }
+        self.newest().maybe_fire(solicited, success);
     }
 
     fn maybe_fire(&self, solicited: bool, success: bool) {
@@ -217,8 +254,77 @@ impl CqPort {
         }
     }
 
-    /// Arm (owner side): the next completion that satisfies the rule fires.
+    /// Arm (owner side, N1): the next completion that satisfies the rule
+    /// fires.
     pub fn arm(&self, state: u32) {
         self.newest().hdr().armed.store(state, Ordering::Release);
+        // N1: orders the arm before the application's next poll of the
+        // ring (model::notify step 1).
+        fence(Ordering::SeqCst);
+    }
+}
+
+/// CQEs added to one CQ together, whose arm is checked once, when the
+/// batch ends (dropped): N4's fence and N5 once for all of them. The arm
+/// fires if it fires for one of them (one event at most, as one by one):
+/// with [`crate::model::cq::fires`] asked for a CQE that is solicited if
+/// one of them is, and successful if all of them are. The batch must end
+/// before the caller returns to the application, which may wait for the
+/// event next (a drop at the end of the caller's scope does it).
+#[derive(Debug)]
+pub struct Batch<'a> {
+    /// The CQ pushed to since the last check.
+    port: Option<&'a CqPort>,
+    solicited: bool,
+    success: bool,
+}
+
+impl<'a> Batch<'a> {
+    /// An empty batch.
+    pub fn new() -> Self {
+        Self {
+            port: None,
+            solicited: false,
+            success: true,
+        }
+    }
+
+    /// [`CqPort::push`] into `port`, the arm checked when the batch ends
+    /// (a batch moving to another CQ checks the first one's arm first).
+    pub fn push(&mut self, port: &'a CqPort, cqe: Cqe) {
+        self.push_with(port, cqe, || {});
+    }
+
+    /// [`CqPort::push_with`] into `port`, the arm checked when the batch
+    /// ends.
+    pub fn push_with(&mut self, port: &'a CqPort, cqe: Cqe, before_publish: impl FnOnce()) {
+        if self.port.is_some_and(|p| !std::ptr::eq(p, port)) {
+            self.check();
+        }
+        if port.newest().push_here(cqe, before_publish) {
+            self.port = Some(port);
+            self.solicited |= cqe.solicited != 0;
+            self.success &= cqe.status == 0;
+        }
+    }
+
+    fn check(&mut self) {
+        if let Some(p) = self.port.take() {
+            p.notify(self.solicited, self.success);
+        }
+        self.solicited = false;
+        self.success = true;
+    }
+}
+
+impl Default for Batch<'_> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for Batch<'_> {
+    fn drop(&mut self) {
+        self.check();
     }
 }

@@ -26,6 +26,7 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use super::notify::Batch;
 use super::qp::{sv, Caps, Pending, SvQp};
 use super::remote::Remote;
 use super::set_bad;
@@ -840,16 +841,28 @@ fn atomic(r: &Remote, w: &Wr, local: &[Span], local_len: u64) -> Outcome {
     Outcome::Done(WcStatus::Success, ATOMIC_LEN)
 }
 
-fn complete(q: &SvQp, ss: &mut SendSide, w: &Wr, status: WcStatus, len: u32) {
+/// Complete `w`: its CQE (if it completes) joins `batch`, whose arm check
+/// the caller's return makes (provider::notify N4–N5, once per batch).
+fn complete<'q>(
+    q: &'q SvQp,
+    ss: &mut SendSide,
+    w: &Wr,
+    status: WcStatus,
+    len: u32,
+    batch: &mut Batch<'q>,
+) {
     if send_completes(w.flags & send_flags::SIGNALED != 0, status) {
-        q.send_cq().port.push(Cqe {
-            wr_id: w.wr_id,
-            status: status as u32,
-            opcode: send_wc_opcode(w.opcode).unwrap_or(opcode::SEND),
-            byte_len: len,
-            qp_num: q.qpn,
-            ..Cqe::default()
-        });
+        batch.push(
+            &q.send_cq().port,
+            Cqe {
+                wr_id: w.wr_id,
+                status: status as u32,
+                opcode: send_wc_opcode(w.opcode).unwrap_or(opcode::SEND),
+                byte_len: len,
+                qp_num: q.qpn,
+                ..Cqe::default()
+            },
+        );
     }
     if status != WcStatus::Success {
         match q.qp_type.send_error_state() {
@@ -935,20 +948,22 @@ pub fn progress(q: &SvQp, ss: &mut SendSide) {
         q.to_error(ss);
         return;
     }
+    // The completions of this round: one arm check, at the end.
+    let mut batch = Batch::new();
     while let Some(mut w) = ss.pending.pop_front() {
         match execute(q, ss, &w) {
-            Outcome::Done(s, len) => complete(q, ss, &w, s, len),
+            Outcome::Done(s, len) => complete(q, ss, &w, s, len, &mut batch),
             Outcome::WaitPeer if w.since.is_some_and(|t| t.elapsed() > PEER_TIMEOUT) => {
-                complete(q, ss, &w, WcStatus::RetryExcErr, 0)
+                complete(q, ss, &w, WcStatus::RetryExcErr, 0, &mut batch)
             }
             Outcome::NoAnswer if silent_too_long(ss, &mut w) => {
                 // Retries exhausted: the QP goes to ERR, which flushes the
                 // WRs behind this one, in order.
-                complete(q, ss, &w, WcStatus::RetryExcErr, 0)
+                complete(q, ss, &w, WcStatus::RetryExcErr, 0, &mut batch)
             }
             Outcome::WaitRnr if rnr_too_long(ss, &mut w) => {
                 // RNR retries exhausted: as above.
-                complete(q, ss, &w, WcStatus::RnrRetryExcErr, 0)
+                complete(q, ss, &w, WcStatus::RnrRetryExcErr, 0, &mut batch)
             }
             o => {
                 if !matches!(o, Outcome::NoAnswer) {
@@ -990,6 +1005,9 @@ pub unsafe extern "C" fn post_send(
     if !ss.pending.is_empty() {
         progress(q, &mut ss);
     }
+    // The completions of this chain: one arm check, when this returns
+    // (the batch drops on every path out).
+    let mut batch = Batch::new();
     while !wrp.is_null() {
         // SAFETY: a node of the caller's valid chain.
         let x = unsafe { &*wrp };
@@ -1098,7 +1116,7 @@ pub unsafe extern "C" fn post_send(
             return fail(libc::EINVAL);
         }
         if flushing {
-            complete(q, &mut ss, &w, WcStatus::WrFlushErr, 0);
+            complete(q, &mut ss, &w, WcStatus::WrFlushErr, 0, &mut batch);
         } else if !ss.pending.is_empty() {
             if ss.pending.len() >= q.caps.max_send_wr as usize {
                 return fail(libc::ENOMEM);
@@ -1106,7 +1124,7 @@ pub unsafe extern "C" fn post_send(
             ss.pending.push_back(own(w));
         } else {
             match execute(q, &mut ss, &w) {
-                Outcome::Done(s, len) => complete(q, &mut ss, &w, s, len),
+                Outcome::Done(s, len) => complete(q, &mut ss, &w, s, len, &mut batch),
                 o => {
                     match o {
                         Outcome::NoAnswer => w.silent_since = Some(Instant::now()),
