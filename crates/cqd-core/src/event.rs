@@ -42,6 +42,18 @@ pub enum AsyncEvent {
         /// The owning handler, if one was named.
         owner: Option<crate::wr_id::HandlerKey>,
     },
+    /// Not a device's event: the backend destroyed QP `qp_num`, which drew
+    /// its receives from an SRQ whose completions come to this CQ, on a
+    /// device that keeps a destroyed QP's completions in its CQs and
+    /// writes none after the destroy returned (the kernel's rxe). Every
+    /// completion of the QP is in this CQ: its poller quiesces the QP's SRQ
+    /// use after its next short poll (step 2' of `ledger::teardown`). The
+    /// poller neither counts it among the asynchronous events nor gives it
+    /// to a handler.
+    QpDestroyed {
+        /// The QP.
+        qp_num: u32,
+    },
     /// Another event, by its `ibv_event_type` number.
     Other(u32),
 }

@@ -35,7 +35,7 @@ use parking_lot::Mutex;
 use crate::device::{Context, ContextInner, Route};
 use crate::error::VerbsError;
 use crate::inbox::AsyncInbox;
-use crate::qp::QpInner;
+use crate::qp::{Husk, QpInner};
 use crate::sys::{self, CqFlavor};
 
 pub(crate) struct ChannelInner {
@@ -235,7 +235,10 @@ pub(crate) struct CqInner {
     leftover: Mutex<u32>,
     /// QPs dropped with completions to account, in ERR, destroyed once
     /// the poller has retired their flushes and quiesced their SRQ use
-    /// (see [`crate::Qp`] and `cqd_core::ledger::Graveyard`).
+    /// (see [`crate::Qp`] and `cqd_core::ledger::Graveyard`); and the rest
+    /// of QPs on an SRQ whose completions come here, destroyed first under
+    /// [`Teardown::DestroyThenQuiesce`](crate::Teardown), until their SRQ
+    /// use is quiesced.
     pub(crate) grave: Arc<Graveyard>,
     /// The source (the poller's half) exists.
     source_alive: AtomicBool,
@@ -262,6 +265,30 @@ impl CqInner {
         self.grave.bury(Box::new(qp));
         if !self.poller_alive() {
             // The source went meanwhile: nobody will reap it.
+            self.grave.release_all();
+        }
+    }
+
+    /// Step 2' of `cqd_core::ledger`'s `teardown`, for a QP on an SRQ
+    /// whose completions come here, destroyed under
+    /// [`Teardown::DestroyThenQuiesce`](crate::Teardown): keeps the rest
+    /// of it until this CQ's poller has quiesced its SRQ use, and tells
+    /// the poller the QP is destroyed (through the inbox, whose descriptor
+    /// wakes it).
+    pub(crate) fn quiesce_destroyed(&self, husk: Husk) {
+        let qp_num = husk.qpn;
+        // False when the device raised LAST_WQE_REACHED for it already:
+        // its quiesce is under way without the event.
+        let destroyed = husk.user.mark_destroyed();
+        husk.user.waits_in(&self.grave);
+        self.grave.bury(Box::new(husk));
+        if destroyed {
+            self.channel
+                .inbox
+                .push(self.token, AsyncEvent::QpDestroyed { qp_num });
+        }
+        if !self.poller_alive() {
+            // The source went meanwhile: nobody will quiesce it.
             self.grave.release_all();
         }
     }

@@ -30,7 +30,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 
@@ -131,6 +131,75 @@ pub struct EventCounts {
     pub unrouted: u64,
 }
 
+/// How a QP that draws its receives from an SRQ is torn down when it is
+/// closed ([`Qp::close`](crate::Qp::close), or dropped): what the device
+/// does with a destroyed QP's completions decides it
+/// (`cqd_core::ledger`, module `teardown`). QPs with receive queues of
+/// their own are torn down the same way under both: destroyed once every
+/// completion of theirs is accounted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Teardown {
+    /// For a device whose `ibv_destroy_qp` takes the QP's unpolled
+    /// completions out of its CQs and which raises
+    /// `IBV_EVENT_QP_LAST_WQE_REACHED` (mlx5, softverbs): the QP is
+    /// destroyed only once its own queues are accounted, the device's
+    /// `LAST_WQE_REACHED` has come, and its receive CQ's poller has polled
+    /// that CQ empty since. The default.
+    QuiesceThenDestroy,
+    /// For a device that keeps a destroyed QP's completions in its CQs and
+    /// writes none after `ibv_destroy_qp` returned, and may raise no
+    /// `LAST_WQE_REACHED` (the kernel's rxe; detected): the QP is
+    /// destroyed once its own queues are accounted (its send queue's
+    /// flushes polled), and its SRQ use is quiesced by its receive CQ's
+    /// poller's next poll that finds the CQ empty after the destroy. Its
+    /// close ends then. On a device that purges, this would lose the
+    /// completions of the SRQ receives the QP took and not yet polled
+    /// (their receives stay outstanding until the stop hands them back).
+    ///
+    /// One case rxe 6.1 leaves open itself: a receive its responder took
+    /// from the SRQ for a message still arriving (a SEND of several
+    /// packets) when the QP moved to the error state is flushed by the
+    /// responder's next run, which the move only schedules (a tasklet,
+    /// `rxe_qp_error`); a destroy that comes before that run stops the
+    /// tasklet with the QP's reference count at zero, where the responder
+    /// does nothing, and the receive gets no completion. Its SRQ account
+    /// then keeps it until the stop hands it back as a flush (counted in
+    /// `srq_returned`): retired once, at the stop.
+    DestroyThenQuiesce,
+}
+
+impl Teardown {
+    /// What cqd-verbs takes for the device whose sysfs directory
+    /// (`/sys/class/infiniband/<name>`) is `dir`: a device with a `parent`
+    /// attribute there (the network interface it runs on: the kernel's
+    /// rxe, `rxe_attr_group` in rxe_verbs.c; hardware devices have none)
+    /// keeps a destroyed QP's completions (kernel 6.1: its
+    /// `rxe_destroy_qp` waits for the QP's tasks and packets to be done,
+    /// and its CQ has no clean); every other device is taken to purge.
+    pub fn detect(dir: &std::path::Path) -> Teardown {
+        if dir.join("parent").is_file() {
+            Teardown::DestroyThenQuiesce
+        } else {
+            Teardown::QuiesceThenDestroy
+        }
+    }
+
+    fn to_raw(self) -> u8 {
+        match self {
+            Teardown::QuiesceThenDestroy => 0,
+            Teardown::DestroyThenQuiesce => 1,
+        }
+    }
+
+    fn from_raw(raw: u8) -> Teardown {
+        match raw {
+            1 => Teardown::DestroyThenQuiesce,
+            _ => Teardown::QuiesceThenDestroy,
+        }
+    }
+}
+
 #[derive(Default)]
 struct Counters {
     total: AtomicU64,
@@ -179,6 +248,8 @@ pub(crate) struct ContextInner {
     pub(crate) name: String,
     pub(crate) attr: DeviceAttr,
     pub(crate) fatal: AtomicBool,
+    /// The [`Teardown`] of the QPs made from now on, as `Teardown::to_raw`.
+    teardown: AtomicU8,
     routes: Mutex<HashMap<usize, Route>>,
     callback: Mutex<Option<Callback>>,
     counters: Counters,
@@ -210,6 +281,11 @@ impl ContextInner {
             });
         }
         Ok(())
+    }
+
+    /// The teardown of a QP made now.
+    pub(crate) fn teardown(&self) -> Teardown {
+        Teardown::from_raw(self.teardown.load(Ordering::Acquire))
     }
 
     pub(crate) fn add_route(&self, ptr: usize, route: Route) {
@@ -480,7 +556,11 @@ impl Context {
 
     fn open_inner(name: Option<&str>) -> Result<Context, VerbsError> {
         let wanted = name.unwrap_or("(any)");
-        let (ctx, dev_name) = match sys::open_device(name) {
+        let sys::Opened {
+            ctx,
+            name: dev_name,
+            sysfs,
+        } = match sys::open_device(name) {
             Ok(x) => x,
             Err(sys::OpenFailure::List(e)) => {
                 return Err(no_device(
@@ -541,6 +621,7 @@ impl Context {
             name: dev_name.clone(),
             attr,
             fatal: AtomicBool::new(false),
+            teardown: AtomicU8::new(Teardown::detect(&sysfs).to_raw()),
             routes: Mutex::new(HashMap::new()),
             callback: Mutex::new(None),
             counters: Counters::default(),
@@ -569,6 +650,28 @@ impl Context {
     /// True once the device reported a fatal error.
     pub fn is_gone(&self) -> bool {
         self.inner.fatal.load(Ordering::Acquire)
+    }
+
+    /// How the QPs made on this device from now on are torn down: what
+    /// [`Teardown::detect`] found at open, or what
+    /// [`set_teardown`](Self::set_teardown) set.
+    pub fn teardown(&self) -> Teardown {
+        self.inner.teardown()
+    }
+
+    /// Overrides the detected [`Teardown`] for the QPs made on this device
+    /// from now on (a QP keeps the one it was made with): for a device
+    /// cqd-verbs does not know, or to test one way on another device.
+    /// [`Teardown::DestroyThenQuiesce`] on a device that purges a
+    /// destroyed QP's completions loses the completions of the SRQ
+    /// receives the QP took and not yet polled;
+    /// [`Teardown::QuiesceThenDestroy`] on a device that raises no
+    /// `LAST_WQE_REACHED` leaves the close of a QP on an SRQ holding
+    /// receives waiting until its CQ goes.
+    pub fn set_teardown(&self, teardown: Teardown) {
+        self.inner
+            .teardown
+            .store(teardown.to_raw(), Ordering::Release);
     }
 
     /// A port's state and addresses.
@@ -667,6 +770,26 @@ pub struct PortInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A device directory with a `parent` attribute (rxe's: the network
+    /// interface it runs on) keeps a destroyed QP's completions; any
+    /// other is taken to purge them.
+    #[test]
+    fn rxe_is_told_by_its_parent_attribute() {
+        let dir = std::env::temp_dir().join(format!("cqd-teardown-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert_eq!(Teardown::detect(&dir), Teardown::QuiesceThenDestroy);
+        std::fs::write(dir.join("parent"), "lo\n").unwrap();
+        assert_eq!(Teardown::detect(&dir), Teardown::DestroyThenQuiesce);
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(
+            Teardown::detect(std::path::Path::new("/nonexistent/rxe0")),
+            Teardown::QuiesceThenDestroy
+        );
+        for t in [Teardown::QuiesceThenDestroy, Teardown::DestroyThenQuiesce] {
+            assert_eq!(Teardown::from_raw(t.to_raw()), t);
+        }
+    }
 
     /// Runs anywhere: without a device libibverbs lists none, under
     /// softverbs-run none has this name.

@@ -39,7 +39,7 @@ pub mod wr;
 
 pub use ah::{Ah, AhOptions, UdDest};
 pub use cq::{completion_of, CompChannel, Cq, CqSpec, VerbsCqSource};
-pub use device::{devices, Context, DeviceAttr, DeviceEvent, EventCounts, PortInfo};
+pub use device::{devices, Context, DeviceAttr, DeviceEvent, EventCounts, PortInfo, Teardown};
 pub use error::{PostError, VerbsError};
 pub use pd::{Access, Mr, Pd, RemoteAddr, Sge};
 pub use qp::{ConnectOptions, Endpoint, Mtu, Qp, QpCap, QpInit, QpType, RecvWr, SendWr, WrOp};

@@ -25,7 +25,7 @@ use parking_lot::Mutex;
 
 use crate::ah::AhInner;
 use crate::cq::{Cq, CqInner};
-use crate::device::Route;
+use crate::device::{Route, Teardown};
 use crate::error::{PostError, VerbsError};
 use crate::pd::{Access, MrInner, Pd, PdInner, Sge};
 use crate::srq::{Srq, SrqInner};
@@ -492,6 +492,8 @@ pub(crate) struct QpInner {
     recv_account: Arc<QueueAccount>,
     /// Its use of an SRQ, as the receive CQ's ledger keeps it.
     pub(crate) srq_user: Option<Arc<SrqUser>>,
+    /// How it is torn down (its device's, when it was made).
+    teardown: Teardown,
     /// Fired once it is destroyed and its admission given back
     /// ([`Qp::close`]).
     closed: Arc<CloseSignal>,
@@ -520,16 +522,20 @@ impl QpInner {
     }
 
     /// True when the device may destroy it: nothing outstanding on its own
-    /// queues, and its SRQ use quiesced (`cqd_core::ledger::Graveyard`).
-    /// Asked only once the QP is in the error state, where it takes no
-    /// more of its SRQ's receives: an SRQ account that holds nothing then
-    /// means that no completion of the QP can retire anything of it.
+    /// queues, and (under [`Teardown::QuiesceThenDestroy`]) its SRQ use
+    /// quiesced (`cqd_core::ledger::Graveyard`). Asked only once the QP is
+    /// in the error state, where it takes no more of its SRQ's receives:
+    /// an SRQ account that holds nothing then means that no completion of
+    /// the QP can retire anything of it. Under
+    /// [`Teardown::DestroyThenQuiesce`] the SRQ use is quiesced after the
+    /// destroy (the drop below).
     fn ready(&self) -> bool {
         self.outstanding() == 0
-            && self
-                .srq_user
-                .as_ref()
-                .is_none_or(|u| u.quiesced() || self.recv_account.outstanding() == 0)
+            && self.srq_user.as_ref().is_none_or(|u| {
+                self.teardown == Teardown::DestroyThenQuiesce
+                    || u.quiesced()
+                    || self.recv_account.outstanding() == 0
+            })
     }
 }
 
@@ -541,8 +547,13 @@ impl Zombie for QpInner {
 
 impl Drop for QpInner {
     fn drop(&mut self) {
-        if let Some(u) = &self.srq_user {
-            self.recv_cq.ledger.release_srq_user(u);
+        let quiesce_later = self.teardown == Teardown::DestroyThenQuiesce;
+        if !quiesce_later {
+            // Quiesced (step 3), or nothing of the SRQ to account, or its
+            // poller gone: the user goes before the number does.
+            if let Some(u) = &self.srq_user {
+                self.recv_cq.ledger.release_srq_user(u);
+            }
         }
         self.pd.ctx.remove_route(self.qp.as_ptr() as usize);
         // Windows first: a type-2 window still bound to a destroyed QP is
@@ -557,7 +568,66 @@ impl Drop for QpInner {
         if self.recv_account.queue() == Queue::Recv {
             self.recv_account.close();
         }
-        drop(std::mem::take(&mut self._admissions));
+        let admissions = std::mem::take(&mut self._admissions);
+        if let (true, Some(user)) = (quiesce_later, &self.srq_user) {
+            // Step 2' of `cqd_core::ledger`'s `teardown`: the device wrote
+            // every completion of the QP before the destroy returned and
+            // keeps them. With receives still outstanding on the SRQ some
+            // may be the QP's, unpolled: the receive CQ's poller quiesces
+            // the user after its next short poll, and the rest of the QP
+            // waits for that. Asked after the destroy, so that the QP took
+            // nothing after the count was read.
+            if !user.quiesced()
+                && self.recv_account.outstanding() > 0
+                && self.recv_cq.poller_alive()
+            {
+                self.recv_cq.quiesce_destroyed(Husk {
+                    qpn: self.qpn,
+                    user: Arc::clone(user),
+                    recv_cq: Arc::clone(&self.recv_cq),
+                    _srq: self.srq.clone(),
+                    admissions,
+                    closed: Arc::clone(&self.closed),
+                });
+                return;
+            }
+            self.recv_cq.ledger.release_srq_user(user);
+        }
+        drop(admissions);
+        self.closed.fire();
+    }
+}
+
+/// What is left of a QP on an SRQ destroyed under
+/// [`Teardown::DestroyThenQuiesce`] before its SRQ use is quiesced: its
+/// admission and the signal its close waits for. It waits in its receive
+/// CQ's graveyard until that CQ's poller has polled the CQ empty after
+/// the destroy (step 3 of `cqd_core::ledger`'s `teardown`, which reaps
+/// it), or until that poller is gone.
+pub(crate) struct Husk {
+    pub(crate) qpn: u32,
+    pub(crate) user: Arc<SrqUser>,
+    recv_cq: Arc<CqInner>,
+    /// The SRQ outlives the QP's completions' accounting, as it outlives a
+    /// QP destroyed after it.
+    _srq: Option<Arc<SrqInner>>,
+    admissions: Vec<Admission>,
+    closed: Arc<CloseSignal>,
+}
+
+impl Zombie for Husk {
+    fn ready(&self) -> bool {
+        self.user.quiesced()
+    }
+}
+
+impl Drop for Husk {
+    fn drop(&mut self) {
+        // Quiesced (the user is detached already: this does nothing), or
+        // the receive CQ's poller is gone (what the QP's completions still
+        // owed is reported missing by the stop).
+        self.recv_cq.ledger.release_srq_user(&self.user);
+        drop(std::mem::take(&mut self.admissions));
         self.closed.fire();
     }
 }
@@ -584,6 +654,63 @@ impl fmt::Debug for Qp {
 }
 
 impl Pd {
+    /// `ibv_create_qp` with `attr` (which it updates with what the device
+    /// granted), giving a QP whose number no destroyed QP still holds in
+    /// the ledgers of the new QP's CQs. A QP on an SRQ destroyed under
+    /// [`Teardown::DestroyThenQuiesce`](crate::Teardown) keeps its number
+    /// attached in its receive CQ's ledger until that CQ's poller has
+    /// polled its completions (`cqd_core::ledger`, module `teardown`, step
+    /// 2'), while the device may give the number to a new QP at once. A
+    /// new QP with such a number is kept aside (in RESET it has posted
+    /// nothing and completes nothing) while the device makes another, so
+    /// that the next one cannot get that number; those kept aside are
+    /// destroyed once a QP with a free number is made. Each one kept aside
+    /// holds a different number attached in one of the two ledgers, so
+    /// this makes at most one QP more than those ledgers have SRQ users.
+    fn create_raw_qp(
+        &self,
+        init: &QpInit<'_>,
+        attr: &mut sys::ibv_qp_init_attr,
+    ) -> Result<(NonNull<sys::ibv_qp>, u32), VerbsError> {
+        let asked = *attr;
+        let held = |qpn: u32| {
+            init.send_cq.ledger().has_srq_user(qpn) || init.recv_cq.ledger().has_srq_user(qpn)
+        };
+        let mut aside = Vec::new();
+        let made = loop {
+            *attr = asked;
+            // SAFETY: the domain, CQs and SRQ are live objects of one
+            // device (checked by the caller), held by `self` and `init`.
+            let qp = match unsafe { sys::create_qp(self.inner.pd, attr) } {
+                Ok(qp) => qp,
+                Err(e) => {
+                    break Err(VerbsError::verb(
+                        "ibv_create_qp",
+                        format!("{} QP on {}", init.qp_type.name(), init.send_cq.name()),
+                        e,
+                    ))
+                }
+            };
+            // SAFETY: `qp` is live.
+            let qpn = unsafe { sys::qp_num(qp) };
+            if !held(qpn) {
+                break Ok((qp, qpn));
+            }
+            tracing::debug!(
+                qpn,
+                "new QP got the number of a destroyed QP whose completions are still to be polled; kept aside"
+            );
+            aside.push(qp);
+        };
+        for qp in aside {
+            // SAFETY: made above and never posted on or shared.
+            if let Err(e) = unsafe { sys::destroy_qp(qp) } {
+                tracing::error!(error = %e, "ibv_destroy_qp of a QP kept aside failed");
+            }
+        }
+        made
+    }
+
     /// Creates an RC QP in RESET and admits its depths on its CQs: the
     /// send depth the device granted on the send CQ, the receive depth (or
     /// the SRQ's) on the receive CQ. A CQ that cannot hold them refuses
@@ -645,23 +772,13 @@ impl Pd {
             init.cap.max_recv_sge
         };
         attr.cap.max_inline_data = init.cap.max_inline_data;
-        // SAFETY: the domain, CQs and SRQ are live objects of one device
-        // (checked above), held by `self` and `init`.
-        let qp = unsafe { sys::create_qp(self.inner.pd, &mut attr) }.map_err(|e| {
-            VerbsError::verb(
-                "ibv_create_qp",
-                format!("{} QP on {}", init.qp_type.name(), init.send_cq.name()),
-                e,
-            )
-        })?;
+        let (qp, qpn) = self.create_raw_qp(init, &mut attr)?;
         // From here a failure destroys the QP.
         let destroy = |e: VerbsError| {
             // SAFETY: nothing was posted on the new QP.
             let _ = unsafe { sys::destroy_qp(qp) };
             e
         };
-        // SAFETY: `qp` is live.
-        let qpn = unsafe { sys::qp_num(qp) };
         // The device may grant more than asked: admit what it granted.
         let granted = QpCap {
             max_send_wr: attr.cap.max_send_wr.max(init.cap.max_send_wr),
@@ -752,6 +869,7 @@ impl Pd {
                 send_account,
                 recv_account,
                 srq_user,
+                teardown: self.inner.ctx.teardown(),
                 closed: CloseSignal::new(),
                 pins: Pins::default(),
                 windows: crate::window::Windows::default(),

@@ -107,10 +107,31 @@ pub(crate) enum OpenFailure {
     Open(String, io::Error),
 }
 
+/// An opened device: its context, its name and its directory in sysfs
+/// (`ibv_device::ibdev_path`, `/sys/class/infiniband/<name>`).
+pub(crate) struct Opened {
+    pub(crate) ctx: NonNull<ibv_context>,
+    pub(crate) name: String,
+    pub(crate) sysfs: std::path::PathBuf,
+}
+
+/// # Safety
+/// `dev` is a device of a live list.
+unsafe fn ibdev_path_of(dev: *mut rdma_sys::ibv_device) -> std::path::PathBuf {
+    // SAFETY: the caller's contract; `ibdev_path` is a NUL-terminated
+    // array libibverbs filled from sysfs when it listed the device.
+    let raw = unsafe { &(*dev).ibdev_path };
+    let bytes: Vec<u8> = raw
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
+    use std::os::unix::ffi::OsStringExt;
+    std::path::PathBuf::from(std::ffi::OsString::from_vec(bytes))
+}
+
 /// Opens the device called `name` (the first device if `None`).
-pub(crate) fn open_device(
-    name: Option<&str>,
-) -> Result<(NonNull<ibv_context>, String), OpenFailure> {
+pub(crate) fn open_device(name: Option<&str>) -> Result<Opened, OpenFailure> {
     let mut n = 0;
     // SAFETY: `n` is a valid out-pointer; the list is freed below.
     let list = unsafe { rdma_sys::ibv_get_device_list(&mut n) };
@@ -128,8 +149,14 @@ pub(crate) fn open_device(
             // SAFETY: `dev` is a listed device; the context outlives the
             // list (libibverbs keeps a reference on the device).
             let ctx = unsafe { rdma_sys::ibv_open_device(dev) };
+            // SAFETY: `dev` is a listed device.
+            let sysfs = unsafe { ibdev_path_of(dev) };
             result = Some(match NonNull::new(ctx) {
-                Some(ctx) => Ok((ctx, dev_name)),
+                Some(ctx) => Ok(Opened {
+                    ctx,
+                    name: dev_name,
+                    sysfs,
+                }),
                 None => Err(OpenFailure::Open(dev_name, last_error(libc::ENODEV))),
             });
             break;

@@ -592,6 +592,97 @@ fn queue_events_reach_the_owning_handler() {
     drop((a, b, srq));
 }
 
+/// `Teardown::DestroyThenQuiesce` (rxe's), set on softverbs by hand: a QP
+/// on an SRQ that still holds receives is destroyed at its close (its own
+/// queues hold nothing), and the close ends at its receive CQ's first short
+/// poll after the destroy, not before; its number stays attached until
+/// then, and its admission comes back then. softverbs purges a destroyed
+/// QP's completions, so every completion of the QP is polled before the
+/// close here: this checks the protocol's steps, rxe's suite cells the
+/// device. The poller is a custom loop, so that each step is seen.
+#[test]
+fn destroy_then_quiesce_ends_a_close_at_the_next_short_poll() {
+    needs_launcher!("destroy_then_quiesce_ends_a_close_at_the_next_short_poll");
+    use cqd_verbs::{SrqInit, Teardown};
+    let ctx = Context::open_first().unwrap();
+    assert_eq!(
+        ctx.teardown(),
+        Teardown::QuiesceThenDestroy,
+        "softverbs purges"
+    );
+    ctx.set_teardown(Teardown::DestroyThenQuiesce);
+    assert_eq!(ctx.teardown(), Teardown::DestroyThenQuiesce);
+    let pd = ctx.alloc_pd().unwrap();
+    let (cq, u, h) = ctx
+        .create_dispatched_cq::<NoWork>("dtq", 256, CqSpec::default(), CqOptions::default())
+        .unwrap();
+    let counts = Counts::default();
+    let reg = h.register(counts.clone()).unwrap();
+    let mut p = u.bind();
+    let mut out = std::collections::VecDeque::new();
+    let srq = pd
+        .create_srq(SrqInit {
+            max_wr: 16,
+            max_sge: 1,
+            owner: None,
+        })
+        .unwrap();
+    let mr = pd.reg_mr(4096, Access::ALL_RDMA).unwrap();
+    let rs: Vec<_> = (0..8).map(|i| [mr.sge(i * 64, 64)]).collect();
+    let mut recvs: Vec<RecvWr<'_>> = rs
+        .iter()
+        .enumerate()
+        .map(|(t, s)| RecvWr::new(t as u64, s))
+        .collect();
+    reg.post_recv(&srq, &mut recvs).unwrap();
+    let reserved = cq.budget_snapshot().reserved;
+    let a = pd
+        .create_qp(&QpInit::new(&cq, &cq, QpCap::default()))
+        .unwrap();
+    let b = pd
+        .create_qp(&QpInit::new(&cq, &cq, QpCap::default()).with_srq(&srq))
+        .unwrap();
+    let o = ConnectOptions::default();
+    let (ea, eb) = (a.endpoint(&o, 1).unwrap(), b.endpoint(&o, 2).unwrap());
+    a.connect(&eb, 1, &o).unwrap();
+    b.connect(&ea, 2, &o).unwrap();
+    let ss = [mr.sge(2048, 8)];
+    reg.post_send(&a, &mut [SendWr::new(100, WrOp::Send, &ss)])
+        .unwrap();
+    wait_for("the message and its send", || {
+        p.poll_once(&mut out).unwrap();
+        counts.get() == [1, 1, 0]
+    });
+    let qpn = b.qpn();
+    let wait = b.close();
+    // Destroyed already; its SRQ use waits for a short poll.
+    assert!(!wait.is_done());
+    assert!(cq.ledger().has_srq_user(qpn));
+    let e = wait.timed_out();
+    assert!(e.destroyed && e.srq == Some((srq.number(), true)), "{e}");
+    assert!(e.to_string().contains("destroyed"), "{e}");
+    // The backend's event is no device's, and only the poll after it
+    // quiesces.
+    assert_eq!(p.check_async(), 0);
+    assert!(!wait.is_done());
+    assert_eq!(p.poll_once(&mut out).unwrap(), 0);
+    assert!(wait.is_done(), "{}", wait.timed_out());
+    assert!(!cq.ledger().has_srq_user(qpn));
+    assert_eq!(cq.ledger().srq_users(), 0);
+    a.close().wait(Duration::from_secs(10)).unwrap();
+    assert_eq!(
+        cq.budget_snapshot().reserved,
+        reserved,
+        "a's and b's admissions back"
+    );
+    // The SRQ's other seven receives come back at the stop: the eight
+    // posted are retired once each (one consumed, seven handed back).
+    assert_eq!(p.return_srq_receives(&mut out), 7);
+    assert_eq!(counts.get(), [1, 1, 7]);
+    assert_eq!(h.snapshot().srq_returned, 7);
+    drop(srq);
+}
+
 /// UD and RC keep to their own transitions and operations, the MTU is
 /// known once a UD QP is ready, and an address handle is checked against
 /// the QP's domain before the device sees the send.

@@ -353,8 +353,10 @@ struct Core<W> {
     /// Overflows reported (the metric's value: this poller is its only
     /// writer).
     overflows: u64,
-    /// QPs of an SRQ whose `LAST_WQE_REACHED` this poller took (step 2 of
-    /// `ledger::teardown`), to quiesce after the next short poll.
+    /// QPs of an SRQ whose `LAST_WQE_REACHED` (or, on a device that keeps
+    /// a destroyed QP's completions, whose destroy) this poller took (step
+    /// 2 or 2' of `ledger::teardown`), to quiesce after the next short
+    /// poll.
     last_wqe: Vec<u32>,
     /// The doorbell installed for this CQ (the poller's), for its fd.
     doorbell: Option<Arc<GroupBell>>,
@@ -814,10 +816,26 @@ impl<W: Send + 'static> CqPoller<W> {
     }
 
     /// Handles pending asynchronous events: counts them, traces them at
-    /// error level, and returns how many there were.
+    /// error level, and returns how many there were. A backend's
+    /// [`AsyncEvent::QpDestroyed`] is taken here too (step 2' of
+    /// `ledger::teardown`), neither counted nor traced as a device's event.
     pub fn check_async(&mut self) -> usize {
         let mut n = 0;
         while let Some(ev) = self.core.source.take_async_event() {
+            if let AsyncEvent::QpDestroyed { qp_num } = ev {
+                // Step 2' of `ledger::teardown` (one event per destroy).
+                if !self.core.last_wqe.contains(&qp_num)
+                    && self
+                        .core
+                        .shared
+                        .ledger
+                        .get()
+                        .is_some_and(|l| l.qp_destroyed(qp_num))
+                {
+                    self.core.last_wqe.push(qp_num);
+                }
+                continue;
+            }
             n += 1;
             let m = &self.core.shared.metrics.0;
             bump(&m.async_events, 1);
@@ -1011,6 +1029,7 @@ mod tests {
         left: usize,
         fd: Doorbell,
         events: std::sync::Arc<parking_lot::Mutex<VecDeque<AsyncEvent>>>,
+        ledger: Option<WrLedger>,
     }
 
     fn queue(left: usize) -> Queue {
@@ -1018,6 +1037,7 @@ mod tests {
             left,
             fd: Doorbell::new().unwrap(),
             events: Default::default(),
+            ledger: None,
         }
     }
 
@@ -1051,6 +1071,9 @@ mod tests {
         }
         fn take_async_event(&mut self) -> Option<AsyncEvent> {
             self.events.lock().pop_front()
+        }
+        fn ledger(&self) -> Option<WrLedger> {
+            self.ledger.clone()
         }
         fn destroy(&mut self) -> Result<(), SourceError> {
             Ok(())
@@ -1148,6 +1171,80 @@ mod tests {
         assert_eq!(m.handler_panics, 1);
         assert_eq!(m.overflows, 0, "queue events do not put the CQ in error");
         drop(bystander);
+    }
+
+    /// Step 2' of `ledger::teardown`: a backend's `QpDestroyed` is no
+    /// device event (not counted, given to no handler); the poll after it
+    /// that comes back short quiesces the QP's SRQ user, detaches it and
+    /// reaps the graveyard the rest of the QP waits in, and no other user.
+    #[test]
+    fn a_destroyed_srq_user_is_quiesced_by_the_next_short_poll() {
+        use crate::account::QueueAccount;
+        use crate::ledger::{Graveyard, SrqUser, Zombie};
+        use crate::wr_id::Side;
+        use std::sync::atomic::AtomicBool;
+        use std::sync::Arc;
+
+        struct Rest(Arc<SrqUser>, Arc<AtomicBool>);
+        impl Zombie for Rest {
+            fn ready(&self) -> bool {
+                self.0.quiesced()
+            }
+        }
+        impl Drop for Rest {
+            fn drop(&mut self) {
+                self.1.store(true, Ordering::Release);
+            }
+        }
+
+        let ledger = WrLedger::new();
+        let srq = QueueAccount::srq(5);
+        let user = ledger.attach_srq_user(40, &srq).unwrap();
+        let other = ledger.attach_srq_user(41, &srq).unwrap();
+        let mut source = queue(7);
+        source.ledger = Some(ledger.clone());
+        let events = source.events.clone();
+        let options = CqOptions {
+            batch: 4,
+            ..CqOptions::default()
+        };
+        let (unbound, handle) = split::<NoWork>(source, options).unwrap();
+        let mut p = unbound.bind();
+        let (grave, reaped) = (Graveyard::new(), Arc::new(AtomicBool::new(false)));
+        // The backend's part of step 2'.
+        assert!(user.mark_destroyed());
+        assert!(user.destroyed() && user.last_wqe_seen() && !user.quiesced());
+        user.waits_in(&grave);
+        grave.bury(Box::new(Rest(Arc::clone(&user), Arc::clone(&reaped))));
+        events.lock().extend([
+            AsyncEvent::QpDestroyed { qp_num: 40 },
+            // Not destroyed: nothing to quiesce.
+            AsyncEvent::QpDestroyed { qp_num: 41 },
+            // No SRQ user of that number here: nothing to quiesce.
+            AsyncEvent::QpDestroyed { qp_num: 99 },
+        ]);
+        assert_eq!(p.check_async(), 0, "not a device's event");
+        assert_eq!(handle.snapshot().async_events, 0);
+        assert!(p.quiescing());
+        assert!(ledger.has_srq_user(40), "attached until quiesced");
+        let mut out = VecDeque::new();
+        // A full batch: the CQ may hold more of the QP's completions.
+        assert_eq!(p.poll_once(&mut out).unwrap(), 4);
+        assert!(!user.quiesced() && grave.len() == 1);
+        // A short one: every completion the QP wrote is accounted.
+        assert_eq!(p.poll_once(&mut out).unwrap(), 3);
+        assert!(user.quiesced() && !user.destroyed());
+        assert!(reaped.load(Ordering::Acquire) && grave.is_empty());
+        assert!(!p.quiescing());
+        assert!(!ledger.has_srq_user(40) && ledger.lookup(40, Side::Recv).is_none());
+        assert!(ledger.has_srq_user(41) && ledger.lookup(41, Side::Recv).is_some());
+        assert!(!other.last_wqe_seen());
+        // A second event for it finds nothing.
+        events
+            .lock()
+            .push_back(AsyncEvent::QpDestroyed { qp_num: 40 });
+        p.check_async();
+        assert!(!p.quiescing());
     }
 
     #[test]

@@ -330,8 +330,31 @@ impl WrLedger {
             .is_some_and(|u| u.mark_last_wqe())
     }
 
-    /// Step 3 of `teardown`, for the QPs of `qp_nums` (each past step 2):
-    /// called by this CQ's poller after a poll that began after their
+    /// Step 2' of `teardown`: QP `qp_num` is destroyed, on a device that
+    /// keeps a destroyed QP's completions in its CQs (its
+    /// [`AsyncEvent::QpDestroyed`](crate::source::AsyncEvent::QpDestroyed),
+    /// taken by this CQ's poller). True if the QP is an SRQ user here that
+    /// its backend marked destroyed ([`SrqUser::mark_destroyed`]): the
+    /// poller then quiesces it after its next short poll.
+    pub(crate) fn qp_destroyed(&self, qp_num: u32) -> bool {
+        self.inner
+            .srq_users
+            .lock()
+            .get(&qp_num)
+            .is_some_and(|u| u.destroyed())
+    }
+
+    /// True while QP number `qp_num` is attached here as an SRQ user that
+    /// is not quiesced yet. A backend whose device keeps a destroyed QP's
+    /// completions gives a new QP of a number for which this is true no
+    /// account here (step 2' of `teardown`): the destroyed QP's
+    /// completions under that number are still to be polled.
+    pub fn has_srq_user(&self, qp_num: u32) -> bool {
+        self.inner.srq_users.lock().contains_key(&qp_num)
+    }
+
+    /// Step 3 of `teardown`, for the QPs of `qp_nums` (each past step 2 or
+    /// 2'): called by this CQ's poller after a poll that began after their
     /// events and found the CQ empty, once that poll's batch is accounted.
     pub(crate) fn quiesce(&self, qp_nums: &[u32]) {
         for &qp_num in qp_nums {

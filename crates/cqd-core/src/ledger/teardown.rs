@@ -3,8 +3,8 @@
 //! A device may drop a destroyed QP's completions that are still in its
 //! CQs: mlx5's `ibv_destroy_qp` purges them from both CQs, and frees the
 //! SRQ receives they consumed, so that no completion will ever retire
-//! those receives' entries. A QP is therefore destroyed only once every
-//! completion of it has been polled and accounted:
+//! those receives' entries. On such a device a QP is therefore destroyed
+//! only once every completion of it has been polled and accounted:
 //!
 //! - its send queue and its own receive queue: once their accounts, closed,
 //!   hold nothing (the error state flushed everything, and a drain marker
@@ -13,6 +13,15 @@
 //!   SRQ's receives for the QP (`IBV_EVENT_QP_LAST_WQE_REACHED`, which it
 //!   raises after the completions of the receives it took), and the poller
 //!   of the QP's receive CQ has then polled that CQ empty.
+//!
+//! Another device keeps a destroyed QP's completions in its CQs and may
+//! never raise `LAST_WQE_REACHED` (the kernel's rxe on 6.1: its destroy
+//! stops the QP's tasks before it returns, and its CQ has no clean). There
+//! the destroy itself is what says that the QP adds nothing more: the
+//! backend destroys the QP once its own queues are accounted, and its SRQ
+//! use is quiesced by the same short poll, after the destroy (step 2').
+//! Which of the two a device is, the backend knows (cqd-verbs:
+//! `cqd_verbs::Teardown`).
 //!
 //! **The protocol of an SRQ user** (cited by the poller and the backends):
 //!
@@ -23,13 +32,26 @@
 //! 2. **Last WQE.** The receive CQ's poller takes the device's
 //!    `LAST_WQE_REACHED` for the QP from its asynchronous events and marks
 //!    the user *last WQE seen* (`WrLedger::last_wqe_reached`).
+//!
+//!    **2'. Destroyed** (a device that keeps a destroyed QP's
+//!    completions). The backend destroys the QP once its own queues'
+//!    accounts hold nothing, marks the user *destroyed*
+//!    ([`SrqUser::mark_destroyed`]) and hands the receive CQ's poller
+//!    [`AsyncEvent::QpDestroyed`](crate::source::AsyncEvent::QpDestroyed)
+//!    for it; the poller takes it as it takes a last WQE
+//!    (`WrLedger::qp_destroyed`). The user stays attached, under its QP
+//!    number, until step 3: a backend gives a new QP of that number (the
+//!    device may reuse it) no account on this ledger while the user is
+//!    here ([`super::WrLedger::has_srq_user`]), so the destroyed QP's
+//!    completions still in the CQ retire the SRQ's entries and nothing of
+//!    a new QP's.
 //! 3. **Quiesce.** The same poller, at the end of its next poll that began
-//!    after step 2 and came back short of a full batch (the CQ was empty
-//!    when it read it), after that batch is accounted, marks the user
+//!    after step 2 (or 2') and came back short of a full batch (the CQ was
+//!    empty when it read it), after that batch is accounted, marks the user
 //!    *quiesced*, detaches (QP, receive) from the ledger's map and forgets
 //!    the user (`WrLedger::quiesce`). Every completion the device wrote
-//!    for the QP before the event was in the CQ before that poll began,
-//!    so it has been accounted.
+//!    for the QP before the event (before the destroy returned) was in the
+//!    CQ before that poll began, so it has been accounted.
 //! 4. **Destroy.** A QP the application let go waits in its CQ's
 //!    [`Graveyard`] until it is [`Zombie::ready`] (its accounts empty, its
 //!    SRQ user quiesced). Whichever thread makes the last condition true
@@ -37,10 +59,14 @@
 //!    poller at step 3 (the user holds the graveyard it waits in).
 //!    `Graveyard::reap` takes the graveyard's lock, so of the two threads
 //!    that each make one condition true, the second to take it sees both.
+//!    After step 2' the device's QP is gone already: what waits in the
+//!    receive CQ's graveyard until step 3 is the rest of it (its admission
+//!    and the signal its close waits for), reaped the same way.
 //!
-//! A device that never raises the event (or a poller that is gone) leaves
-//! the user attached: the backend then destroys the QP when its CQ goes,
-//! and the stop reports what is missing.
+//! A device that never raises the event and is not known to keep a
+//! destroyed QP's completions (or a poller that is gone) leaves the user
+//! attached: the backend then destroys the QP when its CQ goes, and the
+//! stop reports what is missing.
 
 use std::sync::{Arc, Weak};
 
@@ -48,7 +74,8 @@ use crate::sync::{AtomicBool, AtomicU8, Ordering, ShortMutex as Mutex};
 
 const ATTACHED: u8 = 0;
 const LAST_WQE: u8 = 1;
-const QUIESCED: u8 = 2;
+const DESTROYED: u8 = 2;
+const QUIESCED: u8 = 3;
 
 /// One QP's use of an SRQ, as its receive CQ's ledger keeps it (see the
 /// module documentation for the protocol).
@@ -82,9 +109,17 @@ impl SrqUser {
         self.srq
     }
 
-    /// True once the device said it takes no more receives for the QP.
+    /// True once past step 2: the device said it takes no more receives
+    /// for the QP (`LAST_WQE_REACHED`), or the QP is destroyed on a device
+    /// that keeps a destroyed QP's completions (step 2').
     pub fn last_wqe_seen(&self) -> bool {
         self.state.load(Ordering::Acquire) >= LAST_WQE
+    }
+
+    /// True between step 2' and step 3: the device's QP is destroyed and
+    /// its receive CQ's poller has not yet polled that CQ empty since.
+    pub fn destroyed(&self) -> bool {
+        self.state.load(Ordering::Acquire) == DESTROYED
     }
 
     /// True once every completion of the QP's SRQ receives has been
@@ -98,6 +133,19 @@ impl SrqUser {
     pub(crate) fn mark_last_wqe(&self) -> bool {
         self.state
             .compare_exchange(ATTACHED, LAST_WQE, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    /// Step 2', the backend's part: the QP is destroyed (its device keeps
+    /// a destroyed QP's completions and wrote all of them before the
+    /// destroy returned). The backend then hands the receive CQ's poller
+    /// [`AsyncEvent::QpDestroyed`](crate::source::AsyncEvent::QpDestroyed)
+    /// for it. False if the user was past step 2 already (the device
+    /// raised `LAST_WQE_REACHED`: its quiesce is under way, and needs no
+    /// event).
+    pub fn mark_destroyed(&self) -> bool {
+        self.state
+            .compare_exchange(ATTACHED, DESTROYED, Ordering::AcqRel, Ordering::Acquire)
             .is_ok()
     }
 
@@ -287,6 +335,7 @@ impl CloseWait {
                 .as_ref()
                 .filter(|u| !u.quiesced())
                 .map(|u| (u.srq(), u.last_wqe_seen())),
+            destroyed: self.srq_user.as_ref().is_some_and(|u| u.destroyed()),
         }
     }
 }
@@ -377,9 +426,15 @@ pub struct CloseTimedOut {
     pub sends: usize,
     /// Its own receive queue's requests not completed.
     pub recvs: usize,
-    /// Its SRQ, if its use of it is not quiesced, and whether the device
-    /// has said `LAST_WQE_REACHED` for it.
+    /// Its SRQ, if its use of it is not quiesced, and whether it is past
+    /// step 2 of the protocol: the device said `LAST_WQE_REACHED` for it,
+    /// or (a device that keeps a destroyed QP's completions) it is
+    /// destroyed.
     pub srq: Option<(u32, bool)>,
+    /// The device's QP is destroyed already and its SRQ use waits for its
+    /// receive CQ's poller to poll that CQ empty (step 2' of the
+    /// protocol).
+    pub destroyed: bool,
 }
 
 impl CloseTimedOut {
@@ -394,6 +449,9 @@ impl CloseTimedOut {
         match self.srq {
             Some((srq, false)) => parts.push(format!(
                 "no IBV_EVENT_QP_LAST_WQE_REACHED from the device for its use of SRQ {srq}"
+            )),
+            Some((srq, true)) if self.destroyed => parts.push(format!(
+                "destroyed; its receive CQ's poller has not polled it empty since (SRQ {srq})"
             )),
             Some((srq, true)) => parts.push(format!(
                 "its receive CQ's poller has not polled it empty since its last WQE (SRQ {srq})"
@@ -527,6 +585,8 @@ mod tests {
         user.waits_in(&g);
         assert!(user.mark_last_wqe());
         assert!(!user.mark_last_wqe(), "once");
+        assert!(!user.mark_destroyed(), "past step 2 already");
+        assert!(user.last_wqe_seen() && !user.destroyed());
         ready.store(true, Ordering::Release);
         user.mark_quiesced();
         assert!(user.quiesced());
@@ -547,6 +607,18 @@ mod tests {
         }));
         g.release_all();
         assert_eq!(d3.load(Ordering::Acquire), 1);
+    }
+
+    #[test]
+    fn a_destroyed_user_is_past_step_2_until_quiesced() {
+        let user = SrqUser::new(8, 1);
+        assert!(!user.last_wqe_seen() && !user.destroyed());
+        assert!(user.mark_destroyed());
+        assert!(!user.mark_destroyed(), "once");
+        assert!(!user.mark_last_wqe(), "a late LAST_WQE changes nothing");
+        assert!(user.last_wqe_seen() && user.destroyed() && !user.quiesced());
+        user.mark_quiesced();
+        assert!(user.quiesced() && !user.destroyed());
     }
 }
 
@@ -613,6 +685,52 @@ mod loom_teardown {
     #[test]
     fn loom_teardown_reaps_once() {
         model(false);
+    }
+
+    /// Step 2' then 4: the rest of a QP destroyed first is buried by the
+    /// thread that destroyed it while the receive CQ's poller quiesces its
+    /// user. Whatever the interleaving, it is dropped once, and only once
+    /// the user is quiesced.
+    #[test]
+    fn loom_destroyed_first_rest_reaped_once() {
+        struct Rest {
+            user: Arc<SrqUser>,
+            dropped: Arc<AtomicUsize>,
+        }
+        impl Zombie for Rest {
+            fn ready(&self) -> bool {
+                self.user.quiesced()
+            }
+        }
+        impl Drop for Rest {
+            fn drop(&mut self) {
+                assert!(self.user.quiesced(), "dropped before its user is quiesced");
+                self.dropped.fetch_add(1, Ordering::AcqRel);
+            }
+        }
+        loom::model(|| {
+            let grave = Graveyard::new();
+            let user = Arc::new(SrqUser::new(9, 1));
+            let dropped = Arc::new(AtomicUsize::new(0));
+            assert!(user.mark_destroyed());
+            let (g2, u2, d2) = (Arc::clone(&grave), Arc::clone(&user), Arc::clone(&dropped));
+            let destroyer = loom::thread::spawn(move || {
+                u2.waits_in(&g2);
+                g2.bury(Box::new(Rest {
+                    user: u2,
+                    dropped: d2,
+                }));
+            });
+            let u3 = Arc::clone(&user);
+            let recv_poller = loom::thread::spawn(move || u3.mark_quiesced());
+            destroyer.join().unwrap();
+            recv_poller.join().unwrap();
+            assert_eq!(
+                (dropped.load(Ordering::Acquire), grave.len()),
+                (1, 0),
+                "the rest is dropped once, by whichever thread came second"
+            );
+        });
     }
 
     #[test]
