@@ -661,9 +661,16 @@ fn destroy_then_quiesce_ends_a_close_at_the_next_short_poll() {
     let e = wait.timed_out();
     assert!(e.destroyed && e.srq == Some((srq.number(), true)), "{e}");
     assert!(e.to_string().contains("destroyed"), "{e}");
-    // The backend's event is no device's, and only the poll after it
-    // quiesces.
-    assert_eq!(p.check_async(), 0);
+    // Only the poll after the backend's event quiesces. softverbs raises
+    // its own LAST_WQE_REACHED for b as b enters the error state (rxe 6.1
+    // raises none); the device's event reader routes it only if it takes
+    // it before the destroy removed b's route, so it is counted here or
+    // dropped as unrouted, by timing. The backend's QpDestroyed is never
+    // counted (`cq::tests::a_destroyed_srq_user_is_quiesced_by_the_next_short_poll`
+    // has only it).
+    let device_events = p.check_async();
+    assert!(device_events <= 1, "{device_events}");
+    assert_eq!(h.snapshot().async_events, device_events as u64);
     assert!(!wait.is_done());
     assert_eq!(p.poll_once(&mut out).unwrap(), 0);
     assert!(wait.is_done(), "{}", wait.timed_out());
