@@ -124,8 +124,12 @@ pub struct BudgetSnapshot {
     pub lost: u64,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct State {
+    /// The CQ's capacity: what it was made with, then what a resize made
+    /// it ([`CqBudget::grown_to`]). Under the lock with `reserved`, so that
+    /// an admission compares with the capacity of one moment.
+    capacity: u32,
     reserved: u64,
     refused: u64,
     srqs: HashMap<u32, (u64, u32)>,
@@ -145,7 +149,6 @@ struct Credits {
 #[derive(Debug)]
 struct Inner {
     cq: String,
-    capacity: u32,
     options: BudgetOptions,
     state: Mutex<State>,
     credits: Credits,
@@ -202,9 +205,15 @@ impl CqBudget {
         CqBudget {
             inner: Arc::new(Inner {
                 cq: cq.into(),
-                capacity,
                 options,
-                state: Mutex::new(State::default()),
+                state: Mutex::new(State {
+                    capacity,
+                    reserved: 0,
+                    refused: 0,
+                    srqs: HashMap::new(),
+                    overflows: 0,
+                    lost: 0,
+                }),
                 credits: Credits::default(),
             }),
         }
@@ -215,9 +224,20 @@ impl CqBudget {
         self.inner.options
     }
 
-    /// The CQ's capacity.
+    /// The CQ's capacity (after any resize).
     pub fn capacity(&self) -> u32 {
-        self.inner.capacity
+        self.inner.state.lock().capacity
+    }
+
+    /// The CQ was resized and now holds `capacity` entries: admission
+    /// counts them from now on. Called by the CQ's poller once the
+    /// device's resize returned (a capacity below the one admission
+    /// counts is ignored: a CQ only grows here). The credit limit
+    /// ([`BudgetOptions::credits`]) stays as it was made: below the old
+    /// capacity, it is below the new one too.
+    pub fn grown_to(&self, capacity: u32) {
+        let mut st = self.inner.state.lock();
+        st.capacity = st.capacity.max(capacity);
     }
 
     /// Reserves `entries` for a queue named `what` (for the error message).
@@ -274,7 +294,7 @@ impl CqBudget {
             _ => 0,
         };
         let needed = u64::from(entries) + srq_part;
-        let available = u64::from(self.inner.capacity).saturating_sub(st.reserved);
+        let available = u64::from(st.capacity).saturating_sub(st.reserved);
         (!self.inner.options.admission || needed <= available).then_some(needed)
     }
 
@@ -284,7 +304,7 @@ impl CqBudget {
     }
 
     fn check(&self, st: &mut State, what: &str, needed: u64) -> Result<(), BudgetError> {
-        let capacity = u64::from(self.inner.capacity);
+        let capacity = u64::from(st.capacity);
         let available = capacity.saturating_sub(st.reserved);
         if self.inner.options.admission && needed > available {
             st.refused += 1;
@@ -294,7 +314,7 @@ impl CqBudget {
                 needed,
                 available,
                 reserved: st.reserved,
-                capacity: self.inner.capacity,
+                capacity: st.capacity,
             });
         }
         Ok(())
@@ -386,7 +406,7 @@ impl CqBudget {
         let st = self.inner.state.lock();
         BudgetSnapshot {
             cq: self.inner.cq.clone(),
-            capacity: self.inner.capacity,
+            capacity: st.capacity,
             reserved: st.reserved,
             refused: st.refused,
             credits_in_use: self.inner.credits.in_use.load(Ordering::Acquire),
@@ -438,6 +458,30 @@ mod tests {
         let _b = b.admit("QP 2 send queue", 50).unwrap();
         assert_eq!(b.snapshot().reserved, 50);
         assert_eq!(b.snapshot().refused, 1);
+    }
+
+    #[test]
+    fn a_resize_grows_what_admission_counts_and_never_shrinks_it() {
+        let b = CqBudget::new(
+            "cq",
+            100,
+            BudgetOptions {
+                admission: true,
+                credits: Some(100),
+            },
+        );
+        let _a = b.admit("QP 1", 100).unwrap();
+        assert!(b.fits(10, None).is_none());
+        b.grown_to(200);
+        assert_eq!(b.capacity(), 200);
+        assert_eq!(b.fits(10, None), Some(10));
+        let _c = b.admit("QP 2", 100).unwrap();
+        assert!(b.admit("QP 3", 1).is_err());
+        b.grown_to(150);
+        assert_eq!(b.snapshot().capacity, 200, "never below a capacity counted");
+        // The credit limit is the one the budget was made with.
+        assert!(b.try_take(100).is_ok());
+        assert!(b.try_take(1).is_err());
     }
 
     #[test]

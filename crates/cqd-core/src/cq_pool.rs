@@ -6,7 +6,11 @@
 //! [`Fit`]; when none has room it **grows**: it makes a CQ with its
 //! backend's maker, adds it to a running poller (the least loaded one,
 //! through that poller's [`CqJoiner`]: `poller::arrive`), waits until the
-//! poller polls it, then places the connection there. Capacity comes back
+//! poller polls it, then places the connection there. With
+//! [`CqPool::resize_up_to`] it first grows one of its CQs in place
+//! (`ibv_resize_cq` on the CQ's poller's thread, [`CqHandle::resize`]), as
+//! SPDK's target grows its poller's CQ, and makes a new CQ only when none
+//! can grow enough. Capacity comes back
 //! by itself when a connection's QPs are destroyed: it is the CQ's
 //! admission (`budget`), which the QPs hold and release.
 //!
@@ -120,6 +124,9 @@ struct Member<C, W> {
 struct State<C, W> {
     members: Vec<Member<C, W>>,
     made: usize,
+    /// A resize was refused as unsupported: the backend has none, and
+    /// the pool grows by new CQs only.
+    no_resize: bool,
 }
 
 /// One CQ of a pool, as [`CqPool::snapshot`] reports it.
@@ -141,6 +148,7 @@ pub struct CqPool<C, W> {
     fit: Fit,
     cqe: u32,
     max_cqs: usize,
+    resize_up_to: Option<u32>,
     join_timeout: Duration,
     make: Maker<C, W>,
     joiners: Vec<CqJoiner<W>>,
@@ -187,11 +195,62 @@ impl<C, W: Send + 'static> CqPool<C, W> {
             join_timeout: Duration::from_secs(10),
             make: Box::new(make),
             joiners,
+            resize_up_to: None,
             state: parking_lot::Mutex::new(State {
                 members: Vec::new(),
                 made: 0,
+                no_resize: false,
             }),
         }
+    }
+
+    /// The pool a topology's `[[cq_pool]]` describes
+    /// ([`Topology::take_cq_pool`](crate::topology::Topology::take_cq_pool)),
+    /// over the joiners of its running pollers (in any order: they are
+    /// matched to the pollers it names by their names), making its CQs with
+    /// `make` as [`new`](Self::new) does.
+    ///
+    /// # Errors
+    /// [`TopologyError::CqPoolPollers`](crate::topology::TopologyError::CqPoolPollers)
+    /// when the joiners are not of exactly the pollers the topology names.
+    pub fn from_plan(
+        plan: crate::topology::CqPoolPlan,
+        joiners: Vec<CqJoiner<W>>,
+        make: impl Fn(&str, u32) -> Result<MadeCq<C, W>, String> + Send + Sync + 'static,
+    ) -> Result<Self, crate::topology::TopologyError> {
+        let c = plan.config;
+        let wanted = c.pollers.clone();
+        let mut given: Vec<Option<CqJoiner<W>>> = joiners.into_iter().map(Some).collect();
+        let mut ordered = Vec::with_capacity(wanted.len());
+        for w in &wanted {
+            let at = given
+                .iter()
+                .position(|j| j.as_ref().is_some_and(|j| j.poller() == w));
+            match at.and_then(|i| given[i].take()) {
+                Some(j) => ordered.push(j),
+                None => break,
+            }
+        }
+        if ordered.len() != wanted.len() || given.iter().any(Option::is_some) {
+            let mut names: Vec<String> = ordered.iter().map(|j| j.poller().to_string()).collect();
+            names.extend(given.iter().flatten().map(|j| j.poller().to_string()));
+            return Err(crate::topology::TopologyError::CqPoolPollers {
+                pool: c.name,
+                wanted,
+                given: names,
+            });
+        }
+        let fit = match c.fit {
+            crate::topology::FitConfig::LeastUsed => Fit::LeastUsed,
+            crate::topology::FitConfig::First => Fit::First,
+        };
+        let mut pool = CqPool::new(c.name, c.cqe, ordered, make)
+            .fit(fit)
+            .max_cqs(c.max_cqs);
+        if let Some(max) = c.resize_up_to {
+            pool = pool.resize_up_to(max);
+        }
+        Ok(pool)
     }
 
     /// How the pool chooses among CQs with room ([`Fit::LeastUsed`] by
@@ -209,7 +268,23 @@ impl<C, W: Send + 'static> CqPool<C, W> {
         self
     }
 
-    /// How long a growth waits for the poller to take its new CQ (10 s).
+    /// Grow a CQ in place before making a new one: when no CQ has room,
+    /// the pool resizes one of its CQs (`ibv_resize_cq`, on its poller's
+    /// thread: [`CqHandle::resize`]) to twice its capacity, or to what the
+    /// connection needs, at most `max_cqe` entries; the CQ it resizes is
+    /// the one its fit would choose among those that can grow enough.
+    /// Only when none can (or the backend has no resize, or the device
+    /// refused) does it make a new CQ. Off by default: more connections
+    /// on one CQ means larger batches for one poller, fewer CQs to poll,
+    /// and no spreading over pollers.
+    #[must_use]
+    pub fn resize_up_to(mut self, max_cqe: u32) -> Self {
+        self.resize_up_to = Some(max_cqe);
+        self
+    }
+
+    /// How long a growth waits for the poller to take its new CQ, or to
+    /// resize one (10 s).
     #[must_use]
     pub fn join_timeout(mut self, t: Duration) -> Self {
         self.join_timeout = t;
@@ -254,7 +329,10 @@ impl<C, W: Send + 'static> CqPool<C, W> {
         let mut st = self.state.lock();
         let chosen = match self.choose(&st, entries, srq) {
             Some(i) => i,
-            None => self.grow(&mut st)?,
+            None => match self.resize_one(&mut st, entries, srq) {
+                Some(i) => i,
+                None => self.grow(&mut st)?,
+            },
         };
         let m = &st.members[chosen];
         open(&m.cq, &m.handle).map_err(|source| PoolError::Open {
@@ -273,6 +351,54 @@ impl<C, W: Send + 'static> CqPool<C, W> {
         match self.fit {
             Fit::First => fits.map(|(i, _)| i).next(),
             Fit::LeastUsed => fits.min_by_key(|&(i, r)| (r, i)).map(|(i, _)| i),
+        }
+    }
+
+    /// Resizes the CQ the fit chooses among those that can grow to hold
+    /// the connection (see [`resize_up_to`](Self::resize_up_to)); its
+    /// index, or `None` to make a new CQ instead.
+    fn resize_one(
+        &self,
+        st: &mut State<C, W>,
+        entries: u32,
+        srq: Option<(u32, u32)>,
+    ) -> Option<usize> {
+        let max = self.resize_up_to?;
+        if st.no_resize {
+            return None;
+        }
+        let srq_part = srq.map_or(0, |(_, d)| u64::from(d));
+        let can = st.members.iter().enumerate().filter_map(|(i, m)| {
+            let b = m.handle.budget()?;
+            let (capacity, reserved) = (b.capacity(), b.reserved());
+            let needed = reserved + u64::from(entries) + srq_part;
+            let target = u64::from(capacity).saturating_mul(2).max(needed);
+            let target = u32::try_from(target.min(u64::from(max))).ok()?;
+            (target > capacity && needed <= u64::from(target)).then_some((i, reserved, target))
+        });
+        let (i, _, target) = match self.fit {
+            Fit::First => can.into_iter().next(),
+            Fit::LeastUsed => can.min_by_key(|&(i, r, _)| (r, i)),
+        }?;
+        let m = &st.members[i];
+        match m.handle.resize(target).wait(self.join_timeout) {
+            Ok(capacity) => {
+                tracing::debug!(pool = %self.name, cq = %m.handle.name(), capacity,
+                    "CQ pool grew a CQ in place");
+                m.handle
+                    .budget()
+                    .and_then(|b| b.fits(entries, srq))
+                    .map(|_| i)
+            }
+            Err(crate::cq::ResizeError::Unsupported { reason, .. }) => {
+                tracing::info!(pool = %self.name, %reason, "CQ pool: no resize; it makes new CQs");
+                st.no_resize = true;
+                None
+            }
+            Err(e) => {
+                tracing::warn!(pool = %self.name, error = %e, "CQ pool: resize failed; making a new CQ");
+                None
+            }
         }
     }
 

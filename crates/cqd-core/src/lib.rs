@@ -66,7 +66,8 @@ pub use budget::{cq_depth_for, Admission, BudgetError, BudgetOptions, BudgetSnap
 pub use completion::{Completion, Opcode, Status, WcFlags};
 pub use context::ContextHandler;
 pub use cq::{
-    split, ContextRegistration, CqHandle, CqOptions, CqPoller, PostRefused, Registration, UnboundCq,
+    split, ContextRegistration, CqHandle, CqOptions, CqPoller, PostRefused, Registration,
+    ResizeError, Resizing, UnboundCq,
 };
 pub use cq_pool::{CqPool, Fit, PoolError};
 #[cfg(feature = "metrics")]

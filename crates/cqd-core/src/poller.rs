@@ -100,6 +100,8 @@ pub struct PollerBuilder<W, S> {
     spill_mark: usize,
     give_back: Option<GiveBack<W>>,
     busy_naps: bool,
+    /// The group may start with no CQ ([`PollerBuilder::starts_empty`]).
+    starts_empty: bool,
     /// The topology's assignment, when the builder comes from a plan.
     assigned: Option<Assignment>,
 }
@@ -132,8 +134,19 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
             spill_mark: DEFAULT_SPILL_HIGH_WATER_MARK,
             give_back: None,
             busy_naps: true,
+            starts_empty: false,
             assigned: None,
         }
+    }
+
+    /// Lets the group start with no CQ (`true`): it then takes all its
+    /// CQs at run time ([`PollerThread::add_cq`], a
+    /// [`CqPool`](crate::CqPool) growing onto it). Off by default: a group
+    /// spawned with no CQ is refused ([`PollerError::NoCq`]), the usual
+    /// sign of a CQ left out.
+    pub fn starts_empty(mut self, on: bool) -> Self {
+        self.starts_empty = on;
+        self
     }
 
     /// Holds the builder to a topology's assignment (set by
@@ -219,14 +232,15 @@ impl<W: Send + 'static, S: WorkSink<W> + 'static> PollerBuilder<W, S> {
     /// Starts the thread.
     ///
     /// # Errors
-    /// [`PollerError::NoCq`] for an empty group, [`PollerError::Spawn`] if
+    /// [`PollerError::NoCq`] for an empty group (unless it
+    /// [`starts_empty`](Self::starts_empty)), [`PollerError::Spawn`] if
     /// the OS refuses a thread, [`PollerError::Setup`] if the `on_start`
     /// hook fails; for a builder from a topology's plan,
     /// [`PollerError::NotAssigned`] / [`PollerError::NotAttached`] when its
     /// CQs are not the ones the topology gives it. A refused spawn drops
     /// its CQs (which finishes them).
     pub fn spawn(self) -> Result<PollerThread, PollerError> {
-        if self.cqs.is_empty() {
+        if self.cqs.is_empty() && !self.starts_empty {
             return Err(PollerError::NoCq { poller: self.name });
         }
         if let Some(a) = &self.assigned {

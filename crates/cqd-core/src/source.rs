@@ -52,6 +52,9 @@ pub enum SourceError {
         #[source]
         source: std::io::Error,
     },
+    /// The backend cannot do this (a resize on a device without one).
+    #[error("not supported: {0}")]
+    Unsupported(String),
     /// The backend reported something else.
     #[error("{0}")]
     Backend(String),
@@ -72,6 +75,11 @@ pub enum SourceError {
 /// 5. A source on a shared channel ([`notifier`](Self::notifier)) takes
 ///    only its own notifications in `take_events`, never another
 ///    source's; the channel's descriptor is its `event_fd`.
+/// 6. `resize` is called by the thread that polls, between two polls (as
+///    `ibv_resize_cq` must be); after it returns, the CQ holds the
+///    entries it returned, has lost no completion, returns them in order,
+///    and an arm made before still holds (a backend whose device drops
+///    the arm on a resize arms again).
 pub trait CompletionSource: Send + 'static {
     /// A short name for metrics and traces.
     fn name(&self) -> &str;
@@ -144,6 +152,21 @@ pub trait CompletionSource: Send + 'static {
     /// poller calls this on every loop, so with nothing pending it must cost
     /// no lock and no system call (an atomic load, or nothing at all).
     fn take_async_event(&mut self) -> Option<AsyncEvent>;
+
+    /// Grows the CQ to at least `cqe` entries (`ibv_resize_cq`); returns
+    /// the entries it holds now (see the trait contract, point 6). The
+    /// default: [`SourceError::Unsupported`].
+    ///
+    /// # Errors
+    /// [`SourceError::Unsupported`] when the backend cannot resize; the
+    /// device's error otherwise (the CQ is then as it was).
+    fn resize(&mut self, cqe: u32) -> Result<u32, SourceError> {
+        let _ = cqe;
+        Err(SourceError::Unsupported(format!(
+            "{} cannot be resized",
+            self.name()
+        )))
+    }
 
     /// Destroys the CQ.
     ///

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use cqd_core::mode::MIN_WAKE_TIMEOUT;
 use cqd_core::topology::{
-    ModeConfig, OnPriorityError, OnSharedCpu, Placement, PollerConfig, PoolConfig, Priority,
-    Routing, TopologyConfig, TopologyError, Warning, WorkerIdle, LONG_SPIN,
+    CqPoolConfig, FitConfig, ModeConfig, OnPriorityError, OnSharedCpu, Placement, PollerConfig,
+    PoolConfig, Priority, Routing, TopologyConfig, TopologyError, Warning, WorkerIdle, LONG_SPIN,
 };
 
 const EXAMPLE: &str = include_str!("../../../examples/topology.toml");
@@ -813,4 +813,106 @@ fn a_pools_feeds_go_to_the_pollers_that_name_it_once_each() {
         .map(|_| ())
         .unwrap_err();
     assert!(e.to_string().contains("nothing feeds it"), "{e}");
+}
+
+/// A `[[cq_pool]]`: its pollers may own no CQ of their own (they start
+/// empty); it names only pollers the topology has, each once; its sizes
+/// make sense. The file form and the builder are the same, and the plan
+/// carries what the file says.
+#[test]
+fn a_cq_pool_names_its_pollers_which_may_start_empty() {
+    let text = r#"
+        [[poller]]
+        name = "p0"
+        cqs = []
+        mode = { kind = "event", timeout_ms = 100 }
+
+        [[poller]]
+        name = "p1"
+        cqs = ["fixed"]
+
+        [[cq_pool]]
+        name = "conns"
+        cqe = 4096
+        pollers = ["p0", "p1"]
+        fit = "first"
+        max_cqs = 16
+        resize_up_to = 16384
+    "#;
+    let from_file = TopologyConfig::from_toml(text).unwrap();
+    let from_code = TopologyConfig::new()
+        .poller(PollerConfig::new("p0").mode(ModeConfig::Event { timeout_ms: 100 }))
+        .poller(poller("p1", "fixed"))
+        .cq_pool(
+            CqPoolConfig::new("conns", 4096, ["p0", "p1"])
+                .fit(FitConfig::First)
+                .max_cqs(16)
+                .resize_up_to(16384),
+        );
+    assert_eq!(from_file, from_code);
+    assert_eq!(
+        TopologyConfig::from_toml(&from_file.to_toml().unwrap()).unwrap(),
+        from_file
+    );
+    let mut t = from_file.validate_for(&cpus(4)).unwrap();
+    let plan = t.take_cq_pool("conns").unwrap();
+    assert_eq!(plan.pollers(), ["p0", "p1"]);
+    assert_eq!(plan.config().resize_up_to, Some(16384));
+    assert!(t.take_cq_pool("conns").is_none(), "taken once");
+
+    let check = |config: TopologyConfig, want: &str| {
+        let e = config.validate_for(&cpus(4)).unwrap_err();
+        assert!(e.to_string().starts_with(want), "{e} (wanted {want})");
+    };
+    // An empty poller no pool names.
+    check(
+        TopologyConfig::new()
+            .poller(PollerConfig::new("p0"))
+            .poller(PollerConfig::new("p1"))
+            .cq_pool(CqPoolConfig::new("c", 64, ["p0"])),
+        "poller[1].cqs",
+    );
+    check(
+        TopologyConfig::new()
+            .poller(PollerConfig::new("p0"))
+            .cq_pool(CqPoolConfig::new("c", 64, ["p0", "nobody"])),
+        "cq_pool[0].pollers[1]: CQ pool c names poller nobody",
+    );
+    check(
+        TopologyConfig::new()
+            .poller(PollerConfig::new("p0"))
+            .cq_pool(CqPoolConfig::new("c", 64, ["p0", "p0"])),
+        "cq_pool[0].pollers[1]",
+    );
+    check(
+        TopologyConfig::new()
+            .poller(poller("p0", "x"))
+            .cq_pool(CqPoolConfig::new("c", 64, Vec::<String>::new())),
+        "cq_pool[0].pollers",
+    );
+    check(
+        TopologyConfig::new()
+            .poller(PollerConfig::new("p0"))
+            .cq_pool(CqPoolConfig::new("c", 0, ["p0"])),
+        "cq_pool[0].cqe",
+    );
+    check(
+        TopologyConfig::new()
+            .poller(PollerConfig::new("p0"))
+            .cq_pool(CqPoolConfig::new("c", 64, ["p0"]).resize_up_to(32)),
+        "cq_pool[0].resize_up_to",
+    );
+    check(
+        TopologyConfig::new()
+            .poller(PollerConfig::new("p0"))
+            .cq_pool(CqPoolConfig::new("c", 64, ["p0"]).max_cqs(0)),
+        "cq_pool[0].max_cqs",
+    );
+    check(
+        TopologyConfig::new()
+            .poller(PollerConfig::new("p0"))
+            .cq_pool(CqPoolConfig::new("c", 64, ["p0"]))
+            .cq_pool(CqPoolConfig::new("c", 64, ["p0"])),
+        "cq_pool[1].name",
+    );
 }

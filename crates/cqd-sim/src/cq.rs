@@ -29,7 +29,7 @@
 
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -191,7 +191,9 @@ pub(crate) enum Notify {
 #[derive(Debug)]
 struct Shared {
     name: String,
-    capacity: u32,
+    /// Written under `state`'s lock (a resize), read under it by pushes;
+    /// atomic so that `capacity()` reads it without the lock.
+    capacity: AtomicU32,
     /// The accounts of the queues completing here (with the CQ's budget,
     /// when it has one); `split` attaches it.
     ledger: WrLedger,
@@ -363,7 +365,7 @@ pub(crate) fn make_cq(
     let seed = faults.seed | 1;
     let shared = Arc::new(Shared {
         name,
-        capacity,
+        capacity: AtomicU32::new(capacity),
         ledger,
         state: Mutex::new(State {
             ring: VecDeque::with_capacity(capacity.min(1 << 16) as usize),
@@ -432,7 +434,7 @@ impl SimCq {
         if st.destroyed || st.vanished {
             return Err(PushError::Destroyed);
         }
-        let capacity = self.shared.capacity;
+        let capacity = self.shared.capacity.load(Ordering::Relaxed);
         if st.overflowed || st.ring.len() >= capacity as usize {
             st.stats.lost += 1;
             if !st.overflowed {
@@ -474,7 +476,9 @@ impl SimCq {
             .ledger
             .budget()
             .map_or(0, |b| b.credits_in_use());
-        if st.ring.len() as u64 + 1 + owed <= u64::from(self.shared.capacity) {
+        if st.ring.len() as u64 + 1 + owed
+            <= u64::from(self.shared.capacity.load(Ordering::Relaxed))
+        {
             let seq = st.stats.pushed;
             st.ring.push_back((seq, wc));
             st.stats.pushed += 1;
@@ -584,7 +588,7 @@ impl SimCq {
 
     /// The CQ's capacity.
     pub fn capacity(&self) -> u32 {
-        self.shared.capacity
+        self.shared.capacity.load(Ordering::Relaxed)
     }
 
     /// What the CQ did so far.
@@ -646,7 +650,27 @@ impl CompletionSource for SimCqSource {
     }
 
     fn capacity(&self) -> u32 {
-        self.shared.capacity
+        self.shared.capacity.load(Ordering::Relaxed)
+    }
+
+    /// Grows the ring's limit under the CQ's lock: the completions in it
+    /// stay, in order, and so does an arm. An overflowed CQ stays in
+    /// error (as on hardware, a resize does not revive it).
+    fn resize(&mut self, cqe: u32) -> Result<u32, SourceError> {
+        check_capacity(cqe).map_err(|e| SourceError::Backend(e.to_string()))?;
+        let st = self.shared.state.lock();
+        if st.vanished {
+            return Err(gone(&self.shared.name));
+        }
+        if st.destroyed {
+            return Err(SourceError::Backend("CQ destroyed".into()));
+        }
+        if st.overflowed {
+            return Err(SourceError::CqInError);
+        }
+        let now = self.shared.capacity.load(Ordering::Relaxed).max(cqe);
+        self.shared.capacity.store(now, Ordering::Relaxed);
+        Ok(now)
     }
 
     fn poll(&mut self, out: &mut [Completion]) -> Result<usize, SourceError> {
@@ -692,7 +716,7 @@ impl CompletionSource for SimCqSource {
             // Land after the last empty poll, before the arm: not notified.
             let injected = std::mem::take(&mut st.inject_before_arm);
             for wc in injected {
-                if st.ring.len() < self.shared.capacity as usize {
+                if st.ring.len() < self.shared.capacity.load(Ordering::Relaxed) as usize {
                     let seq = st.stats.pushed;
                     st.ring.push_back((seq, wc));
                     st.stats.pushed += 1;

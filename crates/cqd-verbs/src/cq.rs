@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::os::fd::BorrowedFd;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use cqd_core::budget::{BudgetOptions, BudgetSnapshot, CqBudget};
@@ -222,7 +222,9 @@ pub struct CqSpec {
 pub(crate) struct CqInner {
     pub(crate) cq: NonNull<sys::ibv_cq>,
     pub(crate) name: String,
-    pub(crate) capacity: u32,
+    /// The entries the device granted, as the last resize left them
+    /// (shared with the CQ's route, whose overflow event reports it).
+    pub(crate) capacity: Arc<AtomicU32>,
     pub(crate) flavor: CqFlavor,
     poll: sys::PollFn,
     notify: sys::NotifyFn,
@@ -340,7 +342,7 @@ impl fmt::Debug for Cq {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Cq")
             .field("name", &self.inner.name)
-            .field("capacity", &self.inner.capacity)
+            .field("capacity", &self.inner.capacity.load(Ordering::Relaxed))
             .field("flavor", &self.inner.flavor)
             .finish()
     }
@@ -355,7 +357,7 @@ impl Cq {
     /// The entries the device granted (`ibv_cq.cqe`, at least what was
     /// asked); the budget admits against this.
     pub fn capacity(&self) -> u32 {
-        self.inner.capacity
+        self.inner.capacity.load(Ordering::Relaxed)
     }
 
     /// How the CQ was made.
@@ -536,6 +538,7 @@ pub(crate) unsafe fn adopt_parts(
     };
     let capacity = u32::try_from(granted.max(1)).unwrap_or(u32::MAX);
     let budget = CqBudget::new(name.clone(), capacity, budget);
+    let capacity = Arc::new(AtomicU32::new(capacity));
     let ledger = WrLedger::with_budget(budget.clone());
     let member = channel.fired.member(token);
     channel.members.lock().insert(token, Arc::clone(&member));
@@ -544,7 +547,7 @@ pub(crate) unsafe fn adopt_parts(
         Route::Cq {
             inbox: Arc::downgrade(&channel.inbox),
             token,
-            capacity,
+            capacity: Arc::clone(&capacity),
         },
     );
     let inner = Arc::new(CqInner {
@@ -641,7 +644,35 @@ impl CompletionSource for VerbsCqSource {
     }
 
     fn capacity(&self) -> u32 {
-        self.cq.capacity
+        self.cq.capacity.load(Ordering::Relaxed)
+    }
+
+    /// `ibv_resize_cq`, on the polling thread (the trait contract, point
+    /// 6). An arm made before is kept by the devices cqd-verbs runs on
+    /// (softverbs moves it to the new ring; rxe keeps its `notify` state
+    /// in the CQ, not in the queue it replaces; mlx5 keeps its arm
+    /// sequence); arming again here would cost a spurious event on each.
+    fn resize(&mut self, cqe: u32) -> Result<u32, SourceError> {
+        let max = self.cq.channel.ctx.attr.max_cqe;
+        if cqe > max {
+            return Err(SourceError::Backend(format!(
+                "CQ {}: {cqe} entries asked, the device allows at most {max}",
+                self.cq.name
+            )));
+        }
+        // SAFETY: the CQ is live while `self.cq` is held, and this is its
+        // polling thread, between two polls (the trait's point 6).
+        let got =
+            unsafe { sys::resize_cq(self.cq.cq, cqe) }.map_err(|e| match e.raw_os_error() {
+                Some(libc::EOPNOTSUPP | libc::ENOSYS) => SourceError::Unsupported(format!(
+                    "{}'s provider has no ibv_resize_cq",
+                    self.cq.channel.ctx.name
+                )),
+                _ => self.error("ibv_resize_cq", e),
+            })?;
+        let now = u32::try_from(got.max(1)).unwrap_or(u32::MAX);
+        self.cq.capacity.store(now, Ordering::Relaxed);
+        Ok(now)
     }
 
     #[inline]

@@ -30,7 +30,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 
@@ -218,7 +218,8 @@ pub(crate) enum Route {
     Cq {
         inbox: Weak<AsyncInbox>,
         token: u64,
-        capacity: u32,
+        /// The CQ's capacity, as its last resize left it.
+        capacity: Arc<AtomicU32>,
     },
     /// A QP: its number, owner and the inbox of its owner's CQ (or its
     /// send CQ's).
@@ -344,7 +345,7 @@ impl ContextInner {
                             i.push(
                                 *token,
                                 AsyncEvent::CqOverflow {
-                                    capacity: *capacity,
+                                    capacity: capacity.load(Ordering::Relaxed),
                                     lost: 0,
                                 },
                             )

@@ -459,6 +459,28 @@ pub(crate) unsafe fn cq_entries(cq: NonNull<ibv_cq>) -> i32 {
     unsafe { cq.as_ref() }.cqe
 }
 
+/// `ibv_resize_cq`: at least `cqe` entries; returns the entries the
+/// device now holds (`ibv_cq.cqe`).
+///
+/// # Safety
+/// `cq` is live and not polled by another thread during the call.
+pub(crate) unsafe fn resize_cq(cq: NonNull<ibv_cq>, cqe: u32) -> io::Result<i32> {
+    let cqe = i32::try_from(cqe).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: the caller's contract.
+    let r = unsafe { rdma_sys::ibv_resize_cq(cq.as_ptr(), cqe) };
+    if r != 0 {
+        // libibverbs returns the provider's errno (positive), or -1 with
+        // errno set.
+        return Err(if r > 0 {
+            io::Error::from_raw_os_error(r)
+        } else {
+            last_error(libc::EIO)
+        });
+    }
+    // SAFETY: the caller's contract; the resize returned.
+    Ok(unsafe { cq_entries(cq) })
+}
+
 /// # Safety
 /// `cq` is live, no QP uses it, and every event read for it was acked.
 pub(crate) unsafe fn destroy_cq(cq: NonNull<ibv_cq>) -> io::Result<()> {

@@ -69,7 +69,10 @@ use cqd_core::{
     split, CompletionSource, CqOptions, KindAccount, NoWork, OpKind, PollerReport, Registration,
     Side, Status, SystemReport,
 };
-use grow::{cq_pool, cq_pool_first_fit, grow_running, join_as_it_stops};
+use grow::{
+    cq_pool, cq_pool_first_fit, cq_pool_from_topology, cq_pool_resize, grow_running,
+    join_as_it_stops, resize_running,
+};
 use support::{
     device_or_skip, mode, poller, poller_with, readable, retry, wait_until, within, Ev, Log,
     Recorder, Spy,
@@ -1879,9 +1882,12 @@ matrix!(close_srq: busy, event, hybrid, adaptive);
 matrix!(full_send_queue: direct);
 matrix!(churn: event);
 matrix!(grow_running: busy, event, hybrid, adaptive);
+matrix!(resize_running: busy, event, hybrid, adaptive);
 matrix!(join_as_it_stops: busy, event);
 matrix!(cq_pool: busy, event, hybrid, adaptive);
 matrix!(cq_pool_first_fit: event);
+matrix!(cq_pool_resize: busy, event);
+matrix!(cq_pool_from_topology: busy, event, hybrid, adaptive);
 matrix!(errors_by_side: busy, event, hybrid, adaptive);
 matrix!(unsignaled: busy, event, hybrid, adaptive);
 matrix!(drain_and_shutdown: busy, event, hybrid, adaptive);

@@ -54,6 +54,9 @@ pub(super) fn apply_commands<W>(shared: &CqShared<W>, slab: &mut Slab<W>) {
     for key in retry {
         super::handle::push_command(shared, Command::Unregister { key });
     }
+    // A resize is made by the poller's own pass (`resize`, step 2), which
+    // this one may not be: the next poll looks again.
+    shared.resizes.after_pass(&shared.commands_rung);
 }
 
 /// Releases a drained, retiring handler: closes its ledger (see

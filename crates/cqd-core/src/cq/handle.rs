@@ -50,9 +50,35 @@ impl<W: Send + 'static> CqHandle<W> {
         &self.shared.name
     }
 
-    /// The CQ's real capacity.
+    /// The CQ's real capacity (after any resize).
     pub fn capacity(&self) -> u32 {
-        self.shared.capacity
+        self.shared.resizes.capacity()
+    }
+
+    /// Grows the CQ to at least `cqe` entries (`ibv_resize_cq`), on its
+    /// poller's thread between two polls (the protocol `cq::resize`): the
+    /// [`Resizing`](super::Resizing) fires with the new capacity once the
+    /// device made it, and from then on the CQ's admission counts it. A
+    /// CQ not yet bound to a poller is resized when it is bound.
+    ///
+    /// A CQ only grows: a size not above its capacity is refused
+    /// ([`ResizeError::NotLarger`](super::ResizeError::NotLarger)), as is
+    /// a resize on a backend that has none.
+    pub fn resize(&self, cqe: u32) -> super::Resizing {
+        match self.shared.resizes.ask(&self.shared.name, cqe) {
+            Some(r) => {
+                if super::resize::Resizes::flag(&self.shared.commands_rung) {
+                    self.shared.ring();
+                }
+                r
+            }
+            None => super::Resizing::refused(
+                &self.shared.name,
+                super::ResizeError::Stopped {
+                    cq: self.shared.name.clone(),
+                },
+            ),
+        }
     }
 
     /// Registers a handler whose work goes, by default, to the worker its
@@ -289,7 +315,7 @@ impl<W: Send + 'static> CqHandle<W> {
         let mut snap = self
             .shared
             .metrics
-            .snapshot(&self.shared.name, self.shared.capacity);
+            .snapshot(&self.shared.name, self.shared.resizes.capacity());
         snap.budget = self.budget_snapshot();
         if let Some(l) = self.shared.ledger.get() {
             snap.left_dry = l.dry_receive_queues(std::time::Instant::now(), DRY_GRACE);

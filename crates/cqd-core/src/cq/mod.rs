@@ -210,7 +210,8 @@ pub(crate) enum Command<W> {
 /// What the two halves of a CQ share.
 pub(crate) struct CqShared<W> {
     pub(crate) name: String,
-    pub(crate) capacity: u32,
+    /// Its resize requests and its capacity (`resize`).
+    pub(crate) resizes: resize::Resizes,
     pub(crate) commands: SegQueue<Command<W>>,
     /// Set by the first command pushed after the poller last began to
     /// apply them; only that push rings the doorbell (the registration
@@ -294,7 +295,7 @@ pub fn split<W: Send + 'static>(
     let batch = options.batch.clamp(1, 4096);
     let shared = Arc::new(CqShared {
         name: source.name().to_string(),
-        capacity: source.capacity(),
+        resizes: resize::Resizes::new(source.capacity()),
         commands: SegQueue::new(),
         commands_rung: AtomicBool::new(false),
         table: crate::sync::Mutex::new(SlotTable::default()),
@@ -425,6 +426,8 @@ impl<W> Core<W> {
         if let Some(l) = self.shared.ledger.get() {
             l.room_bell().end();
         }
+        // Nor any resize (`resize`, step 3).
+        self.shared.resizes.end(&self.shared.name);
         let taken = self.source.take_events();
         if let Ok(n) = taken {
             bump(&self.shared.metrics.0.events, u64::from(n));
@@ -467,7 +470,7 @@ impl<W> std::fmt::Debug for UnboundCq<W> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("UnboundCq")
             .field("name", &self.core.shared.name)
-            .field("capacity", &self.core.shared.capacity)
+            .field("capacity", &self.core.shared.resizes.capacity())
             .finish()
     }
 }
@@ -512,7 +515,7 @@ impl<W> std::fmt::Debug for CqPoller<W> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CqPoller")
             .field("name", &self.core.shared.name)
-            .field("capacity", &self.core.shared.capacity)
+            .field("capacity", &self.core.shared.resizes.capacity())
             .field("slab", &self.core.slab)
             .finish()
     }
@@ -906,6 +909,49 @@ impl<W: Send + 'static> CqPoller<W> {
     /// Applies pending registrations and unregistrations.
     pub fn apply_commands(&mut self) {
         apply_commands(&self.core.shared, &mut self.core.slab);
+        if self.core.shared.resizes.waiting() {
+            self.resize();
+        }
+    }
+
+    /// Step 2 of `resize`: makes the resizes asked, on this (the polling)
+    /// thread, between two polls.
+    #[cold]
+    fn resize(&mut self) {
+        let shared = Arc::clone(&self.core.shared);
+        for (cqe, answer) in shared.resizes.take() {
+            let capacity = shared.resizes.capacity();
+            let outcome = if cqe <= capacity {
+                Err(ResizeError::NotLarger {
+                    cq: shared.name.clone(),
+                    asked: cqe,
+                    capacity,
+                })
+            } else {
+                match self.core.source.resize(cqe) {
+                    Ok(now) => {
+                        // Admission counts the new entries only now that
+                        // the device holds them.
+                        if let Some(b) = shared.budget.get() {
+                            b.grown_to(now);
+                        }
+                        shared.resizes.set_capacity(now.max(capacity));
+                        tracing::debug!(cq = %shared.name, asked = cqe, capacity = now, "CQ resized");
+                        Ok(now)
+                    }
+                    Err(SourceError::Unsupported(reason)) => Err(ResizeError::Unsupported {
+                        cq: shared.name.clone(),
+                        reason,
+                    }),
+                    Err(e) => Err(ResizeError::Failed {
+                        cq: shared.name.clone(),
+                        asked: cqe,
+                        reason: e.to_string(),
+                    }),
+                }
+            };
+            answer.answer(outcome);
+        }
     }
 
     /// Requests posted under this CQ's handlers and not yet completed.
@@ -975,8 +1021,10 @@ mod contexts;
 mod dispatch;
 mod handle;
 mod posting;
+mod resize;
 
 pub(crate) use bell::GroupBell;
+pub use resize::{ResizeError, Resizing};
 
 pub use contexts::{ContextRegistration, PostRefused};
 use dispatch::{apply_commands, dispatch_batch};

@@ -32,6 +32,53 @@ pub struct TopologyConfig {
     /// named `cqd-worker-io-<i>`.
     #[serde(default, rename = "pool")]
     pub pools: Vec<PoolConfig>,
+    /// CQ pools, one `[[cq_pool]]` table each: CQs made at run time for
+    /// connections that come and go, on the pollers each names
+    /// ([`CqPool::from_plan`](crate::CqPool::from_plan)).
+    #[serde(default, rename = "cq_pool", skip_serializing_if = "Vec::is_empty")]
+    pub cq_pools: Vec<CqPoolConfig>,
+}
+
+/// One CQ pool (`[[cq_pool]]`): its CQs are made at run time, as
+/// connections need them, and added to the running pollers it names. A
+/// poller named by a CQ pool may own no CQ of its own (`cqs = []`): it
+/// starts empty and polls the pool's CQs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CqPoolConfig {
+    /// The pool's name, unique among CQ pools; its CQs are named
+    /// `<name>-<n>`.
+    pub name: String,
+    /// Entries asked for each CQ it makes.
+    pub cqe: u32,
+    /// The pollers its CQs go to, by name (at least one).
+    pub pollers: Vec<String>,
+    /// How it chooses among CQs with room: `"least-used"` (the default)
+    /// or `"first"`.
+    #[serde(default)]
+    pub fit: FitConfig,
+    /// The most CQs it makes.
+    #[serde(default = "default_max_cqs")]
+    pub max_cqs: usize,
+    /// Grow a CQ in place (`ibv_resize_cq`) up to this many entries
+    /// before making a new one; absent: new CQs only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resize_up_to: Option<u32>,
+}
+
+/// A CQ pool's fit, as the topology file writes it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FitConfig {
+    /// The CQ with the fewest entries reserved.
+    #[default]
+    LeastUsed,
+    /// The first CQ made with room.
+    First,
+}
+
+fn default_max_cqs() -> usize {
+    1024
 }
 
 /// What [`TopologyConfig::validate`] does with a spinning poller (Busy, or
@@ -56,6 +103,8 @@ pub struct PollerConfig {
     /// The poller's name, unique among pollers.
     pub name: String,
     /// The completion queues this poller owns, by name. A CQ has one poller.
+    /// Empty only for a poller a CQ pool names (`[[cq_pool]]`): it then
+    /// starts with no CQ and polls the pool's.
     pub cqs: Vec<String>,
     /// How the poller waits for completions.
     #[serde(default)]

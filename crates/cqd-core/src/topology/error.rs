@@ -138,8 +138,32 @@ pub enum TopologyError {
         /// What is wrong, naming the pool(s).
         why: String,
     },
-    /// A poller owns no CQ.
-    #[error("{field}: a poller needs at least one CQ")]
+    /// A CQ pool names a poller the topology does not have.
+    #[error("{field}: CQ pool {pool} names poller {poller}, which the topology does not have")]
+    UnknownPoller {
+        /// The field, e.g. `cq_pool[0].pollers[1]`.
+        field: String,
+        /// The CQ pool.
+        pool: String,
+        /// The poller named.
+        poller: String,
+    },
+    /// A CQ pool's pollers, as handed to
+    /// [`CqPool::from_plan`](crate::CqPool::from_plan), are not the ones
+    /// the topology names.
+    #[error(
+        "CQ pool {pool}: the topology names pollers {wanted:?}, the joiners given are of {given:?}"
+    )]
+    CqPoolPollers {
+        /// The CQ pool.
+        pool: String,
+        /// The pollers the topology names, in its order.
+        wanted: Vec<String>,
+        /// The pollers of the joiners given.
+        given: Vec<String>,
+    },
+    /// A poller owns no CQ and no CQ pool names it.
+    #[error("{field}: a poller needs at least one CQ, or a [[cq_pool]] that names it")]
     NoCq {
         /// The field, e.g. `poller[0].cqs`.
         field: String,

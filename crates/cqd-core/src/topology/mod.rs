@@ -39,9 +39,11 @@ mod validate;
 
 use std::path::Path;
 
-pub use config::{ModeConfig, OnSharedCpu, PollerConfig, PoolConfig, TopologyConfig};
+pub use config::{
+    CqPoolConfig, FitConfig, ModeConfig, OnSharedCpu, PollerConfig, PoolConfig, TopologyConfig,
+};
 pub use error::{TopologyError, Warning};
-pub use plan::{Feeds, PollerPlan, PoolPlan, Topology};
+pub use plan::{CqPoolPlan, Feeds, PollerPlan, PoolPlan, Topology};
 pub use validate::{LONG_SPIN, MAX_CAPACITY};
 // Types the config is written in but that belong to the layers below (pools
 // route, threads are placed and prioritised), named here too so that a
@@ -64,6 +66,12 @@ impl TopologyConfig {
     /// Adds a worker pool (`[[pool]]`).
     pub fn pool(mut self, pool: PoolConfig) -> Self {
         self.pools.push(pool);
+        self
+    }
+
+    /// Adds a CQ pool (`[[cq_pool]]`).
+    pub fn cq_pool(mut self, cq_pool: CqPoolConfig) -> Self {
+        self.cq_pools.push(cq_pool);
         self
     }
 
@@ -242,6 +250,43 @@ impl PoolConfig {
     /// Sets `priority`.
     pub fn priority(mut self, priority: Priority) -> Self {
         self.priority = Some(priority);
+        self
+    }
+}
+
+impl CqPoolConfig {
+    /// A CQ pool named `name` of CQs of `cqe` entries over `pollers`
+    /// (least used fit, at most 1,024 CQs, no resize).
+    pub fn new(
+        name: impl Into<String>,
+        cqe: u32,
+        pollers: impl IntoIterator<Item = impl Into<String>>,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            cqe,
+            pollers: pollers.into_iter().map(Into::into).collect(),
+            fit: FitConfig::default(),
+            max_cqs: 1024,
+            resize_up_to: None,
+        }
+    }
+
+    /// Sets `fit`.
+    pub fn fit(mut self, fit: FitConfig) -> Self {
+        self.fit = fit;
+        self
+    }
+
+    /// Sets `max_cqs`.
+    pub fn max_cqs(mut self, n: usize) -> Self {
+        self.max_cqs = n;
+        self
+    }
+
+    /// Sets `resize_up_to`.
+    pub fn resize_up_to(mut self, max_cqe: u32) -> Self {
+        self.resize_up_to = Some(max_cqe);
         self
     }
 }

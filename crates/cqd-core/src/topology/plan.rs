@@ -29,6 +29,7 @@ use crate::thread::{self, OnPriorityError, Placement, SpawnError, ThreadHandle, 
 pub struct Topology {
     pollers: Vec<Option<PollerPlan>>,
     pools: Vec<Option<PoolPlan>>,
+    cq_pools: Vec<Option<CqPoolPlan>>,
     warnings: Vec<Warning>,
 }
 
@@ -41,8 +42,24 @@ impl Topology {
         Self {
             pollers: pollers.into_iter().map(Some).collect(),
             pools: pools.into_iter().map(Some).collect(),
+            cq_pools: Vec::new(),
             warnings,
         }
+    }
+
+    pub(crate) fn with_cq_pools(mut self, cq_pools: Vec<CqPoolPlan>) -> Self {
+        self.cq_pools = cq_pools.into_iter().map(Some).collect();
+        self
+    }
+
+    /// Takes the plan of the CQ pool named `name` (`[[cq_pool]]`); `None`
+    /// when there is no such pool or it was already taken. Build it with
+    /// [`CqPool::from_plan`](crate::CqPool::from_plan).
+    pub fn take_cq_pool(&mut self, name: &str) -> Option<CqPoolPlan> {
+        self.cq_pools
+            .iter_mut()
+            .find(|p| p.as_ref().is_some_and(|p| p.config.name == name))?
+            .take()
     }
 
     /// What `validate` warned about (also logged).
@@ -163,11 +180,14 @@ impl PollerPlan {
             on_priority_error: self.on_priority_error,
         };
         let mode = self.config.mode;
+        // Validated: a poller with no CQ of its own is one a CQ pool names.
+        let empty = self.config.cqs.is_empty();
         let assignment = Assignment {
             cqs: self.config.cqs,
             owners: self.owners,
         };
         let builder = crate::poller::PollerBuilder::new(self.config.name, sink)
+            .starts_empty(empty)
             .assigned(assignment)
             .mode(mode.poll_mode())
             .busy_naps(self.config.busy_naps)
@@ -481,5 +501,33 @@ impl<W: Send + 'static> Feeds<W> {
             .find(|(n, _)| n == plan.name())
             .and_then(|(_, s)| s.take())
             .ok_or_else(|| refuse(format!("took its feed of pool {:?} already", self.pool)))
+    }
+}
+
+/// One validated CQ pool (`[[cq_pool]]`), ready to build over its running
+/// pollers with [`CqPool::from_plan`](crate::CqPool::from_plan).
+#[derive(Debug)]
+pub struct CqPoolPlan {
+    pub(crate) config: super::config::CqPoolConfig,
+}
+
+impl CqPoolPlan {
+    pub(crate) fn new(config: super::config::CqPoolConfig) -> Self {
+        Self { config }
+    }
+
+    /// The pool's name.
+    pub fn name(&self) -> &str {
+        &self.config.name
+    }
+
+    /// The pollers its CQs go to, in the topology's order.
+    pub fn pollers(&self) -> &[String] {
+        &self.config.pollers
+    }
+
+    /// Its settings as the topology gives them.
+    pub fn config(&self) -> &super::config::CqPoolConfig {
+        &self.config
     }
 }

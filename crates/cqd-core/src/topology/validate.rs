@@ -4,9 +4,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use std::time::Duration;
 
-use super::config::{ModeConfig, OnSharedCpu, PoolConfig, TopologyConfig};
+use super::config::{CqPoolConfig, ModeConfig, OnSharedCpu, PoolConfig, TopologyConfig};
 use super::error::{TopologyError, Warning};
-use super::plan::{PollerPlan, PoolPlan, Topology};
+use super::plan::{CqPoolPlan, PollerPlan, PoolPlan, Topology};
 use crate::mode::MIN_WAKE_TIMEOUT;
 use crate::pool::WorkerIdle;
 use crate::thread::{Placement, Priority};
@@ -53,7 +53,11 @@ impl TopologyConfig {
         for (i, p) in self.pollers.iter().enumerate() {
             let at = format!("poller[{i}]");
             check_name(&format!("{at}.name"), &p.name, &mut names)?;
-            if p.cqs.is_empty() {
+            let pooled = self
+                .cq_pools
+                .iter()
+                .any(|c| c.pollers.iter().any(|q| q == &p.name));
+            if p.cqs.is_empty() && !pooled {
                 return Err(TopologyError::NoCq {
                     field: format!("{at}.cqs"),
                 });
@@ -109,6 +113,10 @@ impl TopologyConfig {
             });
         }
 
+        let mut cq_pool_names = BTreeSet::new();
+        for (i, c) in self.cq_pools.iter().enumerate() {
+            self.check_cq_pool(&format!("cq_pool[{i}]"), c, &mut cq_pool_names)?;
+        }
         let mut names = BTreeSet::new();
         for (i, p) in self.pools.iter().enumerate() {
             check_pool(&format!("pool[{i}]"), p, allowed, &mut names, &mut warnings)?;
@@ -164,7 +172,61 @@ impl TopologyConfig {
                     .with_own_cpus(self.pool_has_own_cpus(i, allowed))
             })
             .collect();
-        Ok(Topology::new(pollers, pools, warnings))
+        let cq_pools = self.cq_pools.iter().cloned().map(CqPoolPlan::new).collect();
+        Ok(Topology::new(pollers, pools, warnings).with_cq_pools(cq_pools))
+    }
+
+    /// A CQ pool: a unique name, pollers the topology has (each once),
+    /// CQs of at least one entry, a resize limit not below them.
+    fn check_cq_pool<'a>(
+        &self,
+        at: &str,
+        c: &'a CqPoolConfig,
+        names: &mut BTreeSet<&'a str>,
+    ) -> Result<(), TopologyError> {
+        check_name(&format!("{at}.name"), &c.name, names)?;
+        if c.cqe == 0 {
+            return Err(out_of_range(&format!("{at}.cqe"), c.cqe, "at least 1"));
+        }
+        if c.max_cqs == 0 {
+            return Err(out_of_range(
+                &format!("{at}.max_cqs"),
+                c.max_cqs,
+                "at least 1",
+            ));
+        }
+        if let Some(max) = c.resize_up_to {
+            if max < c.cqe {
+                return Err(out_of_range(
+                    &format!("{at}.resize_up_to"),
+                    max,
+                    "at least the pool's cqe",
+                ));
+            }
+        }
+        if c.pollers.is_empty() {
+            return Err(TopologyError::NoCq {
+                field: format!("{at}.pollers"),
+            });
+        }
+        let mut seen = BTreeSet::new();
+        for (j, poller) in c.pollers.iter().enumerate() {
+            let field = format!("{at}.pollers[{j}]");
+            if !self.pollers.iter().any(|p| &p.name == poller) {
+                return Err(TopologyError::UnknownPoller {
+                    field,
+                    pool: c.name.clone(),
+                    poller: poller.clone(),
+                });
+            }
+            if !seen.insert(poller.as_str()) {
+                return Err(TopologyError::BadName {
+                    field,
+                    name: poller.clone(),
+                });
+            }
+        }
+        Ok(())
     }
 }
 

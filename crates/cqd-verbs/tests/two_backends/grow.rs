@@ -346,3 +346,298 @@ pub fn cq_pool_first_fit<B: Backend>(mode_name: &str) {
     let report = cqd_core::shutdown(|| {}, [t], []);
     assert_clean("cq_pool_first_fit", &report);
 }
+
+/// A running CQ grown in place (`CqHandle::resize`, `ibv_resize_cq` on
+/// the poller's thread), in every mode: a CQ whose admission is full takes
+/// more connections once resized; completions queued before the resize
+/// and traffic after it arrive once, the later ones by notification (an
+/// arm made before the resize still holds: nothing is left to the safety
+/// net); a size not above the capacity is refused, and so is a resize
+/// after the stop. The stop is clean.
+pub fn resize_running<B: Backend>(mode_name: &str) {
+    use cqd_core::ResizeError;
+    const N: u32 = 8;
+    let dev = B::open();
+    let mr = B::reg_mr(&dev, 64 * 1024);
+    let (cq, u, h) = B::dispatched_cq(&dev, "resize", 64, true);
+    let log = Log::default();
+    let reg = h.register(Recorder(log.clone())).unwrap();
+    let t = cqd_core::PollerBuilder::new("resize", cqd_core::NoSink)
+        .mode(mode(mode_name))
+        .wake_timeout(Duration::from_secs(2))
+        .drain_timeout(Duration::from_secs(10) * slow())
+        .cq(u)
+        .spawn()
+        .expect("spawn the poller");
+    let budget = h.budget().expect("admission on");
+    let before = h.capacity();
+    assert_eq!(budget.capacity(), before);
+    let cap = Cap { send: 8, recv: 8 };
+    let mut pairs = Vec::new();
+    let mut tag = 0;
+    let ssg = [B::sge(&mr, 60 * 1024, 8)];
+    let traffic = |pairs: &Vec<(B::Qp, B::Qp)>, tag: &mut u32| {
+        for (k, (a, b)) in pairs.iter().enumerate() {
+            let rsg: Vec<_> = (0..N)
+                .map(|i| [B::sge(&mr, (((*tag + i) % 512) * 64) as usize, 64)])
+                .collect();
+            let mut r: Vec<_> = (0..N)
+                .map(|i| B::recv_wr(*tag + i, &rsg[i as usize]))
+                .collect();
+            reg.post_recv(b, &mut r).unwrap();
+            for i in 0..N {
+                // Spaced out, so that a sleeping poller must be woken by
+                // the CQ's notification.
+                if k % 4 == 0 && i % 4 == 0 {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                reg.post_send(
+                    a,
+                    &mut [B::send_wr(100_000 + *tag + i, Op::Send, &ssg, true)],
+                )
+                .unwrap();
+            }
+            *tag += N;
+        }
+    };
+    // Connections (a QP pair, 32 entries of admission) until the CQ is
+    // full.
+    while budget.fits(32, None).is_some() {
+        pairs.push(B::pair(&dev, &cq, &cq, cap));
+    }
+    assert!(!pairs.is_empty(), "{}: a CQ of {before}", B::NAME);
+    let first = pairs.len();
+    traffic(&pairs, &mut tag);
+    // Half the first round still in the CQ, or on its way, as it grows.
+    let grown = h
+        .resize(before * 4)
+        .wait(Duration::from_secs(30))
+        .unwrap_or_else(|e| panic!("{}: {e}", B::NAME));
+    assert!(
+        grown >= before * 4,
+        "{}: {grown} for {}",
+        B::NAME,
+        before * 4
+    );
+    assert_eq!(h.capacity(), grown);
+    assert_eq!(budget.capacity(), grown);
+    let want = 2 * tag as usize;
+    assert!(
+        wait_until(Duration::from_secs(30), || log.len() == want),
+        "{}: {} of {want} completions",
+        B::NAME,
+        log.len()
+    );
+    // The room the resize made takes more connections, with traffic on
+    // every one.
+    while budget.fits(32, None).is_some() {
+        pairs.push(B::pair(&dev, &cq, &cq, cap));
+    }
+    assert!(
+        pairs.len() >= 4 * first,
+        "{}: {} connections after the resize, {first} before",
+        B::NAME,
+        pairs.len()
+    );
+    traffic(&pairs, &mut tag);
+    let want = 2 * tag as usize;
+    assert!(
+        wait_until(Duration::from_secs(30), || log.len() == want),
+        "{}: {} of {want} completions",
+        B::NAME,
+        log.len()
+    );
+    let s = h.snapshot();
+    assert_eq!(
+        s.recovered_missed_events,
+        0,
+        "{}: completions found by the safety net, not by notification",
+        B::NAME
+    );
+    let same = h.resize(grown).wait(Duration::from_secs(30));
+    assert!(
+        matches!(same, Err(ResizeError::NotLarger { asked, capacity, .. }) if asked == grown && capacity == grown),
+        "{same:?}"
+    );
+    drop(pairs);
+    let report = cqd_core::shutdown(|| {}, [t], []);
+    assert_clean("resize_running", &report);
+    assert!(
+        matches!(
+            h.resize(grown * 2).wait(Duration::from_secs(30)),
+            Err(ResizeError::Stopped { .. })
+        ),
+        "{}",
+        B::NAME
+    );
+    let evs = log.snapshot();
+    assert_each_once("resize", &evs, OpKind::Recv, 0..tag);
+    assert_each_once("resize", &evs, OpKind::Send, 100_000..100_000 + tag);
+}
+
+/// A pool that grows its CQs in place first (`CqPool::resize_up_to`):
+/// connections past the first CQ's capacity double it, up to the limit,
+/// before the pool makes a second CQ; every CQ's admission counts what its
+/// resizes made, and the stop is clean.
+pub fn cq_pool_resize<B: Backend>(mode_name: &str) {
+    use cqd_core::{CqPool, Fit};
+    let dev = std::sync::Arc::new(B::open());
+    let (_s0, u0, _h0) = B::dispatched_cq(&dev, "seed-0", 16, false);
+    let t = poller("rp", mode(mode_name), vec![u0]);
+    let maker = std::sync::Arc::clone(&dev);
+    let pool = CqPool::new("rp", 64, vec![t.joiner().unwrap()], move |name, cqe| {
+        Ok(B::dispatched_cq(&maker, name, cqe, true))
+    })
+    .fit(Fit::LeastUsed);
+    let mut live = Vec::new();
+    let open = |pool: &CqPool<_, _>, live: &mut Vec<_>| {
+        let cap = Cap { send: 8, recv: 8 };
+        live.push(
+            pool.open(16, None, |cq, _| Ok::<_, String>(B::qp(&dev, cq, cq, cap)))
+                .unwrap_or_else(|e| panic!("{}: {e}", B::NAME)),
+        );
+    };
+    open(&pool, &mut live);
+    // The limit, from what the device made of the first CQ.
+    let first = pool.snapshot()[0].capacity;
+    let pool = pool.resize_up_to(first * 4);
+    // As many as four times the first capacity holds: one CQ, grown.
+    let fit = (first * 4 / 16) as usize;
+    while live.len() < fit {
+        open(&pool, &mut live);
+    }
+    let snap = pool.snapshot();
+    assert_eq!(snap.len(), 1, "{}: grown in place: {snap:?}", B::NAME);
+    assert!(snap[0].capacity >= first * 4, "{snap:?}");
+    assert_eq!(snap[0].reserved, 16 * fit as u64, "{snap:?}");
+    // One more: past the limit, a new CQ.
+    open(&pool, &mut live);
+    let snap = pool.snapshot();
+    assert_eq!(snap.len(), 2, "{}: {snap:?}", B::NAME);
+    assert_eq!(snap[1].reserved, 16, "{snap:?}");
+    drop(live);
+    let report = cqd_core::shutdown(|| {}, [t], []);
+    assert_clean("cq_pool_resize", &report);
+}
+
+/// A CQ pool from the topology file (`[[cq_pool]]`) over two pollers that
+/// own no CQ of their own: they start empty, the pool's CQs join them as
+/// connections need, traffic flows on each, and the stop is clean with
+/// every pool CQ in its poller's report. Joiners not of the pollers the
+/// file names are refused, naming both lists.
+pub fn cq_pool_from_topology<B: Backend>(mode_name: &str) {
+    use cqd_core::topology::{TopologyConfig, TopologyError};
+    use cqd_core::CqPool;
+    const MSGS: u32 = 4;
+    let text = format!(
+        r#"
+        [[poller]]
+        name = "tp0"
+        cqs = []
+        mode = {{ kind = "{mode_name}" }}
+
+        [[poller]]
+        name = "tp1"
+        cqs = []
+        mode = {{ kind = "{mode_name}" }}
+
+        [[cq_pool]]
+        name = "tp"
+        cqe = 64
+        pollers = ["tp0", "tp1"]
+        "#
+    );
+    let mut topology = TopologyConfig::from_toml(&text)
+        .unwrap()
+        .validate()
+        .unwrap();
+    let pollers: Vec<_> = topology
+        .take_pollers()
+        .into_iter()
+        .map(|plan| {
+            plan.poller_builder(cqd_core::NoSink)
+                .drain_timeout(Duration::from_secs(10) * slow())
+                .spawn()
+                .unwrap_or_else(|e| panic!("{}: an empty poller: {e}", B::NAME))
+        })
+        .collect();
+    let dev = std::sync::Arc::new(B::open());
+    let make = |dev: &std::sync::Arc<B::Dev>| {
+        let maker = std::sync::Arc::clone(dev);
+        move |name: &str, cqe: u32| Ok(B::dispatched_cq(&maker, name, cqe, true))
+    };
+    // Joiners of one poller only: refused.
+    let plan = topology.take_cq_pool("tp").unwrap();
+    let wrong = CqPool::from_plan(plan, vec![pollers[1].joiner().unwrap()], make(&dev));
+    assert!(
+        matches!(&wrong, Err(TopologyError::CqPoolPollers { wanted, given, .. })
+            if wanted == &["tp0", "tp1"] && given == &["tp1"]),
+        "{:?}",
+        wrong.err()
+    );
+    // In another order than the file's: matched by name.
+    let mut topology = TopologyConfig::from_toml(&text)
+        .unwrap()
+        .validate()
+        .unwrap();
+    let plan = topology.take_cq_pool("tp").unwrap();
+    let joiners = pollers.iter().rev().map(|p| p.joiner().unwrap()).collect();
+    let pool = CqPool::from_plan(plan, joiners, make(&dev)).unwrap();
+    let mr = B::reg_mr(&dev, 64 * 1024);
+    let log = Log::default();
+    let cap = Cap { send: 8, recv: 8 };
+    let mut live = Vec::new();
+    for c in 0..4u32 {
+        let conn = pool
+            .open(32, None, |cq, h| {
+                let reg = h
+                    .register(Recorder(log.clone()))
+                    .map_err(|e| e.to_string())?;
+                let (a, b) = B::pair(&dev, cq, cq, cap);
+                Ok::<_, String>((a, b, reg))
+            })
+            .unwrap_or_else(|e| panic!("{}: {e}", B::NAME));
+        let (a, b, reg) = &conn;
+        let rsg: Vec<_> = (0..MSGS)
+            .map(|i| [B::sge(&mr, ((c * MSGS + i) * 64) as usize, 64)])
+            .collect();
+        let mut r: Vec<_> = (0..MSGS)
+            .map(|i| B::recv_wr(c * MSGS + i, &rsg[i as usize]))
+            .collect();
+        reg.post_recv(b, &mut r).unwrap();
+        let ssg = [B::sge(&mr, 60 * 1024, 8)];
+        let mut s: Vec<_> = (0..MSGS)
+            .map(|i| B::send_wr(100_000 + c * MSGS + i, Op::Send, &ssg, true))
+            .collect();
+        reg.post_send(a, &mut s).unwrap();
+        live.push(conn);
+    }
+    let snap = pool.snapshot();
+    for p in ["tp0", "tp1"] {
+        assert!(
+            snap.iter().any(|c| c.poller == p),
+            "{}: a CQ on each poller: {snap:?}",
+            B::NAME
+        );
+    }
+    let want = (2 * MSGS * 4) as usize;
+    assert!(
+        wait_until(Duration::from_secs(30), || log.len() == want),
+        "{}: {} of {want} completions",
+        B::NAME,
+        log.len()
+    );
+    drop(live);
+    let report = cqd_core::shutdown(|| {}, pollers, []);
+    assert_clean("cq_pool_from_topology", &report);
+    let polled: usize = report.pollers.iter().map(|p| p.cqs.len()).sum();
+    assert_eq!(polled, snap.len(), "{}: the pool's CQs only", B::NAME);
+    let evs = log.snapshot();
+    assert_each_once("cq_pool_from_topology", &evs, OpKind::Recv, 0..4 * MSGS);
+    assert_each_once(
+        "cq_pool_from_topology",
+        &evs,
+        OpKind::Send,
+        100_000..100_000 + 4 * MSGS,
+    );
+}
