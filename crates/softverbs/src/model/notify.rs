@@ -460,14 +460,18 @@ mod tests {
         };
         // The disarm may land after the consumer armed again (that arm is
         // lost, and with it the next completion's event), or two producers
-        // may both fire one arm: the search meets one of them first.
-        let v = check(p, 2).expect_err("a plain disarm must fail the check");
-        // (Two producers: the search stops at the first failure, so Miri
-        // runs this one too.)
-        assert!(
-            v.what.contains("sleeps for ever") || v.what.contains("fired twice"),
-            "{v:#?}"
-        );
+        // may both fire one arm: the search meets one of them first. Under
+        // Miri only the one-producer check below runs: this module has no
+        // `unsafe` code, the plain test run makes the two-producer search,
+        // and under Miri that search alone takes longer than the rest of
+        // the module's tests.
+        if !cfg!(miri) {
+            let v = check(p, 2).expect_err("a plain disarm must fail the check");
+            assert!(
+                v.what.contains("sleeps for ever") || v.what.contains("fired twice"),
+                "{v:#?}"
+            );
+        }
         check(p, 1).expect("one producer, one CQE: nothing to lose");
     }
 }

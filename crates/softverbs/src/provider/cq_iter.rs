@@ -163,7 +163,13 @@ mod tests {
     /// is lost.
     #[test]
     fn lock_makes_one_owner_at_a_time() {
-        const ROUNDS: u64 = 20_000;
+        // Under Miri, whose scheduler switches threads inside rounds, a
+        // thousand rounds a thread take the lock at once, after failed
+        // exchanges, and (in the long holds below) after a waiter's spins
+        // ran out and it yielded: thousands of failed exchanges and of
+        // yields. At twenty thousand, Miri's time goes from 3 s to more
+        // than a minute with its random choices.
+        const ROUNDS: u64 = if cfg!(miri) { 1_000 } else { 20_000 };
         let it = CqIter::new();
         // SAFETY (test, for the Sync that UnsafeCell withholds): every
         // access to `cur` below is made while holding the lock.
@@ -175,12 +181,21 @@ mod tests {
             for _ in 0..2 {
                 let sh = &shared;
                 s.spawn(move || {
-                    for _ in 0..ROUNDS {
+                    for round in 0..ROUNDS {
                         sh.0.lock();
                         // SAFETY: we hold the lock (step 2).
                         let mut e = unsafe { sh.0.current() };
                         e.wr_id += 1;
-                        std::hint::spin_loop();
+                        // One round in 64 holds the lock longer than a
+                        // waiter spins before it yields.
+                        let spins = if round % 64 == 0 {
+                            2 * SPINS_BEFORE_YIELD
+                        } else {
+                            1
+                        };
+                        for _ in 0..spins {
+                            std::hint::spin_loop();
+                        }
                         // SAFETY: as above.
                         unsafe { sh.0.set_current(e) };
                         // SAFETY: taken at the top of this round.
