@@ -49,6 +49,7 @@ pub mod notifier;
 pub mod poller;
 pub mod pool;
 pub mod post;
+mod reply;
 pub mod shutdown;
 pub mod sink;
 pub mod slab;

@@ -640,6 +640,24 @@ impl SimCqSource {
     }
 }
 
+impl SimCqSource {
+    /// Whether the CQ can still be armed or resized: not vanished, not
+    /// destroyed, not overflowed (as on hardware, an overflowed CQ stays in
+    /// error).
+    fn armable(&self, st: &State) -> Result<(), SourceError> {
+        if st.vanished {
+            return Err(gone(&self.shared.name));
+        }
+        if st.destroyed {
+            return Err(SourceError::Backend("CQ destroyed".into()));
+        }
+        if st.overflowed {
+            return Err(SourceError::CqInError);
+        }
+        Ok(())
+    }
+}
+
 impl CompletionSource for SimCqSource {
     fn name(&self) -> &str {
         &self.shared.name
@@ -659,15 +677,7 @@ impl CompletionSource for SimCqSource {
     fn resize(&mut self, cqe: u32) -> Result<u32, SourceError> {
         check_capacity(cqe).map_err(|e| SourceError::Backend(e.to_string()))?;
         let st = self.shared.state.lock();
-        if st.vanished {
-            return Err(gone(&self.shared.name));
-        }
-        if st.destroyed {
-            return Err(SourceError::Backend("CQ destroyed".into()));
-        }
-        if st.overflowed {
-            return Err(SourceError::CqInError);
-        }
+        self.armable(&st)?;
         let now = self.shared.capacity.load(Ordering::Relaxed).max(cqe);
         self.shared.capacity.store(now, Ordering::Relaxed);
         Ok(now)
@@ -702,15 +712,7 @@ impl CompletionSource for SimCqSource {
 
     fn arm(&mut self, kind: ArmKind) -> Result<(), SourceError> {
         let mut st = self.shared.state.lock();
-        if st.vanished {
-            return Err(gone(&self.shared.name));
-        }
-        if st.destroyed {
-            return Err(SourceError::Backend("CQ destroyed".into()));
-        }
-        if st.overflowed {
-            return Err(SourceError::CqInError);
-        }
+        self.armable(&st)?;
         st.stats.arms += 1;
         if !st.inject_before_arm.is_empty() {
             // Land after the last empty poll, before the arm: not notified.

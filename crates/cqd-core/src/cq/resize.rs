@@ -26,10 +26,9 @@
 //!    answers what is queued with [`ResizeError::Stopped`]; a request
 //!    after that finds the mark (step 1). No request is left unanswered.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use crate::ledger::CloseSignal;
+use crate::reply::{self, Replier, Reply};
 use crate::sync::{AtomicBool, AtomicU32, Ordering, ShortMutex};
 
 #[cfg(all(test, loom))]
@@ -98,24 +97,19 @@ pub enum ResizeError {
 #[derive(Debug)]
 pub struct Resizing {
     cq: String,
-    signal: Arc<CloseSignal>,
-    outcome: Arc<parking_lot::Mutex<Option<Result<u32, ResizeError>>>>,
+    reply: Reply<u32, ResizeError>,
 }
 
 impl Resizing {
     fn new(cq: &str) -> (Self, Answer) {
-        let signal = CloseSignal::new();
-        let outcome = Arc::new(parking_lot::Mutex::new(None));
-        let answer = Answer {
-            signal: Arc::clone(&signal),
-            outcome: Arc::clone(&outcome),
-        };
-        let resizing = Resizing {
-            cq: cq.to_string(),
-            signal,
-            outcome,
-        };
-        (resizing, answer)
+        let (reply, answer) = reply::pair(Err(ResizeError::Stopped { cq: cq.to_string() }));
+        (
+            Resizing {
+                cq: cq.to_string(),
+                reply,
+            },
+            answer,
+        )
     }
 
     /// A request refused before it was queued.
@@ -132,19 +126,10 @@ impl Resizing {
     /// Why it was not resized; [`ResizeError::TimedOut`] if the poller had
     /// not answered by then.
     pub fn wait(&self, timeout: Duration) -> Result<u32, ResizeError> {
-        if !self.signal.wait(timeout) {
-            return Err(ResizeError::TimedOut {
+        self.reply.wait(timeout).unwrap_or_else(|| {
+            Err(ResizeError::TimedOut {
                 cq: self.cq.clone(),
                 waited: timeout,
-            });
-        }
-        self.outcome().clone()
-    }
-
-    fn outcome(&self) -> Result<u32, ResizeError> {
-        self.outcome.lock().clone().unwrap_or_else(|| {
-            Err(ResizeError::Stopped {
-                cq: self.cq.clone(),
             })
         })
     }
@@ -157,30 +142,13 @@ impl std::future::Future for Resizing {
         self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Self::Output> {
-        self.signal.poll_fired(cx).map(|()| self.outcome())
+        self.reply.poll(cx)
     }
 }
 
-/// The poller's side of one [`Resizing`]. Dropped unanswered (a panic
-/// between take and answer), it answers `Stopped`.
-pub(crate) struct Answer {
-    signal: Arc<CloseSignal>,
-    outcome: Arc<parking_lot::Mutex<Option<Result<u32, ResizeError>>>>,
-}
-
-impl Answer {
-    pub(crate) fn answer(self, outcome: Result<u32, ResizeError>) {
-        *self.outcome.lock() = Some(outcome);
-        self.signal.fire();
-    }
-}
-
-impl Drop for Answer {
-    fn drop(&mut self) {
-        // Unanswered: the waiter's outcome reads `Stopped`.
-        self.signal.fire();
-    }
-}
+/// The poller's side of one [`Resizing`]; dropped unanswered (a panic
+/// between take and answer), the resize reads `Stopped`.
+pub(crate) type Answer = Replier<u32, ResizeError>;
 
 struct Queue {
     asked: Vec<(u32, Answer)>,
@@ -287,6 +255,7 @@ impl Resizes {
 #[cfg(all(test, loom))]
 mod loom_resize {
     use super::*;
+    use crate::sync::Arc;
 
     fn model(no_re_ring: bool) {
         loom::model(move || {
@@ -315,7 +284,7 @@ mod loom_resize {
                 }
             }
             let r = asker.join().unwrap();
-            let answered = r.signal.is_fired();
+            let answered = r.reply.is_answered();
             assert!(
                 answered || (rung.load(Ordering::Acquire) && res.waiting()),
                 "a resize request stranded: unanswered, and no poll will look"
@@ -345,7 +314,7 @@ mod loom_resize {
             res.end("c");
             match asker.join().unwrap() {
                 None => {}
-                Some(r) => assert!(r.signal.is_fired(), "a request left unanswered"),
+                Some(r) => assert!(r.reply.is_answered(), "a request left unanswered"),
             }
         });
     }

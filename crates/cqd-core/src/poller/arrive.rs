@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::cq::{GroupBell, UnboundCq};
-use crate::ledger::CloseSignal;
+use crate::reply::{self, Replier, Reply};
 
 /// The doorbell note that says "arrivals" (no CQ has this index).
 pub(crate) const ARRIVAL: usize = usize::MAX;
@@ -146,23 +146,21 @@ impl<W> std::error::Error for NotJoined<W> {
 pub struct Joining {
     poller: String,
     cq: String,
-    signal: Arc<CloseSignal>,
-    outcome: Arc<parking_lot::Mutex<Option<Result<(), JoinError>>>>,
+    reply: Reply<(), JoinError>,
 }
 
 impl Joining {
     fn new(poller: &str, cq: &str) -> (Self, Answer) {
-        let signal = CloseSignal::new();
-        let outcome = Arc::new(parking_lot::Mutex::new(None));
-        let answer = Answer {
-            signal: Arc::clone(&signal),
-            outcome: Arc::clone(&outcome),
-        };
+        // Unanswered (the group's side dropped in a panic): as if the group
+        // had ended with the CQ queued.
+        let (reply, answer) = reply::pair(Err(JoinError::Ended {
+            poller: poller.to_string(),
+            cq: cq.to_string(),
+        }));
         let joining = Joining {
             poller: poller.to_string(),
             cq: cq.to_string(),
-            signal,
-            outcome,
+            reply,
         };
         (joining, answer)
     }
@@ -174,14 +172,13 @@ impl Joining {
     /// Why it did not join; [`JoinError::TimedOut`] if the group had not
     /// answered by then.
     pub fn wait(&self, timeout: Duration) -> Result<(), JoinError> {
-        if !self.signal.wait(timeout) {
-            return Err(JoinError::TimedOut {
+        self.reply.wait(timeout).unwrap_or_else(|| {
+            Err(JoinError::TimedOut {
                 poller: self.poller.clone(),
                 cq: self.cq.clone(),
                 waited: timeout,
-            });
-        }
-        self.outcome.lock().clone().unwrap_or(Ok(()))
+            })
+        })
     }
 }
 
@@ -192,24 +189,12 @@ impl std::future::Future for Joining {
         self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Self::Output> {
-        self.signal
-            .poll_fired(cx)
-            .map(|()| self.outcome.lock().clone().unwrap_or(Ok(())))
+        self.reply.poll(cx)
     }
 }
 
 /// The group's side of one [`Joining`].
-pub(crate) struct Answer {
-    signal: Arc<CloseSignal>,
-    outcome: Arc<parking_lot::Mutex<Option<Result<(), JoinError>>>>,
-}
-
-impl Answer {
-    pub(crate) fn answer(self, outcome: Result<(), JoinError>) {
-        *self.outcome.lock() = Some(outcome);
-        self.signal.fire();
-    }
-}
+pub(crate) type Answer = Replier<(), JoinError>;
 
 struct Queue<W> {
     queued: Vec<(UnboundCq<W>, Answer)>,

@@ -8,6 +8,24 @@ use crate::backend::{Backend, Cap, Op};
 use crate::support::{mode, poller, slow, wait_until, Log, Recorder};
 use crate::{assert_clean, assert_each_once};
 
+/// A poller over `cq` whose safety net is long (2 s): a completion it
+/// finds before the CQ's own notification is counted recovered, which the
+/// tests that use it refuse (a device slower than that to notify would
+/// fail them, not one that notifies).
+fn notified_poller(
+    name: &str,
+    mode_name: &str,
+    cq: cqd_core::UnboundCq<cqd_core::NoWork>,
+) -> cqd_core::PollerThread {
+    cqd_core::PollerBuilder::new(name, cqd_core::NoSink)
+        .mode(mode(mode_name))
+        .wake_timeout(Duration::from_secs(2))
+        .drain_timeout(Duration::from_secs(10) * slow())
+        .cq(cq)
+        .spawn()
+        .expect("spawn the poller")
+}
+
 /// CQs added to a running poller, in every mode, while its first CQ has
 /// traffic: one with a notification descriptor of its own, then two on one
 /// shared completion channel (the second finds the channel registered).
@@ -22,16 +40,7 @@ pub fn grow_running<B: Backend>(mode_name: &str) {
     let (cq_a, ua, ha) = B::dispatched_cq(&dev, "grow-a", 1024, true);
     let log = Log::default();
     let reg_a = ha.register(Recorder(log.clone())).unwrap();
-    // A long safety net: a completion it finds before the CQ's own
-    // notification is counted recovered, which the test refuses (a device
-    // slower than that to notify would fail it, not one that notifies).
-    let t = cqd_core::PollerBuilder::new("grow", cqd_core::NoSink)
-        .mode(mode(mode_name))
-        .wake_timeout(Duration::from_secs(2))
-        .drain_timeout(Duration::from_secs(10) * slow())
-        .cq(ua)
-        .spawn()
-        .expect("spawn the poller");
+    let t = notified_poller("grow", mode_name, ua);
     let chan = B::channel(&dev);
     let (cq_b, ub, hb) = B::dispatched_cq(&dev, "grow-b", 1024, true);
     let (cq_c, uc, hc) = B::dispatched_cq_on(&dev, "grow-c", 1024, &chan);
@@ -362,13 +371,7 @@ pub fn resize_running<B: Backend>(mode_name: &str) {
     let (cq, u, h) = B::dispatched_cq(&dev, "resize", 64, true);
     let log = Log::default();
     let reg = h.register(Recorder(log.clone())).unwrap();
-    let t = cqd_core::PollerBuilder::new("resize", cqd_core::NoSink)
-        .mode(mode(mode_name))
-        .wake_timeout(Duration::from_secs(2))
-        .drain_timeout(Duration::from_secs(10) * slow())
-        .cq(u)
-        .spawn()
-        .expect("spawn the poller");
+    let t = notified_poller("resize", mode_name, u);
     let budget = h.budget().expect("admission on");
     let before = h.capacity();
     assert_eq!(budget.capacity(), before);
