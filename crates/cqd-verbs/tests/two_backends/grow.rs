@@ -156,6 +156,43 @@ pub fn join_as_it_stops<B: Backend>(mode_name: &str) {
     }
 }
 
+/// A connection from `pool` (a QP pair on the CQ it gives, 32 entries of
+/// admission, a handler recording into `log`) with `msgs` messages sent on
+/// it: receives tagged from `tag`, sends from `100_000 + tag`.
+fn open_with_messages<B: Backend>(
+    pool: &cqd_core::CqPool<B::Cq, cqd_core::NoWork>,
+    dev: &B::Dev,
+    mr: &B::Mr,
+    log: &Log,
+    tag: u32,
+    msgs: u32,
+) -> (B::Qp, B::Qp, cqd_core::Registration) {
+    let cap = Cap { send: 8, recv: 8 };
+    let conn = pool
+        .open(32, None, |cq, h| {
+            let reg = h
+                .register(Recorder(log.clone()))
+                .map_err(|e| e.to_string())?;
+            let (a, b) = B::pair(dev, cq, cq, cap);
+            Ok::<_, String>((a, b, reg))
+        })
+        .unwrap_or_else(|e| panic!("{}: {e}", B::NAME));
+    let (a, b, reg) = &conn;
+    let rsg: Vec<_> = (0..msgs)
+        .map(|i| [B::sge(mr, (((tag + i) % 512) * 64) as usize, 64)])
+        .collect();
+    let mut r: Vec<_> = (0..msgs)
+        .map(|i| B::recv_wr(tag + i, &rsg[i as usize]))
+        .collect();
+    reg.post_recv(b, &mut r).unwrap();
+    let ssg = [B::sge(mr, 60 * 1024, 8)];
+    let mut s: Vec<_> = (0..msgs)
+        .map(|i| B::send_wr(100_000 + tag + i, Op::Send, &ssg, true))
+        .collect();
+    reg.post_send(a, &mut s).unwrap();
+    conn
+}
+
 /// A CQ pool over two running pollers: connections (a QP pair on one CQ,
 /// 32 entries of admission) come and go with traffic. The pool grows past
 /// its first CQ's capacity onto both pollers, the way its fit says; a
@@ -182,33 +219,10 @@ pub fn cq_pool<B: Backend>(mode_name: &str) {
         Ok(B::dispatched_cq(&maker, name, cqe, true))
     })
     .fit(Fit::LeastUsed);
-    let cap = Cap { send: 8, recv: 8 };
     let mut tag = 0;
     let mut open = |live: &mut Vec<_>| {
-        let conn = pool
-            .open(32, None, |cq, h| {
-                let reg = h
-                    .register(Recorder(log.clone()))
-                    .map_err(|e| e.to_string())?;
-                let (a, b) = B::pair(&dev, cq, cq, cap);
-                Ok::<_, String>((a, b, reg))
-            })
-            .unwrap_or_else(|e| panic!("{}: {e}", B::NAME));
-        let (a, b, reg) = &conn;
-        let rsg: Vec<_> = (0..MSGS)
-            .map(|i| [B::sge(&mr, (((tag + i) % 512) * 64) as usize, 64)])
-            .collect();
-        let mut r: Vec<_> = (0..MSGS)
-            .map(|i| B::recv_wr(tag + i, &rsg[i as usize]))
-            .collect();
-        reg.post_recv(b, &mut r).unwrap();
-        let ssg = [B::sge(&mr, 60 * 1024, 8)];
-        let mut s: Vec<_> = (0..MSGS)
-            .map(|i| B::send_wr(100_000 + tag + i, Op::Send, &ssg, true))
-            .collect();
-        reg.post_send(a, &mut s).unwrap();
+        live.push(open_with_messages::<B>(&pool, &dev, &mr, &log, tag, MSGS));
         tag += MSGS;
-        live.push(conn);
     };
     let mut live = Vec::new();
     open(&mut live);
@@ -588,32 +602,16 @@ pub fn cq_pool_from_topology<B: Backend>(mode_name: &str) {
     let pool = CqPool::from_plan(plan, joiners, make(&dev)).unwrap();
     let mr = B::reg_mr(&dev, 64 * 1024);
     let log = Log::default();
-    let cap = Cap { send: 8, recv: 8 };
     let mut live = Vec::new();
     for c in 0..4u32 {
-        let conn = pool
-            .open(32, None, |cq, h| {
-                let reg = h
-                    .register(Recorder(log.clone()))
-                    .map_err(|e| e.to_string())?;
-                let (a, b) = B::pair(&dev, cq, cq, cap);
-                Ok::<_, String>((a, b, reg))
-            })
-            .unwrap_or_else(|e| panic!("{}: {e}", B::NAME));
-        let (a, b, reg) = &conn;
-        let rsg: Vec<_> = (0..MSGS)
-            .map(|i| [B::sge(&mr, ((c * MSGS + i) * 64) as usize, 64)])
-            .collect();
-        let mut r: Vec<_> = (0..MSGS)
-            .map(|i| B::recv_wr(c * MSGS + i, &rsg[i as usize]))
-            .collect();
-        reg.post_recv(b, &mut r).unwrap();
-        let ssg = [B::sge(&mr, 60 * 1024, 8)];
-        let mut s: Vec<_> = (0..MSGS)
-            .map(|i| B::send_wr(100_000 + c * MSGS + i, Op::Send, &ssg, true))
-            .collect();
-        reg.post_send(a, &mut s).unwrap();
-        live.push(conn);
+        live.push(open_with_messages::<B>(
+            &pool,
+            &dev,
+            &mr,
+            &log,
+            c * MSGS,
+            MSGS,
+        ));
     }
     let snap = pool.snapshot();
     for p in ["tp0", "tp1"] {
