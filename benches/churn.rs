@@ -57,6 +57,10 @@ use cqd::sim::{
     Access, Cq, CqConfig, Fabric, Modify, Mr, Pd, Qp, QpCap, QpInit, RecvWr, SendWr, Srq, WrOp,
 };
 
+#[path = "common/pin.rs"]
+mod pin;
+use pin::pin;
+
 /// Connections that keep one request in flight each.
 const STEADY: usize = 8;
 /// The SRQ's receives, all kept posted.
@@ -237,20 +241,6 @@ fn connect(qp: &Qp, peer: u32) {
         retry_cnt: 7,
     })
     .expect("RTS");
-}
-
-/// Pins the calling thread (the server's poller) to `cpu` on a machine with
-/// two or more.
-fn pin(cpu: usize) -> Result<(), String> {
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if cpus < 2 {
-        return Ok(());
-    }
-    if core_affinity::set_for_current(core_affinity::CoreId { id: cpu }) {
-        Ok(())
-    } else {
-        Err(format!("could not pin to CPU {cpu}"))
-    }
 }
 
 /// What opening a connection needs.

@@ -44,6 +44,10 @@ use cqd::core::{
 };
 use cqd::sim::{sim_cq, Faults, SimChannel, SimCq};
 
+#[path = "common/pin.rs"]
+mod pin;
+use pin::pin;
+
 const CAPACITY: u32 = 4096;
 
 /// Busy completions per poller CPU-second (M/s), by group size.
@@ -76,20 +80,6 @@ impl Handler for Probe {
     fn on_recv(&mut self, _: &RecvDone<'_>, _: &mut Outbox<'_, NoWork>) {}
     fn on_error(&mut self, f: &Failed<'_>, _: &mut Outbox<'_, NoWork>) {
         panic!("unexpected error completion: {}", f.status());
-    }
-}
-
-/// Pins the calling thread (the poller) to `cpu` on a machine with two or
-/// more.
-fn pin(cpu: usize) -> Result<(), String> {
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if cpus < 2 {
-        return Ok(());
-    }
-    if core_affinity::set_for_current(core_affinity::CoreId { id: cpu }) {
-        Ok(())
-    } else {
-        Err(format!("could not pin to CPU {cpu}"))
     }
 }
 

@@ -368,7 +368,7 @@ impl<C, W: Send + 'static> CqPool<C, W> {
             return None;
         }
         let srq_part = srq.map_or(0, |(_, d)| u64::from(d));
-        let can = st.members.iter().enumerate().filter_map(|(i, m)| {
+        let mut can = st.members.iter().enumerate().filter_map(|(i, m)| {
             let b = m.handle.budget()?;
             let (capacity, reserved) = (b.capacity(), b.reserved());
             let needed = reserved + u64::from(entries) + srq_part;
@@ -377,7 +377,7 @@ impl<C, W: Send + 'static> CqPool<C, W> {
             (target > capacity && needed <= u64::from(target)).then_some((i, reserved, target))
         });
         let (i, _, target) = match self.fit {
-            Fit::First => can.into_iter().next(),
+            Fit::First => can.next(),
             Fit::LeastUsed => can.min_by_key(|&(i, r, _)| (r, i)),
         }?;
         let m = &st.members[i];

@@ -178,6 +178,23 @@ fn open_with_messages<B: Backend>(
         })
         .unwrap_or_else(|e| panic!("{}: {e}", B::NAME));
     let (a, b, reg) = &conn;
+    post_messages::<B>(reg, a, b, mr, tag, msgs, false);
+    conn
+}
+
+/// `msgs` messages from `a` to `b`, `b`'s receives posted first: receives
+/// tagged from `tag`, sends from `100_000 + tag`. `spaced`: a pause of
+/// 1 ms before every fourth send, so that a sleeping poller must be woken
+/// by the CQ's notification.
+fn post_messages<B: Backend>(
+    reg: &cqd_core::Registration,
+    a: &B::Qp,
+    b: &B::Qp,
+    mr: &B::Mr,
+    tag: u32,
+    msgs: u32,
+    spaced: bool,
+) {
     let rsg: Vec<_> = (0..msgs)
         .map(|i| [B::sge(mr, (((tag + i) % 512) * 64) as usize, 64)])
         .collect();
@@ -186,11 +203,16 @@ fn open_with_messages<B: Backend>(
         .collect();
     reg.post_recv(b, &mut r).unwrap();
     let ssg = [B::sge(mr, 60 * 1024, 8)];
-    let mut s: Vec<_> = (0..msgs)
-        .map(|i| B::send_wr(100_000 + tag + i, Op::Send, &ssg, true))
-        .collect();
-    reg.post_send(a, &mut s).unwrap();
-    conn
+    for i in 0..msgs {
+        if spaced && i % 4 == 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        reg.post_send(
+            a,
+            &mut [B::send_wr(100_000 + tag + i, Op::Send, &ssg, true)],
+        )
+        .unwrap();
+    }
 }
 
 /// A CQ pool over two running pollers: connections (a QP pair on one CQ,
@@ -324,26 +346,50 @@ pub fn cq_pool<B: Backend>(mode_name: &str) {
     assert_each_once("cq_pool", &evs, OpKind::Send, sends);
 }
 
+/// A pool of CQs of 64 entries over one running poller (which polls a
+/// seed CQ of its own), with `fit`; the seed is returned to be kept.
+fn one_poller_pool<B: Backend>(
+    name: &str,
+    mode_name: &str,
+    fit: cqd_core::Fit,
+) -> (
+    std::sync::Arc<B::Dev>,
+    cqd_core::PollerThread,
+    cqd_core::CqPool<B::Cq, cqd_core::NoWork>,
+    impl Sized,
+) {
+    let dev = std::sync::Arc::new(B::open());
+    let (s0, u0, h0) = B::dispatched_cq(&dev, &format!("{name}-seed"), 16, false);
+    let t = poller(name, mode(mode_name), vec![u0]);
+    let maker = std::sync::Arc::clone(&dev);
+    let pool = cqd_core::CqPool::new(name, 64, vec![t.joiner().unwrap()], move |name, cqe| {
+        Ok(B::dispatched_cq(&maker, name, cqe, true))
+    })
+    .fit(fit);
+    (dev, t, pool, (s0, h0))
+}
+
+/// A QP on the CQ `pool` gives, 8 deep each way (16 entries of
+/// admission).
+fn open_qp16<B: Backend>(
+    pool: &cqd_core::CqPool<B::Cq, cqd_core::NoWork>,
+    dev: &B::Dev,
+    live: &mut Vec<B::Qp>,
+) {
+    let cap = Cap { send: 8, recv: 8 };
+    live.push(
+        pool.open(16, None, |cq, _| Ok::<_, String>(B::qp(dev, cq, cq, cap)))
+            .unwrap_or_else(|e| panic!("{}: {e}", B::NAME)),
+    );
+}
+
 /// First fit fills the first CQ before the next: with one connection of
 /// a full first CQ closed, the next goes back there, where least used
 /// would choose the emptier second CQ.
 pub fn cq_pool_first_fit<B: Backend>(mode_name: &str) {
     use cqd_core::{CqPool, Fit};
-    let dev = std::sync::Arc::new(B::open());
-    let (_s0, u0, _h0) = B::dispatched_cq(&dev, "seed-0", 16, false);
-    let t = poller("ff", mode(mode_name), vec![u0]);
-    let maker = std::sync::Arc::clone(&dev);
-    let pool = CqPool::new("ff", 64, vec![t.joiner().unwrap()], move |name, cqe| {
-        Ok(B::dispatched_cq(&maker, name, cqe, true))
-    })
-    .fit(Fit::First);
-    let cap = Cap { send: 8, recv: 8 };
-    let open = |live: &mut Vec<_>| {
-        live.push(
-            pool.open(16, None, |cq, _| Ok::<_, String>(B::qp(&dev, cq, cq, cap)))
-                .unwrap(),
-        );
-    };
+    let (dev, t, pool, _seed) = one_poller_pool::<B>("ff", mode_name, Fit::First);
+    let open = |live: &mut Vec<_>| open_qp16::<B>(&pool, &dev, live);
     let mut live = Vec::new();
     open(&mut live);
     let capacity = pool.snapshot()[0].capacity;
@@ -392,28 +438,9 @@ pub fn resize_running<B: Backend>(mode_name: &str) {
     let cap = Cap { send: 8, recv: 8 };
     let mut pairs = Vec::new();
     let mut tag = 0;
-    let ssg = [B::sge(&mr, 60 * 1024, 8)];
     let traffic = |pairs: &Vec<(B::Qp, B::Qp)>, tag: &mut u32| {
         for (k, (a, b)) in pairs.iter().enumerate() {
-            let rsg: Vec<_> = (0..N)
-                .map(|i| [B::sge(&mr, (((*tag + i) % 512) * 64) as usize, 64)])
-                .collect();
-            let mut r: Vec<_> = (0..N)
-                .map(|i| B::recv_wr(*tag + i, &rsg[i as usize]))
-                .collect();
-            reg.post_recv(b, &mut r).unwrap();
-            for i in 0..N {
-                // Spaced out, so that a sleeping poller must be woken by
-                // the CQ's notification.
-                if k % 4 == 0 && i % 4 == 0 {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                reg.post_send(
-                    a,
-                    &mut [B::send_wr(100_000 + *tag + i, Op::Send, &ssg, true)],
-                )
-                .unwrap();
-            }
+            post_messages::<B>(&reg, a, b, &mr, *tag, N, k % 4 == 0);
             *tag += N;
         }
     };
@@ -497,23 +524,10 @@ pub fn resize_running<B: Backend>(mode_name: &str) {
 /// before the pool makes a second CQ; every CQ's admission counts what its
 /// resizes made, and the stop is clean.
 pub fn cq_pool_resize<B: Backend>(mode_name: &str) {
-    use cqd_core::{CqPool, Fit};
-    let dev = std::sync::Arc::new(B::open());
-    let (_s0, u0, _h0) = B::dispatched_cq(&dev, "seed-0", 16, false);
-    let t = poller("rp", mode(mode_name), vec![u0]);
-    let maker = std::sync::Arc::clone(&dev);
-    let pool = CqPool::new("rp", 64, vec![t.joiner().unwrap()], move |name, cqe| {
-        Ok(B::dispatched_cq(&maker, name, cqe, true))
-    })
-    .fit(Fit::LeastUsed);
+    use cqd_core::Fit;
+    let (dev, t, pool, _seed) = one_poller_pool::<B>("rp", mode_name, Fit::LeastUsed);
     let mut live = Vec::new();
-    let open = |pool: &CqPool<_, _>, live: &mut Vec<_>| {
-        let cap = Cap { send: 8, recv: 8 };
-        live.push(
-            pool.open(16, None, |cq, _| Ok::<_, String>(B::qp(&dev, cq, cq, cap)))
-                .unwrap_or_else(|e| panic!("{}: {e}", B::NAME)),
-        );
-    };
+    let open = |pool: &cqd_core::CqPool<_, _>, live: &mut Vec<_>| open_qp16::<B>(pool, &dev, live);
     open(&pool, &mut live);
     // The limit, from what the device made of the first CQ.
     let first = pool.snapshot()[0].capacity;
