@@ -259,12 +259,30 @@ impl CqInner {
         self.source_alive.load(Ordering::Acquire)
     }
 
-    /// Keeps a flushed QP until its completions are accounted.
-    pub(crate) fn bury(&self, qp: QpInner) {
+    /// Keeps a QP the application let go until its completions are
+    /// accounted, and has this CQ's poller destroy it (on its own thread:
+    /// the CQ is single-threaded, and the destroy cleans it, which would
+    /// race a poll). The poller reaps at its next look at its
+    /// asynchronous events, which the inbox's ask wakes it for: a QP ready
+    /// already, or made ready by a poller between the check and the keep
+    /// (whose reap then found nothing to take), goes then; one not ready
+    /// goes with the poll that makes it ready.
+    pub(crate) fn bury(&self, mut qp: QpInner) {
         if let Some(u) = &qp.srq_user {
             u.waits_in(&self.grave);
         }
-        self.grave.bury(Box::new(qp));
+        let ready = qp.ready();
+        if ready {
+            // It writes no completion any more (nothing outstanding, and
+            // its SRQ use, if any, quiesced): its room in the CQs is free
+            // now, before the destroy.
+            drop(std::mem::take(&mut qp._admissions));
+        }
+        self.grave.keep(Box::new(qp));
+        if !self.channel.inbox.push_reap(self.token) {
+            // No source: nobody polls the CQ, the destroy races nothing.
+            self.grave.reap();
+        }
         if !self.poller_alive() {
             // The source went meanwhile: nobody will reap it.
             self.grave.release_all();
@@ -744,7 +762,13 @@ impl CompletionSource for VerbsCqSource {
 
     #[inline]
     fn take_async_event(&mut self) -> Option<AsyncEvent> {
-        self.cq.channel.inbox.take(self.cq.token)
+        let inbox = &self.cq.channel.inbox;
+        if inbox.take_reap(self.cq.token) {
+            // A QP let go ready to be destroyed (`CqInner::bury`): here, on
+            // the CQ's polling thread, between two polls.
+            self.cq.grave.reap();
+        }
+        inbox.take(self.cq.token)
     }
 
     fn destroy(&mut self) -> Result<(), SourceError> {

@@ -10,6 +10,12 @@
 //! with nothing to take. With nothing pending, a take is one atomic load
 //! (the poller calls it on every loop in Busy mode).
 //!
+//! Besides events, a CQ can be asked to reap its graveyard on its poller's
+//! thread ([`push_reap`](AsyncInbox::push_reap)): a QP whose CQs are
+//! single-threaded may be destroyed only there (its destroy cleans the
+//! CQs, which would race the poller's poll). A reap request counts as
+//! pending for the invariant, like an event.
+//!
 //! Only CQs whose source is alive take events, so the inbox keeps their
 //! tokens ([`open`](AsyncInbox::open) / [`close`](AsyncInbox::close)):
 //! an event for any other CQ is dropped (traced) rather than kept where no
@@ -35,7 +41,15 @@ pub(crate) struct AsyncInbox {
 #[derive(Debug, Default)]
 struct State {
     events: Vec<(u64, AsyncEvent)>,
+    /// CQs asked to reap their graveyard.
+    reaps: HashSet<u64>,
     live: HashSet<u64>,
+}
+
+impl State {
+    fn pending(&self) -> usize {
+        self.events.len() + self.reaps.len()
+    }
 }
 
 impl AsyncInbox {
@@ -61,6 +75,7 @@ impl AsyncInbox {
         let mut st = self.state.lock();
         st.live.remove(&token);
         st.events.retain(|(t, _)| *t != token);
+        st.reaps.remove(&token);
         self.settle(&st);
     }
 
@@ -72,9 +87,28 @@ impl AsyncInbox {
             return;
         }
         st.events.push((token, ev));
-        self.len.store(st.events.len(), Ordering::Release);
-        if st.events.len() == 1 {
-            // Empty → non-empty: readable (under the lock: the invariant).
+        self.raise(&st);
+    }
+
+    /// Asks CQ `token`'s poller to reap its graveyard (once, however many
+    /// asks come before it takes it); nothing if the CQ has no source.
+    /// False then: the caller reaps itself, nobody polls the CQ.
+    pub(crate) fn push_reap(&self, token: u64) -> bool {
+        let mut st = self.state.lock();
+        if !st.live.contains(&token) {
+            return false;
+        }
+        if st.reaps.insert(token) {
+            self.raise(&st);
+        }
+        true
+    }
+
+    /// After an addition: publishes the length and, on empty → non-empty,
+    /// makes the eventfd readable (under the lock: the invariant).
+    fn raise(&self, st: &State) {
+        self.len.store(st.pending(), Ordering::Release);
+        if st.pending() == 1 {
             if let Err(e) = rustix::io::write(&self.efd, &1u64.to_ne_bytes()) {
                 tracing::error!(error = %e, "async inbox: eventfd write failed");
             }
@@ -84,8 +118,8 @@ impl AsyncInbox {
     /// After a removal: publishes the length and, if empty, drains the
     /// eventfd (non-empty → empty, under the lock: the invariant).
     fn settle(&self, st: &State) {
-        let was = self.len.swap(st.events.len(), Ordering::AcqRel);
-        if was > 0 && st.events.is_empty() {
+        let was = self.len.swap(st.pending(), Ordering::AcqRel);
+        if was > 0 && st.pending() == 0 {
             let mut buf = [0u8; 8];
             let _ = rustix::io::read(&self.efd, &mut buf);
         }
@@ -98,6 +132,20 @@ impl AsyncInbox {
             return None;
         }
         self.take_slow(token)
+    }
+
+    /// Whether CQ `token` was asked to reap (the ask is taken).
+    #[inline]
+    pub(crate) fn take_reap(&self, token: u64) -> bool {
+        if self.len.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        let mut st = self.state.lock();
+        let asked = st.reaps.remove(&token);
+        if asked {
+            self.settle(&st);
+        }
+        asked
     }
 
     #[cold]
@@ -160,6 +208,26 @@ mod tests {
         assert_eq!(i.len(), 0);
         i.push(1, AsyncEvent::Other(99));
         assert!(readable(&i));
+    }
+
+    #[test]
+    fn a_reap_request_is_pending_until_taken_and_asked_once() {
+        let i = AsyncInbox::new().unwrap();
+        i.open(1);
+        assert!(!i.push_reap(2), "no source: the caller reaps");
+        assert!(i.push_reap(1));
+        assert!(i.push_reap(1));
+        assert!(readable(&i));
+        assert_eq!(i.len(), 1, "asked once");
+        i.push(1, AsyncEvent::DeviceFatal);
+        assert!(i.take_reap(1));
+        assert!(!i.take_reap(1));
+        assert!(readable(&i), "the event is still there");
+        assert_eq!(i.take(1), Some(AsyncEvent::DeviceFatal));
+        assert!(!readable(&i));
+        assert!(i.push_reap(1));
+        i.close(1);
+        assert!(!readable(&i) && i.len() == 0);
     }
 
     #[test]

@@ -500,7 +500,7 @@ pub(crate) struct QpInner {
     pins: Pins,
     /// Its memory windows, deallocated before it is destroyed.
     windows: crate::window::Windows,
-    _admissions: Vec<Admission>,
+    pub(crate) _admissions: Vec<Admission>,
 }
 
 // SAFETY: libibverbs QPs may be posted to and modified from any thread;
@@ -529,7 +529,7 @@ impl QpInner {
     /// the QP can retire anything of it. Under
     /// [`Teardown::DestroyThenQuiesce`] the SRQ use is quiesced after the
     /// destroy (the drop below).
-    fn ready(&self) -> bool {
+    pub(crate) fn ready(&self) -> bool {
         self.outstanding() == 0
             && self.srq_user.as_ref().is_none_or(|u| {
                 self.teardown == Teardown::DestroyThenQuiesce
@@ -1399,10 +1399,23 @@ impl Drop for Qp {
     fn drop(&mut self) {
         // SAFETY: `drop` runs once and `self.inner` is not used after.
         let inner = unsafe { std::mem::ManuallyDrop::take(&mut self.inner) };
-        // A QP on an SRQ goes to the error state first whatever it holds:
-        // only then does it take no more of the SRQ's receives.
-        if (inner.outstanding() == 0 && inner.srq_user.is_none()) || !inner.send_cq.poller_alive() {
+        // Nobody polls its CQ: the destroy races no poll.
+        if !inner.send_cq.poller_alive() {
             drop(inner);
+            return;
+        }
+        // Nothing to flush: destroyed now on a device that keeps a
+        // destroyed QP's completions (its destroy touches no CQ), else by
+        // its send CQ's poller, on its own thread (`CqInner::bury`). A QP
+        // on an SRQ goes to the error state first whatever it holds: only
+        // then does it take no more of the SRQ's receives.
+        if inner.outstanding() == 0 && inner.srq_user.is_none() {
+            if inner.teardown == Teardown::DestroyThenQuiesce {
+                drop(inner);
+            } else {
+                let cq = Arc::clone(&inner.send_cq);
+                cq.bury(inner);
+            }
             return;
         }
         // Flush everything, and let the poller retire the flushes before
@@ -1435,7 +1448,7 @@ impl Drop for Qp {
                     "no drain marker: the unsignaled requests at the end of the send queue stay outstanding");
             }
         }
-        if inner.ready() {
+        if inner.ready() && inner.teardown == Teardown::DestroyThenQuiesce {
             drop(inner);
             return;
         }

@@ -516,6 +516,14 @@ impl Graveyard {
         self.reap();
     }
 
+    /// Keeps `z` until a reap finds it ready, ready or not now: for a
+    /// backend whose destroy must run on the CQ's poller thread, which it
+    /// asks to reap.
+    pub fn keep(&self, z: Box<dyn Zombie>) {
+        self.zombies.lock().push(z);
+        self.any.store(true, Ordering::Release);
+    }
+
     /// True when something waits (one load: the poller's check between
     /// polls).
     #[inline]

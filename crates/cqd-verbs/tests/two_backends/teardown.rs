@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use cqd_core::{OpKind, PostSend};
+use cqd_core::{CompletionSource, OpKind, PostSend};
 
 use crate::backend::{Backend, Cap, Op};
 use crate::support::{mode, poller, wait_until, Log, Recorder};
@@ -272,7 +272,7 @@ pub fn churn<B: Backend>(mode_name: &str) {
     let cycles = B::CHURN_CYCLES;
     let dev = B::open();
     let (cq, u, h) = B::dispatched_cq(&dev, "churn", 16 * 1024, true);
-    let (ccq, _csrc) = B::cq(&dev, "churn-clients", 16 * 1024, true);
+    let (ccq, mut csrc) = B::cq(&dev, "churn-clients", 16 * 1024, true);
     let srq = B::srq(&dev, SRQ_DEPTH);
     let log = Log::default();
     let reg = h.register(Recorder(log.clone())).unwrap();
@@ -327,6 +327,10 @@ pub fn churn<B: Backend>(mode_name: &str) {
         );
         B::close(old_server).wait(Duration::from_secs(30)).unwrap();
         drop(old_client);
+        // A QP let go is destroyed on the thread that polls its CQ (a
+        // destroy cleans the CQ): this one, for the clients' CQ, between
+        // two looks at its events.
+        while csrc.take_async_event().is_some() {}
         if posted - (log.len() as u32) < SRQ_DEPTH / 4 {
             post(SRQ_DEPTH / 4, &mut posted);
         }
