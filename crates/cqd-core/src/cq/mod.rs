@@ -818,8 +818,11 @@ impl<W: Send + 'static> CqPoller<W> {
         }
     }
 
-    /// Handles pending asynchronous events: counts them, traces them at
-    /// error level, and returns how many there were. A backend's
+    /// Handles pending asynchronous events: counts them, traces them (a
+    /// CQ's or device's at error level, a QP's or SRQ's at warning level,
+    /// and a QP's `LastWqeReached`, the usual end of a QP on an SRQ that
+    /// step 2 of `ledger::teardown` waits for, at debug level), and
+    /// returns how many there were. A backend's
     /// [`AsyncEvent::QpDestroyed`] is taken here too (step 2' of
     /// `ledger::teardown`), neither counted nor traced as a device's event.
     pub fn check_async(&mut self) -> usize {
@@ -857,6 +860,12 @@ impl<W: Send + 'static> CqPoller<W> {
                     .publish_overflow(self.core.overflows, budget);
             } else {
                 match ev {
+                    AsyncEvent::Qp {
+                        kind: crate::event::QpEvent::LastWqeReached,
+                        ..
+                    } => {
+                        tracing::debug!(cq = %self.core.shared.name, event = ?ev, "asynchronous event")
+                    }
                     AsyncEvent::Qp { .. } | AsyncEvent::Srq { .. } => {
                         tracing::warn!(cq = %self.core.shared.name, event = ?ev, "asynchronous event")
                     }
