@@ -131,6 +131,18 @@ if [[ ${1:-} == --guest ]]; then
         echo "FAIL demo_one_process (rc=$rc)"; tail -40 "$l"; fail=$((fail + 1))
     fi
 
+    # 4a. The same with connections that come and go (10 a second): the
+    #     server's QPs on its SRQ, closed while the others run.
+    l=$LOGS/demo_churn.log rc=0
+    timeout 180 "$DEMO" --backend verbs --device "$dev" --gid-index "$gid" --quick --churn 10 >"$l" 2>&1 || rc=$?
+    if [[ $rc -eq 0 ]] && grep -q 'verdict data:     PASSED' "$l" && grep -q 'verdict accounts: PASSED' "$l" \
+        && grep -Eq '^churn +[1-9][0-9]* connections closed and reopened, .* 0 failed' "$l"; then
+        passed=$((passed + 1))
+        echo "ok   demo_churn:"; grep -E '^(load +[0-9]|latency|churn|verdict)' "$l" | sed 's/^/       /'
+    else
+        echo "FAIL demo_churn (rc=$rc)"; tail -40 "$l"; fail=$((fail + 1))
+    fi
+
     # 4b. The demo as two processes, serve and load, over the TCP exchange
     #     on this VM's loopback.
     sl=$LOGS/demo_serve.log ll=$LOGS/demo_load.log src=0 lrc=0

@@ -378,6 +378,16 @@ if timeout 120 "$RUN" "$DEMO" --backend verbs --device softverbs0 --quick >"$l" 
 else
     echo "FAIL demo_one_process"; cat "$l"; demo_fail=$((demo_fail + 1))
 fi
+# Connections that come and go: 50 closes a second on both sides while the
+# others run, the server's QPs on its SRQ, its CQ from its pool.
+l=$LOGS/demo_churn.log
+if timeout 120 "$RUN" "$DEMO" --backend verbs --device softverbs0 --quick --churn 50 >"$l" 2>&1 \
+    && grep -q 'verdict data:     PASSED' "$l" && grep -q 'verdict accounts: PASSED' "$l" \
+    && grep -Eq '^churn +[1-9][0-9]* connections closed and reopened, .* 0 failed' "$l"; then
+    echo "ok   demo_churn:"; grep -E '^(load +[0-9]|latency|churn|verdict)' "$l" | sed 's/^/       /'
+else
+    echo "FAIL demo_churn"; cat "$l"; demo_fail=$((demo_fail + 1))
+fi
 if [[ $demo_fail -ne 0 ]]; then exit 1; fi
 # Its tests on the device: both forms as processes, each peer killed
 # mid-run, rdma_cm; and, without a device, one that does not exist and a

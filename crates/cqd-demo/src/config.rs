@@ -220,6 +220,14 @@ pub struct Args {
     /// One-process runs only.
     #[arg(long)]
     pub naive_server: bool,
+    /// Close and reopen connections during the load, RATE a second (the
+    /// oldest first): each stops taking new requests, finishes those in
+    /// flight, closes on both sides while the others run, and a new one
+    /// to the same server takes its place. The report gives the closes a
+    /// second reached and the other connections' latency meanwhile.
+    /// One-process runs, cqd's server.
+    #[arg(long, value_name = "RATE")]
+    pub churn: Option<f64>,
     /// A request older than this fails its connection.
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     pub op_timeout: Duration,
@@ -342,6 +350,9 @@ pub struct Config {
     pub prometheus: Option<SocketAddr>,
     /// Trace every completion of every CQ.
     pub trace_completions: bool,
+    /// Connections closed and reopened a second during the load
+    /// (`--churn`).
+    pub churn: Option<f64>,
 }
 
 /// The most memory the devices of one run may take.
@@ -373,6 +384,20 @@ impl Args {
                 "--naive-server is for one-process runs (no command), the benchmark baseline"
                     .into(),
             );
+        }
+        if let Some(rate) = self.churn {
+            if command != Command::Run || self.naive_server {
+                return bad(
+                    "--churn is for one-process runs (no command) of cqd's server: the two-process \
+                     protocol has no close of one connection yet, and the naive baseline no close"
+                        .into(),
+                );
+            }
+            if !(rate.is_finite() && rate > 0.0 && rate <= 100_000.0) {
+                return bad(format!(
+                    "--churn {rate}: give the closes a second, more than 0 and at most 100000"
+                ));
+            }
         }
         if backend == BackendKind::Verbs && !cfg!(feature = "verbs") {
             return bad(NO_VERBS.into());
@@ -574,6 +599,7 @@ impl Args {
             mode: self.mode,
             workers: self.workers,
             naive_server: self.naive_server,
+            churn: self.churn,
             op_timeout: self.op_timeout,
             drain_timeout: self.drain_timeout,
             fault_rate: self.fault_rate,

@@ -214,6 +214,11 @@ pub struct LoadConn<N: Node> {
     block_size: u32,
     slots: Vec<Mutex<Slot>>,
     dead: AtomicBool,
+    /// Closing ([`Load::close`]): issues nothing more, and its flushes
+    /// are its end, not a failure.
+    retiring: AtomicBool,
+    /// The load CQ it is on.
+    cq: usize,
     shared: Arc<LoadShared>,
     hist: Mutex<Histogram<u64>>,
     latency: crate::prom::Latency,
@@ -291,6 +296,16 @@ impl<N: Node> LoadConn<N> {
         self.dead.load(Ordering::Acquire)
     }
 
+    /// The load CQ it is on.
+    pub fn cq(&self) -> usize {
+        self.cq
+    }
+
+    /// True when no request is in flight on it.
+    fn is_idle(&self) -> bool {
+        self.slots.iter().all(|s| s.lock().op.is_none())
+    }
+
     /// Issues a request on every idle slot.
     pub fn kick(&self) {
         for slot in 0..self.depth {
@@ -305,7 +320,7 @@ impl<N: Node> LoadConn<N> {
         let v = &*sh.verifier;
         let spec = &sh.spec;
         let mut s = self.slots[slot as usize].lock();
-        if s.op.is_some() || self.is_dead() {
+        if s.op.is_some() || self.is_dead() || self.retiring.load(Ordering::Acquire) {
             return false;
         }
         let phase = sh.phase();
@@ -716,7 +731,11 @@ impl<N: Node> Handler for LoadHandler<N> {
 
     fn on_error(&mut self, f: &Failed<'_>, _: &mut Outbox<'_, NoWork>) {
         let c = &self.conn;
-        if f.is_flush() && (c.is_dead() || c.shared.closing.load(Ordering::Acquire)) {
+        if f.is_flush()
+            && (c.is_dead()
+                || c.retiring.load(Ordering::Acquire)
+                || c.shared.closing.load(Ordering::Acquire))
+        {
             return;
         }
         c.kill(&format!(
@@ -735,6 +754,10 @@ pub struct Load<N: Node> {
     unbound: Vec<Option<UnboundCq<NoWork>>>,
     handles: Vec<CqHandle<NoWork>>,
     conns: Vec<Arc<LoadConn<N>>>,
+    /// Connections made so far, closed ones included (names stay unique).
+    made: usize,
+    /// The latencies of the connections closed so far.
+    closed_hist: Option<Histogram<u64>>,
     shared: Arc<LoadShared>,
 }
 
@@ -814,6 +837,8 @@ impl<N: Node> Load<N> {
             unbound,
             handles,
             conns: Vec::new(),
+            made: 0,
+            closed_hist: None,
             shared,
         })
     }
@@ -870,7 +895,7 @@ impl<N: Node> Load<N> {
         let data = (0..depth)
             .map(|_| self.node.reg_region(u64::from(spec.block_size), exposure))
             .collect::<Result<Vec<_>, _>>()?;
-        let index = self.conns.len();
+        let index = self.made;
         let hist = Histogram::new_with_bounds(1, 3_600_000_000_000, 3)
             .map_err(|e| crate::DemoError::Setup(format!("histogram: {e}")))?;
         let name = format!("load/c{index}->srv{server}");
@@ -907,6 +932,8 @@ impl<N: Node> Load<N> {
                         })
                         .collect(),
                     dead: AtomicBool::new(false),
+                    retiring: AtomicBool::new(false),
+                    cq,
                     shared,
                     hist: Mutex::new(hist),
                     latency: crate::prom::Latency::new(),
@@ -916,8 +943,53 @@ impl<N: Node> Load<N> {
             })
             .map_err(|e| crate::DemoError::Setup(format!("{name}: register: {e}")))?;
         let conn = made.ok_or_else(|| crate::DemoError::Setup(format!("{name}: not made")))?;
+        self.made += 1;
         self.conns.push(Arc::clone(&conn));
         Ok(conn)
+    }
+
+    /// Closes a connection while the others run, as a client that is done
+    /// with it: it takes no new request, the requests in flight finish
+    /// (their replies come), then its QP goes to error, its handler is
+    /// retired and its QP closed ([`Link::close`]: its admission on its
+    /// load CQ comes back). Waits at most `timeout`; its requests still in
+    /// flight then fail. `conn` must be the caller's only hold on it
+    /// besides the load's.
+    ///
+    /// # Errors
+    /// What did not end within `timeout`, naming the connection.
+    pub fn close(&mut self, conn: Arc<LoadConn<N>>, timeout: Duration) -> Result<(), String> {
+        let deadline = Instant::now() + timeout;
+        let left = || deadline.saturating_duration_since(Instant::now());
+        let name = conn.name.clone();
+        conn.retiring.store(true, Ordering::Release);
+        while !conn.is_idle() {
+            if left().is_zero() {
+                conn.kill("its requests were not answered before its close's deadline");
+                return Err(format!(
+                    "{name}: requests still in flight {timeout:?} after its close began"
+                ));
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        self.conns.retain(|c| !Arc::ptr_eq(c, &conn));
+        conn.link.to_error();
+        let cq = &self.handles[conn.cq];
+        let retired = cq
+            .unregister(conn.reg.key())
+            .map_err(|e| format!("{name}: unregister: {e}"))?;
+        retired.wait(left()).map_err(|e| format!("{name}: {e}"))?;
+        let conn = Arc::try_unwrap(conn).map_err(|_| format!("{name}: still held"))?;
+        let hist = conn.hist.into_inner();
+        match &mut self.closed_hist {
+            Some(all) => {
+                if all.add(&hist).is_err() {
+                    tracing::warn!(conn = %name, "latency histogram out of range");
+                }
+            }
+            None => self.closed_hist = Some(hist),
+        }
+        conn.link.close(left()).map_err(|e| e.to_string())
     }
 
     /// The shared state and counters.
@@ -1012,11 +1084,15 @@ impl<N: Node> Load<N> {
         }
     }
 
-    /// Every connection's latencies, merged (nanoseconds); `None` without
-    /// connections.
+    /// Every connection's latencies, closed ones included, merged
+    /// (nanoseconds); `None` without connections.
     pub fn latencies(&self) -> Option<Histogram<u64>> {
-        let mut all = self.conns.first()?.hist.lock().clone();
-        for c in self.conns.iter().skip(1) {
+        let mut all = match &self.closed_hist {
+            Some(h) => h.clone(),
+            None => self.conns.first()?.hist.lock().clone(),
+        };
+        let skip = usize::from(self.closed_hist.is_none());
+        for c in self.conns.iter().skip(skip) {
             // Same bounds everywhere: adding cannot fail; saturate anyway.
             if all.add(&*c.hist.lock()).is_err() {
                 tracing::warn!(conn = %c.name, "latency histogram out of range");

@@ -123,7 +123,7 @@ impl<N: Node> NaiveSide<N> {
                 batch: 1,
                 ..CqOptions::default()
             };
-            let mut server = Server::new(open(&name)?, &name, spec, options)?;
+            let mut server = Server::fixed(open(&name)?, &name, spec, options)?;
             let unbound = server
                 .take_cq()
                 .ok_or_else(|| DemoError::Setup(format!("{name}: CQ already taken")))?;
@@ -182,7 +182,17 @@ impl<N: Node> NaiveSide<N> {
         }
         self.servers.iter().for_each(Server::flush);
         let deadline = Instant::now() + self.drain_timeout;
-        let outstanding = |c: &Shared<N>| with_cq(c, |p| p.outstanding());
+        // The receives still posted on the SRQs come back as flushes once
+        // no QP can take them (each QP's LAST_WQE_REACHED, an event cqd's
+        // pollers take between polls; here, the stop's loop takes them).
+        let outstanding = |c: &Shared<N>| {
+            with_cq(c, |p| {
+                p.check_async();
+                let mut out = VecDeque::new();
+                p.return_srq_receives(&mut out);
+                p.outstanding()
+            })
+        };
         while Instant::now() < deadline && self.cqs.iter().any(|c| outstanding(c) > 0) {
             std::thread::sleep(Duration::from_millis(1));
         }

@@ -167,6 +167,8 @@ pub struct Report {
     pub verdicts: Verdicts,
     /// `load`: what each server process said of its own side at the end.
     pub peers: Vec<PeerVerdict>,
+    /// `--churn`: the connections closed and reopened during the load.
+    pub churn: Option<ChurnCounts>,
     /// What went wrong along the way.
     pub notes: Vec<String>,
     /// The topology used, as TOML.
@@ -175,6 +177,27 @@ pub struct Report {
     pub topology_warnings: Vec<String>,
     /// cqd's full shutdown report (pollers, CQs, pools).
     pub system: SystemReport,
+}
+
+/// What `--churn` did during the load.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct ChurnCounts {
+    /// Closes a second asked for.
+    pub asked_per_s: f64,
+    /// Connections closed and reopened (both sides).
+    pub cycles: u64,
+    /// Of those a second, over the load phase.
+    pub per_s: f64,
+    /// Closes that did not end in time or opens that failed (each named in
+    /// the notes).
+    pub failed: u64,
+    /// One cycle (the client's drain and close, the server's close, the
+    /// new connection's open), µs: median.
+    pub cycle_p50_us: f64,
+    /// 99th percentile.
+    pub cycle_p99_us: f64,
+    /// Longest.
+    pub cycle_max_us: f64,
 }
 
 /// What [`build`] needs.
@@ -206,6 +229,8 @@ pub struct Inputs<'a, N: Node> {
     pub topology_warnings: Vec<String>,
     /// What went wrong along the way.
     pub notes: Vec<String>,
+    /// `--churn`'s counts.
+    pub churn: Option<ChurnCounts>,
 }
 
 fn mode_name(m: &ModeConfig) -> &'static str {
@@ -297,6 +322,7 @@ pub fn build<N: Node>(i: Inputs<'_, N>) -> Report {
             accounts: accounts_verdict,
         },
         peers: Vec::new(),
+        churn: i.churn,
         notes: i.notes,
         topology: i.topology_toml,
         topology_warnings: i.topology_warnings,
@@ -413,8 +439,8 @@ fn word(v: &Verdict) -> &'static str {
 fn server_line(s: &mut String, i: usize, sv: &ServerCounts) {
     let _ = writeln!(
         s,
-        "server {i}  {} reads, {} writes, {} MiB moved, {} malformed, {} refused, {} deferred replies, {} errors, {} flushed",
-        sv.reads, sv.writes, sv.bytes >> 20, sv.malformed, sv.rejected, sv.deferred, sv.errors, sv.flushed
+        "server {i}  {} reads, {} writes, {} MiB moved, {} malformed, {} refused, {} deferred replies, {} errors, {} flushed, {} connections closed",
+        sv.reads, sv.writes, sv.bytes >> 20, sv.malformed, sv.rejected, sv.deferred, sv.errors, sv.flushed, sv.closed
     );
     for b in &sv.broken_connections {
         let _ = writeln!(s, "server {i}  broke {b}");
@@ -622,6 +648,7 @@ impl Report {
             && self.load.timeouts == 0
             && self.load.dead_connections == 0
             && self.peers.iter().all(|p| p.passed)
+            && self.churn.as_ref().is_none_or(|c| c.failed == 0)
     }
 
     /// The report as text.
@@ -655,6 +682,13 @@ impl Report {
             "latency   p50 {:.1} µs  p90 {:.1} µs  p99 {:.1} µs  p99.9 {:.1} µs  max {:.1} µs  ({} samples)",
             t.p50_us, t.p90_us, t.p99_us, t.p999_us, t.max_us, t.count
         );
+        if let Some(c) = &self.churn {
+            let _ = writeln!(
+                s,
+                "churn     {} connections closed and reopened, {:.0}/s (asked {:.0}/s), {} failed; a cycle p50 {:.0} µs  p99 {:.0} µs  max {:.0} µs; the latency above is the other connections' meanwhile",
+                c.cycles, c.per_s, c.asked_per_s, c.failed, c.cycle_p50_us, c.cycle_p99_us, c.cycle_max_us
+            );
+        }
         let v = &self.verify;
         let _ = writeln!(
             s,

@@ -15,8 +15,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cqd_core::pool::Pool;
-use cqd_core::topology::{ModeConfig, PoolPlan};
+use cqd_core::topology::{CqPoolPlan, ModeConfig, PoolPlan};
 use cqd_core::{NoSink, NoWork, PollerThread, Registration, ShutdownOptions, SystemReport};
+use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::backend::sim::SimFabric;
@@ -32,8 +33,7 @@ use crate::DemoError;
 /// How long the load may take to finish what is in flight.
 const DRAIN: Duration = Duration::from_secs(10);
 
-/// How long a connection given back may take to be dropped
-/// ([`ServerSide::release`]).
+/// How long a connection's close may take ([`ServerSide::close`]).
 const RELEASE: Duration = Duration::from_secs(5);
 
 /// Runs the demo once on the simulated NIC, in `mode` (None: the
@@ -126,6 +126,16 @@ impl<N: Node> Side<N> {
             Side::Naive(s) => s.stop(),
         }
     }
+
+    fn close(&mut self, server: u32, conn: Arc<SrvConn<N>>) -> Result<(), String> {
+        match self {
+            Side::Cqd(s) => match s.close(server, vec![conn]).pop() {
+                None => Ok(()),
+                Some(e) => Err(e),
+            },
+            Side::Naive(_) => Err("the naive baseline closes no connection".into()),
+        }
+    }
 }
 
 /// What a stopped half leaves for the report.
@@ -153,6 +163,8 @@ pub struct ServerSide<N: Node> {
     poller_of: HashMap<u32, usize>,
     names: Names,
     watched: crate::prom::Watched,
+    /// Of each server's CQs, how many are watched (and named) so far.
+    cqs_watched: Vec<usize>,
 }
 
 impl<N: Node> ServerSide<N> {
@@ -165,6 +177,7 @@ impl<N: Node> ServerSide<N> {
     pub fn start(
         cfg: &Config,
         plans: Vec<Assigned>,
+        cq_pools: Vec<CqPoolPlan>,
         pool: PoolPlan,
         conns: impl Fn(u32) -> u32,
         open: &impl Fn(&str) -> Result<N, DemoError>,
@@ -175,49 +188,50 @@ impl<N: Node> ServerSide<N> {
                 poller_of.insert(s, pi);
             }
         }
-        let mut servers = Vec::new();
-        for s in 0..cfg.servers {
-            let pi = *poller_of
-                .get(&s)
-                .ok_or_else(|| DemoError::Topology(format!("no poller for srv{s}")))?;
-            let spec = ServerSpec {
-                device_bytes: cfg.device_size,
-                block_size: cfg.block_size,
-                depth: cfg.qd,
-                connections: conns(s),
-            };
-            let name = format!("srv{s}");
-            let options = cq_options(cfg, &plans[pi]);
-            servers.push(Server::new(open(&name)?, &name, spec, options)?);
-        }
         // One feed per server poller: the topology names the pool of each.
         let (pool, mut feeds) = pool
             .spawn_feeds(|_| |w: ServerWork<N>| w.run())
             .map_err(|e| DemoError::Setup(format!("pool {}: {e}", topo::POOL)))?;
+        // The pollers start empty: each server's CQ pool adds its CQ to its
+        // poller at the server's first connection.
         let mut pollers = Vec::new();
         let mut roles = Vec::new();
+        let mut options = Vec::new();
         for a in plans {
             let name = a.plan.name().to_string();
             let mode = a.plan.mode();
-            let mut b = a
+            options.push(cq_options(cfg, &a));
+            let b = a
                 .plan
                 .poller_builder_fed(&mut feeds)
                 .map_err(|e| DemoError::Topology(e.to_string()))?
-                .drain_timeout(cfg.drain_timeout);
-            for s in &a.cqs {
-                if let Some(cq) = servers.get_mut(*s as usize).and_then(Server::take_cq) {
-                    b = b.cq(cq);
-                }
-            }
+                .drain_timeout(cfg.drain_timeout)
+                .starts_empty(true);
             pollers.push(
                 b.spawn()
                     .map_err(|e| DemoError::Setup(format!("poller {name}: {e}")))?,
             );
             roles.push((name, "server", mode));
         }
+        let mut servers = Vec::new();
+        for (s, plan) in (0..cfg.servers).zip(cq_pools) {
+            let pi = *poller_of
+                .get(&s)
+                .ok_or_else(|| DemoError::Topology(format!("no poller for srv{s}")))?;
+            let name = format!("srv{s}");
+            let joiner = pollers[pi]
+                .joiner()
+                .ok_or_else(|| DemoError::Setup(format!("poller of {name}: no joiner")))?;
+            servers.push(Server::pooled(
+                open(&name)?,
+                server_spec(cfg, conns(s)),
+                options[pi].clone(),
+                plan,
+                joiner,
+            )?);
+        }
         let mut watched = crate::prom::Watched::new();
         for s in &servers {
-            watched.cq(s.cq_handle());
             watched.server(s.name(), s.stats());
         }
         for p in &pollers {
@@ -232,11 +246,12 @@ impl<N: Node> ServerSide<N> {
             poller_of,
             names: Names::new(),
             watched,
+            cqs_watched: vec![0; cfg.servers as usize],
         })
     }
 
     /// A new connection on server `server` (connect its link to the
-    /// peer's endpoint, then [`SrvConn::post_receives`]).
+    /// peer's endpoint; its receives come from the server's SRQ).
     ///
     /// # Errors
     /// No such server, or the device refused.
@@ -249,33 +264,35 @@ impl<N: Node> ServerSide<N> {
         let pi = self.poller_of.get(&server).copied().unwrap_or(0);
         let cq = format!("srv{server}");
         name_of(&mut self.names, pi, &cq, conn.registration(), conn.name());
+        // The CQ its pool made for it, and the SRQ's handler bound there
+        // with its first connection.
+        let handles = srv.cq_handles();
+        let watched = &mut self.cqs_watched[server as usize];
+        if handles.len() > *watched {
+            if *watched == 0 {
+                if let Some(reg) = srv.srq_registration() {
+                    name_of(&mut self.names, pi, &cq, reg, &format!("{cq}/srq"));
+                }
+            }
+            for h in &handles[*watched..] {
+                self.watched.cq(h);
+            }
+            *watched = handles.len();
+        }
         Ok(conn)
     }
 
-    /// Gives back `conns` of server `server`, made for a session that did
-    /// not start ([`Server::release`]), and waits (at most `RELEASE`) until
-    /// each is dropped, so that the next session finds the CQ's admission
-    /// free again. What is not dropped by then is named in the return.
-    pub fn release(&mut self, server: u32, conns: Vec<Arc<SrvConn<N>>>) -> Vec<String> {
-        let Some(srv) = self.servers.get_mut(server as usize) else {
+    /// Closes `conns` of server `server` ([`Server::close`]), each within
+    /// `RELEASE`, while the others run: made for a session that did not
+    /// start, or closed by the load's churn. What did not close is named
+    /// in the return.
+    pub fn close(&mut self, server: u32, conns: Vec<Arc<SrvConn<N>>>) -> Vec<String> {
+        let Some(srv) = self.servers.get(server as usize) else {
             return Vec::new();
         };
-        for c in &conns {
-            srv.release(c);
-        }
-        let deadline = Instant::now() + RELEASE;
-        while conns.iter().any(|c| Arc::strong_count(c) > 1) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(1));
-        }
         conns
-            .iter()
-            .filter(|c| Arc::strong_count(c) > 1)
-            .map(|c| {
-                format!(
-                    "{}: still held {RELEASE:?} after it was given back",
-                    c.name()
-                )
-            })
+            .into_iter()
+            .filter_map(|c| srv.close(c, RELEASE).err())
             .collect()
     }
 
@@ -332,7 +349,13 @@ pub struct Driven {
     pub verify_elapsed: Duration,
     /// What went wrong.
     pub notes: Vec<String>,
+    /// `--churn`'s counts.
+    pub churn: Option<report::ChurnCounts>,
 }
+
+/// One close-and-open of a connection during the load (`--churn`): the
+/// load side's, given the load side; what failed, in words.
+pub type ChurnStep<'a, N> = dyn FnMut(&mut LoadSide<N>) -> Result<(), String> + 'a;
 
 impl<N: Node> LoadSide<N> {
     /// Makes the load generator on node `load` from `open`, with the CQs
@@ -424,7 +447,17 @@ impl<N: Node> LoadSide<N> {
     /// The device refused.
     pub fn connect(&mut self, server: u32) -> Result<Arc<LoadConn<N>>, DemoError> {
         let k = self.load.conns().len() as u32 % self.load_cqs.max(1);
-        let conn = self.load.connect(server, k as usize)?;
+        self.connect_on(server, k as usize)
+    }
+
+    /// A new connection to server `server` on load CQ `k` (as
+    /// [`connect`](Self::connect)).
+    ///
+    /// # Errors
+    /// The device refused.
+    pub fn connect_on(&mut self, server: u32, k: usize) -> Result<Arc<LoadConn<N>>, DemoError> {
+        let conn = self.load.connect(server, k)?;
+        let k = k as u32;
         let pi = self.poller_of.get(&k).copied().unwrap_or(0);
         let cq = format!("load{k}");
         name_of(&mut self.names, pi, &cq, conn.registration(), conn.name());
@@ -436,6 +469,14 @@ impl<N: Node> LoadSide<N> {
         &self.load
     }
 
+    /// Closes a connection while the others run ([`Load::close`]).
+    ///
+    /// # Errors
+    /// What did not end within `RELEASE`.
+    pub fn close(&mut self, conn: Arc<LoadConn<N>>) -> Result<(), String> {
+        self.load.close(conn, RELEASE)
+    }
+
     /// The run is over: later flushes are the teardown's
     /// ([`Load::closing`](crate::load::Load::closing)).
     pub fn closing(&self) {
@@ -443,18 +484,48 @@ impl<N: Node> LoadSide<N> {
     }
 
     /// Runs the load (progress bar on a terminal), drains it and reads
-    /// every block back.
-    pub fn drive(&self, cfg: &Config) -> Driven {
-        let load = &self.load;
+    /// every block back. With `churn` (`--churn`), calls it
+    /// `cfg.churn` times a second during the load.
+    pub fn drive(&mut self, cfg: &Config, mut churn: Option<&mut ChurnStep<'_, N>>) -> Driven {
         let bar = progress_bar(cfg);
-        let shared = Arc::clone(load.shared());
+        let shared = Arc::clone(self.load.shared());
         let started = Instant::now();
         tracing::info!(stop = ?cfg.stop, "load: run");
-        load.enter(Phase::Run);
+        self.load.enter(Phase::Run);
         let mut last = (Instant::now(), 0u64);
         let mut rate = 0.0;
+        let mut notes = Vec::new();
+        let mut cycles = Histogram::<u64>::new_with_bounds(1, 3_600_000_000_000, 3).ok();
+        let mut churned = ChurnTally::default();
         loop {
-            std::thread::sleep(Duration::from_millis(50));
+            let tick = Instant::now() + Duration::from_millis(50);
+            // The churn due by now, then a sleep to the tick.
+            if let (Some(step), Some(rate)) = (churn.as_mut(), cfg.churn) {
+                while Instant::now() < tick {
+                    let due = (started.elapsed().as_secs_f64() * rate) as u64;
+                    if churned.done >= due {
+                        let next =
+                            started + Duration::from_secs_f64((churned.done + 1) as f64 / rate);
+                        std::thread::sleep(
+                            next.min(tick).saturating_duration_since(Instant::now()),
+                        );
+                        continue;
+                    }
+                    let t = Instant::now();
+                    if let Err(e) = step(self) {
+                        churned.failed += 1;
+                        if notes.len() < 16 {
+                            notes.push(format!("churn: {e}"));
+                        }
+                    }
+                    churned.done += 1;
+                    if let Some(h) = cycles.as_mut() {
+                        h.saturating_record(t.elapsed().as_nanos() as u64);
+                    }
+                }
+            }
+            std::thread::sleep(tick.saturating_duration_since(Instant::now()));
+            let load = &self.load;
             let now = Instant::now();
             let counts = shared.counts();
             if now.duration_since(last.0) >= Duration::from_millis(250) {
@@ -483,6 +554,7 @@ impl<N: Node> LoadSide<N> {
                 break;
             }
         }
+        let load = &self.load;
         tracing::info!(inflight = shared.inflight(), "load: drain");
         load.enter(Phase::Drain);
         let timeout = cfg.op_timeout;
@@ -505,7 +577,6 @@ impl<N: Node> LoadSide<N> {
             &|| load.verify_done(),
         );
         load.enter(Phase::Drain);
-        let mut notes = Vec::new();
         if !drained {
             notes.push(
                 "requests were still in flight at the drain deadline: their connections were failed"
@@ -517,10 +588,25 @@ impl<N: Node> LoadSide<N> {
                 "the read-back did not finish by its deadline: its connections were failed".into(),
             );
         }
+        let us = |ns: u64| ns as f64 / 1e3;
+        let churn = cfg.churn.map(|asked| {
+            let h = cycles.as_ref();
+            let q = |x: f64| h.map_or(0.0, |h| us(h.value_at_quantile(x)));
+            report::ChurnCounts {
+                asked_per_s: asked,
+                cycles: churned.done,
+                per_s: churned.done as f64 / load_elapsed.as_secs_f64().max(1e-9),
+                failed: churned.failed,
+                cycle_p50_us: q(0.5),
+                cycle_p99_us: q(0.99),
+                cycle_max_us: h.map_or(0.0, |h| us(h.max())),
+            }
+        });
         Driven {
             load_elapsed,
             verify_elapsed: verify_started.elapsed(),
             notes,
+            churn,
         }
     }
 
@@ -537,6 +623,23 @@ impl<N: Node> LoadSide<N> {
             notes: Vec::new(),
         }
     }
+}
+
+/// The geometry of a server of `cfg` with `connections`.
+pub fn server_spec(cfg: &Config, connections: u32) -> ServerSpec {
+    ServerSpec {
+        device_bytes: cfg.device_size,
+        block_size: cfg.block_size,
+        depth: cfg.qd,
+        connections,
+    }
+}
+
+/// How many churn cycles ran and failed.
+#[derive(Debug, Default)]
+struct ChurnTally {
+    done: u64,
+    failed: u64,
 }
 
 /// The options of a CQ served by `poller`: the topology's, and
@@ -558,22 +661,23 @@ pub fn run_on<N: Node>(
     open: impl Fn(&str) -> Result<N, DemoError>,
 ) -> Result<Report, DemoError> {
     let setup_started = Instant::now();
+    let conns = |s: u32| {
+        (0..cfg.connections)
+            .filter(|c| c % cfg.servers == s)
+            .count() as u32
+    };
     let layout = topo::resolve(
         topo::load(cfg.topology.as_deref())?,
         cfg.servers,
         mode.or(cfg.mode),
         cfg.workers,
+        &|s| server_spec(cfg, conns(s)).pool_sizes(),
     )?;
     // validate() logged its warnings already; the report lists them too.
     let mode_name = mode
         .or(cfg.mode)
         .map_or_else(|| "topology".to_string(), |m| m.name().to_string());
     let threads_started = Instant::now();
-    let conns = |s: u32| {
-        (0..cfg.connections)
-            .filter(|c| c % cfg.servers == s)
-            .count() as u32
-    };
     let mut server_side = if cfg.naive_server {
         let workers = layout.pool.threads();
         Side::Naive(NaiveSide::start(cfg, workers, conns, &open)?)
@@ -581,26 +685,42 @@ pub fn run_on<N: Node>(
         Side::Cqd(ServerSide::start(
             cfg,
             layout.server_pollers,
+            layout.server_pools,
             layout.pool,
             conns,
             &open,
         )?)
     };
     let mut load_side = LoadSide::start(cfg, layout.load_pollers, layout.load_cqs, &open)?;
+    // Each connection's two sides, oldest first (what `--churn` closes).
+    let mut pairs = std::collections::VecDeque::new();
     for c in 0..cfg.connections {
         let s = c % cfg.servers;
         let srv = server_side.accept(s)?;
         let cli = load_side.connect(s)?;
-        // The exchange a two-process run does over its socket.
-        let (a, b) = (srv.link().endpoint()?, cli.link().endpoint()?);
-        srv.link().connect(&b)?;
-        cli.link().connect(&a)?;
-        srv.post_receives()?;
-        cli.post_receives()?;
+        join(&srv, &cli)?;
+        pairs.push_back((s, srv, cli));
     }
     tracing::info!(setup = ?setup_started.elapsed(), "servers, load and threads up");
 
-    let driven = load_side.drive(cfg);
+    let mut step = |ls: &mut LoadSide<N>| -> Result<(), String> {
+        let (s, srv, cli) = pairs
+            .pop_front()
+            .ok_or_else(|| "no connection left to close".to_string())?;
+        let k = cli.cq();
+        // The client is done with it: its requests finish, it closes; then
+        // the server's side closes, and a new connection takes its place.
+        ls.close(cli)?;
+        server_side.close(s, srv)?;
+        let srv = server_side.accept(s).map_err(|e| e.to_string())?;
+        let cli = ls.connect_on(s, k).map_err(|e| e.to_string())?;
+        join(&srv, &cli).map_err(|e| e.to_string())?;
+        cli.kick();
+        pairs.push_back((s, srv, cli));
+        Ok(())
+    };
+    let churn: Option<&mut ChurnStep<'_, N>> = cfg.churn.map(|_| &mut step as _);
+    let driven = load_side.drive(cfg, churn);
     tracing::info!("shutdown: the load side, then the servers");
     let load = load_side.stop();
     let servers = server_side.stop();
@@ -624,6 +744,7 @@ pub fn run_on<N: Node>(
     notes.extend(servers.notes);
     notes.extend(load.notes);
     Ok(report::build(report::Inputs {
+        churn: driven.churn,
         cfg,
         mode: mode_name,
         load: &load.state,
@@ -638,6 +759,17 @@ pub fn run_on<N: Node>(
         topology_warnings: layout.warnings,
         notes,
     }))
+}
+
+/// Connects a new connection's two sides (the exchange a two-process run
+/// does over its socket) and posts the load side's receives (the server's
+/// come from its SRQ).
+fn join<N: Node>(srv: &SrvConn<N>, cli: &LoadConn<N>) -> Result<(), DemoError> {
+    let (a, b) = (srv.link().endpoint()?, cli.link().endpoint()?);
+    srv.link().connect(&b)?;
+    cli.link().connect(&a)?;
+    cli.post_receives()?;
+    Ok(())
 }
 
 fn progress_bar(cfg: &Config) -> ProgressBar {

@@ -1,11 +1,23 @@
 //! The block server: an in-memory block device exported over RC QPs.
 //!
-//! One CQ per server takes the send and the receive completions of all its
-//! connections (on purpose: one poller sees a connection's whole life).
-//! Per connection, one handler ([`SrvHandler`]) runs on the poller thread:
+//! A server is one poll group, as SPDK's NVMe-oF target has one per core:
+//! its connections' QPs take their receives from **one SRQ**, and send and
+//! receive completions all go to **one CQ** (an SRQ serves one CQ's
+//! handlers), which one poller polls. The CQ comes from a [`CqPool`] over
+//! the server's poller: the pool makes it at the first connection, sized
+//! for the SRQ and a connection, and grows it in place
+//! (`ibv_resize_cq`, [`CqPool::resize_up_to`]) as connections come; a
+//! closed connection's admission comes back for the next one. (The naive
+//! baseline polls its CQ by hand: its server makes the CQ up front,
+//! [`Server::fixed`].)
 //!
-//! 1. A request's receive completes: the handler copies the 64 bytes out,
-//!    reposts the receive at once, decodes the request and hands it to the
+//! Two kinds of handler run on the poller thread: the SRQ's
+//! ([`SrqHandler`]) takes every request's receive, and per connection one
+//! ([`SrvHandler`]) takes the completions of what its workers post.
+//!
+//! 1. A request's receive completes: the SRQ's handler copies the 64 bytes
+//!    out, reposts the receive at once, finds the connection by the
+//!    completion's QP number, decodes the request and hands it to the
 //!    worker pool keyed by block (requests on one block are served in
 //!    order, by one worker).
 //! 2. The worker moves the data with one-sided RDMA between the device
@@ -14,12 +26,15 @@
 //!      reply by SEND, posted together; the send queue executes in order,
 //!      so the data lands before the reply;
 //!    - write: RDMA READ from the client's buffer into the block. Its
-//!      completion comes back to the handler, which hands the reply to a
-//!      worker again (same key).
+//!      completion comes back to the connection's handler, which hands the
+//!      reply to a worker again (same key).
 //! 3. Replies come from a small pool of reply buffers per connection (a
 //!    buffer is free again when its SEND completes); a worker that finds
-//!    none defers the job, and the handler re-issues it when a reply
-//!    completes.
+//!    none defers the job, and the connection's handler re-issues it when a
+//!    reply completes.
+//!
+//! A connection closes by [`Server::close`] (its QP closed by cqd's
+//! `Qp::close`, its handler retired), while the others run.
 //!
 //! Errors: a request that does not decode is answered `Malformed` (when its
 //! slot can be read) and counted; an out-of-range block or a wrong length
@@ -27,18 +42,20 @@
 //! connection: its QP goes to error, so that everything outstanding is
 //! flushed and the client sees its requests fail (never hang).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use cqd_core::cq_pool::{CqPool, PoolCq};
+use cqd_core::topology::CqPoolPlan;
 use cqd_core::{
-    CqHandle, CqOptions, Failed, Handler, OpKind, Outbox, RecvDone, Registration, Route, SendDone,
-    UnboundCq,
+    CqHandle, CqJoiner, CqOptions, Failed, Handler, OpKind, Outbox, RecvDone, Registration, Route,
+    SendDone, UnboundCq,
 };
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
-use crate::backend::{BackendError, Depths, Exposure, Link, Node, Op, Region, Verb};
+use crate::backend::{Exposure, Link, Node, Op, Region, SharedRq, Verb};
 use crate::wire::{BlockOp, Reply, ReplyStatus, Request, MSG_LEN};
 
 const MSG: u64 = MSG_LEN as u64;
@@ -61,6 +78,7 @@ pub struct ServerStats {
     /// Which connections broke, and why (the first [`BROKEN_NAMED`]).
     broken_why: parking_lot::Mutex<Vec<String>>,
     dropped: AtomicU64,
+    closed: AtomicU64,
     /// Jobs handed to workers and not finished (deferred ones included).
     jobs: AtomicI64,
 }
@@ -90,8 +108,11 @@ pub struct ServerCounts {
     /// completed with RemoteAccess"), the first [`BROKEN_NAMED`]: a client
     /// that misbehaved is named here.
     pub broken_connections: Vec<String>,
-    /// Jobs dropped because their connection broke or the server closed.
+    /// Jobs dropped because their connection broke, closed, or the server
+    /// closed (a request that came on no open connection included).
     pub dropped: u64,
+    /// Connections closed while the server ran ([`Server::close`]).
+    pub closed: u64,
 }
 
 impl ServerStats {
@@ -110,6 +131,7 @@ impl ServerStats {
             broken: l(&self.broken),
             broken_connections: self.broken_why.lock().clone(),
             dropped: l(&self.dropped),
+            closed: l(&self.closed),
         }
     }
 }
@@ -162,7 +184,9 @@ pub struct SrvConn<N: Node> {
     name: String,
     link: N::Link,
     reg: Registration,
-    /// Receive buffers `[0, depth)`, then reply buffers.
+    /// The CQ its handler is on.
+    handle: CqHandle<ServerWork<N>>,
+    /// Reply buffers, `2 depth` of them.
     msgs: N::Region,
     depth: u32,
     device: Arc<N::Region>,
@@ -174,8 +198,8 @@ pub struct SrvConn<N: Node> {
     stats: Arc<ServerStats>,
     closing: Arc<AtomicBool>,
     broken: AtomicBool,
-    /// Given back before its session started ([`Server::release`]): its
-    /// flushes end it, they do not break it.
+    /// Closed ([`Server::close`]): its flushes end it, they do not break
+    /// it.
     released: AtomicBool,
 }
 
@@ -193,19 +217,6 @@ impl<N: Node> SrvConn<N> {
     /// The connection's name.
     pub fn name(&self) -> &str {
         &self.name
-    }
-
-    /// Posts every receive buffer (after `connect`).
-    ///
-    /// # Errors
-    /// A refused post.
-    pub fn post_receives(&self) -> Result<(), BackendError> {
-        let reg = &self.reg;
-        for slot in 0..self.depth {
-            self.link
-                .post_recv(reg, slot, &self.msgs, u64::from(slot) * MSG, MSG_LEN as u32)?;
-        }
-        Ok(())
     }
 
     /// Breaks the connection: its QP to error, so everything outstanding
@@ -230,7 +241,10 @@ impl<N: Node> SrvConn<N> {
     }
 
     fn run(self: &Arc<Self>, job: Job) {
-        if self.broken.load(Ordering::Acquire) || self.closing.load(Ordering::Acquire) {
+        if self.broken.load(Ordering::Acquire)
+            || self.closing.load(Ordering::Acquire)
+            || self.released.load(Ordering::Acquire)
+        {
             self.stats.dropped.fetch_add(1, Ordering::Relaxed);
             return;
         }
@@ -310,7 +324,7 @@ impl<N: Node> SrvConn<N> {
                 }
             }
         };
-        let at = u64::from(self.depth + slot) * MSG;
+        let at = u64::from(slot) * MSG;
         let result = self.msgs.write(at, &reply.encode()).and_then(|()| {
             let reg = &self.reg;
             let send = Op {
@@ -375,59 +389,44 @@ impl<N: Node> SrvConn<N> {
             );
         }
     }
-}
 
-/// The handler of one server connection, on the server's poller.
-#[derive(Debug)]
-pub struct SrvHandler<N: Node> {
-    conn: Arc<SrvConn<N>>,
-}
-
-impl<N: Node> SrvHandler<N> {
-    fn hand(&self, job: Job, out: &mut Outbox<'_, ServerWork<N>>) {
-        self.conn.stats.jobs.fetch_add(1, Ordering::AcqRel);
+    /// Hands `job` to the workers.
+    fn hand(self: &Arc<Self>, job: Job, out: &mut Outbox<'_, ServerWork<N>>) {
+        self.stats.jobs.fetch_add(1, Ordering::AcqRel);
         out.push_to(
             job.route(),
             ServerWork {
-                conn: Arc::clone(&self.conn),
+                conn: Arc::clone(self),
                 job,
             },
         );
     }
-}
 
-impl<N: Node> Handler<ServerWork<N>> for SrvHandler<N> {
-    fn on_recv(&mut self, d: &RecvDone<'_>, out: &mut Outbox<'_, ServerWork<N>>) {
-        let c = &self.conn;
-        let slot = d.tag();
-        let len = (d.byte_len() as usize).min(MSG_LEN);
-        let mut buf = [0u8; MSG_LEN];
-        let at = u64::from(slot) * MSG;
-        if slot >= c.depth {
-            c.break_conn(&format!("a receive completed with unknown tag {slot}"));
+    /// A request arrived (`buf`, of the `byte_len` the completion gave):
+    /// decode it and hand it to the workers, or answer `Malformed`.
+    fn on_request(
+        self: &Arc<Self>,
+        buf: &[u8],
+        byte_len: u32,
+        out: &mut Outbox<'_, ServerWork<N>>,
+    ) {
+        if self.released.load(Ordering::Acquire) || self.broken.load(Ordering::Acquire) {
+            self.stats.dropped.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        if let Err(e) = c.msgs.read(at, &mut buf[..len]) {
-            c.break_conn(&e.to_string());
-            return;
-        }
-        // The buffer is copied out: give it back to the NIC first.
-        if let Err(e) = c.link.post_recv(&c.reg, slot, &c.msgs, at, MSG_LEN as u32) {
-            c.break_conn(&e.to_string());
-        }
-        let parsed = if d.byte_len() as usize > MSG_LEN {
+        let parsed = if byte_len as usize > MSG_LEN {
             Err(crate::wire::WireError::Length {
-                len: d.byte_len() as usize,
+                len: byte_len as usize,
             })
         } else {
-            Request::decode(&buf[..len])
+            Request::decode(buf)
         };
         match parsed {
             Ok(req) => self.hand(Job::Serve(req), out),
             Err(e) => {
-                c.stats.malformed.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(conn = %c.name, bytes = d.byte_len(), "malformed request: {e}");
-                if let Some((slot, id)) = Request::salvage(&buf[..len]) {
+                self.stats.malformed.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(conn = %self.name, bytes = byte_len, "malformed request: {e}");
+                if let Some((slot, id)) = Request::salvage(buf) {
                     let reply = Reply {
                         op: BlockOp::Read,
                         slot,
@@ -437,10 +436,150 @@ impl<N: Node> Handler<ServerWork<N>> for SrvHandler<N> {
                     };
                     self.hand(Job::Answer(reply), out);
                 } else {
-                    c.break_conn("a request whose slot cannot be read");
+                    self.break_conn("a request whose slot cannot be read");
                 }
             }
         }
+    }
+}
+
+/// What a server's SRQ handler and its connections share: the SRQ, its
+/// receive buffers, and the open connections by QP number.
+#[derive(Debug)]
+struct SrqSide<N: Node> {
+    srq: N::Srq,
+    /// `depth` receive buffers of [`MSG_LEN`] bytes.
+    bufs: N::Region,
+    depth: u32,
+    /// The SRQ handler's registration, made on the server's CQ when its
+    /// first connection is made there ([`SrqSide::bind`]).
+    reg: OnceLock<Registration>,
+    conns: RwLock<HashMap<u32, Arc<SrvConn<N>>>>,
+    stats: Arc<ServerStats>,
+    closing: Arc<AtomicBool>,
+}
+
+impl<N: Node> SrqSide<N> {
+    /// Registers the SRQ's handler on `handle`'s CQ and posts every
+    /// receive buffer, once; later calls find it done.
+    fn bind(self: &Arc<Self>, handle: &CqHandle<ServerWork<N>>) -> Result<(), crate::DemoError> {
+        if self.reg.get().is_some() {
+            return Ok(());
+        }
+        let reg = handle
+            .register(SrqHandler {
+                side: Arc::clone(self),
+            })
+            .map_err(|e| crate::DemoError::Setup(format!("{}: register: {e}", handle.name())))?;
+        for slot in 0..self.depth {
+            self.srq.post_recv(
+                &reg,
+                slot,
+                &self.bufs,
+                u64::from(slot) * MSG,
+                MSG_LEN as u32,
+            )?;
+        }
+        // Only `Server::accept` binds, under `&mut Server`.
+        let _ = self.reg.set(reg);
+        Ok(())
+    }
+
+    /// Gives receive buffer `slot` back to the SRQ (not once the server
+    /// closes: the stop hands back what is posted).
+    fn repost(&self, slot: u32) {
+        if self.closing.load(Ordering::Acquire) {
+            return;
+        }
+        let Some(reg) = self.reg.get() else { return };
+        if let Err(e) =
+            self.srq
+                .post_recv(reg, slot, &self.bufs, u64::from(slot) * MSG, MSG_LEN as u32)
+        {
+            self.stats.errors.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(srq = self.srq.srqn(), slot, "SRQ receive not reposted: {e}");
+        }
+    }
+
+    fn conn(&self, qpn: u32) -> Option<Arc<SrvConn<N>>> {
+        self.conns.read().get(&qpn).cloned()
+    }
+}
+
+/// The handler of a server's SRQ: every request's receive.
+#[derive(Debug)]
+pub struct SrqHandler<N: Node> {
+    side: Arc<SrqSide<N>>,
+}
+
+impl<N: Node> Handler<ServerWork<N>> for SrqHandler<N> {
+    fn on_recv(&mut self, d: &RecvDone<'_>, out: &mut Outbox<'_, ServerWork<N>>) {
+        let side = &self.side;
+        let slot = d.tag();
+        if slot >= side.depth {
+            side.stats.errors.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(slot, "an SRQ receive completed with an unknown tag");
+            return;
+        }
+        let len = (d.byte_len() as usize).min(MSG_LEN);
+        let mut buf = [0u8; MSG_LEN];
+        let read = side.bufs.read(u64::from(slot) * MSG, &mut buf[..len]);
+        // The buffer is copied out: give it back to the NIC first.
+        side.repost(slot);
+        let Some(conn) = side.conn(d.qp_num()) else {
+            side.stats.dropped.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(
+                qpn = d.qp_num(),
+                "a request on a QP that is no open connection"
+            );
+            return;
+        };
+        match read {
+            Ok(()) => conn.on_request(&buf[..len], d.byte_len(), out),
+            Err(e) => conn.break_conn(&e.to_string()),
+        }
+    }
+
+    fn on_send(&mut self, d: &SendDone<'_>, _: &mut Outbox<'_, ServerWork<N>>) {
+        tracing::warn!(tag = d.tag(), "a send completed on the SRQ's handler");
+    }
+
+    fn on_error(&mut self, f: &Failed<'_>, _: &mut Outbox<'_, ServerWork<N>>) {
+        let side = &self.side;
+        if f.is_flush() {
+            side.stats.flushed.fetch_add(1, Ordering::Relaxed);
+        } else {
+            side.stats.errors.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(qpn = f.qp_num(), status = ?f.status(), "an SRQ receive failed");
+        }
+        if let Some(c) = side.conn(f.qp_num()) {
+            let ended = c.closing.load(Ordering::Acquire) || c.released.load(Ordering::Acquire);
+            if !(f.is_flush() && ended) {
+                c.break_conn(&format!("a receive completed with {:?}", f.status()));
+            }
+        }
+        // The QP that took it is gone or broken; the buffer serves the
+        // others.
+        if f.tag() < side.depth {
+            side.repost(f.tag());
+        }
+    }
+}
+
+/// The handler of one server connection, on the server's poller: the
+/// completions of what its workers post.
+#[derive(Debug)]
+pub struct SrvHandler<N: Node> {
+    conn: Arc<SrvConn<N>>,
+}
+
+impl<N: Node> Handler<ServerWork<N>> for SrvHandler<N> {
+    fn on_recv(&mut self, d: &RecvDone<'_>, _: &mut Outbox<'_, ServerWork<N>>) {
+        // Its QP takes its receives from the SRQ, whose handler they go to.
+        self.conn.break_conn(&format!(
+            "a receive completed on the connection's own handler (tag {})",
+            d.tag()
+        ));
     }
 
     fn on_send(&mut self, d: &SendDone<'_>, out: &mut Outbox<'_, ServerWork<N>>) {
@@ -453,7 +592,7 @@ impl<N: Node> Handler<ServerWork<N>> for SrvHandler<N> {
                     .get(d.tag() as usize)
                     .and_then(|slot| slot.lock().take());
                 match req {
-                    Some(req) => self.hand(Job::Written(req), out),
+                    Some(req) => c.hand(Job::Written(req), out),
                     None => {
                         c.break_conn(&format!("an RDMA READ completed for idle slot {}", d.tag()))
                     }
@@ -482,8 +621,8 @@ impl<N: Node> Handler<ServerWork<N>> for SrvHandler<N> {
             }
             _ => {}
         }
-        // A flush at the close, or of a connection given back, is the end
-        // of the connection's life, not a failure.
+        // A flush at the close, or of a connection closed, is the end of
+        // the connection's life, not a failure.
         let ended = c.closing.load(Ordering::Acquire) || c.released.load(Ordering::Acquire);
         if !(f.is_flush() && ended) {
             c.break_conn(&format!(
@@ -509,83 +648,222 @@ pub struct ServerSpec {
 }
 
 impl ServerSpec {
-    /// Queue depths of one server connection: the receives, and on the
-    /// send side up to two WRs (WRITE + SEND) per reply buffer plus one
-    /// READ per request.
-    pub fn depths(&self) -> Depths {
-        Depths {
-            send: 5 * self.depth,
-            recv: self.depth,
+    /// The send queue of one server connection: up to two WRs (WRITE +
+    /// SEND) per reply buffer, plus one READ per request. Its receives
+    /// come from the server's SRQ.
+    pub fn send_depth(&self) -> u32 {
+        5 * self.depth
+    }
+
+    /// The server's SRQ: a receive for each request every connection may
+    /// have in flight, at most what the device makes (a client that finds
+    /// none waits: its QPs retry receiver-not-ready for ever).
+    pub fn srq_depth(&self, max_srq_wr: u32) -> u32 {
+        self.connections
+            .max(1)
+            .saturating_mul(self.depth)
+            .min(max_srq_wr)
+            .max(1)
+    }
+
+    /// The server's CQ pool: its CQ first holds the SRQ and a connection,
+    /// twice over; the pool grows it in place (doubling) as connections
+    /// come, up to twice what all of them and the SRQ need.
+    pub fn pool_sizes(&self) -> crate::topo::PoolSizes {
+        let (send, srq) = (
+            u64::from(self.send_depth()),
+            u64::from(self.srq_depth(u32::MAX)),
+        );
+        let all = send * u64::from(self.connections.max(1)) + srq;
+        let clamp = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
+        crate::topo::PoolSizes {
+            cqe: clamp(2 * (send + srq)),
+            resize_up_to: clamp(2 * all).max(clamp(2 * (send + srq))),
         }
     }
+}
+
+/// Where a server's connections' CQ comes from.
+#[derive(Debug)]
+enum Cqs<N: Node> {
+    /// Made up front, sized for every connection (the naive baseline's,
+    /// which polls it by hand).
+    Fixed(Box<FixedCq<N>>),
+    /// A pool over the server's poller: one CQ (the SRQ serves one),
+    /// made at the first connection and grown in place.
+    Pool(CqPool<N::Cq, ServerWork<N>>),
+}
+
+/// A CQ made up front ([`Cqs::Fixed`]).
+#[derive(Debug)]
+struct FixedCq<N: Node> {
+    cq: N::Cq,
+    handle: CqHandle<ServerWork<N>>,
+    unbound: Option<UnboundCq<ServerWork<N>>>,
 }
 
 /// One block server.
 #[derive(Debug)]
 pub struct Server<N: Node> {
     name: String,
-    node: N,
-    cq: N::Cq,
-    handle: CqHandle<ServerWork<N>>,
-    unbound: Option<UnboundCq<ServerWork<N>>>,
+    node: Arc<N>,
+    cqs: Cqs<N>,
+    /// Every CQ its connections are on, as they are made.
+    handles: Arc<Mutex<Vec<CqHandle<ServerWork<N>>>>>,
+    srq: Arc<SrqSide<N>>,
     device: Arc<N::Region>,
     spec: ServerSpec,
-    conns: Vec<Arc<SrvConn<N>>>,
-    /// Connections made so far, given back ones included (their names
-    /// stay unique).
+    /// Connections made so far, closed ones included (their names stay
+    /// unique).
     made: u32,
     stats: Arc<ServerStats>,
     closing: Arc<AtomicBool>,
 }
 
-impl<N: Node> Server<N> {
-    /// A server on `node` with its CQ `cq_name` and its device region.
-    ///
-    /// # Errors
-    /// The CQ is too large for the device, or the device refused.
-    pub fn new(
-        node: N,
-        cq_name: &str,
-        spec: ServerSpec,
-        options: CqOptions,
-    ) -> Result<Server<N>, crate::DemoError> {
-        let d = spec.depths();
-        if d.send > node.max_qp_wr() {
+/// What both kinds of server start from: the checked geometry, the SRQ
+/// and the device region.
+struct Parts<N: Node> {
+    node: Arc<N>,
+    srq: Arc<SrqSide<N>>,
+    device: Arc<N::Region>,
+    stats: Arc<ServerStats>,
+    closing: Arc<AtomicBool>,
+    /// The CQ size every connection needs at once.
+    all: u32,
+}
+
+impl<N: Node> Parts<N> {
+    fn new(node: N, cq_name: &str, spec: ServerSpec) -> Result<Parts<N>, crate::DemoError> {
+        let send = spec.send_depth();
+        if send > node.max_qp_wr() {
             return Err(crate::DemoError::Config(format!(
-                "queue depth {} needs send queues of {} entries on the server, the device makes at \
-                 most {}: lower --qd",
+                "queue depth {} needs send queues of {send} entries on the server, the device \
+                 makes at most {}: lower --qd",
                 spec.depth,
-                d.send,
                 node.max_qp_wr()
             )));
         }
-        let per_conn = [d.send, d.recv];
-        let all: Vec<u32> = (0..spec.connections).flat_map(|_| per_conn).collect();
-        let depth = cqd_core::cq_depth_for(&all, 2, node.max_cqe()).map_err(|needed| {
+        let srq_depth = spec.srq_depth(node.max_srq_wr());
+        let mut all: Vec<u32> = vec![send; spec.connections as usize];
+        all.push(srq_depth);
+        let all = cqd_core::cq_depth_for(&all, 2, node.max_cqe()).map_err(|needed| {
             crate::DemoError::Config(format!(
-                "server CQ {cq_name} needs {needed} entries for {} connections at queue depth {}, \
-                 the device makes at most {}: lower --connections or --qd",
+                "server CQ {cq_name} needs {needed} entries for {} connections at queue depth {} \
+                 and their SRQ, the device makes at most {}: lower --connections or --qd",
                 spec.connections,
                 spec.depth,
                 node.max_cqe()
             ))
         })?;
-        let (cq, unbound, handle) = node.create_cq(cq_name, depth, options)?;
+        let srq = node.create_srq(srq_depth)?;
+        let bufs = node.reg_region(u64::from(srq.depth()) * MSG, Exposure::Local)?;
         // The server moves every block itself: no peer reaches its device.
         let device = Arc::new(node.reg_region(spec.device_bytes, Exposure::Local)?);
-        Ok(Server {
-            name: node.name().to_string(),
-            node,
+        let stats = Arc::new(ServerStats::default());
+        let closing = Arc::new(AtomicBool::new(false));
+        let srq = Arc::new(SrqSide {
+            depth: srq.depth(),
+            srq,
+            bufs,
+            reg: OnceLock::new(),
+            conns: RwLock::new(HashMap::new()),
+            stats: Arc::clone(&stats),
+            closing: Arc::clone(&closing),
+        });
+        Ok(Parts {
+            node: Arc::new(node),
+            srq,
+            device,
+            stats,
+            closing,
+            all,
+        })
+    }
+
+    fn server(
+        self,
+        cqs: Cqs<N>,
+        handles: Vec<CqHandle<ServerWork<N>>>,
+        spec: ServerSpec,
+    ) -> Server<N> {
+        Server {
+            name: self.node.name().to_string(),
+            node: self.node,
+            cqs,
+            handles: Arc::new(Mutex::new(handles)),
+            srq: self.srq,
+            device: self.device,
+            spec,
+            made: 0,
+            stats: self.stats,
+            closing: self.closing,
+        }
+    }
+}
+
+impl<N: Node> Server<N> {
+    /// A server on `node` whose connections take their CQ from the CQ
+    /// pool `plan` (the topology's `srv<i>`, over the poller of `joiner`),
+    /// with its SRQ and its device region.
+    ///
+    /// # Errors
+    /// The connections and their SRQ need a CQ larger than the device
+    /// makes, the plan's pollers are not the joiner's, or the device
+    /// refused.
+    pub fn pooled(
+        node: N,
+        spec: ServerSpec,
+        options: CqOptions,
+        plan: CqPoolPlan,
+        joiner: CqJoiner<ServerWork<N>>,
+    ) -> Result<Server<N>, crate::DemoError> {
+        let name = plan.name().to_string();
+        let parts = Parts::new(node, &name, spec)?;
+        let max_cqe = parts.node.max_cqe();
+        let c = plan.config();
+        if let Some(n) = Some(c.cqe).filter(|&n| n > max_cqe) {
+            return Err(crate::DemoError::Config(format!(
+                "CQ pool {name} asks CQs of {n} entries, the device makes at most {max_cqe}: \
+                 lower --connections or --qd"
+            )));
+        }
+        let handles = Arc::new(Mutex::new(Vec::new()));
+        let (node, made) = (Arc::clone(&parts.node), Arc::clone(&handles));
+        let pool = CqPool::from_plan(plan, vec![joiner], move |name, cqe| {
+            let m = node
+                .create_cq(name, cqe, options.clone())
+                .map_err(|e| e.to_string())?;
+            made.lock().push(m.2.clone());
+            Ok(m)
+        })
+        .map_err(|e| crate::DemoError::Topology(e.to_string()))?;
+        let mut server = parts.server(Cqs::Pool(pool), Vec::new(), spec);
+        server.handles = handles;
+        Ok(server)
+    }
+
+    /// A server on `node` with its CQ `cq_name` made now, sized for every
+    /// connection and the SRQ (take its polling right with
+    /// [`take_cq`](Self::take_cq)), with its SRQ and its device region.
+    ///
+    /// # Errors
+    /// The CQ is too large for the device, or the device refused.
+    pub fn fixed(
+        node: N,
+        cq_name: &str,
+        spec: ServerSpec,
+        options: CqOptions,
+    ) -> Result<Server<N>, crate::DemoError> {
+        let parts = Parts::new(node, cq_name, spec)?;
+        let (cq, unbound, handle) = parts.node.create_cq(cq_name, parts.all, options)?;
+        parts.srq.bind(&handle)?;
+        let handles = vec![handle.clone()];
+        let cqs = Cqs::Fixed(Box::new(FixedCq {
             cq,
             handle,
             unbound: Some(unbound),
-            device,
-            spec,
-            conns: Vec::new(),
-            made: 0,
-            stats: Arc::new(ServerStats::default()),
-            closing: Arc::new(AtomicBool::new(false)),
-        })
+        }));
+        Ok(parts.server(cqs, handles, spec))
     }
 
     /// The server's name.
@@ -593,9 +871,13 @@ impl<N: Node> Server<N> {
         &self.name
     }
 
-    /// The CQ's polling right, for its poller thread (once).
+    /// The CQ's polling right, for its poller thread (once; a pooled
+    /// server's pool hands its CQ to its poller itself).
     pub fn take_cq(&mut self) -> Option<UnboundCq<ServerWork<N>>> {
-        self.unbound.take()
+        match &mut self.cqs {
+            Cqs::Fixed(f) => f.unbound.take(),
+            Cqs::Pool(_) => None,
+        }
     }
 
     /// The server's geometry.
@@ -608,48 +890,73 @@ impl<N: Node> Server<N> {
         self.spec.device_bytes / u64::from(self.spec.block_size)
     }
 
-    /// A new connection: its QP, buffers and handler (connect its link,
-    /// then [`SrvConn::post_receives`]).
+    /// A new connection: its QP on the SRQ, its reply buffers and its
+    /// handler, on the CQ the pool gives (connect its link; its receives
+    /// are the SRQ's).
     ///
     /// # Errors
-    /// The device refused, or the handler could not be registered.
+    /// The pool or the device refused, or the handler could not be
+    /// registered.
     pub fn accept(&mut self) -> Result<Arc<SrvConn<N>>, crate::DemoError> {
-        let depth = self.spec.depth;
-        // Its QP and message buffers are the server's alone: the load only
-        // SENDs to it, and the server reads and writes the load's buffers.
-        let link = self
-            .node
-            .create_link(&self.cq, self.spec.depths(), Exposure::Local)?;
+        let name = format!("{}/c{}", self.name, self.made);
+        // Its message buffers are the server's alone: the load only SENDs
+        // to it, and the server reads and writes the load's buffers.
         let msgs = self
             .node
-            .reg_region(u64::from(3 * depth) * MSG, Exposure::Local)?;
-        let name = format!("{}/c{}", self.name, self.made);
-        let (device, stats, closing) = (
-            Arc::clone(&self.device),
-            Arc::clone(&self.stats),
-            Arc::clone(&self.closing),
-        );
-        let blocks = self.blocks();
-        let block_size = self.spec.block_size;
+            .reg_region(u64::from(2 * self.spec.depth) * MSG, Exposure::Local)?;
+        let conn = match &self.cqs {
+            Cqs::Fixed(f) => self.make_conn(&f.cq, &f.handle, &name, msgs)?,
+            Cqs::Pool(pool) => {
+                let srq = (self.srq.srq.srqn(), self.srq.srq.depth());
+                pool.open(self.spec.send_depth(), Some(srq), |cq, handle| {
+                    self.make_conn(cq, handle, &name, msgs)
+                })
+                .map_err(|e| match e {
+                    cqd_core::cq_pool::PoolError::Open { source, .. } => source,
+                    other => crate::DemoError::Setup(format!("{name}: {other}")),
+                })?
+            }
+        };
+        self.made += 1;
+        Ok(conn)
+    }
+
+    fn make_conn(
+        &self,
+        cq: &N::Cq,
+        handle: &CqHandle<ServerWork<N>>,
+        name: &str,
+        msgs: N::Region,
+    ) -> Result<Arc<SrvConn<N>>, crate::DemoError> {
+        let depth = self.spec.depth;
+        let link = self.node.create_link_on_srq(
+            cq,
+            self.spec.send_depth(),
+            &self.srq.srq,
+            Exposure::Local,
+        )?;
+        self.srq.bind(handle)?;
+        let qpn = link.qpn();
         let mut made = None;
-        self.handle
+        handle
             .register_with(|reg| {
                 let conn = Arc::new(SrvConn {
-                    name: name.clone(),
+                    name: name.to_string(),
                     link,
                     reg: reg.clone(),
+                    handle: handle.clone(),
                     msgs,
                     depth,
-                    device,
-                    blocks,
-                    block_size,
+                    device: Arc::clone(&self.device),
+                    blocks: self.blocks(),
+                    block_size: self.spec.block_size,
                     replies: Mutex::new(Replies {
                         free: (0..2 * depth).rev().collect(),
                         deferred: VecDeque::new(),
                     }),
                     reading: (0..depth).map(|_| Mutex::new(None)).collect(),
-                    stats,
-                    closing,
+                    stats: Arc::clone(&self.stats),
+                    closing: Arc::clone(&self.closing),
                     broken: AtomicBool::new(false),
                     released: AtomicBool::new(false),
                 });
@@ -658,23 +965,52 @@ impl<N: Node> Server<N> {
             })
             .map_err(|e| crate::DemoError::Setup(format!("{name}: register: {e}")))?;
         let conn = made.ok_or_else(|| crate::DemoError::Setup(format!("{name}: not made")))?;
-        self.made += 1;
-        self.conns.push(Arc::clone(&conn));
+        self.srq.conns.write().insert(qpn, Arc::clone(&conn));
         Ok(conn)
     }
 
-    /// Gives back a connection of a session that did not start: its QP to
-    /// error (what it posted comes back flushed), off the server's list,
-    /// its handler unregistered. The poller drops the handler once its
-    /// flushes are in, and with it the QP and the QP's admission on the
-    /// CQ: [`Arc::strong_count`] of `conn` falls to the caller's own.
-    pub fn release(&mut self, conn: &Arc<SrvConn<N>>) {
+    /// Closes a connection while the others run: off the server's list
+    /// (a request that still comes on its QP is dropped, counted), its QP
+    /// to error, its handler retired once its flushes are in, then its QP
+    /// closed ([`Link::close`]: destroyed once its completions and its SRQ
+    /// use are accounted, its admission on the CQ given back). Waits for
+    /// all of it, at most `timeout`. `conn` must be the caller's only
+    /// hold on the connection besides the server's and its workers'.
+    ///
+    /// # Errors
+    /// What did not end within `timeout`, naming the connection (the close
+    /// goes on in the background where it can).
+    pub fn close(&self, conn: Arc<SrvConn<N>>, timeout: Duration) -> Result<(), String> {
+        let deadline = Instant::now() + timeout;
+        let left = || deadline.saturating_duration_since(Instant::now());
+        let name = conn.name.clone();
         conn.released.store(true, Ordering::Release);
+        self.srq.conns.write().remove(&conn.link.qpn());
         conn.link.to_error();
-        self.conns.retain(|c| !Arc::ptr_eq(c, conn));
-        if let Err(e) = self.handle.unregister(conn.reg.key()) {
-            tracing::warn!(conn = %conn.name, "unregister: {e}");
+        let retired = conn
+            .handle
+            .unregister(conn.reg.key())
+            .map_err(|e| format!("{name}: unregister: {e}"))?;
+        retired.wait(left()).map_err(|e| format!("{name}: {e}"))?;
+        // The handler is gone; the workers drop what they still hold of
+        // the connection (it is released).
+        while Arc::strong_count(&conn) > 1 {
+            if left().is_zero() {
+                return Err(format!(
+                    "{name}: still held {timeout:?} after its close began"
+                ));
+            }
+            std::thread::sleep(Duration::from_micros(200));
         }
+        let conn = Arc::try_unwrap(conn).map_err(|_| format!("{name}: still held"))?;
+        let deferred = conn.replies.into_inner().deferred.len() as u64;
+        if deferred > 0 {
+            self.stats.dropped.fetch_add(deferred, Ordering::Relaxed);
+            self.stats.jobs.fetch_sub(deferred as i64, Ordering::AcqRel);
+        }
+        conn.link.close(left()).map_err(|e| e.to_string())?;
+        self.stats.closed.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Waits until no job is with the workers (or `timeout`), then closes:
@@ -694,10 +1030,11 @@ impl<N: Node> Server<N> {
         idle
     }
 
-    /// Every connection's QP to error (the shutdown's flush step).
+    /// Every connection's QP to error (the shutdown's flush step); the
+    /// stop then hands back the receives still on the SRQ.
     pub fn flush(&self) {
         self.closing.store(true, Ordering::Release);
-        for c in &self.conns {
+        for c in self.srq.conns.read().values() {
             c.link.to_error();
         }
     }
@@ -712,9 +1049,29 @@ impl<N: Node> Server<N> {
         &self.stats
     }
 
-    /// The CQ's handle (for the metrics exporter).
-    pub fn cq_handle(&self) -> &CqHandle<ServerWork<N>> {
-        &self.handle
+    /// The CQs its connections are on so far (for the metrics exporter).
+    pub fn cq_handles(&self) -> Vec<CqHandle<ServerWork<N>>> {
+        self.handles.lock().clone()
+    }
+
+    /// The CQ pool's CQs, their capacity and what is reserved on each
+    /// (empty for a fixed CQ).
+    pub fn cq_pool(&self) -> Vec<PoolCq> {
+        match &self.cqs {
+            Cqs::Pool(p) => p.snapshot(),
+            Cqs::Fixed(_) => Vec::new(),
+        }
+    }
+
+    /// The SRQ's receives.
+    pub fn srq_depth(&self) -> u32 {
+        self.srq.depth
+    }
+
+    /// The SRQ handler's registration, once its CQ is made (for the
+    /// report's names).
+    pub fn srq_registration(&self) -> Option<&Registration> {
+        self.srq.reg.get()
     }
 
     /// Jobs with the workers now.
@@ -722,8 +1079,8 @@ impl<N: Node> Server<N> {
         self.stats.jobs.load(Ordering::Acquire)
     }
 
-    /// The connections.
-    pub fn conns(&self) -> &[Arc<SrvConn<N>>] {
-        &self.conns
+    /// The open connections.
+    pub fn conns(&self) -> Vec<Arc<SrvConn<N>>> {
+        self.srq.conns.read().values().cloned().collect()
     }
 }

@@ -4,7 +4,12 @@
 //! - `srv<i>`: the CQ of server `i` (all its connections, sends and
 //!   receives). Every server's CQ must have a poller; a server the file
 //!   does not name (`--servers` above the file's count) is given to the
-//!   server pollers in turn.
+//!   server pollers in turn. The demo makes it a CQ pool: the layout it
+//!   validates moves `srv<i>` off its poller into a `[[cq_pool]]` named
+//!   `srv<i>` over that poller (one CQ, `srv<i>-0`, made at the server's
+//!   first connection and grown in place as connections come; sizes from
+//!   the run's flags, [`PoolSizes`]). A file that has `[[cq_pool]]`
+//!   tables of its own is refused.
 //! - `load<k>`: a CQ of the load generator; connections are spread over
 //!   `load0`, `load1`, … in turn. The file must name them from 0 without
 //!   gaps.
@@ -16,7 +21,9 @@
 //! Flags override the file: `--mode` sets every poller's mode,
 //! `--workers` the pool's threads.
 
-use cqd_core::topology::{ModeConfig, PollerPlan, PoolPlan, TopologyConfig};
+use cqd_core::topology::{
+    CqPoolConfig, CqPoolPlan, FitConfig, ModeConfig, PollerPlan, PoolPlan, TopologyConfig,
+};
 
 use crate::config::ModeArg;
 use crate::DemoError;
@@ -36,11 +43,23 @@ pub struct Assigned {
     pub cqs: Vec<u32>,
 }
 
+/// A server's CQ pool: the entries of its first CQ, and the most it grows
+/// to in place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolSizes {
+    /// Entries asked for its CQ.
+    pub cqe: u32,
+    /// The most entries a resize grows it to.
+    pub resize_up_to: u32,
+}
+
 /// The checked layout of one run.
 #[derive(Debug)]
 pub struct Layout {
     /// Pollers of server CQs.
     pub server_pollers: Vec<Assigned>,
+    /// Each server's CQ pool (over its poller), by server index.
+    pub server_pools: Vec<CqPoolPlan>,
     /// Pollers of load CQs.
     pub load_pollers: Vec<Assigned>,
     /// The servers' worker pool.
@@ -124,8 +143,9 @@ pub fn resolve(
     servers: u32,
     mode: Option<ModeArg>,
     workers: Option<usize>,
+    sizes: &dyn Fn(u32) -> PoolSizes,
 ) -> Result<Layout, DemoError> {
-    resolve_side(config, servers, mode, workers, Side::Both)
+    resolve_side(config, servers, mode, workers, sizes, Side::Both)
 }
 
 /// [`resolve`] for one half: the other half's pollers are checked against
@@ -141,9 +161,17 @@ pub fn resolve_side(
     servers: u32,
     mode: Option<ModeArg>,
     workers: Option<usize>,
+    sizes: &dyn Fn(u32) -> PoolSizes,
     side: Side,
 ) -> Result<Layout, DemoError> {
     let bad = |m: String| Err(DemoError::Topology(m));
+    if let Some(p) = config.cq_pools.first() {
+        return bad(format!(
+            "[[cq_pool]] {:?}: the demo makes each server's CQ pool itself (name srv<i> on the \
+             poller that serves it)",
+            p.name
+        ));
+    }
     if side != Side::Both {
         // The other half's pollers go; a poller mixing both is refused
         // below as in a one-process run.
@@ -269,9 +297,6 @@ pub fn resolve_side(
         }
         None => return bad(format!("no pool named {POOL:?} (the servers' workers)")),
     }
-    let toml = config
-        .to_toml()
-        .map_err(|e| DemoError::Topology(e.to_string()))?;
     let cqs_of = |i: usize| -> Vec<u32> {
         config.pollers[i]
             .cqs
@@ -290,6 +315,26 @@ pub fn resolve_side(
         .iter()
         .map(|&i| (config.pollers[i].name.clone(), cqs_of(i)))
         .collect();
+    // Each server's CQ is a pool over its poller, which starts empty.
+    for (poller, servers) in &server_cqs {
+        for &s in servers {
+            let z = sizes(s);
+            config.cq_pools.push(
+                CqPoolConfig::new(format!("srv{s}"), z.cqe, [poller.clone()])
+                    .fit(FitConfig::First)
+                    .max_cqs(1)
+                    .resize_up_to(z.resize_up_to),
+            );
+        }
+    }
+    for &i in &server_pollers {
+        config.pollers[i]
+            .cqs
+            .retain(|c| !matches!(role(c), Some(Role::Server(_))));
+    }
+    let toml = config
+        .to_toml()
+        .map_err(|e| DemoError::Topology(e.to_string()))?;
     let mut topology = config
         .validate()
         .map_err(|e| DemoError::Topology(e.to_string()))?;
@@ -306,11 +351,23 @@ pub fn resolve_side(
     };
     let server_pollers = take(server_cqs)?;
     let load_pollers = take(load_cqs_of)?;
+    let server_pools = if side == Side::Load {
+        Vec::new()
+    } else {
+        (0..servers)
+            .map(|s| {
+                topology.take_cq_pool(&format!("srv{s}")).ok_or_else(|| {
+                    DemoError::Topology(format!("CQ pool srv{s} vanished in validation"))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?
+    };
     let pool = topology
         .take_pool(POOL)
         .ok_or_else(|| DemoError::Topology(format!("no pool named {POOL:?}")))?;
     Ok(Layout {
         server_pollers,
+        server_pools,
         load_pollers,
         pool,
         load_cqs: load_cqs.len() as u32,
@@ -323,24 +380,41 @@ pub fn resolve_side(
 mod tests {
     use super::*;
 
+    fn sizes(_: u32) -> PoolSizes {
+        PoolSizes {
+            cqe: 256,
+            resize_up_to: 1024,
+        }
+    }
+
     fn layout(text: &str, servers: u32) -> Result<Layout, DemoError> {
         resolve(
             TopologyConfig::from_toml(text).unwrap(),
             servers,
             None,
             None,
+            &sizes,
         )
     }
 
     #[test]
     fn the_built_in_layout_resolves_and_grows_with_servers() {
-        let l = resolve(load(None).unwrap(), 3, Some(ModeArg::Busy), Some(3)).unwrap();
+        let l = resolve(load(None).unwrap(), 3, Some(ModeArg::Busy), Some(3), &sizes).unwrap();
         let served: Vec<u32> = l
             .server_pollers
             .iter()
             .flat_map(|a| a.cqs.clone())
             .collect();
         assert_eq!(served.len(), 3, "srv1 and srv2 were added: {served:?}");
+        // Each server's CQ is a pool over its poller, which owns no CQ.
+        assert_eq!(l.server_pools.len(), 3);
+        assert_eq!(l.server_pools[2].name(), "srv2");
+        assert_eq!(l.server_pools[2].config().resize_up_to, Some(1024));
+        assert!(
+            l.toml.contains("[[cq_pool]]") && l.toml.contains("cqs = []"),
+            "{}",
+            l.toml
+        );
         assert!(l.load_cqs >= 1);
         assert_eq!(l.pool.threads(), 3);
         assert!(l.toml.contains("busy"));
@@ -357,6 +431,7 @@ mod tests {
             1,
             None,
             None,
+            &sizes,
         )
         .unwrap();
         assert_eq!(l.server_pollers.len(), 1);
@@ -373,7 +448,7 @@ mod tests {
 
     #[test]
     fn each_side_keeps_only_its_own_pollers() {
-        let s = resolve_side(load(None).unwrap(), 2, None, None, Side::Server).unwrap();
+        let s = resolve_side(load(None).unwrap(), 2, None, None, &sizes, Side::Server).unwrap();
         assert_eq!(s.server_pollers.len(), 1);
         assert!(s.load_pollers.is_empty());
         assert_eq!(s.load_cqs, 0);
@@ -383,7 +458,7 @@ mod tests {
             .flat_map(|a| a.cqs.clone())
             .collect();
         assert_eq!(served, [0, 1]);
-        let l = resolve_side(load(None).unwrap(), 1, None, None, Side::Load).unwrap();
+        let l = resolve_side(load(None).unwrap(), 1, None, None, &sizes, Side::Load).unwrap();
         assert!(l.server_pollers.is_empty());
         assert_eq!(l.load_pollers.len(), 1);
         assert_eq!(l.load_cqs, 1);
@@ -393,10 +468,10 @@ mod tests {
         let srv_only =
             "[[poller]]\nname = \"a\"\ncqs = [\"srv0\"]\n[[pool]]\nname = \"io\"\nthreads = 1\n";
         let cfg = TopologyConfig::from_toml(srv_only).unwrap();
-        assert!(resolve_side(cfg.clone(), 1, None, None, Side::Server).is_ok());
-        let e = resolve(cfg.clone(), 1, None, None).unwrap_err();
+        assert!(resolve_side(cfg.clone(), 1, None, None, &sizes, Side::Server).is_ok());
+        let e = resolve(cfg.clone(), 1, None, None, &sizes).unwrap_err();
         assert!(e.to_string().contains("no poller serves a load CQ"), "{e}");
-        let e = resolve_side(cfg, 1, None, None, Side::Load).unwrap_err();
+        let e = resolve_side(cfg, 1, None, None, &sizes, Side::Load).unwrap_err();
         assert!(e.to_string().contains("no poller serves a load CQ"), "{e}");
     }
 

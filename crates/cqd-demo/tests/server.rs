@@ -120,7 +120,8 @@ fn the_server_answers_good_and_bad_requests_and_never_panics() {
         depth: 4,
         connections: 1,
     };
-    let mut server = Server::new(fabric.open("srv0"), "srv0", spec, CqOptions::default()).unwrap();
+    let mut server =
+        Server::fixed(fabric.open("srv0"), "srv0", spec, CqOptions::default()).unwrap();
     let conn = server.accept().unwrap();
 
     let node = fabric.open("client");
@@ -158,7 +159,6 @@ fn the_server_answers_good_and_bad_requests_and_never_panics() {
     *reg_cell.lock() = Some(reg.clone());
     conn.link().connect(&link.endpoint().unwrap()).unwrap();
     link.connect(&conn.link().endpoint().unwrap()).unwrap();
-    conn.post_receives().unwrap();
     for i in 0..RECVS {
         link.post_recv(
             &reg,

@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use clap::Parser;
 use cqd_core::{CqHandle, CqOptions, Registration, UnboundCq};
-use cqd_demo::backend::sim::{SimEndpoint, SimFabric, SimLink, SimNode, SimRegion};
-use cqd_demo::backend::{BackendError, Depths, Exposure, Link, Node, Op, Region, Verb};
+use cqd_demo::backend::sim::{SimEndpoint, SimFabric, SimLink, SimNode, SimRegion, SimSrq};
+use cqd_demo::backend::{BackendError, Depths, Exposure, Link, Node, Op, Region, SharedRq, Verb};
 use cqd_demo::config::Args;
 use cqd_demo::run::run_on;
 use cqd_sim::Modify;
@@ -126,15 +126,64 @@ impl Link for FaultyLink {
             _ => self.inner.to_error(),
         }
     }
+    fn close(self, timeout: std::time::Duration) -> Result<(), BackendError> {
+        self.inner.close(timeout)
+    }
+}
+
+#[derive(Debug)]
+struct FSrq(SimSrq);
+
+impl SharedRq for FSrq {
+    type Region = FRegion;
+
+    fn srqn(&self) -> u32 {
+        self.0.srqn()
+    }
+    fn depth(&self) -> u32 {
+        self.0.depth()
+    }
+    fn post_recv(
+        &self,
+        reg: &Registration,
+        tag: u32,
+        region: &FRegion,
+        offset: u64,
+        len: u32,
+    ) -> Result<(), BackendError> {
+        self.0.post_recv(reg, tag, &region.inner, offset, len)
+    }
 }
 
 impl Node for Faulty {
     type Cq = cqd_sim::Cq;
     type Region = FRegion;
     type Link = FaultyLink;
+    type Srq = FSrq;
 
     fn name(&self) -> &str {
         self.inner.name()
+    }
+    fn max_srq_wr(&self) -> u32 {
+        self.inner.max_srq_wr()
+    }
+    fn create_srq(&self, depth: u32) -> Result<FSrq, BackendError> {
+        self.inner.create_srq(depth).map(FSrq)
+    }
+    fn create_link_on_srq(
+        &self,
+        cq: &cqd_sim::Cq,
+        send_depth: u32,
+        srq: &FSrq,
+        exposure: Exposure,
+    ) -> Result<FaultyLink, BackendError> {
+        Ok(FaultyLink {
+            inner: self
+                .inner
+                .create_link_on_srq(cq, send_depth, &srq.0, exposure)?,
+            fault: self.fault,
+            writes: AtomicU64::new(0),
+        })
     }
     fn max_cqe(&self) -> u32 {
         self.inner.max_cqe()
@@ -321,4 +370,37 @@ fn reads_whose_data_never_arrives_fail_the_data_verdict() {
         "{:?}",
         r.mismatches
     );
+}
+
+#[test]
+fn connections_that_come_and_go_keep_both_verdicts_in_every_mode() {
+    // 8 connections on one server (its CQ from its pool, its receives
+    // from its SRQ); 300 closes a second, each replaced at once.
+    for mode in ["busy", "event", "hybrid", "adaptive"] {
+        let fabric = SimFabric::new(0.0, 1);
+        let cfg = config(&[
+            "--mode",
+            mode,
+            "--connections",
+            "8",
+            "--qd",
+            "4",
+            "--churn",
+            "300",
+        ]);
+        let r = run_on(&cfg, None, |name| Ok(fabric.open(name))).unwrap();
+        let text = r.text();
+        assert!(r.passed(), "{mode}: {text}");
+        let churn = r.churn.as_ref().expect("a churn line");
+        assert!(churn.cycles >= 20, "{mode}: {text}");
+        assert_eq!(churn.failed, 0, "{mode}: {text}");
+        assert_eq!(r.servers[0].closed, churn.cycles, "{mode}: {text}");
+        assert_eq!(r.load.dead_connections, 0, "{mode}: {text}");
+        assert_eq!(r.load.failed, 0, "{mode}: {text}");
+        // The stop handed back what was still posted on the SRQ: 8 × 4.
+        let srv_cq = &r.system.pollers[0].cqs[0];
+        assert_eq!(srv_cq.name, "srv0-0", "{mode}: {text}");
+        assert_eq!(srv_cq.srq_returned, 32, "{mode}: {text}");
+        assert!(text.contains("churn "), "{text}");
+    }
 }

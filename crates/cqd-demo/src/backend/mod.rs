@@ -29,6 +29,7 @@ pub mod sim;
 pub mod verbs;
 
 use std::fmt::Debug;
+use std::time::Duration;
 
 use cqd_core::{CqHandle, CqOptions, Registration, UnboundCq};
 
@@ -228,6 +229,18 @@ pub trait Link: Send + Sync + Debug + 'static {
     /// back flushed.
     fn to_error(&self);
 
+    /// Closes the QP (cqd's `Qp::close`): to the error state, its flushes
+    /// and, on an SRQ, its last receive accounted by the pollers, then
+    /// destroyed, its admission on the CQ given back; waits for that, at
+    /// most `timeout`.
+    ///
+    /// # Errors
+    /// The close did not end in time (it goes on), naming what it waits
+    /// for; or the QP is still shared (an rdma_cm connection holds it).
+    fn close(self, timeout: Duration) -> Result<(), BackendError>
+    where
+        Self: Sized;
+
     /// Allocates `count` memory windows on this link, one per request
     /// slot, for [`Verb::Bind`] and [`Verb::Invalidate`].
     ///
@@ -274,6 +287,31 @@ pub trait Link: Send + Sync + Debug + 'static {
     }
 }
 
+/// A shared receive queue: one pool of receive buffers for every link
+/// made on it ([`Node::create_link_on_srq`]).
+pub trait SharedRq: Send + Sync + Debug + 'static {
+    /// The node's region type.
+    type Region: Region;
+
+    /// The SRQ's number (what a CQ's admission counts it by).
+    fn srqn(&self) -> u32;
+    /// The receives it holds (what a CQ's admission reserves for it).
+    fn depth(&self) -> u32;
+    /// Posts one receive of `len` bytes at `offset` of `region`, through
+    /// `reg`'s posting call (the SRQ's handler).
+    ///
+    /// # Errors
+    /// The post was refused (nothing was posted).
+    fn post_recv(
+        &self,
+        reg: &Registration,
+        tag: u32,
+        region: &Self::Region,
+        offset: u64,
+        len: u32,
+    ) -> Result<(), BackendError>;
+}
+
 /// One device and protection domain.
 pub trait Node: Send + Sync + Debug + 'static {
     /// A CQ's backend side (QPs are created on it).
@@ -282,6 +320,8 @@ pub trait Node: Send + Sync + Debug + 'static {
     type Region: Region;
     /// Queue pairs.
     type Link: Link<Region = Self::Region>;
+    /// Shared receive queues.
+    type Srq: SharedRq<Region = Self::Region>;
 
     /// The node's name.
     fn name(&self) -> &str;
@@ -294,6 +334,8 @@ pub trait Node: Send + Sync + Debug + 'static {
     }
     /// The deepest queue the device makes.
     fn max_qp_wr(&self) -> u32;
+    /// The deepest SRQ the device makes.
+    fn max_srq_wr(&self) -> u32;
     /// A CQ of `depth` entries with its poller's two halves (budget and
     /// ledger attached).
     ///
@@ -322,6 +364,24 @@ pub trait Node: Send + Sync + Debug + 'static {
         &self,
         cq: &Self::Cq,
         depths: Depths,
+        exposure: Exposure,
+    ) -> Result<Self::Link, BackendError>;
+    /// An SRQ of `depth` receives of one gather entry.
+    ///
+    /// # Errors
+    /// The device refused (too deep).
+    fn create_srq(&self, depth: u32) -> Result<Self::Srq, BackendError>;
+    /// An RC QP whose send completions and whose receives' completions go
+    /// to `cq`, its receives taken from `srq` (no receive queue of its
+    /// own); exposure as [`create_link`](Node::create_link).
+    ///
+    /// # Errors
+    /// The device refused (admission on the CQ, an SRQ of another CQ).
+    fn create_link_on_srq(
+        &self,
+        cq: &Self::Cq,
+        send_depth: u32,
+        srq: &Self::Srq,
         exposure: Exposure,
     ) -> Result<Self::Link, BackendError>;
 }

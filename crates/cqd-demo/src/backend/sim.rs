@@ -2,12 +2,14 @@
 //! fabric, in this process; endpoints are QP numbers, exchanged in memory.
 
 use cqd_core::{CqHandle, CqOptions, Registration, UnboundCq};
+use std::time::Duration;
+
 use cqd_sim::{
     Access, Cq, CqConfig, Device, DeviceAttr, Fabric, Modify, Mr, NicFaults, Pd, Qp, QpCap, QpInit,
-    RecvWr, SendWr, Sge, WrOp,
+    RecvWr, SendWr, Sge, Srq, WrOp,
 };
 
-use super::{BackendError, Depths, Exposure, Link, Node, Op, Region, Remote, Verb};
+use super::{BackendError, Depths, Exposure, Link, Node, Op, Region, Remote, SharedRq, Verb};
 
 /// The simulated fabric all nodes of a run share.
 #[derive(Debug, Clone)]
@@ -69,6 +71,35 @@ impl SimLink {
     /// injection).
     pub fn qp(&self) -> &Qp {
         &self.0
+    }
+}
+
+/// A simulated shared receive queue.
+#[derive(Debug)]
+pub struct SimSrq(Srq, u32);
+
+impl SharedRq for SimSrq {
+    type Region = SimRegion;
+
+    fn srqn(&self) -> u32 {
+        self.0.srqn()
+    }
+
+    fn depth(&self) -> u32 {
+        self.1
+    }
+
+    fn post_recv(
+        &self,
+        reg: &Registration,
+        tag: u32,
+        region: &SimRegion,
+        offset: u64,
+        len: u32,
+    ) -> Result<(), BackendError> {
+        let sge = [region.0.sge(offset, len)];
+        reg.post_recv(&self.0, &mut [RecvWr::new(u64::from(tag), &sge)])
+            .map_err(|e| BackendError::new(format!("post a receive on SRQ {}", self.0.srqn()), e))
     }
 }
 
@@ -210,12 +241,21 @@ impl Link for SimLink {
     fn to_error(&self) {
         self.0.force_error();
     }
+
+    fn close(self, timeout: Duration) -> Result<(), BackendError> {
+        let qpn = self.0.qpn();
+        self.0
+            .close()
+            .wait(timeout)
+            .map_err(|e| BackendError::new(format!("close QP {qpn}"), e))
+    }
 }
 
 impl Node for SimNode {
     type Cq = Cq;
     type Region = SimRegion;
     type Link = SimLink;
+    type Srq = SimSrq;
 
     fn name(&self) -> &str {
         &self.name
@@ -227,6 +267,10 @@ impl Node for SimNode {
 
     fn max_qp_wr(&self) -> u32 {
         self.device.attr().max_qp_wr
+    }
+
+    fn max_srq_wr(&self) -> u32 {
+        self.device.attr().max_srq_wr
     }
 
     fn create_cq<W: Send + 'static>(
@@ -270,5 +314,36 @@ impl Node for SimNode {
             .create_qp(&QpInit::new(cq, cq, cap))
             .map(|qp| SimLink(qp, exposure))
             .map_err(|e| BackendError::new(format!("create a QP on {}", self.name), e))
+    }
+
+    fn create_srq(&self, depth: u32) -> Result<SimSrq, BackendError> {
+        self.pd
+            .create_srq(depth, 1)
+            .map(|srq| SimSrq(srq, depth))
+            .map_err(|e| BackendError::new(format!("create an SRQ of {depth} on {}", self.name), e))
+    }
+
+    fn create_link_on_srq(
+        &self,
+        cq: &Cq,
+        send_depth: u32,
+        srq: &SimSrq,
+        exposure: Exposure,
+    ) -> Result<SimLink, BackendError> {
+        let cap = QpCap {
+            max_send_wr: send_depth,
+            max_recv_wr: 0,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+        };
+        self.pd
+            .create_qp(&QpInit::new(cq, cq, cap).with_srq(&srq.0))
+            .map(|qp| SimLink(qp, exposure))
+            .map_err(|e| {
+                BackendError::new(
+                    format!("create a QP on SRQ {} on {}", srq.0.srqn(), self.name),
+                    e,
+                )
+            })
     }
 }

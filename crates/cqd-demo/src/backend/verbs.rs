@@ -12,14 +12,17 @@
 //! offsets come from requests, so they are errors).
 
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
 
 use cqd_core::{CqHandle, CqOptions, Registration, UnboundCq};
 use cqd_verbs::{
     Access, ConnectOptions, Context, Cq, CqSpec, Endpoint, Mr, Pd, Qp, QpCap, QpInit, RecvWr,
-    RemoteAddr, SendWr, Sge, WrOp,
+    RemoteAddr, SendWr, Sge, Srq, SrqInit, WrOp,
 };
 
-use super::{BackendError, Depths, Exposure, Grant, Link, Node, Op, Region, Remote, Verb};
+use super::{
+    BackendError, Depths, Exposure, Grant, Link, Node, Op, Region, Remote, SharedRq, Verb,
+};
 
 /// How links of this process connect: the port and, for RoCE or routed
 /// InfiniBand, the GID index.
@@ -136,6 +139,35 @@ pub(crate) fn cm_manager() -> Result<&'static cqd_verbs::cm::ConnectionManager, 
     let made = cqd_verbs::cm::ConnectionManager::new()
         .map_err(|e| BackendError::new("open rdma_cm (an event channel)", e))?;
     Ok(CM.get_or_init(|| made))
+}
+
+/// A shared receive queue.
+#[derive(Debug)]
+pub struct VerbsSrq(Srq);
+
+impl SharedRq for VerbsSrq {
+    type Region = VerbsRegion;
+
+    fn srqn(&self) -> u32 {
+        self.0.number()
+    }
+
+    fn depth(&self) -> u32 {
+        self.0.depth()
+    }
+
+    fn post_recv(
+        &self,
+        reg: &Registration,
+        tag: u32,
+        region: &VerbsRegion,
+        offset: u64,
+        len: u32,
+    ) -> Result<(), BackendError> {
+        let sge = [region.sge(offset, len)?];
+        reg.post_recv(&self.0, &mut [RecvWr::new(u64::from(tag), &sge)])
+            .map_err(|e| BackendError::new(format!("post a receive on SRQ {}", self.0.number()), e))
+    }
 }
 
 impl VerbsLink {
@@ -426,12 +458,30 @@ impl Link for VerbsLink {
             tracing::warn!(qpn = self.qp.qpn(), error = %e, "QP to error refused");
         }
     }
+
+    fn close(self, timeout: Duration) -> Result<(), BackendError> {
+        let qpn = self.qp.qpn();
+        // The windows and the rdma_cm connection go first: the connection
+        // holds the QP too.
+        drop(self.windows);
+        drop(self.cm);
+        let qp = std::sync::Arc::try_unwrap(self.qp).map_err(|_| {
+            BackendError::new(
+                format!("close QP {qpn}"),
+                "the QP is still shared: it is destroyed when its last holder lets it go",
+            )
+        })?;
+        qp.close()
+            .wait(timeout)
+            .map_err(|e| BackendError::new(format!("close QP {qpn}"), e))
+    }
 }
 
 impl Node for VerbsNode {
     type Cq = Cq;
     type Region = VerbsRegion;
     type Link = VerbsLink;
+    type Srq = VerbsSrq;
 
     fn name(&self) -> &str {
         &self.name
@@ -447,6 +497,10 @@ impl Node for VerbsNode {
 
     fn max_qp_wr(&self) -> u32 {
         self.ctx.attr().max_qp_wr
+    }
+
+    fn max_srq_wr(&self) -> u32 {
+        self.ctx.attr().max_srq_wr
     }
 
     fn create_cq<W: Send + 'static>(
@@ -479,17 +533,59 @@ impl Node for VerbsNode {
         depths: Depths,
         exposure: Exposure,
     ) -> Result<VerbsLink, BackendError> {
-        let cap = QpCap {
-            max_send_wr: depths.send,
-            max_recv_wr: depths.recv,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 0,
-        };
-        let qp = self
-            .pd
-            .create_qp(&QpInit::new(cq, cq, cap))
-            .map_err(|e| BackendError::new(format!("create a QP on {}", self.name), e))?;
+        self.link(QpInit::new(cq, cq, qp_cap(depths)), exposure)
+            .map_err(|e| BackendError::new(format!("create a QP on {}", self.name), e))
+    }
+
+    fn create_srq(&self, depth: u32) -> Result<VerbsSrq, BackendError> {
+        self.pd
+            .create_srq(SrqInit {
+                max_wr: depth,
+                max_sge: 1,
+                owner: None,
+            })
+            .map(VerbsSrq)
+            .map_err(|e| BackendError::new(format!("create an SRQ of {depth} on {}", self.name), e))
+    }
+
+    fn create_link_on_srq(
+        &self,
+        cq: &Cq,
+        send_depth: u32,
+        srq: &VerbsSrq,
+        exposure: Exposure,
+    ) -> Result<VerbsLink, BackendError> {
+        let cap = qp_cap(Depths {
+            send: send_depth,
+            recv: 0,
+        });
+        self.link(QpInit::new(cq, cq, cap).with_srq(&srq.0), exposure)
+            .map_err(|e| {
+                BackendError::new(
+                    format!("create a QP on SRQ {} on {}", srq.0.number(), self.name),
+                    e,
+                )
+            })
+    }
+}
+
+fn qp_cap(depths: Depths) -> QpCap {
+    QpCap {
+        max_send_wr: depths.send,
+        max_recv_wr: depths.recv,
+        max_send_sge: 1,
+        max_recv_sge: 1,
+        max_inline_data: 0,
+    }
+}
+
+impl VerbsNode {
+    fn link(
+        &self,
+        init: QpInit<'_>,
+        exposure: Exposure,
+    ) -> Result<VerbsLink, cqd_verbs::VerbsError> {
+        let qp = self.pd.create_qp(&init)?;
         let psn = new_psn(qp.qpn());
         Ok(VerbsLink {
             qp: std::sync::Arc::new(qp),

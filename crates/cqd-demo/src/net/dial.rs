@@ -211,6 +211,7 @@ pub fn load_on<N: Node, F: Fn(&str) -> Result<N, DemoError>>(
         servers,
         cfg.mode,
         cfg.workers,
+        &|_| crate::run::server_spec(cfg, cfg.connections).pool_sizes(),
         Side::Load,
     )?;
     let mode_name = cfg
@@ -299,7 +300,7 @@ fn connect_all<N: Node>(
 /// `bye`, the stop and the report.
 fn run_and_report<N: Node>(
     cfg: &Config,
-    side: LoadSide<N>,
+    mut side: LoadSide<N>,
     wires: Vec<Wire>,
     by_server: Vec<Vec<Arc<LoadConn<N>>>>,
     (topology_toml, topology_warnings): (String, Vec<String>),
@@ -343,7 +344,7 @@ fn run_and_report<N: Node>(
     }
     drop(tx);
 
-    let driven = side.drive(cfg);
+    let driven = side.drive(cfg, None);
     done.store(true, Ordering::Release);
     // The servers tear down after `done` (with --cm rdmacm their exit
     // flushes our receives through the CM): flushes are no failure now.
@@ -395,6 +396,7 @@ fn run_and_report<N: Node>(
     let wall = threads_started.elapsed();
     notes.extend(stopped.notes);
     let mut report = report::build(report::Inputs {
+        churn: None,
         cfg,
         mode: mode_name,
         load: &stopped.state,

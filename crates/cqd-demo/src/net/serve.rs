@@ -239,7 +239,6 @@ fn make_tcp<N: Node>(
         let c = side.accept(0)?;
         made.push(Arc::clone(&c));
         c.link().connect(endpoint)?;
-        c.post_receives()?;
         wire.send(&Msg::Accepted {
             conn,
             endpoint: c.link().endpoint()?,
@@ -274,7 +273,6 @@ fn connect_cm<N: Node>(
             let c = side.accept(0)?;
             made.push(Arc::clone(&c));
             c.link().cm_accept(req)?;
-            c.post_receives()?;
             Ok(())
         });
         if let Err(e) = accepted {
@@ -293,7 +291,7 @@ fn give_back<N: Node>(side: &mut ServerSide<N>, made: Vec<Arc<SrvConn<N>>>) {
     if made.is_empty() {
         return;
     }
-    for note in side.release(0, made) {
+    for note in side.close(0, made) {
         tracing::warn!("{note}");
         eprintln!("cqd-demo serve: {note}");
     }
@@ -318,12 +316,14 @@ pub fn serve_on<N: Node>(
         1,
         cfg.mode,
         cfg.workers,
+        &|_| crate::run::server_spec(cfg, cfg.connections).pool_sizes(),
         Side::Server,
     )?;
     let started = Instant::now();
     let side = ServerSide::start(
         cfg,
         layout.server_pollers,
+        layout.server_pools,
         layout.pool,
         |_| cfg.connections,
         &open,
