@@ -5,8 +5,8 @@
 //! receive completions all go to **one CQ** (an SRQ serves one CQ's
 //! handlers), which one poller polls. The CQ comes from a [`CqPool`] over
 //! the server's poller: the pool makes it at the first connection, sized
-//! for the SRQ and a connection, and grows it in place
-//! (`ibv_resize_cq`, [`CqPool::resize_up_to`]) as connections come; a
+//! for the connections the server expects and the SRQ, and grows it in
+//! place (`ibv_resize_cq`, [`CqPool::resize_up_to`]) if more come; a
 //! closed connection's admission comes back for the next one. (The naive
 //! baseline polls its CQ by hand: its server makes the CQ up front,
 //! [`Server::fixed`].)
@@ -443,6 +443,28 @@ impl<N: Node> SrvConn<N> {
     }
 }
 
+/// QP numbers are the map's keys: small integers, each once among the
+/// live QPs; one multiply spreads them over the table (no SipHash per
+/// request).
+#[derive(Debug, Default, Clone, Copy)]
+struct Qpn(u64);
+
+impl std::hash::Hasher for Qpn {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8) | u64::from(b);
+        }
+    }
+    fn write_u32(&mut self, n: u32) {
+        self.0 = u64::from(n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+type ByQpn<V> = HashMap<u32, V, std::hash::BuildHasherDefault<Qpn>>;
+
 /// What a server's SRQ handler and its connections share: the SRQ, its
 /// receive buffers, and the open connections by QP number.
 #[derive(Debug)]
@@ -454,7 +476,7 @@ struct SrqSide<N: Node> {
     /// The SRQ handler's registration, made on the server's CQ when its
     /// first connection is made there ([`SrqSide::bind`]).
     reg: OnceLock<Registration>,
-    conns: RwLock<HashMap<u32, Arc<SrvConn<N>>>>,
+    conns: RwLock<ByQpn<Arc<SrvConn<N>>>>,
     stats: Arc<ServerStats>,
     closing: Arc<AtomicBool>,
 }
@@ -526,7 +548,10 @@ impl<N: Node> Handler<ServerWork<N>> for SrqHandler<N> {
         let read = side.bufs.read(u64::from(slot) * MSG, &mut buf[..len]);
         // The buffer is copied out: give it back to the NIC first.
         side.repost(slot);
-        let Some(conn) = side.conn(d.qp_num()) else {
+        // Under the map's read lock (a close or an accept takes the write
+        // lock, rarely): no clone of the connection's Arc per request.
+        let conns = side.conns.read();
+        let Some(conn) = conns.get(&d.qp_num()) else {
             side.stats.dropped.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(
                 qpn = d.qp_num(),
@@ -666,9 +691,10 @@ impl ServerSpec {
             .max(1)
     }
 
-    /// The server's CQ pool: its CQ first holds the SRQ and a connection,
-    /// twice over; the pool grows it in place (doubling) as connections
-    /// come, up to twice what all of them and the SRQ need.
+    /// The server's CQ pool: its CQ is made for every connection the
+    /// server expects and the SRQ (their sum: admission keeps it from
+    /// overflowing), at the first connection; more connections than that
+    /// grow it in place, up to twice.
     pub fn pool_sizes(&self) -> crate::topo::PoolSizes {
         let (send, srq) = (
             u64::from(self.send_depth()),
@@ -677,8 +703,8 @@ impl ServerSpec {
         let all = send * u64::from(self.connections.max(1)) + srq;
         let clamp = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
         crate::topo::PoolSizes {
-            cqe: clamp(2 * (send + srq)),
-            resize_up_to: clamp(2 * all).max(clamp(2 * (send + srq))),
+            cqe: clamp(all),
+            resize_up_to: clamp(2 * all),
         }
     }
 }
@@ -766,7 +792,7 @@ impl<N: Node> Parts<N> {
             srq,
             bufs,
             reg: OnceLock::new(),
-            conns: RwLock::new(HashMap::new()),
+            conns: RwLock::new(ByQpn::default()),
             stats: Arc::clone(&stats),
             closing: Arc::clone(&closing),
         });

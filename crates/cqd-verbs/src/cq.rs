@@ -763,6 +763,10 @@ impl CompletionSource for VerbsCqSource {
     #[inline]
     fn take_async_event(&mut self) -> Option<AsyncEvent> {
         let inbox = &self.cq.channel.inbox;
+        // Nothing pending (the usual case): one load.
+        if inbox.len() == 0 {
+            return None;
+        }
         if inbox.take_reap(self.cq.token) {
             // A QP let go ready to be destroyed (`CqInner::bury`): here, on
             // the CQ's polling thread, between two polls.

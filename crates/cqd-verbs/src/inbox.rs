@@ -135,11 +135,8 @@ impl AsyncInbox {
     }
 
     /// Whether CQ `token` was asked to reap (the ask is taken).
-    #[inline]
+    #[cold]
     pub(crate) fn take_reap(&self, token: u64) -> bool {
-        if self.len.load(Ordering::Acquire) == 0 {
-            return false;
-        }
         let mut st = self.state.lock();
         let asked = st.reaps.remove(&token);
         if asked {
@@ -157,7 +154,8 @@ impl AsyncInbox {
         Some(ev)
     }
 
-    /// Events waiting (for tests and metrics).
+    /// Events and reap requests waiting (one load: the poller's check).
+    #[inline]
     pub(crate) fn len(&self) -> usize {
         self.len.load(Ordering::Acquire)
     }
