@@ -320,8 +320,10 @@ grep -q '^### Goals' "$LOGS/bench-report.log"
 # must exit 0, the load with both verdicts PASSED, each server with its
 # accounts and session verdicts PASSED.
 demo_fail=0
-demo_two() { # NAME PORT N [EXTRA ARGS for serve and load...]
-    local name=$1 port=$2 n=$3 i spids=() servers=() ok=1
+demo_two() { # NAME PORT N [EXTRA ARGS for serve and load...]; LOAD_EXTRA: the load's only
+    local name=$1 port=$2 n=$3 i spids=() servers=() ok=1 lextra=()
+    read -ra lextra <<<"${LOAD_EXTRA:-}"
+
     shift 3
     local l=$LOGS/$name.load.log
     for ((i = 0; i < n; i++)); do
@@ -336,7 +338,7 @@ demo_two() { # NAME PORT N [EXTRA ARGS for serve and load...]
     done
     local lrc=0
     if [[ $ok -eq 1 ]]; then
-        timeout 120 "$RUN" "$DEMO" load --device softverbs0 --quick "$@" "${servers[@]}" \
+        timeout 120 "$RUN" "$DEMO" load --device softverbs0 --quick "$@" "${lextra[@]}" "${servers[@]}" \
             >"$l" 2>&1 || lrc=$?
     fi
     for ((i = 0; i < n; i++)); do
@@ -353,7 +355,7 @@ demo_two() { # NAME PORT N [EXTRA ARGS for serve and load...]
     fi
     if [[ $ok -eq 1 ]]; then
         echo "ok   $name ($n server process(es) + 1 load process):"
-        grep -E '^(load +[0-9]|verify|server 127|verdict)' "$l" | sed 's/^/       load: /'
+        grep -E '^(load +[0-9]|verify|churn|server 127|verdict)' "$l" | sed 's/^/       load: /'
         for ((i = 0; i < n; i++)); do
             grep -E '^verdict' "$LOGS/$name.serve$i.log" | sed "s/^/       serve $i: /"
         done
@@ -363,6 +365,9 @@ demo_two() { # NAME PORT N [EXTRA ARGS for serve and load...]
 }
 demo_two demo_serve_load $((BASE + 13)) 1
 demo_two demo_serve_load_striped $((BASE + 14)) 2
+# Connections that come and go across the processes: the load closes its
+# side, each server its own on the load's `reconnect`.
+LOAD_EXTRA="--churn 20" demo_two demo_serve_load_churn $((CMBASE + 7)) 1
 # The queue pairs connected through rdma_cm (as NVMe over Fabrics does),
 # one server and two striped.
 demo_two demo_serve_load_rdmacm $((CMBASE + 5)) 1 --cm rdmacm

@@ -225,7 +225,7 @@ pub struct Args {
     /// flight, closes on both sides while the others run, and a new one
     /// to the same server takes its place. The report gives the closes a
     /// second reached and the other connections' latency meanwhile.
-    /// One-process runs, cqd's server.
+    /// One-process runs of cqd's server, and `load` with `--cm tcp`.
     #[arg(long, value_name = "RATE")]
     pub churn: Option<f64>,
     /// A request older than this fails its connection.
@@ -386,10 +386,17 @@ impl Args {
             );
         }
         if let Some(rate) = self.churn {
-            if command != Command::Run || self.naive_server {
+            let rdmacm = self.cm == Some(CmKind::Rdmacm);
+            let fits = match command {
+                Command::Run => !self.naive_server,
+                Command::Load => !rdmacm,
+                Command::Serve => false,
+            };
+            if !fits {
                 return bad(
-                    "--churn is for one-process runs (no command) of cqd's server: the two-process \
-                     protocol has no close of one connection yet, and the naive baseline no close"
+                    "--churn is for a one-process run of cqd's server, or for `load` with --cm tcp \
+                     (the server follows the load's reconnects; the naive baseline closes no \
+                     connection, and rdma_cm's connections are made once per session)"
                         .into(),
                 );
             }

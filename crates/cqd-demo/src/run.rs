@@ -108,7 +108,7 @@ fn name_of(names: &mut Names, poller: usize, cq: &str, reg: &Registration, name:
 
 /// The server half: cqd's pollers and pool, or the naive baseline.
 enum Side<N: Node> {
-    Cqd(ServerSide<N>),
+    Cqd(Box<ServerSide<N>>),
     Naive(NaiveSide<N>),
 }
 
@@ -122,7 +122,7 @@ impl<N: Node> Side<N> {
 
     fn stop(self) -> Stopped<Vec<Server<N>>> {
         match self {
-            Side::Cqd(s) => s.stop(),
+            Side::Cqd(s) => (*s).stop(),
             Side::Naive(s) => s.stop(),
         }
     }
@@ -165,6 +165,9 @@ pub struct ServerSide<N: Node> {
     watched: crate::prom::Watched,
     /// Of each server's CQs, how many are watched (and named) so far.
     cqs_watched: Vec<usize>,
+    /// `serve`: the session's connections on server 0, by number (for
+    /// `reconnect`).
+    session: Vec<Option<Arc<SrvConn<N>>>>,
 }
 
 impl<N: Node> ServerSide<N> {
@@ -247,6 +250,7 @@ impl<N: Node> ServerSide<N> {
             names: Names::new(),
             watched,
             cqs_watched: vec![0; cfg.servers as usize],
+            session: Vec::new(),
         })
     }
 
@@ -296,6 +300,38 @@ impl<N: Node> ServerSide<N> {
             .collect()
     }
 
+    /// `serve`: the session's connections on server 0, by their numbers
+    /// in the session (H5).
+    pub fn hold_session(&mut self, conns: Vec<Arc<SrvConn<N>>>) {
+        self.session = conns.into_iter().map(Some).collect();
+    }
+
+    /// `serve`, H6 `reconnect`: closes the session's connection `conn` on
+    /// server 0 while the others run, makes its replacement, connects it
+    /// to the load's `endpoint` and returns its own.
+    ///
+    /// # Errors
+    /// No such connection, or its close or the new one failed (in words).
+    pub fn reconnect(
+        &mut self,
+        conn: u32,
+        endpoint: &<N::Link as Link>::Endpoint,
+    ) -> Result<<N::Link as Link>::Endpoint, String> {
+        let old = self
+            .session
+            .get_mut(conn as usize)
+            .and_then(Option::take)
+            .ok_or_else(|| format!("the session has no connection {conn}"))?;
+        if let Some(e) = self.close(0, vec![old]).pop() {
+            return Err(e);
+        }
+        let new = self.accept(0).map_err(|e| e.to_string())?;
+        new.link().connect(endpoint).map_err(|e| e.to_string())?;
+        let ours = new.link().endpoint().map_err(|e| e.to_string())?;
+        self.session[conn as usize] = Some(new);
+        Ok(ours)
+    }
+
     /// Server `i`.
     pub fn server(&self, i: u32) -> Option<&Server<N>> {
         self.servers.get(i as usize)
@@ -303,7 +339,8 @@ impl<N: Node> ServerSide<N> {
 
     /// Closes: waits for the workers to go idle, moves every QP to error,
     /// stops the pollers (which collect every flush), joins the pool.
-    pub fn stop(self) -> Stopped<Vec<Server<N>>> {
+    pub fn stop(mut self) -> Stopped<Vec<Server<N>>> {
+        self.session.clear();
         let mut notes = Vec::new();
         for s in &self.servers {
             if !s.quiesce(Duration::from_secs(5)) {
@@ -682,14 +719,14 @@ pub fn run_on<N: Node>(
         let workers = layout.pool.threads();
         Side::Naive(NaiveSide::start(cfg, workers, conns, &open)?)
     } else {
-        Side::Cqd(ServerSide::start(
+        Side::Cqd(Box::new(ServerSide::start(
             cfg,
             layout.server_pollers,
             layout.server_pools,
             layout.pool,
             conns,
             &open,
-        )?)
+        )?))
     };
     let mut load_side = LoadSide::start(cfg, layout.load_pollers, layout.load_cqs, &open)?;
     // Each connection's two sides, oldest first (what `--churn` closes).

@@ -155,6 +155,46 @@ fn blocks_are_striped_over_two_server_processes() {
 }
 
 #[test]
+fn connections_come_and_go_between_a_load_and_two_server_processes() {
+    // --churn over the control connections: the load closes its side, each
+    // server closes and replaces its own on `reconnect`.
+    let fabric = SimFabric::new(0.0, 3);
+    let (a, sa) = server(&fabric, "srv0", serve_cfg(&["--device-size", "1MiB"]));
+    let (b, sb) = server(&fabric, "srv1", serve_cfg(&["--device-size", "1MiB"]));
+    let r = load(
+        &fabric,
+        &load_cfg(
+            &[a, b],
+            &[
+                "--connections",
+                "4",
+                "--qd",
+                "4",
+                "--churn",
+                "200",
+                "--duration",
+                "600ms",
+            ],
+        ),
+    )
+    .unwrap();
+    let text = r.text();
+    assert!(r.passed(), "{text}");
+    let churn = r.churn.as_ref().expect("a churn line");
+    // How many fit in the run depends on the machine; that some ran, and
+    // none failed, is the point.
+    assert!(churn.cycles >= 1 && churn.failed == 0, "{text}");
+    assert_eq!(r.load.dead_connections, 0, "{text}");
+    let mut closed = 0;
+    for h in [sa, sb] {
+        let s = h.join().unwrap().unwrap();
+        assert!(s.passed(), "{}", s.text());
+        closed += s.server.closed;
+    }
+    assert_eq!(closed, churn.cycles, "{text}");
+}
+
+#[test]
 fn a_server_that_is_not_there_fails_fast_with_its_address() {
     let port = {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();

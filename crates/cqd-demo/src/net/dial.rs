@@ -2,10 +2,11 @@
 //! handshake (H1–H5, [`join`]), then the run (H6) and its end (H7,
 //! [`load_on`]).
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -17,7 +18,7 @@ use crate::backend::{Link, Node};
 use crate::config::{check_blocks, CmKind, Config};
 use crate::load::LoadConn;
 use crate::report::{self, PeerVerdict, Report};
-use crate::run::LoadSide;
+use crate::run::{ChurnStep, LoadSide};
 use crate::topo::{self, Side};
 use crate::DemoError;
 
@@ -309,29 +310,39 @@ fn run_and_report<N: Node>(
 ) -> Result<Report, DemoError> {
     let servers = wires.len();
     // One watcher per server: EOF before `done` means the server died;
-    // its connections are failed at once (their requests with them).
+    // its connections are failed at once (their requests with them). It
+    // also hands the churn its `reconnected` answers. Each server's
+    // connections, by their numbers in its session: the churn takes one
+    // out while it closes and replaces it.
     let done = Arc::new(AtomicBool::new(false));
     let (tx, rx) = mpsc::channel::<(usize, Result<(bool, String), String>)>();
     let mut writers = Vec::new();
+    let mut answers = Vec::new();
+    let mut lists: Vec<Conns<N>> = Vec::new();
     for (s, mut wire) in wires.into_iter().enumerate() {
         let peer = wire.peer().to_string();
         wire.set_deadline(None);
         let (writer, mut reader) = wire.split();
         writers.push((peer.clone(), writer));
-        let conns = by_server[s].clone();
+        let conns: Conns<N> = Arc::new(parking_lot::Mutex::new(
+            by_server[s].iter().cloned().map(Some).collect(),
+        ));
+        lists.push(Arc::clone(&conns));
+        let (answer_tx, answer_rx) = mpsc::channel();
+        answers.push(answer_rx);
         let done = Arc::clone(&done);
         let tx = tx.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("cqd-demo-watch-{s}"))
             .spawn(move || {
-                let got = read_bye::<N>(&mut reader, &peer);
+                let got = watch::<N>(&mut reader, &peer, &answer_tx);
                 if got.is_err() && !done.load(Ordering::Acquire) {
                     let why = format!(
                         "{peer} went away mid-run ({}); its requests in flight fail",
                         got.as_ref().err().map_or("", |e| e.as_str())
                     );
                     eprintln!("cqd-demo load: {why}");
-                    for c in &conns {
+                    for c in conns.lock().iter().flatten() {
                         c.kill(&why);
                     }
                 }
@@ -343,8 +354,51 @@ fn run_and_report<N: Node>(
         }
     }
     drop(tx);
+    drop(by_server);
 
-    let driven = side.drive(cfg, None);
+    // --churn: the oldest connection closes on this side, the server closes
+    // and replaces its side (H6 `reconnect`), the new one takes its place.
+    let mut order: VecDeque<(usize, u32)> = (0..cfg.connections)
+        .map(|c| ((c as usize) % servers, c / servers as u32))
+        .collect();
+    let mut step = |ls: &mut LoadSide<N>| -> Result<(), String> {
+        let (s, n) = order
+            .pop_front()
+            .ok_or_else(|| "no connection left to close".to_string())?;
+        let peer = writers[s].0.clone();
+        let old = lists[s]
+            .lock()
+            .get_mut(n as usize)
+            .and_then(Option::take)
+            .ok_or_else(|| format!("{peer}: connection {n} is gone"))?;
+        let k = old.cq();
+        ls.close(old)?;
+        let new = ls.connect_on(s as u32, k).map_err(|e| e.to_string())?;
+        let endpoint = new.link().endpoint().map_err(|e| e.to_string())?;
+        writers[s]
+            .1
+            .send(&Msg::Reconnect { conn: n, endpoint })
+            .map_err(|e| format!("{peer}: reconnect {n}: {e}"))?;
+        let theirs = match answers[s].recv_timeout(RECONNECT_TIMEOUT) {
+            Ok((c, theirs)) if c == n => theirs,
+            Ok((c, _)) => return Err(format!("{peer}: reconnected {c}, asked {n}")),
+            Err(_) => {
+                return Err(format!(
+                    "{peer}: no reconnected for connection {n} within {RECONNECT_TIMEOUT:?}"
+                ))
+            }
+        };
+        new.link().connect(&theirs).map_err(|e| e.to_string())?;
+        new.post_receives().map_err(|e| e.to_string())?;
+        new.kick();
+        if let Some(slot) = lists[s].lock().get_mut(n as usize) {
+            *slot = Some(new);
+        }
+        order.push_back((s, n));
+        Ok(())
+    };
+    let churn: Option<&mut ChurnStep<'_, N>> = cfg.churn.map(|_| &mut step as _);
+    let driven = side.drive(cfg, churn);
     done.store(true, Ordering::Release);
     // The servers tear down after `done` (with --cm rdmacm their exit
     // flushes our receives through the CM): flushes are no failure now.
@@ -396,7 +450,7 @@ fn run_and_report<N: Node>(
     let wall = threads_started.elapsed();
     notes.extend(stopped.notes);
     let mut report = report::build(report::Inputs {
-        churn: None,
+        churn: driven.churn,
         cfg,
         mode: mode_name,
         load: &stopped.state,
@@ -415,18 +469,36 @@ fn run_and_report<N: Node>(
     Ok(report)
 }
 
-/// The watcher's read: the server's `bye` (sealed, S1–S2), or why there
-/// is none.
-fn read_bye<N: Node>(reader: &mut Incoming, peer: &str) -> Result<(bool, String), String> {
-    match reader.recv::<<N::Link as Link>::Endpoint>() {
-        Ok(Msg::Bye { passed, detail }) => Ok((passed, detail)),
-        Ok(Msg::Refused { reason }) => {
-            Err(format!("{peer} refused the session: {}", escaped(&reason)))
+/// Each server's connections by their numbers in its session (`None`
+/// while the churn replaces one).
+type Conns<N> = Arc<parking_lot::Mutex<Vec<Option<Arc<LoadConn<N>>>>>>;
+
+/// How long a `reconnect` waits for its answer.
+const RECONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The watcher's reads: each `reconnected` handed to the churn, then the
+/// server's `bye` (sealed, S1–S2), or why there is none.
+fn watch<N: Node>(
+    reader: &mut Incoming,
+    peer: &str,
+    answers: &mpsc::Sender<(u32, <N::Link as Link>::Endpoint)>,
+) -> Result<(bool, String), String> {
+    loop {
+        match reader.recv::<<N::Link as Link>::Endpoint>() {
+            Ok(Msg::Reconnected { conn, endpoint }) => {
+                let _ = answers.send((conn, endpoint));
+            }
+            Ok(Msg::Bye { passed, detail }) => return Ok((passed, detail)),
+            Ok(Msg::Refused { reason }) => {
+                return Err(format!("{peer} refused the session: {}", escaped(&reason)))
+            }
+            Ok(other) => {
+                return Err(format!(
+                    "{peer} sent {} where bye was expected",
+                    other.name()
+                ))
+            }
+            Err(e) => return Err(format!("its control connection: {e}")),
         }
-        Ok(other) => Err(format!(
-            "{peer} sent {} where bye was expected",
-            other.name()
-        )),
-        Err(e) => Err(format!("its control connection: {e}")),
     }
 }

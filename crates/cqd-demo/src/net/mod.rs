@@ -10,7 +10,7 @@
 //! - `gate`: serve's rdma_cm gate (H5 with `--cm rdmacm`);
 //! - `dial`: the load's half.
 //!
-//! # The protocol (version 4)
+//! # The protocol (version 5)
 //!
 //! One TCP connection per (load, server) pair carries newline-delimited
 //! JSON messages ([`Msg`]), each at most [`MAX_LINE`] bytes. Each side
@@ -59,6 +59,14 @@
 //!     learns the other went away (EOF), and the load then fails every
 //!     request in flight to that server at once (the QPs' error
 //!     completions and the op timeout are the other two ways).
+//!     With `--churn` (`--cm tcp` only) the load closes its side of a
+//!     connection (its requests answered first), then sends `reconnect`
+//!     {conn, its new QP's endpoint}; the server closes its side of that
+//!     connection (`Server::close`), makes its replacement under the same
+//!     number, connects it and answers `reconnected` {conn, its endpoint};
+//!     the load connects its new QP. A reconnect for a number the session
+//!     does not have, or one the server cannot make, ends the session
+//!     (S3).
 //! H7. load → `done` when its load and read-back are over; the server stops
 //!     its half (QPs to error, pollers drain and report), prints its report
 //!     and answers `bye` {its accounts verdict}; the load stops its own
@@ -135,7 +143,7 @@ pub use serve::serve_on;
 /// The protocol's name, first field of `hello`.
 pub const PROTOCOL: &str = "cqd-demo";
 /// The protocol's version.
-pub const VERSION: u32 = 4;
+pub const VERSION: u32 = 5;
 /// The longest message line, in bytes.
 pub const MAX_LINE: usize = 64 * 1024;
 /// The default deadline of a handshake (`--handshake-timeout`): H1 to H5
@@ -228,6 +236,22 @@ pub enum Msg<E> {
         /// The server's QP.
         endpoint: E,
     },
+    /// load → server, during the run (`--churn`, `--cm tcp`): the load
+    /// closed its side of connection `conn`; close the server's and make
+    /// its replacement, under the same number, for the load's new QP.
+    Reconnect {
+        /// The connection's number in this session.
+        conn: u32,
+        /// The load's new QP.
+        endpoint: E,
+    },
+    /// server → load: connection `conn`'s replacement, connected.
+    Reconnected {
+        /// The connection's number.
+        conn: u32,
+        /// The server's new QP.
+        endpoint: E,
+    },
     /// load → server: the load is over.
     Done,
     /// server → load: its side, stopped.
@@ -260,6 +284,8 @@ impl<E> Msg<E> {
             Msg::Join => "join",
             Msg::Connect { .. } => "connect",
             Msg::Accepted { .. } => "accepted",
+            Msg::Reconnect { .. } => "reconnect",
+            Msg::Reconnected { .. } => "reconnected",
             Msg::Done => "done",
             Msg::Bye { .. } => "bye",
             Msg::Sealed { .. } => "sealed",

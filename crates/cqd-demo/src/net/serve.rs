@@ -216,6 +216,7 @@ fn connect_tcp<N: Node>(
     let mut made = Vec::new();
     match make_tcp(&mut side, wire, &endpoints, &mut made) {
         Ok(()) => {
+            side.hold_session(made);
             drop(side);
             claimed.establish();
             Ok(())
@@ -378,7 +379,7 @@ pub fn serve_on<N: Node>(
     // A4: one session per process; a second load is refused at once
     // rather than left waiting for a handshake.
     drop(listener);
-    let side = side.into_inner();
+    let mut side = side.into_inner();
     let Established {
         addr: peer,
         mut wire,
@@ -394,7 +395,7 @@ pub fn serve_on<N: Node>(
     eprintln!("cqd-demo serve: load {peer} connected; serving");
     // H6: the session runs until the load says done or goes away.
     wire.set_deadline(None);
-    let outcome = session_end(&mut wire, peer);
+    let outcome = session::<N>(&mut wire, peer, &mut side);
     let session_verdict = match &outcome {
         Ok(()) => Verdict {
             passed: true,
@@ -442,17 +443,35 @@ pub fn serve_on<N: Node>(
     Ok(report)
 }
 
-/// H6 and H7 on the server: the load's `done`, or why the session ended
-/// without it (a message refused by S2 is answered, S3).
-fn session_end(wire: &mut Wire, peer: SocketAddr) -> Result<(), String> {
-    let m = wire
-        .recv_unopened::<serde_json::Value>()
-        .map_err(|e| format!("the load went away mid-session: {e}"))?;
-    let why = match wire.open(m) {
-        Ok(Msg::Done) => return Ok(()),
-        Ok(other) => format!("load {peer} sent {} where done was expected", other.name()),
-        Err(e) => format!("a control message from the load was refused: {e}"),
-    };
-    wire.refuse(&why);
-    Err(why)
+/// H6 and H7 on the server: each `reconnect` (`--churn`), then the load's
+/// `done`, or why the session ended without it (a message refused by S2,
+/// or a reconnect that failed, is answered, S3).
+fn session<N: Node>(
+    wire: &mut Wire,
+    peer: SocketAddr,
+    side: &mut ServerSide<N>,
+) -> Result<(), String> {
+    loop {
+        let m = wire
+            .recv_unopened::<Endpoint<N>>()
+            .map_err(|e| format!("the load went away mid-session: {e}"))?;
+        let why = match wire.open(m) {
+            Ok(Msg::Done) => return Ok(()),
+            Ok(Msg::Reconnect { conn, endpoint }) => match side.reconnect(conn, &endpoint) {
+                Ok(ours) => {
+                    wire.send(&Msg::Reconnected {
+                        conn,
+                        endpoint: ours,
+                    })
+                    .map_err(|e| format!("the load went away mid-session: {e}"))?;
+                    continue;
+                }
+                Err(e) => format!("reconnect of connection {conn}: {e}"),
+            },
+            Ok(other) => format!("load {peer} sent {} where done was expected", other.name()),
+            Err(e) => format!("a control message from the load was refused: {e}"),
+        };
+        wire.refuse(&why);
+        return Err(why);
+    }
 }

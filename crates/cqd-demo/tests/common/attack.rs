@@ -43,7 +43,7 @@ impl Trickle {
         let stop = Arc::new(AtomicBool::new(false));
         let halt = Arc::clone(&stop);
         let thread = std::thread::spawn(move || {
-            let hello = br#"{"msg":"hello","protocol":"cqd-demo","version":4,"block_size":4096,"qd":4,"connections":1,"nonce":"#;
+            let hello = br#"{"msg":"hello","protocol":"cqd-demo","version":5,"block_size":4096,"qd":4,"connections":1,"nonce":"#;
             for b in hello.iter().cycle() {
                 if halt.load(Ordering::Acquire) || w.write_all(&[*b]).is_err() {
                     return;
