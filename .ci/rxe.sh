@@ -119,29 +119,27 @@ if [[ ${1:-} == --guest ]]; then
         echo "SKIPPED: send_lat on rxe: examples/send_lat.rs has no GID option and RoCE needs a GRH (without one, ibv_modify_qp to RTR fails with EINVAL)"
     fi
 
-    # 4. The demo in one process on rxe0 (its --quick run: 2 s of load).
-    l=$LOGS/demo_one_process.log rc=0
-    timeout 180 "$DEMO" --backend verbs --device "$dev" --gid-index "$gid" --quick >"$l" 2>&1 || rc=$?
-    # rxe has type-2 windows: the load exposes each buffer through one.
-    if [[ $rc -eq 0 ]] && grep -q 'verdict data:     PASSED' "$l" && grep -q 'verdict accounts: PASSED' "$l" \
-        && grep -q '^exposure  each request.s buffer through a memory window' "$l"; then
-        passed=$((passed + 1))
-        echo "ok   demo_one_process:"; grep -E '^(load +[0-9]|exposure|verdict)' "$l" | sed 's/^/       /'
-    else
-        echo "FAIL demo_one_process (rc=$rc)"; tail -40 "$l"; fail=$((fail + 1))
-    fi
-
+    # demo_one NAME LINE [ARGS...]: the demo in one process on the device
+    # (its --quick run: 2 s of load), both verdicts passed and a line
+    # matching LINE in its report.
+    demo_one() {
+        local name=$1 want=$2 l=$LOGS/$1.log rc=0
+        shift 2
+        timeout 180 "$DEMO" --backend verbs --device "$dev" --gid-index "$gid" --quick "$@" >"$l" 2>&1 || rc=$?
+        if [[ $rc -eq 0 ]] && grep -q 'verdict data:     PASSED' "$l" && grep -q 'verdict accounts: PASSED' "$l" \
+            && grep -Eq "$want" "$l"; then
+            passed=$((passed + 1))
+            echo "ok   $name:"; grep -E '^(load +[0-9]|exposure|latency|churn|verdict)' "$l" | sed 's/^/       /'
+        else
+            echo "FAIL $name (rc=$rc)"; tail -40 "$l"; fail=$((fail + 1))
+        fi
+    }
+    # 4. The demo in one process on rxe0. rxe has type-2 windows: the load
+    #    exposes each buffer through one.
+    demo_one demo_one_process '^exposure  each request.s buffer through a memory window'
     # 4a. The same with connections that come and go (10 a second): the
     #     server's QPs on its SRQ, closed while the others run.
-    l=$LOGS/demo_churn.log rc=0
-    timeout 180 "$DEMO" --backend verbs --device "$dev" --gid-index "$gid" --quick --churn 10 >"$l" 2>&1 || rc=$?
-    if [[ $rc -eq 0 ]] && grep -q 'verdict data:     PASSED' "$l" && grep -q 'verdict accounts: PASSED' "$l" \
-        && grep -Eq '^churn +[1-9][0-9]* connections closed and reopened, .* 0 failed' "$l"; then
-        passed=$((passed + 1))
-        echo "ok   demo_churn:"; grep -E '^(load +[0-9]|latency|churn|verdict)' "$l" | sed 's/^/       /'
-    else
-        echo "FAIL demo_churn (rc=$rc)"; tail -40 "$l"; fail=$((fail + 1))
-    fi
+    demo_one demo_churn '^churn +[1-9][0-9]* connections closed and reopened, .* 0 failed' --churn 10
 
     # 4b. The demo as two processes, serve and load, over the TCP exchange
     #     on this VM's loopback.

@@ -348,12 +348,21 @@ impl<N: Node> ServerSide<N> {
             }
         }
         let servers = self.servers;
+        // The flush step: every QP to error; on a device that raises no
+        // LAST_WQE_REACHED (rxe), every connection closed, which alone
+        // frees the SRQ's receives for the stop's hand-back.
+        let mut closes = Vec::new();
         let system = cqd_core::shutdown_with(
             ShutdownOptions::default().pool_join_timeout(Duration::from_secs(10)),
-            || servers.iter().for_each(Server::flush),
+            || {
+                for s in &servers {
+                    closes.extend(s.stop_connections(RELEASE));
+                }
+            },
             self.pollers,
             [self.pool],
         );
+        notes.extend(closes.into_iter().map(|e| format!("at the stop: {e}")));
         self.watched.release();
         Stopped {
             state: servers,
@@ -758,6 +767,8 @@ pub fn run_on<N: Node>(
     };
     let churn: Option<&mut ChurnStep<'_, N>> = cfg.churn.map(|_| &mut step as _);
     let driven = load_side.drive(cfg, churn);
+    // The stop closes the servers' connections: nothing else holds them.
+    drop(pairs);
     tracing::info!("shutdown: the load side, then the servers");
     let load = load_side.stop();
     let servers = server_side.stop();

@@ -1007,6 +1007,38 @@ impl<N: Node> Server<N> {
     /// What did not end within `timeout`, naming the connection (the close
     /// goes on in the background where it can).
     pub fn close(&self, conn: Arc<SrvConn<N>>, timeout: Duration) -> Result<(), String> {
+        self.end(conn, timeout)?;
+        self.stats.closed.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The stop's flush step: every connection's QP to error at once; on
+    /// a device that raises no `LAST_WQE_REACHED` (rxe,
+    /// [`Node::stop_closes_srq_users`]), which says only by the destroy
+    /// that a QP takes no more of the SRQ's receives, each is then closed
+    /// as [`close`](Self::close) does (not counted as a close), so that
+    /// the stop can hand back the receives still posted. Elsewhere the
+    /// connections stay, with their handlers' accounts in the report.
+    /// What did not close within `timeout` (each) is named in the return.
+    pub fn stop_connections(&self, timeout: Duration) -> Vec<String> {
+        if !self.node.stop_closes_srq_users() {
+            self.flush();
+            return Vec::new();
+        }
+        self.closing.store(true, Ordering::Release);
+        let conns: Vec<_> = self.srq.conns.write().drain().map(|(_, c)| c).collect();
+        for c in &conns {
+            c.released.store(true, Ordering::Release);
+            c.link.to_error();
+        }
+        conns
+            .into_iter()
+            .filter_map(|c| self.end(c, timeout).err())
+            .collect()
+    }
+
+    /// [`close`](Self::close) without the count.
+    fn end(&self, conn: Arc<SrvConn<N>>, timeout: Duration) -> Result<(), String> {
         let deadline = Instant::now() + timeout;
         let left = || deadline.saturating_duration_since(Instant::now());
         let name = conn.name.clone();
@@ -1034,9 +1066,7 @@ impl<N: Node> Server<N> {
             self.stats.dropped.fetch_add(deferred, Ordering::Relaxed);
             self.stats.jobs.fetch_sub(deferred as i64, Ordering::AcqRel);
         }
-        conn.link.close(left()).map_err(|e| e.to_string())?;
-        self.stats.closed.fetch_add(1, Ordering::Relaxed);
-        Ok(())
+        conn.link.close(left()).map_err(|e| e.to_string())
     }
 
     /// Waits until no job is with the workers (or `timeout`), then closes:

@@ -336,6 +336,14 @@ pub trait Node: Send + Sync + Debug + 'static {
     fn max_qp_wr(&self) -> u32;
     /// The deepest SRQ the device makes.
     fn max_srq_wr(&self) -> u32;
+    /// True when a QP on an SRQ must be destroyed before the stop can hand
+    /// back the SRQ's receives: the device raises no
+    /// `IBV_EVENT_QP_LAST_WQE_REACHED` (rxe; cqd-verbs'
+    /// `Teardown::DestroyThenQuiesce`), so the error state alone does not
+    /// say that a QP takes no more of them.
+    fn stop_closes_srq_users(&self) -> bool {
+        false
+    }
     /// A CQ of `depth` entries with its poller's two halves (budget and
     /// ledger attached).
     ///

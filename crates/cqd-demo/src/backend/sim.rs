@@ -74,6 +74,24 @@ impl SimLink {
     }
 }
 
+/// One receive of `len` bytes at `offset` of `region` on `queue` (a QP's
+/// own receive queue or an SRQ), through `reg`'s posting call.
+fn post_one_recv<Q>(
+    reg: &Registration,
+    queue: &Q,
+    tag: u32,
+    region: &SimRegion,
+    offset: u64,
+    len: u32,
+) -> Result<(), Q::Error>
+where
+    Q: cqd_core::PostRecv + ?Sized,
+    for<'a> Q: cqd_core::PostRecv<Wr<'a> = RecvWr<'a>>,
+{
+    let sge = [region.0.sge(offset, len)];
+    reg.post_recv(queue, &mut [RecvWr::new(u64::from(tag), &sge)])
+}
+
 /// A simulated shared receive queue.
 #[derive(Debug)]
 pub struct SimSrq(Srq, u32);
@@ -97,8 +115,7 @@ impl SharedRq for SimSrq {
         offset: u64,
         len: u32,
     ) -> Result<(), BackendError> {
-        let sge = [region.0.sge(offset, len)];
-        reg.post_recv(&self.0, &mut [RecvWr::new(u64::from(tag), &sge)])
+        post_one_recv(reg, &self.0, tag, region, offset, len)
             .map_err(|e| BackendError::new(format!("post a receive on SRQ {}", self.0.srqn()), e))
     }
 }
@@ -202,8 +219,7 @@ impl Link for SimLink {
         offset: u64,
         len: u32,
     ) -> Result<(), BackendError> {
-        let sge = [region.0.sge(offset, len)];
-        reg.post_recv(&self.0, &mut [RecvWr::new(u64::from(tag), &sge)])
+        post_one_recv(reg, &self.0, tag, region, offset, len)
             .map_err(|e| BackendError::new(format!("post a receive on QP {}", self.0.qpn()), e))
     }
 

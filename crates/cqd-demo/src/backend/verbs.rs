@@ -141,6 +141,28 @@ pub(crate) fn cm_manager() -> Result<&'static cqd_verbs::cm::ConnectionManager, 
     Ok(CM.get_or_init(|| made))
 }
 
+/// One receive of `len` bytes at `offset` of `region` on `queue` (a QP's
+/// own receive queue or an SRQ), through `reg`'s posting call; `what`
+/// names it in an error.
+fn post_one_recv<Q>(
+    reg: &Registration,
+    queue: &Q,
+    tag: u32,
+    region: &VerbsRegion,
+    offset: u64,
+    len: u32,
+    what: impl FnOnce() -> String,
+) -> Result<(), BackendError>
+where
+    Q: cqd_core::PostRecv + ?Sized,
+    for<'a> Q: cqd_core::PostRecv<Wr<'a> = RecvWr<'a>>,
+    Q::Error: std::error::Error + Send + Sync + 'static,
+{
+    let sge = [region.sge(offset, len)?];
+    reg.post_recv(queue, &mut [RecvWr::new(u64::from(tag), &sge)])
+        .map_err(|e| BackendError::new(what(), e))
+}
+
 /// A shared receive queue.
 #[derive(Debug)]
 pub struct VerbsSrq(Srq);
@@ -164,9 +186,9 @@ impl SharedRq for VerbsSrq {
         offset: u64,
         len: u32,
     ) -> Result<(), BackendError> {
-        let sge = [region.sge(offset, len)?];
-        reg.post_recv(&self.0, &mut [RecvWr::new(u64::from(tag), &sge)])
-            .map_err(|e| BackendError::new(format!("post a receive on SRQ {}", self.0.number()), e))
+        post_one_recv(reg, &self.0, tag, region, offset, len, || {
+            format!("post a receive on SRQ {}", self.0.number())
+        })
     }
 }
 
@@ -335,9 +357,9 @@ impl Link for VerbsLink {
         offset: u64,
         len: u32,
     ) -> Result<(), BackendError> {
-        let sge = [region.sge(offset, len)?];
-        reg.post_recv(&*self.qp, &mut [RecvWr::new(u64::from(tag), &sge)])
-            .map_err(|e| BackendError::new(format!("post a receive on QP {}", self.qp.qpn()), e))
+        post_one_recv(reg, &*self.qp, tag, region, offset, len, || {
+            format!("post a receive on QP {}", self.qp.qpn())
+        })
     }
 
     fn post_send(
@@ -501,6 +523,10 @@ impl Node for VerbsNode {
 
     fn max_srq_wr(&self) -> u32 {
         self.ctx.attr().max_srq_wr
+    }
+
+    fn stop_closes_srq_users(&self) -> bool {
+        self.ctx.teardown() == cqd_verbs::Teardown::DestroyThenQuiesce
     }
 
     fn create_cq<W: Send + 'static>(
