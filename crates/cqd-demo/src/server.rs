@@ -48,10 +48,11 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use cqd_core::cq_pool::{CqPool, PoolCq};
+use cqd_core::event::QpEvent;
 use cqd_core::topology::CqPoolPlan;
 use cqd_core::{
-    CqHandle, CqJoiner, CqOptions, Failed, Handler, OpKind, Outbox, RecvDone, Registration, Route,
-    SendDone, UnboundCq,
+    AsyncEvent, CqHandle, CqJoiner, CqOptions, Failed, Handler, OpKind, Outbox, RecvDone,
+    Registration, Route, SendDone, UnboundCq,
 };
 use parking_lot::{Mutex, RwLock};
 
@@ -390,6 +391,14 @@ impl<N: Node> SrvConn<N> {
         }
     }
 
+    /// True when none of its own requests is outstanding: every reply
+    /// buffer free (its SEND, and a read's WRITE before it, completed) and
+    /// no write's RDMA READ in flight.
+    fn idle(&self) -> bool {
+        self.replies.lock().free.len() == 2 * self.depth as usize
+            && self.reading.iter().all(|r| r.lock().is_none())
+    }
+
     /// Hands `job` to the workers.
     fn hand(self: &Arc<Self>, job: Job, out: &mut Outbox<'_, ServerWork<N>>) {
         self.stats.jobs.fetch_add(1, Ordering::AcqRel);
@@ -592,23 +601,26 @@ impl<N: Node> Handler<ServerWork<N>> for SrqHandler<N> {
 }
 
 /// The handler of one server connection, on the server's poller: the
-/// completions of what its workers post.
+/// completions of what its workers post, and its QP's asynchronous events.
+/// Registered before the connection is made (its QP names it as owner),
+/// so it holds the connection through a cell set once after.
 #[derive(Debug)]
 pub struct SrvHandler<N: Node> {
-    conn: Arc<SrvConn<N>>,
+    conn: Arc<OnceLock<Arc<SrvConn<N>>>>,
 }
 
 impl<N: Node> Handler<ServerWork<N>> for SrvHandler<N> {
     fn on_recv(&mut self, d: &RecvDone<'_>, _: &mut Outbox<'_, ServerWork<N>>) {
+        let Some(c) = self.conn.get() else { return };
         // Its QP takes its receives from the SRQ, whose handler they go to.
-        self.conn.break_conn(&format!(
+        c.break_conn(&format!(
             "a receive completed on the connection's own handler (tag {})",
             d.tag()
         ));
     }
 
     fn on_send(&mut self, d: &SendDone<'_>, out: &mut Outbox<'_, ServerWork<N>>) {
-        let c = &self.conn;
+        let Some(c) = self.conn.get() else { return };
         match d.kind() {
             OpKind::Send => c.reply_done(d.tag(), out),
             OpKind::Read => {
@@ -629,7 +641,7 @@ impl<N: Node> Handler<ServerWork<N>> for SrvHandler<N> {
     }
 
     fn on_error(&mut self, f: &Failed<'_>, out: &mut Outbox<'_, ServerWork<N>>) {
-        let c = &self.conn;
+        let Some(c) = self.conn.get() else { return };
         if f.is_flush() {
             c.stats.flushed.fetch_add(1, Ordering::Relaxed);
         } else {
@@ -655,6 +667,35 @@ impl<N: Node> Handler<ServerWork<N>> for SrvHandler<N> {
                 f.kind().name(),
                 f.status()
             ));
+        }
+    }
+
+    fn on_async(&mut self, event: &AsyncEvent) {
+        let Some(c) = self.conn.get() else { return };
+        // A peer's request that broke the QP on the responder side (a
+        // guessed key) leaves no completion here: the receives are the
+        // SRQ's. The device says it by an event where it raises one: the
+        // error state (`LAST_WQE_REACHED` for a QP on an SRQ; an access
+        // or request error first on some devices).
+        let AsyncEvent::Qp { kind, .. } = event else {
+            return;
+        };
+        if c.closing.load(Ordering::Acquire) || c.released.load(Ordering::Acquire) {
+            return;
+        }
+        match kind {
+            // The error state, whatever put it there: with requests of its
+            // own outstanding, their completions name the cause (they may
+            // come after the event); with none, nothing else will.
+            QpEvent::LastWqeReached => {
+                if c.idle() {
+                    c.break_conn(
+                        "its QP went to the error state with nothing of its own outstanding \
+                         (LAST_WQE_REACHED): a peer's request broke it",
+                    );
+                }
+            }
+            other => c.break_conn(&format!("its QP raised {other:?}")),
         }
     }
 }
@@ -955,42 +996,59 @@ impl<N: Node> Server<N> {
         msgs: N::Region,
     ) -> Result<Arc<SrvConn<N>>, crate::DemoError> {
         let depth = self.spec.depth;
-        let link = self.node.create_link_on_srq(
-            cq,
-            self.spec.send_depth(),
-            &self.srq.srq,
-            Exposure::Local,
-        )?;
-        self.srq.bind(handle)?;
-        let qpn = link.qpn();
-        let mut made = None;
-        handle
-            .register_with(|reg| {
-                let conn = Arc::new(SrvConn {
-                    name: name.to_string(),
-                    link,
-                    reg: reg.clone(),
-                    handle: handle.clone(),
-                    msgs,
-                    depth,
-                    device: Arc::clone(&self.device),
-                    blocks: self.blocks(),
-                    block_size: self.spec.block_size,
-                    replies: Mutex::new(Replies {
-                        free: (0..2 * depth).rev().collect(),
-                        deferred: VecDeque::new(),
-                    }),
-                    reading: (0..depth).map(|_| Mutex::new(None)).collect(),
-                    stats: Arc::clone(&self.stats),
-                    closing: Arc::clone(&self.closing),
-                    broken: AtomicBool::new(false),
-                    released: AtomicBool::new(false),
-                });
-                made = Some(Arc::clone(&conn));
-                SrvHandler { conn }
+        // The handler first: the QP names it as its owner (its
+        // asynchronous events go there); the connection follows.
+        let cell = Arc::new(OnceLock::new());
+        let reg = handle
+            .register(SrvHandler {
+                conn: Arc::clone(&cell),
             })
             .map_err(|e| crate::DemoError::Setup(format!("{name}: register: {e}")))?;
-        let conn = made.ok_or_else(|| crate::DemoError::Setup(format!("{name}: not made")))?;
+        let made = self
+            .node
+            .create_link_on_srq(
+                cq,
+                self.spec.send_depth(),
+                &self.srq.srq,
+                Exposure::Local,
+                &reg,
+            )
+            .map_err(crate::DemoError::from)
+            .and_then(|link| {
+                self.srq.bind(handle)?;
+                Ok(link)
+            });
+        let link = match made {
+            Ok(link) => link,
+            Err(e) => {
+                // Nothing posted through it: it goes at once.
+                let _ = handle.unregister(reg.key());
+                return Err(e);
+            }
+        };
+        let qpn = link.qpn();
+        let conn = Arc::new(SrvConn {
+            name: name.to_string(),
+            link,
+            reg,
+            handle: handle.clone(),
+            msgs,
+            depth,
+            device: Arc::clone(&self.device),
+            blocks: self.blocks(),
+            block_size: self.spec.block_size,
+            replies: Mutex::new(Replies {
+                free: (0..2 * depth).rev().collect(),
+                deferred: VecDeque::new(),
+            }),
+            reading: (0..depth).map(|_| Mutex::new(None)).collect(),
+            stats: Arc::clone(&self.stats),
+            closing: Arc::clone(&self.closing),
+            broken: AtomicBool::new(false),
+            released: AtomicBool::new(false),
+        });
+        // Only this call sets it: the handler was registered empty above.
+        let _ = cell.set(Arc::clone(&conn));
         self.srq.conns.write().insert(qpn, Arc::clone(&conn));
         Ok(conn)
     }

@@ -622,7 +622,17 @@ fn a_hostile_client_gets_nothing_and_the_server_stays_up() {
     };
     let text: Vec<String> = out.try_iter().collect();
     let text = text.join("\n");
-    for c in [1u32, 2, 3, 4, 5] {
+    // Connections 1 and 2 broke on the server's side by the attacker's own
+    // requests (guessed keys), which leave no completion there: its QPs'
+    // receives are the SRQ's. The device says it by an asynchronous event
+    // (softverbs: LAST_WQE_REACHED as the QP enters the error state); rxe
+    // (6.1) raises none, and there only the attacker sees its failure.
+    let named: &[u32] = if std::env::var_os("CQD_RXE").is_some() {
+        &[3, 4, 5]
+    } else {
+        &[1, 2, 3, 4, 5]
+    };
+    for &c in named {
         assert!(
             text.lines()
                 .any(|l| l.contains("broke") && l.contains(&format!("/c{c}"))),

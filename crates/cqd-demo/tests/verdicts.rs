@@ -176,11 +176,12 @@ impl Node for Faulty {
         send_depth: u32,
         srq: &FSrq,
         exposure: Exposure,
+        owner: &Registration,
     ) -> Result<FaultyLink, BackendError> {
         Ok(FaultyLink {
             inner: self
                 .inner
-                .create_link_on_srq(cq, send_depth, &srq.0, exposure)?,
+                .create_link_on_srq(cq, send_depth, &srq.0, exposure, owner)?,
             fault: self.fault,
             writes: AtomicU64::new(0),
         })

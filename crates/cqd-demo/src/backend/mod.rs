@@ -381,7 +381,11 @@ pub trait Node: Send + Sync + Debug + 'static {
     fn create_srq(&self, depth: u32) -> Result<Self::Srq, BackendError>;
     /// An RC QP whose send completions and whose receives' completions go
     /// to `cq`, its receives taken from `srq` (no receive queue of its
-    /// own); exposure as [`create_link`](Node::create_link).
+    /// own); exposure as [`create_link`](Node::create_link). Its
+    /// asynchronous events (the error state it enters when a peer's
+    /// request breaks it, which no completion of its own shows: its
+    /// receives are the SRQ's) go to `owner`'s `on_async` where the
+    /// backend has them (verbs).
     ///
     /// # Errors
     /// The device refused (admission on the CQ, an SRQ of another CQ).
@@ -391,5 +395,6 @@ pub trait Node: Send + Sync + Debug + 'static {
         send_depth: u32,
         srq: &Self::Srq,
         exposure: Exposure,
+        owner: &Registration,
     ) -> Result<Self::Link, BackendError>;
 }

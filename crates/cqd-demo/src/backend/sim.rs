@@ -345,6 +345,7 @@ impl Node for SimNode {
         send_depth: u32,
         srq: &SimSrq,
         exposure: Exposure,
+        _owner: &Registration,
     ) -> Result<SimLink, BackendError> {
         let cap = QpCap {
             max_send_wr: send_depth,

@@ -580,18 +580,19 @@ impl Node for VerbsNode {
         send_depth: u32,
         srq: &VerbsSrq,
         exposure: Exposure,
+        owner: &Registration,
     ) -> Result<VerbsLink, BackendError> {
         let cap = qp_cap(Depths {
             send: send_depth,
             recv: 0,
         });
-        self.link(QpInit::new(cq, cq, cap).with_srq(&srq.0), exposure)
-            .map_err(|e| {
-                BackendError::new(
-                    format!("create a QP on SRQ {} on {}", srq.0.number(), self.name),
-                    e,
-                )
-            })
+        let init = QpInit::new(cq, cq, cap).with_srq(&srq.0).owned_by(owner);
+        self.link(init, exposure).map_err(|e| {
+            BackendError::new(
+                format!("create a QP on SRQ {} on {}", srq.0.number(), self.name),
+                e,
+            )
+        })
     }
 }
 

@@ -108,7 +108,7 @@
 //!     connection request is passed on (rdmacm); while one holds the
 //!     claim, the others that reach that point wait, within their
 //!     deadlines. A handshake that fails holding the claim gives back
-//!     every QP it made (`ServerSide::release`), then the claim; one that
+//!     every QP it made (`ServerSide::close`), then the claim; one that
 //!     connects its last QP establishes the session.
 //! A4. Once a session is established the server stops listening (a second
 //!     load is turned away at once) and ends every other pending handshake

@@ -199,13 +199,17 @@ pub fn raise(ctx: &CtxHeader, events: &AtomicU32, gone: &AtomicU32, element: u64
 
 /// Raise `IBV_EVENT_QP_LAST_WQE_REACHED` for the QP `qp` of context `ctx`
 /// if it is due (model::event): the QP is on an SRQ, in ERR, nobody may
-/// still add a receive completion of it (its insiders, shm::insiders), and
-/// the event was not raised yet in this stay in ERR (step 3 of "Last WQE
-/// reached" above).
+/// still add a receive completion of it (its insiders, shm::insiders: none
+/// left, or only processes proven dead, which add nothing more, as the
+/// purge's P3 takes them), and the event was not raised yet in this stay
+/// in ERR (step 3 of "Last WQE reached" above). A requester killed inside
+/// a request to the QP never leaves: without the second rule the owner's
+/// move to ERR after it would raise nothing, where a NIC raises the event
+/// however its peer died.
 pub fn last_wqe(ctx: &CtxHeader, qp: &QpHeader) {
     if qp.srq == 0
         || QpState::from_u32(qp.state.load(Ordering::SeqCst)) != Some(QpState::Err)
-        || !qp.insiders.none()
+        || !(qp.insiders.none() || qp.insiders.only_dead())
     {
         return;
     }
