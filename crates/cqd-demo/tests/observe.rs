@@ -77,7 +77,7 @@ fn prometheus_endpoint_serves_cqd_and_demo_metrics_during_the_run() {
     let mut last = String::new();
     let body = loop {
         if let Some(body) = scrape(port) {
-            if value(&body, r#"cqd_cq_completions_total{cq="srv0"}"#).is_some_and(|v| v > 0.0)
+            if value(&body, r#"cqd_cq_completions_total{cq="srv0-0"}"#).is_some_and(|v| v > 0.0)
                 && value(&body, r#"cqd_demo_ops_total{op="read"}"#).is_some_and(|v| v > 0.0)
             {
                 break body;
@@ -86,7 +86,7 @@ fn prometheus_endpoint_serves_cqd_and_demo_metrics_during_the_run() {
         }
         assert!(
             Instant::now() < deadline,
-            "no positive cqd_cq_completions_total{{cq=\"srv0\"}} and cqd_demo_ops_total \
+            "no positive cqd_cq_completions_total{{cq=\"srv0-0\"}} and cqd_demo_ops_total \
              within 60 s; last body:\n{last}"
         );
         std::thread::sleep(Duration::from_millis(100));
