@@ -47,7 +47,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use cqd_core::cq_pool::{CqPool, PoolCq};
+use cqd_core::cq_pool::CqPool;
 use cqd_core::event::QpEvent;
 use cqd_core::topology::CqPoolPlan;
 use cqd_core::{
@@ -850,14 +850,14 @@ impl<N: Node> Parts<N> {
     fn server(
         self,
         cqs: Cqs<N>,
-        handles: Vec<CqHandle<ServerWork<N>>>,
+        handles: Arc<Mutex<Vec<CqHandle<ServerWork<N>>>>>,
         spec: ServerSpec,
     ) -> Server<N> {
         Server {
             name: self.node.name().to_string(),
             node: self.node,
             cqs,
-            handles: Arc::new(Mutex::new(handles)),
+            handles,
             srq: self.srq,
             device: self.device,
             spec,
@@ -904,9 +904,7 @@ impl<N: Node> Server<N> {
             Ok(m)
         })
         .map_err(|e| crate::DemoError::Topology(e.to_string()))?;
-        let mut server = parts.server(Cqs::Pool(pool), Vec::new(), spec);
-        server.handles = handles;
-        Ok(server)
+        Ok(parts.server(Cqs::Pool(pool), handles, spec))
     }
 
     /// A server on `node` with its CQ `cq_name` made now, sized for every
@@ -924,7 +922,7 @@ impl<N: Node> Server<N> {
         let parts = Parts::new(node, cq_name, spec)?;
         let (cq, unbound, handle) = parts.node.create_cq(cq_name, parts.all, options)?;
         parts.srq.bind(&handle)?;
-        let handles = vec![handle.clone()];
+        let handles = Arc::new(Mutex::new(vec![handle.clone()]));
         let cqs = Cqs::Fixed(Box::new(FixedCq {
             cq,
             handle,
@@ -1166,20 +1164,6 @@ impl<N: Node> Server<N> {
     /// The CQs its connections are on so far (for the metrics exporter).
     pub fn cq_handles(&self) -> Vec<CqHandle<ServerWork<N>>> {
         self.handles.lock().clone()
-    }
-
-    /// The CQ pool's CQs, their capacity and what is reserved on each
-    /// (empty for a fixed CQ).
-    pub fn cq_pool(&self) -> Vec<PoolCq> {
-        match &self.cqs {
-            Cqs::Pool(p) => p.snapshot(),
-            Cqs::Fixed(_) => Vec::new(),
-        }
-    }
-
-    /// The SRQ's receives.
-    pub fn srq_depth(&self) -> u32 {
-        self.srq.depth
     }
 
     /// The SRQ handler's registration, once its CQ is made (for the

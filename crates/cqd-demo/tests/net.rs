@@ -181,8 +181,8 @@ fn connections_come_and_go_between_a_load_and_two_server_processes() {
     let text = r.text();
     assert!(r.passed(), "{text}");
     let churn = r.churn.as_ref().expect("a churn line");
-    // How many fit in the run depends on the machine; that some ran, and
-    // none failed, is the point.
+    // How many cycles fit in the run depends on the machine's load; the
+    // first is due 1/200 s into the run, so at least one runs.
     assert!(churn.cycles >= 1 && churn.failed == 0, "{text}");
     assert_eq!(r.load.dead_connections, 0, "{text}");
     let mut closed = 0;

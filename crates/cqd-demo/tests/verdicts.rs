@@ -393,8 +393,8 @@ fn connections_that_come_and_go_keep_both_verdicts_in_every_mode() {
         let text = r.text();
         assert!(r.passed(), "{mode}: {text}");
         let churn = r.churn.as_ref().expect("a churn line");
-        // How many cycles fit in the run depends on the machine (12 of the
-        // 150 asked beside two busy loops): that some ran is the point.
+        // How many cycles fit in the run depends on the machine's load;
+        // the first is due 1/300 s into the run, so at least one runs.
         assert!(churn.cycles >= 1, "{mode}: {text}");
         assert_eq!(churn.failed, 0, "{mode}: {text}");
         assert_eq!(r.servers[0].closed, churn.cycles, "{mode}: {text}");
